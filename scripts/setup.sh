@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything the project, its tests and its CPU main job need on a fresh Debian machine
-# with no GPU: Debian's lld (FlyDSL links gfx950 code objects with ld.lld), the CPU build of torch,
+# with no GPU: Debian's lld-19 (FlyDSL 0.5 emits code object v6, which ld.lld 14 rejects with
+# "unknown abi version"; kernels_fused.flydsl_toolchain picks an ld.lld >= 18), the CPU build of torch,
 # and the package with its test extras (flydsl, triton for the interpreter, mpi4py + mpich).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,10 +10,10 @@ PY=${PYTHON:-python3}
 SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO="sudo"
 
-if ! command -v ld.lld >/dev/null 2>&1; then
-    echo "[setup] installing lld (Debian)"
+if ! command -v ld.lld-19 >/dev/null 2>&1; then
+    echo "[setup] installing lld-19 (Debian)"
     $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq lld >/dev/null
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq lld-19 >/dev/null
 fi
 
 # Install torch before the package so its unpinned `torch` requirement is already met: a bare

@@ -1,0 +1,551 @@
+"""``compile_fused_gemm_scatter``: the 8-wave a8w8 bpreshuffle fp8 GEMM for gfx950, in FlyDSL.
+
+How the kernel works:
+
+1. A workgroup of 512 threads (8 waves) computes one ``BLOCK_M x BLOCK_N`` output tile. Wave ``w``
+   owns rows ``wave_m = w // 4`` and columns ``wave_n = w % 4`` of each quarter (c00, c01, c10, c11)
+   of the tile; the quarters are the products of the A half-tiles (A0, A1) and B half-tiles (B0, B1).
+2. Each half-tile has two LDS slots (double buffer): eight LDS half-tiles of 128 K bytes. All eight
+   waves fill every half-tile with LDS-DMA loads (``buffer_load_dwordx4 ... lds``), ``A`` or ``B``
+   instructions per wave (``A = BLOCK_M / 128``, ``B = BLOCK_N / 128``).
+3. The pipeline is not written here: it is EMITTED by walking the program of
+   :mod:`kernels_fused.schedule` (prologue, main-loop phases S0..S3, the peeled steps K-2 and K-1),
+   event by event: a load event issues one half-tile's DMA, a read event loads that half-tile's
+   MFMA fragments, an mfma event runs one quarter, and the waits/barriers are inline asm
+   (``s_waitcnt vmcnt(n); s_barrier`` etc.) so LLVM cannot move LDS reads across them. The lag
+   barrier (``if wave_m == 1: s_barrier``) puts waves 4-7 one barrier behind waves 0-3.
+4. Quant: ``ptpc`` applies the fp32 row scales of A and B in the epilogue. ``blockscale`` runs
+   each MFMA from zero and folds it at once into its accumulator with that K tile's A (1x128) and
+   B (128x128) scales, ``acc += part * sa * sb`` (four temporaries, no second accumulator set).
+   ``mxfp8`` feeds the e8m0 scales to ``v_mfma_scale_f32_16x16x128_f8f6f4`` as operands (one per
+   lane = row x 32-wide K group). Scale loads follow the schedule's per-half ``ScaleLoad`` events.
+5. Epilogue: bf16 C stores. With ``fuse=True`` the tile goes to the op's window region
+   ``partial[dest, row, col]`` (``cco.layout``), then ``s_waitcnt vmcnt(0); s_barrier`` and one
+   thread adds 1 to ``counters[dest, chunk]`` with acq_rel ordering at system scope. Counters are
+   monotonic and never reset (graph replay safe: targets grow by a known amount per call,
+   ``cco.layout.plan_call``); the transport watches them and moves a chunk when it is complete.
+   Tiles are walked in ``cco.layout.tile_table`` order, (chunk, dest, m, n) with dest rotated by
+   rank, read from an int32 table tensor indexed by the workgroup id.
+
+Constraints: K >= 256 and K % 128 == 0 (fixed at compile time); N % BLOCK_N == 0 (the per-rank
+slice for fuse=True); rows past M read zeros and their stores are dropped by the buffer bounds.
+Tiles: 256x256, 128x256, 256x128.
+
+Unfused equivalent: ``reference_gemm(A, unshuffle_b(B), A_scale, B_scale, quant)`` (``cco.quant``),
+written to ``C`` (fuse=False) or to ``partial[dest]`` column slices (fuse=True).
+
+The launcher runs only on a gfx950 device and raises elsewhere: a FlyDSL launch without the device
+aborts the process. :func:`compile_to_isa` compiles any variant on any machine (nothing launched).
+"""
+
+# (no `from __future__ import annotations`: flyc reads the launcher annotations as types)
+
+import contextlib
+import io
+from dataclasses import dataclass
+
+from . import gfx950_layout as L
+
+QUANTS = ("ptpc", "blockscale", "mxfp8")
+TILES = ((256, 256), (128, 256), (256, 128))
+BLOCK_K = L.BLOCK_K
+K_MIN = 256
+WORKGROUP = 512
+WAVES_PER_EU = 2  # 8 waves per workgroup, one workgroup per CU: 256 VGPRs per lane
+
+
+@dataclass(frozen=True, kw_only=True)
+class KernelConfig:
+    """The compile-time parameters of one kernel variant. Build with :func:`kernel_config`."""
+
+    K: int
+    BLOCK_M: int
+    BLOCK_N: int
+    quant: str
+    fuse: bool
+    variant: str  # a kernels_fused.schedule.VARIANTS name
+    loop_count: str | int | None  # None: the variant's main-loop count
+    mfma_barriers: bool  # each MFMA call ends in a barrier (8 per K step) or not (4)
+
+    @property
+    def k_tiles(self) -> int:
+        return self.K // BLOCK_K
+
+    @property
+    def steps_a(self) -> int:  # A = N_LDS_STEPS_A: DMA instructions per wave per A half-tile
+        return (self.BLOCK_M // 2) // 64
+
+    @property
+    def steps_b(self) -> int:  # B = N_LDS_STEPS_B
+        return (self.BLOCK_N // 2) // 64
+
+    @property
+    def lds_bytes(self) -> int:  # eight half-tiles of 128 K bytes
+        return 2 * (self.BLOCK_M + self.BLOCK_N) * BLOCK_K
+
+    @property
+    def name(self) -> str:
+        mode = "fused" if self.fuse else "gemm"
+        count = "" if self.loop_count is None else f"_count{self.loop_count}"
+        return f"{self.quant}_{self.BLOCK_M}x{self.BLOCK_N}_k{self.K}_{mode}_{self.variant}{count}"
+
+    def schedule(self):
+        """The schedule the kernel is emitted from (and the ISA is checked against)."""
+        from . import schedule as sched
+
+        return sched.build_schedule(block_m=self.BLOCK_M, block_n=self.BLOCK_N, k=self.K, quant=self.quant,
+                                    variant=self.variant, loop_count=self.loop_count,
+                                    mfma_barriers=self.mfma_barriers)
+
+
+def kernel_config(*, K: int, BLOCK_M: int = 256, BLOCK_N: int = 256, quant: str = "ptpc", fuse: bool = True,
+                  variant: str = "shipped", loop_count: str | int | None = None, mfma_barriers: bool = True,
+                  fn: str = "compile_fused_gemm_scatter") -> KernelConfig:
+    """Validate and freeze a variant. Raises ValueError naming the argument and the fix."""
+    from . import schedule as sched
+
+    if quant not in QUANTS:
+        raise ValueError(f"{fn}: quant={quant!r} is not supported; pass one of {', '.join(QUANTS)}")
+    if (BLOCK_M, BLOCK_N) not in TILES:
+        allowed = ", ".join(f"{m}x{n}" for m, n in TILES)
+        raise ValueError(f"{fn}: BLOCK_M x BLOCK_N = {BLOCK_M}x{BLOCK_N} is not supported; pass one of {allowed}")
+    if not isinstance(K, int) or isinstance(K, bool) or K < K_MIN or K % BLOCK_K:
+        raise ValueError(f"{fn}: K={K!r} is not supported; K must be >= {K_MIN} and a multiple of {BLOCK_K} "
+                         f"(pad the reduction dimension with zeros)")
+    if variant not in sched.VARIANTS:
+        raise ValueError(f"{fn}: variant={variant!r} is unknown; pass one of {', '.join(sched.VARIANTS)}")
+    if loop_count is not None and sched.VARIANTS[variant].loop_count == loop_count:
+        loop_count = None  # the variant's own count: one name per kernel
+    cfg = KernelConfig(K=K, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, quant=quant, fuse=bool(fuse), variant=variant,
+                       loop_count=loop_count, mfma_barriers=bool(mfma_barriers))
+    cfg.schedule()  # the schedule's own validation (loop_count) raises here, at the boundary
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------------
+# emitting the schedule
+# --------------------------------------------------------------------------------------------------
+QUARTER_HALVES = {"c00": ("a0", "b0"), "c01": ("a0", "b1"), "c10": ("a1", "b0"), "c11": ("a1", "b1")}
+
+
+def split_by_group(events) -> tuple[list, list[int]]:
+    """Cut the program at the events only one wave group runs (the lag and close barriers).
+
+    Those become ``if wave_m == g: s_barrier`` in the kernel body (the one place with a branch);
+    returns the segments between them and each cut's group.
+    """
+    segments, groups, current = [], [], []
+    for ev in events:
+        if ev.group is None:
+            current.append(ev)
+            continue
+        assert type(ev).__name__ == "Barrier", f"only barriers may be group-specific, got {ev.text()}"
+        segments.append(current)
+        groups.append(ev.group)
+        current = []
+    segments.append(current)
+    return segments, groups
+
+
+class PipelineEmitter:
+    """Walks schedule events inside the kernel trace; one method per event class.
+
+    Holds the trace-time state: which K tile each register fragment holds (so an MFMA can assert
+    that its A and B operands come from the same K tile), the scales loaded per operand and K
+    tile, and the four accumulator sets.
+    """
+
+    def __init__(self, *, cfg, parts, lds, dma, readers, mfma, scales, store):
+        self.cfg, self.P = cfg, parts
+        self.lds, self.dma, self.readers, self.mfma = lds, dma, readers, mfma
+        self.scales, self.store = scales, store
+        self.frags = {}  # fragment name -> (ktile, registers)
+        self.scale_regs = {}  # ("a0" | "a1" | "b0" | "b1", ktile) -> scale registers
+        zero = parts.zero_acc()
+        self.zero_set = [zero] * (mfma.n_a * mfma.n_b)
+        self.acc = {q: list(self.zero_set) for q in QUARTER_HALVES}
+        self.in_mfma_call = False
+
+    def run(self, events) -> None:
+        for ev in events:
+            getattr(self, "_" + type(ev).__name__)(ev)
+
+    # -- memory
+    def _LoadTile(self, ev):
+        dma = self.dma[ev.half.lower()]
+        assert dma.steps == ev.n_vm, f"{ev.text()}: the loader issues {dma.steps} VM instructions"
+        dma.load(self.lds[ev.half.lower()][ev.buf], ev.ktile)
+
+    def _LdsRead(self, ev):
+        reader = self.readers[ev.half[0].lower()]
+        self.frags[ev.frag] = (ev.ktile, reader.load(self.lds[ev.half.lower()][ev.buf]))
+
+    def _ScaleLoad(self, ev):
+        assert ev.half, f"{ev.text()}: the emitter loads the scales of one named half-tile"
+        tile = ev.half.lower()
+        self.scale_regs[(tile, ev.ktile)] = self.scales.for_tile(tile, ev.ktile)
+
+    def _WaitVm(self, ev):
+        assert not ev.emitted, "an emitted WaitVm has no emitter yet"  # compiler-inserted: nothing to write
+
+    def _StoreC(self, ev):
+        a_half, b_half = f"a{ev.row_half}", f"b{ev.col_half}"
+        assert QUARTER_HALVES[ev.acc] == (a_half, b_half)
+        self.store(ev.acc, self.acc[ev.acc], a_half, b_half)
+
+    # -- waits and barriers (inline asm: LLVM keeps LDS reads on their side)
+    def _WaitBarrier(self, ev):
+        self.P.wait_barrier(ev.vmcnt)
+
+    def _ReadDoneBarrier(self, ev):
+        self.P.read_done_barrier()
+
+    def _Barrier(self, ev):
+        if ev.kind == "mfma":
+            self.P.set_priority(0)
+            self.in_mfma_call = False
+        self.P.bare_barrier()
+
+    # -- math
+    def _Mfma(self, ev):
+        (ka, a), (kb, b) = self.frags[ev.a], self.frags[ev.b]
+        assert ka == kb == ev.ktile, f"{ev.text()}: fragments hold K tiles {ka} (A) and {kb} (B)"
+        if self.cfg.mfma_barriers and not self.in_mfma_call:
+            self.P.set_priority(1)  # MFMA bursts first while the other group reads LDS
+            self.in_mfma_call = True
+        # MFMAs are pure: nothing orders them against a barrier. With mfma_barriers=False instruction
+        # selection moved them into neighbouring phases, which undoes the ping-pong between the wave
+        # groups; pinning the accumulators before and after keeps each MFMA in its phase. With the
+        # MFMA-call barriers they stay in place unpinned (the ISA check verifies it), and pins there
+        # cost spills (ptpc 256x256 fused: 5-11 VGPRs), so they are left out.
+        acc = self.acc[ev.acc]
+        if not self.cfg.mfma_barriers:
+            acc = [self.P.pin(v) for v in acc]
+        a_half, b_half = QUARTER_HALVES[ev.acc]
+        if self.cfg.quant == "mxfp8":
+            sa, sb = self.scale_regs[(a_half, ev.ktile)], self.scale_regs[(b_half, ev.ktile)]
+            self.acc[ev.acc] = self.mfma.run(a, b, acc, a_scales=sa, b_scales=sb)
+        elif self.cfg.quant == "blockscale":
+            sa, sb = self.scale_regs[(a_half, ev.ktile)], self.scale_regs[(b_half, ev.ktile)]
+            self.acc[ev.acc] = self.mfma.run_folded(a, b, acc, lambda c, p, i, j: self.scales.fold(c, p, sa[i], sb))
+        else:
+            self.acc[ev.acc] = self.mfma.run(a, b, acc)
+        if not self.cfg.mfma_barriers:
+            self.acc[ev.acc] = [self.P.pin(v) for v in self.acc[ev.acc]]
+
+
+# --------------------------------------------------------------------------------------------------
+# the kernel
+# --------------------------------------------------------------------------------------------------
+def _tile_origin(cfg, P, fx, *, tiles, c_n, c_ld):
+    """(row0, b_row0, c_col0, counter) of this workgroup's output tile.
+
+    fuse=False: row-major over the [M, N] grid of tiles. fuse=True: row ``block_idx`` of the
+    ``cco.layout.tile_table_rows`` table, [chunk, dest, row0, col0], col0 within dest's slice.
+    """
+    if not cfg.fuse:
+        n_blocks = c_n // cfg.BLOCK_N
+        row0 = (fx.block_idx.x // n_blocks) * cfg.BLOCK_M
+        col0 = (fx.block_idx.x % n_blocks) * cfg.BLOCK_N
+        return row0, col0, col0, None
+    from cco import layout as cco_layout
+
+    entry = P.ScalarReader(tiles, dtype=fx.Int32, bits=32).four(fx.block_idx.x * 4)
+    chunk, dest, row0, col0 = entry[0], entry[1], entry[2], entry[3]
+    # B rows are global output columns: dest's slice starts at dest * n_slice (= c_ld)
+    return row0, dest * c_ld + col0, col0, (dest, chunk, cco_layout.MAX_CHUNKS)
+
+
+def _stages(cfg, P, fx, *, A, B, C, A_scale, B_scale, tiles, c_m, c_n, c_ld, c_rows):
+    """Every stage of the kernel, wired to the emitter. Runs at trace time inside the kernel."""
+    HALF_M, HALF_N = cfg.BLOCK_M // 2, cfg.BLOCK_N // 2
+    N_TILES_A, N_TILES_B = cfg.BLOCK_M // 64, cfg.BLOCK_N // 128  # 16-row MFMA tiles per wave per half
+    tid = fx.thread_idx.x
+    lane, wave_id = tid % 64, tid // 64
+    wave_m, wave_n = wave_id // 4, wave_id % 4
+    row0, b_row0, c_col0, counter = _tile_origin(cfg, P, fx, tiles=tiles, c_n=c_n, c_ld=c_ld)
+
+    smem = fx.SharedAllocator().allocate(_shared_storage(cfg, fx)).peek()
+    lds = {"a0": (smem.a0_0, smem.a0_1), "a1": (smem.a1_0, smem.a1_1),
+           "b0": (smem.b0_0, smem.b0_1), "b1": (smem.b1_0, smem.b1_1)}
+    gA, gB = P.fp8_buffer(A), P.fp8_buffer(B)
+    dma = {}
+    for h in (0, 1):
+        dma[f"a{h}"] = P.HalfTileDMA(src=gA, k_tile_bytes=BLOCK_K, wave_id=wave_id, lane_offsets=L.a_dma_offsets(
+            lane=lane, wave=wave_id, row0=row0 + h * HALF_M, K=cfg.K, steps=cfg.steps_a))
+        dma[f"b{h}"] = P.HalfTileDMA(src=gB, k_tile_bytes=L.B_GROUP_BYTES, wave_id=wave_id,
+                                     lane_offsets=L.b_dma_offsets(lane=lane, wave=wave_id,
+                                                                   group0=(b_row0 + h * HALF_N) // 16, K=cfg.K,
+                                                                   steps=cfg.steps_b))
+    readers = {"a": P.AReader(lane=lane, first_row=wave_m * (N_TILES_A * 16), n_tiles=N_TILES_A),
+               "b": P.BReader(lane=lane, first_group=wave_n * N_TILES_B, n_tiles=N_TILES_B)}
+    # first row of each of this wave's 16-row MFMA tiles, per half (A: output rows; B: output columns)
+    a_rows = {f"a{h}": [row0 + h * HALF_M + wave_m * (N_TILES_A * 16) + 16 * i for i in range(N_TILES_A)]
+              for h in (0, 1)}
+    b_rows = {f"b{h}": [b_row0 + h * HALF_N + wave_n * (N_TILES_B * 16) + 16 * j for j in range(N_TILES_B)]
+              for h in (0, 1)}
+    if cfg.quant == "blockscale":
+        scales = P.BlockScales(A_scale=A_scale, B_scale=B_scale, lane=lane, a_rows=a_rows,
+                               b_rows={f"b{h}": b_row0 + h * HALF_N for h in (0, 1)}, m=c_m, k_tiles=cfg.k_tiles)
+    elif cfg.quant == "mxfp8":
+        scales = P.MxScales(A_scale=A_scale, B_scale=B_scale, lane=lane, a_rows=a_rows, b_rows=b_rows, K=cfg.K)
+    else:
+        scales = P.NoMainLoopScales()
+
+    out = P.Bf16Store(C, lane=lane, ldc=c_ld)
+    # fuse=True: C is the window's partial region [world, c_rows, n_slice]; partial[dest] starts
+    # dest * c_rows rows in. fuse=False: C is [M, N].
+    c_row_base = counter[0] * c_rows if cfg.fuse else 0
+    if cfg.quant == "ptpc":
+        sa_reader = P.ScalarReader(A_scale, dtype=fx.Float32, bits=32)
+        sb_reader = P.ScalarReader(B_scale, dtype=fx.Float32, bits=32)
+
+    def store(acc_name, acc, a_half, b_half):
+        for i in range(N_TILES_A):
+            row = a_rows[a_half][i]
+            if cfg.quant == "ptpc":
+                sa = sa_reader.four(row + (lane // 16) * 4)  # rows of this lane's 4 accumulator values
+            for j in range(N_TILES_B):
+                vals = fx.Vector(acc[i * N_TILES_B + j])
+                if cfg.quant == "ptpc":
+                    vals = vals * (sa * sb_reader.one(b_rows[b_half][j] + lane % 16))
+                col = c_col0 + int(b_half[1]) * HALF_N + wave_n * (N_TILES_B * 16) + 16 * j
+                out.tile(vals, c_row_base + row, col)
+
+    emitter = PipelineEmitter(cfg=cfg, parts=P, lds=lds, dma=dma, readers=readers, mfma=P.Mfma(n_a=N_TILES_A, n_b=N_TILES_B),
+                              scales=scales, store=store)
+    counter_index = None if counter is None else counter[0] * counter[2] + counter[1]
+    return emitter, wave_m, tid, counter_index
+
+
+def _shared_storage(cfg, fx):
+    half_a, half_b = cfg.BLOCK_M // 2 * BLOCK_K, cfg.BLOCK_N // 2 * BLOCK_K
+
+    @fx.struct
+    class SharedStorage:  # two LDS slots per half-tile; slot = K tile % 2
+        a0_0: fx.Array[fx.Float8E4M3FN, half_a, 16]
+        a0_1: fx.Array[fx.Float8E4M3FN, half_a, 16]
+        a1_0: fx.Array[fx.Float8E4M3FN, half_a, 16]
+        a1_1: fx.Array[fx.Float8E4M3FN, half_a, 16]
+        b0_0: fx.Array[fx.Float8E4M3FN, half_b, 16]
+        b0_1: fx.Array[fx.Float8E4M3FN, half_b, 16]
+        b1_0: fx.Array[fx.Float8E4M3FN, half_b, 16]
+        b1_1: fx.Array[fx.Float8E4M3FN, half_b, 16]
+
+    return SharedStorage
+
+
+def build_kernel(cfg: KernelConfig):
+    """The ``flyc.jit`` launcher of ``cfg``; see :func:`compile_fused_gemm_scatter` for its arguments."""
+    import flydsl.compiler as flyc
+    import flydsl.expr as fx
+    from flydsl.expr import const_expr
+
+    from . import gfx950_parts as P
+
+    segments, groups = split_by_group([ev for _, ev in cfg.schedule().program()])
+    assert groups[0] == 1 and len(segments) in (2, 3), f"unexpected group barriers {groups}"
+    has_close = len(groups) == 2
+    close_group = groups[1] if has_close else 0
+    fuse = cfg.fuse
+
+    @flyc.kernel(known_block_size=[WORKGROUP, 1, 1])
+    def fused_gemm_scatter(
+        A: fx.Tensor, B: fx.Tensor, C: fx.Tensor, A_scale: fx.Tensor, B_scale: fx.Tensor,
+        tiles: fx.Tensor, counters: fx.Tensor, c_m: fx.Int32, c_n: fx.Int32, c_ld: fx.Int32,
+        c_rows: fx.Int32,
+    ):
+        emitter, wave_m, tid, counter_index = _stages(
+            cfg, P, fx, A=A, B=B, C=C, A_scale=A_scale, B_scale=B_scale, tiles=tiles, c_m=c_m, c_n=c_n,
+            c_ld=c_ld, c_rows=c_rows)
+        emitter.run(segments[0])  # prologue loads
+        if wave_m == 1:
+            P.bare_barrier()  # lag: waves 4-7 run one barrier behind waves 0-3
+        emitter.run(segments[1])  # main loop, peeled tail (and, without a close barrier, stores)
+        if const_expr(has_close):
+            if wave_m == close_group:
+                P.bare_barrier()  # close: re-balance the barrier counts before the epilogue
+            emitter.run(segments[2])  # C stores
+        if const_expr(fuse):
+            P.wait_barrier(0)  # every wave's C stores have completed ...
+            if tid == 0:
+                P.bump_counter(counters, counter_index)  # ... before one thread publishes the tile
+
+    @flyc.jit
+    def launch(
+        A: fx.Tensor, B: fx.Tensor, C: fx.Tensor, A_scale: fx.Tensor, B_scale: fx.Tensor,
+        tiles: fx.Tensor, counters: fx.Tensor, c_m: fx.Int32, c_n: fx.Int32, c_ld: fx.Int32,
+        c_rows: fx.Int32, n_tiles: fx.Int32, stream: fx.Stream,
+    ):
+        if const_expr(fuse):
+            grid_x = n_tiles
+        else:
+            grid_x = ((c_m + (cfg.BLOCK_M - 1)) // cfg.BLOCK_M) * (c_n // cfg.BLOCK_N)
+        fused_gemm_scatter(
+            A, B, C, A_scale, B_scale, tiles, counters, c_m, c_n, c_ld, c_rows,
+            value_attrs={"rocdl.waves_per_eu": WAVES_PER_EU, "rocdl.flat_work_group_size": f"{WORKGROUP},{WORKGROUP}"},
+        ).launch(grid=(grid_x, 1, 1), block=(WORKGROUP, 1, 1), stream=stream)
+
+    return launch
+
+
+# --------------------------------------------------------------------------------------------------
+# compile to gfx950 ISA on any machine (no device needed, nothing is launched)
+# --------------------------------------------------------------------------------------------------
+def placeholder_args(cfg: KernelConfig, *, world: int = 2):
+    """CPU tensors with the kernel's dtypes: flyc.compile reads types, never values or devices."""
+    import torch
+
+    m, n = 2 * cfg.BLOCK_M, 2 * cfg.BLOCK_N * world
+    k = cfg.K
+    A = torch.empty(m, k, dtype=torch.uint8)
+    B = torch.empty(n, k, dtype=torch.uint8)
+    if cfg.quant == "ptpc":
+        sa, sb = torch.empty(m), torch.empty(n)
+    elif cfg.quant == "blockscale":
+        sa, sb = torch.empty(m * (k // BLOCK_K)), torch.empty((n // 128) * (k // BLOCK_K))
+    else:
+        sa, sb = torch.empty(m * (k // 32), dtype=torch.uint8), torch.empty(n * (k // 32), dtype=torch.uint8)
+    C = torch.empty(world * m * (n // world) if cfg.fuse else m * n, dtype=torch.bfloat16)
+    tiles = torch.zeros(64, 4, dtype=torch.int32)
+    counters = torch.zeros(world * 8, dtype=torch.int64)
+    c_ld = n // world if cfg.fuse else n
+    return (A, B, C, sa, sb, tiles, counters, m, n, c_ld, m, 1, None)
+
+
+def compile_to_isa(cfg: KernelConfig, *, dump_dir) -> str:
+    """Compile ``cfg`` for gfx950 without a device and return the final ISA text."""
+    import flydsl.compiler as flyc
+
+    from .flydsl_toolchain import compile_env, find_isa
+
+    with compile_env(dump_dir) as d, contextlib.redirect_stdout(io.StringIO()):  # flydsl prints dump paths
+        flyc.compile(build_kernel(cfg), *placeholder_args(cfg))
+    return find_isa(d).read_text()
+
+
+# --------------------------------------------------------------------------------------------------
+# the public factory
+# --------------------------------------------------------------------------------------------------
+def gfx950_device_reason() -> str | None:
+    """None when this process sees a gfx950 GPU; otherwise why not. Launches nothing."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if getattr(torch.version, "hip", None) is None:
+        return f"torch {torch.__version__} is not a ROCm build"
+    if not torch.cuda.is_available():
+        return "no ROCm device is visible"
+    arch = torch.cuda.get_device_properties(0).gcnArchName.split(":")[0]
+    if arch != "gfx950":
+        return f"device 0 is {arch}, not gfx950 (MI350/MI355X)"
+    return None
+
+
+class GemmScatterLauncher:
+    """A compiled variant and the host-side checks around it. Build with :func:`compile_fused_gemm_scatter`.
+
+    ``launch(A, B_pre, C_or_window, A_scale, B_scale, m, n, counters=None, stream=None)``:
+
+    * A: e4m3fn [m, K]; B_pre: e4m3fn [n, K] in the bpreshuffle layout (``cco.preshuffle``);
+      A_scale / B_scale in the ``cco.quant`` layouts of ``quant``;
+    * fuse=False: C_or_window is bf16 [m, n], written; counters is ignored;
+    * fuse=True: C_or_window is the window's ``partial`` region, bf16 [world, m_max_padded, n / world]
+      (``partial[dest]`` gets this rank's columns of dest's slice), counters the window's int64
+      ``[world, MAX_CHUNKS]`` counters: each tile adds 1 to ``counters[dest, chunk]`` after its
+      stores (``cco.layout.plan_call`` gives the cumulative targets; nothing is ever reset).
+    * stream: a torch stream (default: the current one).
+    """
+
+    def __init__(self, *, cfg: KernelConfig, rank: int, world: int, chunks: int | None):
+        self.cfg, self.rank, self.world, self.chunks = cfg, rank, world, chunks
+        self._kernel = None
+        self._tiles = {}  # (m, n, m_max_padded) -> int32 tile table on the device
+
+    def _tile_table(self, *, m: int, n: int, c_rows: int, device):
+        import torch
+
+        from cco import layout
+
+        key = (m, n, c_rows)
+        if key not in self._tiles:
+            lay = layout.build_config(n=n, k=self.cfg.K, m_max=c_rows, world=self.world, quant=self.cfg.quant,
+                                      mode="fused", chunks=self.chunks, block_m=self.cfg.BLOCK_M,
+                                      block_n=self.cfg.BLOCK_N)
+            rows = layout.tile_table_rows(layout.tile_table(lay, m=m, rank=self.rank))
+            self._tiles[key] = torch.tensor(rows, dtype=torch.int32, device=device)
+        return self._tiles[key]
+
+    def __call__(self, A, B_pre, C_or_window, A_scale, B_scale, m, n, counters=None, stream=None):
+        import torch
+
+        from cco.validate import check_operands
+
+        fn = "compile_fused_gemm_scatter(...)(launch)"
+        cfg = self.cfg
+        shape = check_operands(A, B_pre, A_scale, B_scale, quant=cfg.quant, fn=fn)
+        if (shape.m, shape.n, shape.k) != (m, n, cfg.K):
+            raise ValueError(f"{fn}: m={m}, n={n} with K={cfg.K} compiled do not match the operands "
+                             f"[{shape.m}, {shape.k}] x [{shape.n}, {shape.k}]; pass m=A.shape[0], n=B_pre.shape[0] "
+                             f"and compile for K=A.shape[1]")
+        why = gfx950_device_reason()
+        if why is not None:
+            raise RuntimeError(f"{fn}: needs a gfx950 device ({why}); the kernel is compile-only here "
+                               f"(python -m kernels_fused.isa)")
+        if cfg.fuse:
+            if C_or_window.dim() != 3 or C_or_window.shape[0] != self.world or C_or_window.shape[2] * self.world != n:
+                raise ValueError(f"{fn}: C_or_window shape {tuple(C_or_window.shape)} is not the partial region "
+                                 f"[world={self.world}, m_max_padded, n/world={n // self.world}]; pass "
+                                 f"window.tensor(layout.partial, rank=rank)")
+            if counters is None or counters.dtype != torch.int64:
+                raise TypeError(f"{fn}: counters={None if counters is None else counters.dtype} must be the "
+                                f"window's int64 counters region; pass window.tensor(layout.counters, rank=rank)")
+            c_rows, c_ld = C_or_window.shape[1], n // self.world
+            tiles = self._tile_table(m=m, n=n, c_rows=c_rows, device=A.device)
+        else:
+            if tuple(C_or_window.shape) != (m, n) or C_or_window.dtype != torch.bfloat16:
+                raise ValueError(f"{fn}: C_or_window is {C_or_window.dtype} {tuple(C_or_window.shape)}; fuse=False "
+                                 f"writes a bf16 [m, n] = [{m}, {n}] tensor")
+            if n % cfg.BLOCK_N:
+                raise ValueError(f"{fn}: n={n} is not a multiple of BLOCK_N={cfg.BLOCK_N}; pad N or compile "
+                                 f"with a BLOCK_N that divides it")
+            c_rows, c_ld = m, n
+            tiles = torch.zeros(1, 4, dtype=torch.int32, device=A.device)
+            counters = torch.zeros(1, dtype=torch.int64, device=A.device)
+        if cfg.quant == "blockscale":
+            a_s = A_scale.t().reshape(-1)  # column-major [M, K/128]: K block-major memory
+        else:
+            a_s = A_scale.reshape(-1)
+        b_s = B_scale.reshape(-1)
+        if cfg.quant == "mxfp8":
+            a_s, b_s = a_s.view(torch.uint8), b_s.view(torch.uint8)
+        if self._kernel is None:
+            self._kernel = build_kernel(cfg)
+        stream = torch.cuda.current_stream() if stream is None else stream
+        self._kernel(A.view(torch.uint8), B_pre.view(torch.uint8), C_or_window.reshape(-1), a_s, b_s, tiles,
+                     counters.reshape(-1), m, n, c_ld, c_rows, tiles.shape[0], stream)
+        return C_or_window
+
+
+def compile_fused_gemm_scatter(rank: int, world: int, *, K: int, BLOCK_M: int = 256, BLOCK_N: int = 256,
+                               quant: str = "ptpc", fuse: bool = True, chunks: int | None = None,
+                               loop_count: str | int | None = None, variant: str = "shipped",
+                               mfma_barriers: bool = True) -> GemmScatterLauncher:
+    """The gfx950 kernel for one (K, tile, quant, mode), emitted from the ``variant`` schedule.
+
+    Unfused equivalent (fuse=False): ``C = reference_gemm(A, unshuffle_b(B_pre), A_scale, B_scale,
+    quant)``; fuse=True writes the same values into ``partial[dest]`` and publishes each tile on
+    ``counters[dest, chunk]``. ``loop_count`` overrides the variant's main-loop vmcnt ("2A+B",
+    "A+B-1" or an int; None keeps the variant's: 2A+B for ``shipped``). Compilation happens on the first launch; on a machine without gfx950 use
+    :func:`compile_to_isa` instead (a launch there raises before touching the device).
+    """
+    fn = "compile_fused_gemm_scatter"
+    for arg, value in (("rank", rank), ("world", world)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{fn}: {arg}={value!r} must be a non-negative int")
+    if world < 1 or rank >= world:
+        raise ValueError(f"{fn}: rank={rank} world={world}: need 0 <= rank < world")
+    cfg = kernel_config(K=K, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, quant=quant, fuse=fuse, variant=variant,
+                        loop_count=loop_count, mfma_barriers=mfma_barriers, fn=fn)
+    return GemmScatterLauncher(cfg=cfg, rank=rank, world=world, chunks=chunks)

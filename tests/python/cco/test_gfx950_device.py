@@ -1,0 +1,108 @@
+"""The gfx950 kernel on a real MI350/MI355X: one GPU, no communicator.
+
+Skipped on every machine without a gfx950 device, with the probe's reason. The probe only reads
+device properties; nothing is compiled or launched without the device (a FlyDSL launch there
+aborts the process).
+
+The tail test is the guard of the race in the source text: the peeled step K-2 pre-read the final
+B0/A0 before any wait covered their DMA, so ptpc 4096x7168x256 was wrong on 12/12 launches. Each
+shape is launched 12 times into a NaN-poisoned output and every launch is compared element-wise
+(> 5% off against the bf16-rounded fp32 reference): the corruption can sit near the fp8 floor,
+where a relative-L2 gate misses it.
+"""
+
+import pytest
+import torch
+
+from cco.preshuffle import preshuffle_b
+from cco.quant import REL_L2_TOL, count_mismatches, random_problem, rel_l2
+from kernels_fused.gemm_gfx950 import compile_fused_gemm_scatter, gfx950_device_reason
+
+_WHY = gfx950_device_reason()
+pytestmark = [pytest.mark.gfx950, pytest.mark.skipif(_WHY is not None, reason=f"needs a gfx950 device: {_WHY}")]
+
+LAUNCHES = 12
+TAIL_SHAPES = [pytest.param(4096, 7168, 256, id="4096x7168x256"), pytest.param(16384, 7168, 512, id="16384x7168x512")]
+TILES = {"ptpc": (256, 256), "blockscale": (256, 256), "mxfp8": (256, 128)}
+
+
+def _run(quant, m, n, k, *, launches, seed=0, tile=None):
+    """Per launch, the count of wrong elements; plus the last output and the reference."""
+    bm, bn = tile or TILES[quant]
+    p = random_problem(m, n, k, quant, seed=seed, device="cuda")
+    ref = p.reference()
+    launch = compile_fused_gemm_scatter(0, 1, K=k, BLOCK_M=bm, BLOCK_N=bn, quant=quant, fuse=False)
+    b_pre = preshuffle_b(p.b)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    bad = []
+    for _ in range(launches):
+        out.fill_(float("nan"))
+        launch(p.a, b_pre, out, p.a_scale, p.b_scale, m, n)
+        torch.cuda.synchronize()
+        bad.append(count_mismatches(out, ref))
+    return bad, out, ref
+
+
+@pytest.mark.parametrize("tile", [(256, 256), (128, 256), (256, 128)], ids=["256x256", "128x256", "256x128"])
+def test_ptpc_matches_an_fp32_reference(tile):
+    bad, out, ref = _run("ptpc", 2048, 7168, 1024, launches=1, tile=tile)
+    assert bad == [0]
+    assert rel_l2(out, ref) < REL_L2_TOL["ptpc"]
+
+
+@pytest.mark.parametrize("m,n,k", TAIL_SHAPES)
+def test_ptpc_tail_reads_complete_lds(m, n, k):
+    bad, _, _ = _run("ptpc", m, n, k, launches=LAUNCHES)
+    assert bad == [0] * LAUNCHES, f"wrong elements per launch: {bad}"
+
+
+def test_blockscale_matches_an_fp32_reference():
+    bad, out, ref = _run("blockscale", 2048, 7168, 1024, launches=1)
+    assert bad == [0]
+    assert rel_l2(out, ref) < REL_L2_TOL["blockscale"]
+
+
+@pytest.mark.parametrize("m,n,k", TAIL_SHAPES)
+def test_blockscale_tail_reads_complete_lds(m, n, k):
+    bad, _, _ = _run("blockscale", m, n, k, launches=LAUNCHES)
+    assert bad == [0] * LAUNCHES, f"wrong elements per launch: {bad}"
+
+
+@pytest.mark.parametrize("tile", [(256, 128), (256, 256)], ids=["256x128", "256x256"])
+def test_mxfp8_matches_an_fp32_reference(tile):
+    bad, out, ref = _run("mxfp8", 2048, 7168, 1024, launches=1, tile=tile)
+    assert bad == [0]
+    assert rel_l2(out, ref) < REL_L2_TOL["mxfp8"]
+
+
+@pytest.mark.parametrize("m,n,k", TAIL_SHAPES)
+def test_mxfp8_tail_reads_complete_lds(m, n, k):
+    bad, _, _ = _run("mxfp8", m, n, k, launches=LAUNCHES)
+    assert bad == [0] * LAUNCHES, f"wrong elements per launch: {bad}"
+
+
+def test_fused_writes_partial_slices_and_bumps_each_counter_by_its_tile_count():
+    """fuse=True on one GPU with world=2 addressing: partial[dest] holds dest's column slice of the
+    product, and counters[dest, chunk] grow by the tile counts of cco.layout (twice over two calls:
+    never reset)."""
+    from cco import layout
+
+    world, rank, m, n, k = 2, 1, 2048, 7168, 512
+    p = random_problem(m, n, k, "ptpc", seed=3, device="cuda")
+    lay = layout.build_config(n=n, k=k, m_max=m, world=world, quant="ptpc", mode="fused", chunks=4,
+                              block_m=256, block_n=256)
+    launch = compile_fused_gemm_scatter(rank, world, K=k, quant="ptpc", fuse=True, chunks=4)
+    partial = torch.full((world, lay.m_max_padded, lay.n_slice), float("nan"), dtype=torch.bfloat16, device="cuda")
+    counters = torch.zeros(world, layout.MAX_CHUNKS, dtype=torch.int64, device="cuda")
+    b_pre = preshuffle_b(p.b)
+    base = layout.zero_counters(world)
+    for seq in (1, 2):
+        plan = layout.plan_call(lay, m=m, seq=seq, rank=rank, counter_base=base)
+        launch(p.a, b_pre, partial, p.a_scale, p.b_scale, m, n, counters)
+        torch.cuda.synchronize()
+        assert counters.cpu().tolist() == [list(r) for r in plan.counter_targets]
+        base = plan.counter_targets
+    ref = p.reference()
+    for dest in range(world):
+        got = partial[dest, :m]
+        assert count_mismatches(got, ref[:, dest * lay.n_slice:(dest + 1) * lay.n_slice]) == 0
