@@ -1,0 +1,34 @@
+"""cco: fused fp8 GEMM + all-reduce for tensor-parallel layers.
+
+``out = all_reduce(a @ b.T)`` over the ranks of a communicator, with the all-reduce's scatter (and on
+NVIDIA its reduce and gather) overlapped with the GEMM that produces it. See README.md.
+
+Exports are resolved lazily so ``import cco`` stays cheap and works without a GPU, FlyDSL, Triton or
+an MPI runtime.
+"""
+
+from importlib import import_module
+
+_EXPORTS = {
+    "GemmAllReduceOp": "cco.op",
+    "Communicator": "cco.comm",
+    "spawn": "cco.comm",
+    "supports": "cco.layout",
+    "FaultPlan": "cco.transport",
+    "Drop": "cco.transport",
+    "CommTimeoutError": "cco.transport.protocol",
+    "PeerMismatchError": "cco.transport.protocol",
+    "SelfTestError": "cco.transport.protocol",
+    "preshuffle_b": "cco.preshuffle",
+    "unshuffle_b": "cco.preshuffle",
+    "random_problem": "cco.quant",
+    "reference_gemm": "cco.quant",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'cco' has no attribute {name!r}")

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-QUANTS = ("ptpc", "blockscale", "mxfp8")
+from cco.layout import QUANTS
+
 FP8 = torch.float8_e4m3fn
 E8M0 = torch.float8_e8m0fnu
 FP8_MAX = 448.0  # largest finite e4m3fn value

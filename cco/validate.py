@@ -10,10 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
+from cco.layout import K_ALIGN, K_MIN
 from cco.quant import E8M0, FP8, MX_GROUP, SCALE_BLOCK, check_quant
 
-K_MIN = 256  # K=128 compiles but the peeled pipeline needs two K tiles; it returned garbage
-K_ALIGN = 128  # BLOCK_K of every kernel
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,124 @@
+"""The backend interface: what a device backend executes for :class:`cco.op.GemmAllReduceOp`.
+
+Interface changes (kept backward compatible once published):
+- v1 (2026-11-30): first version.
+- v1.1 (2026-11-30): ``check()`` added (default: nothing to check); the op calls it after
+  ``self_test`` transfers and from ``GemmAllReduceOp.check()``. Asynchronous backends raise there
+  what their device-side protocol recorded (e.g. a peer's (seq, M) stamp that did not match).
+
+Division of work. The op owns everything that is the same on every device: public validation
+(``cco.validate``), the layout (``cco.layout``: config, window regions, chunk rows, tile table,
+cumulative counter targets), the communicator, the symmetric window, the call sequence number,
+deadlines, the cross-rank M check's bookkeeping, and ``self_test()`` orchestration. A backend only
+*executes* one call on its device, given a :class:`cco.layout.CallPlan`.
+
+Protocol every backend follows (see ``cco.layout`` for the regions):
+
+1. ``header[0:2] = (seq, m)`` in the own window, before any tile of call ``seq`` is published.
+2. GEMM tiles go, in ``plan.tiles`` order, to ``partial[dest]`` (dma) or straight into
+   ``recv[rank]`` of the owner ``dest`` (lsa); after a tile's stores are complete, one
+   ``counters[dest, chunk] += 1`` (release). A chunk is complete at ``plan.target(dest, chunk)``.
+3. Scatter: the transport puts each completed (dest, chunk) into ``recv[rank]`` of ``dest``; before
+   the first chunk's flag it writes ``scatter_m[rank] = m`` in the peer, then
+   ``scatter_flags[rank, chunk] = seq`` (release) after the data.
+4. Reduce (owner): wait ``scatter_flags[src, c] >= seq`` for every src, check
+   ``scatter_m[src] == m`` (raise ``cco.transport.protocol.PeerMismatchError`` otherwise), sum
+   ``partial[rank] + recv[src]`` in fp32 in ``layout.reduce_order``; round to bf16 (or e4m3 + one
+   fp32 scale per row for ``gather_dtype="fp8"``).
+5. Gather: put the reduced chunk into ``gather[rank]`` of every rank (self included), then
+   ``gather_flags[rank, c] = seq``. Every rank waits ``gather_flags[owner, c] >= seq`` for all
+   owners and chunks and assembles ``out``.
+
+Counters and flags are never reset, so repeated calls and graph replay need no reset kernel. Steps
+3-5 may be fused with the GEMM at any granularity (a backend that reduces and gathers chunk c while
+the GEMM still produces chunk c+1 approaches the floor of DESIGN section 4; the scatter-then-reduce-
+then-gather order above is the baseline). What is fixed is the data each region holds when its flag
+is released, because peers running another backend of the same protocol read it.
+
+Every wait has a deadline (``self.deadline_s`` seconds per call) and raises
+``cco.transport.protocol.CommTimeoutError`` naming the rank, region, chunk and seq it waited for.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:  # keep this module importable without torch-heavy or device imports
+    import torch
+
+    from cco.comm import Communicator
+    from cco.layout import CallPlan, OpConfig
+    from cco.window import Window
+
+
+class Backend(abc.ABC):
+    """One device's executor of the op's calls. Constructed by the op, once per op.
+
+    Arguments (keyword-only):
+      config:     the op's :class:`cco.layout.OpConfig` (shape, quant, mode, transport, gather dtype,
+                  chunks, tile sizes, window layout).
+      comm:       the :class:`cco.comm.Communicator` (rank, world, device, gloo group).
+      window:     the op's symmetric :class:`cco.window.Window`; ``window.tensor(region, rank=r)``
+                  is a typed view of rank r's region (peer views are the transport's targets).
+      deadline_s: seconds one call's waits may take in total before one raises.
+      faults:     optional :class:`cco.transport.FaultPlan` (tests: lost puts, a silent engine).
+                  A backend that cannot inject faults raises ValueError when one is passed.
+
+    Backend modules: ``cco.backends.cpu.CpuBackend``, ``cco.backends.cuda.CudaBackend``,
+    ``kernels_fused.gemm_gfx950.Gfx950Backend``; the op picks one by device (``cco.op.select_backend``).
+
+    Calls are collective: every rank calls the same method with the same ``plan.seq`` and M.
+    ``out`` is a caller-owned contiguous bf16 ``[M, N]`` tensor on the backend's device; the backend
+    writes every element of it and never keeps a reference to it after returning.
+    """
+
+    name: ClassVar[str] = "base"
+    # tile sizes this backend's kernel walks; the op passes them to layout.build_config
+    block_m: ClassVar[int | None] = None
+    block_n: ClassVar[int | None] = None
+
+    def __init__(self, *, config: "OpConfig", comm: "Communicator", window: "Window", deadline_s: float,
+                 faults=None):
+        self.config = config
+        self.comm = comm
+        self.window = window
+        self.deadline_s = deadline_s
+        self.faults = faults
+
+    @classmethod
+    def supports_device(cls, device: "torch.device") -> str | None:
+        """``None`` when this backend can run on ``device``, else why not."""
+        return None
+
+    # ---- execution --------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def gemm(self, a, b_pre, a_scale, b_scale, *, out: "torch.Tensor", plan: "CallPlan") -> None:
+        """Plain local GEMM (mode ``gemm-only``): ``out = dequant(a) @ dequant(unshuffle(b_pre)).T``
+        in bf16; no window, no communication, not collective."""
+
+    @abc.abstractmethod
+    def fused(self, a, b_pre, a_scale, b_scale, *, out: "torch.Tensor", plan: "CallPlan") -> None:
+        """Mode ``fused``: GEMM whose epilogue publishes tiles (protocol steps 1-2) while the transport
+        scatters completed chunks (3); then reduce (4) and gather (5) into ``out``. Collective."""
+
+    @abc.abstractmethod
+    def split(self, a, b_pre, a_scale, b_scale, *, out: "torch.Tensor", plan: "CallPlan") -> None:
+        """Mode ``split``: the whole GEMM into ``partial`` first, then :meth:`all_reduce_window`.
+        Same bytes on the wire as ``fused``; the baseline that fused must beat. Collective."""
+
+    @abc.abstractmethod
+    def all_reduce_window(self, *, out: "torch.Tensor", plan: "CallPlan") -> None:
+        """Protocol steps 1 and 3-5 on whatever ``partial`` already holds (rows ``< plan.m``), with
+        counters brought to ``plan.counter_targets``. Used by ``split`` and by the op's
+        ``self_test()``, which fills ``partial`` with a known pattern and checks what arrived in
+        every rank's ``recv`` and ``out``. Collective."""
+
+    def check(self) -> None:
+        """Wait for the calls issued so far and raise any error their device-side protocol recorded
+        (:class:`cco.transport.protocol.PeerMismatchError` for a peer's mismatched (seq, M)).
+        Synchronous backends raise inside the call and have nothing to add here."""
+
+    def close(self) -> None:
+        """Release streams, threads and device buffers the backend owns (not the window or the
+        communicator: the op owns those). Idempotent."""

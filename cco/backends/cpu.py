@@ -1,0 +1,174 @@
+"""CPU backend: the reference tile kernel plus the CPU transports over shared-memory windows.
+
+Same protocol, regions and walk order as the GPU backends (see ``cco.backends.base``), so it is the
+executable specification of the op; every rank is a process and every put a real copy between
+process memories.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cco import layout
+from cco.backends.base import Backend
+from cco.quant import FP8, FP8_MAX
+from cco.transport import transport_class
+from cco.transport.base import unstamp_seq_m
+from cco.transport.protocol import CommTimeoutError, Deadline, PeerMismatchError, release, wait_at_least
+from kernels_fused.cpu_tiles import dequantized_operands, run_tiles
+
+_TINY = 1e-30  # keeps an all-zero row's fp8 gather scale finite
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 [R, C] -> (e4m3 [R, C], fp32 [R]): the fp8 gather's one scale per row."""
+    scale = x.abs().amax(dim=1).clamp_min(_TINY) / FP8_MAX
+    return (x / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+    block_m = layout.DEFAULT_BLOCK_M
+    block_n = None  # layout picks the widest tile that divides N/world
+
+    @classmethod
+    def supports_device(cls, device):
+        return None if torch.device(device).type == "cpu" else f"CpuBackend runs on cpu, not {device}"
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        cfg, win, rank = self.config, self.window, self.window.rank
+        self.rank, self.world = rank, win.world
+        self.transport = transport_class(cfg.transport)(config=cfg, window=win, faults=self.faults)
+        w = cfg.window
+        self._header = win.words(w.header, rank=rank)
+        self._counters = win.words(w.counters, rank=rank)
+        self._scatter_flags = win.words(w.scatter_flags, rank=rank)
+        self._scatter_m = win.words(w.scatter_m, rank=rank)
+        self._gather_flags = [win.words(w.gather_flags, rank=r) for r in range(self.world)]
+        self._partial = win.tensor(w.partial, rank=rank)
+        self._recv = win.tensor(w.recv, rank=rank)
+        self._gather = [win.tensor(w.gather, rank=r) for r in range(self.world)]
+        self._gather_scale = [win.tensor(w.gather_scale, rank=r) for r in range(self.world)]
+
+    # ---- modes --------------------------------------------------------------------------------------
+    def gemm(self, a, b_pre, a_scale, b_scale, *, out, plan):
+        a_f, b_f = dequantized_operands(a, b_pre, a_scale, b_scale, self.config.quant)
+        ns = self.config.n_slice
+        run_tiles(a_f, b_f, config=self.config, plan=plan,
+                  destination=lambda dest: out[:, dest * ns:(dest + 1) * ns])
+
+    def fused(self, a, b_pre, a_scale, b_scale, *, out, plan):
+        a_f, b_f = dequantized_operands(a, b_pre, a_scale, b_scale, self.config.quant)
+        deadline = self._begin(plan)
+        try:
+            self.transport.begin(plan, deadline)
+            run_tiles(a_f, b_f, config=self.config, plan=plan, destination=self.transport.tile_destination,
+                      counters=self._counters,
+                      on_chunk_complete=lambda dest, chunk: self.transport.chunk_complete(plan, dest, chunk))
+            self._reduce_gather_assemble(plan, out, deadline)
+        except BaseException:
+            self.transport.abort()
+            raise
+
+    def split(self, a, b_pre, a_scale, b_scale, *, out, plan):
+        a_f, b_f = dequantized_operands(a, b_pre, a_scale, b_scale, self.config.quant)
+        deadline = self._begin(plan)
+        run_tiles(a_f, b_f, config=self.config, plan=plan, destination=lambda dest: self._partial[dest],
+                  counters=self._counters)
+        self._communicate(plan, out, deadline)
+
+    def all_reduce_window(self, *, out, plan):
+        deadline = self._begin(plan)
+        for dest in range(self.world):
+            for chunk in range(plan.chunks):
+                release(self._counters, layout.counter_index(dest, chunk), plan.target(dest, chunk))
+        self._communicate(plan, out, deadline)
+
+    def close(self):
+        self.transport.close()
+
+    # ---- protocol steps -----------------------------------------------------------------------------
+    def _begin(self, plan) -> Deadline:
+        self._header[0] = plan.seq
+        self._header[1] = plan.m
+        return Deadline(self.deadline_s)
+
+    def _communicate(self, plan, out, deadline):
+        """Scatter after the whole GEMM (split mode and self-test), then reduce and gather."""
+        try:
+            self.transport.begin(plan, deadline)
+            self.transport.publish_all(plan)
+            self._reduce_gather_assemble(plan, out, deadline)
+        except BaseException:
+            self.transport.abort()
+            raise
+
+    def _wait_flag(self, words, index, plan, deadline, what) -> None:
+        value = wait_at_least(words, index, plan.seq, deadline=deadline, what=what)
+        if value != plan.seq:
+            # the peer signalled a later call: it gave up on this one (its own deadline passed or the
+            # call failed there), and this call's data from it is gone
+            raise CommTimeoutError(f"{what}: the peer already signalled seq {value}; it abandoned seq "
+                                   f"{plan.seq} (its deadline passed or the call failed there)")
+
+    def _check_peer_m(self, src, plan) -> None:
+        seq, m = unstamp_seq_m(int(self._scatter_m[src]))
+        if seq != plan.seq:
+            raise PeerMismatchError(f"rank {self.rank}: rank {src}'s chunk-0 stamp is for seq {seq}, not {plan.seq}; "
+                                    f"the ranks are out of step; rebuild the op on every rank")
+        if m != plan.m:
+            raise PeerMismatchError(
+                f"rank {self.rank}: called with M={plan.m} but rank {src} called with M={m} (call seq "
+                f"{plan.seq}); every rank must pass the same number of rows"
+            )
+
+    def _reduce_gather_assemble(self, plan, out, deadline):
+        rank, seq = self.rank, plan.seq
+        for chunk in range(plan.chunks):
+            r0, r1 = plan.rows[chunk]
+            wait_at_least(self._counters, layout.counter_index(rank, chunk), plan.target(rank, chunk),
+                          deadline=deadline, what=f"rank {rank}: own tiles of chunk {chunk}, seq {seq}")
+            acc = self._partial[rank][r0:r1].float()
+            for src in layout.reduce_order(rank, self.world):
+                self._wait_flag(self._scatter_flags, layout.counter_index(src, chunk), plan, deadline,
+                                what=f"rank {rank}: scatter of chunk {chunk} from rank {src}, seq {seq}")
+                if chunk == 0:
+                    self._check_peer_m(src, plan)
+                acc += self._recv[src][r0:r1].float()
+            self._gather_chunk(plan, chunk, acc)
+        self.transport.finish()
+        for chunk in range(plan.chunks):
+            for owner in layout.dest_order(rank, self.world):
+                self._wait_flag(self._gather_flags[rank], layout.counter_index(owner, chunk), plan, deadline,
+                                what=f"rank {rank}: gather of chunk {chunk} from rank {owner}, seq {seq}")
+        self._assemble(plan, out)
+
+    def _gather_chunk(self, plan, chunk, acc: torch.Tensor) -> None:
+        """Put the reduced chunk of the own slice into ``gather[rank]`` of every rank."""
+        rank, (r0, r1) = self.rank, plan.rows[chunk]
+        flag = layout.counter_index(rank, chunk)
+        if self.config.gather_dtype == "fp8":
+            q, scale = quantize_rows_fp8(acc)
+            payload = [(q, lambda d: self._gather[d][rank][r0:r1]), (scale, lambda d: self._gather_scale[d][rank][r0:r1])]
+        else:
+            payload = [(acc.to(torch.bfloat16), lambda d: self._gather[d][rank][r0:r1])]
+        for dest in layout.dest_order(rank, self.world):
+            copies = [(src, dst(dest)) for src, dst in payload]
+            if dest == rank:  # the own slot is local memory, not a transfer
+                for src, dst in copies:
+                    dst.copy_(src)
+                release(self._gather_flags[rank], flag, plan.seq)
+            else:
+                self.transport.put(dest=dest, copies=copies, flag_words=self._gather_flags[dest], flag_index=flag,
+                                   seq=plan.seq, phase="gather", chunk=chunk)
+
+    def _assemble(self, plan, out) -> None:
+        m, ns = plan.m, self.config.n_slice
+        gather, scale = self._gather[self.rank], self._gather_scale[self.rank]
+        for owner in range(self.world):
+            cols = out[:, owner * ns:(owner + 1) * ns]
+            if self.config.gather_dtype == "fp8":
+                cols.copy_((gather[owner][:m].float() * scale[owner][:m, None]).to(torch.bfloat16))
+            else:
+                cols.copy_(gather[owner][:m])

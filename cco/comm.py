@@ -1,0 +1,268 @@
+"""Communicator: rank, world, local device and a CPU (gloo) group, however the ranks were launched.
+
+Three ways in, one object out::
+
+    comm = Communicator.from_env()            # torchrun (RANK/WORLD_SIZE/MASTER_*), or mpirun
+                                              # (OMPI_/PMI_ variables, bootstrapped over mpi4py)
+    outcomes = spawn(fn, world=4, args=(...)) # self-spawned local ranks (tests, the demo):
+                                              # fn(comm, *args) runs in each rank process
+
+The gloo group carries only bootstrap traffic (window names, barriers at setup); the op's data moves
+through windows. ``close()`` destroys the process group if this communicator created it, is
+idempotent, and runs on ``with`` exit. Nothing here is a per-call collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 120.0  # bootstrap collectives (group creation, window setup)
+_MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+_MPI_LOCAL_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK")
+
+
+def _first_env(names) -> str | None:
+    return next((os.environ[n] for n in names if n in os.environ), None)
+
+
+def _default_device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():  # ROCm builds report through torch.cuda as well
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+class Communicator:
+    """Ranks of one job. Build it with :meth:`from_env`, :meth:`from_mpi`, :func:`spawn`, or directly
+    with an ``init_method`` (``"env://"``, ``"tcp://host:port"``, ``"file:///path"``)."""
+
+    def __init__(self, *, rank: int, world: int, init_method: str, local_rank: int | None = None,
+                 device: torch.device | str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 launcher: str = "direct"):
+        if not 0 <= rank < world:
+            raise ValueError(f"Communicator: rank={rank} must be in 0..world-1 (world={world})")
+        self.rank = rank
+        self.world = world
+        self.local_rank = rank if local_rank is None else local_rank
+        self.device = torch.device(device) if device is not None else _default_device(self.local_rank)
+        self.launcher = launcher
+        self._owns_group = False
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if dist.is_initialized():
+            if dist.get_world_size() != world or dist.get_rank() != rank:
+                raise RuntimeError(
+                    f"Communicator: torch.distributed is already initialized as rank {dist.get_rank()} of "
+                    f"{dist.get_world_size()}, not rank {rank} of {world}"
+                )
+            # reuse the job's group; add a gloo group for CPU bootstrap if its backend is not gloo
+            self.group = dist.new_group(backend="gloo", timeout=timeout)
+            self._owns_group = False
+        else:
+            backend = "gloo" if self.device.type == "cpu" else "cpu:gloo,cuda:nccl"
+            dist.init_process_group(backend=backend, init_method=init_method, rank=rank,
+                                    world_size=world, timeout=timeout)
+            self.group = dist.group.WORLD
+            self._owns_group = True
+        self._closed = False
+
+    # ---- launchers --------------------------------------------------------------------------------
+    @classmethod
+    def from_env(cls, *, device=None, timeout_s: float = DEFAULT_TIMEOUT_S) -> "Communicator":
+        """Ranks launched by torchrun (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``) or by
+        mpirun/mpiexec (Open MPI, MPICH or MVAPICH variables; needs mpi4py)."""
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            return cls(rank=int(os.environ["RANK"]), world=int(os.environ["WORLD_SIZE"]),
+                       local_rank=int(os.environ.get("LOCAL_RANK", os.environ["RANK"])),
+                       init_method="env://", device=device, timeout_s=timeout_s, launcher="torchrun")
+        if _first_env(_MPI_RANK_VARS) is not None:
+            return cls.from_mpi(device=device, timeout_s=timeout_s)
+        raise RuntimeError(
+            "Communicator.from_env: no launcher found: set RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT "
+            "(torchrun does), launch under mpirun, or use cco.comm.spawn(fn, world=...) for local ranks"
+        )
+
+    @classmethod
+    def from_mpi(cls, *, device=None, timeout_s: float = DEFAULT_TIMEOUT_S) -> "Communicator":
+        """Ranks launched by mpirun: mpi4py gives rank and size; rank 0 picks a TCP rendezvous
+        address and broadcasts it over MPI; the rest is the same gloo group as under torchrun."""
+        try:
+            from mpi4py import MPI  # lazy: optional dependency
+        except ImportError as err:
+            raise RuntimeError("Communicator.from_mpi needs mpi4py (pip install mpi4py mpich)") from err
+        world_comm = MPI.COMM_WORLD
+        rank, world = world_comm.Get_rank(), world_comm.Get_size()
+        address = None
+        if rank == 0:
+            with socket.socket() as s:
+                s.bind(("", 0))
+                address = f"tcp://{socket.gethostbyname(socket.gethostname())}:{s.getsockname()[1]}"
+        address = world_comm.bcast(address, root=0)
+        local = _first_env(_MPI_LOCAL_VARS)
+        if local is None:
+            local = world_comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+        return cls(rank=rank, world=world, local_rank=int(local), init_method=address, device=device,
+                   timeout_s=timeout_s, launcher="mpirun")
+
+    # ---- bootstrap collectives (gloo) ---------------------------------------------------------------
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def broadcast_object(self, obj, *, src: int = 0):
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
+
+    def all_gather_object(self, obj) -> list:
+        out = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    # ---- lifetime -----------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Destroy the process group this communicator created (not one it found). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return f"Communicator(rank={self.rank}, world={self.world}, device={self.device}, launcher={self.launcher})"
+
+
+# --------------------------------------------------------------------------------------------------
+# self-spawned local ranks
+# --------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class RankOutcome:
+    """What one spawned rank did: returned ``value``, raised (``error_type``, ``error``), or died."""
+
+    rank: int
+    value: object = None
+    error_type: str | None = None
+    error: str | None = None
+    exitcode: int | None = None
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.error_type is None and self.exitcode == 0
+
+
+class SpawnError(RuntimeError):
+    """One or more spawned ranks failed; the message lists each failure."""
+
+
+def _rank_main(fn, rank, world, init_method, device, timeout_s, args, conn):
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # local ranks: loopback only
+    torch.set_num_threads(1)  # world ranks share the machine's cores
+    t0 = time.monotonic()
+    try:
+        with Communicator(rank=rank, world=world, init_method=init_method, device=device,
+                          timeout_s=timeout_s, launcher="spawn") as comm:
+            value = fn(comm, *args)
+        message = ("ok", value, None, time.monotonic() - t0)
+    except BaseException as err:  # report everything, including KeyboardInterrupt, to the parent
+        message = ("error", type(err).__name__, f"{err}\n{traceback.format_exc()}", time.monotonic() - t0)
+    try:
+        # plain pickle: tensors travel by value (multiprocessing's pickler would pass a shared-memory
+        # handle that dies with this process)
+        try:
+            payload = pickle.dumps(message)
+        except Exception as err:
+            payload = pickle.dumps(("error", type(err).__name__, f"rank {rank}: result not picklable: {err}",
+                                    time.monotonic() - t0))
+        conn.send_bytes(payload)
+    finally:
+        conn.close()
+
+
+def spawn(fn, *, world: int, args: tuple = (), device="cpu", timeout_s: float = 300.0,
+          bootstrap_timeout_s: float = 60.0) -> list[RankOutcome]:
+    """Run ``fn(comm, *args)`` in ``world`` fresh local rank processes; return one outcome per rank.
+
+    ``fn`` must be importable (a module-level function). Processes come from a forkserver that has
+    already imported torch, so a rank starts in well under a second. A rank still running after
+    ``timeout_s`` is killed and reported with ``error_type="SpawnTimeout"``. Use
+    :func:`check_outcomes` to turn failures into one exception.
+    """
+    if world < 1:
+        raise ValueError(f"spawn: world={world} must be >= 1")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "cco.comm"])
+    with tempfile.TemporaryDirectory(prefix="cco-spawn-") as tmp:
+        init_method = f"file://{os.path.join(tmp, 'rendezvous')}"
+        procs, pipes = [], []
+        for rank in range(world):
+            parent_end, child_end = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_rank_main, name=f"cco-rank{rank}",
+                            args=(fn, rank, world, init_method, device, bootstrap_timeout_s, args, child_end))
+            p.start()
+            child_end.close()
+            procs.append(p)
+            pipes.append(parent_end)
+        deadline = time.monotonic() + timeout_s
+        messages: dict[int, tuple] = {}
+        for rank, (p, pipe) in enumerate(zip(procs, pipes)):
+            # a rank reports before it exits; poll the pipe so a full pipe never blocks its exit
+            while rank not in messages:
+                left = deadline - time.monotonic()
+                if pipe.poll(max(0.0, min(left, 0.1))):
+                    try:
+                        messages[rank] = pickle.loads(pipe.recv_bytes())
+                    except EOFError:
+                        break
+                elif not p.is_alive() or left <= 0:
+                    if pipe.poll(0):
+                        continue
+                    break
+        outcomes = []
+        for rank, p in enumerate(procs):
+            p.join(max(0.0, deadline - time.monotonic()) if rank in messages else 0.5)
+            killed = p.is_alive()
+            if killed:
+                p.kill()
+                p.join()
+            msg = messages.get(rank)
+            if msg is None:
+                if killed:
+                    outcomes.append(RankOutcome(rank=rank, error_type="SpawnTimeout",
+                                                error=f"rank {rank} did not finish within {timeout_s} s",
+                                                exitcode=p.exitcode))
+                else:
+                    outcomes.append(RankOutcome(rank=rank, error_type="Died",
+                                                error=f"rank {rank} exited with code {p.exitcode}",
+                                                exitcode=p.exitcode))
+            elif msg[0] == "ok":
+                outcomes.append(RankOutcome(rank=rank, value=msg[1], exitcode=p.exitcode, seconds=msg[3]))
+            else:
+                outcomes.append(RankOutcome(rank=rank, error_type=msg[1], error=msg[2],
+                                            exitcode=p.exitcode, seconds=msg[3]))
+        for pipe in pipes:
+            pipe.close()
+    return outcomes
+
+
+def check_outcomes(outcomes: list[RankOutcome]) -> list:
+    """The ranks' return values, or :class:`SpawnError` listing every failed rank."""
+    failed = [o for o in outcomes if not o.ok]
+    if failed:
+        lines = [f"rank {o.rank}: {o.error_type}: {o.error}" for o in failed]
+        raise SpawnError(f"{len(failed)} of {len(outcomes)} ranks failed:\n" + "\n".join(lines))
+    return [o.value for o in outcomes]

@@ -1,0 +1,355 @@
+"""Window layout, chunking and the tile walk of GemmAllReduceOp: pure arithmetic, no torch.
+
+Every kernel (the CPU tile kernel, the Triton kernel, the FlyDSL kernel) and every transport reads
+its offsets, chunk rows, counter indices, counter targets and tile order from here; nothing else
+restates them.
+
+The all-reduce of an ``[M, N]`` partial over ``W`` ranks, as laid out here::
+
+    N is split into W column slices of n_slice = N / W; rank d owns slice d.
+    M (padded to block_m) is split into C row chunks of whole m-tiles.
+
+    partial[dest][m, j]  = this rank's GEMM output for column dest*n_slice + j   (dest-major, so one
+                           (dest, chunk) slice is a contiguous block of rows: one DMA put)
+    recv[src][m, j]      = rank src's partial of my slice, put there by src's transport
+    gather[owner][m, j]  = the reduced slice of owner (bf16, or e4m3 + gather_scale[owner][m])
+
+Window regions (one symmetric window per rank, same offsets on every rank)::
+
+    header        int64 [HEADER_WORDS]             seq and M of the last call this rank started
+    counters      int64 [W, MAX_CHUNKS]            tiles written per (dest, chunk), cumulative
+    scatter_flags int64 [W(src), MAX_CHUNKS]       = seq once src's chunk has landed in recv[src]
+    scatter_m     int64 [W(src)]                   M of src's call seq (checked before reducing)
+    gather_flags  int64 [W(owner), MAX_CHUNKS]     = seq once owner's reduced chunk landed in gather
+    partial       bf16  [W, m_max_padded, n_slice]
+    recv          bf16  [W, m_max_padded, n_slice]
+    gather        bf16 | e4m3 [W, m_max_padded, n_slice]
+    gather_scale  fp32  [W, m_max_padded]          (fp8 gather only)
+
+Completion protocol: counters and flags are never reset. A tile bumps ``counters[dest, chunk]`` by
+one; chunk (dest, c) of call ``seq`` is complete when the counter reaches the cumulative target
+``CallPlan.counter_targets``. Flags carry the call's ``seq`` and a waiter waits for ``flag >= seq``,
+so a flag left by an earlier (even failed) call never satisfies a later one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_CHUNKS = 8  # mori's knee: more chunks pay the fixed per-put cost (~2 us per SDMA put) more often
+DEFAULT_CHUNKS = 4  # untuned; enough to overlap all but the last quarter of the scatter
+DEFAULT_BLOCK_M = 64  # CPU tile; GPU backends pass their own tile via build_config(block_m=...)
+BLOCK_N_CHOICES = (128, 64, 32, 16)  # default block_n: the largest that divides n_slice
+HEADER_WORDS = 8
+REGION_ALIGN = 256  # bytes; every region starts on a 256-byte boundary (DMA and vector friendly)
+K_MIN = 256  # K=128 compiled but returned garbage: the peeled pipeline needs two K tiles
+K_ALIGN = 128  # BLOCK_K of every kernel
+BLOCKSCALE_N = 128  # blockscale B scales cover 128 rows of B
+
+QUANTS = ("ptpc", "blockscale", "mxfp8")
+MODES = ("fused", "split", "gemm-only")
+TRANSPORTS = ("dma", "lsa")
+GATHER_DTYPES = ("bf16", "fp8")
+# mori's benchmark arm names -> (mode, transport)
+MODE_ALIASES = {
+    "gemm-only": ("gemm-only", None),
+    "split-sdma": ("split", "dma"),
+    "fused-sdma": ("fused", "dma"),
+    "split-lsa": ("split", "lsa"),
+    "fused-lsa": ("fused", "lsa"),
+}
+
+ITEMSIZE = {"int64": 8, "bfloat16": 2, "float8_e4m3fn": 1, "float32": 4}
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _align(x: int, a: int = REGION_ALIGN) -> int:
+    return _ceil_div(x, a) * a
+
+
+def normalize_mode(mode: str, transport: str | None) -> tuple[str, str]:
+    """Accept both ``mode="fused", transport="lsa"`` and mori's ``mode="fused-lsa"``.
+
+    Raises ValueError naming the argument when the mode is unknown or an alias disagrees with an
+    explicit transport."""
+    if mode in MODE_ALIASES:
+        base, implied = MODE_ALIASES[mode]
+        if implied is not None and transport is not None and transport != implied:
+            raise ValueError(
+                f"mode={mode!r} implies transport={implied!r} but transport={transport!r} was passed; "
+                f"pass mode={base!r} with transport={transport!r}, or drop transport"
+            )
+        mode, transport = base, implied or transport
+    if mode not in MODES:
+        allowed = ", ".join(MODES + tuple(a for a in MODE_ALIASES if a not in MODES))
+        raise ValueError(f"mode={mode!r} is not supported; pass one of {allowed}")
+    transport = "dma" if transport is None else transport
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport={transport!r} is not supported; pass one of {', '.join(TRANSPORTS)}")
+    return mode, transport
+
+
+# --------------------------------------------------------------------------------------------------
+# window regions
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Region:
+    """One typed array at a byte offset of every rank's window."""
+
+    name: str
+    offset: int  # bytes from the window start
+    shape: tuple[int, ...]
+    dtype: str  # a key of ITEMSIZE; torch dtype of the same name
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for s in self.shape:
+            count *= s
+        return count * ITEMSIZE[self.dtype]
+
+
+@dataclass(frozen=True)
+class WindowLayout:
+    header: Region
+    counters: Region
+    scatter_flags: Region
+    scatter_m: Region
+    gather_flags: Region
+    partial: Region
+    recv: Region
+    gather: Region
+    gather_scale: Region
+    nbytes: int
+
+    def regions(self) -> tuple[Region, ...]:
+        return (self.header, self.counters, self.scatter_flags, self.scatter_m, self.gather_flags,
+                self.partial, self.recv, self.gather, self.gather_scale)
+
+
+def window_layout(*, world: int, m_max_padded: int, n_slice: int, gather_dtype: str) -> WindowLayout:
+    specs = [
+        ("header", (HEADER_WORDS,), "int64"),
+        ("counters", (world, MAX_CHUNKS), "int64"),
+        ("scatter_flags", (world, MAX_CHUNKS), "int64"),
+        ("scatter_m", (world,), "int64"),
+        ("gather_flags", (world, MAX_CHUNKS), "int64"),
+        ("partial", (world, m_max_padded, n_slice), "bfloat16"),
+        ("recv", (world, m_max_padded, n_slice), "bfloat16"),
+        ("gather", (world, m_max_padded, n_slice), "float8_e4m3fn" if gather_dtype == "fp8" else "bfloat16"),
+        ("gather_scale", (world, m_max_padded if gather_dtype == "fp8" else 0), "float32"),
+    ]
+    offset, regions = 0, {}
+    for name, shape, dtype in specs:
+        regions[name] = Region(name, offset, shape, dtype)
+        offset = _align(offset + regions[name].nbytes)
+    return WindowLayout(**regions, nbytes=offset)
+
+
+# --------------------------------------------------------------------------------------------------
+# the op's configuration: built in one place
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class OpConfig:
+    """Everything fixed at op construction. Build it with :func:`build_config` only."""
+
+    n: int
+    k: int
+    m_max: int
+    world: int
+    quant: str
+    mode: str  # "fused" | "split" | "gemm-only"
+    transport: str  # "dma" | "lsa"
+    gather_dtype: str  # "bf16" | "fp8"
+    chunks: int  # row chunks of a call with enough m-tiles (fewer for small M)
+    block_m: int
+    block_n: int
+    n_slice: int = field(init=False)
+    m_max_padded: int = field(init=False)
+    n_tiles_per_dest: int = field(init=False)
+    window: WindowLayout = field(init=False)
+
+    def __post_init__(self):
+        set_ = object.__setattr__.__get__(self)
+        set_("n_slice", self.n // self.world)
+        set_("m_max_padded", padded_m(self.m_max, self.block_m))
+        set_("n_tiles_per_dest", self.n_slice // self.block_n)
+        set_("window", window_layout(world=self.world, m_max_padded=self.m_max_padded,
+                                     n_slice=self.n_slice, gather_dtype=self.gather_dtype))
+
+
+def _pick_block_n(n_slice: int) -> int | None:
+    return next((b for b in BLOCK_N_CHOICES if n_slice % b == 0), None)
+
+
+def build_config(*, n: int, k: int, m_max: int, world: int, quant: str = "ptpc", mode: str = "fused",
+                 transport: str | None = None, gather_dtype: str = "bf16", chunks: int | None = None,
+                 block_m: int | None = None, block_n: int | None = None) -> OpConfig:
+    """The single place that decides whether a configuration is expressible.
+
+    Raises ValueError whose message names the argument, its value, what is allowed and the fix."""
+    mode, transport = normalize_mode(mode, transport)
+    for name, value in (("n", n), ("k", k), ("m_max", m_max), ("world", world)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive int")
+    if quant not in QUANTS:
+        raise ValueError(f"quant={quant!r} is not supported; pass one of {', '.join(QUANTS)}")
+    if gather_dtype not in GATHER_DTYPES:
+        raise ValueError(f"gather_dtype={gather_dtype!r} is not supported; pass one of {', '.join(GATHER_DTYPES)}")
+    if k < K_MIN or k % K_ALIGN:
+        raise ValueError(f"k={k} is not supported; K must be >= {K_MIN} and a multiple of {K_ALIGN} "
+                         f"(pad the reduction dimension with zeros)")
+    if quant == "blockscale" and n % BLOCKSCALE_N:
+        raise ValueError(f"n={n} is not supported with quant='blockscale'; N must be a multiple of {BLOCKSCALE_N}")
+    if n % world:
+        raise ValueError(f"n={n} is not divisible by world={world}; every rank owns N/world output "
+                         f"columns, so pad N to a multiple of {world}")
+    n_slice = n // world
+    if block_n is None:
+        block_n = _pick_block_n(n_slice)
+        if block_n is None:
+            raise ValueError(f"n={n} with world={world} gives a {n_slice}-column slice per rank, which no "
+                             f"tile width in {BLOCK_N_CHOICES} divides; pad N to a multiple of {16 * world}")
+    elif block_n < 1 or n_slice % block_n:
+        raise ValueError(f"block_n={block_n} must divide the per-rank slice N/world = {n_slice}")
+    block_m = DEFAULT_BLOCK_M if block_m is None else block_m
+    if block_m < 1:
+        raise ValueError(f"block_m={block_m} must be a positive int")
+    if chunks is None:
+        chunks = DEFAULT_CHUNKS
+    if not isinstance(chunks, int) or not 1 <= chunks <= MAX_CHUNKS:
+        raise ValueError(f"chunks={chunks!r} is not supported; pass an int in 1..{MAX_CHUNKS} or None")
+    return OpConfig(n=n, k=k, m_max=m_max, world=world, quant=quant, mode=mode, transport=transport,
+                    gather_dtype=gather_dtype, chunks=chunks, block_m=block_m, block_n=block_n)
+
+
+def supports(m: int, n: int, k: int, world: int, **options) -> str | None:
+    """``None`` when ``[m, k] x [n, k]`` over ``world`` ranks is expressible, else the reason.
+
+    ``options`` are build_config's (quant, mode, transport, gather_dtype, chunks, block_m, block_n,
+    m_max; m_max defaults to m)."""
+    options.setdefault("m_max", m)
+    try:
+        cfg = build_config(n=n, k=k, world=world, **options)
+    except (ValueError, TypeError) as err:
+        return str(err)
+    if not isinstance(m, int) or m < 1:
+        return f"m={m!r} must be a positive int"
+    if m > cfg.m_max:
+        return f"m={m} exceeds m_max={cfg.m_max}; build the op with m_max >= {m}"
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# per-call arithmetic
+# --------------------------------------------------------------------------------------------------
+def padded_m(m: int, block_m: int) -> int:
+    """Rows the kernel computes for M rows: M rounded up to whole m-tiles."""
+    return _ceil_div(m, block_m) * block_m
+
+
+def call_chunks(cfg: OpConfig, m: int) -> int:
+    """Row chunks of a call: cfg.chunks, or one per m-tile when M has fewer tiles than that."""
+    return min(cfg.chunks, padded_m(m, cfg.block_m) // cfg.block_m)
+
+
+def chunk_tiles(cfg: OpConfig, m: int) -> tuple[tuple[int, int], ...]:
+    """Per chunk, the m-tile range [t0, t1): m-tiles split as evenly as possible, earlier chunks
+    never smaller than later ones."""
+    tiles = padded_m(m, cfg.block_m) // cfg.block_m
+    c = call_chunks(cfg, m)
+    return tuple((i * tiles // c, (i + 1) * tiles // c) for i in range(c))
+
+
+def chunk_rows(cfg: OpConfig, m: int) -> tuple[tuple[int, int], ...]:
+    """Per chunk, the real rows [r0, r1) it carries (pad rows beyond M are never moved)."""
+    return tuple((t0 * cfg.block_m, min(t1 * cfg.block_m, m)) for t0, t1 in chunk_tiles(cfg, m))
+
+
+def dest_order(rank: int, world: int) -> tuple[int, ...]:
+    """Destinations in walk order: ``dest = (j + rank) % world`` for j = 1..world, so ranks start on
+    different peers and every rank's own slice (no transfer) comes last."""
+    return tuple((j + rank) % world for j in range(1, world + 1))
+
+
+def reduce_order(rank: int, world: int) -> tuple[int, ...]:
+    """Sources summed onto the own partial, in order ``(rank + j) % world`` for j = 1..world-1."""
+    return tuple((rank + j) % world for j in range(1, world))
+
+
+@dataclass(frozen=True)
+class Tile:
+    chunk: int
+    dest: int
+    m_tile: int
+    n_tile: int  # within dest's slice
+    row0: int
+    col0: int  # within dest's slice; the global column is dest * n_slice + col0
+
+
+def tile_table(cfg: OpConfig, *, m: int, rank: int) -> tuple[Tile, ...]:
+    """Every output tile of a call in the order the kernel writes them: (chunk, dest, m, n)."""
+    tiles = []
+    for c, (t0, t1) in enumerate(chunk_tiles(cfg, m)):
+        for dest in dest_order(rank, cfg.world):
+            for mt in range(t0, t1):
+                for nt in range(cfg.n_tiles_per_dest):
+                    tiles.append(Tile(c, dest, mt, nt, mt * cfg.block_m, nt * cfg.block_n))
+    return tuple(tiles)
+
+
+def tile_table_rows(table: tuple[Tile, ...]) -> list[list[int]]:
+    """The tile table as ``[chunk, dest, row0, col0]`` integer rows (a kernel's int32 tensor)."""
+    return [[t.chunk, t.dest, t.row0, t.col0] for t in table]
+
+
+def tiles_per_slot(cfg: OpConfig, m: int) -> tuple[int, ...]:
+    """Tiles one (dest, chunk) slot receives per call, per chunk (the same for every dest)."""
+    return tuple((t1 - t0) * cfg.n_tiles_per_dest for t0, t1 in chunk_tiles(cfg, m))
+
+
+def counter_index(dest: int, chunk: int) -> int:
+    """Flat index of counters[dest, chunk] (also of scatter_flags/gather_flags[rank, chunk])."""
+    assert 0 <= chunk < MAX_CHUNKS
+    return dest * MAX_CHUNKS + chunk
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    """What one call of the op needs to know, identical on every rank except ``rank``-dependent
+    walk order. ``counter_targets[dest][chunk]`` is cumulative over all calls of the op."""
+
+    seq: int  # 1, 2, 3, ... : flags of this call carry it
+    m: int
+    padded_m: int
+    rank: int
+    chunks: int
+    rows: tuple[tuple[int, int], ...]  # per chunk, [r0, r1) real rows
+    counter_base: tuple[tuple[int, ...], ...]  # [world][MAX_CHUNKS] counters before this call
+    counter_targets: tuple[tuple[int, ...], ...]  # [world][MAX_CHUNKS] counters after this call
+    tiles: tuple[Tile, ...]
+
+    def target(self, dest: int, chunk: int) -> int:
+        return self.counter_targets[dest][chunk]
+
+
+def zero_counters(world: int) -> tuple[tuple[int, ...], ...]:
+    return tuple((0,) * MAX_CHUNKS for _ in range(world))
+
+
+def plan_call(cfg: OpConfig, *, m: int, seq: int, rank: int,
+              counter_base: tuple[tuple[int, ...], ...]) -> CallPlan:
+    """The plan of call ``seq`` with ``m`` rows; ``counter_base`` is the previous plan's
+    ``counter_targets`` (``zero_counters(world)`` for the first call)."""
+    assert 1 <= m <= cfg.m_max and seq >= 1 and 0 <= rank < cfg.world
+    per_chunk = tiles_per_slot(cfg, m)
+    targets = tuple(
+        tuple(base[c] + (per_chunk[c] if c < len(per_chunk) else 0) for c in range(MAX_CHUNKS))
+        for base in counter_base
+    )
+    return CallPlan(seq=seq, m=m, padded_m=padded_m(m, cfg.block_m), rank=rank, chunks=len(per_chunk),
+                    rows=chunk_rows(cfg, m), counter_base=counter_base, counter_targets=targets,
+                    tiles=tile_table(cfg, m=m, rank=rank))

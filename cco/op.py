@@ -1,0 +1,268 @@
+"""GemmAllReduceOp: fp8 GEMM + all-reduce of the partial products of tensor-parallel ranks.
+
+Unfused equivalent, on every rank::
+
+    partial = reference_gemm(a, unshuffle_b(b_pre), a_scale, b_scale, quant)   # bf16 [M, N]
+    out = all_reduce(partial, op=SUM)                                            # bf16 [M, N]
+
+``mode="fused"`` overlaps the scatter with the GEMM: tiles are written straight into a symmetric
+window and each completed (dest, chunk) slice moves while later tiles are computed::
+
+    GEMM     |c0:d1 d2 .. d0|c1:d1 d2 .. d0|c2 ...|
+    scatter        |c0 -> owners |c1 -> owners |c2 ...|
+    reduce+gather                                      |c0 c1 c2 ...|
+
+``mode="split"`` runs the same GEMM and the same transfers one after the other (the baseline);
+``mode="gemm-only"`` returns the local partial without communication. mori's arm names
+(``gemm-only``, ``split-sdma``, ``fused-sdma``, ``split-lsa``, ``fused-lsa``) are accepted as modes.
+
+Contracts:
+- Collective: every rank calls ``__call__`` (and ``self_test``) in the same order with the same M;
+  a rank whose M differs makes every rank raise :class:`PeerMismatchError` naming both Ms.
+- Output: a new bf16 ``[M, N]`` tensor per call, identical on every rank; it never aliases the window.
+- Errors instead of hangs: each call's waits share a deadline (``deadline_s``); passing it raises
+  :class:`CommTimeoutError` naming the rank, the chunk and the call's seq. A call rejected by input
+  validation touches nothing and the op stays usable. After a timeout the op is usable again only
+  if every rank failed the same call.
+- Graph safety: counters and flags are never reset (monotonic seq targets), so repeated calls and
+  graph replay of one M need no reset step.
+- Cleanup: ``close()`` (idempotent, not collective) or ``with``; it does not close ``comm``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cco import layout
+from cco.transport.protocol import SelfTestError
+from cco.validate import check_operands
+from cco.window import open_window
+
+DEFAULT_DEADLINE_S = 60.0  # per call; generous because a GPU backend's first call may JIT-compile
+_FN = "GemmAllReduceOp"
+
+
+def select_backend(device: torch.device):
+    """The backend class for ``device``: CPU reference, NVIDIA (Triton), or gfx950 (FlyDSL)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        from cco.backends.cpu import CpuBackend
+        return CpuBackend
+    if device.type == "cuda" and getattr(torch.version, "hip", None):
+        arch = torch.cuda.get_device_properties(device).gcnArchName.split(":")[0]
+        if arch != "gfx950":
+            raise ValueError(f"{_FN}: ROCm device {device} is {arch}; the fused kernel targets gfx950 (MI355X)")
+        from kernels_fused.gemm_gfx950 import Gfx950Backend  # needs flydsl
+        return Gfx950Backend
+    if device.type == "cuda":
+        from cco.backends.cuda import CudaBackend  # needs triton
+        return CudaBackend
+    raise ValueError(f"{_FN}: device {device} is not supported; use a CPU, NVIDIA or gfx950 device")
+
+
+class GemmAllReduceOp:
+    """Fused fp8 GEMM + all-reduce over the ranks of ``comm``.
+
+    Arguments (all but ``comm`` keyword-only):
+      comm:         a :class:`cco.comm.Communicator`; the op runs on ``comm.device``.
+      n, k:         weight shape per rank: ``b_pre`` is ``[n, k]`` (k is this rank's K slice).
+      m_max:        the most rows a call may pass; sizes the window.
+      quant:        "ptpc" | "blockscale" | "mxfp8" (scale layouts in ``cco.quant``).
+      mode:         "fused" | "split" | "gemm-only", or a mori arm name ("fused-sdma", ...).
+      transport:    "dma" (copier / copy engines) | "lsa" (producer stores into the peer); default dma.
+      gather_dtype: "bf16", or "fp8" (e4m3 + one fp32 scale per row; half the gather bytes, ~10x error).
+      chunks:       row chunks per call (1..8); None picks ``layout.DEFAULT_CHUNKS``.
+      deadline_s:   seconds one call may wait on peers in total before raising.
+      faults:       a :class:`cco.transport.FaultPlan` to inject lost puts or a silent transport (tests).
+    """
+
+    def __init__(self, comm, *, n: int, k: int, m_max: int, quant: str = "ptpc", mode: str = "fused",
+                 transport: str | None = None, gather_dtype: str = "bf16", chunks: int | None = None,
+                 deadline_s: float = DEFAULT_DEADLINE_S, faults=None):
+        self.comm = comm
+        self._closed = True
+        backend_cls = select_backend(comm.device)
+        try:
+            self.config = layout.build_config(
+                n=n, k=k, m_max=m_max, world=comm.world, quant=quant, mode=mode, transport=transport,
+                gather_dtype=gather_dtype, chunks=chunks, block_m=backend_cls.block_m, block_n=backend_cls.block_n)
+        except ValueError as err:
+            raise ValueError(f"{_FN}: {err}") from None
+        if not deadline_s > 0:
+            raise ValueError(f"{_FN}: deadline_s={deadline_s!r} must be > 0 seconds")
+        self.deadline_s = float(deadline_s)
+        self.rank, self.world = comm.rank, comm.world
+        self._seq = 0
+        self._counter_base = layout.zero_counters(self.world)
+        self.window = open_window(comm=comm, layout=self.config.window)
+        try:
+            self._backend = backend_cls(config=self.config, comm=comm, window=self.window,
+                                        deadline_s=self.deadline_s, faults=faults)
+        except BaseException:
+            self.window.close()
+            raise
+        self._closed = False
+
+    # ---- shape helpers ------------------------------------------------------------------------------
+    def padded_m(self, m: int) -> int:
+        """Rows the kernel computes for ``m`` rows (whole m-tiles)."""
+        return layout.padded_m(m, self.config.block_m)
+
+    def pad_rows(self, m: int) -> int:
+        """Zero rows a caller may append to ``a`` so that M fills whole tiles (never required)."""
+        return self.padded_m(m) - m
+
+    @property
+    def mode(self) -> str:
+        return self.config.mode
+
+    @property
+    def transport(self) -> str:
+        return self.config.transport
+
+    @property
+    def calls(self) -> int:
+        """Collective calls so far (the seq of the last one)."""
+        return self._seq
+
+    # ---- the op -------------------------------------------------------------------------------------
+    def _check(self, a, b_pre, a_scale, b_scale, fn: str) -> int:
+        if self._closed:
+            raise RuntimeError(f"{fn}: the op is closed; build a new GemmAllReduceOp")
+        shape = check_operands(a, b_pre, a_scale, b_scale, quant=self.config.quant, fn=fn)
+        cfg = self.config
+        if (shape.n, shape.k) != (cfg.n, cfg.k):
+            raise ValueError(f"{fn}: b_pre is [N={shape.n}, K={shape.k}] but the op was built for "
+                             f"n={cfg.n}, k={cfg.k}; build an op per weight shape")
+        if shape.m > cfg.m_max:
+            raise ValueError(f"{fn}: a has M={shape.m} rows but the op was built with m_max={cfg.m_max}; "
+                             f"split the batch or build the op with m_max >= {shape.m}")
+        if a.device != self.comm.device:
+            raise ValueError(f"{fn}: a is on {a.device} but the op runs on {self.comm.device}; move the operands")
+        return shape.m
+
+    def __call__(self, a, b_pre, a_scale, b_scale) -> torch.Tensor:
+        """All-reduced bf16 ``[M, N]`` of this rank's ``a [M, K] @ unshuffle(b_pre) [N, K].T``."""
+        fn = f"{_FN}.__call__"
+        m = self._check(a, b_pre, a_scale, b_scale, fn)
+        out = torch.empty(m, self.config.n, dtype=torch.bfloat16, device=self.comm.device)
+        if self.config.mode == "gemm-only":
+            # the plan only supplies the tile walk: nothing is published, no seq is consumed
+            plan = layout.plan_call(self.config, m=m, seq=self._seq + 1, rank=self.rank,
+                                    counter_base=self._counter_base)
+            self._backend.gemm(a, b_pre, a_scale, b_scale, out=out, plan=plan)
+            return out
+        run = self._backend.fused if self.config.mode == "fused" else self._backend.split
+        self._collective(lambda plan: run(a, b_pre, a_scale, b_scale, out=out, plan=plan), m)
+        return out
+
+    def _collective(self, body, m: int):
+        """Run one collective call with the next seq; on failure bring the own counters to the
+        call's targets (no tile of it is in flight any more) so the next call's targets hold."""
+        plan = layout.plan_call(self.config, m=m, seq=self._seq + 1, rank=self.rank,
+                                counter_base=self._counter_base)
+        self._seq, self._counter_base = plan.seq, plan.counter_targets
+        try:
+            return body(plan)
+        except BaseException:
+            counters = self.window.words(self.config.window.counters, rank=self.rank)
+            for dest in range(self.world):
+                for chunk in range(layout.MAX_CHUNKS):
+                    counters[layout.counter_index(dest, chunk)] = plan.counter_targets[dest][chunk]
+            raise
+
+    def check(self) -> None:
+        """Wait for the calls issued so far and raise what an asynchronous backend recorded (a
+        peer's mismatched M, ...). The CPU backend raises inside the call itself."""
+        self._backend.check()
+
+    # ---- self test ----------------------------------------------------------------------------------
+    def self_test(self, *, m: int | None = None) -> dict:
+        """Prove bytes really move between ranks (collective).
+
+        Every rank fills its ``partial`` with a pattern that names (source, row, column, seq), poisons
+        its ``recv`` with NaN, then runs the op's transfers alone (``all_reduce_window``). It checks
+        that every peer's slice arrived bit-exact in ``recv`` and that the all-reduced output equals
+        the pattern's exact sum (fp8 gather: within one e4m3 rounding). A transport that signals
+        without moving data leaves NaN and fails; every rank raises :class:`SelfTestError` if any
+        rank failed. Returns what was checked.
+        """
+        fn = f"{_FN}.self_test"
+        if self._closed:
+            raise RuntimeError(f"{fn}: the op is closed")
+        if self.config.mode == "gemm-only":
+            raise RuntimeError(f"{fn}: mode 'gemm-only' moves no data; there is nothing to test")
+        m = self.config.m_max if m is None else m
+        if not 1 <= m <= self.config.m_max:
+            raise ValueError(f"{fn}: m={m} must be in 1..m_max={self.config.m_max}")
+        cfg, w = self.config, self.config.window
+        seq = self._seq + 1
+        partial = self.window.tensor(w.partial, rank=self.rank)
+        recv = self.window.tensor(w.recv, rank=self.rank)
+        for dest in range(self.world):
+            partial[dest][:m] = probe_pattern(self.rank, dest, m, cfg.n_slice, seq, partial.device)
+        recv.fill_(float("nan"))
+        self.comm.barrier()  # no peer writes into recv before it is poisoned
+        out = torch.empty(m, cfg.n, dtype=torch.bfloat16, device=self.comm.device)
+        problems = []
+        try:
+            self._collective(lambda plan: self._backend.all_reduce_window(out=out, plan=plan), m)
+            self._backend.check()
+        except Exception as err:  # still reach the verdict exchange below, or peers would block in it
+            problems.append(f"rank {self.rank}: transfers raised {type(err).__name__}: {err}")
+        if not problems:
+            problems += self._probe_problems(recv, out, m, seq)
+        verdicts = self.comm.all_gather_object(problems)  # every rank raises if any rank failed
+        failed = [p for v in verdicts for p in v]
+        if failed:
+            raise SelfTestError(f"{fn}: transport {cfg.transport!r} did not move the bytes:\n" + "\n".join(failed))
+        moved = (self.world - 1) * m * cfg.n_slice * 2  # scatter bytes received by this rank
+        return {"seq": seq, "m": m, "world": self.world, "transport": cfg.transport, "mode": cfg.mode,
+                "gather_dtype": cfg.gather_dtype, "scatter_bytes_received": moved,
+                "checked": "recv slots bit-exact from every peer; all-reduced output equals the exact sum"}
+
+    def _probe_problems(self, recv, out, m: int, seq: int) -> list[str]:
+        cfg, problems = self.config, []
+        for src in range(self.world):
+            if src == self.rank:
+                continue
+            expect = probe_pattern(src, self.rank, m, cfg.n_slice, seq, out.device)
+            if not torch.equal(recv[src][:m], expect):
+                bad = int((recv[src][:m] != expect).sum())  # NaN poison compares unequal
+                problems.append(f"rank {self.rank}: {bad} of {m * cfg.n_slice} elements from rank {src} did not arrive")
+        expect = torch.cat([sum(probe_pattern(s, d, m, cfg.n_slice, seq, out.device).float() for s in range(self.world))
+                            for d in range(self.world)], dim=1)
+        err = (out.float() - expect).abs()
+        tol = expect.abs() / 8 if cfg.gather_dtype == "fp8" else torch.zeros_like(expect)
+        if not bool((err <= tol).all()):  # NaN compares False: missing bytes fail here too
+            problems.append(f"rank {self.rank}: all-reduced output differs from the exact sum in "
+                            f"{int((~(err <= tol)).sum())} of {out.numel()} elements")
+        return problems
+
+    # ---- lifetime -----------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release the backend and the window (local, idempotent); ``comm`` stays open."""
+        if self._closed:
+            return
+        self._closed = True
+        self._backend.close()
+        self.window.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        c = self.config
+        return (f"GemmAllReduceOp(rank={self.rank}/{self.world}, n={c.n}, k={c.k}, m_max={c.m_max}, quant={c.quant!r}, "
+                f"mode={c.mode!r}, transport={c.transport!r}, gather_dtype={c.gather_dtype!r}, chunks={c.chunks})")
+
+
+def probe_pattern(src: int, dest: int, rows: int, cols: int, seq: int, device="cpu") -> torch.Tensor:
+    """bf16 ``[rows, cols]``: ``(src + 1) * 2**e`` with ``e = (row + col + dest + seq) % 4``. Each
+    value names its source; any sum over sources is exact in bf16 (at most 36 * 8 for 8 ranks)."""
+    r = torch.arange(rows, device=device).view(rows, 1)
+    c = torch.arange(cols, device=device).view(1, cols)
+    return ((src + 1) * torch.exp2(((r + c + dest + seq) % 4).float())).to(torch.bfloat16)

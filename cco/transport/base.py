@@ -1,0 +1,152 @@
+"""The transport interface: how a completed (dest, chunk) slice of the partial, and a reduced chunk,
+reach the rank that needs them.
+
+Two transports, one interface:
+
+- ``dma``: the producer stores tiles into its own window; a copier (SDMA / copy engine on a GPU, a
+  thread on the CPU) watches the per-(dest, chunk) counters and, once a chunk is complete, copies it
+  into ``recv[rank]`` of its owner, then releases the owner's scatter flag.
+- ``lsa``: the producer stores each tile straight into ``recv[rank]`` of the owner; the tile that
+  completes a chunk releases the owner's scatter flag.
+
+Both signal with the call's ``seq`` (see ``cco.transport.protocol``). A put is always data first,
+then its flag, so a receiver that sees the flag sees the data.
+
+:class:`FaultPlan` injects the failures the op must survive: a lost put (data and flag never land)
+and a silent engine (flags released, no bytes moved: the trap of a transport built without DMA
+support).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import ClassVar
+
+import torch
+
+from cco import layout
+from cco.transport.protocol import Deadline, release
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Drop:
+    """Lose the put of ``phase`` ("scatter" | "gather") from ``src`` to ``dest`` of chunk ``chunk``
+    in call ``seq`` (None matches any)."""
+
+    phase: str = "scatter"
+    seq: int | None = None
+    src: int | None = None
+    dest: int | None = None
+    chunk: int | None = None
+
+    def matches(self, *, phase, seq, src, dest, chunk) -> bool:
+        return (self.phase == phase and self.seq in (None, seq) and self.src in (None, src)
+                and self.dest in (None, dest) and self.chunk in (None, chunk))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FaultPlan:
+    """Failures to inject into a transport (tests and ``self_test`` demonstrations only)."""
+
+    drops: tuple[Drop, ...] = ()
+    silent: bool = False  # release every flag but move no bytes
+
+    def dropped(self, **key) -> bool:
+        return any(d.matches(**key) for d in self.drops)
+
+
+class Transport(abc.ABC):
+    """Moves slices between the symmetric windows of one op. One instance per op and rank."""
+
+    name: ClassVar[str]
+    producer_stores_remote: ClassVar[bool]  # lsa: tiles go straight into the owner's recv
+
+    def __init__(self, *, config: layout.OpConfig, window, faults: FaultPlan | None = None):
+        self.config = config
+        self.window = window
+        self.rank = window.rank
+        self.world = window.world
+        self.faults = faults or FaultPlan()
+        w = config.window
+        self._recv = [window.tensor(w.recv, rank=r) for r in range(self.world)]
+        self._partial = window.tensor(w.partial, rank=self.rank)
+        self._scatter_flags = [window.words(w.scatter_flags, rank=r) for r in range(self.world)]
+        self._scatter_m = [window.words(w.scatter_m, rank=r) for r in range(self.world)]
+
+    # ---- producer side ------------------------------------------------------------------------------
+    def tile_destination(self, dest: int) -> torch.Tensor:
+        """Where the producer stores tiles for ``dest``: ``[m_max_padded, n_slice]`` bf16."""
+        if self.producer_stores_remote and dest != self.rank and not self.faults.silent:
+            return self._recv[dest][self.rank]
+        return self._partial[dest]
+
+    @abc.abstractmethod
+    def begin(self, plan: layout.CallPlan, deadline: Deadline) -> None:
+        """Start of a call's scatter (before the first tile)."""
+
+    @abc.abstractmethod
+    def chunk_complete(self, plan: layout.CallPlan, dest: int, chunk: int) -> None:
+        """Called by the producer right after the tile that completed (dest, chunk), dest != rank."""
+
+    @abc.abstractmethod
+    def publish_all(self, plan: layout.CallPlan) -> None:
+        """Split mode: every counter is already at its target; send everything."""
+
+    @abc.abstractmethod
+    def put(self, *, dest: int, copies: list[tuple[torch.Tensor, torch.Tensor]], flag_words: torch.Tensor,
+            flag_index: int, seq: int, phase: str, chunk: int) -> None:
+        """Copy each ``(src, dst)`` pair (dst in ``dest``'s window), then release
+        ``flag_words[flag_index] = seq`` (a word of ``dest``'s window)."""
+
+    @abc.abstractmethod
+    def finish(self) -> None:
+        """Wait until every put of the call has landed; raise the first transport error."""
+
+    def abort(self) -> None:
+        """The call failed: stop waiting and drop queued work (returns once nothing is in flight)."""
+
+    def close(self) -> None:
+        self.abort()
+
+    # ---- shared helpers -----------------------------------------------------------------------------
+    def _send_scatter_chunk(self, plan: layout.CallPlan, dest: int, chunk: int, *, data_in_place: bool) -> None:
+        """Put chunk ``chunk`` of ``dest``'s slice into ``recv[rank]`` of dest (unless the producer
+        already stored it there) and release its flag.
+
+        Chunk 0 also carries this rank's (seq, m) stamp, checked by the owner before reducing."""
+        r0, r1 = plan.rows[chunk]
+        copies = [] if data_in_place else [(self._partial[dest][r0:r1], self._recv[dest][self.rank][r0:r1])]
+        stamp = None
+        if chunk == 0:
+            stamp = (self._scatter_m[dest], self.rank, stamp_seq_m(plan.seq, plan.m))
+        # executed inline: dma calls this from its copier, lsa from the producer
+        self._execute_put(dest=dest, copies=copies, stamp=stamp, flag_words=self._scatter_flags[dest],
+                 flag_index=layout.counter_index(self.rank, chunk), seq=plan.seq, phase="scatter", chunk=chunk)
+
+    def _execute_put(self, *, dest, copies, flag_words, flag_index, seq, phase, chunk, stamp=None) -> None:
+        """The data movement itself, with fault injection (both transports end here).
+
+        ``stamp`` = (words, index, value) is signalling metadata written just before the flag (the
+        (seq, M) word of chunk 0); a silent engine still writes it, as it still writes flags."""
+        if self.faults.dropped(phase=phase, seq=seq, src=self.rank, dest=dest, chunk=chunk):
+            return  # a lost put: neither data nor flag arrive
+        if not self.faults.silent:
+            for src, dst in copies:
+                dst.copy_(src)
+        if stamp is not None:
+            release(*stamp)
+        release(flag_words, flag_index, seq)
+
+
+STAMP_M_BITS = 32
+
+
+def stamp_seq_m(seq: int, m: int) -> int:
+    """One int64 word holding (seq, m): written and read whole, so the pair is never torn."""
+    assert 0 < m < (1 << STAMP_M_BITS)
+    return (seq << STAMP_M_BITS) | m
+
+
+def unstamp_seq_m(word: int) -> tuple[int, int]:
+    return word >> STAMP_M_BITS, word & ((1 << STAMP_M_BITS) - 1)

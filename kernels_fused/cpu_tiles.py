@@ -1,0 +1,53 @@
+"""CPU reference tile kernel: the fused kernel's tile walk and epilogue protocol, computed with torch.
+
+For each tile of ``plan.tiles`` (the layout's (chunk, dest, m, n) walk, identical to the GPU
+kernels'):
+
+1. ``C[rows, cols] = dequant(A)[rows] @ dequant(B)[cols].T`` in fp32, rounded to bf16;
+2. store the tile into ``destination(dest)`` (the own window's ``partial[dest]``, or for ``lsa`` the
+   owner's ``recv[rank]``);
+3. ``counters[dest, chunk] += 1`` after the store (the GPU epilogue's ``s_waitcnt vmcnt(0);
+   s_barrier`` then one acq_rel atomic add); the tile that brings the counter to its target calls
+   ``on_chunk_complete(dest, chunk)``.
+
+Unfused equivalent: ``reference_gemm(a, unshuffle_b(b_pre), a_scale, b_scale, quant)``; the tiles
+use the same fp32 math, so results differ from it only by summation order inside fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from cco import layout
+from cco.preshuffle import unshuffle_b
+from cco.quant import dequantize_a, dequantize_b
+
+
+def dequantized_operands(a, b_pre, a_scale, b_scale, quant: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``A [M, K]`` and ``B [N, K]`` (B un-preshuffled). Recomputed every call: operands may
+    change between calls while keeping their storage."""
+    return dequantize_a(a, a_scale, quant), dequantize_b(unshuffle_b(b_pre), b_scale, quant)
+
+
+def run_tiles(a_f32: torch.Tensor, b_f32: torch.Tensor, *, config: layout.OpConfig, plan: layout.CallPlan,
+              destination: Callable[[int], torch.Tensor], counters: torch.Tensor | None = None,
+              on_chunk_complete: Callable[[int, int], None] | None = None) -> None:
+    """Compute every tile of ``plan`` in walk order and run the epilogue protocol.
+
+    ``destination(dest)`` is a ``[rows >= M, n_slice]`` bf16 view receiving dest's columns;
+    ``counters`` the own window's flat int64 counter words (None: a plain GEMM, no protocol)."""
+    bm, bn, ns = config.block_m, config.block_n, config.n_slice
+    for tile in plan.tiles:
+        r0, r1 = tile.row0, min(tile.row0 + bm, plan.m)
+        col = tile.dest * ns + tile.col0
+        c = a_f32[r0:r1] @ b_f32[col: col + bn].t()
+        destination(tile.dest)[r0:r1, tile.col0: tile.col0 + bn] = c.to(torch.bfloat16)
+        if counters is None:
+            continue
+        index = layout.counter_index(tile.dest, tile.chunk)
+        value = int(counters[index]) + 1  # single producer per rank: a plain add is atomic here
+        counters[index] = value
+        if value == plan.target(tile.dest, tile.chunk) and on_chunk_complete is not None and tile.dest != plan.rank:
+            on_chunk_complete(tile.dest, tile.chunk)

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Launch ranks of GemmAllReduceOp with mpirun/mpiexec (Open MPI, MPICH; `pip install mpi4py mpich`
+# provides both mpi4py and an mpiexec).
+#
+#   scripts/launch_mpirun.sh [NP] [cco.demo arguments...]
+#   scripts/launch_mpirun.sh 4 --mode split-lsa --quant blockscale
+#
+# Communicator.from_env() sees the MPI launcher's variables (OMPI_COMM_WORLD_RANK, PMI_RANK, ...),
+# takes rank and size from mpi4py, and rank 0 broadcasts a TCP rendezvous address over MPI for the
+# gloo group; after that the op runs exactly as under torchrun. Multi-host: add a host file
+# (-f hosts for MPICH, --hostfile hosts for Open MPI).
+set -euo pipefail
+np="${1:-2}"
+shift || true
+cd "$(dirname "$0")/.."
+exec "${MPIEXEC:-mpiexec}" -n "$np" "${PYTHON:-python}" -m cco.demo "$@"

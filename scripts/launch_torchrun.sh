@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Launch ranks of GemmAllReduceOp with torchrun (one process per GPU; CPU ranks where there is none).
+#
+#   scripts/launch_torchrun.sh [NPROC] [cco.demo arguments...]
+#   scripts/launch_torchrun.sh 2 --shape 1024x7168x2048 --mode fused --gather-dtype fp8
+#
+# Each rank builds its communicator from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
+# MASTER_PORT, LOCAL_RANK); in your own program that is:
+#
+#   from cco.comm import Communicator
+#   from cco.op import GemmAllReduceOp
+#   with Communicator.from_env() as comm, GemmAllReduceOp(comm, n=N, k=K, m_max=M) as op:
+#       op.self_test()
+#       out = op(a, b_pre, a_scale, b_scale)
+#
+# Multi-node: replace --standalone with --nnodes, --node-rank and --rdzv-endpoint (see torchrun --help).
+set -euo pipefail
+nproc="${1:-2}"
+shift || true
+cd "$(dirname "$0")/.."
+exec "${PYTHON:-python}" -m torch.distributed.run --standalone --nproc-per-node "$nproc" -m cco.demo "$@"

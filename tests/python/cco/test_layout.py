@@ -1,0 +1,136 @@
+"""Host tests of cco.layout: the arithmetic every kernel and transport reads."""
+
+import itertools
+
+import pytest
+
+from cco import layout
+from cco.transport.base import stamp_seq_m, unstamp_seq_m
+
+pytestmark = pytest.mark.host
+
+
+def cfg(**kw):
+    base = dict(n=512, k=256, m_max=256, world=4)
+    base.update(kw)
+    return layout.build_config(**base)
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(n=500), ["n=500", "world=4"]),
+    (dict(k=128), ["k=128", ">= 256"]),
+    (dict(k=320), ["k=320", "multiple of 128"]),
+    (dict(quant="blockscale", n=192, world=2), ["n=192", "blockscale", "128"]),
+    (dict(quant="fp4"), ["quant='fp4'", "ptpc"]),
+    (dict(mode="fast"), ["mode='fast'", "fused-lsa"]),
+    (dict(transport="nvlink"), ["transport='nvlink'", "dma"]),
+    (dict(mode="fused-lsa", transport="dma"), ["implies transport='lsa'"]),
+    (dict(gather_dtype="fp16"), ["gather_dtype='fp16'", "fp8"]),
+    (dict(chunks=9), ["chunks=9", "1..8"]),
+    (dict(chunks=0), ["chunks=0"]),
+    (dict(block_n=48), ["block_n=48", "128"]),
+    (dict(m_max=0), ["m_max=0"]),
+], ids=lambda x: str(x)[:40])
+def test_build_config_rejects_with_named_argument(kw, words):
+    """Guards: a rejection that does not say which argument and what to pass instead."""
+    with pytest.raises(ValueError) as err:
+        cfg(**kw)
+    for w in words:
+        assert w in str(err.value)
+
+
+def test_supports_uses_the_same_rules_as_build_config():
+    assert layout.supports(128, 512, 256, 4) is None
+    assert "k=128" in layout.supports(128, 512, 128, 4)
+    assert "m=300 exceeds m_max=256" in layout.supports(300, 512, 256, 4, m_max=256)
+    assert "n=512 is not divisible by world=3" in layout.supports(64, 512, 256, 3)
+    assert layout.supports(1, 256, 256, 8, quant="mxfp8", gather_dtype="fp8", mode="split-lsa") is None
+
+
+@pytest.mark.parametrize("alias, mode, transport", [
+    ("gemm-only", "gemm-only", "dma"), ("split-sdma", "split", "dma"), ("fused-sdma", "fused", "dma"),
+    ("split-lsa", "split", "lsa"), ("fused-lsa", "fused", "lsa"), ("fused", "fused", "dma"),
+])
+def test_mori_mode_names_are_aliases(alias, mode, transport):
+    c = cfg(mode=alias)
+    assert (c.mode, c.transport) == (mode, transport)
+
+
+@pytest.mark.parametrize("gather", ["bf16", "fp8"])
+@pytest.mark.parametrize("world", [1, 2, 8])
+def test_window_regions_are_aligned_disjoint_and_sized(world, gather):
+    c = cfg(world=world, n=256, m_max=130, gather_dtype=gather)
+    regions = sorted(c.window.regions(), key=lambda r: r.offset)
+    for a, b in zip(regions, regions[1:]):
+        assert a.offset + a.nbytes <= b.offset, (a, b)
+    assert all(r.offset % layout.REGION_ALIGN == 0 for r in regions)
+    assert regions[-1].offset + regions[-1].nbytes <= c.window.nbytes
+    assert c.m_max_padded == 192 and c.window.partial.shape == (world, 192, 256 // world)
+    assert c.window.gather.dtype == ("float8_e4m3fn" if gather == "fp8" else "bfloat16")
+    assert c.window.gather_scale.nbytes == (world * 192 * 4 if gather == "fp8" else 0)
+
+
+@pytest.mark.parametrize("m", [1, 5, 63, 64, 65, 130, 256])
+@pytest.mark.parametrize("chunks", [1, 3, 8])
+def test_chunks_cover_rows_exactly(m, chunks):
+    c = cfg(chunks=chunks)
+    rows = layout.chunk_rows(c, m)
+    assert rows[0][0] == 0 and rows[-1][1] == m
+    assert all(r1 > r0 for r0, r1 in rows)  # no empty chunk, even for M=1
+    assert all(a[1] == b[0] for a, b in zip(rows, rows[1:]))
+    assert len(rows) == min(chunks, layout.padded_m(m, c.block_m) // c.block_m)
+    assert all(r0 % c.block_m == 0 for r0, _ in rows)  # chunks are whole m-tiles
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_tile_table_covers_every_tile_once_in_chunk_dest_order(world):
+    c = cfg(world=world, n=256, chunks=3)
+    m = 200
+    for rank in range(world):
+        table = layout.tile_table(c, m=m, rank=rank)
+        keys = [(t.dest, t.m_tile, t.n_tile) for t in table]
+        assert len(keys) == len(set(keys)) == world * (layout.padded_m(m, c.block_m) // c.block_m) * c.n_tiles_per_dest
+        assert [t.chunk for t in table] == sorted(t.chunk for t in table)
+        for chunk in range(layout.call_chunks(c, m)):
+            dests = [t.dest for t in table if t.chunk == chunk]
+            order = list(dict.fromkeys(dests))
+            assert order == list(layout.dest_order(rank, world))
+            assert order[-1] == rank  # own slice last: it needs no transfer
+        per_slot = layout.tiles_per_slot(c, m)
+        for (chunk, dest), group in itertools.groupby(table, key=lambda t: (t.chunk, t.dest)):
+            assert len(list(group)) == per_slot[chunk]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_ranks_start_on_different_peers(world):
+    """Guards: every rank hitting the same peer at the same step of the walk."""
+    for j in range(world):
+        assert sorted(layout.dest_order(r, world)[j] for r in range(world)) == list(range(world))
+
+
+def test_counter_targets_grow_by_tiles_per_call_over_alternating_m():
+    c = cfg(chunks=4)
+    base = layout.zero_counters(c.world)
+    for seq, m in enumerate([64, 1, 256, 130, 17, 256], start=1):
+        plan = layout.plan_call(c, m=m, seq=seq, rank=1, counter_base=base)
+        per_slot = layout.tiles_per_slot(c, m)
+        for dest in range(c.world):
+            for chunk in range(layout.MAX_CHUNKS):
+                grow = plan.target(dest, chunk) - base[dest][chunk]
+                assert grow == (per_slot[chunk] if chunk < plan.chunks else 0)
+        tiles_per_slot = {}
+        for t in plan.tiles:
+            tiles_per_slot[(t.dest, t.chunk)] = tiles_per_slot.get((t.dest, t.chunk), 0) + 1
+        assert all(plan.target(d, ch) - base[d][ch] == n for (d, ch), n in tiles_per_slot.items())
+        base = plan.counter_targets
+
+
+def test_padded_m_and_counter_index():
+    assert [layout.padded_m(m, 64) for m in (1, 64, 65, 128)] == [64, 64, 128, 128]
+    seen = {layout.counter_index(d, ch) for d in range(8) for ch in range(layout.MAX_CHUNKS)}
+    assert seen == set(range(8 * layout.MAX_CHUNKS))
+
+
+def test_seq_m_stamp_round_trips():
+    for seq, m in [(1, 1), (50, 16384), (2**30, 2**31 - 1)]:
+        assert unstamp_seq_m(stamp_seq_m(seq, m)) == (seq, m)

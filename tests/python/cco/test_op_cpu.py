@@ -1,0 +1,257 @@
+"""GemmAllReduceOp on the CPU backend with real rank processes over shared-memory windows."""
+
+import itertools
+
+import pytest
+import torch
+
+from cco import quant as q
+from cco.comm import check_outcomes, spawn
+from cco.op import GemmAllReduceOp
+from cco.preshuffle import preshuffle_b
+from cco.transport import FaultPlan, PeerMismatchError, SelfTestError
+
+pytestmark = pytest.mark.multirank
+
+MODES = ("fused", "split")
+TRANSPORTS = ("dma", "lsa")
+GATHERS = ("bf16", "fp8")
+DEADLINE_S = 20.0  # generous: 8 ranks share 2 cores in CI
+
+
+def operands(rank, m, n, k, quant, seed=0):
+    p = q.random_problem(m, n, k, quant, seed=1000 * seed + rank)
+    return p, preshuffle_b(p.b)
+
+
+def reference(world, m, n, k, quant, seed=0):
+    """all_reduce(reference_gemm) over the ranks: bf16 partials summed in fp32, rounded to bf16."""
+    return sum(operands(r, m, n, k, quant, seed)[0].reference().float() for r in range(world)).to(torch.bfloat16)
+
+
+def assert_close(out, ref, quant, gather):
+    if gather == "fp8":
+        assert q.rel_l2(out, ref) < q.REL_L2_TOL_FP8_GATHER
+    else:
+        assert q.rel_l2(out, ref) < q.REL_L2_TOL[quant]
+        assert q.count_mismatches(out, ref) == 0
+
+
+# --------------------------------------------------------------------------------------------------
+def _every_combination(comm, quant, m, n, k, combos):
+    p, b_pre = operands(comm.rank, m, n, k, quant)
+    outs = {}
+    for mode, transport, gather in combos:
+        with GemmAllReduceOp(comm, n=n, k=k, m_max=m, quant=quant, mode=mode, transport=transport,
+                             gather_dtype=gather, deadline_s=DEADLINE_S) as op:
+            outs[(mode, transport, gather)] = op(p.a, b_pre, p.a_scale, p.b_scale)
+    return outs
+
+
+ALL = list(itertools.product(MODES, TRANSPORTS, GATHERS))
+CASES = [pytest.param(w, quant, m, n, ALL, id=f"w{w}-{quant}-{m}x{n}x256")
+         for w, m, n in ((2, 192, 512), (4, 130, 512)) for quant in q.QUANTS]
+# world 8: tiny and few (8 ranks share the CI machine's 2 cores)
+CASES += [pytest.param(8, "ptpc", 64, 256, [("fused", "dma", "bf16"), ("split", "lsa", "fp8")], id="w8-ptpc-64x256x256"),
+          pytest.param(8, "blockscale", 100, 256, [("fused", "lsa", "bf16"), ("split", "dma", "bf16")], id="w8-blockscale-100x256x256"),
+          pytest.param(8, "mxfp8", 64, 256, [("fused", "dma", "fp8")], id="w8-mxfp8-64x256x256")]
+
+
+@pytest.mark.parametrize("world, quant, m, n, combos", CASES)
+def test_matches_reference_and_is_identical_on_all_ranks(world, quant, m, n, combos):
+    """Every quant x mode x transport x gather dtype against the fp32 reference; all ranks equal."""
+    k = 256
+    per_rank = check_outcomes(spawn(_every_combination, world=world, args=(quant, m, n, k, combos), timeout_s=240))
+    ref = reference(world, m, n, k, quant)
+    for combo in combos:
+        outs = [r[combo] for r in per_rank]
+        assert outs[0].shape == (m, n) and outs[0].dtype == torch.bfloat16
+        for other in outs[1:]:
+            assert torch.equal(other, outs[0]), combo
+        assert_close(outs[0], ref, quant, combo[2])
+
+
+# --------------------------------------------------------------------------------------------------
+def _gemm_only(comm, quant, m, n, k):
+    p, b_pre = operands(comm.rank, m, n, k, quant)
+    with GemmAllReduceOp(comm, n=n, k=k, m_max=m, quant=quant, mode="gemm-only") as op:
+        return op(p.a, b_pre, p.a_scale, p.b_scale), op.calls
+
+
+def test_gemm_only_returns_the_local_partial():
+    outs = check_outcomes(spawn(_gemm_only, world=2, args=("blockscale", 64, 256, 256), timeout_s=60))
+    for rank, (out, calls) in enumerate(outs):
+        assert calls == 0  # no collective happened
+        assert torch.equal(out, operands(rank, 64, 256, 256, "blockscale")[0].reference())
+
+
+# --------------------------------------------------------------------------------------------------
+ALTERNATING_M = (64, 1, 130, 256, 17, 64, 200)
+
+
+def _alternating_m(comm, mode, transport):
+    n, k = 384, 256  # world 3: 128 columns per rank
+    outs = []
+    with GemmAllReduceOp(comm, n=n, k=k, m_max=256, mode=mode, transport=transport, chunks=3,
+                         deadline_s=DEADLINE_S) as op:
+        for i, m in enumerate(ALTERNATING_M):
+            p, b_pre = operands(comm.rank, m, n, k, "ptpc", seed=i)
+            assert op.padded_m(m) == op.pad_rows(m) + m and op.padded_m(m) % 64 == 0
+            outs.append(op(p.a, b_pre, p.a_scale, p.b_scale))
+    return outs
+
+
+@pytest.mark.parametrize("mode, transport", [("fused", "dma"), ("split-lsa", None)])
+def test_alternating_m_including_small_m(mode, transport):
+    """Guards: counter targets or chunk rows computed for the previous call's M."""
+    world = 3
+    per_rank = check_outcomes(spawn(_alternating_m, world=world, args=(mode, transport), timeout_s=120))
+    for i, m in enumerate(ALTERNATING_M):
+        ref = reference(world, m, 384, 256, "ptpc", seed=i)
+        for outs in per_rank:
+            assert torch.equal(outs[i], per_rank[0][i])
+        assert_close(per_rank[0][i], ref, "ptpc", "bf16")
+
+
+# --------------------------------------------------------------------------------------------------
+CALLS = 50
+
+
+def _repeated_calls(comm, transport):
+    n, k, m = 256, 256, 96  # 2 chunks of one 64-row tile; n_slice 128 = one 128-wide tile
+    p0, b_pre = operands(comm.rank, m, n, k, "ptpc", seed=0)
+    p7, _ = operands(comm.rank, m, n, k, "ptpc", seed=7)
+    a, a_scale = p0.a.clone(), p0.a_scale.clone()
+    history, outs = [], []
+    with GemmAllReduceOp(comm, n=n, k=k, m_max=128, transport=transport, chunks=2, deadline_s=DEADLINE_S) as op:
+        w = op.config.window
+        for i in range(CALLS):
+            if i == CALLS // 2:  # operands change in place (same storage): the op must use the new values
+                a.copy_(p7.a)
+                a_scale.copy_(p7.a_scale)
+            outs.append(op(a, b_pre, a_scale, p0.b_scale))
+            history.append((op.window.words(w.counters, rank=comm.rank).clone(),
+                            op.window.words(w.scatter_flags, rank=comm.rank).clone(),
+                            op.window.words(w.gather_flags, rank=comm.rank).clone()))
+    return history, outs
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_fifty_calls_counters_monotonic_and_results_stable(transport):
+    """Guards: counters or flags reset between calls (graph replay would pass a wait early or hang),
+    and results cached across calls whose operands changed in place."""
+    world = 2
+    per_rank = check_outcomes(spawn(_repeated_calls, world=world, args=(transport,), timeout_s=120))
+    for rank, (history, outs) in enumerate(per_rank):
+        for i, (counters, scatter, gather) in enumerate(history):
+            seq = i + 1  # one tile per (dest, chunk) per call: the counters count calls here
+            assert counters.view(world, 8)[:, :2].eq(seq).all() and counters.view(world, 8)[:, 2:].eq(0).all()
+            # the peer may already have scattered its next call (it needs nothing more from us for that)
+            peer_flags = scatter.view(world, 8)[1 - rank, :2]
+            assert (peer_flags >= seq).all() and (peer_flags <= seq + 1).all()
+            # ... but it cannot gather its next call before our next scatter
+            assert gather.view(world, 8)[:, :2].eq(seq).all()
+        for (c0, s0, g0), (c1, s1, g1) in zip(history, history[1:]):
+            assert (c1 >= c0).all() and (s1 >= s0).all() and (g1 >= g0).all()  # never reset
+        assert all(torch.equal(o, outs[0]) for o in outs[: CALLS // 2])
+        assert all(torch.equal(o, outs[-1]) for o in outs[CALLS // 2:])
+        assert torch.equal(outs[-1], per_rank[0][1][-1])
+    first = reference(world, 96, 256, 256, "ptpc", seed=0)
+    changed = sum(q.reference_gemm(operands(r, 96, 256, 256, "ptpc", seed=7)[0].a, operands(r, 96, 256, 256, "ptpc")[0].b,
+                                   operands(r, 96, 256, 256, "ptpc", seed=7)[0].a_scale,
+                                   operands(r, 96, 256, 256, "ptpc")[0].b_scale, "ptpc").float()
+                  for r in range(world)).to(torch.bfloat16)
+    assert_close(per_rank[0][1][0], first, "ptpc", "bf16")
+    assert_close(per_rank[0][1][-1], changed, "ptpc", "bf16")
+
+
+# --------------------------------------------------------------------------------------------------
+def _bad_inputs(comm):
+    n, k, m = 256, 256, 64
+    p, b_pre = operands(comm.rank, m, n, k, "blockscale")
+    errors = []
+    with GemmAllReduceOp(comm, n=n, k=k, m_max=128, quant="blockscale", deadline_s=DEADLINE_S) as op:
+        good = op(p.a, b_pre, p.a_scale, p.b_scale)
+        bad_calls = [
+            ("a fnuz", lambda: op(p.a.float().to(torch.float8_e4m3fnuz), b_pre, p.a_scale, p.b_scale)),
+            ("a bf16", lambda: op(p.a.float().to(torch.bfloat16), b_pre, p.a_scale, p.b_scale)),
+            ("row-major scale", lambda: op(p.a, b_pre, p.a_scale.contiguous(), p.b_scale)),
+            ("M > m_max", lambda: op(torch.cat([p.a] * 3), b_pre, torch.cat([p.a_scale] * 3).t().contiguous().t(), p.b_scale)),
+            ("other N", lambda: op(p.a, b_pre[:128], p.a_scale, p.b_scale[:1])),
+            ("K mismatch", lambda: op(p.a[:, :128].contiguous(), b_pre, p.a_scale[:, :1], p.b_scale)),
+        ]
+        for name, call in bad_calls:
+            try:
+                call()
+                errors.append((name, None, ""))
+            except (TypeError, ValueError) as err:
+                errors.append((name, type(err).__name__, str(err)))
+        calls_after_rejections = op.calls
+        again = op(p.a, b_pre, p.a_scale, p.b_scale)
+    return good, again, errors, calls_after_rejections
+
+
+def test_bad_inputs_rejected_cleanly_and_op_stays_usable():
+    """Guards: a rejected call that consumed a seq or left a half-published call behind."""
+    per_rank = check_outcomes(spawn(_bad_inputs, world=2, timeout_s=60))
+    expect = {"a fnuz": ["float8_e4m3fnuz", "a"], "a bf16": ["float8_e4m3fn"],
+              "row-major scale": ["column-major", "a_scale"], "M > m_max": ["M=192", "m_max=128"],
+              "other N": ["N=128", "n=256"], "K mismatch": ["K"]}
+    for good, again, errors, calls in per_rank:
+        assert torch.equal(good, again)
+        assert calls == 1  # rejections did not consume a call
+        for name, kind, msg in errors:
+            assert kind is not None, f"{name} was accepted"
+            assert "GemmAllReduceOp.__call__" in msg, msg
+            for word in expect[name]:
+                assert word in msg, (name, msg)
+
+
+def _m_mismatch(comm):
+    n, k = 384, 256
+    m = 64 if comm.rank == 1 else 128  # rank 1 disagrees
+    with GemmAllReduceOp(comm, n=n, k=k, m_max=128, chunks=2, deadline_s=DEADLINE_S) as op:
+        p, b_pre = operands(comm.rank, m, n, k, "ptpc")
+        try:
+            op(p.a, b_pre, p.a_scale, p.b_scale)
+            first = ("returned", "")
+        except PeerMismatchError as err:
+            first = ("PeerMismatchError", str(err))
+        p, b_pre = operands(comm.rank, 96, n, k, "ptpc")
+        return first, op(p.a, b_pre, p.a_scale, p.b_scale)
+
+
+def test_rank_with_other_m_gets_a_clear_error_then_op_recovers():
+    world = 3
+    per_rank = check_outcomes(spawn(_m_mismatch, world=world, timeout_s=60))
+    for rank, ((kind, msg), after) in enumerate(per_rank):
+        assert kind == "PeerMismatchError", (rank, msg)
+        assert "M=64" in msg and "M=128" in msg and "same number of rows" in msg
+        assert torch.equal(after, per_rank[0][1])
+    assert_close(per_rank[0][1], reference(world, 96, 384, 256, "ptpc"), "ptpc", "bf16")
+
+
+# --------------------------------------------------------------------------------------------------
+def _self_test(comm, transport, gather, silent):
+    with GemmAllReduceOp(comm, n=384, k=256, m_max=96, transport=transport, gather_dtype=gather,
+                         deadline_s=DEADLINE_S, faults=FaultPlan(silent=silent)) as op:
+        try:
+            return "passed", op.self_test()
+        except SelfTestError as err:
+            return "SelfTestError", str(err)
+
+
+@pytest.mark.parametrize("gather", GATHERS)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_self_test_passes_on_a_working_transport_and_fails_on_a_silent_one(transport, gather):
+    """Guards the mori trap: a transport built without DMA support signals but moves nothing and
+    benchmarks fast. The same self_test must pass on the real transport and fail on the silent one."""
+    world = 3
+    working = check_outcomes(spawn(_self_test, world=world, args=(transport, gather, False), timeout_s=60))
+    bf16_bytes = 2
+    assert all(kind == "passed" and rep["scatter_bytes_received"] == (world - 1) * 96 * 128 * bf16_bytes
+               for kind, rep in working), working
+    silent = check_outcomes(spawn(_self_test, world=world, args=(transport, gather, True), timeout_s=60))
+    for kind, msg in silent:
+        assert kind == "SelfTestError"
+        assert "did not arrive" in msg and "rank 0" in msg
