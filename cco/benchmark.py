@@ -1,0 +1,202 @@
+"""The one timing module: every benchmark number of the project is measured here.
+
+Method (CUDA; see docs/BENCHMARKS.md for the figures):
+
+1. Each arm is a callable ``fn(i)``; ``i`` picks one of ``rotate`` input sets, so consecutive
+   iterations read different operands (cold L2 for inputs larger than a few MiB). An optional L2
+   flush (a 2x-L2 buffer write, outside the timed region) covers inputs that would still fit.
+2. Every timed iteration starts with a device-side rendezvous of all ranks (a one-element NCCL
+   all-reduce on the same stream, outside the events), so a rank that is ahead does not time its
+   wait for a late peer; then CUDA events bracket ``fn(i)`` on the current stream.
+3. A pass runs every arm back to back (order rotated per pass, so no arm always runs first or
+   after the same neighbour); ``passes >= 3``. Per arm and pass: the median over iterations, then
+   the max over ranks (the op is as slow as its slowest rank). Reported: the median over passes and
+   the spread (min..max of the pass medians).
+4. The device must be idle: :func:`idle_check` reads utilization and foreign processes through NVML
+   before and after; a busy device is reported, never silently timed.
+
+Nothing here asserts a speed; tests never import it for timing.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class ArmTiming:
+    """One arm's result in microseconds (max over ranks of per-pass medians)."""
+
+    name: str
+    median_us: float
+    min_us: float  # fastest pass median
+    max_us: float  # slowest pass median
+    pass_us: tuple[float, ...] = field(default_factory=tuple)
+
+    @property
+    def spread(self) -> float:
+        return (self.max_us - self.min_us) / self.median_us if self.median_us else 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["spread"] = round(self.spread, 4)
+        return d
+
+
+IDLE_SETTLE_S = 1.0  # NVML utilization is averaged over the last sample period (up to 1 s)
+
+
+def idle_check(device: int | None = None) -> dict:
+    """Utilization (%) and other processes on ``device`` via NVML; ``busy`` when either is non-zero.
+
+    Waits for this process's own work and one NVML sample period first, so only foreign load shows.
+    Returns ``{"available": False}`` where NVML is missing (the check is then reported as skipped)."""
+    import os
+    import time
+
+    torch.cuda.synchronize()
+    time.sleep(IDLE_SETTLE_S)
+
+    index = torch.cuda.current_device() if device is None else device
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        nvml_index = int(visible.split(",")[index]) if visible else index
+        h = pynvml.nvmlDeviceGetHandleByIndex(nvml_index)
+        util = pynvml.nvmlDeviceGetUtilizationRates(h).gpu
+        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(h)
+        others = [p.pid for p in procs if p.pid != os.getpid()]
+    except Exception as err:  # NVML absent or not permitted: say so rather than guess
+        return {"available": False, "reason": f"{type(err).__name__}: {err}"}
+    return {"available": True, "util_pct": util, "other_pids": others, "busy": util > 5 or bool(others)}
+
+
+def _rendezvous(group) -> None:
+    import torch.distributed as dist
+
+    if group is not None or (dist.is_available() and dist.is_initialized()):
+        token = torch.ones(1, device="cuda")
+        dist.all_reduce(token, group=group)
+
+
+def _max_over_ranks(values: list[float], group) -> list[float]:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+class _L2Flush:
+    def __init__(self, enabled: bool):
+        self.buf = None
+        if enabled:
+            l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+            self.buf = torch.empty(2 * l2 // 4, dtype=torch.int32, device="cuda")
+
+    def __call__(self):
+        if self.buf is not None:
+            self.buf.zero_()
+
+
+def time_arms(
+    arms: dict[str, Callable[[int], object]],
+    *,
+    passes: int = 3,
+    iters: int = 20,
+    warmup: int = 3,
+    rotate: int = 4,
+    flush_l2: bool = False,
+    group=None,
+    on_pass: Callable[[int], None] | None = None,
+) -> dict[str, ArmTiming]:
+    """Time every arm with the method of this module; returns ``{name: ArmTiming}`` (same on every
+    rank). All ranks must call it with the same arms in the same order."""
+    if passes < 3:
+        raise ValueError(f"time_arms: passes={passes} is too few for a spread; pass passes >= 3")
+    if iters < 1 or rotate < 1 or warmup < 0:
+        raise ValueError(f"time_arms: iters={iters}, rotate={rotate} must be >= 1 and warmup={warmup} >= 0")
+    names = list(arms)
+    if not names:
+        return {}
+    flush = _L2Flush(flush_l2)
+    for name in names:  # compile, allocate, fill caches of host-side plans
+        for i in range(warmup):
+            arms[name](i % rotate)
+    torch.cuda.synchronize()
+    per_pass: dict[str, list[float]] = {name: [] for name in names}
+    start = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    end = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for p in range(passes):
+        order = names[p % len(names):] + names[: p % len(names)]
+        medians = []
+        for name in order:
+            fn = arms[name]
+            for it in range(iters):
+                flush()
+                _rendezvous(group)
+                start[it].record()
+                fn(it % rotate)
+                end[it].record()
+            torch.cuda.synchronize()
+            medians.append(1e3 * statistics.median(s.elapsed_time(e) for s, e in zip(start, end)))
+        for name, value in zip(order, _max_over_ranks(medians, group)):
+            per_pass[name].append(value)
+        if on_pass is not None:
+            on_pass(p)
+    return {
+        name: ArmTiming(name=name, median_us=statistics.median(v), min_us=min(v), max_us=max(v), pass_us=tuple(v))
+        for name, v in per_pass.items()
+    }
+
+
+# Element-wise error budgets of the output checks (see gemm_mismatches / allreduce_mismatches).
+BF16_ULPS = 2.0**-7  # two bf16 ulps (8-bit mantissa) of a value
+FP8_MMA_ACC = 2.0**-9  # fp8 tensor-core accumulation: relative to sum_k |a_k b_k| (short accumulator mantissa)
+
+
+def gemm_mismatches(out: torch.Tensor, ref: torch.Tensor, dot_abs: torch.Tensor) -> int:
+    """Elements of a bf16 GEMM output outside its error budget against the fp32 ``ref``.
+
+    ``dot_abs`` is ``|A| @ |B|.T`` (dequantized): where the dot product cancels, the tensor cores'
+    accumulation error is relative to it, not to ``ref`` (cuBLAS shows the same). Budget: two bf16 ulps
+    of ``ref`` plus ``FP8_MMA_ACC * dot_abs``. A wrong tile, scale or stale K block misses by O(|ref|);
+    for random data |ref| ~ dot_abs / sqrt(K), far above the budget."""
+    out, ref = out.float(), ref.float()
+    bound = BF16_ULPS * ref.abs() + FP8_MMA_ACC * dot_abs
+    return int((~torch.isfinite(out) | ((out - ref).abs() > bound)).sum())
+
+
+def allreduce_mismatches(out: torch.Tensor, ref: torch.Tensor, abs_sum: torch.Tensor, dot_abs_sum: torch.Tensor,
+                         *, fp8_gather: bool) -> int:
+    """Elements of an all-reduced bf16 ``out`` outside what bf16 partials allow.
+
+    ``ref``: the fp32 sum of the ranks' fp32 partials; ``abs_sum``: the sum of their absolute values;
+    ``dot_abs_sum``: the sum over ranks of ``|A_r| @ |B_r|.T``. Any all-reduce of bf16 partials (NCCL's
+    included) carries one bf16 rounding of every partial, so where partials cancel the error is
+    relative to ``abs_sum``: the budget is two bf16 ulps of ``abs_sum + |ref|`` plus each partial's
+    GEMM budget. The fp8 gather adds one e4m3 rounding of the reduced value: 2**-4 |ref| plus the
+    subnormal spacing of its row scale.
+    """
+    out, ref = out.float(), ref.float()
+    bound = BF16_ULPS * (abs_sum + ref.abs()) + FP8_MMA_ACC * dot_abs_sum
+    if fp8_gather:
+        row_scale = ref.abs().amax(dim=1, keepdim=True) / 448.0
+        bound = bound + 2.0**-4 * ref.abs() + 2.0**-9 * row_scale
+    bad = ~torch.isfinite(out) | ((out - ref).abs() > bound)
+    return int(bad.sum())
+
+
+def tflops(m: int, n: int, k: int, us: float) -> float:
+    return 2.0 * m * n * k / (us * 1e-6) / 1e12
+
+
+__all__ = ["ArmTiming", "allreduce_mismatches", "gemm_mismatches", "idle_check", "time_arms", "tflops"]

@@ -1,0 +1,261 @@
+"""The ``dma`` transport on CUDA: copy-engine puts triggered by the GEMM's counters, and the reduce,
+gather and assemble phases on side streams, so every phase of chunk c overlaps the GEMM's work on
+later chunks.
+
+One call on rank r (W ranks, C chunks; ``p`` ranges over peers, ``c`` over chunks)::
+
+    main      : header=(seq, m) | GEMM (layout tile order; counters[d, c] += 1 per layout tile) | join
+    put[p]    : copies in the order S0 S1 G0 S2 G1 ... G(C-1) (see submission_order), where
+                S c = wait counters[p,c] >= T_c ; counters[p,c] = 0 ; (c=0: peer.scatter_m[r] = stamp)
+                      copy partial[p][rows c] -> peer.recv[r][rows c] ; peer.scatter_flags[r,c] = seq
+                G c = wait red[c] ; copy gather[r][rows c] (+ scales) -> peer.gather[r][rows c]
+                      peer.gather_flags[r,c] = seq
+    reduce    : wait counters[r,c] >= T_c ; wait scatter_flags[src,c] >= seq (each src, then = 0)
+                reduce kernel: partial[r] + recv[src...] -> gather[r][rows c] and out[rows c, own cols]
+                gather_flags[r,c] = seq ; event red[c]
+    assemble  : wait gather_flags[o,c] >= seq (each owner o != r, then = 0)
+                bf16: pitched copy gather[o][rows c] -> out[rows c, o cols] (the driver runs it as an SM
+                kernel; a Triton copy kernel measured the same); fp8: dequant kernel
+
+Waits are stream memory operations (``cuStreamWaitValue64``), writes are ``cuStreamWriteValue64``
+(ordered after the stream's earlier copies), copies are ``cuMemcpyAsync`` on the copy engines. No
+SM spins, so nothing here can starve the GEMM of multiprocessors (the one-warp spin kernels of
+``memops`` stand in only where a driver cannot capture stream memory operations into a graph).
+
+Graph safety: a wait's value is baked into a captured graph, so a monotonic word would satisfy a
+replayed wait at once. Each word therefore has exactly one waiter, which zeroes it right after its
+wait (counters: the put or reduce stream; scatter and gather flags: the owner of the window). Every
+rewrite of a word happens-after its reset: a rank starts call s+1 only after its own call s joined,
+and a peer's call-(s+1) write needs that rank's call-(s+1) data. The values written are the call's
+seq as the protocol says, so eager calls and graph replays run the same code.
+
+Not covered: a device-side wait has no deadline; a peer that never sends hangs the streams (the
+host-side deadline of the CPU path does not exist here). ``check()`` reports a peer M mismatch
+found by the reduce kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cco import layout
+from cco.cuda import kernels, memops
+from cco.transport.base import stamp_seq_m
+
+_WORD = 8  # bytes of one int64 counter or flag
+
+
+def submission_order(chunks: int) -> list[tuple[str, int]]:
+    """Host submission order of one call's side-stream work: ``(phase, chunk)`` steps.
+
+    Each peer's put stream carries its copies in the order ``S0, S1, G0, S2, G1, ..., G(C-1)``
+    (S: scatter, G: gather): the copies use the link one at a time, a scatter is never slowed by a
+    gather beside it (the chunk it carries gates a reduce on the peer), and each gather is queued
+    behind one scatter, by when its reduce has usually run. Separate scatter and gather streams
+    measured 890 us against 857 us at 16384x7168 on 2 H200 (docs/BENCHMARKS.md).
+
+    The order of submission matters beyond each stream's order: streams are multiplexed onto a few
+    hardware queues, and a blocked wait holds every later submission of its queue. So nothing is
+    submitted after a wait that (through a peer) depends on it: each scatter goes before the reduce
+    that waits for the peer's scatter of the same chunk, and the assemble waits, which need the
+    peers' gathers, go last. Submitting every reduce first hung on the H200s (both ranks' reduces
+    waited for scatters queued behind them); ``tests/python/cco/test_cuda_op.py`` replays both
+    orders on in-order queues.
+    """
+    steps = [("scatter", 0)]
+    for c in range(1, chunks):
+        steps += [("scatter", c), ("reduce", c - 1), ("gather", c - 1)]
+    steps += [("reduce", chunks - 1), ("gather", chunks - 1)]
+    return steps + [("assemble", c) for c in range(chunks)]
+
+
+class CopyEngineSchedule:
+    """Streams, events and window addresses of the ``dma`` transport for one op on one rank."""
+
+    def __init__(self, *, config: layout.OpConfig, window, device: torch.device, silent: bool = False):
+        self.cfg = config
+        self.rank, self.world = window.rank, window.world
+        self.silent = silent  # fault injection: flags released, no bytes moved (self_test must catch it)
+        w = config.window
+        r = self.rank
+        self.peers = [d for d in layout.dest_order(r, self.world) if d != r]
+        self.header = window.words(w.header, rank=r)
+        self.counters = window.words(w.counters, rank=r)
+        self.scatter_flags = window.words(w.scatter_flags, rank=r)
+        self.gather_flags = window.words(w.gather_flags, rank=r)
+        self.scatter_m = window.words(w.scatter_m, rank=r)
+        self.partial = window.tensor(w.partial, rank=r)
+        self.recv = window.tensor(w.recv, rank=r)
+        self.gather = window.tensor(w.gather, rank=r)
+        self.gather_scale = window.tensor(w.gather_scale, rank=r) if config.gather_dtype == "fp8" else None
+        self.peer = {
+            p: {
+                "recv": window.tensor(w.recv, rank=p),
+                "gather": window.tensor(w.gather, rank=p),
+                "gather_scale": window.tensor(w.gather_scale, rank=p) if self.gather_scale is not None else None,
+                "scatter_flags": window.words(w.scatter_flags, rank=p),
+                "gather_flags": window.words(w.gather_flags, rank=p),
+                "scatter_m": window.words(w.scatter_m, rank=p),
+            }
+            for p in self.peers
+        }
+        self.status = torch.zeros(1, dtype=torch.int64, device=device)
+        # probe (and warm the fallback kernels) now: neither may happen inside a graph capture
+        self.capture_memops = memops.capture_supported(self.status.device.index)
+        if not self.capture_memops:
+            scratch = torch.ones(1, dtype=torch.int64, device=device)
+            memops.write_kernel(None, scratch.data_ptr(), 1)
+            memops.wait_geq_kernel(None, scratch.data_ptr(), 1)
+            torch.cuda.synchronize(device)
+        with torch.cuda.device(device):
+            lo, hi = torch.cuda.Stream.priority_range()
+            self.put = {p: torch.cuda.Stream(device=device) for p in self.peers}
+            self.reduce = torch.cuda.Stream(device=device, priority=hi)  # reduce CTAs ahead of waiting GEMM CTAs
+            self.assemble = torch.cuda.Stream(device=device)
+            self.begin_event = torch.cuda.Event()
+            self.gemm_event = torch.cuda.Event()
+            self.reduced = [torch.cuda.Event() for _ in range(layout.MAX_CHUNKS)]
+            self.done = {s: torch.cuda.Event() for s in self._side_streams()}
+
+    def _side_streams(self):
+        return [*self.put.values(), self.reduce, self.assemble]
+
+    @staticmethod
+    def _addr(words: torch.Tensor, index: int) -> int:
+        return words.data_ptr() + index * _WORD
+
+    def _use_kernels(self) -> bool:
+        """Spin/store kernels instead of stream memory operations: only while capturing a graph on a
+        driver that cannot capture the latter (probed once)."""
+        return not self.capture_memops and torch.cuda.is_current_stream_capturing()
+
+    def _wait(self, stream: torch.cuda.Stream, addr: int, value: int) -> None:
+        if self._use_kernels():
+            with torch.cuda.stream(stream):
+                memops.wait_geq_kernel(stream, addr, value)
+        else:
+            memops.wait_geq(stream.cuda_stream, addr, value)
+
+    def _write(self, stream: torch.cuda.Stream, addr: int, value: int) -> None:
+        if self._use_kernels():
+            with torch.cuda.stream(stream):
+                memops.write_kernel(stream, addr, value)
+        else:
+            memops.write(stream.cuda_stream, addr, value)
+
+    # ---- one call -----------------------------------------------------------------------------------
+    def begin(self, plan: layout.CallPlan) -> None:
+        """Protocol step 1 on the current stream: ``header[0:2] = (seq, m)``."""
+        main = torch.cuda.current_stream()
+        self._write(main, self._addr(self.header, 0), plan.seq)
+        self._write(main, self._addr(self.header, 1), plan.m)
+        self.begin_event.record()
+
+    def set_counters(self, plan: layout.CallPlan) -> None:
+        """Bring this call's counters to their targets without a GEMM (``all_reduce_window``)."""
+        main = torch.cuda.current_stream()
+        for d in range(self.world):
+            for c in range(plan.chunks):
+                self._write(main, self._addr(self.counters, layout.counter_index(d, c)), self._tiles(plan, d, c))
+        self.begin_event.record()
+
+    def run(self, plan: layout.CallPlan, out: torch.Tensor, *, after_gemm: bool) -> None:
+        """Enqueue steps 3-5 of call ``plan`` and join them into the current stream.
+
+        ``after_gemm=True`` (split mode, self-test): every side stream first waits for the whole
+        GEMM (an event recorded now on the current stream); otherwise the puts start as the
+        counters complete, while the GEMM is still running."""
+        main = torch.cuda.current_stream()
+        gate = self.begin_event
+        if after_gemm:
+            self.gemm_event.record(main)
+            gate = self.gemm_event
+        for s in self._side_streams():
+            s.wait_event(gate)
+        self._enqueue(plan, out)
+        for s, ev in self.done.items():
+            ev.record(s)
+            main.wait_event(ev)
+
+    def _tiles(self, plan, dest, chunk) -> int:
+        return plan.counter_targets[dest][chunk] - plan.counter_base[dest][chunk]
+
+    def _rows_bytes(self, region: torch.Tensor, rows: tuple[int, int]) -> tuple[int, int]:
+        """(byte offset, byte count) of rows [r0, r1) of one [rows_max, n_slice] plane of ``region``."""
+        row_bytes = region.shape[-1] * region.element_size()
+        return rows[0] * row_bytes, (rows[1] - rows[0]) * row_bytes
+
+    def _enqueue(self, plan, out):
+        for phase, c in submission_order(plan.chunks):
+            if phase == "reduce":
+                self._reduce_chunk(plan, out, c)
+            elif phase == "assemble":
+                self._assemble_chunk(plan, out, c)
+            else:
+                for p in self.peers:
+                    (self._scatter_chunk if phase == "scatter" else self._gather_chunk)(plan, p, c)
+
+    def _scatter_chunk(self, plan, p, c):
+        r, s, peer = self.rank, self.put[p], self.peer[p]
+        ctr = self._addr(self.counters, layout.counter_index(p, c))
+        self._wait(s, ctr, self._tiles(plan, p, c))
+        self._write(s, ctr, 0)
+        if c == 0:
+            self._write(s, self._addr(peer["scatter_m"], r), stamp_seq_m(plan.seq, plan.m))
+        off, nbytes = self._rows_bytes(self.partial, plan.rows[c])
+        if not self.silent:
+            memops.copy(s.cuda_stream, peer["recv"][r].data_ptr() + off, self.partial[p].data_ptr() + off, nbytes)
+        self._write(s, self._addr(peer["scatter_flags"], layout.counter_index(r, c)), plan.seq)
+
+    def _gather_chunk(self, plan, p, c):
+        r, s, peer = self.rank, self.put[p], self.peer[p]
+        s.wait_event(self.reduced[c])
+        off, nbytes = self._rows_bytes(self.gather, plan.rows[c])
+        if not self.silent:
+            memops.copy(s.cuda_stream, peer["gather"][r].data_ptr() + off, self.gather[r].data_ptr() + off, nbytes)
+            if self.gather_scale is not None:
+                r0, r1 = plan.rows[c]
+                memops.copy(s.cuda_stream, peer["gather_scale"][r].data_ptr() + r0 * 4,
+                            self.gather_scale[r].data_ptr() + r0 * 4, (r1 - r0) * 4)
+        self._write(s, self._addr(peer["gather_flags"], layout.counter_index(r, c)), plan.seq)
+
+    def _reduce_chunk(self, plan, out, c):
+        r, s = self.rank, self.reduce
+        with torch.cuda.stream(s):
+            ctr = self._addr(self.counters, layout.counter_index(r, c))
+            self._wait(s, ctr, self._tiles(plan, r, c))
+            self._write(s, ctr, 0)
+            for src in layout.reduce_order(r, self.world):
+                flag = self._addr(self.scatter_flags, layout.counter_index(src, c))
+                self._wait(s, flag, plan.seq)
+                self._write(s, flag, 0)
+            kernels.reduce_chunk(partial=self.partial, recv=self.recv, gather=self.gather,
+                                 gather_scale=self.gather_scale, out=out, scatter_m=self.scatter_m,
+                                 status=self.status, rank=r, rows=plan.rows[c], stamp=stamp_seq_m(plan.seq, plan.m))
+            self._write(s, self._addr(self.gather_flags, layout.counter_index(r, c)), plan.seq)
+            self.reduced[c].record(s)
+
+    def _assemble_chunk(self, plan, out, c):
+        r, s, ns = self.rank, self.assemble, self.cfg.n_slice
+        with torch.cuda.stream(s):
+            for o in self.peers:
+                flag = self._addr(self.gather_flags, layout.counter_index(o, c))
+                self._wait(s, flag, plan.seq)
+                self._write(s, flag, 0)
+            r0, r1 = plan.rows[c]
+            if self.gather_scale is not None:
+                kernels.dequant_chunk(gather=self.gather, gather_scale=self.gather_scale, out=out, rank=r, rows=(r0, r1))
+                return
+            for o in self.peers:
+                memops.copy_2d(s.cuda_stream, dst=out.data_ptr() + (r0 * out.stride(0) + o * ns) * 2,
+                               dst_pitch=out.stride(0) * 2, src=self.gather[o].data_ptr() + r0 * ns * 2,
+                               src_pitch=ns * 2, width=ns * 2, height=r1 - r0)
+
+    def check(self) -> int:
+        """Synchronizes; returns the status word (0: fine; 1 + src: rank src sent another M/seq)."""
+        torch.cuda.synchronize(self.status.device)
+        return int(self.status.item())
+
+    def close(self) -> None:
+        self.put = {}
+        self.reduce = self.assemble = None

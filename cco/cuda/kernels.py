@@ -1,0 +1,127 @@
+"""Triton kernels of the CUDA backend's reduce and gather phases (one launch per row chunk).
+
+``reduce_chunk``: for rows [r0, r1) of this rank's column slice::
+
+    acc  = partial[rank] + recv[(rank + 1) % W] + ... + recv[(rank + W - 1) % W]     (fp32, layout order)
+    gather[rank] = bf16(acc)                       or  e4m3(acc / s), gather_scale[rank] = s,
+                                                       s = max|acc[row]| / 448 per row
+    out[:, rank * n_slice:(rank + 1) * n_slice] = the value every peer will reconstruct
+
+so the own columns of ``out`` need no second pass, and every rank ends with identical bits (with
+the fp8 gather the owner writes the dequantized value too). Program 0 also checks that ``scatter_m[src]``
+holds this call's (seq, m) stamp for every source and records a mismatch in ``status``.
+
+``dequant_chunk`` (fp8 gather only): rows [r0, r1) of every peer owner's ``gather[owner]`` ->
+``out[:, owner * n_slice ...]``. With the bf16 gather that step is a pitched copy-engine copy instead.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+FP8_MAX = 448.0
+_TINY = 1e-30  # all-zero row: scale stays positive so dequantization gives exact zeros
+STATUS_PEER_M_MISMATCH = 1  # status[0] = this + src when rank src stamped another (seq, m)
+
+
+def _pow2(x: int) -> int:
+    return 1 << (max(1, x) - 1).bit_length()
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _reduce(
+        partial_ptr, recv_ptr, gather_ptr, gscale_ptr, out_ptr, scatter_m_ptr, status_ptr,
+        rank, row0, rows, stamp, n_slice, region_stride, out_stride, out_col0,
+        WORLD: tl.constexpr, FP8_GATHER: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        if pid == 0:
+            for j in tl.static_range(1, WORLD):
+                src = (rank + j) % WORLD
+                peer_stamp = tl.load(scatter_m_ptr + src)
+                if peer_stamp != stamp:
+                    tl.store(status_ptr, 1 + src)  # STATUS_PEER_M_MISMATCH + src
+        row = (row0 + pid).to(tl.int64)
+        cols = tl.arange(0, BLOCK_C)
+        mask = cols < n_slice
+        offs = row * n_slice + cols
+        acc = tl.load(partial_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        for j in tl.static_range(1, WORLD):
+            src = (rank + j) % WORLD
+            acc += tl.load(recv_ptr + src * region_stride + offs, mask=mask, other=0.0).to(tl.float32)
+        if FP8_GATHER:
+            scale = tl.maximum(tl.max(tl.abs(acc), axis=0), 1e-30) / 448.0
+            q = (acc / scale).to(tl.float8e4nv)
+            tl.store(gather_ptr + offs, q, mask=mask)
+            tl.store(gscale_ptr + row, scale)
+            value = (q.to(tl.float32) * scale).to(tl.bfloat16)
+        else:
+            value = acc.to(tl.bfloat16)
+            tl.store(gather_ptr + offs, value, mask=mask)
+        tl.store(out_ptr + row * out_stride + out_col0 + cols, value, mask=mask)
+
+    @triton.jit
+    def _dequant(
+        gather_ptr, gscale_ptr, out_ptr, rank, row0, n_slice, region_stride, scale_stride, out_stride,
+        WORLD: tl.constexpr, BLOCK_C: tl.constexpr, FP8_GATHER: tl.constexpr,
+    ):
+        row = (row0 + tl.program_id(0)).to(tl.int64)
+        owner = (rank + 1 + tl.program_id(1)) % WORLD
+        cols = tl.arange(0, BLOCK_C)
+        mask = cols < n_slice
+        q = tl.load(gather_ptr + owner * region_stride + row * n_slice + cols, mask=mask, other=0.0)
+        if FP8_GATHER:
+            scale = tl.load(gscale_ptr + owner * scale_stride + row)
+            value = (q.to(tl.float32) * scale).to(tl.bfloat16)
+        else:
+            value = q
+        tl.store(out_ptr + row * out_stride + owner * n_slice + cols, value, mask=mask)
+
+    return _reduce, _dequant
+
+
+def _warps(block_c: int) -> int:
+    return 8 if block_c >= 2048 else 4
+
+
+def reduce_chunk(*, partial: torch.Tensor, recv: torch.Tensor, gather: torch.Tensor,
+                 gather_scale: torch.Tensor | None, out: torch.Tensor, scatter_m: torch.Tensor,
+                 status: torch.Tensor, rank: int, rows: tuple[int, int], stamp: int) -> None:
+    """Reduce rows ``rows`` of this rank's slice (see module doc). ``partial``, ``recv``, ``gather``
+    are the window's [W, rows_max, n_slice] regions; ``out`` is the caller's bf16 [M, N]."""
+    world, _, n_slice = recv.shape
+    r0, r1 = rows
+    if r1 <= r0:
+        return
+    fp8 = gather.dtype == torch.float8_e4m3fn
+    block_c = _pow2(n_slice)
+    reduce, _ = _kernels()
+    reduce[(r1 - r0,)](
+        partial[rank], recv, gather[rank], gather_scale[rank] if fp8 else gather, out, scatter_m, status,
+        rank, r0, r1 - r0, stamp, n_slice, recv.stride(0), out.stride(0), rank * n_slice,
+        WORLD=world, FP8_GATHER=fp8, BLOCK_C=block_c, num_warps=_warps(block_c),
+    )
+
+
+def dequant_chunk(*, gather: torch.Tensor, gather_scale: torch.Tensor | None, out: torch.Tensor, rank: int,
+                  rows: tuple[int, int]) -> None:
+    """Rows ``rows`` of every peer owner's gathered slice -> ``out`` (bf16): dequantized for the fp8
+    gather (``gather_scale`` given), copied for the bf16 one."""
+    world, _, n_slice = gather.shape
+    r0, r1 = rows
+    if r1 <= r0 or world == 1:
+        return
+    block_c = _pow2(n_slice)
+    _, dequant = _kernels()
+    dequant[(r1 - r0, world - 1)](
+        gather, gather if gather_scale is None else gather_scale, out, rank, r0, n_slice, gather.stride(0),
+        0 if gather_scale is None else gather_scale.stride(0), out.stride(0), WORLD=world, BLOCK_C=block_c,
+        FP8_GATHER=gather_scale is not None, num_warps=_warps(block_c),
+    )

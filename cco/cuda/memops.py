@@ -1,0 +1,149 @@
+"""Stream memory operations and copy-engine copies through the CUDA driver (``cuda-bindings``).
+
+These are the primitives of the ``dma`` transport: a stream waits on a word in device memory
+(``cuStreamWaitValue64``, GEQ: ``(int64)(*addr - value) >= 0``), writes a word after all earlier work
+of the stream (``cuStreamWriteValue64``, which orders the write after prior memory operations of
+the stream), and copies bytes with the copy engines (``cuMemcpyAsync`` / ``cuMemcpy2DAsync``; peer
+addresses of a symmetric window are ordinary unified addresses). All take an integer stream
+handle (``torch.cuda.Stream.cuda_stream``) and integer device addresses, and are captured into a
+CUDA graph like any other stream work. Every driver result is checked.
+"""
+
+from __future__ import annotations
+
+import functools
+
+
+@functools.cache
+def _driver():
+    try:
+        from cuda.bindings import driver
+    except ImportError:  # older cuda-python layout
+        from cuda import cuda as driver  # type: ignore[no-redef]
+    return driver
+
+
+def _check(result, what: str):
+    driver = _driver()
+    err = result[0] if isinstance(result, tuple) else result
+    if err != driver.CUresult.CUDA_SUCCESS:
+        _, name = driver.cuGetErrorName(err)
+        raise RuntimeError(f"{what} failed: {name.decode() if isinstance(name, bytes) else name}")
+    return result[1:] if isinstance(result, tuple) and len(result) > 1 else None
+
+
+def wait_geq(stream: int, addr: int, value: int) -> None:
+    """Work enqueued on ``stream`` after this waits until the int64 at ``addr`` is >= ``value``."""
+    d = _driver()
+    _check(d.cuStreamWaitValue64(d.CUstream(stream), d.CUdeviceptr(addr), d.cuuint64_t(value),
+                                 d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue64")
+
+
+def write(stream: int, addr: int, value: int) -> None:
+    """Write the int64 ``value`` to ``addr`` once every earlier operation of ``stream`` is done."""
+    d = _driver()
+    _check(d.cuStreamWriteValue64(d.CUstream(stream), d.CUdeviceptr(addr), d.cuuint64_t(value),
+                                  d.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT), "cuStreamWriteValue64")
+
+
+def copy(stream: int, dst: int, src: int, nbytes: int) -> None:
+    """Copy ``nbytes`` from ``src`` to ``dst`` on the copy engines (any mix of local and peer)."""
+    if nbytes:
+        d = _driver()
+        _check(d.cuMemcpyAsync(d.CUdeviceptr(dst), d.CUdeviceptr(src), nbytes, d.CUstream(stream)), "cuMemcpyAsync")
+
+
+def copy_2d(stream: int, *, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int) -> None:
+    """Copy ``height`` rows of ``width`` bytes between pitched buffers on the copy engines."""
+    if not (width and height):
+        return
+    d = _driver()
+    p = d.CUDA_MEMCPY2D()
+    p.srcMemoryType = d.CUmemorytype.CU_MEMORYTYPE_DEVICE
+    p.srcDevice = d.CUdeviceptr(src)
+    p.srcPitch = src_pitch
+    p.dstMemoryType = d.CUmemorytype.CU_MEMORYTYPE_DEVICE
+    p.dstDevice = d.CUdeviceptr(dst)
+    p.dstPitch = dst_pitch
+    p.WidthInBytes = width
+    p.Height = height
+    _check(d.cuMemcpy2DAsync(p, d.CUstream(stream)), "cuMemcpy2DAsync")
+
+
+def supports_mem_ops(device_index: int) -> str | None:
+    """``None`` when the device runs 64-bit stream memory operations, else why not."""
+    d = _driver()
+    try:
+        _check(d.cuInit(0), "cuInit")
+        (dev,) = _check(d.cuDeviceGet(device_index), "cuDeviceGet")
+        (ok,) = _check(d.cuDeviceGetAttribute(
+            d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, dev), "cuDeviceGetAttribute")
+    except (RuntimeError, AttributeError) as err:
+        return f"stream memory operations unavailable: {err}"
+    return None if ok else "the device does not support 64-bit stream memory operations"
+
+
+# --------------------------------------------------------------------------------------------------
+# kernel variants: the same wait and write as one-warp Triton kernels, for drivers that refuse to
+# capture stream memory operations into a CUDA graph (probed once by ``capture_supported``)
+# --------------------------------------------------------------------------------------------------
+@functools.cache
+def _word_kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _wait_kernel(ptr, value):
+        seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+        while seen - value < 0:  # cyclic >=, as cuStreamWaitValue64 GEQ
+            seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+
+    @triton.jit
+    def _write_kernel(ptr, value):
+        tl.atomic_xchg(ptr, value, sem="release", scope="sys")
+
+    return _wait_kernel, _write_kernel
+
+
+def _word(addr: int):
+    import torch
+
+    class _Ptr:  # Triton accepts any object with data_ptr() and dtype
+        dtype = torch.int64
+
+        def data_ptr(self):
+            return addr
+
+    return _Ptr()
+
+
+def wait_geq_kernel(stream, addr: int, value: int) -> None:
+    """:func:`wait_geq` as a one-warp spin kernel on the current stream (``stream`` must be current)."""
+    wait, _ = _word_kernels()
+    wait[(1,)](_word(addr), value, num_warps=1)
+
+
+def write_kernel(stream, addr: int, value: int) -> None:
+    """:func:`write` as a one-warp kernel on the current stream (``stream`` must be current)."""
+    _, write_ = _word_kernels()
+    write_[(1,)](_word(addr), value, num_warps=1)
+
+
+@functools.cache
+def capture_supported(device_index: int) -> bool:
+    """Whether stream memory operations can be captured into a CUDA graph on this device."""
+    import torch
+
+    word = torch.zeros(1, dtype=torch.int64, device=f"cuda:{device_index}")
+    stream = torch.cuda.Stream(device=word.device)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            write(stream.cuda_stream, word.data_ptr(), 1)
+            wait_geq(stream.cuda_stream, word.data_ptr(), 1)
+        graph.replay()
+        torch.cuda.synchronize(word.device)
+        return int(word.item()) == 1
+    except RuntimeError:
+        torch.cuda.synchronize(word.device)
+        return False

@@ -1,0 +1,382 @@
+"""gemm-ar benchmark: the fused fp8 GEMM + all-reduce against what a model runs today.
+
+Launch one process per GPU with torchrun (the world comes from it)::
+
+    torchrun --nproc-per-node 2 -m scripts.bench_gemm_ar --mode all --quant ptpc -m 16384 -n 7168 -k 2048
+    torchrun --nproc-per-node 2 -m scripts.bench_gemm_ar --mode all --sweep --plot out/sweep.png
+
+Arms (``--mode`` picks; ``all`` runs every one; mori's names are accepted: gemm-only, split-sdma,
+fused-sdma, split-lsa, fused-lsa):
+
+    scaled_mm         torch._scaled_mm alone (cuBLAS; ptpc only)              -- GEMM reference
+    gemm-only         the Triton GEMM alone (fuse=False)
+    scaled_mm+nccl    torch._scaled_mm + NCCL all_reduce (ptpc; other quants: the Triton GEMM + NCCL)
+    symm_mem          torch symm-mem fused_scaled_matmul_reduce_scatter + NCCL all_gather (ptpc)
+    split             GemmAllReduceOp(mode="split"): whole GEMM, then the copy-engine all-reduce
+    fused             GemmAllReduceOp(mode="fused")
+    fused-fp8         GemmAllReduceOp(mode="fused", gather_dtype="fp8")
+
+Before timing: every op runs ``self_test()`` (bytes really move), and every arm's output is checked
+against the fp32 reference sum (relative L2 and element-wise), so a wrong or silent arm cannot post a
+time. Timing is ``cco.benchmark.time_arms`` (arms alternate inside each pass, >= 3 passes, median over
+iterations, max over ranks, rotating input sets, idle check before and after). ``--graph`` times
+CUDA-graph replays of each arm instead of eager calls. The last line is ``RESULT_JSON {...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from cco import layout
+from cco import quant as Q
+from cco.benchmark import allreduce_mismatches, gemm_mismatches, idle_check, tflops, time_arms
+
+SWEEP_M = (2048, 4096, 8192, 16384, 32768)
+# cuBLAS arms accumulate like the Triton ptpc kernel (fp8 tensor-core accumulation, no promotion)
+FAST_ACCUM = True
+ARMS = ("scaled_mm", "gemm-only", "scaled_mm+nccl", "symm_mem", "split", "fused", "fused-fp8")
+MORI_NAMES = {"gemm-only": ("gemm-only",), "split-sdma": ("split",), "fused-sdma": ("fused",),
+              "split-lsa": ("split",), "fused-lsa": ("fused",)}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--mode", default="all", help="all | gemm-only | split | fused | fused-fp8 | baselines | "
+                   "comma list of arms | a mori arm name (split-sdma, fused-sdma, ...)")
+    p.add_argument("--quant", default="ptpc", choices=Q.QUANTS)
+    p.add_argument("-m", type=int, default=16384)
+    p.add_argument("-n", type=int, default=7168)
+    p.add_argument("-k", type=int, default=2048)
+    p.add_argument("--chunks", type=int, default=None, help=f"row chunks per call (1..{layout.MAX_CHUNKS})")
+    p.add_argument("--passes", type=int, default=3)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--rotate", type=int, default=3, help="input sets cycled through (cold L2)")
+    p.add_argument("--graph", action="store_true", help="time CUDA-graph replays instead of eager calls")
+    p.add_argument("--sweep", action="store_true", help=f"M in {SWEEP_M}")
+    p.add_argument("--plot", default=None, help="PNG path for the --sweep plot (time vs M per arm)")
+    p.add_argument("--json", default=None, help="also write the result JSON here (rank 0)")
+    p.add_argument("--trace", default=None, help="chrome trace of 3 calls of the fused arm (rank 0), after timing")
+    return p.parse_args(argv)
+
+
+def select_arms(mode: str, quant: str) -> list[str]:
+    if mode == "all":
+        arms = list(ARMS)
+    elif mode == "baselines":
+        arms = ["scaled_mm", "scaled_mm+nccl", "symm_mem"]
+    else:
+        arms = []
+        for part in mode.split(","):
+            part = part.strip()
+            if part in MORI_NAMES:
+                if part.endswith("-lsa"):
+                    raise SystemExit(f"--mode {part}: the lsa transport is not implemented on CUDA; use {part[:-4]}-sdma")
+                arms.extend(MORI_NAMES[part])
+            elif part in ARMS:
+                arms.append(part)
+            else:
+                raise SystemExit(f"--mode {part!r} is not an arm; pick from all, baselines, {', '.join(ARMS)}, "
+                                 f"{', '.join(MORI_NAMES)}")
+    if quant != "ptpc":  # cuBLAS / symm-mem rowwise scaling only
+        arms = [a for a in arms if a not in ("scaled_mm", "symm_mem")]
+    return list(dict.fromkeys(arms))
+
+
+class Problem:
+    """Per rank: ``rotate`` activation sets and one weight, on the GPU, plus the fp32 all-reduced
+    reference of set 0."""
+
+    def __init__(self, m, n, k, quant, *, rank, rotate, device):
+        self.m, self.n, self.k, self.quant = m, n, k, quant
+        self.sets = []
+        for i in range(rotate):
+            p = Q.random_problem(m, n, k, quant, seed=1000 * rank + i, device=device)
+            self.sets.append(p)
+        from cco.preshuffle import preshuffle_b
+
+        self.b = self.sets[0].b
+        self.b_scale = self.sets[0].b_scale
+        self.b_pre = preshuffle_b(self.b)
+        self.b_t = self.b.t()  # [K, N] column-major for _scaled_mm
+        self.a_scale_col = [p.a_scale.reshape(m, 1).float() for p in self.sets] if quant == "ptpc" else None
+        self.b_scale_row = self.b_scale.reshape(1, n).float() if quant == "ptpc" else None
+
+    def a(self, i):
+        return self.sets[i].a, self.sets[i].a_scale
+
+    def reference(self) -> dict[str, torch.Tensor]:
+        """For input set 0: the local fp32 partial and ``|A| @ |B|.T``, and their all-reduced
+        counterparts (sum of partials, sum of |partials|, sum of ``|A| @ |B|.T``)."""
+        p = self.sets[0]
+        a = Q.dequantize_a(p.a, p.a_scale, self.quant)
+        b = Q.dequantize_b(self.b, self.b_scale, self.quant)
+        local = a @ b.t()  # full fp32 (torch's default matmul precision; TF32 stays off)
+        dot_abs = a.abs() @ b.abs().t()
+        total, abs_sum, dot_abs_sum = local.clone(), local.abs(), dot_abs.clone()
+        for t in (total, abs_sum, dot_abs_sum):
+            dist.all_reduce(t)
+        return {"local": local, "dot_abs": dot_abs, "total": total, "abs_sum": abs_sum, "dot_abs_sum": dot_abs_sum}
+
+
+def build_arms(names, prob: Problem, comm, *, chunks, m_max):
+    """name -> fn(i) returning the output tensor; plus the ops (for self_test and close)."""
+    from cco.op import GemmAllReduceOp
+    from kernels_fused.triton_gemm import fp8_gemm
+
+    arms, ops = {}, {}
+    group = dist.group.WORLD
+    quant = prob.quant
+
+    def scaled_mm(i):
+        a, _ = prob.a(i)
+        return torch._scaled_mm(a, prob.b_t, scale_a=prob.a_scale_col[i], scale_b=prob.b_scale_row,
+                                out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM)
+
+    def triton_gemm(i):
+        a, a_s = prob.a(i)
+        return fp8_gemm(a, prob.b, a_s, prob.b_scale, quant=quant)
+
+    for name in names:
+        if name == "scaled_mm":
+            arms[name] = scaled_mm
+        elif name == "gemm-only":
+            arms[name] = triton_gemm
+        elif name == "scaled_mm+nccl":
+            local = scaled_mm if quant == "ptpc" else triton_gemm
+
+            def fn(i, local=local):
+                out = local(i)
+                dist.all_reduce(out, group=group)
+                return out
+            arms[name] = fn
+        elif name == "symm_mem":
+            import torch.distributed._symmetric_memory as symm_mem
+
+            gname = group.group_name
+            if hasattr(symm_mem, "enable_symm_mem_for_group"):
+                symm_mem.enable_symm_mem_for_group(gname)
+            m, n, world = prob.m, prob.n, comm.world
+
+            def fn(i, gname=gname, m=m, n=n, world=world):
+                a, _ = prob.a(i)
+                rs = torch.ops.symm_mem.fused_scaled_matmul_reduce_scatter(
+                    a, prob.b_t, prob.a_scale_col[i], prob.b_scale_row, "sum", 0, 0, gname, [m, n],
+                    out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM)
+                out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
+                dist.all_gather_into_tensor(out, rs, group=group)
+                return out
+            arms[name] = fn
+        elif name in ("split", "fused", "fused-fp8"):
+            mode = "split" if name == "split" else "fused"
+            op = GemmAllReduceOp(comm, n=prob.n, k=prob.k, m_max=m_max, quant=quant, mode=mode,
+                                 gather_dtype="fp8" if name == "fused-fp8" else "bf16", chunks=chunks)
+            ops[name] = op
+
+            def fn(i, op=op):
+                a, a_s = prob.a(i)
+                return op(a, prob.b_pre, a_s, prob.b_scale)
+            arms[name] = fn
+    return arms, ops
+
+
+def graphed(arms, rotate):
+    """Capture each arm once per input set; replaying returns the captured output. An arm that cannot
+    be captured stays eager and is listed in the second return value."""
+    out, eager = {}, []
+    for name, fn in arms.items():
+        graphs, results = [], []
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for i in range(rotate):
+                fn(i)  # warm: compile, allocate, cache
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        try:
+            for i in range(rotate):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    results.append(fn(i))
+                graphs.append(g)
+            torch.cuda.synchronize()
+        except Exception as err:  # e.g. an op that synchronizes inside
+            print(f"rank {dist.get_rank()}: arm {name} cannot be captured ({type(err).__name__}: {err}); timing it eager",
+                  file=sys.stderr)
+            torch.cuda.synchronize()
+            out[name], graphs, results = fn, None, None
+            eager.append(name)
+            continue
+
+        def replay(i, graphs=graphs, results=results):
+            graphs[i].replay()
+            return results[i]
+        out[name] = replay
+    return out, eager
+
+
+def check_arms(arms, prob: Problem, *, rank) -> dict:
+    """Each arm's output for input set 0 against the fp32 reference: element-wise (the budgets of
+    :func:`cco.benchmark.gemm_mismatches` and :func:`cco.benchmark.allreduce_mismatches`) and
+    relative L2."""
+    ref = prob.reference()
+    report = {}
+    for name, fn in arms.items():
+        out = fn(0)
+        torch.cuda.synchronize()
+        fp8 = name == "fused-fp8"
+        if name in ("scaled_mm", "gemm-only"):
+            err, bad = Q.rel_l2(out, ref["local"]), gemm_mismatches(out, ref["local"], ref["dot_abs"])
+        else:
+            err = Q.rel_l2(out, ref["total"])
+            bad = allreduce_mismatches(out, ref["total"], ref["abs_sum"], ref["dot_abs_sum"], fp8_gather=fp8)
+        tol = Q.REL_L2_TOL_FP8_GATHER if fp8 else Q.REL_L2_TOL[prob.quant]
+        report[name] = {"rel_l2": err, "bad_elements": bad, "ok": bool(err <= tol and bad == 0)}
+    del ref
+    return report
+
+
+def run_shape(args, comm, m, *, arms_wanted, m_max, progress=None) -> dict:
+    rank = comm.rank
+    prob = Problem(m, args.n, args.k, args.quant, rank=rank, rotate=args.rotate, device=comm.device)
+    arms, ops = build_arms(arms_wanted, prob, comm, chunks=args.chunks, m_max=m_max)
+    from cco.transport.protocol import SelfTestError
+
+    self_tests = {}
+    for name, op in list(ops.items()):
+        try:
+            self_tests[name] = op.self_test(m=m)
+        except SelfTestError as err:  # bytes did not move: this arm may not post a time
+            self_tests[name] = {"error": str(err)}
+            arms.pop(name)
+        except Exception as err:  # the self-test itself broke; the output check below still gates
+            self_tests[name] = {"error": f"{type(err).__name__}: {err}"}
+    correctness = check_arms(arms, prob, rank=rank)
+    failed = [n for n, r in correctness.items() if not r["ok"]]
+    if failed:
+        for n in failed:
+            arms.pop(n)
+    timed, eager_arms = graphed(arms, args.rotate) if args.graph else (arms, list(arms))
+    idle_before = idle_check()
+    timings = time_arms(timed, passes=args.passes, iters=args.iters, rotate=args.rotate,
+                        on_pass=(lambda p: progress(p)) if progress else None)
+    idle_after = idle_check()
+    if args.trace and "fused" in timed:
+        trace(timed["fused"], args.trace, rank=rank)
+    for op in ops.values():
+        op.close()
+    del timed, arms, prob
+    torch.cuda.empty_cache()
+    base = "scaled_mm+nccl" if "scaled_mm+nccl" in timings else None
+    gemm_ref = "scaled_mm" if "scaled_mm" in timings else None
+    rows = {}
+    for name, t in timings.items():
+        row = t.as_dict()
+        if name in ("scaled_mm", "gemm-only"):
+            row["tflops"] = round(tflops(m, args.n, args.k, t.median_us), 1)
+        if base:
+            row["x_split_baseline"] = round(t.median_us / timings[base].median_us, 3)
+        if gemm_ref and name == "gemm-only":
+            row["throughput_vs_scaled_mm"] = round(timings[gemm_ref].median_us / t.median_us, 3)
+        rows[name] = row
+    return {"m": m, "n": args.n, "k": args.k, "quant": args.quant, "world": comm.world, "graph": args.graph,
+            "eager_arms": eager_arms,
+            "chunks": args.chunks or layout.DEFAULT_CHUNKS, "arms": rows, "correctness": correctness,
+            "dropped_for_wrong_output": failed, "self_test": self_tests,
+            "idle_before": idle_before, "idle_after": idle_after}
+
+
+def trace(fn, path, *, rank):
+    """Profile three calls of ``fn`` (kernels and copies on every stream) into a chrome trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    token = torch.ones(1, device="cuda")
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for i in range(3):
+            dist.all_reduce(token)  # device-side rendezvous, as in the timed loop
+            fn(i % 2)
+        torch.cuda.synchronize()
+    if rank == 0:
+        prof.export_chrome_trace(path)
+
+
+def print_table(res, file=sys.stdout):
+    print(f"[{res['m']}, {res['n']}] K={res['k']} {res['quant']} world={res['world']} "
+          f"{'graph' if res['graph'] else 'eager'} chunks={res['chunks']}", file=file)
+    for name, r in res["arms"].items():
+        extra = f" | {r['tflops']:7.1f} TFLOP/s" if "tflops" in r else ""
+        ratio = f" | {r['x_split_baseline']:.3f}x scaled_mm+nccl" if "x_split_baseline" in r else ""
+        print(f"  {name:16s} {r['median_us']:9.1f} us (spread {100 * r['spread']:4.1f}%){extra}{ratio}", file=file)
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    names = list(dict.fromkeys(n for r in results for n in r["arms"]))
+    for name in names:
+        pts = [(r["m"], r["arms"][name]["median_us"]) for r in results if name in r["arms"]]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    r0 = results[0]
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("M (rows)")
+    ax.set_ylabel("time (us), median over passes, max over ranks")
+    ax.set_title(f"gemm-ar N={r0['n']} K={r0['k']} {r0['quant']} world={r0['world']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from cco.comm import Communicator
+
+    comm = Communicator.from_env()
+    torch.cuda.set_device(comm.device)
+    arms_wanted = select_arms(args.mode, args.quant)
+    ms = SWEEP_M if args.sweep else (args.m,)
+    results = []
+    bar = None
+    if args.sweep and comm.rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(ms) * args.passes, desc="sweep", unit="pass", file=sys.stderr)
+    for m in ms:
+        res = run_shape(args, comm, m, arms_wanted=arms_wanted, m_max=m,
+                        progress=(lambda p: bar.update(1)) if bar else None)
+        results.append(res)
+        if comm.rank == 0:
+            print_table(res)
+            sys.stdout.flush()
+    if bar:
+        bar.close()
+    if comm.rank == 0:
+        payload = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                   "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]), "results": results}
+        if args.plot and args.sweep:
+            plot(results, args.plot)
+            payload["plot"] = args.plot
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(payload, f, indent=1)
+        print("RESULT_JSON " + json.dumps(payload))
+    comm.barrier()
+    comm.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,291 @@
+"""The op on NVIDIA GPUs: Triton GEMM + copy-engine transport, world 2, under torchrun.
+
+The GPU checks run in rank processes started by torchrun; the pytest test launches them when the
+machine has two NVIDIA GPUs and is skipped (with the reason) elsewhere. One host test (no GPU)
+replays the transport's submission order on in-order queues. Run the GPU part by hand with::
+
+    torchrun --nproc-per-node 2 -m tests.python.cco.test_cuda_op
+
+Guards, per check:
+- every quant x mode (gemm-only, split, fused, fused with fp8 gather) against the fp32 reference
+  sum: a wrong scale, tile order, chunk row range or peer slot shows as element mismatches;
+- ``self_test()`` passes, and fails with a silent transport (flags released, no bytes moved), so
+  the self-test can catch the trap it exists for;
+- 100 fused launches into NaN-poisoned outputs and NaN-poisoned recv/gather regions, inputs
+  alternating between two sets: a chunk that is never copied, copied before its tiles are stored, or
+  read before it lands leaves NaN or the other set's values;
+- CUDA graph capture and 100 replays with the inputs changed between replays: a wait whose target
+  does not hold on replay passes early and reads stale or NaN data;
+- alternating M between calls of one op (chunk rows, counter targets and tile tables per M).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+M, N, K = 1000, 2048, 512  # M not a multiple of the 128-row tile on purpose
+REPEATS = 100
+
+
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() and not torch.version.hip else 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(_gpus() < 2, reason=f"needs 2 NVIDIA GPUs (found {_gpus()}); the CPU path is covered by the host and multirank tests")
+def test_cuda_op_world2_under_torchrun():
+    torchrun = shutil.which("torchrun")
+    cmd = ([torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]) + [
+        "--nproc-per-node", "2", "-m", "tests.python.cco.test_cuda_op"]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "CUDA_OP_CHECKS PASSED" in proc.stdout, proc.stdout[-4000:]
+
+
+def _drains(order_of, *, world: int, chunks: int) -> bool:
+    """Replay every rank's side-stream submissions on ONE in-order hardware queue per rank (the worst
+    multiplexing of streams onto queues) and report whether every step completes.
+
+    A reduce of chunk c needs every peer's scatter of c to this rank, a gather of c this rank's
+    reduce of c, an assemble of c every peer's gather of c; the GEMM has run."""
+    queues = [list(order_of(chunks)) for _ in range(world)]
+    done = [set() for _ in range(world)]
+    needs = {
+        "scatter": lambda r, c: True,
+        "reduce": lambda r, c: all(("scatter", c) in done[p] for p in range(world) if p != r),
+        "gather": lambda r, c: ("reduce", c) in done[r],
+        "assemble": lambda r, c: all(("gather", c) in done[p] for p in range(world) if p != r),
+    }
+    progress = True
+    while progress:
+        progress = False
+        for r in range(world):
+            while queues[r] and needs[queues[r][0][0]](r, queues[r][0][1]):
+                done[r].add(queues[r].pop(0))
+                progress = True
+    return not any(queues)
+
+
+def _reduces_first(chunks):
+    """The order that hung on the H200s: every reduce submitted before the puts."""
+    return ([("reduce", c) for c in range(chunks)]
+            + [step for c in range(chunks) for step in (("scatter", c), ("gather", c))]
+            + [("assemble", c) for c in range(chunks)])
+
+
+@pytest.mark.parametrize("world", [2, 3, 8])
+@pytest.mark.parametrize("chunks", [1, 2, 4, 8])
+def test_submission_order_cannot_deadlock_on_shared_queues(world, chunks):
+    """Streams share a few hardware queues; a blocked wait holds what was submitted after it. The
+    shipped order drains even with one queue per rank; the reduces-first order deadlocks there."""
+    from cco.cuda.dma import submission_order
+
+    assert _drains(submission_order, world=world, chunks=chunks)
+    assert not _drains(_reduces_first, world=world, chunks=chunks)
+    steps = submission_order(chunks)
+    for phase in ("scatter", "reduce", "gather", "assemble"):  # every step exactly once
+        assert sorted(c for p, c in steps if p == phase) == list(range(chunks))
+
+
+# --------------------------------------------------------------------------------------------------
+# rank side (torchrun)
+# --------------------------------------------------------------------------------------------------
+def _dot_abs(prob, quant):
+    from cco import quant as Q
+
+    a = Q.dequantize_a(prob.a, prob.a_scale, quant).abs()
+    b = Q.dequantize_b(prob.b, prob.b_scale, quant).abs()
+    return a @ b.t()
+
+
+def _reference_sum(prob, quant):
+    """All-reduce reference: (sum of fp32 partials, sum of |partials|, sum of |A| @ |B|.T)."""
+    import torch.distributed as dist
+
+    from cco import quant as Q
+
+    ref = Q.reference_gemm_fp32(prob.a, prob.b, prob.a_scale, prob.b_scale, quant)
+    abs_sum, dot_abs = ref.abs(), _dot_abs(prob, quant)
+    for t in (ref, abs_sum, dot_abs):
+        dist.all_reduce(t)
+    return ref, abs_sum, dot_abs
+
+
+def _check(out, ref, *, quant: str, fp8_gather: bool, what: str):
+    """``ref``: (local fp32 GEMM, |A| @ |B|.T), or the all-reduce reference of ``_reference_sum``."""
+    from cco import quant as Q
+    from cco.benchmark import allreduce_mismatches, gemm_mismatches
+
+    tol = Q.REL_L2_TOL_FP8_GATHER if fp8_gather else Q.REL_L2_TOL[quant]
+    if len(ref) == 3:
+        ref, abs_sum, dot_abs_sum = ref
+        bad = allreduce_mismatches(out, ref, abs_sum, dot_abs_sum, fp8_gather=fp8_gather)
+    else:
+        ref, dot_abs = ref
+        bad = gemm_mismatches(out, ref, dot_abs)
+    err = Q.rel_l2(out, ref)
+    if not (err <= tol and bad == 0):
+        raise AssertionError(f"{what}: rel_l2={err:.3e} (tol {tol:.1e}), {bad} bad elements")
+    return err
+
+
+def _problems(rank, quant, m, device, seeds=(0, 1)):
+    from cco import quant as Q
+    from cco.preshuffle import preshuffle_b
+
+    probs = [Q.random_problem(m, N, K, quant, seed=100 * rank + s, device=device) for s in seeds]
+    # one weight per rank (the op is built per weight); activations vary
+    b, b_s = probs[0].b, probs[0].b_scale
+    probs = [Q.Problem(quant, p.a, b, p.a_scale, b_s) for p in probs]
+    return probs, preshuffle_b(b)
+
+
+def _poison(op):
+    w = op.config.window
+    op.window.tensor(w.recv, rank=op.rank).fill_(float("nan"))
+    op.window.tensor(w.gather, rank=op.rank).view(torch.uint8).fill_(0xFF)  # NaN in bf16 and in e4m3
+    torch.cuda.synchronize()
+    op.comm.barrier()
+
+
+def _fused_into(op, prob, b_pre, out):
+    """One collective call that writes a caller-poisoned ``out`` (the op allocates its own)."""
+    op._collective(lambda plan: op._backend.fused(prob.a, b_pre, prob.a_scale, prob.b_scale, out=out, plan=plan),
+                   prob.a.shape[0])
+
+
+def rank_main():
+    from cco import quant as Q
+    from cco.comm import Communicator
+    from cco.op import GemmAllReduceOp
+    from cco.transport import FaultPlan
+    from cco.transport.protocol import SelfTestError
+
+    comm = Communicator.from_env()
+    torch.cuda.set_device(comm.device)
+    rank, dev = comm.rank, comm.device
+    log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+
+    failures = []
+    for quant in Q.QUANTS:
+        probs, b_pre = _problems(rank, quant, M, dev)
+        refs = [_reference_sum(p, quant) for p in probs]
+        local = (Q.reference_gemm_fp32(probs[0].a, probs[0].b, probs[0].a_scale, probs[0].b_scale, quant),
+                 _dot_abs(probs[0], quant))
+        for mode, gather in (("gemm-only", "bf16"), ("split", "bf16"), ("fused", "bf16"), ("fused", "fp8")):
+            fp8 = gather == "fp8"
+            with GemmAllReduceOp(comm, n=N, k=K, m_max=M, quant=quant, mode=mode, gather_dtype=gather) as op:
+                p = probs[0]
+
+                def first_call():
+                    out = op(p.a, b_pre, p.a_scale, p.b_scale)
+                    err = _check(out, local if mode == "gemm-only" else refs[0], quant=quant, fp8_gather=fp8,
+                                 what=f"{quant} {mode} {gather}")
+                    log(f"ok {quant:10s} {mode:9s} gather={gather}: rel_l2 {err:.2e}")
+                checks = [first_call] if mode == "gemm-only" else [first_call, lambda: op.self_test()]
+                if mode == "fused" and not fp8:
+                    checks += [lambda: _repeat_poisoned(op, probs, b_pre, refs, log, quant),
+                               lambda: _graph_replays(op, probs, b_pre, refs, log, quant),
+                               lambda: _alternating_m(comm, op, quant, b_pre, probs, log)]
+                for check in checks:  # keep going so one run reports every failing check
+                    try:
+                        check()
+                    except Exception as err:
+                        failures.append(f"{quant} {mode} {gather}: {type(err).__name__}: {err}")
+                        log("FAIL", failures[-1])
+                        torch.cuda.synchronize()
+                        comm.barrier()
+    # the self-test must fail when the transport moves nothing
+    with GemmAllReduceOp(comm, n=N, k=K, m_max=M, mode="fused", faults=FaultPlan(silent=True)) as op:
+        try:
+            op.self_test()
+        except SelfTestError:
+            log("ok self_test fails on a silent transport")
+        except Exception as err:
+            failures.append(f"silent transport: self_test raised {type(err).__name__}: {err}")
+        else:
+            failures.append("silent transport: self_test passed with a transport that moved no bytes")
+    comm.barrier()
+    if failures:
+        raise SystemExit("CUDA_OP_CHECKS FAILED:\n" + "\n".join(failures))
+    log("CUDA_OP_CHECKS PASSED")
+    comm.close()
+
+
+def _repeat_poisoned(op, probs, b_pre, refs, log, quant):
+    bad_total = 0
+    for i in range(REPEATS):
+        j = i % 2
+        out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=op.comm.device)
+        _poison(op)
+        _fused_into(op, probs[j], b_pre, out)
+        torch.cuda.synchronize()
+        bad = int((~torch.isfinite(out.float())).sum()) + _bad(out, refs[j])
+        bad_total += bad
+        if bad:
+            raise AssertionError(f"{quant} fused launch {i}: {bad} bad elements")
+    op._backend.check()
+    log(f"ok {quant:10s} {REPEATS} fused launches into NaN-poisoned out/recv/gather: 0 bad elements")
+
+
+def _bad(out, ref):
+    from cco.benchmark import allreduce_mismatches
+
+    total, abs_sum, dot_abs_sum = ref
+    return allreduce_mismatches(out, total, abs_sum, dot_abs_sum, fp8_gather=False)
+
+
+def _graph_replays(op, probs, b_pre, refs, log, quant):
+    static = [t.clone() for t in (probs[0].a, probs[0].a_scale)]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        op(static[0], b_pre, static[1], probs[0].b_scale)  # warm outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    op.comm.barrier()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = op(static[0], b_pre, static[1], probs[0].b_scale)
+    torch.cuda.synchronize()
+    op.comm.barrier()
+    for i in range(REPEATS):
+        j = i % 2
+        static[0].copy_(probs[j].a)
+        static[1].copy_(probs[j].a_scale)
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        bad = _bad(out, refs[j])
+        if bad:
+            raise AssertionError(f"{quant} graph replay {i}: {bad} bad elements")
+    log(f"ok {quant:10s} CUDA graph captured, {REPEATS} replays with changing inputs: 0 bad elements")
+    # eager calls after replays still agree (words consumed, not left behind by the replays)
+    out = op(probs[1].a, b_pre, probs[1].a_scale, probs[1].b_scale)
+    if _bad(out, refs[1]):
+        raise AssertionError(f"{quant}: eager call after graph replays is wrong")
+
+
+def _alternating_m(comm, op, quant, b_pre, probs, log):
+    for m in (M, 256, 1, M, 129, 640, M):
+        p = probs[m % 2]
+        a, a_s = p.a[:m], p.a_scale[:m]
+        if quant == "blockscale":  # column-major [M, K/128] slice keeps stride (1, M_full): re-layout
+            a_s = a_s.t().contiguous().t()
+        ref = _reference_sum(type(p)(quant, a, p.b, a_s, p.b_scale), quant)
+        out = op(a, b_pre, a_s, p.b_scale)
+        if _bad(out, ref):
+            raise AssertionError(f"{quant}: alternating M, call with M={m} is wrong")
+    log(f"ok {quant:10s} alternating M (1000, 256, 1, 1000, 129, 640, 1000)")
+
+
+if __name__ == "__main__":
+    rank_main()

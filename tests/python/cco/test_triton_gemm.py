@@ -1,0 +1,155 @@
+"""The NVIDIA Triton kernels run on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``).
+
+What runs here is the kernels' indexing, scaling and epilogue protocol at small sizes; what the
+interpreter cannot show (wgmma code generation, memory ordering between programs, speed) is covered
+by ``test_cuda_op.py`` on the GPUs. The interpreter rounds fp32 -> bf16 and fp32 -> e4m3 by
+truncation, not to nearest, so the relative-L2 bounds here are twice the GPU ones; the element-wise
+mismatch count (5 %) is the same.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from cco import layout
+from cco import quant as Q
+
+# The interpreter must be chosen before triton is imported (its standard library is built at import).
+if "triton" not in sys.modules and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+triton = pytest.importorskip("triton")
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+if not isinstance(triton.language.standard.zeros, InterpretedFunction):
+    pytest.skip("triton was imported without its interpreter before this module could enable it (or a GPU is "
+                "present); run with TRITON_INTERPRET=1 in the environment", allow_module_level=True)
+
+M, N, K = 96, 256, 256  # M is not a multiple of the 32-row interpreter tile
+TRUNCATION = 2.0  # interpreter rounding: truncation instead of round-to-nearest
+
+
+@pytest.fixture(autouse=True)
+def interpreter():
+    """The kernels are built lazily; make sure this module's runs get interpreted builds."""
+    from cco.cuda import kernels
+    from kernels_fused import triton_gemm
+
+    triton_gemm._kernel.cache_clear()
+    kernels._kernels.cache_clear()
+    yield
+
+
+def _assert_close(out, ref, quant, what):
+    assert Q.count_mismatches(out, ref) == 0, what
+    assert Q.rel_l2(out, ref) < TRUNCATION * Q.REL_L2_TOL[quant], what
+
+
+@pytest.mark.parametrize("quant", Q.QUANTS)
+def test_plain_gemm_matches_reference(quant):
+    """fuse=False: every scale format applied per row / per 128-block / per 32-group correctly."""
+    from kernels_fused.triton_gemm import fp8_gemm
+
+    p = Q.random_problem(M, N, K, quant, seed=7)
+    out = fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant=quant)
+    _assert_close(out, p.reference(), quant, f"{quant} gemm-only")
+
+
+@pytest.mark.parametrize("world", [2, 3], ids=lambda w: f"world{w}")
+@pytest.mark.parametrize("quant", Q.QUANTS)
+def test_fused_epilogue_writes_partial_and_counts_tiles(quant, world):
+    """fuse=True: tiles land in partial[dest] (dest-major column slices) and each (dest, chunk)
+    counter ends at exactly the layout's per-call target: a tile written twice, skipped, or counted
+    on the wrong slice breaks the copy engines' trigger."""
+    from kernels_fused.triton_gemm import default_config, fp8_gemm, tile_table_tensor
+
+    n = 128 * world  # blockscale needs N % 128 == 0; the slice must be a multiple of the 64-wide tile
+    p = Q.random_problem(M, n, K, quant, seed=world)
+    ref = p.reference()
+    gc = default_config(quant, interpret=True)
+    cfg = layout.build_config(n=n, k=K, m_max=M, world=world, quant=quant, chunks=3,
+                              block_m=gc.block_m, block_n=gc.block_n)
+    for rank in range(world):
+        plan = layout.plan_call(cfg, m=M, seq=1, rank=rank, counter_base=layout.zero_counters(world))
+        partial = torch.full((world, cfg.m_max_padded, cfg.n_slice), float("nan"), dtype=torch.bfloat16)
+        counters = torch.zeros(world * layout.MAX_CHUNKS, dtype=torch.int64)
+        fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant=quant, out=partial, fuse=True,
+                 tile_table=tile_table_tensor(layout.tile_table_rows(plan.tiles), device="cpu"),
+                 counters=counters, config=gc)
+        assert counters.view(world, layout.MAX_CHUNKS).tolist() == [list(t) for t in plan.counter_targets]
+        full = partial.permute(1, 0, 2).reshape(cfg.m_max_padded, n)[:M]
+        _assert_close(full, ref, quant, f"{quant} fused rank {rank}/{world}")
+
+
+def test_fused_requires_table_and_counters():
+    from kernels_fused.triton_gemm import fp8_gemm
+
+    p = Q.random_problem(M, N, K, "ptpc", seed=1)
+    partial = torch.zeros(2, M, N // 2, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="fuse=True needs"):
+        fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="ptpc", out=partial, fuse=True)
+    with pytest.raises(ValueError, match="out must be a bf16"):
+        fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="ptpc", out=torch.zeros(M, N))
+
+
+@pytest.mark.parametrize("gather", ["bf16", "fp8"])
+@pytest.mark.parametrize("world", [2, 3], ids=lambda w: f"world{w}")
+def test_reduce_chunk_sums_sources_and_flags_stamp_mismatch(world, gather):
+    """The CUDA reduce kernel: own partial + every peer's recv slot, in fp32, into gather[rank] and
+    the own columns of out; a peer stamp for another (seq, m) is reported in status."""
+    from cco.cuda.kernels import STATUS_PEER_M_MISMATCH, dequant_chunk, reduce_chunk
+
+    rows_max, ns, m = 40, 96, 37
+    g = torch.Generator().manual_seed(world)
+    fp8 = gather == "fp8"
+    for rank in range(world):
+        partial = (torch.randn(world, rows_max, ns, generator=g) * 4).bfloat16()
+        recv = (torch.randn(world, rows_max, ns, generator=g) * 4).bfloat16()
+        gbuf = torch.zeros(world, rows_max, ns, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
+        gscale = torch.ones(world, rows_max) if fp8 else None
+        out = torch.full((m, world * ns), float("nan"), dtype=torch.bfloat16)
+        stamp = 12345
+        scatter_m = torch.full((world,), stamp, dtype=torch.int64)
+        bad_src = (rank + 1) % world
+        scatter_m[bad_src] = stamp + 1
+        status = torch.zeros(1, dtype=torch.int64)
+        for rows in ((0, 20), (20, m)):
+            reduce_chunk(partial=partial, recv=recv, gather=gbuf, gather_scale=gscale, out=out,
+                         scatter_m=scatter_m, status=status, rank=rank, rows=rows, stamp=stamp)
+        ref = partial[rank, :m].float() + sum(recv[s, :m].float() for s in range(world) if s != rank)
+        own = out[:, rank * ns:(rank + 1) * ns].float()
+        tol = TRUNCATION * (Q.REL_L2_TOL_FP8_GATHER if fp8 else Q.REL_L2_TOL["ptpc"])
+        assert Q.rel_l2(own, ref) < tol
+        stored = gbuf[rank, :m].float() * (gscale[rank, :m, None] if fp8 else 1.0)
+        assert Q.rel_l2(stored, ref) < tol  # what peers receive is the same reduced value
+        assert status.item() == STATUS_PEER_M_MISMATCH + bad_src
+        if fp8:
+            for rows in ((0, 20), (20, m)):
+                dequant_chunk(gather=gbuf, gather_scale=gscale, out=out, rank=rank, rows=rows)
+            assert torch.isfinite(out.float()).all()
+            for o in range(world):
+                expect = gbuf[o, :m].float() * gscale[o, :m, None]
+                assert Q.rel_l2(out[:, o * ns:(o + 1) * ns], expect) < 1e-2
+
+
+def test_wide_kernel_tile_counts_for_both_layout_tiles():
+    """A kernel tile two layout tiles wide (the NVIDIA fused launch at N/W = 3584) keeps the layout's
+    order and counter targets: it adds 2 per program."""
+    from kernels_fused.triton_gemm import GemmConfig, fp8_gemm, merge_tile_pairs, tile_table_tensor
+
+    world, n = 2, 512
+    p = Q.random_problem(M, n, K, "ptpc", seed=11)
+    cfg = layout.build_config(n=n, k=K, m_max=M, world=world, chunks=2, block_m=32, block_n=64)
+    plan = layout.plan_call(cfg, m=M, seq=1, rank=1, counter_base=layout.zero_counters(world))
+    rows = merge_tile_pairs(layout.tile_table_rows(plan.tiles), layout_block_n=cfg.block_n)
+    assert len(rows) * 2 == len(plan.tiles)
+    partial = torch.full((world, cfg.m_max_padded, cfg.n_slice), float("nan"), dtype=torch.bfloat16)
+    counters = torch.zeros(world * layout.MAX_CHUNKS, dtype=torch.int64)
+    fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="ptpc", out=partial, fuse=True, tile_weight=2,
+             tile_table=tile_table_tensor(rows, device="cpu"), counters=counters,
+             config=GemmConfig(block_m=32, block_n=128, num_warps=4, num_stages=1))
+    assert counters.view(world, layout.MAX_CHUNKS).tolist() == [list(t) for t in plan.counter_targets]
+    _assert_close(partial.permute(1, 0, 2).reshape(cfg.m_max_padded, n)[:M], p.reference(), "ptpc", "wide tiles")
