@@ -22,36 +22,10 @@ from dataclasses import replace
 
 import numpy as np
 
+from .cli_args import loop_count as _loop_count, onoff as _onoff, shape as _shape, tile as _tile
 from .happens_before import check
 from .schedule import QUANTS, VARIANTS, build_schedule
 from .simulator import LatencyModel, read_slack_cycles, run_launches
-
-
-def _shape(text: str) -> tuple:
-    try:
-        m, n, k = (int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--shape {text!r}: expected MxNxK such as 4096x7168x256") from None
-    return m, n, k
-
-
-def _tile(text: str) -> tuple:
-    try:
-        m, n = (int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--tile {text!r}: expected BLOCK_MxBLOCK_N") from None
-    return m, n
-
-
-def _onoff(text: str) -> bool:
-    if text not in ("on", "off"):
-        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
-    return text == "on"
-
-
-def _loop_count(text: str):
-    return int(text) if text.isdigit() else text
 
 
 def _site(read) -> str:

@@ -15,30 +15,12 @@ import argparse
 import sys
 from collections import Counter
 
+from .cli_args import loop_count as _loop_count, onoff as _onoff, tile as _parse_tile
 from .happens_before import Report, check
 from .schedule import QUANTS, VARIANTS, build_schedule
 
 TILES = ("256x256", "128x256", "256x128")
 KS = (256, 384, 512, 1024, 2048, 8192)
-
-
-def _parse_tile(text: str) -> tuple:
-    try:
-        m, n = (int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--tile {text!r}: expected BLOCK_MxBLOCK_N such as 256x256") from None
-    return m, n
-
-
-def _onoff(text: str) -> bool:
-    if text not in ("on", "off"):
-        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
-    return text == "on"
-
-
-def _loop_count(text: str):
-    return int(text) if text.isdigit() else text
 
 
 def _groups(items, key) -> list:

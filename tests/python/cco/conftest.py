@@ -2,6 +2,18 @@ import os
 
 import pytest
 
+# Without a GPU, Triton kernels run in Triton's interpreter; it must be chosen before triton is
+# imported, so it is set here rather than in the test module that happens to import triton first.
+if not os.environ.get("CCO_TEST_GPU"):
+    try:
+        import torch
+
+        _gpu = torch.cuda.is_available()
+    except ImportError:
+        _gpu = False
+    if not _gpu:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_collection_modifyitems(config, items):
     # Unmarked tests are host-only: pure Python, no GPU, no DSL, no processes.

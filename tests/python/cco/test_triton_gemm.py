@@ -9,18 +9,13 @@ mismatch count (5 %) is the same.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
 from cco import layout
 from cco import quant as Q
 
-# The interpreter must be chosen before triton is imported (its standard library is built at import).
-if "triton" not in sys.modules and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+# conftest.py turns the interpreter on (before anything imports triton) on machines without a GPU.
 triton = pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
