@@ -549,3 +549,7 @@ def compile_fused_gemm_scatter(rank: int, world: int, *, K: int, BLOCK_M: int = 
     cfg = kernel_config(K=K, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, quant=quant, fuse=fuse, variant=variant,
                         loop_count=loop_count, mfma_barriers=mfma_barriers, fn=fn)
     return GemmScatterLauncher(cfg=cfg, rank=rank, world=world, chunks=chunks)
+
+
+# the op picks its gfx950 backend from here (cco.op.select_backend)
+from kernels_fused.gfx950_backend import Gfx950Backend  # noqa: E402,F401

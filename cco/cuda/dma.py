@@ -39,7 +39,8 @@ from __future__ import annotations
 import torch
 
 from cco import layout
-from cco.cuda import kernels, memops
+from cco.cuda import kernels
+from cco.cuda import memops as cuda_memops
 from cco.transport.base import stamp_seq_m
 
 _WORD = 8  # bytes of one int64 counter or flag
@@ -72,7 +73,8 @@ def submission_order(chunks: int) -> list[tuple[str, int]]:
 class CopyEngineSchedule:
     """Streams, events and window addresses of the ``dma`` transport for one op on one rank."""
 
-    def __init__(self, *, config: layout.OpConfig, window, device: torch.device, silent: bool = False):
+    def __init__(self, *, config: layout.OpConfig, window, device: torch.device, silent: bool = False, memops=None):
+        self.memops = cuda_memops if memops is None else memops
         self.cfg = config
         self.rank, self.world = window.rank, window.world
         self.silent = silent  # fault injection: flags released, no bytes moved (self_test must catch it)
@@ -101,11 +103,11 @@ class CopyEngineSchedule:
         }
         self.status = torch.zeros(1, dtype=torch.int64, device=device)
         # probe (and warm the fallback kernels) now: neither may happen inside a graph capture
-        self.capture_memops = memops.capture_supported(self.status.device.index)
+        self.capture_memops = self.memops.capture_supported(self.status.device.index)
         if not self.capture_memops:
             scratch = torch.ones(1, dtype=torch.int64, device=device)
-            memops.write_kernel(None, scratch.data_ptr(), 1)
-            memops.wait_geq_kernel(None, scratch.data_ptr(), 1)
+            self.memops.write_kernel(None, scratch.data_ptr(), 1)
+            self.memops.wait_geq_kernel(None, scratch.data_ptr(), 1)
             torch.cuda.synchronize(device)
         with torch.cuda.device(device):
             lo, hi = torch.cuda.Stream.priority_range()
@@ -132,16 +134,16 @@ class CopyEngineSchedule:
     def _wait(self, stream: torch.cuda.Stream, addr: int, value: int) -> None:
         if self._use_kernels():
             with torch.cuda.stream(stream):
-                memops.wait_geq_kernel(stream, addr, value)
+                self.memops.wait_geq_kernel(stream, addr, value)
         else:
-            memops.wait_geq(stream.cuda_stream, addr, value)
+            self.memops.wait_geq(stream.cuda_stream, addr, value)
 
     def _write(self, stream: torch.cuda.Stream, addr: int, value: int) -> None:
         if self._use_kernels():
             with torch.cuda.stream(stream):
-                memops.write_kernel(stream, addr, value)
+                self.memops.write_kernel(stream, addr, value)
         else:
-            memops.write(stream.cuda_stream, addr, value)
+            self.memops.write(stream.cuda_stream, addr, value)
 
     # ---- one call -----------------------------------------------------------------------------------
     def begin(self, plan: layout.CallPlan) -> None:
@@ -204,7 +206,7 @@ class CopyEngineSchedule:
             self._write(s, self._addr(peer["scatter_m"], r), stamp_seq_m(plan.seq, plan.m))
         off, nbytes = self._rows_bytes(self.partial, plan.rows[c])
         if not self.silent:
-            memops.copy(s.cuda_stream, peer["recv"][r].data_ptr() + off, self.partial[p].data_ptr() + off, nbytes)
+            self.memops.copy(s.cuda_stream, peer["recv"][r].data_ptr() + off, self.partial[p].data_ptr() + off, nbytes)
         self._write(s, self._addr(peer["scatter_flags"], layout.counter_index(r, c)), plan.seq)
 
     def _gather_chunk(self, plan, p, c):
@@ -212,10 +214,10 @@ class CopyEngineSchedule:
         s.wait_event(self.reduced[c])
         off, nbytes = self._rows_bytes(self.gather, plan.rows[c])
         if not self.silent:
-            memops.copy(s.cuda_stream, peer["gather"][r].data_ptr() + off, self.gather[r].data_ptr() + off, nbytes)
+            self.memops.copy(s.cuda_stream, peer["gather"][r].data_ptr() + off, self.gather[r].data_ptr() + off, nbytes)
             if self.gather_scale is not None:
                 r0, r1 = plan.rows[c]
-                memops.copy(s.cuda_stream, peer["gather_scale"][r].data_ptr() + r0 * 4,
+                self.memops.copy(s.cuda_stream, peer["gather_scale"][r].data_ptr() + r0 * 4,
                             self.gather_scale[r].data_ptr() + r0 * 4, (r1 - r0) * 4)
         self._write(s, self._addr(peer["gather_flags"], layout.counter_index(r, c)), plan.seq)
 
@@ -247,7 +249,7 @@ class CopyEngineSchedule:
                 kernels.dequant_chunk(gather=self.gather, gather_scale=self.gather_scale, out=out, rank=r, rows=(r0, r1))
                 return
             for o in self.peers:
-                memops.copy_2d(s.cuda_stream, dst=out.data_ptr() + (r0 * out.stride(0) + o * ns) * 2,
+                self.memops.copy_2d(s.cuda_stream, dst=out.data_ptr() + (r0 * out.stride(0) + o * ns) * 2,
                                dst_pitch=out.stride(0) * 2, src=self.gather[o].data_ptr() + r0 * ns * 2,
                                src_pitch=ns * 2, width=ns * 2, height=r1 - r0)
 

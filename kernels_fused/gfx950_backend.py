@@ -1,0 +1,381 @@
+"""gfx950 (MI355X) backend: the FlyDSL fp8 GEMM (``kernels_fused.gemm_gfx950``) and the SDMA ``dma``
+transport over a torch symmetric-memory window.
+
+What runs where, per call:
+
+- ``gemm``: one FlyDSL launch, ``fuse=False``, writing ``out`` directly.
+- ``fused``: one FlyDSL launch, ``fuse=True``: tiles into ``partial[dest]`` in the layout's
+  (chunk, dest, m, n) order, one acq_rel add per tile on ``counters[dest, chunk]``; SDMA puts start
+  on each (dest, chunk) as soon as its counter completes, while the GEMM still runs; reduce, gather
+  and assemble follow chunk by chunk on side streams.
+- ``split``: the same launch, then the same transfers gated on the whole GEMM (the baseline).
+
+Shared with the NVIDIA backend (one source of truth, nothing restated here): the per-call stream
+schedule (``cco.cuda.dma.CopyEngineSchedule``: submission order, consumed-word graph safety, the
+Triton reduce/gather kernels of ``cco.cuda.kernels``), and the mode orchestration of
+``cco.backends.cuda.CudaBackend`` (``fused``/``split``/``all_reduce_window``/``check``/``close``),
+which this class inherits. What differs is the GEMM (FlyDSL, preshuffled weight read as is, so no
+unshuffled copy is kept) and the stream memory operations: :class:`HipMemOps` reaches the SDMA
+engines with ``hipMemcpyAsync`` between peer-mapped buffers, gated by ``hipStreamWaitValue64`` and
+flagged by ``hipStreamWriteValue64`` (the ``hip-python`` package, imported on first use).
+
+The schedule takes its memory operations as a ``memops`` object (``cco.cuda.memops`` on NVIDIA,
+:class:`HipMemOps` here), so the transfers, their submission order and their graph safety are one
+piece of code for both vendors.
+
+Tile: the layout's tile is the kernel's, 256 x 128: 128 divides N/world for N = 7168 up to 8 ranks,
+and 256x128 is the tile every quant compiles without spills (docs/GFX950.md, resources table). The
+plain GEMM uses 256 x 256 for ptpc where N allows it (no spills at any K there; blockscale and mxfp8
+spill at 256 x 256, so they keep 256 x 128). Both choices are untimed until MI355X runs exist.
+
+Not covered, as on CUDA: a device-side wait has no deadline, so lost-put faults cannot be injected
+(a lost put would hang); ``transport="lsa"`` needs the kernel's epilogue to store into the owner's
+window (a per-destination peer base pointer), which the FlyDSL kernel does not have.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from cco import layout
+from cco.backends.base import Backend
+from cco.backends.cuda import CudaBackend
+
+GEMM_BLOCK_M = 256  # the 8-wave kernel's rows per workgroup; also the layout's m-tile
+GEMM_BLOCK_N = 128  # divides N/world for N = 7168 up to 8 ranks; the tile mxfp8 compiles without spills
+WIDE_BLOCK_N = 256  # plain ptpc GEMM (no slices) when N allows it
+HIP_PACKAGE = "hip-python"
+
+
+# --------------------------------------------------------------------------------------------------
+# launch arguments: pure functions of the layout (unit-tested without a device)
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class FusedLaunchArgs:
+    """What one ``fuse=True`` launch of call ``plan`` receives, and what the transport waits for."""
+
+    block_m: int
+    block_n: int
+    tile_rows: tuple[tuple[int, int, int, int], ...]  # per workgroup: (chunk, dest, row0, col0 in dest's slice)
+    partial_shape: tuple[int, int, int]  # C_or_window: [world, c_rows, c_ld]
+    partial_offset: int  # bytes from the window start
+    counters_offset: int
+    counter_words: int  # the kernel's counters tensor: [world * MAX_CHUNKS] int64
+    chunk_targets: tuple[tuple[int, ...], ...]  # [world][chunks]: counters[d, c] value that completes (d, c)
+
+    @property
+    def grid(self) -> int:
+        return len(self.tile_rows)
+
+    @property
+    def c_rows(self) -> int:  # rows of one partial[dest] plane (m_max padded to block_m)
+        return self.partial_shape[1]
+
+    @property
+    def c_ld(self) -> int:  # columns of one plane: N / world
+        return self.partial_shape[2]
+
+
+def fused_launch_args(cfg: layout.OpConfig, plan: layout.CallPlan) -> FusedLaunchArgs:
+    """The fused launch of ``plan``. Counters are zeroed at each call's start (as on CUDA: a stream
+    wait's value is baked into a captured graph), so a chunk completes at its per-call tile count."""
+    w = cfg.window
+    targets = tuple(tuple(plan.counter_targets[d][c] - plan.counter_base[d][c] for c in range(plan.chunks))
+                    for d in range(cfg.world))
+    return FusedLaunchArgs(
+        block_m=cfg.block_m, block_n=cfg.block_n,
+        tile_rows=tuple(tuple(r) for r in layout.tile_table_rows(plan.tiles)),
+        partial_shape=tuple(w.partial.shape), partial_offset=w.partial.offset,
+        counters_offset=w.counters.offset, counter_words=w.counters.shape[0] * w.counters.shape[1],
+        chunk_targets=targets)
+
+
+def gemm_tile(*, n: int, quant: str) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) of the plain GEMM: 256x256 for ptpc when N allows, else 256x128 (blockscale
+    256x256 spills up to 45 VGPRs at K >= 512, mxfp8 up to 9 at K >= 384: docs/GFX950.md)."""
+    if quant == "ptpc" and n % WIDE_BLOCK_N == 0:
+        return GEMM_BLOCK_M, WIDE_BLOCK_N
+    return GEMM_BLOCK_M, GEMM_BLOCK_N
+
+
+def gemm_grid(*, m: int, n: int, block_m: int, block_n: int) -> int:
+    """Workgroups of the plain GEMM: whole m-tiles times n-tiles (rows past M are masked)."""
+    assert n % block_n == 0, f"n={n} is not a multiple of block_n={block_n}"
+    return -(-m // block_m) * (n // block_n)
+
+
+def kernel_tile_reason(*, block_m: int, block_n: int) -> str | None:
+    """``None`` when the FlyDSL kernel compiles a ``block_m x block_n`` tile, else why not."""
+    from kernels_fused.gemm_gfx950 import TILES  # pure module: imports no flydsl
+
+    if (block_m, block_n) in TILES:
+        return None
+    return (f"tile {block_m}x{block_n} is not one the gfx950 kernel compiles "
+            f"({', '.join(f'{m}x{n}' for m, n in TILES)})")
+
+
+# --------------------------------------------------------------------------------------------------
+# stream memory operations on ROCm
+# --------------------------------------------------------------------------------------------------
+class MemOps(Protocol):
+    """What the copy-engine schedule needs from a device runtime. ``cco.cuda.memops`` (the module)
+    is the CUDA implementation, :class:`HipMemOps` the ROCm one. Streams are integer handles
+    (``torch.cuda.Stream.cuda_stream``), addresses integer device pointers (peer ones included)."""
+
+    def wait_geq(self, stream: int, addr: int, value: int) -> None: ...
+
+    def write(self, stream: int, addr: int, value: int) -> None: ...
+
+    def copy(self, stream: int, dst: int, src: int, nbytes: int) -> None: ...
+
+    def copy_2d(self, stream: int, *, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int,
+                height: int) -> None: ...
+
+    def capture_supported(self, device_index: int) -> bool: ...
+
+    def wait_geq_kernel(self, stream, addr: int, value: int) -> None: ...
+
+    def write_kernel(self, stream, addr: int, value: int) -> None: ...
+
+
+@functools.cache
+def _hip():
+    try:
+        from hip import hip
+    except ImportError as err:
+        raise ImportError(
+            f"Gfx950Backend: the SDMA transport needs the {HIP_PACKAGE} package (`from hip import hip`); "
+            f"install the release matching the ROCm runtime, e.g. pip install {HIP_PACKAGE}~=6.4") from err
+    return hip
+
+
+def _check(result, what: str):
+    """hip-python returns ``(hipError_t, *outputs)``; raise on an error, else return the outputs."""
+    hip = _hip()
+    err, *outputs = result if isinstance(result, tuple) else (result,)
+    if err != hip.hipError_t.hipSuccess:
+        raise RuntimeError(f"{what} failed: {err}")
+    return outputs
+
+
+class HipMemOps:
+    """:class:`MemOps` through the HIP runtime (``hip-python``).
+
+    - ``wait_geq``: ``hipStreamWaitValue64(..., hipStreamWaitValueGte, all-ones mask)``; HIP compares
+      unsigned (``*addr >= value``), the same as CUDA's cyclic GEQ for the counts and seqs used here
+      (both grow from 0 and stay far below 2**63).
+    - ``write``: ``hipStreamWriteValue64``: performed after all earlier work of the stream.
+    - ``copy``: ``hipMemcpyAsync`` with ``hipMemcpyDeviceToDeviceNoCU``: the SDMA engines, never a
+      blit kernel that would take CUs from the GEMM.
+    - ``copy_2d``: ``hipMemcpy2DAsync`` device to device (local pitched assemble copy; the runtime
+      may use a blit kernel, as the CUDA driver does).
+    - the spin/store kernel fallbacks are the Triton kernels of ``cco.cuda.memops`` (device-neutral).
+
+    Nothing is imported until the first call.
+    """
+
+    def wait_geq(self, stream: int, addr: int, value: int) -> None:
+        hip = _hip()
+        _check(hip.hipStreamWaitValue64(stream, addr, value, hip.hipStreamWaitValueGte, 0xFFFF_FFFF_FFFF_FFFF),
+               "hipStreamWaitValue64")
+
+    def write(self, stream: int, addr: int, value: int) -> None:
+        _check(_hip().hipStreamWriteValue64(stream, addr, value, 0), "hipStreamWriteValue64")
+
+    def copy(self, stream: int, dst: int, src: int, nbytes: int) -> None:
+        if nbytes:
+            hip = _hip()
+            _check(hip.hipMemcpyAsync(dst, src, nbytes, hip.hipMemcpyKind.hipMemcpyDeviceToDeviceNoCU, stream),
+                   "hipMemcpyAsync")
+
+    def copy_2d(self, stream: int, *, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int,
+                height: int) -> None:
+        if width and height:
+            hip = _hip()
+            _check(hip.hipMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, height,
+                                        hip.hipMemcpyKind.hipMemcpyDeviceToDevice, stream), "hipMemcpy2DAsync")
+
+    def wait_geq_kernel(self, stream, addr: int, value: int) -> None:
+        from cco.cuda import memops
+
+        memops.wait_geq_kernel(stream, addr, value)
+
+    def write_kernel(self, stream, addr: int, value: int) -> None:
+        from cco.cuda import memops
+
+        memops.write_kernel(stream, addr, value)
+
+    def supported(self, device_index: int) -> str | None:
+        """``None`` when the device runs 64-bit stream waits, else why not."""
+        hip = _hip()
+        try:
+            (ok,) = _check(hip.hipDeviceGetAttribute(
+                hip.hipDeviceAttribute_t.hipDeviceAttributeCanUseStreamWaitValue, device_index),
+                "hipDeviceGetAttribute")
+        except (RuntimeError, AttributeError) as err:
+            return f"stream memory operations unavailable: {err}"
+        return None if ok else "the device does not support stream wait-value operations"
+
+    def capture_supported(self, device_index: int) -> bool:
+        """Whether a HIP graph captures and replays a stream write and wait on this device (probed once)."""
+        return _capture_supported(self, device_index)
+
+
+@functools.cache
+def _capture_supported(memops: HipMemOps, device_index: int) -> bool:
+    word = torch.zeros(1, dtype=torch.int64, device=f"cuda:{device_index}")
+    stream = torch.cuda.Stream(device=word.device)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            memops.write(stream.cuda_stream, word.data_ptr(), 1)
+            memops.wait_geq(stream.cuda_stream, word.data_ptr(), 1)
+        graph.replay()
+        torch.cuda.synchronize(word.device)
+        return int(word.item()) == 1
+    except RuntimeError:
+        torch.cuda.synchronize(word.device)
+        return False
+
+
+def copy_engine_schedule():
+    """The shared copy-engine schedule class (a seam the host tests replace with a recorder)."""
+    from cco.cuda.dma import CopyEngineSchedule
+
+    return CopyEngineSchedule
+
+
+# --------------------------------------------------------------------------------------------------
+# the backend
+# --------------------------------------------------------------------------------------------------
+def gfx950_reason(device) -> str | None:
+    """``None`` when ``device`` is a ROCm gfx950 GPU, else why not. Compiles and launches nothing."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"Gfx950Backend runs on a ROCm gfx950 (MI355X) device, not {device}"
+    if getattr(torch.version, "hip", None) is None:
+        return (f"Gfx950Backend runs on a ROCm gfx950 (MI355X) device; {device} is an NVIDIA device "
+                f"(torch {torch.__version__} is not a ROCm build): use CudaBackend")
+    arch = torch.cuda.get_device_properties(device).gcnArchName.split(":")[0]
+    if arch != "gfx950":
+        return f"Gfx950Backend runs on gfx950 (MI355X); {device} is {arch}"
+    return None
+
+
+class Gfx950Backend(CudaBackend):
+    """The op's executor on MI355X. Inherits ``fused``, ``split``, ``all_reduce_window``, ``check``
+    and ``close`` from :class:`CudaBackend` (device-neutral: torch streams and events, the shared
+    schedule); replaces device probing, construction and the GEMM launches."""
+
+    name = "gfx950"
+    block_m = GEMM_BLOCK_M
+    block_n = GEMM_BLOCK_N
+
+    @classmethod
+    def supports_device(cls, device):
+        why = gfx950_reason(device)
+        if why is not None:
+            return why
+        for module, package in (("flydsl", "flydsl"), ("triton", "triton")):
+            try:
+                __import__(module)
+            except ImportError:
+                return f"Gfx950Backend needs {package} (pip install {package})"
+        return None
+
+    def __init__(self, **kw):
+        Backend.__init__(self, **kw)  # CudaBackend.__init__ builds the Triton GEMM configs: not ours
+        self.schedule = None
+        why = self.supports_device(self.window.device)
+        if why is not None:
+            raise RuntimeError(f"Gfx950Backend: {why}; nothing was compiled or launched")
+        cfg = self.config
+        if cfg.transport != "dma":
+            raise NotImplementedError(
+                f"Gfx950Backend: transport={cfg.transport!r} needs the FlyDSL epilogue to store into the "
+                f"owner's window (a peer base pointer per destination), which it does not have; pass transport='dma'")
+        why = kernel_tile_reason(block_m=cfg.block_m, block_n=cfg.block_n)
+        if why is not None:
+            raise ValueError(f"Gfx950Backend: the layout's {why}")
+        faults = self.faults
+        if faults is not None and faults.drops:
+            raise ValueError("Gfx950Backend: lost-put faults (FaultPlan.drops) cannot be injected on ROCm: device-side "
+                             "waits have no deadline, so a lost put would hang; use FaultPlan(silent=True)")
+        self.device = self.window.device
+        self.rank, self.world = self.window.rank, self.window.world
+        w = cfg.window
+        self.partial = self.window.tensor(w.partial, rank=self.rank)
+        self.counters = self.window.words(w.counters, rank=self.rank)
+        self._launchers = {}
+        self._args: dict[int, FusedLaunchArgs] = {}
+        if cfg.mode != "gemm-only":
+            schedule_cls = copy_engine_schedule()
+            memops = HipMemOps()
+            why = memops.supported(self.device.index or 0)
+            if why is not None:
+                raise RuntimeError(f"Gfx950Backend: {why}")
+            self.schedule = schedule_cls(
+                config=cfg, window=self.window, device=self.device,
+                silent=bool(faults is not None and faults.silent), memops=memops)
+
+    # ---- the FlyDSL launches -------------------------------------------------------------------------
+    def _launcher(self, *, fuse: bool, block_m: int, block_n: int):
+        key = (fuse, block_m, block_n)
+        if key not in self._launchers:
+            from kernels_fused.gemm_gfx950 import compile_fused_gemm_scatter
+
+            cfg = self.config
+            # compiles on its first launch; the launcher refuses to run off gfx950
+            self._launchers[key] = compile_fused_gemm_scatter(
+                self.rank, self.world, K=cfg.k, BLOCK_M=block_m, BLOCK_N=block_n, quant=cfg.quant, fuse=fuse,
+                chunks=cfg.chunks)
+        return self._launchers[key]
+
+    def _stream(self):
+        """The current stream of the op's device (None off a GPU: the launcher refuses before using it)."""
+        return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+
+    def gemm(self, a, b_pre, a_scale, b_scale, *, out, plan):
+        cfg = self.config
+        block_m, block_n = gemm_tile(n=cfg.n, quant=cfg.quant)
+        launch = self._launcher(fuse=False, block_m=block_m, block_n=block_n)
+        launch(a, b_pre, out, a_scale, b_scale, plan.m, cfg.n, stream=self._stream())
+
+    def _fused_args(self, plan) -> FusedLaunchArgs:
+        """Per M (tile walk and per-call targets depend on M alone), checked once against the window."""
+        args = self._args.get(plan.m)
+        if args is None:
+            args = fused_launch_args(self.config, plan)
+            assert tuple(self.partial.shape) == args.partial_shape and self.counters.numel() == args.counter_words
+            assert args.chunk_targets == tuple(tuple(self.schedule._tiles(plan, d, c) for c in range(plan.chunks))
+                                               for d in range(self.world)), "kernel and transport disagree on targets"
+            self._args[plan.m] = args
+        return args
+
+    def _fused_gemm(self, a, b_pre, a_scale, b_scale, plan) -> None:
+        cfg = self.config
+        if self.schedule is None:  # gemm-only op: no transport was built
+            raise RuntimeError(f"Gfx950Backend: the op was built with mode={cfg.mode!r}; it has no transport")
+        args = self._fused_args(plan)
+        self.counters.zero_()  # consumed words, zeroed at the call's start (see cco.cuda.dma)
+        self.schedule.begin(plan)
+        launch = self._launcher(fuse=True, block_m=args.block_m, block_n=args.block_n)
+        launch(a, b_pre, self.partial, a_scale, b_scale, plan.m, cfg.n, counters=self.counters,
+               stream=self._stream())
+
+    def all_reduce_window(self, *, out, plan):
+        if self.schedule is None:
+            raise RuntimeError(f"Gfx950Backend: the op was built with mode={self.config.mode!r}; it has no transport")
+        super().all_reduce_window(out=out, plan=plan)
+
+    def check(self) -> None:
+        if self.schedule is not None:
+            super().check()
+
+    def close(self):
+        self._launchers = {}
+        super().close()
