@@ -536,8 +536,8 @@ def compile_fused_gemm_scatter(rank: int, world: int, *, K: int, BLOCK_M: int = 
 
     Unfused equivalent (fuse=False): ``C = reference_gemm(A, unshuffle_b(B_pre), A_scale, B_scale,
     quant)``; fuse=True writes the same values into ``partial[dest]`` and publishes each tile on
-    ``counters[dest, chunk]``. ``loop_count`` overrides the variant's main-loop vmcnt ("2A+B",
-    "A+B-1" or an int; None keeps the variant's: 2A+B for ``shipped``). Compilation happens on the first launch; on a machine without gfx950 use
+    ``counters[dest, chunk]``. ``loop_count`` overrides the variant's main-loop vmcnt ("min(2A+B,A+2B)", "2A+B",
+    "A+B-1" or an int; None keeps the variant's: min(2A+B, A+2B) for ``shipped``). Compilation happens on the first launch; on a machine without gfx950 use
     :func:`compile_to_isa` instead (a launch there raises before touching the device).
     """
     fn = "compile_fused_gemm_scatter"
