@@ -379,14 +379,6 @@ def _by_phase(intervals: list[Interval]) -> dict:
 # --------------------------------------------------------------------------------------------------
 TILE_CHOICES = ("256x256", "128x256", "256x128")
 CHECK_ALL_K = (256, 384, 512, 1024)
-REPRESENTATIVE = (  # (quant, tile, K, fuse, variant): what CI compiles; --check-all does the sweep
-    ("ptpc", "256x256", 256, False, "shipped"),
-    ("ptpc", "256x256", 256, False, "upstream"),
-    ("ptpc", "256x256", 512, True, "shipped"),
-    ("ptpc", "128x256", 384, False, "shipped"),
-    ("blockscale", "256x256", 512, False, "shipped"),
-    ("mxfp8", "256x128", 512, True, "shipped"),
-)
 
 
 def compile_variant(*, quant: str, tile: str, K: int, fuse: bool, variant: str = "shipped",

@@ -30,14 +30,8 @@ def run_check(isa_text, cfg, reference="shipped"):
     return isa_mod.check(isa_text, cfg.schedule(), reference=ref, fused=cfg.fuse, name=cfg.name)
 
 
-SHIPPED = [
-    ("ptpc", "256x256", 256, False),
-    ("ptpc", "256x256", 512, True),
-    ("ptpc", "128x256", 1024, False),
-    ("blockscale", "128x256", 384, False),
-    ("mxfp8", "256x128", 512, True),
-    ("mxfp8", "256x128", 256, False),
-]
+# every tile x quant x K in isa.CHECK_ALL_K x mode: what `python -m kernels_fused.isa --check-all` sweeps
+SHIPPED = list(isa_mod.all_variants())
 
 
 @pytest.mark.compile
