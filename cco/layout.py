@@ -16,7 +16,9 @@ The all-reduce of an ``[M, N]`` partial over ``W`` ranks, as laid out here::
 
 Window regions (one symmetric window per rank, same offsets on every rank)::
 
-    header        int64 [HEADER_WORDS]             seq and M of the last call this rank started
+    header        int64 [HEADER_WORDS]             [HEADER_SEQ, HEADER_M]: seq and M of the last call this
+                                                   rank started; [HEADER_LEFT]: seq of the last call it
+                                                   left (it reads nothing more of that call)
     counters      int64 [W, MAX_CHUNKS]            tiles written per (dest, chunk), cumulative
     scatter_flags int64 [W(src), MAX_CHUNKS]       = seq once src's chunk has landed in recv[src]
     scatter_m     int64 [W(src)]                   M of src's call seq (checked before reducing)
@@ -26,14 +28,18 @@ Window regions (one symmetric window per rank, same offsets on every rank)::
     gather        bf16 | e4m3 [W, m_max_padded, n_slice]
     gather_scale  fp32  [W, m_max_padded]          (fp8 gather only)
 
-Completion protocol: counters and flags are never reset. A tile bumps ``counters[dest, chunk]`` by
-one; chunk (dest, c) of call ``seq`` is complete when the counter reaches the cumulative target
-``CallPlan.counter_targets``. Flags carry the call's ``seq`` and a waiter waits for ``flag >= seq``,
-so a flag left by an earlier (even failed) call never satisfies a later one.
+Completion protocol: a tile bumps ``counters[dest, chunk]`` by one; chunk (dest, c) of call ``seq``
+is complete when the counter reaches the cumulative target ``CallPlan.counter_targets``. Flags carry
+the call's ``seq`` and a waiter waits for ``flag >= seq``, so a flag left by an earlier (even failed)
+call never satisfies a later one. The CPU backend never resets a word (the targets grow by a known
+amount per call); the CUDA backend consumes them instead (counters zeroed at call start, each flag
+zeroed by its single waiter, see ``cco.backends.cuda``), which keeps a captured graph's baked wait
+targets valid. Neither needs a reset step between calls or graph replays.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 MAX_CHUNKS = 8  # mori's knee: more chunks pay the fixed per-put cost (~2 us per SDMA put) more often
@@ -41,6 +47,8 @@ DEFAULT_CHUNKS = 4  # untuned; enough to overlap all but the last quarter of the
 DEFAULT_BLOCK_M = 64  # CPU tile; GPU backends pass their own tile via build_config(block_m=...)
 BLOCK_N_CHOICES = (128, 64, 32, 16)  # default block_n: the largest that divides n_slice
 HEADER_WORDS = 8
+HEADER_SEQ, HEADER_M, HEADER_LEFT = 0, 1, 2  # word indices in the header region
+TILE_TABLE_CACHE = 64  # (config, M, rank) tile tables kept; eager calls with a few M values hit it
 REGION_ALIGN = 256  # bytes; every region starts on a 256-byte boundary (DMA and vector friendly)
 K_MIN = 256  # K=128 compiled but returned garbage: the peeled pipeline needs two K tiles
 K_ALIGN = 128  # BLOCK_K of every kernel
@@ -291,7 +299,15 @@ class Tile:
 
 
 def tile_table(cfg: OpConfig, *, m: int, rank: int) -> tuple[Tile, ...]:
-    """Every output tile of a call in the order the kernel writes them: (chunk, dest, m, n)."""
+    """Every output tile of a call in the order the kernel writes them: (chunk, dest, m, n).
+
+    Cached per ``(cfg, m, rank)`` (the config is frozen and hashable): building the table in Python
+    takes ~20 ms at M=16384, N=7168 on 2 ranks, which an eager GPU call must not pay every time."""
+    return _tile_table(cfg, m, rank)
+
+
+@functools.lru_cache(maxsize=TILE_TABLE_CACHE)
+def _tile_table(cfg: OpConfig, m: int, rank: int) -> tuple[Tile, ...]:
     tiles = []
     for c, (t0, t1) in enumerate(chunk_tiles(cfg, m)):
         for dest in dest_order(rank, cfg.world):

@@ -17,15 +17,30 @@ window and each completed (dest, chunk) slice moves while later tiles are comput
 (``gemm-only``, ``split-sdma``, ``fused-sdma``, ``split-lsa``, ``fused-lsa``) are accepted as modes.
 
 Contracts:
-- Collective: every rank calls ``__call__`` (and ``self_test``) in the same order with the same M;
-  a rank whose M differs makes every rank raise :class:`PeerMismatchError` naming both Ms.
+- Collective: every rank calls ``__call__`` (and ``self_test``) in the same order with the same M.
+  A failed call still counts: each rank makes the same sequence of calls, failed or not.
 - Output: a new bf16 ``[M, N]`` tensor per call, identical on every rank; it never aliases the window.
-- Errors instead of hangs: each call's waits share a deadline (``deadline_s``); passing it raises
-  :class:`CommTimeoutError` naming the rank, the chunk and the call's seq. A call rejected by input
-  validation touches nothing and the op stays usable. After a timeout the op is usable again only
-  if every rank failed the same call.
-- Graph safety: counters and flags are never reset (monotonic seq targets), so repeated calls and
-  graph replay of one M need no reset step.
+- Errors instead of hangs (CPU backend; the CUDA backend's device waits have no deadline, see
+  ``cco.backends.cuda``): each call's waits share a deadline (``deadline_s``) and passing it raises
+  :class:`CommTimeoutError` naming the rank, the chunk and the call's seq.
+- Rejected calls: input validation runs before anything is published and consumes no seq; the op
+  stays usable. A rank whose M differs from its peers' makes every rank raise
+  :class:`PeerMismatchError` naming both Ms (each rank's first chunk carries its (seq, M) stamp, and
+  a failing rank still delivers the chunks it completed).
+- Recovery: call ``seq`` starts on a rank (publishes anything, starts its deadline) only once every
+  peer has left call ``seq - 1``, waiting up to ``2 * deadline_s`` for that; and a rank that fails a
+  call leaves it only once every peer has left it too (up to ``deadline_s`` more). So no rank's next
+  call overwrites the stamps, flags or data a slower peer still reads to reach its own verdict, and
+  a peer still timing out the previous call does not eat into the next call's deadline. After any
+  failed call in which every rank stayed alive and reached the call within its deadline (a
+  mismatched M, a lost put), the next call works on every rank, whether the peers returned or
+  raised the failed one. Later than that, the ranks fail calls until they are back in step; a rank
+  that died leaves the op unusable: rebuild it (and the communicator).
+- Graph safety: no host-side reset runs between calls or graph replays. Waits compare flags against
+  the call's seq, so a word left by an earlier (even failed) call never completes a later one. The
+  CPU backend never resets a word (counter targets grow by a known amount per call); the CUDA
+  backend zeroes each counter at call start and each flag right after its single waiter reads it,
+  inside the captured work, because a stream wait's target is baked into a captured CUDA graph.
 - Cleanup: ``close()`` (idempotent, not collective) or ``with``; it does not close ``comm``.
 """
 
@@ -202,6 +217,8 @@ class GemmAllReduceOp:
         for dest in range(self.world):
             partial[dest][:m] = probe_pattern(self.rank, dest, m, cfg.n_slice, seq, partial.device)
         recv.fill_(float("nan"))
+        if recv.device.type == "cuda":
+            torch.cuda.synchronize(recv.device)  # the poison must be in memory before peers may copy in
         self.comm.barrier()  # no peer writes into recv before it is poisoned
         out = torch.empty(m, cfg.n, dtype=torch.bfloat16, device=self.comm.device)
         problems = []

@@ -5,6 +5,8 @@ Interface changes (kept backward compatible once published):
 - v1.1 (2026-11-30): ``check()`` added (default: nothing to check); the op calls it after
   ``self_test`` transfers and from ``GemmAllReduceOp.check()``. Asynchronous backends raise there
   what their device-side protocol recorded (e.g. a peer's (seq, M) stamp that did not match).
+- v1.2 (2026-11-30): protocol step 6 (``header[LEFT]``, enter/leave ordering of calls that can fail
+  part-way); a failed call still delivers the chunks it completed. No method changed.
 
 Division of work. The op owns everything that is the same on every device: public validation
 (``cco.validate``), the layout (``cco.layout``: config, window regions, chunk rows, tile table,
@@ -14,7 +16,8 @@ deadlines, the cross-rank M check's bookkeeping, and ``self_test()`` orchestrati
 
 Protocol every backend follows (see ``cco.layout`` for the regions):
 
-1. ``header[0:2] = (seq, m)`` in the own window, before any tile of call ``seq`` is published.
+1. ``header[SEQ, M] = (seq, m)`` (indices ``layout.HEADER_*``) in the own window, before any tile of
+   call ``seq`` is published.
 2. GEMM tiles go, in ``plan.tiles`` order, to ``partial[dest]`` (dma) or straight into
    ``recv[rank]`` of the owner ``dest`` (lsa); after a tile's stores are complete, one
    ``counters[dest, chunk] += 1`` (release). A chunk is complete at ``plan.target(dest, chunk)``.
@@ -28,8 +31,16 @@ Protocol every backend follows (see ``cco.layout`` for the regions):
 5. Gather: put the reduced chunk into ``gather[rank]`` of every rank (self included), then
    ``gather_flags[rank, c] = seq``. Every rank waits ``gather_flags[owner, c] >= seq`` for all
    owners and chunks and assembles ``out``.
+6. Leave: ``header[LEFT] = seq`` once the call reads nothing more (returned or failed). A backend
+   whose calls can fail part-way (the CPU backend: host-side deadlines) enters call ``seq`` only
+   after every peer's ``header[LEFT] >= seq - 1`` and, on failure, leaves only after every peer's
+   ``header[LEFT] >= seq`` (both bounded; the contract is in ``cco.op`` "Recovery"). A backend whose
+   device-side protocol always runs a call to its end (CUDA) gets the same order from its streams.
 
-Counters and flags are never reset, so repeated calls and graph replay need no reset kernel. Steps
+No host-side reset runs between calls: waits compare flags against the call's seq. The CPU backend
+never resets a word (cumulative counter targets); the CUDA backend consumes them (zeroes counters at
+call start, each flag right after its single waiter), which keeps a captured graph's baked wait
+targets valid under replay. Steps
 3-5 may be fused with the GEMM at any granularity (a backend that reduces and gathers chunk c while
 the GEMM still produces chunk c+1 approaches the floor of DESIGN section 4; the scatter-then-reduce-
 then-gather order above is the baseline). What is fixed is the data each region holds when its flag

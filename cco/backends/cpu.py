@@ -18,6 +18,9 @@ from cco.transport.protocol import CommTimeoutError, Deadline, PeerMismatchError
 from kernels_fused.cpu_tiles import dequantized_operands, run_tiles
 
 _TINY = 1e-30  # keeps an all-zero row's fp8 gather scale finite
+# A call waits this many deadlines for a peer to leave the previous call: the peer entered that call
+# before this rank finished it, so it leaves within its own deadline plus its error-path wait.
+PREVIOUS_CALL_DEADLINES = 2
 
 
 def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,6 +45,7 @@ class CpuBackend(Backend):
         self.transport = transport_class(cfg.transport)(config=cfg, window=win, faults=self.faults)
         w = cfg.window
         self._header = win.words(w.header, rank=rank)
+        self._peer_header = [win.words(w.header, rank=r) for r in range(self.world)]
         self._counters = win.words(w.counters, rank=rank)
         self._scatter_flags = win.words(w.scatter_flags, rank=rank)
         self._scatter_m = win.words(w.scatter_m, rank=rank)
@@ -60,57 +64,99 @@ class CpuBackend(Backend):
 
     def fused(self, a, b_pre, a_scale, b_scale, *, out, plan):
         a_f, b_f = dequantized_operands(a, b_pre, a_scale, b_scale, self.config.quant)
-        deadline = self._begin(plan)
-        try:
+
+        def steps(deadline):
             self.transport.begin(plan, deadline)
             run_tiles(a_f, b_f, config=self.config, plan=plan, destination=self.transport.tile_destination,
                       counters=self._counters,
                       on_chunk_complete=lambda dest, chunk: self.transport.chunk_complete(plan, dest, chunk))
             self._reduce_gather_assemble(plan, out, deadline)
-        except BaseException:
-            self.transport.abort()
-            raise
+
+        self._run_call(plan, steps)
 
     def split(self, a, b_pre, a_scale, b_scale, *, out, plan):
         a_f, b_f = dequantized_operands(a, b_pre, a_scale, b_scale, self.config.quant)
-        deadline = self._begin(plan)
-        run_tiles(a_f, b_f, config=self.config, plan=plan, destination=lambda dest: self._partial[dest],
-                  counters=self._counters)
-        self._communicate(plan, out, deadline)
+
+        def steps(deadline):
+            run_tiles(a_f, b_f, config=self.config, plan=plan, destination=lambda dest: self._partial[dest],
+                      counters=self._counters)
+            self._communicate(plan, out, deadline)
+
+        self._run_call(plan, steps)
 
     def all_reduce_window(self, *, out, plan):
-        deadline = self._begin(plan)
-        for dest in range(self.world):
-            for chunk in range(plan.chunks):
-                release(self._counters, layout.counter_index(dest, chunk), plan.target(dest, chunk))
-        self._communicate(plan, out, deadline)
+        def steps(deadline):
+            for dest in range(self.world):
+                for chunk in range(plan.chunks):
+                    release(self._counters, layout.counter_index(dest, chunk), plan.target(dest, chunk))
+            self._communicate(plan, out, deadline)
+
+        self._run_call(plan, steps)
 
     def close(self):
         self.transport.close()
 
-    # ---- protocol steps -----------------------------------------------------------------------------
-    def _begin(self, plan) -> Deadline:
-        self._header[0] = plan.seq
-        self._header[1] = plan.m
-        return Deadline(self.deadline_s)
+    # ---- call lifecycle -----------------------------------------------------------------------------
+    def _run_call(self, plan, steps) -> None:
+        """One collective call: enter (wait for every peer to have left the previous call), run
+        ``steps(deadline)``, leave (``header[LEFT] = seq``). A failed call leaves too, but only
+        after every peer has left it as well (bounded): see ``cco.op``, "Recovery"."""
+        try:
+            self._enter(plan)
+            steps(Deadline(self.deadline_s))  # the call's deadline starts once every peer is in reach
+        except BaseException as err:
+            self.transport.abort()  # nothing of this call is in flight from here on
+            self._leave_failed(plan, err)
+            raise
+        self._header[layout.HEADER_LEFT] = plan.seq
 
+    def _enter(self, plan) -> None:
+        """Wait until every peer has left call ``seq - 1``, then stamp ``header = (seq, m)``.
+
+        Nothing of call ``seq`` is published before this returns, so a slow peer still reading call
+        ``seq - 1`` (a failing one may be reading our chunk-0 stamp, a successful one its gathers)
+        never sees it overwritten. A peer still in that call leaves it within its own deadline plus
+        its error-path wait, hence ``PREVIOUS_CALL_DEADLINES`` deadlines here."""
+        if plan.seq > 1:
+            entry = Deadline(PREVIOUS_CALL_DEADLINES * self.deadline_s)
+            for peer in layout.dest_order(self.rank, self.world)[:-1]:
+                wait_at_least(self._peer_header[peer], layout.HEADER_LEFT, plan.seq - 1, deadline=entry,
+                              what=f"rank {self.rank}: rank {peer} leaving call seq {plan.seq - 1} before "
+                                   f"call seq {plan.seq} starts")
+        self._header[layout.HEADER_SEQ] = plan.seq
+        self._header[layout.HEADER_M] = plan.m
+
+    def _leave_failed(self, plan, err: BaseException) -> None:
+        """Error path: mark call ``seq`` left, then wait (one deadline at most) until every peer has
+        left it too, so that this rank's next call cannot overwrite the stamps, flags and data a
+        slower peer still reads to reach its own verdict on this call."""
+        self._header[layout.HEADER_LEFT] = plan.seq
+        if not isinstance(err, Exception):
+            return  # KeyboardInterrupt and the like: leave at once
+        rendezvous = Deadline(self.deadline_s)
+        for peer in layout.dest_order(self.rank, self.world)[:-1]:
+            try:
+                wait_at_least(self._peer_header[peer], layout.HEADER_LEFT, plan.seq, deadline=rendezvous,
+                              what=f"rank {self.rank}: rank {peer} leaving failed call seq {plan.seq}")
+            except CommTimeoutError as late:
+                err.add_note(f"{late}; this rank's next call waits for it to leave this one first")
+                return
+
+    # ---- protocol steps -----------------------------------------------------------------------------
     def _communicate(self, plan, out, deadline):
         """Scatter after the whole GEMM (split mode and self-test), then reduce and gather."""
-        try:
-            self.transport.begin(plan, deadline)
-            self.transport.publish_all(plan)
-            self._reduce_gather_assemble(plan, out, deadline)
-        except BaseException:
-            self.transport.abort()
-            raise
+        self.transport.begin(plan, deadline)
+        self.transport.publish_all(plan)
+        self._reduce_gather_assemble(plan, out, deadline)
 
     def _wait_flag(self, words, index, plan, deadline, what) -> None:
         value = wait_at_least(words, index, plan.seq, deadline=deadline, what=what)
         if value != plan.seq:
-            # the peer signalled a later call: it gave up on this one (its own deadline passed or the
-            # call failed there), and this call's data from it is gone
-            raise CommTimeoutError(f"{what}: the peer already signalled seq {value}; it abandoned seq "
-                                   f"{plan.seq} (its deadline passed or the call failed there)")
+            # a peer enters call seq + 1 only after this rank has left seq (_enter), so a later seq here
+            # means the peer does not run this protocol (another build of the op, or the ranks' ops
+            # were built in a different order)
+            raise CommTimeoutError(f"{what}: the peer already signalled seq {value} while this rank is in "
+                                   f"seq {plan.seq}; the ranks are out of step; rebuild the op on every rank")
 
     def _check_peer_m(self, src, plan) -> None:
         seq, m = unstamp_seq_m(int(self._scatter_m[src]))

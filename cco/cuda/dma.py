@@ -149,8 +149,8 @@ class CopyEngineSchedule:
     def begin(self, plan: layout.CallPlan) -> None:
         """Protocol step 1 on the current stream: ``header[0:2] = (seq, m)``."""
         main = torch.cuda.current_stream()
-        self._write(main, self._addr(self.header, 0), plan.seq)
-        self._write(main, self._addr(self.header, 1), plan.m)
+        self._write(main, self._addr(self.header, layout.HEADER_SEQ), plan.seq)
+        self._write(main, self._addr(self.header, layout.HEADER_M), plan.m)
         self.begin_event.record()
 
     def set_counters(self, plan: layout.CallPlan) -> None:

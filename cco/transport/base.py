@@ -104,7 +104,9 @@ class Transport(abc.ABC):
         """Wait until every put of the call has landed; raise the first transport error."""
 
     def abort(self) -> None:
-        """The call failed: stop waiting and drop queued work (returns once nothing is in flight)."""
+        """The call failed: stop waiting for incomplete chunks; puts of complete ones still land
+        (peers need this rank's chunk-0 stamp to reach their own verdict). Returns once nothing is
+        in flight."""
 
     def close(self) -> None:
         self.abort()

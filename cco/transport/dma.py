@@ -67,10 +67,13 @@ class DmaTransport(Transport):
             self._jobs = []
 
     def abort(self) -> None:
+        """Stop waiting, but still send what is complete: queued jobs are not cancelled. A chunk
+        whose tiles are all written goes out (as a copy engine already given the put would), so a
+        peer still gets this rank's chunk-0 (seq, M) stamp and reaches the same verdict on the
+        failed call (a mismatched M), instead of timing out on a put that was dropped here. The
+        copier's waits on incomplete chunks see the cancel flag and end at once."""
         self._cancel.set()
-        for job in self._jobs:
-            job.cancel()
-        cf.wait(self._jobs)  # the running job sees the cancel flag at its next poll
+        cf.wait(self._jobs)
         self._jobs = []
 
     def close(self) -> None:

@@ -1,9 +1,10 @@
 """The completion protocol's primitives: deadlines, waits on monotonic words, and its errors.
 
-Every word a waiter watches (tile counters, scatter/gather flags) only grows: counters by one per
-tile, flags to the seq of the call that set them. A wait is ``word >= target`` with a deadline, so
-neither repeated calls nor graph replay need a reset, and a value left by an earlier call can never
-satisfy a later one.
+On the CPU path every word a waiter watches (tile counters, scatter/gather flags, the header's
+LEFT word) only grows: counters by one per tile, flags to the seq of the call that set them. A wait
+is ``word >= target`` with a deadline, so repeated calls need no reset, and a value left by an
+earlier call can never satisfy a later one. (The CUDA path consumes words instead, for graph
+replay: ``cco.backends.cuda``.)
 
 Memory ordering on the CPU window: a writer stores the data, then the flag, each with plain stores
 to shared memory. x86-64 (TSO) keeps stores in program order as seen by other cores, and a reader

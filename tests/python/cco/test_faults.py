@@ -143,3 +143,169 @@ def test_flags_from_an_earlier_call_never_complete_a_later_one(racy):
         assert wrong > 0  # rank 0 returned without waiting for rank 1's call 2
     else:
         assert wrong == 0 and torch.equal(out, values[1][1])
+
+
+# --------------------------------------------------------------------------------------------------
+# A failed call must be left by every rank before any rank's next call publishes. Each test below
+# makes one rank slow at the moment that matters and runs the shipped protocol and the variant
+# without the guard; the variant must show the failure, the protocol must not.
+# --------------------------------------------------------------------------------------------------
+def _without_leave_rendezvous():
+    """The variant before the fix: a call publishes as soon as this rank starts it, and a failed
+    call returns at once (no wait for peers to leave it)."""
+    from cco import layout
+    from cco.backends.cpu import CpuBackend
+
+    def enter(self, plan):
+        self._header[layout.HEADER_SEQ] = plan.seq
+        self._header[layout.HEADER_M] = plan.m
+
+    def leave_failed(self, plan, err):
+        self._header[layout.HEADER_LEFT] = plan.seq
+
+    CpuBackend._enter = enter
+    CpuBackend._leave_failed = leave_failed
+
+
+def _mismatched_m_then_agree(comm):
+    """Call 1 with M=64 on rank 1 and M=128 elsewhere, then call 2 with M=96 everywhere."""
+    from cco.transport import PeerMismatchError
+
+    def call(op, m, seed):
+        p = q.random_problem(m, N, K, "ptpc", seed=100 * seed + comm.rank)
+        try:
+            return "result", op(p.a, preshuffle_b(p.b), p.a_scale, p.b_scale)
+        except (PeerMismatchError, CommTimeoutError) as err:
+            return type(err).__name__, str(err)
+
+    with GemmAllReduceOp(comm, n=N, k=K, m_max=M, chunks=2, deadline_s=DEADLINE_S) as op:
+        first = call(op, 64 if comm.rank == 1 else 128, seed=1)
+        return first, call(op, 96, seed=2)
+
+
+def _slow_stamp_reader(comm, racy):
+    """Rank 0 reads rank 1's chunk-0 (seq, M) stamp of call 1 late: only once rank 1 has published
+    call 2's chunk 0 to it, or 2 s have passed."""
+    from cco import layout
+    from cco.backends.cpu import CpuBackend
+
+    if racy:
+        _without_leave_rendezvous()
+    if comm.rank == 0:
+        check = CpuBackend._check_peer_m
+
+        def late_check(self, src, plan):
+            if plan.seq == 1 and src == 1:
+                until = time.monotonic() + 2.0
+                while int(self._scatter_flags[layout.counter_index(1, 0)]) < 2 and time.monotonic() < until:
+                    time.sleep(0.01)
+            check(self, src, plan)
+
+        CpuBackend._check_peer_m = late_check
+    return _mismatched_m_then_agree(comm)
+
+
+def _late_copier(comm, racy):
+    """Rank 0's copier engine is busy for 1 s when call 1 starts, so rank 0 finds the mismatched M
+    (rank 1's stamp) while its own chunk-0 put is still queued."""
+    import concurrent.futures as cf
+
+    from cco.transport.dma import DmaTransport
+
+    if comm.rank == 0:
+        begin = DmaTransport.begin
+
+        def busy_begin(self, plan, deadline):
+            if plan.seq == 1:
+                self._engine.submit(time.sleep, 1.0)
+            begin(self, plan, deadline)
+
+        DmaTransport.begin = busy_begin
+        if racy:  # the variant before the fix: abort drops queued puts
+            def abort(self):
+                self._cancel.set()
+                for job in self._jobs:
+                    job.cancel()
+                cf.wait(self._jobs)
+                self._jobs = []
+
+            DmaTransport.abort = abort
+    return _mismatched_m_then_agree(comm)
+
+
+def _expect_clear_mismatch_then_recovery(per_rank):
+    for rank, ((kind, msg), _) in enumerate(per_rank):
+        assert kind == "PeerMismatchError", (rank, msg)
+        assert "M=64" in msg and "M=128" in msg, (rank, msg)
+    p = [q.random_problem(96, N, K, "ptpc", seed=200 + r) for r in range(3)]
+    ref = sum(x.reference().float() for x in p).to(torch.bfloat16)
+    for rank, (_, (kind, out)) in enumerate(per_rank):
+        assert kind == "result", (rank, out)
+        assert q.count_mismatches(out, ref) == 0
+
+
+@pytest.mark.parametrize("racy", [True, False], ids=["publish-at-once", "leave-together"])
+def test_a_rank_that_fails_first_does_not_overwrite_what_a_slow_peer_still_reads(racy):
+    """Guards: the rank with the other M raises, starts its next call and overwrites its chunk-0
+    (seq, M) stamp before a slower peer read it; that peer then reports a seq-2 stamp (or a timeout)
+    instead of the two Ms. With the leave rendezvous every rank names both Ms and call 2 works."""
+    per_rank = [o.value for o in spawn(_slow_stamp_reader, world=3, args=(racy,), timeout_s=120)]
+    assert all(v is not None for v in per_rank), per_rank
+    if racy:
+        kind, msg = per_rank[0][0]
+        assert not (kind == "PeerMismatchError" and "M=64" in msg), msg  # the stamp was overwritten
+    else:
+        _expect_clear_mismatch_then_recovery(per_rank)
+
+
+@pytest.mark.parametrize("racy", [True, False], ids=["abort-drops-queued-puts", "abort-sends-complete-chunks"])
+def test_a_failing_rank_still_delivers_its_complete_chunks(racy):
+    """Guards: abort() cancelling a queued copier job. The rank that found the mismatch first never
+    sent its chunk 0, so a third rank waited for it until its deadline and saw a timeout, not the
+    mismatched M."""
+    per_rank = [o.value for o in spawn(_late_copier, world=3, args=(racy,), timeout_s=120)]
+    assert all(v is not None for v in per_rank), per_rank
+    if racy:
+        kind, msg = per_rank[2][0]
+        assert kind == "CommTimeoutError" and "from rank 0, seq 1" in msg, (kind, msg)
+    else:
+        _expect_clear_mismatch_then_recovery(per_rank)
+
+
+def _late_leaver(comm, racy):
+    """Call 1 loses rank 0's gather put to rank 1 (rank 0 returns, rank 1 times out); rank 1 is then
+    descheduled for 1.5 s before it leaves call 1. Calls 2 and 3 follow on both ranks."""
+    from cco.backends.cpu import CpuBackend
+
+    if racy:
+        _without_leave_rendezvous()
+    if comm.rank == 1:
+        leave_failed = CpuBackend._leave_failed
+
+        def slow_leave(self, plan, err):
+            time.sleep(1.5)
+            leave_failed(self, plan, err)
+
+        CpuBackend._leave_failed = slow_leave
+    drop = Drop(phase="gather", seq=1, src=0, dest=1, chunk=0)
+    with GemmAllReduceOp(comm, n=N, k=K, m_max=M, chunks=2, deadline_s=DEADLINE_S,
+                         faults=FaultPlan(drops=(drop,))) as op:
+        return [_timed_call(op, comm.rank, seed)[:2] for seed in (1, 2, 3)]
+
+
+@pytest.mark.parametrize("racy", [True, False], ids=["deadline-from-own-start", "deadline-from-peers-entry"])
+def test_a_peer_still_failing_the_previous_call_does_not_time_out_the_next(racy):
+    """Guards: a rank that returned call 1 starts call 2's deadline while its peer is still timing
+    out call 1, so call 2 expires before the peer arrives and the ranks fall out of step. Call 2's
+    deadline must start once every peer has left call 1."""
+    per_rank = [o.value for o in spawn(_late_leaver, world=2, args=(racy,), timeout_s=120)]
+    assert all(v is not None for v in per_rank), per_rank
+    assert per_rank[0][0][0] == "result" and per_rank[1][0][0] == "CommTimeoutError"
+    if racy:
+        assert per_rank[0][1][0] == "CommTimeoutError", per_rank[0][1]
+    else:
+        for seed in (2, 3):
+            outs = [calls[seed - 1] for calls in per_rank]
+            assert all(kind == "result" for kind, _ in outs), outs
+            assert torch.equal(outs[0][1], outs[1][1])
+            assert q.count_mismatches(outs[0][1], reference(2, seed=seed)) == 0

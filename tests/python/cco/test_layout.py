@@ -101,6 +101,19 @@ def test_tile_table_covers_every_tile_once_in_chunk_dest_order(world):
             assert len(list(group)) == per_slot[chunk]
 
 
+def test_tile_table_is_built_once_per_config_m_and_rank():
+    """Guards: an eager GPU call rebuilding the table in Python every call (~20 ms at M=16384).
+    Equal configs built separately share the entry; another M, rank or config gets its own."""
+    a, b = cfg(world=2, n=256, chunks=2), cfg(world=2, n=256, chunks=2)
+    assert a is not b and a == b
+    table = layout.tile_table(a, m=130, rank=1)
+    assert layout.tile_table(b, m=130, rank=1) is table
+    assert layout.plan_call(b, m=130, seq=3, rank=1, counter_base=layout.zero_counters(2)).tiles is table
+    assert layout.tile_table(a, m=130, rank=0) != table
+    assert layout.tile_table(a, m=64, rank=1) != table
+    assert layout.tile_table(cfg(world=2, n=256, chunks=1), m=130, rank=1) != table
+
+
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
 def test_ranks_start_on_different_peers(world):
     """Guards: every rank hitting the same peer at the same step of the walk."""
