@@ -55,6 +55,10 @@ class Communicator:
         self.world = world
         self.local_rank = rank if local_rank is None else local_rank
         self.device = torch.device(device) if device is not None else _default_device(self.local_rank)
+        if self.device.type == "cuda":
+            # streams, symmetric memory and the kernels' launches all use the current device: without
+            # this every local rank would work on device 0
+            torch.cuda.set_device(self.device)
         self.launcher = launcher
         self._owns_group = False
         timeout = datetime.timedelta(seconds=timeout_s)
