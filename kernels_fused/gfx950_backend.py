@@ -227,19 +227,9 @@ class HipMemOps:
 
 @functools.cache
 def _capture_supported(memops: HipMemOps, device_index: int) -> bool:
-    word = torch.zeros(1, dtype=torch.int64, device=f"cuda:{device_index}")
-    stream = torch.cuda.Stream(device=word.device)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            memops.write(stream.cuda_stream, word.data_ptr(), 1)
-            memops.wait_geq(stream.cuda_stream, word.data_ptr(), 1)
-        graph.replay()
-        torch.cuda.synchronize(word.device)
-        return int(word.item()) == 1
-    except RuntimeError:
-        torch.cuda.synchronize(word.device)
-        return False
+    from cco.cuda.memops import capture_probe  # imports no driver binding by itself
+
+    return capture_probe(memops, device_index)
 
 
 def copy_engine_schedule():

@@ -12,6 +12,7 @@ CUDA graph like any other stream work. Every driver result is checked.
 from __future__ import annotations
 
 import functools
+import sys
 
 
 @functools.cache
@@ -129,9 +130,9 @@ def write_kernel(stream, addr: int, value: int) -> None:
     write_[(1,)](_word(addr), value, num_warps=1)
 
 
-@functools.cache
-def capture_supported(device_index: int) -> bool:
-    """Whether stream memory operations can be captured into a CUDA graph on this device."""
+def capture_probe(ops, device_index: int) -> bool:
+    """Whether a graph captures and replays ``ops.write`` then ``ops.wait_geq`` on this device; ``ops``
+    is this module or any object with the same functions (the ROCm backend's HIP memops)."""
     import torch
 
     word = torch.zeros(1, dtype=torch.int64, device=f"cuda:{device_index}")
@@ -139,11 +140,17 @@ def capture_supported(device_index: int) -> bool:
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            write(stream.cuda_stream, word.data_ptr(), 1)
-            wait_geq(stream.cuda_stream, word.data_ptr(), 1)
+            ops.write(stream.cuda_stream, word.data_ptr(), 1)
+            ops.wait_geq(stream.cuda_stream, word.data_ptr(), 1)
         graph.replay()
         torch.cuda.synchronize(word.device)
         return int(word.item()) == 1
     except RuntimeError:
         torch.cuda.synchronize(word.device)
         return False
+
+
+@functools.cache
+def capture_supported(device_index: int) -> bool:
+    """Whether stream memory operations can be captured into a CUDA graph on this device."""
+    return capture_probe(sys.modules[__name__], device_index)
