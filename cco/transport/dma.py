@@ -71,7 +71,9 @@ class DmaTransport(Transport):
         whose tiles are all written goes out (as a copy engine already given the put would), so a
         peer still gets this rank's chunk-0 (seq, M) stamp and reaches the same verdict on the
         failed call (a mismatched M), instead of timing out on a put that was dropped here. The
-        copier's waits on incomplete chunks see the cancel flag and end at once."""
+        copier's waits on incomplete chunks see the cancel flag and end at once; a chunk the producer
+        completed before the cancel still goes out (``wait_at_least`` loads the counter after it
+        samples the cancel flag)."""
         self._cancel.set()
         cf.wait(self._jobs)
         self._jobs = []

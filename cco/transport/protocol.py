@@ -57,18 +57,25 @@ def wait_at_least(words, index: int, target: int, *, deadline: Deadline, what: s
 
     ``what`` describes the word for the error, e.g. ``"rank 1: scatter flag of src 0, chunk 2,
     seq 7"``. ``cancelled`` (optional callable) lets a helper thread stop waiting when its call has
-    already failed."""
+    already failed. A word that reached its target before the cancel (or the deadline) is always
+    returned, never reported as cancelled or late."""
     polls, sleep = 0, _SLEEP_MIN_S
     while True:
+        # Sample the stop conditions BEFORE loading the word. A waiter descheduled between a load and
+        # the check would otherwise give up on a stale value: the producer can complete the word and
+        # then cancel the call in that gap (a failing rank's copier then dropped a complete chunk).
+        # Sampled first, a stop is only honoured if the word is still short after it.
+        expired = deadline.left() <= 0
+        stop = cancelled is not None and cancelled()
         value = int(words[index])
         if value >= target:
             return value
-        if deadline.left() <= 0:
+        if expired:
             raise CommTimeoutError(
                 f"{what}: waited {deadline.seconds:.3g} s for value >= {target}, last saw {value} "
                 f"(a peer died, stalled, called with other arguments, or a transfer was lost)"
             )
-        if cancelled is not None and cancelled():
+        if stop:
             raise CommTimeoutError(f"{what}: wait cancelled because the call already failed")
         polls += 1
         if polls > _SPIN_POLLS:

@@ -309,3 +309,75 @@ def test_a_peer_still_failing_the_previous_call_does_not_time_out_the_next(racy)
             assert all(kind == "result" for kind, _ in outs), outs
             assert torch.equal(outs[0][1], outs[1][1])
             assert q.count_mismatches(outs[0][1], reference(2, seed=seed)) == 0
+
+
+def _wait_at_least_reading_first(words, index, target, *, deadline, what, cancelled=None):
+    """The variant before the fix: the word is loaded before the stop conditions are sampled, so a
+    cancel that arrives after a stale load ends the wait although the word has reached its target."""
+    from cco.transport.protocol import CommTimeoutError as Timeout
+
+    while True:
+        value = int(words[index])
+        if value >= target:
+            return value
+        if deadline.left() <= 0:
+            raise Timeout(f"{what}: waited {deadline.seconds:.3g} s for value >= {target}, last saw {value}")
+        if cancelled is not None and cancelled():
+            raise Timeout(f"{what}: wait cancelled because the call already failed")
+        time.sleep(20e-6)
+
+
+class _LoadThenStall:
+    """Counter words whose first load by the copier stalls the copier until its call is cancelled:
+    the copier is descheduled right after loading a counter below target, while the producer writes
+    the rest of the tiles, finds the mismatched M and aborts."""
+
+    def __init__(self, words, cancel):
+        self._words, self._cancel, self._stalled = words, cancel, False
+
+    def __setitem__(self, index, value):
+        self._words[index] = value
+
+    def __getitem__(self, index):
+        value = self._words[index].clone()
+        if not self._stalled:
+            self._stalled = True
+            self._cancel.wait(timeout=10.0)
+        return value
+
+
+def _copier_loads_then_call_fails(comm, racy):
+    """Rank 1 (M=64, one chunk) finds rank 2's M=128 stamp and aborts while its copier holds a
+    counter value loaded before the tiles of chunk 0 were written."""
+    from cco.transport import dma
+
+    if racy:
+        dma.wait_at_least = _wait_at_least_reading_first
+    if comm.rank == 1:
+        begin = dma.DmaTransport.begin
+
+        def begin_with_stale_load(self, plan, deadline):
+            if plan.seq == 1:
+                self._counters = _LoadThenStall(self.window.words(self.config.window.counters, rank=self.rank),
+                                                self._cancel)
+            else:
+                self._counters = self.window.words(self.config.window.counters, rank=self.rank)
+            begin(self, plan, deadline)
+
+        dma.DmaTransport.begin = begin_with_stale_load
+    return _mismatched_m_then_agree(comm)
+
+
+@pytest.mark.parametrize("racy", [True, False], ids=["load-then-check-cancel", "check-cancel-then-load"])
+def test_a_chunk_completed_before_the_abort_is_still_sent(racy):
+    """Guards: the copier's wait loaded the counter, then saw the abort and gave up, although the
+    producer had completed the chunk in between; its chunk-0 (seq, M) stamp never left, so both
+    peers timed out instead of naming the two Ms (and then missed call 2 as well)."""
+    per_rank = [o.value for o in spawn(_copier_loads_then_call_fails, world=3, args=(racy,), timeout_s=120)]
+    assert all(v is not None for v in per_rank), per_rank
+    if racy:
+        for rank in (0, 2):
+            kind, msg = per_rank[rank][0]
+            assert kind == "CommTimeoutError" and "scatter of chunk 0 from rank 1, seq 1" in msg, (kind, msg)
+    else:
+        _expect_clear_mismatch_then_recovery(per_rank)
