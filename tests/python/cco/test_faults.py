@@ -341,7 +341,10 @@ class _LoadThenStall:
     def __getitem__(self, index):
         value = self._words[index].clone()
         if not self._stalled:
+            # the load happened before any tile of call 1 was published (counters start at 0), and
+            # the copier is descheduled until the producer has finished, found the mismatch, aborted
             self._stalled = True
+            value = torch.zeros_like(value)
             self._cancel.wait(timeout=10.0)
         return value
 
@@ -376,8 +379,10 @@ def test_a_chunk_completed_before_the_abort_is_still_sent(racy):
     per_rank = [o.value for o in spawn(_copier_loads_then_call_fails, world=3, args=(racy,), timeout_s=120)]
     assert all(v is not None for v in per_rank), per_rank
     if racy:
-        for rank in (0, 2):
-            kind, msg = per_rank[rank][0]
-            assert kind == "CommTimeoutError" and "scatter of chunk 0 from rank 1, seq 1" in msg, (kind, msg)
+        # the stale load belongs to one destination's put (0 or 2, whichever the copier read first);
+        # that peer never receives rank 1's chunk 0 and times out instead of naming the Ms
+        firsts = [per_rank[rank][0] for rank in (0, 2)]
+        assert any(kind == "CommTimeoutError" and "scatter of chunk 0 from rank 1, seq 1" in msg
+                   for kind, msg in firsts), firsts
     else:
         _expect_clear_mismatch_then_recovery(per_rank)
