@@ -160,13 +160,18 @@ class SourceVerdict:
 
 
 @dataclass(frozen=True)
-class ReadVerdict:
+class _Site:
+    """Where an LDS access sits: the wave, its phase, and which half-tile of which K tile."""
     wave: int
     label: str
     section: str
     stage: str
     half: str
     ktile: int
+
+
+@dataclass(frozen=True)
+class ReadVerdict(_Site):
     frag: str
     status: str  # guaranteed | timing-only | unguarded
     sources: tuple
@@ -181,13 +186,7 @@ class ReadVerdict:
 
 
 @dataclass(frozen=True)
-class OverwriteVerdict:
-    wave: int
-    label: str
-    section: str
-    stage: str
-    half: str
-    ktile: int
+class OverwriteVerdict(_Site):
     step: int
     status: str  # ordered | timing-only | unordered
     unordered: tuple  # (reader wave, reader label, slack)
