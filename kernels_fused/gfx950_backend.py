@@ -291,10 +291,8 @@ class Gfx950Backend(CudaBackend):
         why = kernel_tile_reason(block_m=cfg.block_m, block_n=cfg.block_n)
         if why is not None:
             raise ValueError(f"Gfx950Backend: the layout's {why}")
+        self._refuse_lost_puts("ROCm")
         faults = self.faults
-        if faults is not None and faults.drops:
-            raise ValueError("Gfx950Backend: lost-put faults (FaultPlan.drops) cannot be injected on ROCm: device-side "
-                             "waits have no deadline, so a lost put would hang; use FaultPlan(silent=True)")
         self.device = self.window.device
         self.rank, self.world = self.window.rank, self.window.world
         w = cfg.window

@@ -56,15 +56,19 @@ class CudaBackend(Backend):
 
         return supports_mem_ops(device.index or 0)
 
+    def _refuse_lost_puts(self, runtime: str) -> None:
+        if self.faults is not None and self.faults.drops:
+            raise ValueError(f"{type(self).__name__}: lost-put faults (FaultPlan.drops) cannot be injected on "
+                             f"{runtime}: device-side waits have no deadline, so a lost put would hang; "
+                             f"use FaultPlan(silent=True)")
+
     def __init__(self, **kw):
         super().__init__(**kw)
         cfg = self.config
         if cfg.transport != "dma":
             raise ValueError(f"CudaBackend: transport={cfg.transport!r} is not implemented on CUDA; pass transport='dma'")
+        self._refuse_lost_puts("CUDA")
         faults = self.faults
-        if faults is not None and faults.drops:
-            raise ValueError("CudaBackend: lost-put faults (FaultPlan.drops) cannot be injected on CUDA: device-side "
-                             "waits have no deadline, so a lost put would hang; use FaultPlan(silent=True)")
         from cco.cuda.dma import CopyEngineSchedule
         from kernels_fused.triton_gemm import GemmConfig, default_config
 
