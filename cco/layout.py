@@ -12,7 +12,7 @@ The all-reduce of an ``[M, N]`` partial over ``W`` ranks, as laid out here::
     partial[dest][m, j]  = this rank's GEMM output for column dest*n_slice + j   (dest-major, so one
                            (dest, chunk) slice is a contiguous block of rows: one DMA put)
     recv[src][m, j]      = rank src's partial of my slice, put there by src's transport
-    gather[owner][m, j]  = the reduced slice of owner (bf16, or e4m3 + gather_scale[owner][m])
+    gather[owner][m, j]  = the reduced slice of owner (bf16, or e4m3 + gather_scale[owner][m, j // 128])
 
 Window regions (one symmetric window per rank, same offsets on every rank)::
 
@@ -23,10 +23,13 @@ Window regions (one symmetric window per rank, same offsets on every rank)::
     scatter_flags int64 [W(src), MAX_CHUNKS]       = seq once src's chunk has landed in recv[src]
     scatter_m     int64 [W(src)]                   M of src's call seq (checked before reducing)
     gather_flags  int64 [W(owner), MAX_CHUNKS]     = seq once owner's reduced chunk landed in gather
+    tile_flags    int64 [2, W, m_tiles, n_tiles]   per-tile arrival flags of the CUDA ``lsa`` transport,
+                                                   whose producers store tile by tile: [0][src] scatter,
+                                                   [1][owner] gather
     partial       bf16  [W, m_max_padded, n_slice]
     recv          bf16  [W, m_max_padded, n_slice]
     gather        bf16 | e4m3 [W, m_max_padded, n_slice]
-    gather_scale  fp32  [W, m_max_padded]          (fp8 gather only)
+    gather_scale  fp32  [W, m_max_padded, ceil(n_slice / GATHER_GROUP)]   (fp8 gather only)
 
 Completion protocol: a tile bumps ``counters[dest, chunk]`` by one; chunk (dest, c) of call ``seq``
 is complete when the counter reaches the cumulative target ``CallPlan.counter_targets``. Flags carry
@@ -53,10 +56,11 @@ REGION_ALIGN = 256  # bytes; every region starts on a 256-byte boundary (DMA and
 K_MIN = 256  # K=128 compiled but returned garbage: the peeled pipeline needs two K tiles
 K_ALIGN = 128  # BLOCK_K of every kernel
 BLOCKSCALE_N = 128  # blockscale B scales cover 128 rows of B
+GATHER_GROUP = 128  # fp8 gather: one fp32 scale per row and 128 columns (a GEMM epilogue sees one tile)
 
 QUANTS = ("ptpc", "blockscale", "mxfp8")
 MODES = ("fused", "split", "gemm-only")
-TRANSPORTS = ("dma", "lsa")
+TRANSPORTS = ("dma", "lsa", "auto")  # auto: the backend picks per call (CUDA: lsa at small M); else dma
 GATHER_DTYPES = ("bf16", "fp8")
 # mori's benchmark arm names -> (mode, transport)
 MODE_ALIASES = {
@@ -78,7 +82,7 @@ def _align(x: int, a: int = REGION_ALIGN) -> int:
     return _ceil_div(x, a) * a
 
 
-def normalize_mode(mode: str, transport: str | None) -> tuple[str, str]:
+def normalize_mode(mode: str, transport: str | None, default_transport: str = "dma") -> tuple[str, str]:
     """Accept both ``mode="fused", transport="lsa"`` and mori's ``mode="fused-lsa"``.
 
     Raises ValueError naming the argument when the mode is unknown or an alias disagrees with an
@@ -94,7 +98,7 @@ def normalize_mode(mode: str, transport: str | None) -> tuple[str, str]:
     if mode not in MODES:
         allowed = ", ".join(MODES + tuple(a for a in MODE_ALIASES if a not in MODES))
         raise ValueError(f"mode={mode!r} is not supported; pass one of {allowed}")
-    transport = "dma" if transport is None else transport
+    transport = default_transport if transport is None else transport
     if transport not in TRANSPORTS:
         raise ValueError(f"transport={transport!r} is not supported; pass one of {', '.join(TRANSPORTS)}")
     return mode, transport
@@ -127,6 +131,7 @@ class WindowLayout:
     scatter_flags: Region
     scatter_m: Region
     gather_flags: Region
+    tile_flags: Region
     partial: Region
     recv: Region
     gather: Region
@@ -135,20 +140,28 @@ class WindowLayout:
 
     def regions(self) -> tuple[Region, ...]:
         return (self.header, self.counters, self.scatter_flags, self.scatter_m, self.gather_flags,
-                self.partial, self.recv, self.gather, self.gather_scale)
+                self.tile_flags, self.partial, self.recv, self.gather, self.gather_scale)
 
 
-def window_layout(*, world: int, m_max_padded: int, n_slice: int, gather_dtype: str) -> WindowLayout:
+def gather_scale_cols(n_slice: int) -> int:
+    """fp8 gather scales per row of one owner's slice (the last group may be narrower)."""
+    return _ceil_div(n_slice, GATHER_GROUP)
+
+
+def window_layout(*, world: int, m_max_padded: int, n_slice: int, gather_dtype: str,
+                  m_tiles: int = 0, n_tiles: int = 0) -> WindowLayout:
     specs = [
         ("header", (HEADER_WORDS,), "int64"),
         ("counters", (world, MAX_CHUNKS), "int64"),
         ("scatter_flags", (world, MAX_CHUNKS), "int64"),
         ("scatter_m", (world,), "int64"),
         ("gather_flags", (world, MAX_CHUNKS), "int64"),
+        ("tile_flags", (2, world, m_tiles, n_tiles), "int64"),
         ("partial", (world, m_max_padded, n_slice), "bfloat16"),
         ("recv", (world, m_max_padded, n_slice), "bfloat16"),
         ("gather", (world, m_max_padded, n_slice), "float8_e4m3fn" if gather_dtype == "fp8" else "bfloat16"),
-        ("gather_scale", (world, m_max_padded if gather_dtype == "fp8" else 0), "float32"),
+        ("gather_scale", (world, m_max_padded, gather_scale_cols(n_slice)) if gather_dtype == "fp8" else (world, 0, 0),
+         "float32"),
     ]
     offset, regions = 0, {}
     for name, shape, dtype in specs:
@@ -186,7 +199,8 @@ class OpConfig:
         set_("m_max_padded", padded_m(self.m_max, self.block_m))
         set_("n_tiles_per_dest", self.n_slice // self.block_n)
         set_("window", window_layout(world=self.world, m_max_padded=self.m_max_padded,
-                                     n_slice=self.n_slice, gather_dtype=self.gather_dtype))
+                                     n_slice=self.n_slice, gather_dtype=self.gather_dtype,
+                                     m_tiles=self.m_max_padded // self.block_m, n_tiles=self.n_tiles_per_dest))
 
 
 def _pick_block_n(n_slice: int) -> int | None:
@@ -195,11 +209,12 @@ def _pick_block_n(n_slice: int) -> int | None:
 
 def build_config(*, n: int, k: int, m_max: int, world: int, quant: str = "ptpc", mode: str = "fused",
                  transport: str | None = None, gather_dtype: str = "bf16", chunks: int | None = None,
-                 block_m: int | None = None, block_n: int | None = None) -> OpConfig:
+                 block_m: int | None = None, block_n: int | None = None,
+                 default_transport: str = "dma") -> OpConfig:
     """The single place that decides whether a configuration is expressible.
 
     Raises ValueError whose message names the argument, its value, what is allowed and the fix."""
-    mode, transport = normalize_mode(mode, transport)
+    mode, transport = normalize_mode(mode, transport, default_transport)
     for name, value in (("n", n), ("k", k), ("m_max", m_max), ("world", world)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive int")
@@ -298,23 +313,24 @@ class Tile:
     col0: int  # within dest's slice; the global column is dest * n_slice + col0
 
 
-def tile_table(cfg: OpConfig, *, m: int, rank: int) -> tuple[Tile, ...]:
-    """Every output tile of a call in the order the kernel writes them: (chunk, dest, m, n).
+def tile_table(cfg: OpConfig, *, m: int, rank: int, dest_major: bool = False) -> tuple[Tile, ...]:
+    """Every output tile of a call in the order the kernel writes them: (chunk, dest, m, n), or
+    with ``dest_major`` (dest, chunk, m, n): every peer's tiles before the own ones, the order of
+    the CUDA ``lsa`` kernel, whose own tiles wait for the peers' tiles of the same position.
 
-    Cached per ``(cfg, m, rank)`` (the config is frozen and hashable): building the table in Python
-    takes ~20 ms at M=16384, N=7168 on 2 ranks, which an eager GPU call must not pay every time."""
-    return _tile_table(cfg, m, rank)
+    Cached per ``(cfg, m, rank, dest_major)`` (the config is frozen and hashable): building the
+    table in Python takes ~20 ms at M=16384, N=7168 on 2 ranks, which an eager GPU call must not
+    pay every time."""
+    return _tile_table(cfg, m, rank, dest_major)
 
 
 @functools.lru_cache(maxsize=TILE_TABLE_CACHE)
-def _tile_table(cfg: OpConfig, m: int, rank: int) -> tuple[Tile, ...]:
-    tiles = []
-    for c, (t0, t1) in enumerate(chunk_tiles(cfg, m)):
-        for dest in dest_order(rank, cfg.world):
-            for mt in range(t0, t1):
-                for nt in range(cfg.n_tiles_per_dest):
-                    tiles.append(Tile(c, dest, mt, nt, mt * cfg.block_m, nt * cfg.block_n))
-    return tuple(tiles)
+def _tile_table(cfg: OpConfig, m: int, rank: int, dest_major: bool) -> tuple[Tile, ...]:
+    chunks = list(enumerate(chunk_tiles(cfg, m)))
+    dests = dest_order(rank, cfg.world)
+    walk = [(c, d) for d in dests for c in chunks] if dest_major else [(c, d) for c in chunks for d in dests]
+    return tuple(Tile(c, dest, mt, nt, mt * cfg.block_m, nt * cfg.block_n)
+                 for (c, (t0, t1)), dest in walk for mt in range(t0, t1) for nt in range(cfg.n_tiles_per_dest))
 
 
 def tile_table_rows(table: tuple[Tile, ...]) -> list[list[int]]:

@@ -84,7 +84,9 @@ class GemmAllReduceOp:
       m_max:        the most rows a call may pass; sizes the window.
       quant:        "ptpc" | "blockscale" | "mxfp8" (scale layouts in ``cco.quant``).
       mode:         "fused" | "split" | "gemm-only", or a mori arm name ("fused-sdma", ...).
-      transport:    "dma" (copier / copy engines) | "lsa" (producer stores into the peer); default dma.
+      transport:    "dma" (copier / copy engines) | "lsa" (producer stores into the peer) | "auto" (the
+                    backend picks per call: on CUDA lsa at small M, dma above; elsewhere dma).
+                    Default: auto on CUDA, dma elsewhere.
       gather_dtype: "bf16", or "fp8" (e4m3 + one fp32 scale per row; half the gather bytes, ~10x error).
       chunks:       row chunks per call (1..8); None picks ``layout.DEFAULT_CHUNKS``.
       deadline_s:   seconds one call may wait on peers in total before raising.
@@ -100,7 +102,8 @@ class GemmAllReduceOp:
         try:
             self.config = layout.build_config(
                 n=n, k=k, m_max=m_max, world=comm.world, quant=quant, mode=mode, transport=transport,
-                gather_dtype=gather_dtype, chunks=chunks, block_m=backend_cls.block_m, block_n=backend_cls.block_n)
+                gather_dtype=gather_dtype, chunks=chunks, block_m=backend_cls.block_m, block_n=backend_cls.block_n,
+                default_transport=backend_cls.default_transport)
         except ValueError as err:
             raise ValueError(f"{_FN}: {err}") from None
         if not deadline_s > 0:

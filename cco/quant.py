@@ -186,6 +186,23 @@ def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
 REL_L2_TOL = {"ptpc": 3e-3, "blockscale": 3e-3, "mxfp8": 3e-3}
 # An fp8 gather adds one e4m3 rounding of the reduced output (~2.5e-2 rms).
 REL_L2_TOL_FP8_GATHER = 4e-2
+GATHER_TINY = 1e-30  # an all-zero group keeps a positive scale: dequantization gives exact zeros
+
+
+def quantize_gather(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp8 gather's format: fp32 [R, C] -> (e4m3 [R, C], fp32 [R, ceil(C / group)]), one scale
+    ``max|x| / 448`` per row and ``group`` columns (the last group may be narrower)."""
+    rows, cols = x.shape
+    groups = -(-cols // group)
+    padded = torch.nn.functional.pad(x.float(), (0, groups * group - cols)).view(rows, groups, group)
+    scale = padded.abs().amax(dim=2).clamp_min(GATHER_TINY) / FP8_MAX
+    q = (padded / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(rows, groups * group)[:, :cols], scale
+
+
+def dequantize_gather(q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """Inverse of :func:`quantize_gather`, in fp32."""
+    return q.float() * scale.repeat_interleave(group, dim=1)[:, : q.shape[1]]
 
 
 # --------------------------------------------------------------------------------------------------

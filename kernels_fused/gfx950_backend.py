@@ -264,6 +264,7 @@ class Gfx950Backend(CudaBackend):
     name = "gfx950"
     block_m = GEMM_BLOCK_M
     block_n = GEMM_BLOCK_N
+    default_transport = "dma"
 
     @classmethod
     def supports_device(cls, device):
@@ -284,7 +285,7 @@ class Gfx950Backend(CudaBackend):
         if why is not None:
             raise RuntimeError(f"Gfx950Backend: {why}; nothing was compiled or launched")
         cfg = self.config
-        if cfg.transport != "dma":
+        if cfg.transport not in ("dma", "auto"):
             raise NotImplementedError(
                 f"Gfx950Backend: transport={cfg.transport!r} needs the FlyDSL epilogue to store into the "
                 f"owner's window (a peer base pointer per destination), which it does not have; pass transport='dma'")

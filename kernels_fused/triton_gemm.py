@@ -62,6 +62,11 @@ class GemmConfig:
     # fp32 every K step (max_num_imprecise_acc=BLOCK_K), measured 29% slower (549 vs 427 us at
     # 16384x7168x2048). blockscale and mxfp8 scale every K step, so they are always promoted.
     precise_acc: bool = False
+    # how programs find their tiles: "grid" (one per tile, in the kernel's own order), "ticket" (one per
+    # tile, claimed in the walk's order from a counter), "persistent" (one per SM, striding the walk).
+    # fuse=False with "ticket"/"persistent" runs the lsa kernel on a world of one (its epilogue then
+    # only writes out); the lsa kernel treats "grid" as "ticket".
+    launch: str = "grid"
 
     def tiles(self, m: int, n: int) -> tuple[int, int]:
         return -(-m // self.block_m), -(-n // self.block_n)
@@ -107,104 +112,11 @@ def merge_tile_pairs(rows, *, layout_block_n: int) -> list[list[int]]:
 
 
 @functools.cache
-def _kernel():
-    import triton
-    import triton.language as tl
+def _kernels():
+    """(plain/dma kernel, lsa kernel), imported on first use."""
+    from kernels_fused import triton_kernels
 
-    @triton.jit
-    def _fp8_gemm(
-        # operands (TMA descriptors or raw pointers, see USE_TMA) ------------------------------------
-        a_src, b_src, c_ptr, as_ptr, bs_ptr,
-        # fused epilogue -----------------------------------------------------------------------------
-        tile_ptr, counter_ptr,
-        # shape and strides -------------------------------------------------------------------------
-        M, N, K, stride_am, stride_bn, stride_cm, n_slice, dest_stride,
-        stride_asm, stride_ask, stride_bsn, stride_bsk,
-        # compile-time -------------------------------------------------------------------------------
-        QUANT: tl.constexpr, FUSE: tl.constexpr, USE_TMA: tl.constexpr, MX_BF16: tl.constexpr,
-        PRECISE_ACC: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        SCALE_BLOCK: tl.constexpr, MX_GROUP: tl.constexpr, MAX_CHUNKS: tl.constexpr, TILE_WEIGHT: tl.constexpr,
-    ):
-        pid = tl.program_id(0)
-        if FUSE:
-            # one row of the layout's tile table: (chunk, dest, row0, col0 within dest's column slice)
-            chunk = tl.load(tile_ptr + pid * 4)
-            dest = tl.load(tile_ptr + pid * 4 + 1)
-            m0 = tl.load(tile_ptr + pid * 4 + 2)
-            c0 = tl.load(tile_ptr + pid * 4 + 3)
-            n0 = dest * n_slice + c0
-            c_ptr += dest.to(tl.int64) * dest_stride  # partial[dest] is [rows, n_slice]
-        else:
-            tiles_m = tl.cdiv(M, BLOCK_M)
-            tiles_n = tl.cdiv(N, BLOCK_N)
-            per_group = GROUP_M * tiles_n
-            first_m = (pid // per_group) * GROUP_M
-            rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
-            m0 = (first_m + (pid % per_group) % rows_in_group) * BLOCK_M
-            n0 = ((pid % per_group) // rows_in_group) * BLOCK_N
-            c0 = n0
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        mask_m = offs_m < M
-        mask_n = offs_n < N
-        # clamp instead of masking: rows past M / N only feed stores that are masked
-        rows_a = tl.where(mask_m, offs_m, 0)
-        rows_b = tl.where(mask_n, offs_n, 0)
-        GROUPS: tl.constexpr = BLOCK_K // MX_GROUP
-
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(0, tl.cdiv(K, BLOCK_K)):
-            k0 = kb * BLOCK_K
-            if USE_TMA:
-                a = a_src.load([m0, k0])  # [BLOCK_M, BLOCK_K], rows past M read as zeros
-                b = b_src.load([n0, k0])  # [BLOCK_N, BLOCK_K], K-major as fp8 wgmma wants
-            else:
-                a = tl.load(a_src + rows_a[:, None] * stride_am + (k0 + offs_k)[None, :])
-                b = tl.load(b_src + rows_b[:, None] * stride_bn + (k0 + offs_k)[None, :])
-            if QUANT == 0:
-                if PRECISE_ACC:  # promote the MMA chain into fp32 once per K step (slower, see GemmConfig)
-                    acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
-                else:
-                    acc = tl.dot(a, tl.trans(b), acc)
-            elif QUANT == 1:
-                sa = tl.load(as_ptr + rows_a * stride_asm + kb * stride_ask)
-                sb = tl.load(bs_ptr + (rows_b // SCALE_BLOCK) * stride_bsn + kb * stride_bsk)
-                acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
-            else:
-                # no block-scaled fp8 MMA on Hopper: scale each 32-wide group into bf16 (exact: 3-bit
-                # mantissa times a power of two) and run a bf16 MMA at half the fp8 rate
-                groups = kb * GROUPS + tl.arange(0, GROUPS)
-                ea = tl.load(as_ptr + rows_a[:, None] * stride_asm + groups[None, :] * stride_ask)
-                eb = tl.load(bs_ptr + rows_b[:, None] * stride_bsn + groups[None, :] * stride_bsk)
-                # e8m0 bits -> 2**(bits - 127) built exactly in the fp32 exponent field
-                sa = (ea.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-                sb = (eb.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-                a3 = tl.reshape(a.to(tl.float32), (BLOCK_M, GROUPS, MX_GROUP)) * sa[:, :, None]
-                b3 = tl.reshape(b.to(tl.float32), (BLOCK_N, GROUPS, MX_GROUP)) * sb[:, :, None]
-                if MX_BF16:
-                    a_bf = tl.reshape(a3, (BLOCK_M, BLOCK_K)).to(tl.bfloat16)
-                    b_bf = tl.reshape(b3, (BLOCK_N, BLOCK_K)).to(tl.bfloat16)
-                    acc = tl.dot(a_bf, tl.trans(b_bf), acc)
-                else:  # Triton's CPU interpreter multiplies bf16 tiles as raw integers: fp32 there
-                    a_f = tl.reshape(a3, (BLOCK_M, BLOCK_K))
-                    b_f = tl.reshape(b3, (BLOCK_N, BLOCK_K))
-                    acc = tl.dot(a_f, tl.trans(b_f), acc, input_precision="ieee")
-
-        if QUANT == 0:
-            sa = tl.load(as_ptr + rows_a * stride_asm)
-            sb = tl.load(bs_ptr + rows_b * stride_bsn)
-            acc = acc * (sa[:, None] * sb[None, :])
-
-        offs_c = c0 + tl.arange(0, BLOCK_N)
-        c_tile = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_c[None, :]
-        tl.store(c_tile, acc.to(tl.bfloat16), mask=mask_m[:, None] & mask_n[None, :])
-        if FUSE:
-            tl.debug_barrier()  # every thread's tile stores are issued before the release below
-            tl.atomic_add(counter_ptr + dest * MAX_CHUNKS + chunk, TILE_WEIGHT, sem="release", scope="gpu")
-
-    return _fp8_gemm
+    return triton_kernels.fp8_gemm_kernel, triton_kernels.fp8_gemm_lsa_kernel
 
 
 def _interpreting() -> bool:
@@ -240,6 +152,8 @@ def fp8_gemm(
       after its tile is stored: 1 when ``config`` has the layout's tile, 2 when the kernel's tile is
       two layout tiles wide (the table then lists every other layout tile; see
       :func:`merge_tile_pairs`).
+    * ``config.launch`` other than "grid" (``fuse=False`` only): the ``lsa`` kernel on a world of one
+      walks the tiles in row-major order (see :class:`GemmConfig`).
     """
     from cco.layout import MAX_CHUNKS
 
@@ -276,6 +190,11 @@ def fp8_gemm(
             )
         tiles_m, tiles_n = cfg.tiles(m, n)
         grid = tiles_m * tiles_n
+        if cfg.launch != "grid":
+            if n % cfg.block_n:
+                raise ValueError(f"{fn}: launch={cfg.launch!r} needs block_n={cfg.block_n} to divide N={n}")
+            _walked(a, b, a_scale, b_scale, quant=quant, out=out, config=cfg)
+            return out
         n_slice, dest_stride, stride_c = n, 0, out.stride(0)
         tile_table = counters = b  # never read when FUSE is off; any pointer will do
 
@@ -291,7 +210,7 @@ def fp8_gemm(
         b_src = TensorDescriptor.from_tensor(b, [cfg.block_n, cfg.block_k])
     else:
         a_src, b_src = a, b
-    _kernel()[(grid,)](
+    _kernels()[0][(grid,)](
         a_src, b_src, out, a_scale, b_scale, tile_table, counters,
         m, n, k, a.stride(0), b.stride(0), stride_c, n_slice, dest_stride,
         *a_s_strides, *b_s_strides,
@@ -304,4 +223,170 @@ def fp8_gemm(
     return out
 
 
-__all__ = ["GemmConfig", "QUANTS", "default_config", "fp8_gemm", "merge_tile_pairs", "tile_table_tensor"]
+@functools.lru_cache(maxsize=16)
+def _row_major_table(m: int, n: int, block_m: int, block_n: int, device: str) -> torch.Tensor:
+    rows = [[0, 0, mt * block_m, nt * block_n] for mt in range(-(-m // block_m)) for nt in range(n // block_n)]
+    return tile_table_tensor(rows, device=device)
+
+
+@functools.lru_cache(maxsize=16)
+def _world_of_one(m: int, n: int, device: str) -> "LsaWindow":
+    """The lsa kernel's window on a world of one: nothing in it is read but the (reset) ticket."""
+    def words():
+        return torch.zeros(1, dtype=torch.int64, device=device)
+
+    unused = torch.zeros(1, 1, 1, dtype=torch.bfloat16, device=device)
+    return LsaWindow(partial=unused, recv=unused.expand(1, m, n), gather=unused, gather_scale=None,
+                     tile_flags=torch.zeros(2, 1, 1, 1, dtype=torch.int64, device=device), deltas=words(),
+                     status=words(), ticket=words())
+
+
+def _walked(a, b, a_scale, b_scale, *, quant, out, config) -> None:
+    """Plain GEMM through the lsa kernel with a world of one (no peer, nothing to wait for)."""
+    m, n = out.shape
+    dev = str(out.device)
+    fp8_gemm_lsa(a, b, a_scale, b_scale, quant=quant, out=out, win=_world_of_one(m, n, dev),
+                 tile_table=_row_major_table(m, n, config.block_m, config.block_n, dev), rank=0, stamp=1,
+                 config=config)
+
+
+@dataclass(frozen=True)
+class LsaWindow:
+    """This rank's window regions as the ``lsa`` kernel reads them (``cco.layout`` names). A peer's
+    copy of any region lies ``deltas[peer]`` bytes from the local one (int64 [W], 0 for the own
+    rank): one symmetric allocation per rank, the same offsets everywhere."""
+
+    partial: torch.Tensor  # bf16 [W, rows, n_slice] (read only by the self test)
+    recv: torch.Tensor  # bf16 [W, rows, n_slice]
+    gather: torch.Tensor  # bf16 | e4m3 [W, rows, n_slice]
+    gather_scale: torch.Tensor | None  # fp32 [W, rows, n_slice / GATHER_GROUP] (fp8 gather)
+    tile_flags: torch.Tensor  # int64 [2, W, m_tiles, n_tiles] (at least the kernel's tiles): scatter, gather
+    deltas: torch.Tensor  # int64 [W], bytes
+    status: torch.Tensor  # int64 [1]
+    ticket: torch.Tensor  # int64 [1], zero between launches (launch="ticket"; local, one per op)
+
+
+def lsa_walk_rows(cfg, *, m: int, rank: int, width: int, interleave: bool = False) -> list[list[int]]:
+    """The ``lsa`` kernel's walk as ``[chunk, dest, row0, col0]`` rows of ``width`` layout tiles.
+
+    Three kinds of entries per chunk: scatter (every peer's tiles), reduce (the own tiles) and
+    assemble (``dest = W + owner``: one per tile of a peer owner's slice, in the order the owner
+    reduces them). ``interleave=False`` walks all scatters, then all reduces, then all assembles
+    (``cco.layout.tile_table(..., dest_major=True)`` order); ``interleave=True`` walks, for c =
+    0, 1, ...: scatter c, reduce c - 1, assemble c - 2, so the link always carries both a scatter
+    and a gather while the programs keep computing. Every entry waits only for peer entries that
+    sit earlier in the peer's walk, which is what makes any claim order deadlock-free. On 2 H200 at
+    16384x7168x2048 the phased walk measured 913 us and the interleaved one 974 us (docs/BENCHMARKS.md)."""
+    from cco import layout
+
+    rows = layout.tile_table_rows(layout.tile_table(cfg, m=m, rank=rank, dest_major=True))
+    if width == 2:
+        rows = merge_tile_pairs(rows, layout_block_n=cfg.block_n)
+    chunks = max(r[0] for r in rows) + 1
+    owners = [d for d in layout.dest_order(rank, cfg.world) if d != rank]
+    scatter = [[r for r in rows if r[0] == c and r[1] != rank] for c in range(chunks)]
+    reduce = [[r for r in rows if r[0] == c and r[1] == rank] for c in range(chunks)]
+    assemble = [[[c, cfg.world + o, r0, c0] for o in owners for _, _, r0, c0 in reduce[c]] for c in range(chunks)]
+    if not interleave:
+        return [r for phase in (scatter, reduce, assemble) for part in phase for r in part]
+    walk = []
+    for c in range(chunks + 2):
+        for phase, lag in ((scatter, 0), (reduce, 1), (assemble, 2)):
+            if 0 <= c - lag < chunks:
+                walk += phase[c - lag]
+    return walk
+
+
+def peer_deltas(bases: list[int], rank: int) -> list[int]:
+    """``LsaWindow.deltas`` from every rank's window base address: bytes from this rank's window,
+    each a multiple of 256 (the kernel's vectorization hint relies on it; allocators align far more)."""
+    deltas = [b - bases[rank] for b in bases]
+    odd = [p for p, d in enumerate(deltas) if d % 256]
+    if odd:
+        raise ValueError(f"peer_deltas: the windows of ranks {odd} are not 256-byte aligned relative to rank {rank}")
+    return deltas
+
+
+def persistent_programs(device) -> int:
+    """Programs of a persistent launch: one per multiprocessor (one under the interpreter, whose
+    programs run one after another: a waiting program would never see a later one's tile)."""
+    if _interpreting():
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def fp8_gemm_lsa(a, b, a_scale, b_scale, *, quant: str, out: torch.Tensor, win: LsaWindow,
+                 tile_table: torch.Tensor, rank: int, stamp: int, config: GemmConfig,
+                 from_partial: bool = False, move_bytes: bool = True) -> None:
+    """The ``lsa`` fused launch: GEMM, scatter, reduce, gather and assemble in one kernel.
+
+    Programs claim tiles per ``config.launch`` (:class:`GemmConfig`) along ``tile_table``
+    (:func:`lsa_walk_rows`): every peer's tiles, then the own ones, then one assemble entry per
+    tile of every peer's slice. A peer's tile is stored bf16 into ``recv[rank]`` of its owner, then
+    ``tile_flags[0, rank, tile]`` there is set to ``stamp`` (release, system scope). An own tile
+    waits for every source's flag (acquire; the waiter zeroes it, its only reader), adds the
+    sources' tiles in fp32, writes the own columns of ``out``, stores the reduced tile into
+    ``gather[rank]`` of every peer (bf16, or e4m3 with ``gather_scale``) and sets
+    ``tile_flags[1, rank, tile]`` there. An assemble entry waits for that flag and writes the
+    owner's tile into ``out``. A flag that is not ``stamp`` (another seq or M) is recorded in
+    ``status`` as ``1 + src``.
+
+    Deadlock freedom: scatter tiles wait for nothing, reduce tiles only for peers' scatter tiles,
+    assemble tiles only for peers' reduce tiles; a program that waits holds a later entry of the
+    walk than every earlier entry of its rank (tickets, or a persistent program's stride), so those
+    are held by running programs. ``from_partial`` replaces the GEMM by the tiles found in
+    ``win.partial`` (the self test); ``move_bytes=False`` releases flags without storing data (the
+    silent-transport fault).
+    """
+    from cco.layout import GATHER_GROUP
+
+    world, rows, n_slice = win.recv.shape
+    n = world * n_slice
+    if n_slice % config.block_n or config.block_n % GATHER_GROUP:
+        raise ValueError(f"fp8_gemm_lsa: block_n={config.block_n} must divide N/W={n_slice} and be a multiple "
+                         f"of {GATHER_GROUP}")
+    if from_partial:
+        m, k = out.shape[0], config.block_k
+        a_src = b_src = a_scale = b_scale = win.partial
+        strides = (0, 0, 0, 0, 0, 0)
+        use_tma = False
+    else:
+        shape = check_operands(a, b, a_scale, b_scale, quant=quant, fn="fp8_gemm_lsa")
+        m, k = shape.m, shape.k
+        if shape.n != n:
+            raise ValueError(f"fp8_gemm_lsa: b has N={shape.n} rows but the window holds {world} x {n_slice} columns")
+        if quant == "mxfp8":
+            a_scale, b_scale = a_scale.view(torch.uint8), b_scale.view(torch.uint8)
+        strides = (a.stride(0), b.stride(0), a_scale.stride(0), a_scale.stride(1) if a_scale.dim() == 2 else 0,
+                   b_scale.stride(0), b_scale.stride(1) if b_scale.dim() == 2 else 0)
+        use_tma = config.tma
+        if use_tma:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            a_src = TensorDescriptor.from_tensor(a, [config.block_m, config.block_k])
+            b_src = TensorDescriptor.from_tensor(b, [config.block_n, config.block_k])
+        else:
+            a_src, b_src = a, b
+    if out.dtype != torch.bfloat16 or tuple(out.shape) != (m, n) or out.stride(1) != 1:
+        raise ValueError(f"fp8_gemm_lsa: out must be bf16 [{m}, {n}] with unit column stride, got "
+                         f"{out.dtype} {list(out.shape)}")
+    fp8 = win.gather_scale is not None
+    gscale = win.gather_scale if fp8 else win.gather
+    n_tiles = tile_table.shape[0]
+    programs = min(persistent_programs(out.device), n_tiles) if config.launch == "persistent" else 0
+    _kernels()[1][(programs or n_tiles,)](
+        win.ticket, n_tiles, a_src, b_src, a_scale, b_scale, out, win.partial,
+        win.recv, win.gather, gscale, win.tile_flags[0], win.tile_flags[1], win.deltas, win.status, tile_table,
+        rank, stamp, m, n, k, strides[0], strides[1], out.stride(0), n_slice,
+        win.recv.stride(0), win.tile_flags.stride(1), gscale.stride(0) if fp8 else 0, *strides[2:],
+        QUANT=QUANT_ID[quant], USE_TMA=use_tma, MX_BF16=not _interpreting(), PRECISE_ACC=config.precise_acc,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        SCALE_BLOCK=SCALE_BLOCK, MX_GROUP=MX_GROUP,
+        WORLD=world, FP8_GATHER=fp8, GATHER_GROUP=GATHER_GROUP, NUM_PROGS=programs,
+        FROM_PARTIAL=bool(from_partial), MOVE_BYTES=bool(move_bytes),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
+__all__ = ["GemmConfig", "LsaWindow", "QUANTS", "default_config", "fp8_gemm", "fp8_gemm_lsa", "merge_tile_pairs",
+           "lsa_walk_rows", "peer_deltas", "persistent_programs", "tile_table_tensor"]

@@ -13,8 +13,11 @@ fused-sdma, split-lsa, fused-lsa):
     scaled_mm+nccl    torch._scaled_mm + NCCL all_reduce (ptpc; other quants: the Triton GEMM + NCCL)
     symm_mem          torch symm-mem fused_scaled_matmul_reduce_scatter + NCCL all_gather (ptpc)
     split             GemmAllReduceOp(mode="split"): whole GEMM, then the copy-engine all-reduce
-    fused             GemmAllReduceOp(mode="fused")
+    fused             GemmAllReduceOp(mode="fused"): copy-engine puts on the GEMM's counters
     fused-fp8         GemmAllReduceOp(mode="fused", gather_dtype="fp8")
+    fused-lsa         GemmAllReduceOp(mode="fused", transport="lsa"): one persistent kernel whose
+                      epilogue stores into the owners, reduces and gathers
+    fused-lsa-fp8     the same with gather_dtype="fp8"
 
 Before timing: every op runs ``self_test()`` (bytes really move), and every arm's output is checked
 against the fp32 reference sum (relative L2 and element-wise), so a wrong or silent arm cannot post a
@@ -41,9 +44,13 @@ from cco.benchmark import allreduce_mismatches, gemm_mismatches, idle_check, tfl
 SWEEP_M = (2048, 4096, 8192, 16384, 32768)
 # cuBLAS arms accumulate like the Triton ptpc kernel (fp8 tensor-core accumulation, no promotion)
 FAST_ACCUM = True
-ARMS = ("scaled_mm", "gemm-only", "scaled_mm+nccl", "symm_mem", "split", "fused", "fused-fp8")
+ARMS = ("scaled_mm", "gemm-only", "scaled_mm+nccl", "symm_mem", "split", "fused", "fused-fp8", "fused-lsa",
+        "fused-lsa-fp8")
+# the op's arms: name -> (mode, transport, gather_dtype)
+OP_ARMS = {"split": ("split", "dma", "bf16"), "fused": ("fused", "dma", "bf16"), "fused-fp8": ("fused", "dma", "fp8"),
+           "fused-lsa": ("fused", "lsa", "bf16"), "fused-lsa-fp8": ("fused", "lsa", "fp8")}
 MORI_NAMES = {"gemm-only": ("gemm-only",), "split-sdma": ("split",), "fused-sdma": ("fused",),
-              "split-lsa": ("split",), "fused-lsa": ("fused",)}
+              "fused-lsa": ("fused-lsa",)}
 
 
 def parse_args(argv=None):
@@ -62,7 +69,8 @@ def parse_args(argv=None):
     p.add_argument("--sweep", action="store_true", help=f"M in {SWEEP_M}")
     p.add_argument("--plot", default=None, help="PNG path for the --sweep plot (time vs M per arm)")
     p.add_argument("--json", default=None, help="also write the result JSON here (rank 0)")
-    p.add_argument("--trace", default=None, help="chrome trace of 3 calls of the fused arm (rank 0), after timing")
+    p.add_argument("--trace", default=None, help="chrome trace of 3 calls of --trace-arm (rank 0), after timing")
+    p.add_argument("--trace-arm", default="fused", help="the arm --trace profiles")
     return p.parse_args(argv)
 
 
@@ -75,9 +83,9 @@ def select_arms(mode: str, quant: str) -> list[str]:
         arms = []
         for part in mode.split(","):
             part = part.strip()
+            if part == "split-lsa":
+                raise SystemExit("--mode split-lsa: split with the lsa transport is not implemented on CUDA; use split-sdma")
             if part in MORI_NAMES:
-                if part.endswith("-lsa"):
-                    raise SystemExit(f"--mode {part}: the lsa transport is not implemented on CUDA; use {part[:-4]}-sdma")
                 arms.extend(MORI_NAMES[part])
             elif part in ARMS:
                 arms.append(part)
@@ -173,10 +181,10 @@ def build_arms(names, prob: Problem, comm, *, chunks, m_max):
                 dist.all_gather_into_tensor(out, rs, group=group)
                 return out
             arms[name] = fn
-        elif name in ("split", "fused", "fused-fp8"):
-            mode = "split" if name == "split" else "fused"
-            op = GemmAllReduceOp(comm, n=prob.n, k=prob.k, m_max=m_max, quant=quant, mode=mode,
-                                 gather_dtype="fp8" if name == "fused-fp8" else "bf16", chunks=chunks)
+        elif name in OP_ARMS:
+            mode, transport, gather = OP_ARMS[name]
+            op = GemmAllReduceOp(comm, n=prob.n, k=prob.k, m_max=m_max, quant=quant, mode=mode, transport=transport,
+                                 gather_dtype=gather, chunks=chunks)
             ops[name] = op
 
             def fn(i, op=op):
@@ -230,7 +238,7 @@ def check_arms(arms, prob: Problem, *, rank) -> dict:
     for name, fn in arms.items():
         out = fn(0)
         torch.cuda.synchronize()
-        fp8 = name == "fused-fp8"
+        fp8 = name in OP_ARMS and OP_ARMS[name][2] == "fp8"
         if name in ("scaled_mm", "gemm-only"):
             err, bad = Q.rel_l2(out, ref["local"]), gemm_mismatches(out, ref["local"], ref["dot_abs"])
         else:
@@ -267,8 +275,8 @@ def run_shape(args, comm, m, *, arms_wanted, m_max, progress=None) -> dict:
     timings = time_arms(timed, passes=args.passes, iters=args.iters, rotate=args.rotate,
                         on_pass=(lambda p: progress(p)) if progress else None)
     idle_after = idle_check()
-    if args.trace and "fused" in timed:
-        trace(timed["fused"], args.trace, rank=rank)
+    if args.trace and args.trace_arm in timed:
+        trace(timed[args.trace_arm], args.trace, rank=rank)
     for op in ops.values():
         op.close()
     del timed, arms, prob

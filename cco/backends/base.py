@@ -88,6 +88,8 @@ class Backend(abc.ABC):
     # tile sizes this backend's kernel walks; the op passes them to layout.build_config
     block_m: ClassVar[int | None] = None
     block_n: ClassVar[int | None] = None
+    # what transport=None means on this backend ("auto": the backend picks per call, see CudaBackend)
+    default_transport: ClassVar[str] = "dma"
 
     def __init__(self, *, config: "OpConfig", comm: "Communicator", window: "Window", deadline_s: float,
                  faults=None):

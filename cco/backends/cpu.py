@@ -11,22 +11,15 @@ import torch
 
 from cco import layout
 from cco.backends.base import Backend
-from cco.quant import FP8, FP8_MAX
+from cco.quant import dequantize_gather, quantize_gather
 from cco.transport import transport_class
 from cco.transport.base import unstamp_seq_m
 from cco.transport.protocol import CommTimeoutError, Deadline, PeerMismatchError, release, wait_at_least
 from kernels_fused.cpu_tiles import dequantized_operands, run_tiles
 
-_TINY = 1e-30  # keeps an all-zero row's fp8 gather scale finite
 # A call waits this many deadlines for a peer to leave the previous call: the peer entered that call
 # before this rank finished it, so it leaves within its own deadline plus its error-path wait.
 PREVIOUS_CALL_DEADLINES = 2
-
-
-def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 [R, C] -> (e4m3 [R, C], fp32 [R]): the fp8 gather's one scale per row."""
-    scale = x.abs().amax(dim=1).clamp_min(_TINY) / FP8_MAX
-    return (x / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 class CpuBackend(Backend):
@@ -42,7 +35,8 @@ class CpuBackend(Backend):
         super().__init__(**kw)
         cfg, win, rank = self.config, self.window, self.window.rank
         self.rank, self.world = rank, win.world
-        self.transport = transport_class(cfg.transport)(config=cfg, window=win, faults=self.faults)
+        name = "dma" if cfg.transport == "auto" else cfg.transport  # nothing to pick between on the CPU
+        self.transport = transport_class(name)(config=cfg, window=win, faults=self.faults)
         w = cfg.window
         self._header = win.words(w.header, rank=rank)
         self._peer_header = [win.words(w.header, rank=r) for r in range(self.world)]
@@ -195,7 +189,7 @@ class CpuBackend(Backend):
         rank, (r0, r1) = self.rank, plan.rows[chunk]
         flag = layout.counter_index(rank, chunk)
         if self.config.gather_dtype == "fp8":
-            q, scale = quantize_rows_fp8(acc)
+            q, scale = quantize_gather(acc, layout.GATHER_GROUP)
             payload = [(q, lambda d: self._gather[d][rank][r0:r1]), (scale, lambda d: self._gather_scale[d][rank][r0:r1])]
         else:
             payload = [(acc.to(torch.bfloat16), lambda d: self._gather[d][rank][r0:r1])]
@@ -215,6 +209,6 @@ class CpuBackend(Backend):
         for owner in range(self.world):
             cols = out[:, owner * ns:(owner + 1) * ns]
             if self.config.gather_dtype == "fp8":
-                cols.copy_((gather[owner][:m].float() * scale[owner][:m, None]).to(torch.bfloat16))
+                cols.copy_(dequantize_gather(gather[owner][:m], scale[owner][:m], layout.GATHER_GROUP).to(torch.bfloat16))
             else:
                 cols.copy_(gather[owner][:m])

@@ -20,9 +20,20 @@ that waiter zeroes it after its wait, and the counters are zeroed at each call's
 wait's target is baked into a captured CUDA graph, so monotonic words would let a replayed wait pass
 at once; consumed words keep every replay correct. Flags still carry the call's seq.
 
-Only the ``dma`` transport is implemented on CUDA; ``lsa`` raises at construction. Small M: at
-N=7168, K=2048 on 2 H200 the fused op does not beat ``_scaled_mm`` + NCCL below M = 4096, but it
-beats ``split`` at every M measured, so no fallback to ``split`` is made (docs/BENCHMARKS.md).
+``transport="lsa"`` (fused mode, and the self test) replaces the GEMM, the puts, the reduce and the
+assemble by one kernel (``kernels_fused.triton_gemm.fp8_gemm_lsa``) and no side stream: its programs
+claim the entries of a walk that stores every peer's tiles straight into the owner's ``recv``, then
+reduces the own tiles as the peers' tiles land and stores them into every peer's ``gather``, then
+copies the peers' gathered tiles into ``out`` as they land. split-lsa is not implemented on CUDA.
+
+``transport="auto"`` (the CUDA default) runs the lsa kernel for small outputs, where it is the
+fastest path measured (0.87x of ``_scaled_mm`` + NCCL at M=2048 where the copy engines take 1.27x),
+and the copy engines for large ones (``LSA_AUTO_MAX_ELEMENTS``). Both paths share the window and
+may alternate between calls: their words are disjoint, and neither path's next call can overwrite
+what a peer still reads. Call s+1 writes a peer's ``recv`` only after this rank finished call s,
+which needed that peer's gathers of call s, sent after it read ``recv``; and it writes a peer's
+``gather`` only after reducing, which needs that peer's scatter of call s+1, so after the peer
+finished call s (its assemble included).
 """
 
 from __future__ import annotations
@@ -32,16 +43,25 @@ import torch
 from cco import layout
 from cco.backends.base import Backend
 from cco.preshuffle import unshuffle_b
+from cco.transport.base import stamp_seq_m
 from cco.transport.protocol import PeerMismatchError
 
 GEMM_BLOCK_M = 128  # wgmma-friendly tile rows; also the layout's m-tile (chunk granularity)
 GEMM_BLOCK_N = 128  # divides N/world for N = 7168 up to 8 ranks; ptpc gemm-only uses 128x256
+LSA_LAUNCH = "ticket"  # GemmConfig.launch of the lsa kernel (docs/BENCHMARKS.md compares the choices)
+# transport="auto": the lsa kernel while a rank's output has at most this many elements (M * N), the
+# copy engines above. Measured on 2 H200 at N=7168, K=2048, ptpc (docs/BENCHMARKS.md, sweep): bf16
+# gather lsa/dma 149/219 us at M=2048, 269/304 at 4096, 479/484 at 8192, 921/842 at 16384; fp8 gather
+# 157/206 at 2048, 286/282 at 4096.
+LSA_AUTO_MAX_ELEMENTS = {"bf16": 8192 * 7168, "fp8": 2048 * 7168}
 
 
 class CudaBackend(Backend):
     name = "cuda"
     block_m = GEMM_BLOCK_M
     block_n = GEMM_BLOCK_N
+    default_transport = "auto"
+    lsa_max_elements: int | None = 0  # uses_lsa: None always, 0 never, else up to M * N elements
 
     @classmethod
     def supports_device(cls, device):
@@ -65,8 +85,9 @@ class CudaBackend(Backend):
     def __init__(self, **kw):
         super().__init__(**kw)
         cfg = self.config
-        if cfg.transport != "dma":
-            raise ValueError(f"CudaBackend: transport={cfg.transport!r} is not implemented on CUDA; pass transport='dma'")
+        if cfg.transport == "lsa" and cfg.mode == "split":
+            raise ValueError("CudaBackend: mode 'split' with transport 'lsa' is not implemented on CUDA (the lsa "
+                             "transport lives in the fused kernel's epilogue); pass transport='dma' for split")
         self._refuse_lost_puts("CUDA")
         faults = self.faults
         from cco.cuda.dma import CopyEngineSchedule
@@ -89,6 +110,33 @@ class CudaBackend(Backend):
         self._tables: dict[int, torch.Tensor] = {}
         self._weight_key = None
         self._weight = None
+        self.lsa_max_elements = {"lsa": None, "auto": LSA_AUTO_MAX_ELEMENTS[cfg.gather_dtype]}.get(cfg.transport, 0)
+        if cfg.transport in ("lsa", "auto") and cfg.mode != "split":
+            self._init_lsa(base)
+        else:
+            self.lsa_max_elements = 0
+
+    def uses_lsa(self, m: int) -> bool:
+        """Whether a fused call (or self test) with ``m`` rows runs the lsa kernel."""
+        limit = self.lsa_max_elements
+        return limit is None or m * self.config.n <= limit
+
+    def _init_lsa(self, base) -> None:
+        from kernels_fused.triton_gemm import GemmConfig, LsaWindow, peer_deltas
+
+        cfg, w, r = self.config, self.config.window, self.rank
+        width = 2 if cfg.n_slice % (2 * cfg.block_n) == 0 and base.block_n == 2 * cfg.block_n else 1
+        self.lsa_weight = width
+        self.lsa_config = GemmConfig(block_m=cfg.block_m, block_n=cfg.block_n * width, num_warps=base.num_warps,
+                                     num_stages=base.num_stages, tma=base.tma, launch=LSA_LAUNCH)
+        deltas = peer_deltas([self.window.tensor(w.header, rank=p).data_ptr() for p in range(self.world)], r)
+        fp8 = cfg.gather_dtype == "fp8"
+        self.lsa_window = LsaWindow(
+            partial=self.partial, recv=self.window.tensor(w.recv, rank=r), gather=self.window.tensor(w.gather, rank=r),
+            gather_scale=self.window.tensor(w.gather_scale, rank=r) if fp8 else None,
+            tile_flags=self.window.tensor(w.tile_flags, rank=r),
+            deltas=torch.tensor(deltas, dtype=torch.int64, device=self.device), status=self.schedule.status,
+            ticket=torch.zeros(1, dtype=torch.int64, device=self.device))
 
     # ---- helpers ------------------------------------------------------------------------------------
     def _unshuffled(self, b_pre: torch.Tensor) -> torch.Tensor:
@@ -110,6 +158,27 @@ class CudaBackend(Backend):
             self._tables[plan.m] = table
         return table
 
+    def _lsa_table(self, plan) -> torch.Tensor:
+        key = ("lsa", plan.m)
+        table = self._tables.get(key)
+        if table is None:
+            from kernels_fused.triton_gemm import lsa_walk_rows, tile_table_tensor
+
+            rows = lsa_walk_rows(self.config, m=plan.m, rank=self.rank, width=self.lsa_weight)
+            table = tile_table_tensor(rows, device=self.device)
+            self._tables[key] = table
+        return table
+
+    def _lsa(self, a, b_pre, a_scale, b_scale, out, plan, *, from_partial: bool) -> None:
+        from kernels_fused.triton_gemm import fp8_gemm_lsa
+
+        self.schedule.begin(plan)
+        silent = self.faults is not None and self.faults.silent
+        fp8_gemm_lsa(None if from_partial else a, None if from_partial else self._unshuffled(b_pre), a_scale, b_scale,
+                     quant=self.config.quant, out=out, win=self.lsa_window, tile_table=self._lsa_table(plan),
+                     rank=self.rank, stamp=stamp_seq_m(plan.seq, plan.m), config=self.lsa_config,
+                     from_partial=from_partial, move_bytes=not silent)
+
     def _fused_gemm(self, a, b_pre, a_scale, b_scale, plan) -> None:
         from kernels_fused.triton_gemm import fp8_gemm
 
@@ -127,6 +196,9 @@ class CudaBackend(Backend):
                  config=self.gemm_config)
 
     def fused(self, a, b_pre, a_scale, b_scale, *, out, plan):
+        if self.uses_lsa(plan.m):
+            self._lsa(a, b_pre, a_scale, b_scale, out, plan, from_partial=False)
+            return
         self._fused_gemm(a, b_pre, a_scale, b_scale, plan)
         self.schedule.run(plan, out, after_gemm=False)
 
@@ -135,6 +207,9 @@ class CudaBackend(Backend):
         self.schedule.run(plan, out, after_gemm=True)
 
     def all_reduce_window(self, *, out, plan):
+        if self.uses_lsa(plan.m):
+            self._lsa(None, None, None, None, out, plan, from_partial=True)
+            return
         self.counters.zero_()
         self.schedule.begin(plan)
         self.schedule.set_counters(plan)

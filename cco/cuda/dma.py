@@ -216,9 +216,9 @@ class CopyEngineSchedule:
         if not self.silent:
             self.memops.copy(s.cuda_stream, peer["gather"][r].data_ptr() + off, self.gather[r].data_ptr() + off, nbytes)
             if self.gather_scale is not None:
-                r0, r1 = plan.rows[c]
-                self.memops.copy(s.cuda_stream, peer["gather_scale"][r].data_ptr() + r0 * 4,
-                            self.gather_scale[r].data_ptr() + r0 * 4, (r1 - r0) * 4)
+                off, nbytes = self._rows_bytes(self.gather_scale, plan.rows[c])
+                self.memops.copy(s.cuda_stream, peer["gather_scale"][r].data_ptr() + off,
+                                 self.gather_scale[r].data_ptr() + off, nbytes)
         self._write(s, self._addr(peer["gather_flags"], layout.counter_index(r, c)), plan.seq)
 
     def _reduce_chunk(self, plan, out, c):

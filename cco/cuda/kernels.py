@@ -4,7 +4,7 @@
 
     acc  = partial[rank] + recv[(rank + 1) % W] + ... + recv[(rank + W - 1) % W]     (fp32, layout order)
     gather[rank] = bf16(acc)                       or  e4m3(acc / s), gather_scale[rank] = s,
-                                                       s = max|acc[row]| / 448 per row
+                                                       s = max|acc| / 448 per row and 128 columns
     out[:, rank * n_slice:(rank + 1) * n_slice] = the value every peer will reconstruct
 
 so the own columns of ``out`` need no second pass, and every rank ends with identical bits (with
@@ -20,6 +20,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from cco.layout import GATHER_GROUP, gather_scale_cols
 
 FP8_MAX = 448.0
 _TINY = 1e-30  # all-zero row: scale stays positive so dequantization gives exact zeros
@@ -38,8 +40,8 @@ def _kernels():
     @triton.jit
     def _reduce(
         partial_ptr, recv_ptr, gather_ptr, gscale_ptr, out_ptr, scatter_m_ptr, status_ptr,
-        rank, row0, rows, stamp, n_slice, region_stride, out_stride, out_col0,
-        WORLD: tl.constexpr, FP8_GATHER: tl.constexpr, BLOCK_C: tl.constexpr,
+        rank, row0, rows, stamp, n_slice, region_stride, out_stride, out_col0, scale_cols,
+        WORLD: tl.constexpr, FP8_GATHER: tl.constexpr, BLOCK_C: tl.constexpr, GROUP: tl.constexpr,
     ):
         pid = tl.program_id(0)
         if pid == 0:
@@ -57,11 +59,14 @@ def _kernels():
             src = (rank + j) % WORLD
             acc += tl.load(recv_ptr + src * region_stride + offs, mask=mask, other=0.0).to(tl.float32)
         if FP8_GATHER:
-            scale = tl.maximum(tl.max(tl.abs(acc), axis=0), 1e-30) / 448.0
-            q = (acc / scale).to(tl.float8e4nv)
+            groups = tl.reshape(acc, (BLOCK_C // GROUP, GROUP))
+            scale = tl.maximum(tl.max(tl.abs(groups), axis=1), 1e-30) / 448.0
+            q = tl.reshape((groups / scale[:, None]).to(tl.float8e4nv), (BLOCK_C,))
             tl.store(gather_ptr + offs, q, mask=mask)
-            tl.store(gscale_ptr + row, scale)
-            value = (q.to(tl.float32) * scale).to(tl.bfloat16)
+            g = tl.arange(0, BLOCK_C // GROUP)
+            tl.store(gscale_ptr + row * scale_cols + g, scale, mask=g < scale_cols)
+            value = tl.reshape(tl.reshape(q.to(tl.float32), (BLOCK_C // GROUP, GROUP)) * scale[:, None],
+                               (BLOCK_C,)).to(tl.bfloat16)
         else:
             value = acc.to(tl.bfloat16)
             tl.store(gather_ptr + offs, value, mask=mask)
@@ -69,8 +74,8 @@ def _kernels():
 
     @triton.jit
     def _dequant(
-        gather_ptr, gscale_ptr, out_ptr, rank, row0, n_slice, region_stride, scale_stride, out_stride,
-        WORLD: tl.constexpr, BLOCK_C: tl.constexpr, FP8_GATHER: tl.constexpr,
+        gather_ptr, gscale_ptr, out_ptr, rank, row0, n_slice, region_stride, scale_stride, out_stride, scale_cols,
+        WORLD: tl.constexpr, BLOCK_C: tl.constexpr, FP8_GATHER: tl.constexpr, GROUP: tl.constexpr,
     ):
         row = (row0 + tl.program_id(0)).to(tl.int64)
         owner = (rank + 1 + tl.program_id(1)) % WORLD
@@ -78,13 +83,17 @@ def _kernels():
         mask = cols < n_slice
         q = tl.load(gather_ptr + owner * region_stride + row * n_slice + cols, mask=mask, other=0.0)
         if FP8_GATHER:
-            scale = tl.load(gscale_ptr + owner * scale_stride + row)
+            scale = tl.load(gscale_ptr + owner * scale_stride + row * scale_cols + cols // GROUP, mask=mask, other=0.0)
             value = (q.to(tl.float32) * scale).to(tl.bfloat16)
         else:
             value = q
         tl.store(out_ptr + row * out_stride + owner * n_slice + cols, value, mask=mask)
 
     return _reduce, _dequant
+
+
+def _block_c(n_slice: int) -> int:
+    return max(_pow2(n_slice), GATHER_GROUP)
 
 
 def _warps(block_c: int) -> int:
@@ -101,12 +110,12 @@ def reduce_chunk(*, partial: torch.Tensor, recv: torch.Tensor, gather: torch.Ten
     if r1 <= r0:
         return
     fp8 = gather.dtype == torch.float8_e4m3fn
-    block_c = _pow2(n_slice)
+    block_c = _block_c(n_slice)
     reduce, _ = _kernels()
     reduce[(r1 - r0,)](
         partial[rank], recv, gather[rank], gather_scale[rank] if fp8 else gather, out, scatter_m, status,
-        rank, r0, r1 - r0, stamp, n_slice, recv.stride(0), out.stride(0), rank * n_slice,
-        WORLD=world, FP8_GATHER=fp8, BLOCK_C=block_c, num_warps=_warps(block_c),
+        rank, r0, r1 - r0, stamp, n_slice, recv.stride(0), out.stride(0), rank * n_slice, gather_scale_cols(n_slice),
+        WORLD=world, FP8_GATHER=fp8, BLOCK_C=block_c, GROUP=GATHER_GROUP, num_warps=_warps(block_c),
     )
 
 
@@ -118,10 +127,11 @@ def dequant_chunk(*, gather: torch.Tensor, gather_scale: torch.Tensor | None, ou
     r0, r1 = rows
     if r1 <= r0 or world == 1:
         return
-    block_c = _pow2(n_slice)
+    block_c = _block_c(n_slice)
     _, dequant = _kernels()
     dequant[(r1 - r0, world - 1)](
         gather, gather if gather_scale is None else gather_scale, out, rank, r0, n_slice, gather.stride(0),
-        0 if gather_scale is None else gather_scale.stride(0), out.stride(0), WORLD=world, BLOCK_C=block_c,
-        FP8_GATHER=gather_scale is not None, num_warps=_warps(block_c),
+        0 if gather_scale is None else gather_scale.stride(0), out.stride(0), gather_scale_cols(n_slice),
+        WORLD=world, BLOCK_C=block_c, FP8_GATHER=gather_scale is not None, GROUP=GATHER_GROUP,
+        num_warps=_warps(block_c),
     )

@@ -1,4 +1,4 @@
-"""The op on NVIDIA GPUs: Triton GEMM + copy-engine transport, world 2, under torchrun.
+"""The op on NVIDIA GPUs: Triton GEMM, copy-engine and lsa transports, world 2, under torchrun.
 
 The GPU checks run in rank processes started by torchrun; the pytest test launches them when the
 machine has two NVIDIA GPUs and is skipped (with the reason) elsewhere. One host test (no GPU)
@@ -7,8 +7,9 @@ replays the transport's submission order on in-order queues. Run the GPU part by
     torchrun --nproc-per-node 2 -m tests.python.cco.test_cuda_op
 
 Guards, per check:
-- every quant x mode (gemm-only, split, fused, fused with fp8 gather) against the fp32 reference
-  sum: a wrong scale, tile order, chunk row range or peer slot shows as element mismatches;
+- every quant x mode (gemm-only, split, fused, fused with fp8 gather) x transport (dma, lsa, and
+  auto switching between them) against the fp32 reference sum: a wrong scale, tile order, chunk
+  row range or peer slot shows as element mismatches;
 - ``self_test()`` passes, and fails with a silent transport (flags released, no bytes moved), so
   the self-test can catch the trap it exists for;
 - 100 fused launches into NaN-poisoned outputs and NaN-poisoned recv/gather regions, inputs
@@ -16,7 +17,8 @@ Guards, per check:
   read before it lands leaves NaN or the other set's values;
 - CUDA graph capture and 100 replays with the inputs changed between replays: a wait whose target
   does not hold on replay passes early and reads stale or NaN data;
-- alternating M between calls of one op (chunk rows, counter targets and tile tables per M).
+- alternating M between calls of one op (chunk rows, counter targets and tile tables per M; with
+  transport "auto" the calls also alternate between the lsa kernel and the copy engines).
 """
 
 from __future__ import annotations
@@ -137,6 +139,12 @@ def _check(out, ref, *, quant: str, fp8_gather: bool, what: str):
     return err
 
 
+# (mode, gather, transport) checked per quant; the bf16 fused arms also get the repeat, graph and M checks
+ARMS = (("gemm-only", "bf16", None), ("split", "bf16", "dma"), ("fused", "bf16", "dma"), ("fused", "fp8", "dma"),
+        ("fused", "bf16", "lsa"), ("fused", "fp8", "lsa"), ("fused", "bf16", "auto"))
+AUTO_LSA_ROWS = 256  # transport="auto" in this test: lsa up to 256 rows, copy engines above
+
+
 def _problems(rank, quant, m, device, seeds=(0, 1)):
     from cco import quant as Q
     from cco.preshuffle import preshuffle_b
@@ -180,16 +188,19 @@ def rank_main():
         refs = [_reference_sum(p, quant) for p in probs]
         local = (Q.reference_gemm_fp32(probs[0].a, probs[0].b, probs[0].a_scale, probs[0].b_scale, quant),
                  _dot_abs(probs[0], quant))
-        for mode, gather in (("gemm-only", "bf16"), ("split", "bf16"), ("fused", "bf16"), ("fused", "fp8")):
+        for mode, gather, transport in ARMS:
             fp8 = gather == "fp8"
-            with GemmAllReduceOp(comm, n=N, k=K, m_max=M, quant=quant, mode=mode, gather_dtype=gather) as op:
+            with GemmAllReduceOp(comm, n=N, k=K, m_max=M, quant=quant, mode=mode, gather_dtype=gather,
+                                 transport=transport) as op:
+                if transport == "auto":  # alternating M then switches paths between calls
+                    op._backend.lsa_max_elements = AUTO_LSA_ROWS * N
                 p = probs[0]
 
                 def first_call():
                     out = op(p.a, b_pre, p.a_scale, p.b_scale)
                     err = _check(out, local if mode == "gemm-only" else refs[0], quant=quant, fp8_gather=fp8,
                                  what=f"{quant} {mode} {gather}")
-                    log(f"ok {quant:10s} {mode:9s} gather={gather}: rel_l2 {err:.2e}")
+                    log(f"ok {quant:10s} {mode:9s} {transport} gather={gather}: rel_l2 {err:.2e}")
                 checks = [first_call] if mode == "gemm-only" else [first_call, lambda: op.self_test()]
                 if mode == "fused" and not fp8:
                     checks += [lambda: _repeat_poisoned(op, probs, b_pre, refs, log, quant),
@@ -199,20 +210,22 @@ def rank_main():
                     try:
                         check()
                     except Exception as err:
-                        failures.append(f"{quant} {mode} {gather}: {type(err).__name__}: {err}")
+                        failures.append(f"{quant} {mode} {transport} {gather}: {type(err).__name__}: {err}")
                         log("FAIL", failures[-1])
                         torch.cuda.synchronize()
                         comm.barrier()
     # the self-test must fail when the transport moves nothing
-    with GemmAllReduceOp(comm, n=N, k=K, m_max=M, mode="fused", faults=FaultPlan(silent=True)) as op:
-        try:
-            op.self_test()
-        except SelfTestError:
-            log("ok self_test fails on a silent transport")
-        except Exception as err:
-            failures.append(f"silent transport: self_test raised {type(err).__name__}: {err}")
-        else:
-            failures.append("silent transport: self_test passed with a transport that moved no bytes")
+    for transport in ("dma", "lsa"):
+        with GemmAllReduceOp(comm, n=N, k=K, m_max=M, mode="fused", transport=transport,
+                             faults=FaultPlan(silent=True)) as op:
+            try:
+                op.self_test()
+            except SelfTestError:
+                log(f"ok self_test fails on a silent {transport} transport")
+            except Exception as err:
+                failures.append(f"silent {transport} transport: self_test raised {type(err).__name__}: {err}")
+            else:
+                failures.append(f"silent {transport} transport: self_test passed with a transport that moved no bytes")
     comm.barrier()
     if failures:
         raise SystemExit("CUDA_OP_CHECKS FAILED:\n" + "\n".join(failures))

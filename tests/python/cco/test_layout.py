@@ -67,7 +67,25 @@ def test_window_regions_are_aligned_disjoint_and_sized(world, gather):
     assert regions[-1].offset + regions[-1].nbytes <= c.window.nbytes
     assert c.m_max_padded == 192 and c.window.partial.shape == (world, 192, 256 // world)
     assert c.window.gather.dtype == ("float8_e4m3fn" if gather == "fp8" else "bfloat16")
-    assert c.window.gather_scale.nbytes == (world * 192 * 4 if gather == "fp8" else 0)
+    groups = -(-(256 // world) // layout.GATHER_GROUP)  # one scale per row and 128 columns, last one narrower
+    assert c.window.gather_scale.nbytes == (world * 192 * groups * 4 if gather == "fp8" else 0)
+    assert c.window.tile_flags.shape == (2, world, 192 // c.block_m, c.n_tiles_per_dest)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_dest_major_walk_puts_every_peer_before_the_own_slice(world):
+    c = cfg(world=world, n=96 * world, m_max=200, chunks=3)
+    for rank in range(world):
+        walk = layout.tile_table(c, m=200, rank=rank, dest_major=True)
+        assert len(set(walk)) == len(walk) and set(walk) == set(layout.tile_table(c, m=200, rank=rank))
+        dests = [t.dest for t in walk]
+        assert dests == sorted(dests, key=lambda d: layout.dest_order(rank, world).index(d))
+        own = [t for t in walk if t.dest == rank]
+        # a peer walks its tiles for this rank in the order this rank walks its own ones
+        for peer in range(world):
+            if peer != rank:
+                theirs = [t for t in layout.tile_table(c, m=200, rank=peer, dest_major=True) if t.dest == rank]
+                assert theirs == own
 
 
 @pytest.mark.parametrize("m", [1, 5, 63, 64, 65, 130, 256])
@@ -147,3 +165,12 @@ def test_padded_m_and_counter_index():
 def test_seq_m_stamp_round_trips():
     for seq, m in [(1, 1), (50, 16384), (2**30, 2**31 - 1)]:
         assert unstamp_seq_m(stamp_seq_m(seq, m)) == (seq, m)
+
+
+def test_transport_auto_and_backend_defaults():
+    assert layout.build_config(n=256, k=256, m_max=64, world=2, transport="auto").transport == "auto"
+    assert layout.build_config(n=256, k=256, m_max=64, world=2).transport == "dma"
+    assert layout.build_config(n=256, k=256, m_max=64, world=2, default_transport="auto").transport == "auto"
+    # an explicit transport or a mori alias wins over the backend's default
+    assert layout.build_config(n=256, k=256, m_max=64, world=2, mode="fused-lsa",
+                               default_transport="auto").transport == "lsa"

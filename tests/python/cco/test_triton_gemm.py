@@ -33,7 +33,7 @@ def interpreter():
     from cco.cuda import kernels
     from kernels_fused import triton_gemm
 
-    triton_gemm._kernel.cache_clear()
+    triton_gemm._kernels.cache_clear()
     kernels._kernels.cache_clear()
     yield
 
@@ -51,6 +51,18 @@ def test_plain_gemm_matches_reference(quant):
     p = Q.random_problem(M, N, K, quant, seed=7)
     out = fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant=quant)
     _assert_close(out, p.reference(), quant, f"{quant} gemm-only")
+
+
+@pytest.mark.parametrize("launch", ["ticket", "persistent"])
+def test_plain_gemm_through_the_lsa_walk(launch):
+    """GemmConfig.launch "ticket" / "persistent" with fuse=False: the lsa kernel on a world of one
+    computes the same GEMM, twice in a row (the ticket is reset by the last program)."""
+    from kernels_fused.triton_gemm import GemmConfig, fp8_gemm
+
+    cfg = GemmConfig(block_m=32, block_n=128, num_warps=4, num_stages=1, launch=launch)
+    for seed in (3, 4):
+        p = Q.random_problem(M, N, K, "ptpc", seed=seed)
+        _assert_close(fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="ptpc", config=cfg), p.reference(), "ptpc", launch)
 
 
 @pytest.mark.parametrize("world", [2, 3], ids=lambda w: f"world{w}")
@@ -104,7 +116,7 @@ def test_reduce_chunk_sums_sources_and_flags_stamp_mismatch(world, gather):
         partial = (torch.randn(world, rows_max, ns, generator=g) * 4).bfloat16()
         recv = (torch.randn(world, rows_max, ns, generator=g) * 4).bfloat16()
         gbuf = torch.zeros(world, rows_max, ns, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
-        gscale = torch.ones(world, rows_max) if fp8 else None
+        gscale = torch.ones(world, rows_max, layout.gather_scale_cols(ns)) if fp8 else None
         out = torch.full((m, world * ns), float("nan"), dtype=torch.bfloat16)
         stamp = 12345
         scatter_m = torch.full((world,), stamp, dtype=torch.int64)
@@ -118,7 +130,7 @@ def test_reduce_chunk_sums_sources_and_flags_stamp_mismatch(world, gather):
         own = out[:, rank * ns:(rank + 1) * ns].float()
         tol = TRUNCATION * (Q.REL_L2_TOL_FP8_GATHER if fp8 else Q.REL_L2_TOL["ptpc"])
         assert Q.rel_l2(own, ref) < tol
-        stored = gbuf[rank, :m].float() * (gscale[rank, :m, None] if fp8 else 1.0)
+        stored = Q.dequantize_gather(gbuf[rank, :m], gscale[rank, :m], layout.GATHER_GROUP) if fp8 else gbuf[rank, :m].float()
         assert Q.rel_l2(stored, ref) < tol  # what peers receive is the same reduced value
         assert status.item() == STATUS_PEER_M_MISMATCH + bad_src
         if fp8:
@@ -126,7 +138,7 @@ def test_reduce_chunk_sums_sources_and_flags_stamp_mismatch(world, gather):
                 dequant_chunk(gather=gbuf, gather_scale=gscale, out=out, rank=rank, rows=rows)
             assert torch.isfinite(out.float()).all()
             for o in range(world):
-                expect = gbuf[o, :m].float() * gscale[o, :m, None]
+                expect = Q.dequantize_gather(gbuf[o, :m], gscale[o, :m], layout.GATHER_GROUP)
                 assert Q.rel_l2(out[:, o * ns:(o + 1) * ns], expect) < 1e-2
 
 

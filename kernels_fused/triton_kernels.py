@@ -1,0 +1,271 @@
+"""Device code of the NVIDIA Triton GEMM (host side and formats: ``kernels_fused.triton_gemm``).
+
+``_tile_acc`` is the K loop every launch shares; ``fp8_gemm_kernel`` writes a plain tensor or (the
+``dma`` transport) the window's partial region with a release add per tile; ``fp8_gemm_lsa_kernel``
+is the persistent kernel of the ``lsa`` transport, whose epilogue scatters, reduces and gathers.
+Imported only when a kernel is launched, so ``import kernels_fused`` needs no triton.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tile_acc(
+    a_src, b_src, as_ptr, bs_ptr, m0, n0, M, N, K, stride_am, stride_bn,
+    stride_asm, stride_ask, stride_bsn, stride_bsk,
+    QUANT: tl.constexpr, USE_TMA: tl.constexpr, MX_BF16: tl.constexpr, PRECISE_ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr, MX_GROUP: tl.constexpr,
+):
+    """The fp32 tile C[m0:m0+BLOCK_M, n0:n0+BLOCK_N], every scale applied: the K loop every
+    launch shares."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # clamp instead of masking: rows past M / N only feed stores that are masked
+    rows_a = tl.where(offs_m < M, offs_m, 0)
+    rows_b = tl.where(offs_n < N, offs_n, 0)
+    GROUPS: tl.constexpr = BLOCK_K // MX_GROUP
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k0 = kb * BLOCK_K
+        if USE_TMA:
+            a = a_src.load([m0, k0])  # [BLOCK_M, BLOCK_K], rows past M read as zeros
+            b = b_src.load([n0, k0])  # [BLOCK_N, BLOCK_K], K-major as fp8 wgmma wants
+        else:
+            a = tl.load(a_src + rows_a[:, None] * stride_am + (k0 + offs_k)[None, :])
+            b = tl.load(b_src + rows_b[:, None] * stride_bn + (k0 + offs_k)[None, :])
+        if QUANT == 0:
+            if PRECISE_ACC:  # promote the MMA chain into fp32 once per K step (slower, see GemmConfig)
+                acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
+        elif QUANT == 1:
+            sa = tl.load(as_ptr + rows_a * stride_asm + kb * stride_ask)
+            sb = tl.load(bs_ptr + (rows_b // SCALE_BLOCK) * stride_bsn + kb * stride_bsk)
+            acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+        else:
+            # no block-scaled fp8 MMA on Hopper: scale each 32-wide group into bf16 (exact: 3-bit
+            # mantissa times a power of two) and run a bf16 MMA at half the fp8 rate
+            groups = kb * GROUPS + tl.arange(0, GROUPS)
+            ea = tl.load(as_ptr + rows_a[:, None] * stride_asm + groups[None, :] * stride_ask)
+            eb = tl.load(bs_ptr + rows_b[:, None] * stride_bsn + groups[None, :] * stride_bsk)
+            # e8m0 bits -> 2**(bits - 127) built exactly in the fp32 exponent field
+            sa = (ea.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+            sb = (eb.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+            a3 = tl.reshape(a.to(tl.float32), (BLOCK_M, GROUPS, MX_GROUP)) * sa[:, :, None]
+            b3 = tl.reshape(b.to(tl.float32), (BLOCK_N, GROUPS, MX_GROUP)) * sb[:, :, None]
+            if MX_BF16:
+                a_bf = tl.reshape(a3, (BLOCK_M, BLOCK_K)).to(tl.bfloat16)
+                b_bf = tl.reshape(b3, (BLOCK_N, BLOCK_K)).to(tl.bfloat16)
+                acc = tl.dot(a_bf, tl.trans(b_bf), acc)
+            else:  # Triton's CPU interpreter multiplies bf16 tiles as raw integers: fp32 there
+                a_f = tl.reshape(a3, (BLOCK_M, BLOCK_K))
+                b_f = tl.reshape(b3, (BLOCK_N, BLOCK_K))
+                acc = tl.dot(a_f, tl.trans(b_f), acc, input_precision="ieee")
+
+    if QUANT == 0:
+        sa = tl.load(as_ptr + rows_a * stride_asm)
+        sb = tl.load(bs_ptr + rows_b * stride_bsn)
+        acc = acc * (sa[:, None] * sb[None, :])
+    return acc
+
+@triton.jit
+def fp8_gemm_kernel(
+    # operands (TMA descriptors or raw pointers, see USE_TMA) ------------------------------------
+    a_src, b_src, c_ptr, as_ptr, bs_ptr,
+    # fused epilogue -----------------------------------------------------------------------------
+    tile_ptr, counter_ptr,
+    # shape and strides -------------------------------------------------------------------------
+    M, N, K, stride_am, stride_bn, stride_cm, n_slice, dest_stride,
+    stride_asm, stride_ask, stride_bsn, stride_bsk,
+    # compile-time -------------------------------------------------------------------------------
+    QUANT: tl.constexpr, FUSE: tl.constexpr, USE_TMA: tl.constexpr, MX_BF16: tl.constexpr,
+    PRECISE_ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr, MX_GROUP: tl.constexpr, MAX_CHUNKS: tl.constexpr, TILE_WEIGHT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if FUSE:
+        # one row of the layout's tile table: (chunk, dest, row0, col0 within dest's column slice)
+        chunk = tl.load(tile_ptr + pid * 4)
+        dest = tl.load(tile_ptr + pid * 4 + 1)
+        # the hints keep the tile's stores vectorized (table entries are whole tiles)
+        m0 = tl.multiple_of(tl.load(tile_ptr + pid * 4 + 2), BLOCK_M)
+        c0 = tl.multiple_of(tl.load(tile_ptr + pid * 4 + 3), BLOCK_N)
+        n0 = dest * n_slice + c0
+        c_ptr += dest.to(tl.int64) * dest_stride  # partial[dest] is [rows, n_slice]
+    else:
+        tiles_m = tl.cdiv(M, BLOCK_M)
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        per_group = GROUP_M * tiles_n
+        first_m = (pid // per_group) * GROUP_M
+        rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
+        m0 = (first_m + (pid % per_group) % rows_in_group) * BLOCK_M
+        n0 = ((pid % per_group) // rows_in_group) * BLOCK_N
+        c0 = n0
+    acc = _tile_acc(a_src, b_src, as_ptr, bs_ptr, m0, n0, M, N, K, stride_am, stride_bn,
+                    stride_asm, stride_ask, stride_bsn, stride_bsk, QUANT, USE_TMA, MX_BF16, PRECISE_ACC,
+                    BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BLOCK, MX_GROUP)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_c = c0 + tl.arange(0, BLOCK_N)
+    c_tile = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_c[None, :]
+    tl.store(c_tile, acc.to(tl.bfloat16), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+    if FUSE:
+        tl.debug_barrier()  # every thread's tile stores are issued before the release below
+        tl.atomic_add(counter_ptr + dest * MAX_CHUNKS + chunk, TILE_WEIGHT, sem="release", scope="gpu")
+
+@triton.jit
+def _peer(ptr, delta_ptr, peer):
+    """``ptr``'s counterpart in ``peer``'s window: ``delta[peer]`` bytes away, a multiple of 256
+    (the hint keeps stores into it vectorized; ``LsaWindow`` checks the alignment)."""
+    ELEM: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth // 8
+    return ptr + tl.multiple_of(tl.load(delta_ptr + peer) // ELEM, 256 // ELEM)
+
+
+@triton.jit
+def _consume_flag(flag, stamp, status_ptr, src):
+    """Wait until ``flag`` is set, zero it (it has one reader: graph replays stay valid) and record
+    a source whose stamp names another call (seq, M) in ``status``."""
+    seen = tl.atomic_xchg(flag, 0, sem="acquire", scope="sys")
+    while seen == 0:
+        seen = tl.atomic_xchg(flag, 0, sem="acquire", scope="sys")
+    if seen != stamp:
+        tl.store(status_ptr, 1 + src)  # STATUS_PEER_M_MISMATCH + src
+
+
+@triton.jit
+def _group_scales(acc, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    """The fp8 gather's scale of every element: max|acc| / 448 over its row's GROUP-column group
+    (masked row maxima, no reshape: the accumulator keeps its layout)."""
+    group = tl.arange(0, BLOCK_N)[None, :] // GROUP
+    scale = tl.zeros_like(acc)
+    for g in tl.static_range(BLOCK_N // GROUP):
+        amax = tl.max(tl.where(group == g, tl.abs(acc), 0.0), axis=1)
+        scale = tl.where(group == g, (tl.maximum(amax, 1e-30) / 448.0)[:, None], scale)
+    return scale
+
+
+@triton.jit
+def _group_scales_store(ptr, scale, offs_m, row_ok, c0, scale_cols, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    """One scale per (row, group) of the tile into the [rows, scale_cols] plane at ``ptr``."""
+    group = tl.arange(0, BLOCK_N)[None, :] // GROUP
+    for g in tl.static_range(BLOCK_N // GROUP):
+        s = tl.max(tl.where(group == g, scale, 0.0), axis=1)
+        tl.store(ptr + offs_m.to(tl.int64) * scale_cols + c0 // GROUP + g, s, mask=row_ok)
+
+
+@triton.jit
+def _group_scales_load(ptr, offs_m, row_ok, c0, scale_cols, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    """Inverse of :func:`_group_scales_store`: the per-element scales of the tile."""
+    group = tl.arange(0, BLOCK_N)[None, :] // GROUP
+    scale = tl.zeros((offs_m.shape[0], BLOCK_N), dtype=tl.float32)
+    for g in tl.static_range(BLOCK_N // GROUP):
+        s = tl.load(ptr + offs_m.to(tl.int64) * scale_cols + c0 // GROUP + g, mask=row_ok, other=0.0,
+                    cache_modifier=".cg")
+        scale = tl.where(group == g, s[:, None], scale)
+    return scale
+
+
+@triton.jit(do_not_specialize=["stamp"])  # a new (seq, M) stamp every call: one compile
+def fp8_gemm_lsa_kernel(
+    ticket_ptr, n_tiles, a_src, b_src, as_ptr, bs_ptr, out_ptr, partial_ptr,
+    recv_ptr, gather_ptr, gscale_ptr, scatter_flag_ptr, gather_flag_ptr, delta_ptr, status_ptr, tile_ptr,
+    rank, stamp, M, N, K, stride_am, stride_bn, stride_out, n_slice, plane, flag_plane, scale_plane,
+    stride_asm, stride_ask, stride_bsn, stride_bsk,
+    QUANT: tl.constexpr, USE_TMA: tl.constexpr, MX_BF16: tl.constexpr, PRECISE_ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr, MX_GROUP: tl.constexpr,
+    WORLD: tl.constexpr, FP8_GATHER: tl.constexpr, GATHER_GROUP: tl.constexpr,
+    FROM_PARTIAL: tl.constexpr, MOVE_BYTES: tl.constexpr,
+    NUM_PROGS: tl.constexpr,
+):
+    """NUM_PROGS = 0: one program per entry, each claiming the next entry of the walk from a ticket
+    counter, so a program that waits knows every earlier entry is held by a running program (the
+    last claimant resets the counter for the next launch). NUM_PROGS > 0: that many persistent
+    programs, program p walking entries p, p + NUM_PROGS, ...
+
+    Entry ``t`` (table row ``[chunk, dest, row0, col0]``): dest a peer: GEMM tile scattered into the
+    peer; dest this rank: GEMM tile reduced and gathered; dest = WORLD + owner: the owner's gathered
+    tile assembled into ``out``."""
+    plane = tl.cast(plane, tl.int64)  # [W, rows, n_slice] offsets pass 2**31 at large M
+    if NUM_PROGS == 0:
+        first = tl.atomic_add(ticket_ptr, 1)
+        if first == n_tiles - 1:
+            tl.atomic_xchg(ticket_ptr, 0)
+        stop = first + 1
+        step = 1
+    else:
+        first = tl.program_id(0)
+        stop = n_tiles
+        step = NUM_PROGS
+    for t in range(first, stop, step):
+        # window regions are [W, rows, n_slice] planes; a peer's copy of a region is at
+        # local + delta[peer] bytes (one symmetric allocation per rank, the same offsets everywhere)
+        tiles_n = n_slice // BLOCK_N
+        scale_cols = n_slice // GATHER_GROUP
+        dest = tl.load(tile_ptr + t * 4 + 1)
+        m0 = tl.multiple_of(tl.load(tile_ptr + t * 4 + 2), BLOCK_M)  # hints: vectorized tile stores
+        c0 = tl.multiple_of(tl.load(tile_ptr + t * 4 + 3), BLOCK_N)
+        assemble = dest >= WORLD
+        col = (dest % WORLD) * n_slice + c0  # global column of the tile
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_c = c0 + tl.arange(0, BLOCK_N)
+        mask = (offs_m < M)[:, None]
+        local = offs_m[:, None].to(tl.int64) * n_slice + offs_c[None, :]
+        out_tile = out_ptr + offs_m[:, None].to(tl.int64) * stride_out + (col + tl.arange(0, BLOCK_N))[None, :]
+        tile_id = (m0 // BLOCK_M) * tiles_n + c0 // BLOCK_N
+        if FROM_PARTIAL:  # self test: the transfers alone, on the pattern left in partial
+            acc = tl.load(partial_ptr + (dest % WORLD) * plane + local, mask=mask, other=0.0)  # unused if assemble
+            acc = acc.to(tl.float32)
+        else:  # an assemble tile runs the loop zero times (no GEMM nested in a branch: it stays pipelined)
+            acc = _tile_acc(a_src, b_src, as_ptr, bs_ptr, m0, col, M, N, tl.where(assemble, 0, K), stride_am,
+                            stride_bn, stride_asm, stride_ask, stride_bsn, stride_bsk, QUANT, USE_TMA,
+                            MX_BF16, PRECISE_ACC, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BLOCK, MX_GROUP)
+        if assemble:
+            owner = dest - WORLD
+            _consume_flag(gather_flag_ptr + owner * flag_plane + tile_id, stamp, status_ptr, owner)
+            q = tl.load(gather_ptr + owner * plane + local, mask=mask, other=0.0, cache_modifier=".cg")
+            value = q.to(tl.float32)
+            if FP8_GATHER:
+                value = value * _group_scales_load(gscale_ptr + owner * scale_plane, offs_m, offs_m < M, c0, scale_cols,
+                                                   BLOCK_N, GATHER_GROUP)
+            tl.store(out_tile, value.to(tl.bfloat16), mask=mask)
+        elif dest != rank:
+            # scatter: the partial tile straight into recv[rank] of its owner, then its flag
+            if MOVE_BYTES:
+                tl.store(_peer(recv_ptr, delta_ptr, dest) + rank * plane + local, acc.to(tl.bfloat16), mask=mask)
+            tl.debug_barrier()  # every thread's stores are issued before the release below
+            tl.atomic_xchg(_peer(scatter_flag_ptr, delta_ptr, dest) + rank * flag_plane + tile_id, stamp,
+                           sem="release", scope="sys")
+        else:
+            # reduce: each source's tile once its flag is up, added in fp32 in a fixed order
+            for j in tl.static_range(1, WORLD):
+                src = (rank + j) % WORLD
+                _consume_flag(scatter_flag_ptr + src * flag_plane + tile_id, stamp, status_ptr, src)
+                part = tl.load(recv_ptr + src * plane + local, mask=mask, other=0.0, cache_modifier=".cg")
+                acc += part.to(tl.float32)
+            # gather: the reduced tile into out and into gather[rank] of every peer, then its flag there
+            if FP8_GATHER:
+                scale = _group_scales(acc, BLOCK_N, GATHER_GROUP)  # per element: its (row, group) scale
+                payload = (acc / scale).to(tl.float8e4nv)
+                value = payload.to(tl.float32) * scale
+            else:
+                value = acc
+                payload = acc.to(tl.bfloat16)
+            tl.store(out_tile, value.to(tl.bfloat16), mask=mask)
+            for j in tl.static_range(1, WORLD):
+                peer = (rank + j) % WORLD
+                if MOVE_BYTES:
+                    tl.store(_peer(gather_ptr, delta_ptr, peer) + rank * plane + local, payload, mask=mask)
+                    if FP8_GATHER:
+                        _group_scales_store(_peer(gscale_ptr, delta_ptr, peer) + rank * scale_plane, scale, offs_m,
+                                            offs_m < M, c0, scale_cols, BLOCK_N, GATHER_GROUP)
+            tl.debug_barrier()
+            for j in tl.static_range(1, WORLD):
+                peer = (rank + j) % WORLD
+                tl.atomic_xchg(_peer(gather_flag_ptr, delta_ptr, peer) + rank * flag_plane + tile_id, stamp,
+                               sem="release", scope="sys")

@@ -1,0 +1,114 @@
+"""What the GPU link gives each way of moving a slice to a peer, with every rank pushing at once
+(both directions busy, as in the all-reduce).
+
+    torchrun --nproc-per-node 2 -m scripts.bench_link --rows 16384 --cols 3584
+
+Arms, each moving a bf16 ``[rows, cols]`` slice from this rank's window into the next rank's:
+
+    copy-engine     one ``cuMemcpyAsync`` (the ``dma`` transport's put)
+    sm-flat         a Triton kernel, 1-D blocks of 8192 elements (best-case SM stores)
+    sm-tile         a Triton kernel storing 128x256 tiles of a row-major slice (the ``lsa``
+                    kernel's epilogue pattern)
+
+Timing is ``cco.benchmark.time_arms`` (arms alternate, device rendezvous before each iteration,
+max over ranks); the slice is checked bit-exact on the receiver first. Last line: ``RESULT_JSON``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+from cco import layout
+from cco.benchmark import idle_check, time_arms
+
+
+@triton.jit
+def _push_flat(src, dst, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
+
+
+@triton.jit
+def _push_tile(src, dst, rows, cols, BM: tl.constexpr, BN: tl.constexpr):
+    tiles_n = cols // BN
+    m0 = (tl.program_id(0) // tiles_n) * BM
+    n0 = (tl.program_id(0) % tiles_n) * BN
+    r = m0 + tl.arange(0, BM)
+    offs = r[:, None].to(tl.int64) * cols + (n0 + tl.arange(0, BN))[None, :]
+    mask = (r < rows)[:, None]
+    tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, default=16384)
+    p.add_argument("--cols", type=int, default=3584)
+    p.add_argument("--passes", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    args = p.parse_args(argv)
+    from cco.comm import Communicator
+    from cco.cuda import memops
+    from cco.window import open_window
+
+    comm = Communicator.from_env()
+    torch.cuda.set_device(comm.device)
+    rank, world = comm.rank, comm.world
+    w = layout.window_layout(world=world, m_max_padded=args.rows, n_slice=args.cols, gather_dtype="bf16")
+    window = open_window(comm=comm, layout=w)
+    peer = (rank + 1) % world
+    src = window.tensor(w.partial, rank=rank)[peer]
+    dst = window.tensor(w.recv, rank=peer)[rank]  # the peer's memory, mapped here
+    src.copy_(torch.randn(src.shape, device=src.device).bfloat16())
+    nbytes = src.numel() * src.element_size()
+    if args.cols % 256:
+        raise SystemExit(f"--cols {args.cols} must be a multiple of 256 (the tile width)")
+
+    def copy_engine(i):
+        memops.copy(torch.cuda.current_stream().cuda_stream, dst.data_ptr(), src.data_ptr(), nbytes)
+
+    def sm_flat(i):
+        _push_flat[(triton.cdiv(src.numel(), 8192),)](src, dst, src.numel(), BLOCK=8192, num_warps=8)
+
+    def sm_tile(i):
+        _push_tile[(triton.cdiv(args.rows, 128) * (args.cols // 256),)](src, dst, args.rows, args.cols, BM=128, BN=256,
+                                                                         num_warps=8)
+
+    arms = {"copy-engine": copy_engine, "sm-flat": sm_flat, "sm-tile": sm_tile}
+    mine = window.tensor(w.recv, rank=rank)[(rank - 1) % world]
+    checks = {}
+    for name, fn in arms.items():
+        mine.zero_()
+        torch.cuda.synchronize()
+        comm.barrier()
+        fn(0)
+        torch.cuda.synchronize()
+        comm.barrier()
+        checks[name] = bool(torch.equal(mine, window.tensor(w.partial, rank=(rank - 1) % world)[rank]))
+    idle_before = idle_check()
+    timings = time_arms(arms, passes=args.passes, iters=args.iters, rotate=1)
+    idle_after = idle_check()
+    rows = {}
+    if rank == 0:
+        print(f"push {nbytes / 1e6:.1f} MB to the next rank, all {world} ranks at once, {torch.cuda.get_device_name()}")
+    for name, t in timings.items():
+        gbs = nbytes / (t.median_us * 1e-6) / 1e9
+        rows[name] = {**t.as_dict(), "GB_per_s": round(gbs, 1), "bit_exact": checks[name]}
+        if rank == 0:
+            print(f"  {name:12s} {t.median_us:8.1f} us (spread {100 * t.spread:4.1f}%) {gbs:7.1f} GB/s "
+                  f"{'ok' if checks[name] else 'WRONG BYTES'}")
+    if rank == 0:
+        print("RESULT_JSON " + json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                           "bytes": nbytes, "world": world, "arms": rows,
+                                           "idle_before": idle_before, "idle_after": idle_after}))
+    window.close()
+    comm.close()
+
+
+if __name__ == "__main__":
+    main()

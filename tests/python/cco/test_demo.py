@@ -1,0 +1,18 @@
+"""The demo's own verdict: its error budget passes the reference and fails a wrong tile."""
+
+import pytest
+
+from cco import demo
+
+
+@pytest.mark.parametrize("gather", ["bf16", "fp8"])
+def test_demo_check_passes_the_reference_and_flags_a_wrong_tile(gather):
+    opts = demo.parse_args(["--shape", "64x256x256", "--gather-dtype", gather])
+    problems = [demo._operands(r, opts)[0] for r in range(2)]
+    ref = sum(p.reference().float() for p in problems).bfloat16()
+    assert demo._check(ref, problems, opts, reduced=True)[1] == 0
+    wrong = ref.clone()
+    wrong[:16, :32] = problems[0].reference()[:16, :32]  # one rank's partial only: a lost scatter
+    assert demo._check(wrong, problems, opts, reduced=True)[1] > 0
+    alone = problems[0].reference()
+    assert demo._check(alone, problems[:1], opts, reduced=False)[1] == 0

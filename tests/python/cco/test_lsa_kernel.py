@@ -1,0 +1,166 @@
+"""The CUDA ``lsa`` kernel (GEMM, scatter, reduce, gather and assemble in one launch) on the CPU:
+real rank processes over shared-memory windows, the kernel under Triton's interpreter.
+
+What runs here is the whole protocol of ``fp8_gemm_lsa``: peers' tiles stored into the owner's
+``recv`` and flagged with the call's stamp, own tiles waiting for every source, the fp32 reduce,
+the bf16 / fp8 gather into every peer, the assemble of the peers' tiles into ``out``, consumed tile
+flags, the reset ticket and the stamp check. Memory ordering between GPU programs is what only the H200 run shows
+(``test_cuda_op.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cco import layout
+from cco import quant as Q
+from cco.comm import check_outcomes, spawn
+
+triton = pytest.importorskip("triton")
+pytestmark = pytest.mark.multirank
+
+M, K = 80, 256  # M is not a multiple of the 32-row tile
+SLICE = 256  # columns per rank: two 128-wide kernel tiles (layout tiles 64 wide, merged in pairs)
+
+
+def _run_rank(comm, quant, gather, stamp_skew, move_bytes, from_partial=False, launch="ticket", interleave=False):
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from cco.transport.base import stamp_seq_m
+    from cco.window import open_window
+    from kernels_fused.triton_gemm import GemmConfig, LsaWindow, fp8_gemm_lsa, lsa_walk_rows, peer_deltas, tile_table_tensor
+
+    assert isinstance(triton.language.standard.zeros, InterpretedFunction), "rank process is not interpreting"
+    rank, world = comm.rank, comm.world
+    cfg = layout.build_config(n=SLICE * world, k=K, m_max=M, world=world, quant=quant, transport="lsa",
+                              gather_dtype=gather, chunks=2, block_m=32, block_n=64)
+    w = cfg.window
+    window = open_window(comm=comm, layout=w)
+    try:
+        view = {name: window.tensor(getattr(w, name), rank=rank) for name in ("partial", "recv", "gather", "gather_scale")}
+        view["recv"].fill_(float("nan"))
+        if from_partial:  # the self test's input: a known partial per destination
+            view["partial"].copy_(_pattern(rank, view["partial"].shape))
+        if gather == "fp8":
+            view["gather_scale"].fill_(float("nan"))
+        else:
+            view["gather"].fill_(float("nan"))
+        comm.barrier()  # poisoned before any peer stores into it
+        win = LsaWindow(partial=view["partial"], recv=view["recv"], gather=view["gather"],
+                        gather_scale=view["gather_scale"] if gather == "fp8" else None,
+                        tile_flags=window.tensor(w.tile_flags, rank=rank),
+                        deltas=torch.tensor(peer_deltas([window.tensor(w.header, rank=p).data_ptr()
+                                                         for p in range(world)], rank), dtype=torch.int64),
+                        status=torch.zeros(1, dtype=torch.int64), ticket=torch.zeros(1, dtype=torch.int64))
+        table = tile_table_tensor(lsa_walk_rows(cfg, m=M, rank=rank, width=2, interleave=interleave), device="cpu")
+        p = Q.random_problem(M, cfg.n, K, quant, seed=rank)
+        out = torch.full((M, cfg.n), float("nan"), dtype=torch.bfloat16)
+        stamp = stamp_seq_m(1, M) + (stamp_skew if rank == 1 else 0)
+        fp8_gemm_lsa(p.a, p.b, p.a_scale, p.b_scale, quant=quant, out=out, win=win, tile_table=table, rank=rank,
+                     stamp=stamp, config=GemmConfig(block_m=32, block_n=128, num_warps=4, num_stages=1, launch=launch),
+                     move_bytes=move_bytes, from_partial=from_partial)
+        comm.barrier()  # every rank's kernel has returned: all stores into this window are done
+        flags_left = int(window.tensor(w.tile_flags, rank=rank).count_nonzero())
+        assert win.ticket.item() == 0, "the last program did not reset the ticket"
+        comm.barrier()  # no rank unmaps its window while a peer still reads it
+        return out, flags_left, int(win.status.item())
+    finally:
+        window.close()
+
+
+def _pattern(rank, shape):
+    """Small integers: every sum is exact in bf16, so the check is bit-exact whatever the rounding."""
+    g = torch.Generator().manual_seed(rank)
+    return torch.randint(-64, 64, shape, generator=g).bfloat16()
+
+
+def test_walk_holds_every_entry_once_and_waits_only_backwards():
+    """Both walk orders list every scatter, reduce and assemble entry once, and every entry's
+    dependency sits earlier in the peer's walk (the deadlock-freedom condition)."""
+    from kernels_fused.triton_gemm import lsa_walk_rows
+
+    world = 3
+    cfg = layout.build_config(n=SLICE * world, k=K, m_max=300, world=world, chunks=3, block_m=32, block_n=64)
+    for interleave in (False, True):
+        walks = {r: lsa_walk_rows(cfg, m=300, rank=r, width=2, interleave=interleave) for r in range(world)}
+        pos = {r: {tuple(e): i for i, e in enumerate(w)} for r, w in walks.items()}
+        for r, walk in walks.items():
+            assert len(pos[r]) == len(walk)  # no entry twice
+            kinds = {"scatter": 0, "reduce": 0, "assemble": 0}
+            for i, (c, dest, r0, c0) in enumerate(walk):
+                if dest >= world:  # assemble: needs the owner's reduce entry
+                    kinds["assemble"] += 1
+                    assert pos[dest - world][(c, dest - world, r0, c0)] < i
+                elif dest == r:  # reduce: needs every source's scatter entry
+                    kinds["reduce"] += 1
+                    for src in range(world):
+                        if src != r:
+                            assert pos[src][(c, r, r0, c0)] < i
+                else:
+                    kinds["scatter"] += 1
+            own = len(layout.tile_table(cfg, m=300, rank=r)) // world // 2
+            assert kinds == {"scatter": (world - 1) * own, "reduce": own, "assemble": (world - 1) * own}
+
+
+def _reference(world, quant):
+    return sum(Q.random_problem(M, SLICE * world, K, quant, seed=r).reference().float() for r in range(world))
+
+
+@pytest.mark.parametrize("walk", ["ticket", "persistent", "ticket-interleaved"])
+@pytest.mark.parametrize("gather", ["bf16", "fp8"])
+@pytest.mark.parametrize("world", [2, 3], ids=lambda w: f"world{w}")
+def test_lsa_kernel_all_reduces_on_every_rank(world, gather, walk):
+    launch, _, interleaved = walk.partition("-")
+    outcomes = spawn(_run_rank, world=world, args=("ptpc", gather, 0, True, False, launch, bool(interleaved)),
+                     timeout_s=600)
+    check_outcomes(outcomes)
+    ref = _reference(world, "ptpc")
+    results = [o.value for o in outcomes]
+    for rank, (out, flags_left, status) in enumerate(results):
+        assert status == 0, f"rank {rank} saw a stamp mismatch"
+        assert flags_left == 0, f"rank {rank}: {flags_left} tile flags were not consumed by their waiter"
+        tol = 2.0 * (Q.REL_L2_TOL_FP8_GATHER if gather == "fp8" else Q.REL_L2_TOL["ptpc"])  # interpreter truncates
+        assert torch.isfinite(out.float()).all()
+        assert Q.rel_l2(out, ref) < tol
+        assert torch.equal(out, results[0][0]), f"rank {rank} differs from rank 0"  # identical bits everywhere
+
+
+@pytest.mark.parametrize("quant", ["blockscale", "mxfp8"])
+def test_lsa_kernel_other_quants(quant):
+    outcomes = spawn(_run_rank, world=2, args=(quant, "bf16", 0, True), timeout_s=600)
+    check_outcomes(outcomes)
+    ref = _reference(2, quant)
+    for out, *_ in (o.value for o in outcomes):
+        assert Q.rel_l2(out, ref) < 2.0 * Q.REL_L2_TOL[quant]
+
+
+def test_lsa_kernel_reports_a_peer_stamp_mismatch():
+    """Rank 1 runs the call with another (seq, M) stamp: each rank names the other in status."""
+    outcomes = spawn(_run_rank, world=2, args=("ptpc", "bf16", 1, True), timeout_s=600)
+    check_outcomes(outcomes)
+    statuses = [o.value[2] for o in outcomes]
+    assert statuses == [1 + 1, 1 + 0]
+
+
+def test_lsa_kernel_without_bytes_leaves_poison():
+    """The silent-transport fault: flags are released but nothing is stored, and it shows: the
+    poisoned recv and gather reach out (what the op's self test checks for)."""
+    outcomes = spawn(_run_rank, world=2, args=("ptpc", "bf16", 0, False), timeout_s=600)
+    check_outcomes(outcomes)
+    for out, flags_left, status in (o.value for o in outcomes):
+        assert flags_left == 0 and status == 0
+        assert torch.isnan(out.float()).all()
+
+
+def test_lsa_kernel_from_partial_is_the_self_tests_all_reduce():
+    """``from_partial`` (what ``self_test`` runs): the window's partial tiles instead of the GEMM,
+    through the same scatter, reduce and gather, for an M below the window's padded rows."""
+    outcomes = spawn(_run_rank, world=2, args=("ptpc", "bf16", 0, True, True), timeout_s=600)
+    check_outcomes(outcomes)
+    rows = layout.padded_m(M, 32)
+    total = sum(_pattern(r, (2, rows, SLICE)).float() for r in range(2))  # [dest, rows, n_slice]
+    expect = total.permute(1, 0, 2).reshape(rows, 2 * SLICE)[:M].bfloat16()
+    for out, flags_left, status in (o.value for o in outcomes):
+        assert flags_left == 0 and status == 0
+        assert torch.equal(out, expect)
