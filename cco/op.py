@@ -12,6 +12,10 @@ window and each completed (dest, chunk) slice moves while later tiles are comput
     scatter        |c0 -> owners |c1 -> owners |c2 ...|
     reduce+gather                                      |c0 c1 c2 ...|
 
+With ``transport="lsa"`` on CUDA one kernel does it all: its epilogue stores each tile into its
+owner, reduces the own tiles as the peers' tiles land and stores the results into every peer;
+``transport="auto"`` (the CUDA default) takes that kernel at small M and the copy engines above.
+
 ``mode="split"`` runs the same GEMM and the same transfers one after the other (the baseline);
 ``mode="gemm-only"`` returns the local partial without communication. mori's arm names
 (``gemm-only``, ``split-sdma``, ``fused-sdma``, ``split-lsa``, ``fused-lsa``) are accepted as modes.
@@ -87,7 +91,8 @@ class GemmAllReduceOp:
       transport:    "dma" (copier / copy engines) | "lsa" (producer stores into the peer) | "auto" (the
                     backend picks per call: on CUDA lsa at small M, dma above; elsewhere dma).
                     Default: auto on CUDA, dma elsewhere.
-      gather_dtype: "bf16", or "fp8" (e4m3 + one fp32 scale per row; half the gather bytes, ~10x error).
+      gather_dtype: "bf16", or "fp8" (e4m3 + one fp32 scale per row and 128 columns; half the gather
+                    bytes, ~10x the error).
       chunks:       row chunks per call (1..8); None picks ``layout.DEFAULT_CHUNKS``.
       deadline_s:   seconds one call may wait on peers in total before raising.
       faults:       a :class:`cco.transport.FaultPlan` to inject lost puts or a silent transport (tests).

@@ -13,7 +13,7 @@ It predicts, per ``(M, world, quant, gather)`` at N = 7168, K = 2048 per rank:
    ``[M, N]`` partial. GEMM times are *measured inputs* (the 2-GPU sweep), not fitted.
 2. Bytes each rank sends per direction: ``(W-1)/W x 2MN`` for the scatter plus the same for the
    gather, ``2(W-1)/W x 2MN`` in all for a bf16 partial (``link_bytes``); the fp8 gather sends one
-   byte per element and one fp32 scale per row instead of two bytes.
+   byte per element and one fp32 scale per row and 128 columns instead of two bytes.
 3. One copy-engine rate per GPU and direction, shared equally by the copies in flight on the W-1
    put streams (one per peer), capped by NVLink's 450 GB/s per direction per GPU through NVSwitch:
    the rate seen with one peer is assumed to hold with seven.
@@ -103,9 +103,9 @@ def _check(name, value, allowed):
 
 def slice_bytes(rows: int, n: int, world: int, *, dtype: str) -> int:
     """Bytes of one (peer, chunk) put: ``rows`` rows of one rank's N/W column slice; the fp8 gather
-    also sends one fp32 scale per row."""
+    also sends one fp32 scale per row and 128 columns."""
     n_slice = n // world
-    return rows * n_slice * 2 if dtype == "bf16" else rows * n_slice + rows * 4
+    return rows * n_slice * 2 if dtype == "bf16" else rows * n_slice + rows * layout.gather_scale_cols(n_slice) * 4
 
 
 def link_bytes(m: int, n: int, world: int, *, gather: str = "bf16") -> int:

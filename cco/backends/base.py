@@ -27,7 +27,7 @@ Protocol every backend follows (see ``cco.layout`` for the regions):
 4. Reduce (owner): wait ``scatter_flags[src, c] >= seq`` for every src, check
    ``scatter_m[src] == m`` (raise ``cco.transport.protocol.PeerMismatchError`` otherwise), sum
    ``partial[rank] + recv[src]`` in fp32 in ``layout.reduce_order``; round to bf16 (or e4m3 + one
-   fp32 scale per row for ``gather_dtype="fp8"``).
+   fp32 scale per row and 128 columns for ``gather_dtype="fp8"``).
 5. Gather: put the reduced chunk into ``gather[rank]`` of every rank (self included), then
    ``gather_flags[rank, c] = seq``. Every rank waits ``gather_flags[owner, c] >= seq`` for all
    owners and chunks and assembles ``out``.

@@ -35,10 +35,11 @@ def test_link_bytes_match_the_design_figure():
 
 
 @pytest.mark.parametrize("world", P.WORLDS)
-def test_fp8_gather_sends_one_byte_per_element_plus_row_scales(world):
+def test_fp8_gather_sends_one_byte_per_element_plus_group_scales(world):
     m, n = 4096, P.N
     scatter = (world - 1) * m * (n // world) * 2
-    gather = (world - 1) * (m * (n // world) + 4 * m)
+    groups = -(-(n // world) // 128)  # one fp32 scale per row and 128 columns
+    gather = (world - 1) * (m * (n // world) + 4 * m * groups)
     assert P.link_bytes(m, n, world, gather="fp8") == scatter + gather
     assert P.link_bytes(m, n, world, gather="fp8") < P.link_bytes(m, n, world)
 
