@@ -209,15 +209,22 @@ class GemmAllReduceOp:
         the pattern's exact sum (fp8 gather: within one e4m3 rounding). A transport that signals
         without moving data leaves NaN and fails; every rank raises :class:`SelfTestError` if any
         rank failed. Returns what was checked.
+
+        ``m`` given: the path calls with ``m`` rows take. ``m=None``: every path the op can take
+        (``m_max`` rows, and under ``transport="auto"`` on CUDA also the most rows the lsa kernel
+        takes), one collective run each; the result lists them under ``"runs"``.
         """
         fn = f"{_FN}.self_test"
         if self._closed:
             raise RuntimeError(f"{fn}: the op is closed")
         if self.config.mode == "gemm-only":
             raise RuntimeError(f"{fn}: mode 'gemm-only' moves no data; there is nothing to test")
-        m = self.config.m_max if m is None else m
-        if not 1 <= m <= self.config.m_max:
+        if m is not None and not 1 <= m <= self.config.m_max:
             raise ValueError(f"{fn}: m={m} must be in 1..m_max={self.config.m_max}")
+        runs = [self._self_test_rows(rows, fn) for rows in ([m] if m is not None else self._backend.path_rows())]
+        return {**runs[0], "runs": runs}
+
+    def _self_test_rows(self, m: int, fn: str) -> dict:
         cfg, w = self.config, self.config.window
         seq = self._seq + 1
         partial = self.window.tensor(w.partial, rank=self.rank)

@@ -1,5 +1,6 @@
 """kernels_fused: the pipeline schedule of the 8-wave gfx950 fp8 GEMM and its checkers, the FlyDSL
-kernel emitted from that schedule, the Triton kernel for NVIDIA, and the CPU reference tiles.
+kernel emitted from that schedule, the Triton kernels for NVIDIA (the GEMM, and the lsa transport's
+one-launch GEMM + all-reduce), and the CPU reference tiles.
 
 Exports are resolved lazily: the schedule, checker and simulator need only torch and numpy; the gfx950
 kernel needs flydsl (compile-only on a CPU); the NVIDIA kernel needs triton.
@@ -16,6 +17,7 @@ _EXPORTS = {
     "compile_fused_gemm_scatter": "kernels_fused.gemm_gfx950",
     "compile_to_isa": "kernels_fused.gemm_gfx950",
     "fp8_gemm": "kernels_fused.triton_gemm",
+    "fp8_gemm_lsa": "kernels_fused.triton_gemm",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,9 +1,11 @@
 """Triton fp8 GEMM for NVIDIA Hopper: ``C[M, N] = dequant(A[M, K]) @ dequant(B[N, K]).T`` in bf16.
 
-One kernel, two ways:
+Host side here, device code in ``kernels_fused.triton_kernels``: one K loop (``_tile_acc``) shared
+by two kernels. ``fp8_gemm`` (below) runs the first in two ways; ``fp8_gemm_lsa`` runs the second,
+the ``lsa`` transport's whole fused all-reduce in one launch (its docstring has the protocol).
 
 * ``fuse=False`` (the ``gemm-only`` mode): a plain GEMM writing a bf16 tensor, tiles walked in
-  grouped order for L2 reuse.
+  grouped order for L2 reuse (``GemmConfig.launch="grid"``).
 * ``fuse=True`` (the fused modes): programs walk the layout's tile table (``cco.layout.tile_table``:
   (chunk, dest, m, n) order, dest rotated by rank), each tile goes to ``partial[dest]`` of the
   window, and after the tile's stores one thread adds to the tile's (dest, chunk) counter with
@@ -29,7 +31,9 @@ Operand tiles arrive through TMA descriptors (``GemmConfig.tma``); how each quan
   and a register-to-shared copy of B every step: 1217 us, 2.9x ptpc. (Four 32-wide fp8 dots per
   step, each scaled into the accumulator, measured 6.1 ms.)
 
-Triton is imported lazily: ``import kernels_fused`` works without it.
+The fp8 gather (``gather_dtype="fp8"``) carries one scale per row and ``cco.layout.GATHER_GROUP``
+columns: an epilogue sees one tile, never a whole row. Triton is imported lazily: ``import
+kernels_fused`` works without it.
 """
 
 from __future__ import annotations

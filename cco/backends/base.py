@@ -99,6 +99,11 @@ class Backend(abc.ABC):
         self.deadline_s = deadline_s
         self.faults = faults
 
+    def path_rows(self) -> list[int]:
+        """Row counts that together take every transfer path of this backend (the self test runs
+        one call per entry): one path here, so ``[m_max]``."""
+        return [self.config.m_max]
+
     @classmethod
     def supports_device(cls, device: "torch.device") -> str | None:
         """``None`` when this backend can run on ``device``, else why not."""

@@ -121,6 +121,14 @@ class CudaBackend(Backend):
         limit = self.lsa_max_elements
         return limit is None or m * self.config.n <= limit
 
+    def path_rows(self) -> list[int]:
+        """``[m_max]``, plus under ``auto`` the most rows the lsa kernel takes when m_max does not."""
+        rows = [self.config.m_max]
+        lsa_rows = min(self.config.m_max, (self.lsa_max_elements or 0) // self.config.n)
+        if lsa_rows >= 1 and not self.uses_lsa(rows[0]):
+            rows.append(lsa_rows)
+        return rows
+
     def _init_lsa(self, base) -> None:
         from kernels_fused.triton_gemm import GemmConfig, LsaWindow, peer_deltas
 

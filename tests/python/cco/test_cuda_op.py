@@ -302,3 +302,25 @@ def _alternating_m(comm, op, quant, b_pre, probs, log):
 
 if __name__ == "__main__":
     rank_main()
+
+
+def test_auto_transport_picks_lsa_below_the_threshold_and_self_tests_both_paths():
+    """transport="auto": which calls take the lsa kernel, and the rows the self test runs so that
+    both paths are proven (host logic of the CUDA backend; no GPU needed)."""
+    from cco import layout
+    from cco.backends.cuda import LSA_AUTO_MAX_ELEMENTS, CudaBackend
+
+    def backend(m_max, transport, gather="bf16"):
+        be = object.__new__(CudaBackend)  # the host logic only: no streams, no window
+        be.config = layout.build_config(n=7168, k=2048, m_max=m_max, world=2, transport=transport,
+                                        gather_dtype=gather, block_m=128, block_n=128)
+        be.lsa_max_elements = {"lsa": None, "auto": LSA_AUTO_MAX_ELEMENTS[gather]}.get(transport, 0)
+        return be
+
+    auto = backend(16384, "auto")
+    assert [auto.uses_lsa(m) for m in (1, 2048, 8192, 8193, 16384)] == [True, True, True, False, False]
+    assert auto.path_rows() == [16384, 8192]
+    assert backend(16384, "auto", "fp8").path_rows() == [16384, 2048]
+    assert backend(4096, "auto").path_rows() == [4096]  # every call takes lsa: one path
+    assert backend(16384, "dma").path_rows() == [16384] and not backend(16384, "dma").uses_lsa(1)
+    assert backend(16384, "lsa").path_rows() == [16384] and backend(16384, "lsa").uses_lsa(16384)

@@ -250,6 +250,7 @@ def test_self_test_passes_on_a_working_transport_and_fails_on_a_silent_one(trans
     working = check_outcomes(spawn(_self_test, world=world, args=(transport, gather, False), timeout_s=60))
     bf16_bytes = 2
     assert all(kind == "passed" and rep["scatter_bytes_received"] == (world - 1) * 96 * 128 * bf16_bytes
+               and [r["m"] for r in rep["runs"]] == [96]  # one transfer path on the CPU: one run
                for kind, rep in working), working
     silent = check_outcomes(spawn(_self_test, world=world, args=(transport, gather, True), timeout_s=60))
     for kind, msg in silent:
