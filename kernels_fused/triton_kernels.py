@@ -138,29 +138,29 @@ def _consume_flag(flag, stamp, status_ptr, src):
 
 
 @triton.jit
-def _group_scales(acc, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
-    """The fp8 gather's scale of every element: max|acc| / 448 over its row's GROUP-column group
-    (masked row maxima, no reshape: the accumulator keeps its layout)."""
+def _quantize_gather(acc, gscale_ptr, delta_ptr, rank, scale_plane, offs_m, row_ok, c0, scale_cols,
+                     WORLD: tl.constexpr, MOVE_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    """The fp8 gather of a reduced tile: (e4m3 payload, its dequantized value). One scale
+    max|acc| / 448 per row and GROUP columns, found by masked row maxima (no reshape: the
+    accumulator keeps its layout) and stored into ``gather_scale[rank]`` of every peer as found."""
     group = tl.arange(0, BLOCK_N)[None, :] // GROUP
     scale = tl.zeros_like(acc)
     for g in tl.static_range(BLOCK_N // GROUP):
-        amax = tl.max(tl.where(group == g, tl.abs(acc), 0.0), axis=1)
-        scale = tl.where(group == g, (tl.maximum(amax, 1e-30) / 448.0)[:, None], scale)
-    return scale
-
-
-@triton.jit
-def _group_scales_store(ptr, scale, offs_m, row_ok, c0, scale_cols, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
-    """One scale per (row, group) of the tile into the [rows, scale_cols] plane at ``ptr``."""
-    group = tl.arange(0, BLOCK_N)[None, :] // GROUP
-    for g in tl.static_range(BLOCK_N // GROUP):
-        s = tl.max(tl.where(group == g, scale, 0.0), axis=1)
-        tl.store(ptr + offs_m.to(tl.int64) * scale_cols + c0 // GROUP + g, s, mask=row_ok)
+        s = tl.maximum(tl.max(tl.where(group == g, tl.abs(acc), 0.0), axis=1), 1e-30) / 448.0
+        scale = tl.where(group == g, s[:, None], scale)
+        if MOVE_BYTES:
+            for j in tl.static_range(1, WORLD):
+                peer = (rank + j) % WORLD
+                tl.store(_peer(gscale_ptr, delta_ptr, peer) + rank * scale_plane + offs_m.to(tl.int64) * scale_cols
+                         + c0 // GROUP + g, s, mask=row_ok)
+    payload = (acc / scale).to(tl.float8e4nv)
+    return payload, payload.to(tl.float32) * scale
 
 
 @triton.jit
 def _group_scales_load(ptr, offs_m, row_ok, c0, scale_cols, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
-    """Inverse of :func:`_group_scales_store`: the per-element scales of the tile."""
+    """The per-element scales of a tile from its [rows, scale_cols] plane at ``ptr`` (what
+    :func:`_quantize_gather` stored)."""
     group = tl.arange(0, BLOCK_N)[None, :] // GROUP
     scale = tl.zeros((offs_m.shape[0], BLOCK_N), dtype=tl.float32)
     for g in tl.static_range(BLOCK_N // GROUP):
@@ -250,9 +250,8 @@ def fp8_gemm_lsa_kernel(
                 acc += part.to(tl.float32)
             # gather: the reduced tile into out and into gather[rank] of every peer, then its flag there
             if FP8_GATHER:
-                scale = _group_scales(acc, BLOCK_N, GATHER_GROUP)  # per element: its (row, group) scale
-                payload = (acc / scale).to(tl.float8e4nv)
-                value = payload.to(tl.float32) * scale
+                payload, value = _quantize_gather(acc, gscale_ptr, delta_ptr, rank, scale_plane, offs_m, offs_m < M,
+                                                  c0, scale_cols, WORLD, MOVE_BYTES, BLOCK_N, GATHER_GROUP)
             else:
                 value = acc
                 payload = acc.to(tl.bfloat16)
@@ -261,9 +260,6 @@ def fp8_gemm_lsa_kernel(
                 peer = (rank + j) % WORLD
                 if MOVE_BYTES:
                     tl.store(_peer(gather_ptr, delta_ptr, peer) + rank * plane + local, payload, mask=mask)
-                    if FP8_GATHER:
-                        _group_scales_store(_peer(gscale_ptr, delta_ptr, peer) + rank * scale_plane, scale, offs_m,
-                                            offs_m < M, c0, scale_cols, BLOCK_N, GATHER_GROUP)
             tl.debug_barrier()
             for j in tl.static_range(1, WORLD):
                 peer = (rank + j) % WORLD
