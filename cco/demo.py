@@ -24,7 +24,7 @@ import torch
 
 from cco import quant as q
 from cco.comm import Communicator, check_outcomes, spawn
-from cco.layout import GATHER_DTYPES, MODE_ALIASES, MODES, QUANTS
+from cco.layout import GATHER_DTYPES, MODE_ALIASES, MODES, QUANTS, TRANSPORTS
 from cco.op import GemmAllReduceOp
 from cco.preshuffle import preshuffle_b
 
@@ -132,7 +132,8 @@ def parse_args(argv=None):
                    help="rows of a, rows of the weight, K per rank (default %(default)s)")
     p.add_argument("--quant", choices=QUANTS, default="ptpc")
     p.add_argument("--mode", choices=sorted(set(MODES) | set(MODE_ALIASES)), default="fused")
-    p.add_argument("--transport", choices=("dma", "lsa"), default=None)
+    p.add_argument("--transport", choices=TRANSPORTS, default=None,
+                   help="default: the backend's (auto on CUDA: lsa at small M, copy engines above; dma elsewhere)")
     p.add_argument("--gather-dtype", choices=GATHER_DTYPES, default="bf16")
     p.add_argument("--chunks", type=int, default=None)
     p.add_argument("--iters", type=int, default=3)

@@ -6,7 +6,8 @@ Launch one process per GPU with torchrun (the world comes from it)::
     torchrun --nproc-per-node 2 -m scripts.bench_gemm_ar --mode all --sweep --plot out/sweep.png
 
 Arms (``--mode`` picks; ``all`` runs every one; mori's names are accepted: gemm-only, split-sdma,
-fused-sdma, split-lsa, fused-lsa):
+fused-sdma, fused-lsa; split-lsa is refused, it is not implemented on CUDA). The op's arms name their
+transport explicitly; the op's default, ``auto``, runs ``fused-lsa`` or ``fused`` by M:
 
     scaled_mm         torch._scaled_mm alone (cuBLAS; ptpc only)              -- GEMM reference
     gemm-only         the Triton GEMM alone (fuse=False)
