@@ -163,6 +163,28 @@ BF16_ULPS = 2.0**-7  # two bf16 ulps (8-bit mantissa) of a value
 FP8_MMA_ACC = 2.0**-9  # fp8 tensor-core accumulation: relative to sum_k |a_k b_k| (short accumulator mantissa)
 
 
+def budget_terms(problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A @ B.T, |A| @ |B|.T)`` in fp32 of a :class:`cco.quant.Problem`'s dequantized operands: the
+    reference and the cancellation term that :func:`gemm_mismatches` and :func:`allreduce_mismatches`
+    take (summed over ranks for the latter)."""
+    from cco import quant as Q
+
+    a = Q.dequantize_a(problem.a, problem.a_scale, problem.quant)
+    b = Q.dequantize_b(problem.b, problem.b_scale, problem.quant)
+    return a @ b.t(), a.abs() @ b.abs().t()
+
+
+def allreduce_terms(local: torch.Tensor, dot_abs: torch.Tensor, group=None) -> tuple[torch.Tensor, ...]:
+    """What :func:`allreduce_mismatches` takes, from this rank's :func:`budget_terms` (collective over
+    ``group``): the sums over ranks of the fp32 partials, of their absolute values and of ``dot_abs``."""
+    import torch.distributed as dist
+
+    terms = (local.clone(), local.abs(), dot_abs.clone())
+    for t in terms:
+        dist.all_reduce(t, group=group)
+    return terms
+
+
 def gemm_mismatches(out: torch.Tensor, ref: torch.Tensor, dot_abs: torch.Tensor) -> int:
     """Elements of a bf16 GEMM output outside its error budget against the fp32 ``ref``.
 
@@ -199,4 +221,5 @@ def tflops(m: int, n: int, k: int, us: float) -> float:
     return 2.0 * m * n * k / (us * 1e-6) / 1e12
 
 
-__all__ = ["ArmTiming", "allreduce_mismatches", "gemm_mismatches", "idle_check", "time_arms", "tflops"]
+__all__ = ["ArmTiming", "allreduce_mismatches", "allreduce_terms", "budget_terms", "gemm_mismatches", "idle_check",
+           "time_arms", "tflops"]

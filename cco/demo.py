@@ -40,14 +40,9 @@ def _check(out, problems, opts, *, reduced: bool) -> tuple[float, int]:
     """(relative L2 error, elements outside the error budget) of ``out`` against the fp32 sum of
     the problems' products. The budget (``cco.benchmark``) is what bf16 partials and fp8
     tensor-core accumulation allow where a dot product cancels; a wrong tile misses it by O(|ref|)."""
-    from cco.benchmark import allreduce_mismatches, gemm_mismatches
+    from cco.benchmark import allreduce_mismatches, budget_terms, gemm_mismatches
 
-    local, dot_abs = [], []
-    for p in problems:
-        a = q.dequantize_a(p.a, p.a_scale, opts.quant)
-        b = q.dequantize_b(p.b, p.b_scale, opts.quant)
-        local.append(a @ b.t())
-        dot_abs.append(a.abs() @ b.abs().t())
+    local, dot_abs = zip(*(budget_terms(p) for p in problems))
     ref = sum(p.reference().float() for p in problems).to(torch.bfloat16)
     if not reduced:
         return q.rel_l2(out, ref), gemm_mismatches(out, local[0], dot_abs[0])

@@ -123,6 +123,22 @@ def _kernels():
     return triton_kernels.fp8_gemm_kernel, triton_kernels.fp8_gemm_lsa_kernel
 
 
+def _operands(a, b, a_scale, b_scale, *, quant: str, config: GemmConfig):
+    """The kernels' operand arguments: (A source, B source, A scale, B scale, strides), the sources
+    TMA descriptors when ``config.tma``, the mxfp8 e8m0 scales as bytes; strides are (A row, B row,
+    A scale row / column, B scale row / column; 0 for a 1-D scale)."""
+    if quant == "mxfp8":
+        a_scale, b_scale = a_scale.view(torch.uint8), b_scale.view(torch.uint8)
+    strides = (a.stride(0), b.stride(0), a_scale.stride(0), a_scale.stride(1) if a_scale.dim() == 2 else 0,
+               b_scale.stride(0), b_scale.stride(1) if b_scale.dim() == 2 else 0)
+    if not config.tma:
+        return a, b, a_scale, b_scale, strides
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return (TensorDescriptor.from_tensor(a, [config.block_m, config.block_k]),
+            TensorDescriptor.from_tensor(b, [config.block_n, config.block_k]), a_scale, b_scale, strides)
+
+
 def _interpreting() -> bool:
     import os
 
@@ -202,22 +218,10 @@ def fp8_gemm(
         n_slice, dest_stride, stride_c = n, 0, out.stride(0)
         tile_table = counters = b  # never read when FUSE is off; any pointer will do
 
-    if quant == "mxfp8":
-        a_scale = a_scale.view(torch.uint8)
-        b_scale = b_scale.view(torch.uint8)
-    a_s_strides = (a_scale.stride(0), a_scale.stride(1) if a_scale.dim() == 2 else 0)
-    b_s_strides = (b_scale.stride(0), b_scale.stride(1) if b_scale.dim() == 2 else 0)
-    if cfg.tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        a_src = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
-        b_src = TensorDescriptor.from_tensor(b, [cfg.block_n, cfg.block_k])
-    else:
-        a_src, b_src = a, b
+    a_src, b_src, a_scale, b_scale, strides = _operands(a, b, a_scale, b_scale, quant=quant, config=cfg)
     _kernels()[0][(grid,)](
         a_src, b_src, out, a_scale, b_scale, tile_table, counters,
-        m, n, k, a.stride(0), b.stride(0), stride_c, n_slice, dest_stride,
-        *a_s_strides, *b_s_strides,
+        m, n, k, strides[0], strides[1], stride_c, n_slice, dest_stride, *strides[2:],
         QUANT=QUANT_ID[quant], FUSE=bool(fuse), USE_TMA=cfg.tma, MX_BF16=not _interpreting(),
         PRECISE_ACC=cfg.precise_acc,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
@@ -359,18 +363,8 @@ def fp8_gemm_lsa(a, b, a_scale, b_scale, *, quant: str, out: torch.Tensor, win: 
         m, k = shape.m, shape.k
         if shape.n != n:
             raise ValueError(f"fp8_gemm_lsa: b has N={shape.n} rows but the window holds {world} x {n_slice} columns")
-        if quant == "mxfp8":
-            a_scale, b_scale = a_scale.view(torch.uint8), b_scale.view(torch.uint8)
-        strides = (a.stride(0), b.stride(0), a_scale.stride(0), a_scale.stride(1) if a_scale.dim() == 2 else 0,
-                   b_scale.stride(0), b_scale.stride(1) if b_scale.dim() == 2 else 0)
+        a_src, b_src, a_scale, b_scale, strides = _operands(a, b, a_scale, b_scale, quant=quant, config=config)
         use_tma = config.tma
-        if use_tma:
-            from triton.tools.tensor_descriptor import TensorDescriptor
-
-            a_src = TensorDescriptor.from_tensor(a, [config.block_m, config.block_k])
-            b_src = TensorDescriptor.from_tensor(b, [config.block_n, config.block_k])
-        else:
-            a_src, b_src = a, b
     if out.dtype != torch.bfloat16 or tuple(out.shape) != (m, n) or out.stride(1) != 1:
         raise ValueError(f"fp8_gemm_lsa: out must be bf16 [{m}, {n}] with unit column stride, got "
                          f"{out.dtype} {list(out.shape)}")

@@ -146,7 +146,7 @@ def _quantize_gather(acc, gscale_ptr, delta_ptr, rank, scale_plane, offs_m, row_
     group = tl.arange(0, BLOCK_N)[None, :] // GROUP
     scale = tl.zeros_like(acc)
     for g in tl.static_range(BLOCK_N // GROUP):
-        s = tl.maximum(tl.max(tl.where(group == g, tl.abs(acc), 0.0), axis=1), 1e-30) / 448.0
+        s = tl.maximum(tl.max(tl.where(group == g, tl.abs(acc), 0.0), axis=1), 1e-30) / 448.0  # quant.quantize_gather
         scale = tl.where(group == g, s[:, None], scale)
         if MOVE_BYTES:
             for j in tl.static_range(1, WORLD):
@@ -202,11 +202,11 @@ def fp8_gemm_lsa_kernel(
         first = tl.program_id(0)
         stop = n_tiles
         step = NUM_PROGS
+    # window regions are [W, rows, n_slice] planes; a peer's copy of a region is at
+    # local + delta[peer] bytes (one symmetric allocation per rank, the same offsets everywhere)
+    tiles_n = n_slice // BLOCK_N
+    scale_cols = n_slice // GATHER_GROUP
     for t in range(first, stop, step):
-        # window regions are [W, rows, n_slice] planes; a peer's copy of a region is at
-        # local + delta[peer] bytes (one symmetric allocation per rank, the same offsets everywhere)
-        tiles_n = n_slice // BLOCK_N
-        scale_cols = n_slice // GATHER_GROUP
         dest = tl.load(tile_ptr + t * 4 + 1)
         m0 = tl.multiple_of(tl.load(tile_ptr + t * 4 + 2), BLOCK_M)  # hints: vectorized tile stores
         c0 = tl.multiple_of(tl.load(tile_ptr + t * 4 + 3), BLOCK_N)

@@ -22,7 +22,7 @@ import time
 import torch
 
 from cco import quant as Q
-from cco.benchmark import gemm_mismatches, idle_check, tflops, time_arms
+from cco.benchmark import budget_terms, gemm_mismatches, idle_check, tflops, time_arms
 
 
 def parse_args(argv=None):
@@ -78,9 +78,7 @@ def main(argv=None):
             arms[name] = (lambda i, cfg_l=cfg_l: fp8_gemm(sets[i].a, b, sets[i].a_scale, b_s, quant=args.quant,
                                                            config=cfg_l))
 
-    ref = sets[0].reference_fp32()
-    a0 = Q.dequantize_a(sets[0].a, sets[0].a_scale, args.quant)
-    dot_abs = a0.abs() @ Q.dequantize_b(b, b_s, args.quant).abs().t()
+    ref, dot_abs = budget_terms(sets[0])
     checked = {}
     for name in list(arms):
         bad = gemm_mismatches(arms[name](0), ref, dot_abs)
@@ -88,7 +86,7 @@ def main(argv=None):
         if bad:
             print(f"{name}: {bad} elements outside the GEMM budget; not timed")
             arms.pop(name)
-    del ref, a0, dot_abs
+    del ref, dot_abs
     idle_before = idle_check()
     timings = time_arms(arms, passes=args.passes, iters=args.iters, rotate=args.rotate)
     idle_after = idle_check()

@@ -40,7 +40,8 @@ import torch.distributed as dist
 
 from cco import layout
 from cco import quant as Q
-from cco.benchmark import allreduce_mismatches, gemm_mismatches, idle_check, tflops, time_arms
+from cco.benchmark import (allreduce_mismatches, allreduce_terms, budget_terms, gemm_mismatches, idle_check,
+                           tflops, time_arms)
 
 SWEEP_M = (2048, 4096, 8192, 16384, 32768)
 # cuBLAS arms accumulate like the Triton ptpc kernel (fp8 tensor-core accumulation, no promotion)
@@ -123,14 +124,8 @@ class Problem:
     def reference(self) -> dict[str, torch.Tensor]:
         """For input set 0: the local fp32 partial and ``|A| @ |B|.T``, and their all-reduced
         counterparts (sum of partials, sum of |partials|, sum of ``|A| @ |B|.T``)."""
-        p = self.sets[0]
-        a = Q.dequantize_a(p.a, p.a_scale, self.quant)
-        b = Q.dequantize_b(self.b, self.b_scale, self.quant)
-        local = a @ b.t()  # full fp32 (torch's default matmul precision; TF32 stays off)
-        dot_abs = a.abs() @ b.abs().t()
-        total, abs_sum, dot_abs_sum = local.clone(), local.abs(), dot_abs.clone()
-        for t in (total, abs_sum, dot_abs_sum):
-            dist.all_reduce(t)
+        local, dot_abs = budget_terms(self.sets[0])  # full fp32 (torch's default precision; TF32 stays off)
+        total, abs_sum, dot_abs_sum = allreduce_terms(local, dot_abs)
         return {"local": local, "dot_abs": dot_abs, "total": total, "abs_sum": abs_sum, "dot_abs_sum": dot_abs_sum}
 
 

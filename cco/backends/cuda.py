@@ -56,6 +56,14 @@ LSA_LAUNCH = "ticket"  # GemmConfig.launch of the lsa kernel (docs/BENCHMARKS.md
 LSA_AUTO_MAX_ELEMENTS = {"bf16": 8192 * 7168, "fp8": 2048 * 7168}
 
 
+def lsa_max_elements(cfg: layout.OpConfig) -> int | None:
+    """Largest output (M * N elements) a fused call runs through the lsa kernel: None for any, 0
+    for none (transport dma, and split mode), else the ``auto`` threshold of the gather dtype."""
+    if cfg.mode == "split" or cfg.transport == "dma":
+        return 0
+    return None if cfg.transport == "lsa" else LSA_AUTO_MAX_ELEMENTS[cfg.gather_dtype]
+
+
 class CudaBackend(Backend):
     name = "cuda"
     block_m = GEMM_BLOCK_M
@@ -110,11 +118,9 @@ class CudaBackend(Backend):
         self._tables: dict[int, torch.Tensor] = {}
         self._weight_key = None
         self._weight = None
-        self.lsa_max_elements = {"lsa": None, "auto": LSA_AUTO_MAX_ELEMENTS[cfg.gather_dtype]}.get(cfg.transport, 0)
-        if cfg.transport in ("lsa", "auto") and cfg.mode != "split":
+        self.lsa_max_elements = lsa_max_elements(cfg)
+        if self.lsa_max_elements != 0:
             self._init_lsa(base)
-        else:
-            self.lsa_max_elements = 0
 
     def uses_lsa(self, m: int) -> bool:
         """Whether a fused call (or self test) with ``m`` rows runs the lsa kernel."""

@@ -23,8 +23,6 @@ import torch
 
 from cco.layout import GATHER_GROUP, gather_scale_cols
 
-FP8_MAX = 448.0
-_TINY = 1e-30  # all-zero row: scale stays positive so dequantization gives exact zeros
 STATUS_PEER_M_MISMATCH = 1  # status[0] = this + src when rank src stamped another (seq, m)
 
 
@@ -60,7 +58,7 @@ def _kernels():
             acc += tl.load(recv_ptr + src * region_stride + offs, mask=mask, other=0.0).to(tl.float32)
         if FP8_GATHER:
             groups = tl.reshape(acc, (BLOCK_C // GROUP, GROUP))
-            scale = tl.maximum(tl.max(tl.abs(groups), axis=1), 1e-30) / 448.0
+            scale = tl.maximum(tl.max(tl.abs(groups), axis=1), 1e-30) / 448.0  # cco.quant.quantize_gather
             q = tl.reshape((groups / scale[:, None]).to(tl.float8e4nv), (BLOCK_C,))
             tl.store(gather_ptr + offs, q, mask=mask)
             g = tl.arange(0, BLOCK_C // GROUP)

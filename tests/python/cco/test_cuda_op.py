@@ -100,25 +100,11 @@ def test_submission_order_cannot_deadlock_on_shared_queues(world, chunks):
 # --------------------------------------------------------------------------------------------------
 # rank side (torchrun)
 # --------------------------------------------------------------------------------------------------
-def _dot_abs(prob, quant):
-    from cco import quant as Q
-
-    a = Q.dequantize_a(prob.a, prob.a_scale, quant).abs()
-    b = Q.dequantize_b(prob.b, prob.b_scale, quant).abs()
-    return a @ b.t()
-
-
-def _reference_sum(prob, quant):
+def _reference_sum(prob):
     """All-reduce reference: (sum of fp32 partials, sum of |partials|, sum of |A| @ |B|.T)."""
-    import torch.distributed as dist
+    from cco.benchmark import allreduce_terms, budget_terms
 
-    from cco import quant as Q
-
-    ref = Q.reference_gemm_fp32(prob.a, prob.b, prob.a_scale, prob.b_scale, quant)
-    abs_sum, dot_abs = ref.abs(), _dot_abs(prob, quant)
-    for t in (ref, abs_sum, dot_abs):
-        dist.all_reduce(t)
-    return ref, abs_sum, dot_abs
+    return allreduce_terms(*budget_terms(prob))
 
 
 def _check(out, ref, *, quant: str, fp8_gather: bool, what: str):
@@ -172,6 +158,7 @@ def _fused_into(op, prob, b_pre, out):
 
 def rank_main():
     from cco import quant as Q
+    from cco.benchmark import budget_terms
     from cco.comm import Communicator
     from cco.op import GemmAllReduceOp
     from cco.transport import FaultPlan
@@ -185,9 +172,8 @@ def rank_main():
     failures = []
     for quant in Q.QUANTS:
         probs, b_pre = _problems(rank, quant, M, dev)
-        refs = [_reference_sum(p, quant) for p in probs]
-        local = (Q.reference_gemm_fp32(probs[0].a, probs[0].b, probs[0].a_scale, probs[0].b_scale, quant),
-                 _dot_abs(probs[0], quant))
+        refs = [_reference_sum(p) for p in probs]
+        local = budget_terms(probs[0])
         for mode, gather, transport in ARMS:
             fp8 = gather == "fp8"
             with GemmAllReduceOp(comm, n=N, k=K, m_max=M, quant=quant, mode=mode, gather_dtype=gather,
@@ -293,7 +279,7 @@ def _alternating_m(comm, op, quant, b_pre, probs, log):
         a, a_s = p.a[:m], p.a_scale[:m]
         if quant == "blockscale":  # column-major [M, K/128] slice keeps stride (1, M_full): re-layout
             a_s = a_s.t().contiguous().t()
-        ref = _reference_sum(type(p)(quant, a, p.b, a_s, p.b_scale), quant)
+        ref = _reference_sum(type(p)(quant, a, p.b, a_s, p.b_scale))
         out = op(a, b_pre, a_s, p.b_scale)
         if _bad(out, ref):
             raise AssertionError(f"{quant}: alternating M, call with M={m} is wrong")
@@ -308,13 +294,13 @@ def test_auto_transport_picks_lsa_below_the_threshold_and_self_tests_both_paths(
     """transport="auto": which calls take the lsa kernel, and the rows the self test runs so that
     both paths are proven (host logic of the CUDA backend; no GPU needed)."""
     from cco import layout
-    from cco.backends.cuda import LSA_AUTO_MAX_ELEMENTS, CudaBackend
+    from cco.backends.cuda import CudaBackend, lsa_max_elements
 
-    def backend(m_max, transport, gather="bf16"):
+    def backend(m_max, transport, gather="bf16", mode="fused"):
         be = object.__new__(CudaBackend)  # the host logic only: no streams, no window
         be.config = layout.build_config(n=7168, k=2048, m_max=m_max, world=2, transport=transport,
-                                        gather_dtype=gather, block_m=128, block_n=128)
-        be.lsa_max_elements = {"lsa": None, "auto": LSA_AUTO_MAX_ELEMENTS[gather]}.get(transport, 0)
+                                        gather_dtype=gather, mode=mode, block_m=128, block_n=128)
+        be.lsa_max_elements = lsa_max_elements(be.config)
         return be
 
     auto = backend(16384, "auto")
@@ -324,3 +310,4 @@ def test_auto_transport_picks_lsa_below_the_threshold_and_self_tests_both_paths(
     assert backend(4096, "auto").path_rows() == [4096]  # every call takes lsa: one path
     assert backend(16384, "dma").path_rows() == [16384] and not backend(16384, "dma").uses_lsa(1)
     assert backend(16384, "lsa").path_rows() == [16384] and backend(16384, "lsa").uses_lsa(16384)
+    assert not backend(16384, "auto", mode="split").uses_lsa(1)  # split runs the copy engines only
