@@ -21,6 +21,7 @@ Nothing here asserts a speed; tests never import it for timing.
 from __future__ import annotations
 
 import statistics
+import sys
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -83,6 +84,12 @@ def _rendezvous(group) -> None:
     if group is not None or (dist.is_available() and dist.is_initialized()):
         token = torch.ones(1, device="cuda")
         dist.all_reduce(token, group=group)
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _max_over_ranks(values: list[float], group) -> list[float]:
@@ -156,6 +163,41 @@ def time_arms(
         name: ArmTiming(name=name, median_us=statistics.median(v), min_us=min(v), max_us=max(v), pass_us=tuple(v))
         for name, v in per_pass.items()
     }
+
+
+def graphed(arms, rotate):
+    """Capture each arm once per input set; replaying returns the captured output. An arm that cannot
+    be captured stays eager and is listed in the second return value."""
+    out, eager = {}, []
+    for name, fn in arms.items():
+        graphs, results = [], []
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for i in range(rotate):
+                fn(i)  # warm: compile, allocate, cache
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        try:
+            for i in range(rotate):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    results.append(fn(i))
+                graphs.append(g)
+            torch.cuda.synchronize()
+        except Exception as err:  # e.g. an op that synchronizes inside
+            print(f"rank {_rank()}: arm {name} cannot be captured ({type(err).__name__}: {err}); timing it eager",
+                  file=sys.stderr)
+            torch.cuda.synchronize()
+            out[name], graphs, results = fn, None, None
+            eager.append(name)
+            continue
+
+        def replay(i, graphs=graphs, results=results):
+            graphs[i].replay()
+            return results[i]
+        out[name] = replay
+    return out, eager
 
 
 # Element-wise error budgets of the output checks (see gemm_mismatches / allreduce_mismatches).

@@ -265,6 +265,7 @@ class Gfx950Backend(CudaBackend):
     block_m = GEMM_BLOCK_M
     block_n = GEMM_BLOCK_N
     default_transport = "dma"
+    dma_peers_first = False  # the FlyDSL kernel writes the schedule's (chunk, dest) order
 
     @classmethod
     def supports_device(cls, device):

@@ -66,31 +66,37 @@ class GemmConfig:
     # fp32 every K step (max_num_imprecise_acc=BLOCK_K), measured 29% slower (549 vs 427 us at
     # 16384x7168x2048). blockscale and mxfp8 scale every K step, so they are always promoted.
     precise_acc: bool = False
-    # how programs find their tiles: "grid" (one per tile, in the kernel's own order), "ticket" (one per
-    # tile, claimed in the walk's order from a counter), "persistent" (one per SM, striding the walk).
-    # fuse=False with "ticket"/"persistent" runs the lsa kernel on a world of one (its epilogue then
-    # only writes out); the lsa kernel treats "grid" as "ticket".
+    # how programs find their tiles: "grid" (one per tile, in the kernel's own order), "ws" (fuse=False
+    # only: one persistent program per SM, warp-specialized, TMA-stored tiles; fp8_gemm_ws_kernel),
+    # "ticket" (one per tile, claimed in the walk's order from a counter), "persistent" (one per SM,
+    # striding the walk). fuse=False with "ticket"/"persistent" runs the lsa kernel on a world of one
+    # (its epilogue then only writes out); the lsa kernel treats "grid" as "ticket".
     launch: str = "grid"
 
     def tiles(self, m: int, n: int) -> tuple[int, int]:
         return -(-m // self.block_m), -(-n // self.block_n)
 
 
-# Hopper defaults, measured on H200 at 16384x7168x2048 (docs/BENCHMARKS.md): ptpc 128x256, 3 stages
-# (427 us; 4 stages 433, 256x128 446, pointer loads 432); blockscale adds a second accumulator for the
-# per-step partial dot, so 128x128 (759 us; 128x256: 850 us); mxfp8 128x256 (1217 us; 128x128: 1567 us).
+# Hopper defaults of the tile-table kernels (fused, lsa), measured on H200 at 16384x7168x2048
+# (docs/BENCHMARKS.md): ptpc 128x256, 3 stages (427 us; 4 stages 433, 256x128 446, pointer loads 432);
+# blockscale adds a second accumulator for the per-step partial dot, so 128x128 (759 us; 128x256: 850
+# us); mxfp8 128x256 (1217 us; 128x128: 1567 us).
 _HOPPER = {
     "ptpc": GemmConfig(block_m=128, block_n=256),
     "blockscale": GemmConfig(block_m=128, block_n=128),
     "mxfp8": GemmConfig(block_m=128, block_n=256),
 }
+# fuse=False: the persistent warp-specialized kernel where it measured faster than the grid one;
+# its halved TMA-store staging leaves shared memory for a fourth stage (docs/BENCHMARKS.md)
+_HOPPER_PLAIN = {**_HOPPER, "ptpc": GemmConfig(block_m=128, block_n=256, num_stages=4, launch="ws")}
 
 
-def default_config(quant: str, *, interpret: bool = False) -> GemmConfig:
-    """The launch config for ``quant``; under ``TRITON_INTERPRET=1`` small tiles keep the CPU run short."""
+def default_config(quant: str, *, plain: bool = False, interpret: bool = False) -> GemmConfig:
+    """The launch config for ``quant``: of the tile-table kernels, or with ``plain`` of the GEMM alone
+    (``fuse=False``); under ``TRITON_INTERPRET=1`` small tiles keep the CPU run short."""
     if interpret:
         return GemmConfig(block_m=32, block_n=64, num_warps=4, num_stages=1)
-    return _HOPPER[quant]
+    return (_HOPPER_PLAIN if plain else _HOPPER)[quant]
 
 
 def tile_table_tensor(rows, *, device) -> torch.Tensor:
@@ -117,10 +123,10 @@ def merge_tile_pairs(rows, *, layout_block_n: int) -> list[list[int]]:
 
 @functools.cache
 def _kernels():
-    """(plain/dma kernel, lsa kernel), imported on first use."""
+    """(plain/dma kernel, lsa kernel, warp-specialized plain kernel), imported on first use."""
     from kernels_fused import triton_kernels
 
-    return triton_kernels.fp8_gemm_kernel, triton_kernels.fp8_gemm_lsa_kernel
+    return triton_kernels.fp8_gemm_kernel, triton_kernels.fp8_gemm_lsa_kernel, triton_kernels.fp8_gemm_ws_kernel
 
 
 def _operands(a, b, a_scale, b_scale, *, quant: str, config: GemmConfig):
@@ -172,7 +178,8 @@ def fp8_gemm(
       after its tile is stored: 1 when ``config`` has the layout's tile, 2 when the kernel's tile is
       two layout tiles wide (the table then lists every other layout tile; see
       :func:`merge_tile_pairs`).
-    * ``config.launch`` other than "grid" (``fuse=False`` only): the ``lsa`` kernel on a world of one
+    * ``config.launch="ws"`` (``fuse=False`` only; the ptpc default): persistent warp-specialized
+      programs; "ticket" / "persistent" (``fuse=False`` only): the ``lsa`` kernel on a world of one
       walks the tiles in row-major order (see :class:`GemmConfig`).
     """
     from cco.layout import MAX_CHUNKS
@@ -180,7 +187,9 @@ def fp8_gemm(
     fn = "fp8_gemm"
     shape = check_operands(a, b, a_scale, b_scale, quant=quant, fn=fn)
     m, n, k = shape.m, shape.n, shape.k
-    cfg = config or default_config(quant, interpret=_interpreting())
+    cfg = config or default_config(quant, plain=not fuse, interpret=_interpreting())
+    if cfg.launch == "ws" and fuse:
+        raise ValueError(f"{fn}: launch='ws' is the plain GEMM's; fuse=True walks a tile table (launch='grid')")
     if fuse:
         if out is None or tile_table is None or counters is None:
             raise ValueError(f"{fn}: fuse=True needs out (the partial region), tile_table and counters")
@@ -210,6 +219,9 @@ def fp8_gemm(
             )
         tiles_m, tiles_n = cfg.tiles(m, n)
         grid = tiles_m * tiles_n
+        if cfg.launch == "ws":
+            _warp_specialized(a, b, a_scale, b_scale, quant=quant, out=out, config=cfg, tiles=grid)
+            return out
         if cfg.launch != "grid":
             if n % cfg.block_n:
                 raise ValueError(f"{fn}: launch={cfg.launch!r} needs block_n={cfg.block_n} to divide N={n}")
@@ -229,6 +241,26 @@ def fp8_gemm(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
+
+
+def _warp_specialized(a, b, a_scale, b_scale, *, quant, out, config, tiles) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if not config.tma:
+        raise ValueError("fp8_gemm: launch='ws' loads through TMA descriptors; it needs tma=True")
+    if out.stride(0) % 8 or out.data_ptr() % 16:
+        raise ValueError(f"fp8_gemm: launch='ws' stores through TMA: out needs 16-byte aligned rows (row stride "
+                         f"{out.stride(0)} elements at {out.data_ptr():#x}); pass a fresh out or launch='grid'")
+    a_src, b_src, a_scale, b_scale, strides = _operands(a, b, a_scale, b_scale, quant=quant, config=config)
+    c_desc = TensorDescriptor.from_tensor(out, [config.block_m, config.block_n // 2])
+    programs = min(persistent_programs(out.device), tiles)
+    _kernels()[2][(programs,)](
+        a_src, b_src, c_desc, a_scale, b_scale, out.shape[0], out.shape[1], a.shape[1], *strides[2:],
+        QUANT=QUANT_ID[quant], MX_BF16=not _interpreting(), PRECISE_ACC=config.precise_acc,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        SCALE_BLOCK=SCALE_BLOCK, MX_GROUP=MX_GROUP, NUM_PROGS=programs,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
 
 
 @functools.lru_cache(maxsize=16)

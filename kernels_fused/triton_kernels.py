@@ -1,7 +1,8 @@
 """Device code of the NVIDIA Triton GEMM (host side and formats: ``kernels_fused.triton_gemm``).
 
-``_tile_acc`` is the K loop every launch shares; ``fp8_gemm_kernel`` writes a plain tensor or (the
-``dma`` transport) the window's partial region with a release add per tile; ``fp8_gemm_lsa_kernel``
+``_tile_acc`` is the K loop every launch shares; ``fp8_gemm_ws_kernel`` is the plain GEMM (persistent,
+warp-specialized); ``fp8_gemm_kernel`` writes a plain tensor or (the ``dma`` transport) the window's
+partial region with a release add per tile; ``fp8_gemm_lsa_kernel``
 is the persistent kernel of the ``lsa`` transport, whose epilogue scatters, reduces and gathers.
 Imported only when a kernel is launched, so ``import kernels_fused`` needs no triton.
 """
@@ -73,6 +74,40 @@ def _tile_acc(
     return acc
 
 @triton.jit
+def _grouped_tile(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Origin (m0, n0) of output tile ``tile`` in grouped order: GROUP_M tile rows walked column by
+    column, so consecutive tiles share B tiles in L2."""
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_m = (tile // per_group) * GROUP_M
+    rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
+    return (first_m + (tile % per_group) % rows_in_group) * BLOCK_M, ((tile % per_group) // rows_in_group) * BLOCK_N
+
+
+@triton.jit
+def fp8_gemm_ws_kernel(
+    a_src, b_src, c_desc, as_ptr, bs_ptr, M, N, K, stride_asm, stride_ask, stride_bsn, stride_bsk,
+    QUANT: tl.constexpr, MX_BF16: tl.constexpr, PRECISE_ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr, MX_GROUP: tl.constexpr, NUM_PROGS: tl.constexpr,
+):
+    """The plain GEMM (``launch="ws"``): NUM_PROGS persistent programs stride the grouped tile
+    order; Triton splits the tile loop into a producer warp group issuing the TMA loads and consumer
+    warp groups running the MMAs and the epilogue, so the next tile's loads overlap this tile's
+    epilogue. The tile leaves through a TMA store in two halves (half the staging shared memory,
+    which leaves room for a fourth pipeline stage)."""
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles, NUM_PROGS, flatten=True, warp_specialize=True):
+        m0, n0 = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = _tile_acc(a_src, b_src, as_ptr, bs_ptr, m0, n0, M, N, K, 0, 0,
+                        stride_asm, stride_ask, stride_bsn, stride_bsk, QUANT, True, MX_BF16, PRECISE_ACC,
+                        BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BLOCK, MX_GROUP)
+        halves = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        c_desc.store([m0, n0], halves[0].to(tl.bfloat16))
+        c_desc.store([m0, n0 + BLOCK_N // 2], halves[1].to(tl.bfloat16))
+
+
+@triton.jit
 def fp8_gemm_kernel(
     # operands (TMA descriptors or raw pointers, see USE_TMA) ------------------------------------
     a_src, b_src, c_ptr, as_ptr, bs_ptr,
@@ -98,13 +133,7 @@ def fp8_gemm_kernel(
         n0 = dest * n_slice + c0
         c_ptr += dest.to(tl.int64) * dest_stride  # partial[dest] is [rows, n_slice]
     else:
-        tiles_m = tl.cdiv(M, BLOCK_M)
-        tiles_n = tl.cdiv(N, BLOCK_N)
-        per_group = GROUP_M * tiles_n
-        first_m = (pid // per_group) * GROUP_M
-        rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
-        m0 = (first_m + (pid % per_group) % rows_in_group) * BLOCK_M
-        n0 = ((pid % per_group) // rows_in_group) * BLOCK_N
+        m0, n0 = _grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         c0 = n0
     acc = _tile_acc(a_src, b_src, as_ptr, bs_ptr, m0, n0, M, N, K, stride_am, stride_bn,
                     stride_asm, stride_ask, stride_bsn, stride_bsk, QUANT, USE_TMA, MX_BF16, PRECISE_ACC,

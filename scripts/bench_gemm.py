@@ -1,12 +1,13 @@
 """The GEMM alone on one GPU: the Triton fp8 kernel (``fuse=False``) against ``torch._scaled_mm``.
 
     python -m scripts.bench_gemm --quant ptpc -m 16384 -n 7168 -k 2048
-    python -m scripts.bench_gemm --configs 128x256x3,128x256x4 --launch grid,ticket,persistent
+    python -m scripts.bench_gemm --configs 128x256x3,128x256x4 --launch grid,ws,ticket,persistent
 
 Arms: ``scaled_mm`` (cuBLAS, default accumulation) and ``scaled_mm-fast`` (``use_fast_accum=True``;
 ptpc only), then one Triton arm per ``--configs`` entry (``BMxBNxSTAGES``, 8 warps) and ``--launch``
-style (``GemmConfig.launch``: "grid" is the plain kernel; "ticket" and "persistent" run the lsa
-kernel on a world of one, which shows what its tile walk costs the GEMM). Every arm's output is checked against the
+style (``GemmConfig.launch``: "grid" is the plain kernel, "ws" the persistent warp-specialized one;
+"ticket" and "persistent" run the lsa kernel on a world of one, which shows what its tile walk costs
+the GEMM). ``--configs default`` is the config ``fp8_gemm`` picks for ``fuse=False``, launch included. Every arm's output is checked against the
 fp32 reference first (``cco.benchmark.gemm_mismatches``); a wrong arm posts no time. Timing is
 ``cco.benchmark.time_arms`` (arms alternate inside each pass, median over iterations, spread over
 passes); the last line is ``RESULT_JSON {...}``.
@@ -22,7 +23,7 @@ import time
 import torch
 
 from cco import quant as Q
-from cco.benchmark import budget_terms, gemm_mismatches, idle_check, tflops, time_arms
+from cco.benchmark import budget_terms, gemm_mismatches, graphed, idle_check, tflops, time_arms
 
 
 def parse_args(argv=None):
@@ -32,10 +33,13 @@ def parse_args(argv=None):
     p.add_argument("-n", type=int, default=7168)
     p.add_argument("-k", type=int, default=2048)
     p.add_argument("--configs", default="default", help="comma list of BMxBNxSTAGES, or 'default'")
-    p.add_argument("--launch", default="grid", help="comma list of grid, ticket, persistent")
+    p.add_argument("--launch", default="default", help="comma list of grid, ws, ticket, persistent; 'default': "
+                   "each config's own")
     p.add_argument("--passes", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--rotate", type=int, default=3)
+    p.add_argument("--graph", action="store_true", help="time CUDA-graph replays (kernel time without the "
+                   "host's launch cost) instead of eager calls")
     return p.parse_args(argv)
 
 
@@ -43,7 +47,7 @@ def triton_configs(spec: str, quant: str):
     from kernels_fused.triton_gemm import GemmConfig, default_config
 
     if spec == "default":
-        return [default_config(quant)]
+        return [default_config(quant, plain=True)]
     configs = []
     for item in spec.split(","):
         try:
@@ -69,10 +73,10 @@ def main(argv=None):
             arms[name] = (lambda i, fast=fast: torch._scaled_mm(sets[i].a, b_t, scale_a=a_col[i], scale_b=b_row,
                                                                  out_dtype=torch.bfloat16, use_fast_accum=fast))
     launches = [x.strip() for x in args.launch.split(",")]
-    if not set(launches) <= {"grid", "ticket", "persistent"}:
-        raise SystemExit(f"--launch {args.launch!r}: pick from grid, ticket, persistent")
+    if launches != ["default"] and not set(launches) <= {"grid", "ws", "ticket", "persistent"}:
+        raise SystemExit(f"--launch {args.launch!r}: pick from grid, ws, ticket, persistent (or default)")
     for cfg in triton_configs(args.configs, args.quant):
-        for launch in launches:
+        for launch in ([cfg.launch] if launches == ["default"] else launches):
             cfg_l = dataclasses.replace(cfg, launch=launch)
             name = f"triton {cfg.block_m}x{cfg.block_n}x{cfg.num_stages} {launch}"
             arms[name] = (lambda i, cfg_l=cfg_l: fp8_gemm(sets[i].a, b, sets[i].a_scale, b_s, quant=args.quant,
@@ -88,10 +92,12 @@ def main(argv=None):
             arms.pop(name)
     del ref, dot_abs
     idle_before = idle_check()
-    timings = time_arms(arms, passes=args.passes, iters=args.iters, rotate=args.rotate)
+    timed = graphed(arms, args.rotate)[0] if args.graph else arms
+    timings = time_arms(timed, passes=args.passes, iters=args.iters, rotate=args.rotate)
     idle_after = idle_check()
     base = timings.get("scaled_mm")
-    print(f"[{args.m}, {args.n}] K={args.k} {args.quant} on {torch.cuda.get_device_name()}")
+    print(f"[{args.m}, {args.n}] K={args.k} {args.quant} on {torch.cuda.get_device_name()}, "
+          f"{'graph replays' if args.graph else 'eager calls'}")
     rows = {}
     for name, t in timings.items():
         row = t.as_dict()
@@ -102,7 +108,7 @@ def main(argv=None):
         ratio = f" | {row['throughput_vs_scaled_mm']:.3f}x scaled_mm" if base else ""
         print(f"  {name:32s} {t.median_us:8.1f} us (spread {100 * t.spread:4.1f}%) | {row['tflops']:7.1f} TFLOP/s{ratio}")
     payload = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
-               "m": args.m, "n": args.n, "k": args.k, "quant": args.quant, "arms": rows, "bad_elements": checked,
+               "m": args.m, "n": args.n, "k": args.k, "quant": args.quant, "graph": args.graph, "arms": rows, "bad_elements": checked,
                "idle_before": idle_before, "idle_after": idle_after}
     print("RESULT_JSON " + json.dumps(payload))
 

@@ -20,6 +20,16 @@ transport explicitly; the op's default, ``auto``, runs ``fused-lsa`` or ``fused`
                       epilogue stores into the owners, reduces and gathers
     fused-lsa-fp8     the same with gather_dtype="fp8"
 
+Alternatives of the fused copy-engine path, named only in a comma list (not in ``all``):
+
+    fused-chunk-major, fused-fp8-chunk-major
+                      the fused GEMM walks the layout's (chunk, dest) order instead of every peer's
+                      tiles first (``cco.backends.cuda.DMA_PEERS_FIRST``)
+    fused-narrow-side, fused-fp8-narrow-side
+                      the reduce and assemble kernels beside the GEMM run 32 programs striding the
+                      rows (the bf16 assemble too, instead of the driver's pitched copy) rather than
+                      one per row (``cco.cuda.dma.SIDE_PROGRAMS``)
+
 Before timing: every op runs ``self_test()`` (bytes really move), and every arm's output is checked
 against the fp32 reference sum (relative L2 and element-wise), so a wrong or silent arm cannot post a
 time. Timing is ``cco.benchmark.time_arms`` (arms alternate inside each pass, >= 3 passes, median over
@@ -40,7 +50,7 @@ import torch.distributed as dist
 
 from cco import layout
 from cco import quant as Q
-from cco.benchmark import (allreduce_mismatches, allreduce_terms, budget_terms, gemm_mismatches, idle_check,
+from cco.benchmark import (allreduce_mismatches, allreduce_terms, budget_terms, gemm_mismatches, graphed, idle_check,
                            tflops, time_arms)
 
 SWEEP_M = (2048, 4096, 8192, 16384, 32768)
@@ -49,8 +59,15 @@ FAST_ACCUM = True
 ARMS = ("scaled_mm", "gemm-only", "scaled_mm+nccl", "symm_mem", "split", "fused", "fused-fp8", "fused-lsa",
         "fused-lsa-fp8")
 # the op's arms: name -> (mode, transport, gather_dtype)
-OP_ARMS = {"split": ("split", "dma", "bf16"), "fused": ("fused", "dma", "bf16"), "fused-fp8": ("fused", "dma", "fp8"),
-           "fused-lsa": ("fused", "lsa", "bf16"), "fused-lsa-fp8": ("fused", "lsa", "fp8")}
+# arm -> (mode, transport, gather dtype, backend attributes the arm overrides)
+OP_ARMS = {"split": ("split", "dma", "bf16", {}), "fused": ("fused", "dma", "bf16", {}),
+           "fused-fp8": ("fused", "dma", "fp8", {}), "fused-lsa": ("fused", "lsa", "bf16", {}),
+           "fused-lsa-fp8": ("fused", "lsa", "fp8", {}),
+           "fused-chunk-major": ("fused", "dma", "bf16", {"dma_peers_first": False}),
+           "fused-fp8-chunk-major": ("fused", "dma", "fp8", {"dma_peers_first": False}),
+           "fused-narrow-side": ("fused", "dma", "bf16", {"schedule.side_programs": 32}),
+           "fused-fp8-narrow-side": ("fused", "dma", "fp8", {"schedule.side_programs": 32})}
+ALTERNATIVES = ("fused-chunk-major", "fused-fp8-chunk-major", "fused-narrow-side", "fused-fp8-narrow-side")
 MORI_NAMES = {"gemm-only": ("gemm-only",), "split-sdma": ("split",), "fused-sdma": ("fused",),
               "fused-lsa": ("fused-lsa",)}
 
@@ -89,11 +106,11 @@ def select_arms(mode: str, quant: str) -> list[str]:
                 raise SystemExit("--mode split-lsa: split with the lsa transport is not implemented on CUDA; use split-sdma")
             if part in MORI_NAMES:
                 arms.extend(MORI_NAMES[part])
-            elif part in ARMS:
+            elif part in ARMS or part in ALTERNATIVES:
                 arms.append(part)
             else:
                 raise SystemExit(f"--mode {part!r} is not an arm; pick from all, baselines, {', '.join(ARMS)}, "
-                                 f"{', '.join(MORI_NAMES)}")
+                                 f"{', '.join(ALTERNATIVES)}, {', '.join(MORI_NAMES)}")
     if quant != "ptpc":  # cuBLAS / symm-mem rowwise scaling only
         arms = [a for a in arms if a not in ("scaled_mm", "symm_mem")]
     return list(dict.fromkeys(arms))
@@ -178,9 +195,16 @@ def build_arms(names, prob: Problem, comm, *, chunks, m_max):
                 return out
             arms[name] = fn
         elif name in OP_ARMS:
-            mode, transport, gather = OP_ARMS[name]
+            mode, transport, gather, overrides = OP_ARMS[name]
             op = GemmAllReduceOp(comm, n=prob.n, k=prob.k, m_max=m_max, quant=quant, mode=mode, transport=transport,
                                  gather_dtype=gather, chunks=chunks)
+            for path, value in overrides.items():
+                owner, attr = op._backend, path
+                while "." in attr:
+                    head, attr = attr.split(".", 1)
+                    owner = getattr(owner, head)
+                assert hasattr(owner, attr), f"{name}: the backend has no {path}"
+                setattr(owner, attr, value)
             ops[name] = op
 
             def fn(i, op=op):
@@ -188,41 +212,6 @@ def build_arms(names, prob: Problem, comm, *, chunks, m_max):
                 return op(a, prob.b_pre, a_s, prob.b_scale)
             arms[name] = fn
     return arms, ops
-
-
-def graphed(arms, rotate):
-    """Capture each arm once per input set; replaying returns the captured output. An arm that cannot
-    be captured stays eager and is listed in the second return value."""
-    out, eager = {}, []
-    for name, fn in arms.items():
-        graphs, results = [], []
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for i in range(rotate):
-                fn(i)  # warm: compile, allocate, cache
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        try:
-            for i in range(rotate):
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    results.append(fn(i))
-                graphs.append(g)
-            torch.cuda.synchronize()
-        except Exception as err:  # e.g. an op that synchronizes inside
-            print(f"rank {dist.get_rank()}: arm {name} cannot be captured ({type(err).__name__}: {err}); timing it eager",
-                  file=sys.stderr)
-            torch.cuda.synchronize()
-            out[name], graphs, results = fn, None, None
-            eager.append(name)
-            continue
-
-        def replay(i, graphs=graphs, results=results):
-            graphs[i].replay()
-            return results[i]
-        out[name] = replay
-    return out, eager
 
 
 def check_arms(arms, prob: Problem, *, rank) -> dict:

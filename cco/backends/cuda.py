@@ -4,11 +4,12 @@ transport (``cco.cuda.dma``) over a torch symmetric-memory window.
 What runs where, per call (details and the stream diagram in ``cco.cuda.dma``):
 
 - ``gemm``: one Triton launch writing ``out`` directly.
-- ``fused``: one Triton launch with the fused epilogue (tiles into ``partial[dest]`` in the layout's
-  (chunk, dest, m, n) order, one release add per tile on ``counters[dest, chunk]``; where the GEMM's
-  best tile is two layout tiles wide, one program covers a pair and adds 2); copy-engine puts start
-  on each (dest, chunk) as soon as its counter completes, while the GEMM still runs; reduce, gather
-  and assemble follow chunk by chunk on side streams.
+- ``fused``: one Triton launch with the fused epilogue (tiles into ``partial[dest]``, every peer's
+  tiles before the own ones: the layout's (dest, chunk, m, n) order, ``DMA_PEERS_FIRST``; one
+  release add per tile on ``counters[dest, chunk]``; where the GEMM's best tile is two layout tiles
+  wide, one program covers a pair and adds 2); copy-engine puts start on each (dest, chunk) as soon
+  as its counter completes, while the GEMM still runs; reduce, gather and assemble follow chunk by
+  chunk on side streams.
 - ``split``: the same launch, then the same transfers gated on the whole GEMM (the baseline).
 
 The weight arrives in the gfx950 bpreshuffle layout; the Triton kernel reads row-major ``[N, K]``,
@@ -18,7 +19,10 @@ an in-place update of the weight is noticed).
 Deviation from the protocol text of ``cco.backends.base``: every counter and flag has one waiter, and
 that waiter zeroes it after its wait, and the counters are zeroed at each call's start. A stream
 wait's target is baked into a captured CUDA graph, so monotonic words would let a replayed wait pass
-at once; consumed words keep every replay correct. Flags still carry the call's seq.
+at once; consumed words keep every replay correct. A set flag is 1, not the call's seq; the call's
+(seq, M) stamp travels through a device word, so the copy-engine side work of a call can be captured
+once and replayed by later eager calls (``cco.cuda.dma``: host time, not device time, bounds an eager
+call otherwise).
 
 ``transport="lsa"`` (fused mode, and the self test) replaces the GEMM, the puts, the reduce and the
 assemble by one kernel (``kernels_fused.triton_gemm.fp8_gemm_lsa``) and no side stream: its programs
@@ -48,6 +52,10 @@ from cco.transport.protocol import PeerMismatchError
 
 GEMM_BLOCK_M = 128  # wgmma-friendly tile rows; also the layout's m-tile (chunk granularity)
 GEMM_BLOCK_N = 128  # divides N/world for N = 7168 up to 8 ranks; ptpc gemm-only uses 128x256
+# fused dma: the GEMM computes every peer's tiles before its own, so the scatters run back to back
+# from the first slice on and the own tiles are computed while they fly (docs/BENCHMARKS.md compares
+# it with the layout's chunk-major order)
+DMA_PEERS_FIRST = True
 LSA_LAUNCH = "ticket"  # GemmConfig.launch of the lsa kernel (docs/BENCHMARKS.md compares the choices)
 # transport="auto": the lsa kernel while a rank's output has at most this many elements (M * N), the
 # copy engines above. Measured on 2 H200 at N=7168, K=2048, ptpc (docs/BENCHMARKS.md, sweep): bf16
@@ -70,6 +78,7 @@ class CudaBackend(Backend):
     block_n = GEMM_BLOCK_N
     default_transport = "auto"
     lsa_max_elements: int | None = 0  # uses_lsa: None always, 0 never, else up to M * N elements
+    dma_peers_first = DMA_PEERS_FIRST  # the fused dma launch's tile order (False: the layout's chunk-major)
 
     @classmethod
     def supports_device(cls, device):
@@ -104,14 +113,14 @@ class CudaBackend(Backend):
         self.device = self.window.device
         self.rank, self.world = self.window.rank, self.window.world
         self.schedule = CopyEngineSchedule(config=cfg, window=self.window, device=self.device,
-                                           silent=bool(faults is not None and faults.silent))
+                                           silent=bool(faults is not None and faults.silent), replay=True)
         base = default_config(cfg.quant)
         # the fused launch may use a tile two layout tiles wide (same order, counts for both)
         wide = (base.block_n == 2 * cfg.block_n and cfg.n_tiles_per_dest % 2 == 0 and base.block_m == cfg.block_m)
         self.tile_weight = 2 if wide else 1
         self.fused_config = GemmConfig(block_m=cfg.block_m, block_n=cfg.block_n * self.tile_weight,
                                        num_warps=base.num_warps, num_stages=base.num_stages, tma=base.tma)
-        self.gemm_config = base
+        self.gemm_config = default_config(cfg.quant, plain=True)
         w = cfg.window
         self.partial = self.window.tensor(w.partial, rank=self.rank)
         self.counters = self.window.words(w.counters, rank=self.rank)
@@ -161,15 +170,17 @@ class CudaBackend(Backend):
         return self._weight
 
     def _table(self, plan) -> torch.Tensor:
-        table = self._tables.get(plan.m)
+        key = (plan.m, self.dma_peers_first)
+        table = self._tables.get(key)
         if table is None:
             from kernels_fused.triton_gemm import merge_tile_pairs, tile_table_tensor
 
-            rows = layout.tile_table_rows(plan.tiles)
+            tiles = layout.tile_table(self.config, m=plan.m, rank=self.rank, dest_major=self.dma_peers_first)
+            rows = layout.tile_table_rows(tiles)
             if self.tile_weight == 2:
                 rows = merge_tile_pairs(rows, layout_block_n=self.config.block_n)
             table = tile_table_tensor(rows, device=self.device)
-            self._tables[plan.m] = table
+            self._tables[key] = table
         return table
 
     def _lsa_table(self, plan) -> torch.Tensor:
@@ -214,7 +225,7 @@ class CudaBackend(Backend):
             self._lsa(a, b_pre, a_scale, b_scale, out, plan, from_partial=False)
             return
         self._fused_gemm(a, b_pre, a_scale, b_scale, plan)
-        self.schedule.run(plan, out, after_gemm=False)
+        self.schedule.run(plan, out, after_gemm=False, scatters_first=self.dma_peers_first)
 
     def split(self, a, b_pre, a_scale, b_scale, *, out, plan):
         self._fused_gemm(a, b_pre, a_scale, b_scale, plan)

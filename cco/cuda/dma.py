@@ -4,16 +4,17 @@ later chunks.
 
 One call on rank r (W ranks, C chunks; ``p`` ranges over peers, ``c`` over chunks)::
 
-    main      : header=(seq, m) | GEMM (layout tile order; counters[d, c] += 1 per layout tile) | join
+    main      : header=(seq, m), stamp=(seq, m) | GEMM (layout tile order; counters[d, c] += 1 per
+                layout tile) | join
     put[p]    : copies in the order S0 S1 G0 S2 G1 ... G(C-1) (see submission_order), where
-                S c = wait counters[p,c] >= T_c ; counters[p,c] = 0 ; (c=0: peer.scatter_m[r] = stamp)
-                      copy partial[p][rows c] -> peer.recv[r][rows c] ; peer.scatter_flags[r,c] = seq
+                S c = wait counters[p,c] >= T_c ; counters[p,c] = 0 ; (c=0: copy stamp -> peer.scatter_m[r])
+                      copy partial[p][rows c] -> peer.recv[r][rows c] ; peer.scatter_flags[r,c] = 1
                 G c = wait red[c] ; copy gather[r][rows c] (+ scales) -> peer.gather[r][rows c]
-                      peer.gather_flags[r,c] = seq
-    reduce    : wait counters[r,c] >= T_c ; wait scatter_flags[src,c] >= seq (each src, then = 0)
+                      peer.gather_flags[r,c] = 1
+    reduce    : wait counters[r,c] >= T_c ; wait scatter_flags[src,c] >= 1 (each src, then = 0)
                 reduce kernel: partial[r] + recv[src...] -> gather[r][rows c] and out[rows c, own cols]
-                gather_flags[r,c] = seq ; event red[c]
-    assemble  : wait gather_flags[o,c] >= seq (each owner o != r, then = 0)
+                gather_flags[r,c] = 1 ; event red[c]
+    assemble  : wait gather_flags[o,c] >= 1 (each owner o != r, then = 0)
                 bf16: pitched copy gather[o][rows c] -> out[rows c, o cols] (the driver runs it as an SM
                 kernel; a Triton copy kernel measured the same); fp8: dequant kernel
 
@@ -26,8 +27,17 @@ Graph safety: a wait's value is baked into a captured graph, so a monotonic word
 replayed wait at once. Each word therefore has exactly one waiter, which zeroes it right after its
 wait (counters: the put or reduce stream; scatter and gather flags: the owner of the window). Every
 rewrite of a word happens-after its reset: a rank starts call s+1 only after its own call s joined,
-and a peer's call-(s+1) write needs that rank's call-(s+1) data. The values written are the call's
-seq as the protocol says, so eager calls and graph replays run the same code.
+and a peer's call-(s+1) write needs that rank's call-(s+1) data. So a set flag is 1 (``FLAG_SET``),
+not the call's seq, and the only per-call value, the (seq, M) stamp a peer's reduce checks, travels
+through a device word (``stamp``, written at the call's start): the side work of a call is the same
+for every call with the same M and ``out``.
+
+Replayed side work (``replay=True``, the CUDA backend): an eager call spends most of its host time
+issuing the side streams' ~50 waits, writes, copies and kernel launches (757 us per call at
+M=2048 on an H200 host, docs/BENCHMARKS.md). So the schedule captures that work into a CUDA graph
+the second time it sees a (M, ``out`` address) and from then on replays it on a launch stream gated
+like the side streams (``GraphCache``); the GEMM stays an ordinary launch. While the caller itself
+captures a graph, the work is enqueued as usual (and lands in the caller's graph).
 
 Not covered: a device-side wait has no deadline; a peer that never sends hangs the streams (the
 host-side deadline of the CPU path does not exist here). ``check()`` reports a peer M mismatch
@@ -35,6 +45,8 @@ found by the reduce kernel.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch
 
@@ -44,9 +56,46 @@ from cco.cuda import memops as cuda_memops
 from cco.transport.base import stamp_seq_m
 
 _WORD = 8  # bytes of one int64 counter or flag
+FLAG_SET = 1  # a set scatter or gather flag (its one waiter zeroes it)
+GRAPH_CACHE = 8  # captured side-work graphs kept per op (least recently used dropped)
+# Programs of the reduce and assemble kernels beside the fused GEMM. None: one program per row (and
+# the bf16 assemble on the driver's pitched copy). Fewer programs, striding the rows, leave the
+# GEMM more multiprocessors but put a slower reduce on the critical path: 32 measured 1103 us
+# against 833 us at 16384x7168 (docs/BENCHMARKS.md).
+SIDE_PROGRAMS: int | None = None
 
 
-def submission_order(chunks: int) -> list[tuple[str, int]]:
+class GraphCache:
+    """Which calls replay captured side work: a key (M, ``out`` address, ``out`` row stride) is
+    captured the second time it is seen (a one-off address never pays a capture), the ``size`` most
+    recently used graphs are kept."""
+
+    def __init__(self, size: int = GRAPH_CACHE):
+        self.size = size
+        self.graphs: OrderedDict = OrderedDict()
+        self.seen: OrderedDict = OrderedDict()
+
+    def lookup(self, key):
+        """(graph or None, whether to capture one now)."""
+        graph = self.graphs.get(key)
+        if graph is not None:
+            self.graphs.move_to_end(key)
+            return graph, False
+        if key in self.seen:
+            del self.seen[key]
+            return None, True
+        self.seen[key] = None
+        while len(self.seen) > 4 * self.size:
+            self.seen.popitem(last=False)
+        return None, False
+
+    def store(self, key, graph) -> None:
+        self.graphs[key] = graph
+        while len(self.graphs) > self.size:
+            self.graphs.popitem(last=False)
+
+
+def submission_order(chunks: int, *, scatters_first: bool = False) -> list[tuple[str, int]]:
     """Host submission order of one call's side-stream work: ``(phase, chunk)`` steps.
 
     Each peer's put stream carries its copies in the order ``S0, S1, G0, S2, G1, ..., G(C-1)``
@@ -62,7 +111,15 @@ def submission_order(chunks: int) -> list[tuple[str, int]]:
     peers' gathers, go last. Submitting every reduce first hung on the H200s (both ranks' reduces
     waited for scatters queued behind them); ``tests/python/cco/test_cuda_op.py`` replays both
     orders on in-order queues.
+
+    ``scatters_first``: for a GEMM that computes every peer's tiles before its own (the CUDA fused
+    launch, ``cco.backends.cuda.DMA_PEERS_FIRST``), the put streams carry ``S0 .. S(C-1)`` and then
+    the gathers, which could not start earlier anyway: no gather waits in front of a scatter.
     """
+    if scatters_first:
+        steps = [("scatter", c) for c in range(chunks)]
+        steps += [step for c in range(chunks) for step in (("reduce", c), ("gather", c))]
+        return steps + [("assemble", c) for c in range(chunks)]
     steps = [("scatter", 0)]
     for c in range(1, chunks):
         steps += [("scatter", c), ("reduce", c - 1), ("gather", c - 1)]
@@ -73,7 +130,8 @@ def submission_order(chunks: int) -> list[tuple[str, int]]:
 class CopyEngineSchedule:
     """Streams, events and window addresses of the ``dma`` transport for one op on one rank."""
 
-    def __init__(self, *, config: layout.OpConfig, window, device: torch.device, silent: bool = False, memops=None):
+    def __init__(self, *, config: layout.OpConfig, window, device: torch.device, silent: bool = False, memops=None,
+                 replay: bool = False):
         self.memops = cuda_memops if memops is None else memops
         self.cfg = config
         self.rank, self.world = window.rank, window.world
@@ -102,6 +160,11 @@ class CopyEngineSchedule:
             for p in self.peers
         }
         self.status = torch.zeros(1, dtype=torch.int64, device=device)
+        self.stamp = torch.zeros(1, dtype=torch.int64, device=device)  # this call's (seq, M) stamp
+        self.replay = replay
+        self.graphs = GraphCache()
+        self.replays = 0  # calls that replayed captured side work
+        self.side_programs = SIDE_PROGRAMS
         # probe (and warm the fallback kernels) now: neither may happen inside a graph capture
         self.capture_memops = self.memops.capture_supported(self.status.device.index)
         if not self.capture_memops:
@@ -118,6 +181,10 @@ class CopyEngineSchedule:
             self.gemm_event = torch.cuda.Event()
             self.reduced = [torch.cuda.Event() for _ in range(layout.MAX_CHUNKS)]
             self.done = {s: torch.cuda.Event() for s in self._side_streams()}
+            self.launch = torch.cuda.Stream(device=device)  # replays of the captured side work
+            self.capture = torch.cuda.Stream(device=device)
+            self.launched = torch.cuda.Event()
+            self.fork = torch.cuda.Event()
 
     def _side_streams(self):
         return [*self.put.values(), self.reduce, self.assemble]
@@ -147,10 +214,11 @@ class CopyEngineSchedule:
 
     # ---- one call -----------------------------------------------------------------------------------
     def begin(self, plan: layout.CallPlan) -> None:
-        """Protocol step 1 on the current stream: ``header[0:2] = (seq, m)``."""
+        """Protocol step 1 on the current stream: ``header[0:2] = (seq, m)``; and the stamp word."""
         main = torch.cuda.current_stream()
         self._write(main, self._addr(self.header, layout.HEADER_SEQ), plan.seq)
         self._write(main, self._addr(self.header, layout.HEADER_M), plan.m)
+        self._write(main, self.stamp.data_ptr(), stamp_seq_m(plan.seq, plan.m))
         self.begin_event.record()
 
     def set_counters(self, plan: layout.CallPlan) -> None:
@@ -161,23 +229,56 @@ class CopyEngineSchedule:
                 self._write(main, self._addr(self.counters, layout.counter_index(d, c)), self._tiles(plan, d, c))
         self.begin_event.record()
 
-    def run(self, plan: layout.CallPlan, out: torch.Tensor, *, after_gemm: bool) -> None:
+    def run(self, plan: layout.CallPlan, out: torch.Tensor, *, after_gemm: bool, scatters_first: bool = False) -> None:
         """Enqueue steps 3-5 of call ``plan`` and join them into the current stream.
 
         ``after_gemm=True`` (split mode, self-test): every side stream first waits for the whole
         GEMM (an event recorded now on the current stream); otherwise the puts start as the
-        counters complete, while the GEMM is still running."""
+        counters complete, while the GEMM is still running. ``scatters_first``: see
+        :func:`submission_order`."""
         main = torch.cuda.current_stream()
         gate = self.begin_event
         if after_gemm:
             self.gemm_event.record(main)
             gate = self.gemm_event
+        order = submission_order(plan.chunks, scatters_first=scatters_first)
+        graph = self._graph(plan, out, order)
+        if graph is None:
+            self._fork_join(main, gate, plan, out, order)
+            return
+        self.replays += 1
+        self.launch.wait_event(gate)
+        with torch.cuda.stream(self.launch):
+            graph.replay()
+        self.launched.record(self.launch)
+        main.wait_event(self.launched)
+
+    def _fork_join(self, origin, gate, plan, out, order) -> None:
         for s in self._side_streams():
             s.wait_event(gate)
-        self._enqueue(plan, out)
+        self._enqueue(plan, out, order)
         for s, ev in self.done.items():
             ev.record(s)
-            main.wait_event(ev)
+            origin.wait_event(ev)
+
+    def _graph(self, plan, out, order):
+        """The captured side work of this call, captured now if its key was seen before; None: enqueue it."""
+        if not self.replay or torch.cuda.is_current_stream_capturing():
+            return None
+        key = (plan.m, out.data_ptr(), out.stride(0), tuple(order))
+        graph, capture = self.graphs.lookup(key)
+        if not capture:
+            return graph
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(self.capture):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                self.fork.record(self.capture)
+                self._fork_join(self.capture, self.fork, plan, out, order)
+            finally:
+                graph.capture_end()
+        self.graphs.store(key, graph)
+        return graph
 
     def _tiles(self, plan, dest, chunk) -> int:
         return plan.counter_targets[dest][chunk] - plan.counter_base[dest][chunk]
@@ -187,8 +288,8 @@ class CopyEngineSchedule:
         row_bytes = region.shape[-1] * region.element_size()
         return rows[0] * row_bytes, (rows[1] - rows[0]) * row_bytes
 
-    def _enqueue(self, plan, out):
-        for phase, c in submission_order(plan.chunks):
+    def _enqueue(self, plan, out, order):
+        for phase, c in order:
             if phase == "reduce":
                 self._reduce_chunk(plan, out, c)
             elif phase == "assemble":
@@ -203,11 +304,11 @@ class CopyEngineSchedule:
         self._wait(s, ctr, self._tiles(plan, p, c))
         self._write(s, ctr, 0)
         if c == 0:
-            self._write(s, self._addr(peer["scatter_m"], r), stamp_seq_m(plan.seq, plan.m))
+            self.memops.copy(s.cuda_stream, self._addr(peer["scatter_m"], r), self.stamp.data_ptr(), _WORD)
         off, nbytes = self._rows_bytes(self.partial, plan.rows[c])
         if not self.silent:
             self.memops.copy(s.cuda_stream, peer["recv"][r].data_ptr() + off, self.partial[p].data_ptr() + off, nbytes)
-        self._write(s, self._addr(peer["scatter_flags"], layout.counter_index(r, c)), plan.seq)
+        self._write(s, self._addr(peer["scatter_flags"], layout.counter_index(r, c)), FLAG_SET)
 
     def _gather_chunk(self, plan, p, c):
         r, s, peer = self.rank, self.put[p], self.peer[p]
@@ -219,7 +320,7 @@ class CopyEngineSchedule:
                 off, nbytes = self._rows_bytes(self.gather_scale, plan.rows[c])
                 self.memops.copy(s.cuda_stream, peer["gather_scale"][r].data_ptr() + off,
                                  self.gather_scale[r].data_ptr() + off, nbytes)
-        self._write(s, self._addr(peer["gather_flags"], layout.counter_index(r, c)), plan.seq)
+        self._write(s, self._addr(peer["gather_flags"], layout.counter_index(r, c)), FLAG_SET)
 
     def _reduce_chunk(self, plan, out, c):
         r, s = self.rank, self.reduce
@@ -229,12 +330,13 @@ class CopyEngineSchedule:
             self._write(s, ctr, 0)
             for src in layout.reduce_order(r, self.world):
                 flag = self._addr(self.scatter_flags, layout.counter_index(src, c))
-                self._wait(s, flag, plan.seq)
+                self._wait(s, flag, FLAG_SET)
                 self._write(s, flag, 0)
             kernels.reduce_chunk(partial=self.partial, recv=self.recv, gather=self.gather,
                                  gather_scale=self.gather_scale, out=out, scatter_m=self.scatter_m,
-                                 status=self.status, rank=r, rows=plan.rows[c], stamp=stamp_seq_m(plan.seq, plan.m))
-            self._write(s, self._addr(self.gather_flags, layout.counter_index(r, c)), plan.seq)
+                                 status=self.status, rank=r, rows=plan.rows[c], stamp=self.stamp,
+                                 programs=self.side_programs)
+            self._write(s, self._addr(self.gather_flags, layout.counter_index(r, c)), FLAG_SET)
             self.reduced[c].record(s)
 
     def _assemble_chunk(self, plan, out, c):
@@ -242,11 +344,12 @@ class CopyEngineSchedule:
         with torch.cuda.stream(s):
             for o in self.peers:
                 flag = self._addr(self.gather_flags, layout.counter_index(o, c))
-                self._wait(s, flag, plan.seq)
+                self._wait(s, flag, FLAG_SET)
                 self._write(s, flag, 0)
             r0, r1 = plan.rows[c]
-            if self.gather_scale is not None:
-                kernels.dequant_chunk(gather=self.gather, gather_scale=self.gather_scale, out=out, rank=r, rows=(r0, r1))
+            if self.gather_scale is not None or self.side_programs is not None:
+                kernels.dequant_chunk(gather=self.gather, gather_scale=self.gather_scale, out=out, rank=r, rows=(r0, r1),
+                                      programs=self.side_programs)
                 return
             for o in self.peers:
                 self.memops.copy_2d(s.cuda_stream, dst=out.data_ptr() + (r0 * out.stride(0) + o * ns) * 2,

@@ -9,7 +9,8 @@
 
 so the own columns of ``out`` need no second pass, and every rank ends with identical bits (with
 the fp8 gather the owner writes the dequantized value too). Program 0 also checks that ``scatter_m[src]``
-holds this call's (seq, m) stamp for every source and records a mismatch in ``status``.
+holds this call's (seq, m) stamp (read from a device word, so a captured launch stays valid) for
+every source and records a mismatch in ``status``.
 
 ``dequant_chunk`` (fp8 gather only): rows [r0, r1) of every peer owner's ``gather[owner]`` ->
 ``out[:, owner * n_slice ...]``. With the bf16 gather that step is a pitched copy-engine copy instead.
@@ -38,54 +39,59 @@ def _kernels():
     @triton.jit
     def _reduce(
         partial_ptr, recv_ptr, gather_ptr, gscale_ptr, out_ptr, scatter_m_ptr, status_ptr,
-        rank, row0, rows, stamp, n_slice, region_stride, out_stride, out_col0, scale_cols,
+        stamp_ptr, rank, row0, rows, n_slice, region_stride, out_stride, out_col0, scale_cols, programs,
         WORLD: tl.constexpr, FP8_GATHER: tl.constexpr, BLOCK_C: tl.constexpr, GROUP: tl.constexpr,
     ):
         pid = tl.program_id(0)
         if pid == 0:
+            stamp = tl.load(stamp_ptr)
             for j in tl.static_range(1, WORLD):
                 src = (rank + j) % WORLD
                 peer_stamp = tl.load(scatter_m_ptr + src)
                 if peer_stamp != stamp:
                     tl.store(status_ptr, 1 + src)  # STATUS_PEER_M_MISMATCH + src
-        row = (row0 + pid).to(tl.int64)
         cols = tl.arange(0, BLOCK_C)
         mask = cols < n_slice
-        offs = row * n_slice + cols
-        acc = tl.load(partial_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        for j in tl.static_range(1, WORLD):
-            src = (rank + j) % WORLD
-            acc += tl.load(recv_ptr + src * region_stride + offs, mask=mask, other=0.0).to(tl.float32)
-        if FP8_GATHER:
-            groups = tl.reshape(acc, (BLOCK_C // GROUP, GROUP))
-            scale = tl.maximum(tl.max(tl.abs(groups), axis=1), 1e-30) / 448.0  # cco.quant.quantize_gather
-            q = tl.reshape((groups / scale[:, None]).to(tl.float8e4nv), (BLOCK_C,))
-            tl.store(gather_ptr + offs, q, mask=mask)
-            g = tl.arange(0, BLOCK_C // GROUP)
-            tl.store(gscale_ptr + row * scale_cols + g, scale, mask=g < scale_cols)
-            value = tl.reshape(tl.reshape(q.to(tl.float32), (BLOCK_C // GROUP, GROUP)) * scale[:, None],
-                               (BLOCK_C,)).to(tl.bfloat16)
-        else:
-            value = acc.to(tl.bfloat16)
-            tl.store(gather_ptr + offs, value, mask=mask)
-        tl.store(out_ptr + row * out_stride + out_col0 + cols, value, mask=mask)
+        for i in range(pid, rows, programs):
+            row = (row0 + i).to(tl.int64)
+            offs = row * n_slice + cols
+            acc = tl.load(partial_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            for j in tl.static_range(1, WORLD):
+                src = (rank + j) % WORLD
+                acc += tl.load(recv_ptr + src * region_stride + offs, mask=mask, other=0.0).to(tl.float32)
+            if FP8_GATHER:
+                groups = tl.reshape(acc, (BLOCK_C // GROUP, GROUP))
+                scale = tl.maximum(tl.max(tl.abs(groups), axis=1), 1e-30) / 448.0  # cco.quant.quantize_gather
+                q = tl.reshape((groups / scale[:, None]).to(tl.float8e4nv), (BLOCK_C,))
+                tl.store(gather_ptr + offs, q, mask=mask)
+                g = tl.arange(0, BLOCK_C // GROUP)
+                tl.store(gscale_ptr + row * scale_cols + g, scale, mask=g < scale_cols)
+                value = tl.reshape(tl.reshape(q.to(tl.float32), (BLOCK_C // GROUP, GROUP)) * scale[:, None],
+                                   (BLOCK_C,)).to(tl.bfloat16)
+            else:
+                value = acc.to(tl.bfloat16)
+                tl.store(gather_ptr + offs, value, mask=mask)
+            tl.store(out_ptr + row * out_stride + out_col0 + cols, value, mask=mask)
 
     @triton.jit
     def _dequant(
-        gather_ptr, gscale_ptr, out_ptr, rank, row0, n_slice, region_stride, scale_stride, out_stride, scale_cols,
+        gather_ptr, gscale_ptr, out_ptr, rank, row0, rows, n_slice, region_stride, scale_stride, out_stride,
+        scale_cols, programs,
         WORLD: tl.constexpr, BLOCK_C: tl.constexpr, FP8_GATHER: tl.constexpr, GROUP: tl.constexpr,
     ):
-        row = (row0 + tl.program_id(0)).to(tl.int64)
         owner = (rank + 1 + tl.program_id(1)) % WORLD
         cols = tl.arange(0, BLOCK_C)
         mask = cols < n_slice
-        q = tl.load(gather_ptr + owner * region_stride + row * n_slice + cols, mask=mask, other=0.0)
-        if FP8_GATHER:
-            scale = tl.load(gscale_ptr + owner * scale_stride + row * scale_cols + cols // GROUP, mask=mask, other=0.0)
-            value = (q.to(tl.float32) * scale).to(tl.bfloat16)
-        else:
-            value = q
-        tl.store(out_ptr + row * out_stride + owner * n_slice + cols, value, mask=mask)
+        for i in range(tl.program_id(0), rows, programs):
+            row = (row0 + i).to(tl.int64)
+            q = tl.load(gather_ptr + owner * region_stride + row * n_slice + cols, mask=mask, other=0.0)
+            if FP8_GATHER:
+                scale = tl.load(gscale_ptr + owner * scale_stride + row * scale_cols + cols // GROUP, mask=mask,
+                                other=0.0)
+                value = (q.to(tl.float32) * scale).to(tl.bfloat16)
+            else:
+                value = q
+            tl.store(out_ptr + row * out_stride + owner * n_slice + cols, value, mask=mask)
 
     return _reduce, _dequant
 
@@ -98,11 +104,18 @@ def _warps(block_c: int) -> int:
     return 8 if block_c >= 2048 else 4
 
 
+def _programs(rows: int, programs: int | None) -> int:
+    return rows if programs is None else max(1, min(rows, programs))
+
+
 def reduce_chunk(*, partial: torch.Tensor, recv: torch.Tensor, gather: torch.Tensor,
                  gather_scale: torch.Tensor | None, out: torch.Tensor, scatter_m: torch.Tensor,
-                 status: torch.Tensor, rank: int, rows: tuple[int, int], stamp: int) -> None:
+                 status: torch.Tensor, rank: int, rows: tuple[int, int], stamp: torch.Tensor,
+                 programs: int | None = None) -> None:
     """Reduce rows ``rows`` of this rank's slice (see module doc). ``partial``, ``recv``, ``gather``
-    are the window's [W, rows_max, n_slice] regions; ``out`` is the caller's bf16 [M, N]."""
+    are the window's [W, rows_max, n_slice] regions; ``out`` is the caller's bf16 [M, N]; ``stamp``
+    the int64 word holding this call's (seq, m) stamp. ``programs``: how many programs stride the rows
+    (None: one per row)."""
     world, _, n_slice = recv.shape
     r0, r1 = rows
     if r1 <= r0:
@@ -110,15 +123,16 @@ def reduce_chunk(*, partial: torch.Tensor, recv: torch.Tensor, gather: torch.Ten
     fp8 = gather.dtype == torch.float8_e4m3fn
     block_c = _block_c(n_slice)
     reduce, _ = _kernels()
-    reduce[(r1 - r0,)](
+    grid = _programs(r1 - r0, programs)
+    reduce[(grid,)](
         partial[rank], recv, gather[rank], gather_scale[rank] if fp8 else gather, out, scatter_m, status,
-        rank, r0, r1 - r0, stamp, n_slice, recv.stride(0), out.stride(0), rank * n_slice, gather_scale_cols(n_slice),
+        stamp, rank, r0, r1 - r0, n_slice, recv.stride(0), out.stride(0), rank * n_slice, gather_scale_cols(n_slice), grid,
         WORLD=world, FP8_GATHER=fp8, BLOCK_C=block_c, GROUP=GATHER_GROUP, num_warps=_warps(block_c),
     )
 
 
 def dequant_chunk(*, gather: torch.Tensor, gather_scale: torch.Tensor | None, out: torch.Tensor, rank: int,
-                  rows: tuple[int, int]) -> None:
+                  rows: tuple[int, int], programs: int | None = None) -> None:
     """Rows ``rows`` of every peer owner's gathered slice -> ``out`` (bf16): dequantized for the fp8
     gather (``gather_scale`` given), copied for the bf16 one."""
     world, _, n_slice = gather.shape
@@ -127,9 +141,10 @@ def dequant_chunk(*, gather: torch.Tensor, gather_scale: torch.Tensor | None, ou
         return
     block_c = _block_c(n_slice)
     _, dequant = _kernels()
-    dequant[(r1 - r0, world - 1)](
-        gather, gather if gather_scale is None else gather_scale, out, rank, r0, n_slice, gather.stride(0),
-        0 if gather_scale is None else gather_scale.stride(0), out.stride(0), gather_scale_cols(n_slice),
+    grid = _programs(r1 - r0, programs)
+    dequant[(grid, world - 1)](
+        gather, gather if gather_scale is None else gather_scale, out, rank, r0, r1 - r0, n_slice, gather.stride(0),
+        0 if gather_scale is None else gather_scale.stride(0), out.stride(0), gather_scale_cols(n_slice), grid,
         WORLD=world, BLOCK_C=block_c, FP8_GATHER=gather_scale is not None, GROUP=GATHER_GROUP,
         num_warps=_warps(block_c),
     )

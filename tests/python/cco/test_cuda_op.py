@@ -90,11 +90,36 @@ def test_submission_order_cannot_deadlock_on_shared_queues(world, chunks):
     shipped order drains even with one queue per rank; the reduces-first order deadlocks there."""
     from cco.cuda.dma import submission_order
 
+    def scatters_first(c):
+        return submission_order(c, scatters_first=True)
+
     assert _drains(submission_order, world=world, chunks=chunks)
+    assert _drains(scatters_first, world=world, chunks=chunks)
     assert not _drains(_reduces_first, world=world, chunks=chunks)
-    steps = submission_order(chunks)
-    for phase in ("scatter", "reduce", "gather", "assemble"):  # every step exactly once
-        assert sorted(c for p, c in steps if p == phase) == list(range(chunks))
+    for steps in (submission_order(chunks), scatters_first(chunks)):
+        for phase in ("scatter", "reduce", "gather", "assemble"):  # every step exactly once
+            assert sorted(c for p, c in steps if p == phase) == list(range(chunks))
+
+
+def test_graph_cache_captures_at_the_second_sighting_and_keeps_the_recent():
+    """Eager dma calls replay captured side work: never for a key seen once, from the second sighting
+    on, and only the most recently used keys keep a graph (the GPU run counts real replays)."""
+    from cco.cuda.dma import GraphCache
+
+    cache = GraphCache(size=2)
+    assert cache.lookup("a") == (None, False)  # first sighting: enqueue, no capture
+    assert cache.lookup("a") == (None, True)  # second: capture now
+    cache.store("a", "graph a")
+    assert cache.lookup("a") == ("graph a", False)
+    for key in ("b", "c"):
+        cache.lookup(key)
+        assert cache.lookup(key) == (None, True)
+        cache.store(key, f"graph {key}")
+    assert cache.lookup("a") == (None, False)  # evicted (least recently used), and seen afresh
+    assert cache.lookup("c") == ("graph c", False) and cache.lookup("b") == ("graph b", False)
+    for i in range(100):  # one-off keys are forgotten, not hoarded
+        cache.lookup(("once", i))
+    assert len(cache.seen) <= 4 * cache.size and len(cache.graphs) == 2
 
 
 # --------------------------------------------------------------------------------------------------
@@ -220,6 +245,8 @@ def rank_main():
 
 
 def _repeat_poisoned(op, probs, b_pre, refs, log, quant):
+    schedule = op._backend.schedule
+    replays = schedule.replays
     bad_total = 0
     for i in range(REPEATS):
         j = i % 2
@@ -232,7 +259,12 @@ def _repeat_poisoned(op, probs, b_pre, refs, log, quant):
         if bad:
             raise AssertionError(f"{quant} fused launch {i}: {bad} bad elements")
     op._backend.check()
-    log(f"ok {quant:10s} {REPEATS} fused launches into NaN-poisoned out/recv/gather: 0 bad elements")
+    replays = schedule.replays - replays
+    if not op._backend.uses_lsa(M) and replays < REPEATS // 2:
+        # out is freed every iteration, so the allocator hands back its block: the key repeats
+        raise AssertionError(f"{quant}: only {replays} of {REPEATS} fused launches replayed captured side work")
+    log(f"ok {quant:10s} {REPEATS} fused launches into NaN-poisoned out/recv/gather: 0 bad elements "
+        f"({replays} replayed captured side work)")
 
 
 def _bad(out, ref):

@@ -102,11 +102,14 @@ def test_fused_requires_table_and_counters():
         fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="ptpc", out=torch.zeros(M, N))
 
 
+@pytest.mark.parametrize("programs", [None, 3], ids=lambda p: f"programs{p}")
 @pytest.mark.parametrize("gather", ["bf16", "fp8"])
 @pytest.mark.parametrize("world", [2, 3], ids=lambda w: f"world{w}")
-def test_reduce_chunk_sums_sources_and_flags_stamp_mismatch(world, gather):
+def test_reduce_chunk_sums_sources_and_flags_stamp_mismatch(world, gather, programs):
     """The CUDA reduce kernel: own partial + every peer's recv slot, in fp32, into gather[rank] and
-    the own columns of out; a peer stamp for another (seq, m) is reported in status."""
+    the own columns of out; a peer stamp for another (seq, m) is reported in status. With fewer
+    programs than rows each program strides the rows; the assemble (a dequant for the fp8 gather,
+    a copy for the bf16 one) fills every peer's columns."""
     from cco.cuda.kernels import STATUS_PEER_M_MISMATCH, dequant_chunk, reduce_chunk
 
     rows_max, ns, m = 40, 96, 37
@@ -125,7 +128,8 @@ def test_reduce_chunk_sums_sources_and_flags_stamp_mismatch(world, gather):
         status = torch.zeros(1, dtype=torch.int64)
         for rows in ((0, 20), (20, m)):
             reduce_chunk(partial=partial, recv=recv, gather=gbuf, gather_scale=gscale, out=out,
-                         scatter_m=scatter_m, status=status, rank=rank, rows=rows, stamp=stamp)
+                         scatter_m=scatter_m, status=status, rank=rank, rows=rows, stamp=torch.tensor([stamp]),
+                         programs=programs)
         ref = partial[rank, :m].float() + sum(recv[s, :m].float() for s in range(world) if s != rank)
         own = out[:, rank * ns:(rank + 1) * ns].float()
         tol = TRUNCATION * (Q.REL_L2_TOL_FP8_GATHER if fp8 else Q.REL_L2_TOL["ptpc"])
@@ -133,13 +137,19 @@ def test_reduce_chunk_sums_sources_and_flags_stamp_mismatch(world, gather):
         stored = Q.dequantize_gather(gbuf[rank, :m], gscale[rank, :m], layout.GATHER_GROUP) if fp8 else gbuf[rank, :m].float()
         assert Q.rel_l2(stored, ref) < tol  # what peers receive is the same reduced value
         assert status.item() == STATUS_PEER_M_MISMATCH + bad_src
-        if fp8:
-            for rows in ((0, 20), (20, m)):
-                dequant_chunk(gather=gbuf, gather_scale=gscale, out=out, rank=rank, rows=rows)
-            assert torch.isfinite(out.float()).all()
-            for o in range(world):
+        for o in range(world):  # the peers' gathered slices, as their reduces left them
+            if o != rank:
+                gbuf[o] = (torch.randn(rows_max, ns, generator=g) * 4).to(gbuf.dtype)
+        for rows in ((0, 20), (20, m)):
+            dequant_chunk(gather=gbuf, gather_scale=gscale, out=out, rank=rank, rows=rows, programs=programs)
+        assert torch.isfinite(out.float()).all()
+        for o in range(world):
+            got = out[:, o * ns:(o + 1) * ns].float()
+            if fp8:
                 expect = Q.dequantize_gather(gbuf[o, :m], gscale[o, :m], layout.GATHER_GROUP)
-                assert Q.rel_l2(out[:, o * ns:(o + 1) * ns], expect) < 1e-2
+                assert Q.rel_l2(got, expect) < 1e-2
+            elif o != rank:
+                assert torch.equal(got, gbuf[o, :m].float())  # the bf16 assemble is a copy
 
 
 def test_wide_kernel_tile_counts_for_both_layout_tiles():
