@@ -100,7 +100,7 @@ def report(results: list[dict], opts, launcher: str, bootstrap_s: float | None) 
         print(f"  {'bootstrap (ranks + gloo group)':34s} {bootstrap_s * 1e3:9.1f} ms")
     for phase in r0["times"]:
         slowest = max(r["times"][phase] for r in results)
-        print(f"  {phase:34s} {slowest * 1e3:9.1f} ms  (slowest rank)")
+        print(f"  {phase:34s} {slowest * 1e3:9.3f} ms  (slowest rank)")  # us resolution: host time per call
     ok = True
     if r0["self_test"] is not None:
         st = r0["self_test"]

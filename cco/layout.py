@@ -316,7 +316,8 @@ class Tile:
 def tile_table(cfg: OpConfig, *, m: int, rank: int, dest_major: bool = False) -> tuple[Tile, ...]:
     """Every output tile of a call in the order the kernel writes them: (chunk, dest, m, n), or
     with ``dest_major`` (dest, chunk, m, n): every peer's tiles before the own ones, the order of
-    the CUDA ``lsa`` kernel, whose own tiles wait for the peers' tiles of the same position.
+    the CUDA kernels (the ``lsa`` kernel's own tiles wait for the peers' tiles of the same position;
+    the copy-engine scatters of the fused launch then run back to back from its first slice on).
 
     Cached per ``(cfg, m, rank, dest_major)`` (the config is frozen and hashable): building the
     table in Python takes ~20 ms at M=16384, N=7168 on 2 ranks, which an eager GPU call must not

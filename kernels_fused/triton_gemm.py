@@ -1,13 +1,16 @@
 """Triton fp8 GEMM for NVIDIA Hopper: ``C[M, N] = dequant(A[M, K]) @ dequant(B[N, K]).T`` in bf16.
 
 Host side here, device code in ``kernels_fused.triton_kernels``: one K loop (``_tile_acc``) shared
-by two kernels. ``fp8_gemm`` (below) runs the first in two ways; ``fp8_gemm_lsa`` runs the second,
+by three kernels. ``fp8_gemm`` (below) runs the plain and the tile-table ones; ``fp8_gemm_lsa`` runs
 the ``lsa`` transport's whole fused all-reduce in one launch (its docstring has the protocol).
 
 * ``fuse=False`` (the ``gemm-only`` mode): a plain GEMM writing a bf16 tensor, tiles walked in
-  grouped order for L2 reuse (``GemmConfig.launch="grid"``).
-* ``fuse=True`` (the fused modes): programs walk the layout's tile table (``cco.layout.tile_table``:
-  (chunk, dest, m, n) order, dest rotated by rank), each tile goes to ``partial[dest]`` of the
+  grouped order for L2 reuse; for ptpc by persistent warp-specialized programs with TMA stores
+  (``GemmConfig.launch="ws"``: 0.93x of cuBLAS with fast accumulation, where one program per tile,
+  ``"grid"``, reached 0.84x), for blockscale and mxfp8 by one program per tile (there ``"ws"``
+  measured slower).
+* ``fuse=True`` (the fused modes): programs walk a tile table (``cco.layout.tile_table``: the
+  layout's tiles, every peer's before the own ones on CUDA), each tile goes to ``partial[dest]`` of the
   window, and after the tile's stores one thread adds to the tile's (dest, chunk) counter with
   release semantics at GPU scope::
 
