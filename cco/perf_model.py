@@ -5,7 +5,9 @@ It predicts, per ``(M, world, quant, gather)`` at N = 7168, K = 2048 per rank:
 
     scaled_mm+nccl  = GEMM(M) + NCCL all_reduce(M, W)
     split           = GEMM(M), then the copy-engine all-reduce of ``cco.cuda.dma``
-    fused           = the same transfers started by the GEMM's counters while it runs
+    fused           = the same transfers started by the GEMM's counters while it runs, the GEMM
+                      walking the layout's (chunk, dest) order (the gfx950 kernel's; the CUDA
+                      fused launch walks every peer's tiles first, which is not simulated)
 
 **Physical assumptions** (each one is a way the predictions can be wrong; docs/SCALING.md):
 

@@ -53,6 +53,45 @@ def test_plain_gemm_matches_reference(quant):
     _assert_close(out, p.reference(), quant, f"{quant} gemm-only")
 
 
+@pytest.mark.parametrize("quant", Q.QUANTS)
+def test_warp_specialized_launch_computes_what_the_grid_one_does(quant):
+    """GemmConfig.launch="ws" (the ptpc default for fuse=False on Hopper): persistent programs
+    striding the grouped tile order and storing tiles through TMA in halves give the grid kernel's
+    bits, also where M is not a whole number of tiles (rows past M must not be stored)."""
+    from kernels_fused.triton_gemm import GemmConfig, default_config, fp8_gemm
+
+    assert default_config("ptpc", plain=True).launch == "ws" and default_config("ptpc").launch == "grid"
+    for m in (1, M):
+        p = Q.random_problem(m, N, K, quant, seed=3)
+        cfg = GemmConfig(block_m=32, block_n=64, num_warps=4, num_stages=1)
+        grid = fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant=quant, config=cfg)
+        buf = torch.full((m + 5, N), float("nan"), dtype=torch.bfloat16)  # poison past M too
+        out = buf[:m]
+        fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant=quant, out=out, config=GemmConfig(
+            block_m=32, block_n=64, num_warps=4, num_stages=1, launch="ws"))
+        assert torch.equal(out, grid), f"{quant} M={m}"
+        assert torch.isnan(buf[m:].float()).all(), "a TMA store wrote rows past M"
+        _assert_close(out, p.reference(), quant, f"{quant} ws M={m}")
+
+
+def test_warp_specialized_launch_refuses_what_it_cannot_do():
+    from kernels_fused.triton_gemm import GemmConfig, fp8_gemm
+
+    p = Q.random_problem(M, N, K, "ptpc", seed=3)
+    ws = GemmConfig(block_m=32, block_n=64, num_warps=4, num_stages=1, launch="ws")
+    partial = torch.zeros(2, M, N // 2, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="launch='ws' is the plain GEMM's"):
+        fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="ptpc", out=partial, fuse=True,
+                 tile_table=torch.zeros(1, 4, dtype=torch.int32), counters=torch.zeros(16, dtype=torch.int64),
+                 config=ws)
+    with pytest.raises(ValueError, match="needs tma=True"):
+        fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="ptpc",
+                 config=GemmConfig(block_m=32, block_n=64, launch="ws", tma=False))
+    odd = torch.empty(M, N + 4, dtype=torch.bfloat16)[:, 2:N + 2]  # rows 16-byte aligned, base not
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="ptpc", out=odd, config=ws)
+
+
 @pytest.mark.parametrize("launch", ["ticket", "persistent"])
 def test_plain_gemm_through_the_lsa_walk(launch):
     """GemmConfig.launch "ticket" / "persistent" with fuse=False: the lsa kernel on a world of one
