@@ -4,9 +4,10 @@ later chunks.
 
 One call on rank r (W ranks, C chunks; ``p`` ranges over peers, ``c`` over chunks)::
 
-    main      : header=(seq, m), stamp=(seq, m) | GEMM (layout tile order; counters[d, c] += 1 per
+    main      : header=(seq, m), stamp=(seq, m) | GEMM (a layout tile order; counters[d, c] += 1 per
                 layout tile) | join
-    put[p]    : copies in the order S0 S1 G0 S2 G1 ... G(C-1) (see submission_order), where
+    put[p]    : copies in the order S0 S1 G0 S2 G1 ... G(C-1), or S0 .. S(C-1) G0 .. G(C-1) behind a
+                GEMM that computes every peer's tiles first (see submission_order), where
                 S c = wait counters[p,c] >= T_c ; counters[p,c] = 0 ; (c=0: copy stamp -> peer.scatter_m[r])
                       copy partial[p][rows c] -> peer.recv[r][rows c] ; peer.scatter_flags[r,c] = 1
                 G c = wait red[c] ; copy gather[r][rows c] (+ scales) -> peer.gather[r][rows c]
