@@ -181,8 +181,8 @@ def fp8_gemm(
       after its tile is stored: 1 when ``config`` has the layout's tile, 2 when the kernel's tile is
       two layout tiles wide (the table then lists every other layout tile; see
       :func:`merge_tile_pairs`).
-    * ``config.launch="ws"`` (``fuse=False`` only; the ptpc default): persistent warp-specialized
-      programs; "ticket" / "persistent" (``fuse=False`` only): the ``lsa`` kernel on a world of one
+    * ``config.launch="ws"`` (``fuse=False`` only; the ptpc default, which falls back to the grid
+      kernel for an ``out`` a TMA descriptor cannot address): persistent warp-specialized programs; "ticket" / "persistent" (``fuse=False`` only): the ``lsa`` kernel on a world of one
       walks the tiles in row-major order (see :class:`GemmConfig`).
     """
     from cco.layout import MAX_CHUNKS
@@ -220,6 +220,8 @@ def fp8_gemm(
                 f"{fn}: out must be a bf16 [M={m}, N={n}] tensor with unit column stride, got "
                 f"{out.dtype} {list(out.shape)} stride {out.stride()}; pass out=None to allocate one"
             )
+        if config is None and cfg.launch == "ws" and not tma_storable(out):
+            cfg = default_config(quant)  # the default call takes any out: the grid kernel's pointer stores
         tiles_m, tiles_n = cfg.tiles(m, n)
         grid = tiles_m * tiles_n
         if cfg.launch == "ws":
@@ -246,12 +248,18 @@ def fp8_gemm(
     return out
 
 
+def tma_storable(out: torch.Tensor) -> bool:
+    """Whether a TMA descriptor can address ``out`` (bf16, unit column stride): 16-byte aligned base
+    and row stride."""
+    return out.stride(0) % 8 == 0 and out.data_ptr() % 16 == 0
+
+
 def _warp_specialized(a, b, a_scale, b_scale, *, quant, out, config, tiles) -> None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     if not config.tma:
         raise ValueError("fp8_gemm: launch='ws' loads through TMA descriptors; it needs tma=True")
-    if out.stride(0) % 8 or out.data_ptr() % 16:
+    if not tma_storable(out):
         raise ValueError(f"fp8_gemm: launch='ws' stores through TMA: out needs 16-byte aligned rows (row stride "
                          f"{out.stride(0)} elements at {out.data_ptr():#x}); pass a fresh out or launch='grid'")
     a_src, b_src, a_scale, b_scale, strides = _operands(a, b, a_scale, b_scale, quant=quant, config=config)

@@ -75,7 +75,9 @@ def test_warp_specialized_launch_computes_what_the_grid_one_does(quant):
 
 
 def test_warp_specialized_launch_refuses_what_it_cannot_do():
-    from kernels_fused.triton_gemm import GemmConfig, fp8_gemm
+    """An explicit launch="ws" refuses what it cannot do; the default call (config=None) takes such
+    an ``out`` through the grid kernel instead (``fp8_gemm``)."""
+    from kernels_fused.triton_gemm import GemmConfig, fp8_gemm, tma_storable
 
     p = Q.random_problem(M, N, K, "ptpc", seed=3)
     ws = GemmConfig(block_m=32, block_n=64, num_warps=4, num_stages=1, launch="ws")
@@ -87,9 +89,11 @@ def test_warp_specialized_launch_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="needs tma=True"):
         fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="ptpc",
                  config=GemmConfig(block_m=32, block_n=64, launch="ws", tma=False))
-    odd = torch.empty(M, N + 4, dtype=torch.bfloat16)[:, 2:N + 2]  # rows 16-byte aligned, base not
+    odd = torch.empty(M, N + 8, dtype=torch.bfloat16)[:, 2:N + 2]  # rows 16-byte aligned, base not
+    assert not tma_storable(odd) and tma_storable(torch.empty(M, N + 8, dtype=torch.bfloat16)[:, 8:N + 8])
+    assert not tma_storable(torch.empty(M, N + 4, dtype=torch.bfloat16)[:, :N])  # row stride of 8 + 4 bytes
     with pytest.raises(ValueError, match="16-byte aligned"):
-        fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="ptpc", out=odd, config=ws)
+        fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="ptpc", out=odd, config=ws)  # asked for ws: refused
 
 
 @pytest.mark.parametrize("launch", ["ticket", "persistent"])
