@@ -2,8 +2,8 @@
 
 ``_tile_acc`` is the K loop every launch shares; ``fp8_gemm_ws_kernel`` is the plain GEMM (persistent,
 warp-specialized); ``fp8_gemm_kernel`` writes a plain tensor or (the ``dma`` transport) the window's
-partial region with a release add per tile; ``fp8_gemm_lsa_kernel``
-is the persistent kernel of the ``lsa`` transport, whose epilogue scatters, reduces and gathers.
+partial region with a release add per tile; ``fp8_gemm_lsa_kernel`` is the persistent kernel of the
+``lsa`` transport, whose epilogue scatters, reduces and gathers.
 Imported only when a kernel is launched, so ``import kernels_fused`` needs no triton.
 """
 

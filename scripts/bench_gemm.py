@@ -7,8 +7,8 @@ Arms: ``scaled_mm`` (cuBLAS, default accumulation) and ``scaled_mm-fast`` (``use
 ptpc only), then one Triton arm per ``--configs`` entry (``BMxBNxSTAGES``, 8 warps) and ``--launch``
 style (``GemmConfig.launch``: "grid" is the plain kernel, "ws" the persistent warp-specialized one;
 "ticket" and "persistent" run the lsa kernel on a world of one, which shows what its tile walk costs
-the GEMM). ``--configs default`` is the config ``fp8_gemm`` picks for ``fuse=False``, launch included. Every arm's output is checked against the
-fp32 reference first (``cco.benchmark.gemm_mismatches``); a wrong arm posts no time. Timing is
+the GEMM). ``--configs default`` is the config ``fp8_gemm`` picks for ``fuse=False``, launch
+included. Every arm's output is checked against the fp32 reference first (``cco.benchmark.gemm_mismatches``); a wrong arm posts no time. Timing is
 ``cco.benchmark.time_arms`` (arms alternate inside each pass, median over iterations, spread over
 passes); the last line is ``RESULT_JSON {...}``.
 """

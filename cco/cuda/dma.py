@@ -67,7 +67,7 @@ SIDE_PROGRAMS: int | None = None
 
 
 class GraphCache:
-    """Which calls replay captured side work: a key (M, ``out`` address, ``out`` row stride) is
+    """Which calls replay captured side work: a key (M, ``out`` address and row stride, put order) is
     captured the second time it is seen (a one-off address never pays a capture), the ``size`` most
     recently used graphs are kept."""
 
@@ -242,10 +242,9 @@ class CopyEngineSchedule:
         if after_gemm:
             self.gemm_event.record(main)
             gate = self.gemm_event
-        order = submission_order(plan.chunks, scatters_first=scatters_first)
-        graph = self._graph(plan, out, order)
+        graph = self._graph(plan, out, scatters_first)
         if graph is None:
-            self._fork_join(main, gate, plan, out, order)
+            self._fork_join(main, gate, plan, out, scatters_first)
             return
         self.replays += 1
         self.launch.wait_event(gate)
@@ -254,19 +253,19 @@ class CopyEngineSchedule:
         self.launched.record(self.launch)
         main.wait_event(self.launched)
 
-    def _fork_join(self, origin, gate, plan, out, order) -> None:
+    def _fork_join(self, origin, gate, plan, out, scatters_first) -> None:
         for s in self._side_streams():
             s.wait_event(gate)
-        self._enqueue(plan, out, order)
+        self._enqueue(plan, out, submission_order(plan.chunks, scatters_first=scatters_first))
         for s, ev in self.done.items():
             ev.record(s)
             origin.wait_event(ev)
 
-    def _graph(self, plan, out, order):
+    def _graph(self, plan, out, scatters_first):
         """The captured side work of this call, captured now if its key was seen before; None: enqueue it."""
         if not self.replay or torch.cuda.is_current_stream_capturing():
             return None
-        key = (plan.m, out.data_ptr(), out.stride(0), tuple(order))
+        key = (plan.m, out.data_ptr(), out.stride(0), scatters_first)
         graph, capture = self.graphs.lookup(key)
         if not capture:
             return graph
@@ -275,7 +274,7 @@ class CopyEngineSchedule:
             graph.capture_begin(capture_error_mode="thread_local")
             try:
                 self.fork.record(self.capture)
-                self._fork_join(self.capture, self.fork, plan, out, order)
+                self._fork_join(self.capture, self.fork, plan, out, scatters_first)
             finally:
                 graph.capture_end()
         self.graphs.store(key, graph)
