@@ -266,6 +266,7 @@ class Gfx950Backend(CudaBackend):
     block_n = GEMM_BLOCK_N
     default_transport = "dma"
     dma_peers_first = False  # the FlyDSL kernel writes the schedule's (chunk, dest) order
+    dma_reduce_in_gemm = False  # and stores its own tiles for the reduce kernel
 
     @classmethod
     def supports_device(cls, device):
@@ -346,7 +347,8 @@ class Gfx950Backend(CudaBackend):
             self._args[plan.m] = args
         return args
 
-    def _fused_gemm(self, a, b_pre, a_scale, b_scale, plan) -> None:
+    def _fused_gemm(self, a, b_pre, a_scale, b_scale, plan, *, reduce_into=None) -> None:
+        assert reduce_into is None, "the FlyDSL kernel has no epilogue reduce (dma_reduce_in_gemm is False)"
         cfg = self.config
         if self.schedule is None:  # gemm-only op: no transport was built
             raise RuntimeError(f"Gfx950Backend: the op was built with mode={cfg.mode!r}; it has no transport")

@@ -17,7 +17,9 @@ the ``lsa`` transport's whole fused all-reduce in one launch (its docstring has 
       store C tile -> bar.sync (every thread's stores issued) -> atomic_add(counter, weight, release)
 
   A consumer that sees the counter at its target (a stream wait-value before a copy-engine put)
-  sees the whole slice.
+  sees the whole slice. With a :class:`ReduceEpilogue` an own tile is not stored: it waits for the
+  peers' copies of its chunk, adds them and writes ``out`` and the gather buffer, then adds to its
+  counter (programs claim tiles from a ticket, so the waits cannot deadlock).
 
 Operand tiles arrive through TMA descriptors (``GemmConfig.tma``); how each quant format is applied
 (BLOCK_K = 128 everywhere; times are H200, 16384x7168x2048, docs/BENCHMARKS.md):
@@ -167,6 +169,7 @@ def fp8_gemm(
     counters: torch.Tensor | None = None,
     tile_weight: int = 1,
     config: GemmConfig | None = None,
+    reduce: "ReduceEpilogue | None" = None,
 ) -> torch.Tensor:
     """``dequant(a) @ dequant(b).T`` in bf16, on the current CUDA stream.
 
@@ -182,8 +185,11 @@ def fp8_gemm(
       two layout tiles wide (the table then lists every other layout tile; see
       :func:`merge_tile_pairs`).
     * ``config.launch="ws"`` (``fuse=False`` only; the ptpc default, which falls back to the grid
-      kernel for an ``out`` a TMA descriptor cannot address): persistent warp-specialized programs; "ticket" / "persistent" (``fuse=False`` only): the ``lsa`` kernel on a world of one
-      walks the tiles in row-major order (see :class:`GemmConfig`).
+      kernel for an ``out`` a TMA descriptor cannot address): persistent warp-specialized programs;
+      "ticket" / "persistent" (``fuse=False`` only): the ``lsa`` kernel on a world of one walks the
+      tiles in row-major order (see :class:`GemmConfig`).
+    * ``reduce`` (``fuse=True`` only, :class:`ReduceEpilogue`): the own tiles are reduced in the
+      epilogue instead of stored into ``partial[rank]``.
     """
     from cco.layout import MAX_CHUNKS
 
@@ -212,6 +218,14 @@ def fp8_gemm(
             raise ValueError(f"{fn}: block_n={cfg.block_n} must divide the column slice N/W={out.shape[2]}")
         grid = tile_table.shape[0]
         n_slice, dest_stride, stride_c = out.shape[2], out.stride(0), out.stride(1)
+        red = None
+        if reduce is not None:
+            from cco.layout import GATHER_GROUP
+
+            if reduce.gather_scale is not None and cfg.block_n % GATHER_GROUP:
+                raise ValueError(f"{fn}: the fp8 gather's epilogue reduce needs block_n={cfg.block_n} to be a "
+                                 f"multiple of {GATHER_GROUP} (one scale per row and {GATHER_GROUP} columns)")
+            red = reduce.arguments(partial=out, m=m, tiles=grid, fn=fn)
     else:
         if out is None:
             out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
@@ -234,18 +248,76 @@ def fp8_gemm(
             return out
         n_slice, dest_stride, stride_c = n, 0, out.stride(0)
         tile_table = counters = b  # never read when FUSE is off; any pointer will do
+        if reduce is not None:
+            raise ValueError(f"{fn}: reduce (the own tiles' epilogue reduce) needs fuse=True")
+        red = None
+
+    if red is None:  # unread without REDUCE
+        red = (counters, 0) + (counters,) * 8 + (0, 0, 0)
+        world, fp8_gather = 1, False
+    else:
+        world, fp8_gather = reduce.recv.shape[0], reduce.gather_scale is not None
 
     a_src, b_src, a_scale, b_scale, strides = _operands(a, b, a_scale, b_scale, quant=quant, config=cfg)
+    from cco.layout import GATHER_GROUP
+
     _kernels()[0][(grid,)](
-        a_src, b_src, out, a_scale, b_scale, tile_table, counters,
+        a_src, b_src, out, a_scale, b_scale, tile_table, counters, *red,
         m, n, k, strides[0], strides[1], stride_c, n_slice, dest_stride, *strides[2:],
-        QUANT=QUANT_ID[quant], FUSE=bool(fuse), USE_TMA=cfg.tma, MX_BF16=not _interpreting(),
-        PRECISE_ACC=cfg.precise_acc,
+        QUANT=QUANT_ID[quant], FUSE=bool(fuse), REDUCE=reduce is not None, USE_TMA=cfg.tma,
+        MX_BF16=not _interpreting(), PRECISE_ACC=cfg.precise_acc,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         SCALE_BLOCK=SCALE_BLOCK, MX_GROUP=MX_GROUP, MAX_CHUNKS=MAX_CHUNKS, TILE_WEIGHT=int(tile_weight),
+        WORLD=world, FP8_GATHER=fp8_gather, GATHER_GROUP=GATHER_GROUP,
+        EPILOGUE_PIECES=_epilogue_pieces(cfg.block_n, fp8_gather),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
+
+
+def _epilogue_pieces(block_n: int, fp8_gather: bool) -> int:
+    """Column pieces an own tile is reduced in (``_reduce_own_tile``): halves where each half
+    holds whole fp8 scale groups."""
+    from cco.layout import GATHER_GROUP
+
+    half = block_n // 2
+    return 2 if block_n % 2 == 0 and (not fp8_gather or half % GATHER_GROUP == 0) else 1
+
+
+@dataclass(frozen=True)
+class ReduceEpilogue:
+    """What a ``fuse=True`` launch needs to reduce its own tiles in the epilogue (the ``dma``
+    transport on CUDA, ``cco.cuda.dma``): this rank's window regions (``cco.layout`` names) and
+    words. An own tile waits until ``scatter_flags[src, chunk]`` is set for every source, adds
+    ``recv[src]``'s tile to its bf16-rounded partial in ``cco.layout.reduce_order``, stores the sum
+    into ``out[:, rank's columns]`` and ``gather[rank]`` (e4m3 plus ``gather_scale[rank]`` for the
+    fp8 gather), then adds to ``counters[rank, chunk]`` as every tile does. A source whose
+    ``scatter_m`` stamp differs from ``stamp`` is recorded in ``status`` as ``1 + src``."""
+
+    rank: int
+    recv: torch.Tensor  # bf16 [W, rows, n_slice]
+    gather: torch.Tensor  # bf16 | e4m3 [W, rows, n_slice]
+    gather_scale: torch.Tensor | None  # fp32 [W, rows, n_slice / GATHER_GROUP] (fp8 gather)
+    out: torch.Tensor  # bf16 [M, N], the caller's
+    scatter_flags: torch.Tensor  # int64 [W * MAX_CHUNKS]
+    scatter_m: torch.Tensor  # int64 [W]: each source's (seq, M) stamp
+    stamp: torch.Tensor  # int64 [1]: this call's
+    status: torch.Tensor  # int64 [1]
+    ticket: torch.Tensor  # int64 [1], zero between launches
+
+    def arguments(self, *, partial: torch.Tensor, m: int, tiles: int, fn: str) -> tuple:
+        """The kernel's REDUCE arguments, after checking the regions against ``partial``."""
+        if any(r.shape != partial.shape or r.stride() != partial.stride() for r in (self.recv, self.gather)):
+            raise ValueError(f"{fn}: reduce.recv and reduce.gather must be shaped like the partial region "
+                             f"{list(partial.shape)}, got {list(self.recv.shape)} and {list(self.gather.shape)}")
+        n = partial.shape[0] * partial.shape[2]
+        if self.out.dtype != torch.bfloat16 or tuple(self.out.shape) != (m, n) or self.out.stride(1) != 1:
+            raise ValueError(f"{fn}: reduce.out must be bf16 [{m}, {n}] with unit "
+                             f"column stride, got {self.out.dtype} {list(self.out.shape)}")
+        gscale = self.gather if self.gather_scale is None else self.gather_scale
+        return (self.ticket, tiles, self.recv, self.gather, gscale, self.out, self.scatter_flags, self.scatter_m,
+                self.stamp, self.status, self.rank, self.out.stride(0),
+                0 if self.gather_scale is None else self.gather_scale.stride(0))
 
 
 def tma_storable(out: torch.Tensor) -> bool:
@@ -429,5 +501,5 @@ def fp8_gemm_lsa(a, b, a_scale, b_scale, *, quant: str, out: torch.Tensor, win: 
     )
 
 
-__all__ = ["GemmConfig", "LsaWindow", "QUANTS", "default_config", "fp8_gemm", "fp8_gemm_lsa", "merge_tile_pairs",
-           "lsa_walk_rows", "peer_deltas", "persistent_programs", "tile_table_tensor"]
+__all__ = ["GemmConfig", "LsaWindow", "QUANTS", "ReduceEpilogue", "default_config", "fp8_gemm", "fp8_gemm_lsa",
+           "merge_tile_pairs", "lsa_walk_rows", "peer_deltas", "persistent_programs", "tile_table_tensor"]

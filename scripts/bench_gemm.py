@@ -2,6 +2,14 @@
 
     python -m scripts.bench_gemm --quant ptpc -m 16384 -n 7168 -k 2048
     python -m scripts.bench_gemm --configs 128x256x3,128x256x4 --launch grid,ws,ticket,persistent
+    python -m scripts.bench_gemm --epilogue --graph
+
+``--epilogue`` times the fused copy-engine launch instead (``fuse=True``, the CUDA backend's tile
+table and config for rank 0 of 2): ``fused stored`` stores every tile into the window's partial
+region; ``fused reduce-bf16`` / ``fused reduce-fp8`` reduce the own tiles in the epilogue
+(``kernels_fused.triton_gemm.ReduceEpilogue``) with the peer's chunks already flagged (zeros, so
+the own columns of ``out`` must equal the GEMM's), which is what the epilogue costs the GEMM when
+it never waits.
 
 Arms: ``scaled_mm`` (cuBLAS, default accumulation) and ``scaled_mm-fast`` (``use_fast_accum=True``;
 ptpc only), then one Triton arm per ``--configs`` entry (``BMxBNxSTAGES``, 8 warps) and ``--launch``
@@ -23,7 +31,7 @@ import time
 import torch
 
 from cco import quant as Q
-from cco.benchmark import budget_terms, gemm_mismatches, graphed, idle_check, tflops, time_arms
+from cco.benchmark import allreduce_mismatches, budget_terms, gemm_mismatches, graphed, idle_check, tflops, time_arms
 
 
 def parse_args(argv=None):
@@ -38,6 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--passes", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--rotate", type=int, default=3)
+    p.add_argument("--epilogue", action="store_true", help="time the fused launch's epilogues (see above) instead "
+                   "of the plain GEMM")
     p.add_argument("--graph", action="store_true", help="time CUDA-graph replays (kernel time without the "
                    "host's launch cost) instead of eager calls")
     return p.parse_args(argv)
@@ -58,6 +68,56 @@ def triton_configs(spec: str, quant: str):
     return configs
 
 
+def epilogue_arms(args, sets, dev):
+    """The ``--epilogue`` arms: name -> (call(i), check(output of call(0), ref, dot_abs) -> bad elements)."""
+    from cco import layout
+    from cco.backends.cuda import GEMM_BLOCK_M, GEMM_BLOCK_N
+    from kernels_fused.triton_gemm import (GemmConfig, ReduceEpilogue, default_config, fp8_gemm, merge_tile_pairs,
+                                           tile_table_tensor)
+
+    world, rank = 2, 0
+    cfg = layout.build_config(n=args.n, k=args.k, m_max=args.m, world=world, quant=args.quant,
+                              block_m=GEMM_BLOCK_M, block_n=GEMM_BLOCK_N)
+    base = default_config(args.quant)
+    weight = 2 if base.block_n == 2 * cfg.block_n and cfg.n_tiles_per_dest % 2 == 0 else 1
+    rows = layout.tile_table_rows(layout.tile_table(cfg, m=args.m, rank=rank, dest_major=True))
+    table = tile_table_tensor(merge_tile_pairs(rows, layout_block_n=cfg.block_n) if weight == 2 else rows, device=dev)
+    gcfg = GemmConfig(block_m=cfg.block_m, block_n=cfg.block_n * weight, num_warps=base.num_warps,
+                      num_stages=base.num_stages)
+    shape = (world, cfg.m_max_padded, cfg.n_slice)
+    words = lambda n: torch.zeros(n, dtype=torch.int64, device=dev)  # noqa: E731
+    partial, counters = torch.zeros(shape, dtype=torch.bfloat16, device=dev), words(world * layout.MAX_CHUNKS)
+    flags = words(world * layout.MAX_CHUNKS)
+    chunks = layout.call_chunks(cfg, args.m)
+    flags[layout.counter_index(1, 0):layout.counter_index(1, chunks)] = 1  # the peer's chunks have landed
+    own = slice(rank * cfg.n_slice, (rank + 1) * cfg.n_slice)
+
+    def epilogue(fp8):
+        return ReduceEpilogue(
+            rank=rank, recv=torch.zeros(shape, dtype=torch.bfloat16, device=dev),
+            gather=torch.zeros(shape, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, device=dev),
+            gather_scale=torch.zeros(world, cfg.m_max_padded, layout.gather_scale_cols(cfg.n_slice), device=dev)
+            if fp8 else None, out=torch.zeros(args.m, args.n, dtype=torch.bfloat16, device=dev), scatter_flags=flags,
+            scatter_m=words(world), stamp=words(1), status=words(1), ticket=words(1))
+
+    def call(i, reduce=None):
+        fp8_gemm(sets[i].a, sets[0].b, sets[i].a_scale, sets[0].b_scale, quant=args.quant, out=partial, fuse=True,
+                 tile_table=table, counters=counters, tile_weight=weight, config=gcfg, reduce=reduce)
+        return partial if reduce is None else reduce.out
+
+    def stored_bad(out, ref, dot_abs):
+        return gemm_mismatches(out.permute(1, 0, 2).reshape(cfg.m_max_padded, args.n)[:args.m], ref, dot_abs)
+
+    arms = {"fused stored": (call, stored_bad)}
+    for gather in ("bf16", "fp8"):
+        red = epilogue(gather == "fp8")
+        arms[f"fused reduce-{gather}"] = (
+            lambda i, red=red: call(i, red),
+            lambda out, ref, dot_abs, fp8=gather == "fp8": allreduce_mismatches(
+                out[:, own], ref[:, own], ref[:, own].abs(), dot_abs[:, own], fp8_gather=fp8))
+    return arms
+
+
 def main(argv=None):
     args = parse_args(argv)
     from kernels_fused.triton_gemm import fp8_gemm
@@ -66,7 +126,11 @@ def main(argv=None):
     sets = [Q.random_problem(args.m, args.n, args.k, args.quant, seed=i, device=dev) for i in range(args.rotate)]
     b, b_s = sets[0].b, sets[0].b_scale
     arms = {}
-    if args.quant == "ptpc":
+    checks = {}
+    if args.epilogue:
+        for name, (run, check) in epilogue_arms(args, sets, dev).items():
+            arms[name], checks[name] = run, check
+    if args.quant == "ptpc" and not args.epilogue:
         b_t, b_row = b.t(), b_s.reshape(1, -1).float()
         a_col = [p.a_scale.reshape(-1, 1).float() for p in sets]
         for name, fast in (("scaled_mm", False), ("scaled_mm-fast", True)):
@@ -75,7 +139,7 @@ def main(argv=None):
     launches = [x.strip() for x in args.launch.split(",")]
     if launches != ["default"] and not set(launches) <= {"grid", "ws", "ticket", "persistent"}:
         raise SystemExit(f"--launch {args.launch!r}: pick from grid, ws, ticket, persistent (or default)")
-    for cfg in triton_configs(args.configs, args.quant):
+    for cfg in [] if args.epilogue else triton_configs(args.configs, args.quant):
         for launch in ([cfg.launch] if launches == ["default"] else launches):
             cfg_l = dataclasses.replace(cfg, launch=launch)
             name = f"triton {cfg.block_m}x{cfg.block_n}x{cfg.num_stages} {launch}"
@@ -85,7 +149,7 @@ def main(argv=None):
     ref, dot_abs = budget_terms(sets[0])
     checked = {}
     for name in list(arms):
-        bad = gemm_mismatches(arms[name](0), ref, dot_abs)
+        bad = checks.get(name, gemm_mismatches)(arms[name](0), ref, dot_abs)
         checked[name] = bad
         if bad:
             print(f"{name}: {bad} elements outside the GEMM budget; not timed")

@@ -4,12 +4,13 @@ transport (``cco.cuda.dma``) over a torch symmetric-memory window.
 What runs where, per call (details and the stream diagram in ``cco.cuda.dma``):
 
 - ``gemm``: one Triton launch writing ``out`` directly.
-- ``fused``: one Triton launch with the fused epilogue (tiles into ``partial[dest]``, every peer's
-  tiles before the own ones: the layout's (dest, chunk, m, n) order, ``DMA_PEERS_FIRST``; one
+- ``fused``: one Triton launch with the fused epilogue (peer tiles into ``partial[dest]``, every
+  peer's tiles before the own ones: the layout's (dest, chunk, m, n) order, ``DMA_PEERS_FIRST``; one
   release add per tile on ``counters[dest, chunk]``; where the GEMM's best tile is two layout tiles
   wide, one program covers a pair and adds 2); copy-engine puts start on each (dest, chunk) as soon
   as its counter completes, while the GEMM still runs; reduce, gather and assemble follow chunk by
-  chunk on side streams.
+  chunk on side streams (or, ``DMA_REDUCE_IN_GEMM``, an own tile waits for the peers' copies of its
+  chunk and reduces them in the GEMM's epilogue).
 - ``split``: the same launch, then the same transfers gated on the whole GEMM (the baseline).
 
 The weight arrives in the gfx950 bpreshuffle layout; the Triton kernel reads row-major ``[N, K]``,
@@ -56,6 +57,11 @@ GEMM_BLOCK_N = 128  # divides N/world for N = 7168 up to 8 ranks; ptpc gemm-only
 # from the first slice on and the own tiles are computed while they fly (docs/BENCHMARKS.md compares
 # it with the layout's chunk-major order)
 DMA_PEERS_FIRST = True
+# fused dma, an alternative: the GEMM's own tiles wait for the peers' chunks and reduce them in the
+# epilogue (kernels_fused.triton_gemm.ReduceEpilogue) instead of a reduce kernel per chunk on a side
+# stream. Measured level with the reduce kernel at 16384x7168 (the link bounds both,
+# docs/BENCHMARKS.md); split mode and the self test always use the reduce kernel
+DMA_REDUCE_IN_GEMM = False
 LSA_LAUNCH = "ticket"  # GemmConfig.launch of the lsa kernel (docs/BENCHMARKS.md compares the choices)
 # transport="auto": the lsa kernel while a rank's output has at most this many elements (M * N), the
 # copy engines above. Measured on 2 H200 at N=7168, K=2048, ptpc (docs/BENCHMARKS.md, sweep): bf16
@@ -79,6 +85,7 @@ class CudaBackend(Backend):
     default_transport = "auto"
     lsa_max_elements: int | None = 0  # uses_lsa: None always, 0 never, else up to M * N elements
     dma_peers_first = DMA_PEERS_FIRST  # the fused dma launch's tile order (False: the layout's chunk-major)
+    dma_reduce_in_gemm = DMA_REDUCE_IN_GEMM  # the fused dma launch reduces its own tiles
 
     @classmethod
     def supports_device(cls, device):
@@ -107,13 +114,14 @@ class CudaBackend(Backend):
                              "transport lives in the fused kernel's epilogue); pass transport='dma' for split")
         self._refuse_lost_puts("CUDA")
         faults = self.faults
-        from cco.cuda.dma import CopyEngineSchedule
+        from cco.cuda.dma import FLAG_BY_COPY, CopyEngineSchedule
         from kernels_fused.triton_gemm import GemmConfig, default_config
 
         self.device = self.window.device
         self.rank, self.world = self.window.rank, self.window.world
         self.schedule = CopyEngineSchedule(config=cfg, window=self.window, device=self.device,
-                                           silent=bool(faults is not None and faults.silent), replay=True)
+                                           silent=bool(faults is not None and faults.silent), replay=True,
+                                           flag_by_copy=FLAG_BY_COPY)
         base = default_config(cfg.quant)
         # the fused launch may use a tile two layout tiles wide (same order, counts for both)
         wide = (base.block_n == 2 * cfg.block_n and cfg.n_tiles_per_dest % 2 == 0 and base.block_m == cfg.block_m)
@@ -204,14 +212,22 @@ class CudaBackend(Backend):
                      rank=self.rank, stamp=stamp_seq_m(plan.seq, plan.m), config=self.lsa_config,
                      from_partial=from_partial, move_bytes=not silent)
 
-    def _fused_gemm(self, a, b_pre, a_scale, b_scale, plan) -> None:
-        from kernels_fused.triton_gemm import fp8_gemm
+    def _fused_gemm(self, a, b_pre, a_scale, b_scale, plan, *, reduce_into=None) -> None:
+        """The tile-table GEMM into the window; ``reduce_into``: the caller's ``out``, the own tiles
+        reduced into it in the epilogue."""
+        from kernels_fused.triton_gemm import ReduceEpilogue, fp8_gemm
 
         self.counters.zero_()  # see the module note: consumed words, zero at the call's start
         self.schedule.begin(plan)
+        reduce = None
+        if reduce_into is not None:
+            sch = self.schedule
+            reduce = ReduceEpilogue(rank=self.rank, recv=sch.recv, gather=sch.gather, gather_scale=sch.gather_scale,
+                                    out=reduce_into, scatter_flags=sch.scatter_flags, scatter_m=sch.scatter_m,
+                                    stamp=sch.stamp, status=sch.status, ticket=sch.ticket)
         fp8_gemm(a, self._unshuffled(b_pre), a_scale, b_scale, quant=self.config.quant, out=self.partial,
                  fuse=True, tile_table=self._table(plan), counters=self.counters, tile_weight=self.tile_weight,
-                 config=self.fused_config)
+                 config=self.fused_config, reduce=reduce)
 
     # ---- modes --------------------------------------------------------------------------------------
     def gemm(self, a, b_pre, a_scale, b_scale, *, out, plan):
@@ -224,8 +240,9 @@ class CudaBackend(Backend):
         if self.uses_lsa(plan.m):
             self._lsa(a, b_pre, a_scale, b_scale, out, plan, from_partial=False)
             return
-        self._fused_gemm(a, b_pre, a_scale, b_scale, plan)
-        self.schedule.run(plan, out, after_gemm=False, scatters_first=self.dma_peers_first)
+        in_gemm = self.dma_reduce_in_gemm
+        self._fused_gemm(a, b_pre, a_scale, b_scale, plan, reduce_into=out if in_gemm else None)
+        self.schedule.run(plan, out, after_gemm=False, scatters_first=self.dma_peers_first, reduced_in_gemm=in_gemm)
 
     def split(self, a, b_pre, a_scale, b_scale, *, out, plan):
         self._fused_gemm(a, b_pre, a_scale, b_scale, plan)

@@ -9,12 +9,15 @@ One call on rank r (W ranks, C chunks; ``p`` ranges over peers, ``c`` over chunk
     put[p]    : copies in the order S0 S1 G0 S2 G1 ... G(C-1), or S0 .. S(C-1) G0 .. G(C-1) behind a
                 GEMM that computes every peer's tiles first (see submission_order), where
                 S c = wait counters[p,c] >= T_c ; counters[p,c] = 0 ; (c=0: copy stamp -> peer.scatter_m[r])
-                      copy partial[p][rows c] -> peer.recv[r][rows c] ; peer.scatter_flags[r,c] = 1
+                      copy partial[p][rows c] -> peer.recv[r][rows c] ; set peer.scatter_flags[r,c]
                 G c = wait red[c] ; copy gather[r][rows c] (+ scales) -> peer.gather[r][rows c]
-                      peer.gather_flags[r,c] = 1
+                      set peer.gather_flags[r,c]
     reduce    : wait counters[r,c] >= T_c ; wait scatter_flags[src,c] >= 1 (each src, then = 0)
                 reduce kernel: partial[r] + recv[src...] -> gather[r][rows c] and out[rows c, own cols]
                 gather_flags[r,c] = 1 ; event red[c]
+                (``reduced_in_gemm``: the GEMM's own tiles waited for the flags and reduced themselves;
+                here only wait counters[r,c] >= T_c ; counters[r,c] = 0 ; scatter_flags[src,c] = 0 ;
+                event red[c])
     assemble  : wait gather_flags[o,c] >= 1 (each owner o != r, then = 0)
                 bf16: pitched copy gather[o][rows c] -> out[rows c, o cols] (the driver runs it as an SM
                 kernel; a Triton copy kernel measured the same); fp8: dequant kernel
@@ -23,15 +26,19 @@ Waits are stream memory operations (``cuStreamWaitValue64``), writes are ``cuStr
 (ordered after the stream's earlier copies), copies are ``cuMemcpyAsync`` on the copy engines. No
 SM spins, so nothing here can starve the GEMM of multiprocessors (the one-warp spin kernels of
 ``memops`` stand in only where a driver cannot capture stream memory operations into a graph).
+"Set" a peer's flag is a write of ``FLAG_SET`` into its memory or (``flag_by_copy``) an 8-byte
+copy of a local word holding it, queued on the copy engine behind the data (``FLAG_BY_COPY``).
 
 Graph safety: a wait's value is baked into a captured graph, so a monotonic word would satisfy a
 replayed wait at once. Each word therefore has exactly one waiter, which zeroes it right after its
-wait (counters: the put or reduce stream; scatter and gather flags: the owner of the window). Every
-rewrite of a word happens-after its reset: a rank starts call s+1 only after its own call s joined,
-and a peer's call-(s+1) write needs that rank's call-(s+1) data. So a set flag is 1 (``FLAG_SET``),
-not the call's seq, and the only per-call value, the (seq, M) stamp a peer's reduce checks, travels
-through a device word (``stamp``, written at the call's start): the side work of a call is the same
-for every call with the same M and ``out``.
+wait (counters: the put or reduce stream; scatter and gather flags: the owner of the window; with
+``reduced_in_gemm``, the scatter flags every own tile of a chunk reads are zeroed by the reduce
+stream once the chunk's counter shows every reader done). Every rewrite of a word happens-after its
+reset: a rank starts call s+1 only after its own call s joined, and a peer's call-(s+1) write needs
+that rank's call-(s+1) data. So a set flag is 1 (``FLAG_SET``), not the call's seq, and the only
+per-call value, the (seq, M) stamp a peer's reduce checks, travels through a device word
+(``stamp``, written at the call's start): the side work of a call is the same for every call with
+the same M and ``out``.
 
 Replayed side work (``replay=True``, the CUDA backend): an eager call spends most of its host time
 issuing the side streams' ~50 waits, writes, copies and kernel launches (757 us per call at
@@ -59,6 +66,10 @@ from cco.transport.base import stamp_seq_m
 _WORD = 8  # bytes of one int64 counter or flag
 FLAG_SET = 1  # a set scatter or gather flag (its one waiter zeroes it)
 GRAPH_CACHE = 8  # captured side-work graphs kept per op (least recently used dropped)
+# CUDA: a peer's flag set by an 8-byte copy from a local word holding FLAG_SET, queued on the copy
+# engine behind the data it announces, instead of a stream write-value into peer memory (an
+# alternative: not yet measured on two GPUs, docs/BENCHMARKS.md)
+FLAG_BY_COPY = False
 # Programs of the reduce and assemble kernels beside the fused GEMM. None: one program per row (and
 # the bf16 assemble on the driver's pitched copy). Fewer programs, striding the rows, leave the
 # GEMM more multiprocessors but put a slower reduce on the critical path: 32 measured 1103 us
@@ -132,7 +143,7 @@ class CopyEngineSchedule:
     """Streams, events and window addresses of the ``dma`` transport for one op on one rank."""
 
     def __init__(self, *, config: layout.OpConfig, window, device: torch.device, silent: bool = False, memops=None,
-                 replay: bool = False):
+                 replay: bool = False, flag_by_copy: bool = False):
         self.memops = cuda_memops if memops is None else memops
         self.cfg = config
         self.rank, self.world = window.rank, window.world
@@ -162,6 +173,9 @@ class CopyEngineSchedule:
         }
         self.status = torch.zeros(1, dtype=torch.int64, device=device)
         self.stamp = torch.zeros(1, dtype=torch.int64, device=device)  # this call's (seq, M) stamp
+        self.ticket = torch.zeros(1, dtype=torch.int64, device=device)  # the epilogue-reduce GEMM's claims
+        self.flag_set = torch.full((1,), FLAG_SET, dtype=torch.int64, device=device)  # source of flag copies
+        self.flag_by_copy = flag_by_copy
         self.replay = replay
         self.graphs = GraphCache()
         self.replays = 0  # calls that replayed captured side work
@@ -230,21 +244,25 @@ class CopyEngineSchedule:
                 self._write(main, self._addr(self.counters, layout.counter_index(d, c)), self._tiles(plan, d, c))
         self.begin_event.record()
 
-    def run(self, plan: layout.CallPlan, out: torch.Tensor, *, after_gemm: bool, scatters_first: bool = False) -> None:
+    def run(self, plan: layout.CallPlan, out: torch.Tensor, *, after_gemm: bool, scatters_first: bool = False,
+            reduced_in_gemm: bool = False) -> None:
         """Enqueue steps 3-5 of call ``plan`` and join them into the current stream.
 
         ``after_gemm=True`` (split mode, self-test): every side stream first waits for the whole
         GEMM (an event recorded now on the current stream); otherwise the puts start as the
         counters complete, while the GEMM is still running. ``scatters_first``: see
-        :func:`submission_order`."""
+        :func:`submission_order`. ``reduced_in_gemm``: the GEMM reduces its own tiles itself
+        (``kernels_fused.triton_gemm.ReduceEpilogue``); the reduce stream only waits for them and
+        resets the words they read."""
         main = torch.cuda.current_stream()
         gate = self.begin_event
         if after_gemm:
             self.gemm_event.record(main)
             gate = self.gemm_event
-        graph = self._graph(plan, out, scatters_first)
+        variant = (scatters_first, reduced_in_gemm)
+        graph = self._graph(plan, out, variant)
         if graph is None:
-            self._fork_join(main, gate, plan, out, scatters_first)
+            self._fork_join(main, gate, plan, out, variant)
             return
         self.replays += 1
         self.launch.wait_event(gate)
@@ -253,19 +271,20 @@ class CopyEngineSchedule:
         self.launched.record(self.launch)
         main.wait_event(self.launched)
 
-    def _fork_join(self, origin, gate, plan, out, scatters_first) -> None:
+    def _fork_join(self, origin, gate, plan, out, variant) -> None:
+        scatters_first, reduced_in_gemm = variant
         for s in self._side_streams():
             s.wait_event(gate)
-        self._enqueue(plan, out, submission_order(plan.chunks, scatters_first=scatters_first))
+        self._enqueue(plan, out, submission_order(plan.chunks, scatters_first=scatters_first), reduced_in_gemm)
         for s, ev in self.done.items():
             ev.record(s)
             origin.wait_event(ev)
 
-    def _graph(self, plan, out, scatters_first):
+    def _graph(self, plan, out, variant):
         """The captured side work of this call, captured now if its key was seen before; None: enqueue it."""
         if not self.replay or torch.cuda.is_current_stream_capturing():
             return None
-        key = (plan.m, out.data_ptr(), out.stride(0), scatters_first)
+        key = (plan.m, out.data_ptr(), out.stride(0), variant)
         graph, capture = self.graphs.lookup(key)
         if not capture:
             return graph
@@ -274,7 +293,7 @@ class CopyEngineSchedule:
             graph.capture_begin(capture_error_mode="thread_local")
             try:
                 self.fork.record(self.capture)
-                self._fork_join(self.capture, self.fork, plan, out, scatters_first)
+                self._fork_join(self.capture, self.fork, plan, out, variant)
             finally:
                 graph.capture_end()
         self.graphs.store(key, graph)
@@ -288,15 +307,22 @@ class CopyEngineSchedule:
         row_bytes = region.shape[-1] * region.element_size()
         return rows[0] * row_bytes, (rows[1] - rows[0]) * row_bytes
 
-    def _enqueue(self, plan, out, order):
+    def _enqueue(self, plan, out, order, reduced_in_gemm):
         for phase, c in order:
             if phase == "reduce":
-                self._reduce_chunk(plan, out, c)
+                self._reduce_chunk(plan, out, c, reduced_in_gemm)
             elif phase == "assemble":
                 self._assemble_chunk(plan, out, c)
             else:
                 for p in self.peers:
                     (self._scatter_chunk if phase == "scatter" else self._gather_chunk)(plan, p, c)
+
+    def _set_peer_flag(self, stream, addr: int) -> None:
+        """Set a peer's flag once every earlier copy of ``stream`` has landed."""
+        if self.flag_by_copy:
+            self.memops.copy(stream.cuda_stream, addr, self.flag_set.data_ptr(), _WORD)
+        else:
+            self._write(stream, addr, FLAG_SET)
 
     def _scatter_chunk(self, plan, p, c):
         r, s, peer = self.rank, self.put[p], self.peer[p]
@@ -308,7 +334,7 @@ class CopyEngineSchedule:
         off, nbytes = self._rows_bytes(self.partial, plan.rows[c])
         if not self.silent:
             self.memops.copy(s.cuda_stream, peer["recv"][r].data_ptr() + off, self.partial[p].data_ptr() + off, nbytes)
-        self._write(s, self._addr(peer["scatter_flags"], layout.counter_index(r, c)), FLAG_SET)
+        self._set_peer_flag(s, self._addr(peer["scatter_flags"], layout.counter_index(r, c)))
 
     def _gather_chunk(self, plan, p, c):
         r, s, peer = self.rank, self.put[p], self.peer[p]
@@ -320,9 +346,11 @@ class CopyEngineSchedule:
                 off, nbytes = self._rows_bytes(self.gather_scale, plan.rows[c])
                 self.memops.copy(s.cuda_stream, peer["gather_scale"][r].data_ptr() + off,
                                  self.gather_scale[r].data_ptr() + off, nbytes)
-        self._write(s, self._addr(peer["gather_flags"], layout.counter_index(r, c)), FLAG_SET)
+        self._set_peer_flag(s, self._addr(peer["gather_flags"], layout.counter_index(r, c)))
 
-    def _reduce_chunk(self, plan, out, c):
+    def _reduce_chunk(self, plan, out, c, in_gemm):
+        """Reduce chunk c, or (``in_gemm``) wait until the GEMM has: its own tiles read the scatter
+        flags without consuming them, so they are zeroed here, after the last reader counted."""
         r, s = self.rank, self.reduce
         with torch.cuda.stream(s):
             ctr = self._addr(self.counters, layout.counter_index(r, c))
@@ -330,13 +358,15 @@ class CopyEngineSchedule:
             self._write(s, ctr, 0)
             for src in layout.reduce_order(r, self.world):
                 flag = self._addr(self.scatter_flags, layout.counter_index(src, c))
-                self._wait(s, flag, FLAG_SET)
+                if not in_gemm:
+                    self._wait(s, flag, FLAG_SET)
                 self._write(s, flag, 0)
-            kernels.reduce_chunk(partial=self.partial, recv=self.recv, gather=self.gather,
-                                 gather_scale=self.gather_scale, out=out, scatter_m=self.scatter_m,
-                                 status=self.status, rank=r, rows=plan.rows[c], stamp=self.stamp,
-                                 programs=self.side_programs)
-            self._write(s, self._addr(self.gather_flags, layout.counter_index(r, c)), FLAG_SET)
+            if not in_gemm:
+                kernels.reduce_chunk(partial=self.partial, recv=self.recv, gather=self.gather,
+                                     gather_scale=self.gather_scale, out=out, scatter_m=self.scatter_m,
+                                     status=self.status, rank=r, rows=plan.rows[c], stamp=self.stamp,
+                                     programs=self.side_programs)
+                self._write(s, self._addr(self.gather_flags, layout.counter_index(r, c)), FLAG_SET)
             self.reduced[c].record(s)
 
     def _assemble_chunk(self, plan, out, c):

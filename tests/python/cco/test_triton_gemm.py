@@ -195,6 +195,116 @@ def test_reduce_chunk_sums_sources_and_flags_stamp_mismatch(world, gather, progr
                 assert torch.equal(got, gbuf[o, :m].float())  # the bf16 assemble is a copy
 
 
+def _epilogue_reduce_case(world, gather, rank, *, dest_major, bad_src=None, seed=0, block_n=128):
+    """One rank's fused launch with the own tiles reduced in the epilogue, beside the same launch
+    storing them into partial[rank] followed by the reduce kernel on every chunk; the peers' chunks
+    are already in ``recv`` and flagged, as their copy engines would leave them."""
+    from kernels_fused.triton_gemm import GemmConfig, ReduceEpilogue, fp8_gemm, tile_table_tensor
+    from cco.cuda.kernels import reduce_chunk
+
+    n, fp8 = block_n * world, gather == "fp8"
+    p = Q.random_problem(M, n, K, "ptpc", seed=seed)
+    gc = GemmConfig(block_m=32, block_n=block_n, num_warps=4, num_stages=1)  # >= 128: whole fp8 scale groups
+    cfg = layout.build_config(n=n, k=K, m_max=M, world=world, chunks=3, block_m=32, block_n=block_n)
+    plan = layout.plan_call(cfg, m=M, seq=1, rank=rank, counter_base=layout.zero_counters(world))
+    table = tile_table_tensor(layout.tile_table_rows(layout.tile_table(cfg, m=M, rank=rank, dest_major=dest_major)),
+                              device="cpu")
+    shape = (world, cfg.m_max_padded, cfg.n_slice)
+    g = torch.Generator().manual_seed(seed)
+    recv = (torch.randn(*shape, generator=g) * 4).bfloat16()
+    stamp = 777
+    scatter_m = torch.full((world,), stamp, dtype=torch.int64)
+    if bad_src is not None:
+        scatter_m[bad_src] = stamp + 1
+    flags = torch.zeros(world * layout.MAX_CHUNKS, dtype=torch.int64)
+    for src in layout.reduce_order(rank, world):
+        flags[layout.counter_index(src, 0):layout.counter_index(src, plan.chunks)] = 1
+    runs = {}
+    for in_gemm in (False, True):
+        partial = torch.full(shape, float("nan"), dtype=torch.bfloat16)
+        gbuf = torch.full(shape, float("nan"), dtype=torch.bfloat16).to(torch.float8_e4m3fn if fp8 else torch.bfloat16)
+        gscale = torch.zeros(world, cfg.m_max_padded, layout.gather_scale_cols(cfg.n_slice)) if fp8 else None
+        out = torch.full((M, n), float("nan"), dtype=torch.bfloat16)
+        counters = torch.zeros(world * layout.MAX_CHUNKS, dtype=torch.int64)
+        status, ticket = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+        reduce = ReduceEpilogue(rank=rank, recv=recv, gather=gbuf, gather_scale=gscale, out=out, scatter_flags=flags,
+                                scatter_m=scatter_m, stamp=torch.tensor([stamp]), status=status, ticket=ticket)
+        fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="ptpc", out=partial, fuse=True, tile_table=table,
+                 counters=counters, config=gc, reduce=reduce if in_gemm else None)
+        if not in_gemm:
+            for rows in plan.rows:
+                reduce_chunk(partial=partial, recv=recv, gather=gbuf, gather_scale=gscale, out=out, scatter_m=scatter_m,
+                             status=status, rank=rank, rows=rows, stamp=torch.tensor([stamp]))
+        runs[in_gemm] = dict(partial=partial, gather=gbuf, gscale=gscale, out=out, counters=counters, status=status,
+                             ticket=ticket)
+    return plan, cfg, flags, runs
+
+
+@pytest.mark.parametrize("gather", ["bf16", "fp8"])
+@pytest.mark.parametrize("world,dest_major,block_n", [(2, True, 256), (3, True, 128), (3, False, 128)],
+                         ids=["world2-halves", "world3", "world3-chunk-major"])
+def test_epilogue_reduce_gives_the_reduce_kernels_bits(world, gather, dest_major, block_n):
+    """fuse=True with ``reduce``: the own tiles come out of the epilogue with exactly the bits the
+    split path's reduce kernel gives (out's own columns, gather[rank], its fp8 scales), peer tiles
+    still land in partial[dest], partial[rank] is never written, every counter reaches its target,
+    the ticket is back at 0 for the next launch and the scatter flags are left for the side stream
+    to reset (every own tile of a chunk reads them). A 256-wide tile is reduced in two column
+    halves of one fp8 scale group each, a 128-wide one in 64-wide halves (bf16) or whole (fp8)."""
+    rank = world - 1
+    plan, cfg, flags, runs = _epilogue_reduce_case(world, gather, rank, dest_major=dest_major, seed=world,
+                                                   block_n=block_n)
+    split, fused = runs[False], runs[True]
+    own = slice(rank * cfg.n_slice, (rank + 1) * cfg.n_slice)
+    assert torch.isfinite(fused["out"][:, own].float()).all()
+    assert torch.equal(fused["out"][:, own], split["out"][:, own])
+    assert torch.equal(fused["gather"][rank, :M].view(torch.uint8), split["gather"][rank, :M].view(torch.uint8))
+    if gather == "fp8":
+        assert torch.equal(fused["gscale"][rank, :M], split["gscale"][rank, :M])
+    for d in range(world):
+        if d != rank:
+            assert torch.equal(fused["partial"][d, :M], split["partial"][d, :M])
+    assert torch.isnan(fused["partial"][rank].float()).all()
+    assert fused["counters"].view(world, layout.MAX_CHUNKS).tolist() == [list(t) for t in plan.counter_targets]
+    assert fused["ticket"].item() == 0 and fused["status"].item() == 0
+    assert int(flags.sum()) == (world - 1) * plan.chunks
+
+
+def test_epilogue_reduce_reports_a_peer_stamp_mismatch():
+    from cco.cuda.kernels import STATUS_PEER_M_MISMATCH
+
+    _, _, _, runs = _epilogue_reduce_case(2, "bf16", 0, dest_major=True, bad_src=1)
+    assert runs[True]["status"].item() == runs[False]["status"].item() == STATUS_PEER_M_MISMATCH + 1
+
+
+def test_epilogue_reduce_refuses_what_it_cannot_do():
+    from kernels_fused.triton_gemm import GemmConfig, ReduceEpilogue, fp8_gemm, tile_table_tensor
+
+    p = Q.random_problem(M, N, K, "ptpc", seed=3)
+    words = torch.zeros(2 * layout.MAX_CHUNKS, dtype=torch.int64)
+    partial = torch.zeros(2, M, N // 2, dtype=torch.bfloat16)
+    table = tile_table_tensor([[0, 0, 0, 0]], device="cpu")
+
+    def epilogue(**kw):
+        args = dict(rank=0, recv=partial.clone(), gather=partial.clone(), gather_scale=None,
+                    out=torch.zeros(M, N, dtype=torch.bfloat16), scatter_flags=words, scatter_m=words, stamp=words,
+                    status=words, ticket=words)
+        return ReduceEpilogue(**{**args, **kw})
+
+    def call(reduce, *, fuse=True, config=GemmConfig(block_m=32, block_n=128, num_warps=4, num_stages=1)):
+        fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="ptpc", out=partial if fuse else None, fuse=fuse,
+                 tile_table=table, counters=words, config=config, reduce=reduce)
+
+    with pytest.raises(ValueError, match="needs fuse=True"):
+        call(epilogue(), fuse=False)
+    with pytest.raises(ValueError, match="shaped like the partial region"):
+        call(epilogue(recv=torch.zeros(2, M, N, dtype=torch.bfloat16)))
+    with pytest.raises(ValueError, match=r"reduce.out must be bf16 \[96, 256\]"):
+        call(epilogue(out=torch.zeros(M + 1, N, dtype=torch.bfloat16)))
+    fp8 = dict(gather=partial.to(torch.float8_e4m3fn), gather_scale=torch.ones(2, M, 1))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        call(epilogue(**fp8), config=GemmConfig(block_m=32, block_n=64, num_warps=4, num_stages=1))
+
+
 def test_wide_kernel_tile_counts_for_both_layout_tiles():
     """A kernel tile two layout tiles wide (the NVIDIA fused launch at N/W = 3584) keeps the layout's
     order and counter targets: it adds 2 per program."""
