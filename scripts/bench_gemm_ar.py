@@ -33,9 +33,9 @@ Alternatives of the fused copy-engine path, named only in a comma list (not in `
                       the own tiles wait for the peer's chunks and are reduced in the GEMM's
                       epilogue instead of by a kernel per chunk on a side stream
                       (``cco.backends.cuda.DMA_REDUCE_IN_GEMM``)
-    fused-flag-copy, fused-fp8-flag-copy
-                      a peer's flag is set by an 8-byte copy queued behind the data instead of a
-                      stream write-value into its memory (``cco.cuda.dma.FLAG_BY_COPY``)
+    fused-flag-write, fused-fp8-flag-write
+                      a peer's flag is set by a stream write-value into its memory instead of an
+                      8-byte copy queued behind the data (``cco.cuda.dma.FLAG_BY_COPY``)
 
 Before timing: every op runs ``self_test()`` (bytes really move), and every arm's output is checked
 against the fp32 reference sum (relative L2 and element-wise), so a wrong or silent arm cannot post a
@@ -76,10 +76,10 @@ OP_ARMS = {"split": ("split", "dma", "bf16", {}), "fused": ("fused", "dma", "bf1
            "fused-fp8-narrow-side": ("fused", "dma", "fp8", {"schedule.side_programs": 32}),
            "fused-reduce-in-gemm": ("fused", "dma", "bf16", {"dma_reduce_in_gemm": True}),
            "fused-fp8-reduce-in-gemm": ("fused", "dma", "fp8", {"dma_reduce_in_gemm": True}),
-           "fused-flag-copy": ("fused", "dma", "bf16", {"schedule.flag_by_copy": True}),
-           "fused-fp8-flag-copy": ("fused", "dma", "fp8", {"schedule.flag_by_copy": True})}
+           "fused-flag-write": ("fused", "dma", "bf16", {"schedule.flag_by_copy": False}),
+           "fused-fp8-flag-write": ("fused", "dma", "fp8", {"schedule.flag_by_copy": False})}
 ALTERNATIVES = ("fused-chunk-major", "fused-fp8-chunk-major", "fused-narrow-side", "fused-fp8-narrow-side",
-                "fused-reduce-in-gemm", "fused-fp8-reduce-in-gemm", "fused-flag-copy", "fused-fp8-flag-copy")
+                "fused-reduce-in-gemm", "fused-fp8-reduce-in-gemm", "fused-flag-write", "fused-fp8-flag-write")
 MORI_NAMES = {"gemm-only": ("gemm-only",), "split-sdma": ("split",), "fused-sdma": ("fused",),
               "fused-lsa": ("fused-lsa",)}
 

@@ -67,9 +67,9 @@ _WORD = 8  # bytes of one int64 counter or flag
 FLAG_SET = 1  # a set scatter or gather flag (its one waiter zeroes it)
 GRAPH_CACHE = 8  # captured side-work graphs kept per op (least recently used dropped)
 # CUDA: a peer's flag set by an 8-byte copy from a local word holding FLAG_SET, queued on the copy
-# engine behind the data it announces, instead of a stream write-value into peer memory (an
-# alternative: not yet measured on two GPUs, docs/BENCHMARKS.md)
-FLAG_BY_COPY = False
+# engine behind the data it announces, instead of a stream write-value into peer memory: 820.2 vs
+# 835.7 us at 16384x7168 on 2 H200 (docs/BENCHMARKS.md)
+FLAG_BY_COPY = True
 # Programs of the reduce and assemble kernels beside the fused GEMM. None: one program per row (and
 # the bf16 assemble on the driver's pitched copy). Fewer programs, striding the rows, leave the
 # GEMM more multiprocessors but put a slower reduce on the critical path: 32 measured 1103 us

@@ -8,8 +8,8 @@ replays the transport's submission order on in-order queues. Run the GPU part by
 
 Guards, per check:
 - every quant x mode (gemm-only, split, fused, fused with fp8 gather) x transport (dma, lsa, and
-  auto switching between them; and dma with its alternatives on: the own tiles reduced in the
-  GEMM's epilogue, flags set by copy) against the fp32 reference sum: a wrong scale, tile order,
+  auto switching between them; and dma with its alternatives: the own tiles reduced in the
+  GEMM's epilogue, flags set by a stream write-value) against the fp32 reference sum: a wrong scale, tile order,
   chunk row range or peer slot shows as element mismatches;
 - ``self_test()`` passes, and fails with a silent transport (flags released, no bytes moved), so
   the self-test can catch the trap it exists for;
@@ -156,7 +156,7 @@ ARMS = (("gemm-only", "bf16", None), ("split", "bf16", "dma"), ("fused", "bf16",
         ("fused", "bf16", "lsa"), ("fused", "fp8", "lsa"), ("fused", "bf16", "auto"),
         ("fused", "bf16", "dma-alt"), ("fused", "fp8", "dma-alt"))
 # "dma-alt": the copy engines with the alternatives of cco.backends.cuda / cco.cuda.dma switched on
-ALTERNATIVES = {"dma-alt": ("dma", {"dma_reduce_in_gemm": True}, {"flag_by_copy": True})}
+ALTERNATIVES = {"dma-alt": ("dma", {"dma_reduce_in_gemm": True}, {"flag_by_copy": False})}
 AUTO_LSA_ROWS = 256  # transport="auto" in this test: lsa up to 256 rows, copy engines above
 
 
