@@ -191,7 +191,7 @@ def fp8_gemm(
     * ``reduce`` (``fuse=True`` only, :class:`ReduceEpilogue`): the own tiles are reduced in the
       epilogue instead of stored into ``partial[rank]``.
     """
-    from cco.layout import MAX_CHUNKS
+    from cco.layout import GATHER_GROUP, MAX_CHUNKS
 
     fn = "fp8_gemm"
     shape = check_operands(a, b, a_scale, b_scale, quant=quant, fn=fn)
@@ -220,8 +220,6 @@ def fp8_gemm(
         n_slice, dest_stride, stride_c = out.shape[2], out.stride(0), out.stride(1)
         red = None
         if reduce is not None:
-            from cco.layout import GATHER_GROUP
-
             if reduce.gather_scale is not None and cfg.block_n % GATHER_GROUP:
                 raise ValueError(f"{fn}: the fp8 gather's epilogue reduce needs block_n={cfg.block_n} to be a "
                                  f"multiple of {GATHER_GROUP} (one scale per row and {GATHER_GROUP} columns)")
@@ -259,8 +257,6 @@ def fp8_gemm(
         world, fp8_gather = reduce.recv.shape[0], reduce.gather_scale is not None
 
     a_src, b_src, a_scale, b_scale, strides = _operands(a, b, a_scale, b_scale, quant=quant, config=cfg)
-    from cco.layout import GATHER_GROUP
-
     _kernels()[0][(grid,)](
         a_src, b_src, out, a_scale, b_scale, tile_table, counters, *red,
         m, n, k, strides[0], strides[1], stride_c, n_slice, dest_stride, *strides[2:],

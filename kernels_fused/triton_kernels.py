@@ -85,6 +85,16 @@ def _grouped_tile(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROU
 
 
 @triton.jit
+def _claim(ticket_ptr, n_tiles):
+    """The next entry of a walk of ``n_tiles`` from a ticket counter; the last claimant resets the
+    counter for the next launch."""
+    t = tl.atomic_add(ticket_ptr, 1)
+    if t == n_tiles - 1:
+        tl.atomic_xchg(ticket_ptr, 0)
+    return t
+
+
+@triton.jit
 def fp8_gemm_ws_kernel(
     a_src, b_src, c_desc, as_ptr, bs_ptr, M, N, K, stride_asm, stride_ask, stride_bsn, stride_bsk,
     QUANT: tl.constexpr, MX_BF16: tl.constexpr, PRECISE_ACC: tl.constexpr,
@@ -135,9 +145,7 @@ def fp8_gemm_kernel(
     own tiles of that chunk, so the waits always end."""
     pid = tl.program_id(0)
     if REDUCE:
-        pid = tl.atomic_add(ticket_ptr, 1)
-        if pid == n_tiles - 1:
-            tl.atomic_xchg(ticket_ptr, 0)
+        pid = _claim(ticket_ptr, n_tiles)
     if FUSE:
         # one row of the layout's tile table: (chunk, dest, row0, col0 within dest's column slice)
         chunk = tl.load(tile_ptr + pid * 4)
@@ -320,9 +328,7 @@ def fp8_gemm_lsa_kernel(
     tile assembled into ``out``."""
     plane = tl.cast(plane, tl.int64)  # [W, rows, n_slice] offsets pass 2**31 at large M
     if NUM_PROGS == 0:
-        first = tl.atomic_add(ticket_ptr, 1)
-        if first == n_tiles - 1:
-            tl.atomic_xchg(ticket_ptr, 0)
+        first = _claim(ticket_ptr, n_tiles)
         stop = first + 1
         step = 1
     else:

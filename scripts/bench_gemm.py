@@ -71,19 +71,14 @@ def triton_configs(spec: str, quant: str):
 def epilogue_arms(args, sets, dev):
     """The ``--epilogue`` arms: name -> (call(i), check(output of call(0), ref, dot_abs) -> bad elements)."""
     from cco import layout
-    from cco.backends.cuda import GEMM_BLOCK_M, GEMM_BLOCK_N
-    from kernels_fused.triton_gemm import (GemmConfig, ReduceEpilogue, default_config, fp8_gemm, merge_tile_pairs,
-                                           tile_table_tensor)
+    from cco.backends.cuda import GEMM_BLOCK_M, GEMM_BLOCK_N, fused_config, fused_table
+    from kernels_fused.triton_gemm import ReduceEpilogue, fp8_gemm
 
     world, rank = 2, 0
     cfg = layout.build_config(n=args.n, k=args.k, m_max=args.m, world=world, quant=args.quant,
                               block_m=GEMM_BLOCK_M, block_n=GEMM_BLOCK_N)
-    base = default_config(args.quant)
-    weight = 2 if base.block_n == 2 * cfg.block_n and cfg.n_tiles_per_dest % 2 == 0 else 1
-    rows = layout.tile_table_rows(layout.tile_table(cfg, m=args.m, rank=rank, dest_major=True))
-    table = tile_table_tensor(merge_tile_pairs(rows, layout_block_n=cfg.block_n) if weight == 2 else rows, device=dev)
-    gcfg = GemmConfig(block_m=cfg.block_m, block_n=cfg.block_n * weight, num_warps=base.num_warps,
-                      num_stages=base.num_stages)
+    gcfg, weight = fused_config(cfg)
+    table = fused_table(cfg, m=args.m, rank=rank, dest_major=True, tile_weight=weight, device=dev)
     shape = (world, cfg.m_max_padded, cfg.n_slice)
     words = lambda n: torch.zeros(n, dtype=torch.int64, device=dev)  # noqa: E731
     partial, counters = torch.zeros(shape, dtype=torch.bfloat16, device=dev), words(world * layout.MAX_CHUNKS)

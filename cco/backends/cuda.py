@@ -78,6 +78,29 @@ def lsa_max_elements(cfg: layout.OpConfig) -> int | None:
     return None if cfg.transport == "lsa" else LSA_AUTO_MAX_ELEMENTS[cfg.gather_dtype]
 
 
+def fused_config(cfg: layout.OpConfig):
+    """(GemmConfig, tile weight) of the fused dma launch: the quant's best tile, which may be two
+    layout tiles wide (same order, and each program then counts for both)."""
+    from kernels_fused.triton_gemm import GemmConfig, default_config
+
+    base = default_config(cfg.quant)
+    wide = base.block_n == 2 * cfg.block_n and cfg.n_tiles_per_dest % 2 == 0 and base.block_m == cfg.block_m
+    weight = 2 if wide else 1
+    return GemmConfig(block_m=cfg.block_m, block_n=cfg.block_n * weight, num_warps=base.num_warps,
+                      num_stages=base.num_stages, tma=base.tma), weight
+
+
+def fused_table(cfg: layout.OpConfig, *, m: int, rank: int, dest_major: bool, tile_weight: int, device):
+    """The fused dma launch's tile table for ``m`` rows on ``rank`` (``cco.layout.tile_table`` order,
+    pairs merged for a tile two layout tiles wide)."""
+    from kernels_fused.triton_gemm import merge_tile_pairs, tile_table_tensor
+
+    rows = layout.tile_table_rows(layout.tile_table(cfg, m=m, rank=rank, dest_major=dest_major))
+    if tile_weight == 2:
+        rows = merge_tile_pairs(rows, layout_block_n=cfg.block_n)
+    return tile_table_tensor(rows, device=device)
+
+
 class CudaBackend(Backend):
     name = "cuda"
     block_m = GEMM_BLOCK_M
@@ -115,7 +138,7 @@ class CudaBackend(Backend):
         self._refuse_lost_puts("CUDA")
         faults = self.faults
         from cco.cuda.dma import FLAG_BY_COPY, CopyEngineSchedule
-        from kernels_fused.triton_gemm import GemmConfig, default_config
+        from kernels_fused.triton_gemm import default_config
 
         self.device = self.window.device
         self.rank, self.world = self.window.rank, self.window.world
@@ -123,11 +146,7 @@ class CudaBackend(Backend):
                                            silent=bool(faults is not None and faults.silent), replay=True,
                                            flag_by_copy=FLAG_BY_COPY)
         base = default_config(cfg.quant)
-        # the fused launch may use a tile two layout tiles wide (same order, counts for both)
-        wide = (base.block_n == 2 * cfg.block_n and cfg.n_tiles_per_dest % 2 == 0 and base.block_m == cfg.block_m)
-        self.tile_weight = 2 if wide else 1
-        self.fused_config = GemmConfig(block_m=cfg.block_m, block_n=cfg.block_n * self.tile_weight,
-                                       num_warps=base.num_warps, num_stages=base.num_stages, tma=base.tma)
+        self.fused_config, self.tile_weight = fused_config(cfg)
         self.gemm_config = default_config(cfg.quant, plain=True)
         w = cfg.window
         self.partial = self.window.tensor(w.partial, rank=self.rank)
@@ -181,13 +200,8 @@ class CudaBackend(Backend):
         key = (plan.m, self.dma_peers_first)
         table = self._tables.get(key)
         if table is None:
-            from kernels_fused.triton_gemm import merge_tile_pairs, tile_table_tensor
-
-            tiles = layout.tile_table(self.config, m=plan.m, rank=self.rank, dest_major=self.dma_peers_first)
-            rows = layout.tile_table_rows(tiles)
-            if self.tile_weight == 2:
-                rows = merge_tile_pairs(rows, layout_block_n=self.config.block_n)
-            table = tile_table_tensor(rows, device=self.device)
+            table = fused_table(self.config, m=plan.m, rank=self.rank, dest_major=self.dma_peers_first,
+                                tile_weight=self.tile_weight, device=self.device)
             self._tables[key] = table
         return table
 
