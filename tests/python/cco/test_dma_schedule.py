@@ -1,0 +1,165 @@
+"""What the CUDA copy-engine schedule (``cco.cuda.dma.CopyEngineSchedule``) enqueues, recorded on the
+host: streams, events and kernels are stand-ins that log, the memory operations a recorder.
+
+Guards the order of the words' waits, writes and copies per stream (the GPU test only sees whether
+a run ended right):
+- with the own tiles reduced in the GEMM (``reduced_in_gemm``), the reduce stream launches no
+  kernel, waits for the chunk's counter and only then zeroes the scatter flags the GEMM's own tiles
+  read (zeroed earlier, a tile still polling would wait forever or a late flag would survive into
+  the next call); without it, it waits for each flag before the reduce kernel;
+- a peer's flag is set after the data it announces, by an 8-byte copy of the word holding
+  ``FLAG_SET`` (``flag_by_copy``) or by a write-value of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import pytest
+import torch
+
+from cco import layout
+
+WORLD, RANK, M = 2, 0, 512
+
+
+class _Log:
+    def __init__(self):
+        self.ops = []  # (stream name, op, *details)
+        self.current = None
+
+
+def _fake_cuda(log: _Log):
+    class Stream:
+        count = 0
+
+        def __init__(self, device=None, priority=0):
+            Stream.count += 1
+            self.name = self.cuda_stream = f"stream{Stream.count}"
+
+        @staticmethod
+        def priority_range():
+            return 0, -1
+
+        def wait_event(self, event):
+            log.ops.append((self.name, "wait_event", event.name))
+
+    class Event:
+        count = 0
+
+        def __init__(self):
+            Event.count += 1
+            self.name = f"event{Event.count}"
+
+        def record(self, stream=None):
+            log.ops.append(((stream or log.current).name, "record", self.name))
+
+    @contextlib.contextmanager
+    def stream(s):
+        before, log.current = log.current, s
+        try:
+            yield
+        finally:
+            log.current = before
+
+    log.current = Stream()
+    log.current.name = "main"
+    return types.SimpleNamespace(Stream=Stream, Event=Event, stream=stream, current_stream=lambda: log.current,
+                                 device=lambda device: contextlib.nullcontext(),
+                                 is_current_stream_capturing=lambda: False, synchronize=lambda device=None: None)
+
+
+class _Memops:
+    def __init__(self, log: _Log):
+        self.log = log
+
+    def capture_supported(self, index):
+        return True
+
+    def wait_geq(self, stream, addr, value):
+        self.log.ops.append((stream, "wait", addr, value))
+
+    def write(self, stream, addr, value):
+        self.log.ops.append((stream, "write", addr, value))
+
+    def copy(self, stream, dst, src, nbytes):
+        self.log.ops.append((stream, "copy", dst, src, nbytes))
+
+    def copy_2d(self, stream, **kw):
+        self.log.ops.append((stream, "copy_2d", kw["dst"]))
+
+
+def _schedule(monkeypatch, log, *, gather):
+    from cco.cuda import dma
+    from cco.window import Window
+
+    cfg = layout.build_config(n=1024, k=256, m_max=M, world=WORLD, quant="ptpc", transport="dma",
+                              gather_dtype=gather, block_m=128, block_n=128)
+
+    class HostWindow(Window):
+        def __init__(self):
+            super().__init__(comm=types.SimpleNamespace(rank=RANK, world=WORLD), layout=cfg.window)
+            self._buffers = [torch.zeros(cfg.window.nbytes, dtype=torch.uint8) for _ in range(WORLD)]
+
+        @property
+        def device(self):
+            return torch.device("cpu")
+
+        def _raw(self, rank):
+            return self._buffers[rank]
+
+        def _release(self):
+            pass
+
+    def kernel(name):
+        return lambda **kw: log.ops.append((log.current.name, name, kw["rows"]))
+
+    monkeypatch.setattr(dma, "torch", types.SimpleNamespace(zeros=torch.zeros, full=torch.full, int64=torch.int64,
+                                                            cuda=_fake_cuda(log)))
+    monkeypatch.setattr(dma, "kernels", types.SimpleNamespace(reduce_chunk=kernel("reduce_kernel"),
+                                                              dequant_chunk=kernel("dequant_kernel")))
+    window = HostWindow()
+    sched = dma.CopyEngineSchedule(config=cfg, window=window, device=torch.device("cpu"), memops=_Memops(log))
+    plan = layout.plan_call(cfg, m=M, seq=1, rank=RANK, counter_base=layout.zero_counters(WORLD))
+    return sched, plan, window
+
+
+def _addr(words, index):
+    return words.data_ptr() + 8 * index
+
+
+@pytest.mark.parametrize("flag_by_copy", [True, False], ids=["flag-copy", "flag-write"])
+@pytest.mark.parametrize("in_gemm", [True, False], ids=["reduce-in-gemm", "reduce-kernel"])
+def test_reduce_stream_and_peer_flags(monkeypatch, in_gemm, flag_by_copy):
+    log = _Log()
+    sched, plan, window = _schedule(monkeypatch, log, gather="bf16")
+    sched.flag_by_copy = flag_by_copy
+    peer = 1 - RANK
+    sched.run(plan, torch.zeros(M, 1024, dtype=torch.bfloat16), after_gemm=False, scatters_first=True,
+              reduced_in_gemm=in_gemm)
+    assert plan.chunks == 4
+    reduce = [op[1:] for op in log.ops if op[0] == sched.reduce.name]
+    put = [op[1:] for op in log.ops if op[0] == sched.put[peer].name]
+    peer_flags = window.words(sched.cfg.window.scatter_flags, rank=peer)
+    for c in range(plan.chunks):
+        counter = ("wait", _addr(sched.counters, layout.counter_index(RANK, c)), sched._tiles(plan, RANK, c))
+        flag_wait = ("wait", _addr(sched.scatter_flags, layout.counter_index(peer, c)), 1)
+        flag_zero = ("write", _addr(sched.scatter_flags, layout.counter_index(peer, c)), 0)
+        reduced = ("record", sched.reduced[c].name)
+        assert counter in reduce and flag_zero in reduce and reduced in reduce
+        assert reduce.index(counter) < reduce.index(flag_zero) < reduce.index(reduced)
+        kernel = ("reduce_kernel", plan.rows[c])
+        if in_gemm:
+            assert flag_wait not in reduce and kernel not in reduce
+        else:
+            assert reduce.index(flag_wait) < reduce.index(flag_zero) < reduce.index(kernel) < reduce.index(reduced)
+        # the put stream: the chunk's data, then its flag in the peer
+        target = _addr(peer_flags, layout.counter_index(RANK, c))
+        flag_set = (("copy", target, sched.flag_set.data_ptr(), 8) if flag_by_copy else ("write", target, 1))
+        data = [i for i, op in enumerate(put) if op[0] == "copy" and op[1] != target and op[3] > 8]
+        assert flag_set in put and put.count(flag_set) == 1
+        assert data[c] < put.index(flag_set)
+        assert c == plan.chunks - 1 or put.index(flag_set) < data[c + 1]
+    if flag_by_copy:
+        assert not any(op[0] == "write" and op[2] == 1 for op in put)  # no flag write-value left
