@@ -205,6 +205,20 @@ BF16_ULPS = 2.0**-7  # two bf16 ulps (8-bit mantissa) of a value
 FP8_MMA_ACC = 2.0**-9  # fp8 tensor-core accumulation: relative to sum_k |a_k b_k| (short accumulator mantissa)
 
 
+def override(obj, overrides: dict, *, what: str = "override") -> None:
+    """Set ``obj``'s attributes named by dotted paths (``{"schedule.flag_by_copy": False}``): how the
+    benchmark's and the GPU test's alternative arms switch a backend's knobs. A path that names no
+    existing attribute raises, so a misspelt knob cannot leave an arm running the default."""
+    for path, value in overrides.items():
+        owner, attr = obj, path
+        while "." in attr:
+            head, attr = attr.split(".", 1)
+            owner = getattr(owner, head)
+        if not hasattr(owner, attr):
+            raise AttributeError(f"{what}: {type(obj).__name__} has no {path}")
+        setattr(owner, attr, value)
+
+
 def budget_terms(problem) -> tuple[torch.Tensor, torch.Tensor]:
     """``(A @ B.T, |A| @ |B|.T)`` in fp32 of a :class:`cco.quant.Problem`'s dequantized operands: the
     reference and the cancellation term that :func:`gemm_mismatches` and :func:`allreduce_mismatches`

@@ -58,7 +58,7 @@ import torch.distributed as dist
 from cco import layout
 from cco import quant as Q
 from cco.benchmark import (allreduce_mismatches, allreduce_terms, budget_terms, gemm_mismatches, graphed, idle_check,
-                           tflops, time_arms)
+                           override, tflops, time_arms)
 
 SWEEP_M = (2048, 4096, 8192, 16384, 32768)
 # cuBLAS arms accumulate like the Triton ptpc kernel (fp8 tensor-core accumulation, no promotion)
@@ -210,13 +210,7 @@ def build_arms(names, prob: Problem, comm, *, chunks, m_max):
             mode, transport, gather, overrides = OP_ARMS[name]
             op = GemmAllReduceOp(comm, n=prob.n, k=prob.k, m_max=m_max, quant=quant, mode=mode, transport=transport,
                                  gather_dtype=gather, chunks=chunks)
-            for path, value in overrides.items():
-                owner, attr = op._backend, path
-                while "." in attr:
-                    head, attr = attr.split(".", 1)
-                    owner = getattr(owner, head)
-                assert hasattr(owner, attr), f"{name}: the backend has no {path}"
-                setattr(owner, attr, value)
+            override(op._backend, overrides, what=name)
             ops[name] = op
 
             def fn(i, op=op):

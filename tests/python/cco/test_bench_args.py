@@ -1,4 +1,5 @@
-"""The gemm-ar benchmark's arm selection (host only): mori's names, the lsa arms, refusals."""
+"""The gemm-ar benchmark's arm selection (host only): mori's names, the lsa arms, refusals, and how
+the alternative arms switch backend knobs."""
 
 import pytest
 
@@ -15,3 +16,18 @@ def test_all_and_mori_names():
 def test_unknown_or_unimplemented_arms_are_refused_with_the_reason(mode):
     with pytest.raises(SystemExit, match="split-sdma" if mode == "split-lsa" else "not an arm"):
         select_arms(mode, "ptpc")
+
+
+def test_override_sets_dotted_paths_and_refuses_unknown_knobs():
+    """The alternative arms switch backend knobs by dotted path; a misspelt knob must not leave the
+    arm silently running the default."""
+    import types
+
+    from cco.benchmark import override
+
+    backend = types.SimpleNamespace(dma_reduce_in_gemm=False, schedule=types.SimpleNamespace(flag_by_copy=True))
+    override(backend, {"dma_reduce_in_gemm": True, "schedule.flag_by_copy": False})
+    assert backend.dma_reduce_in_gemm is True and backend.schedule.flag_by_copy is False
+    for bad in ("dma_reduce_in_gem", "schedule.flag_by_cpy"):
+        with pytest.raises(AttributeError, match=bad):
+            override(backend, {bad: True}, what="arm")

@@ -9,8 +9,8 @@ replays the transport's submission order on in-order queues. Run the GPU part by
 Guards, per check:
 - every quant x mode (gemm-only, split, fused, fused with fp8 gather) x transport (dma, lsa, and
   auto switching between them; and dma with its alternatives: the own tiles reduced in the
-  GEMM's epilogue, flags set by a stream write-value) against the fp32 reference sum: a wrong scale, tile order,
-  chunk row range or peer slot shows as element mismatches;
+  GEMM's epilogue, flags set by a stream write-value) against the fp32 reference sum: a wrong
+  scale, tile order, chunk row range or peer slot shows as element mismatches;
 - ``self_test()`` passes, and fails with a silent transport (flags released, no bytes moved), so
   the self-test can catch the trap it exists for;
 - 100 fused launches into NaN-poisoned outputs and NaN-poisoned recv/gather regions, inputs
@@ -155,8 +155,8 @@ def _check(out, ref, *, quant: str, fp8_gather: bool, what: str):
 ARMS = (("gemm-only", "bf16", None), ("split", "bf16", "dma"), ("fused", "bf16", "dma"), ("fused", "fp8", "dma"),
         ("fused", "bf16", "lsa"), ("fused", "fp8", "lsa"), ("fused", "bf16", "auto"),
         ("fused", "bf16", "dma-alt"), ("fused", "fp8", "dma-alt"))
-# "dma-alt": the copy engines with the alternatives of cco.backends.cuda / cco.cuda.dma switched on
-ALTERNATIVES = {"dma-alt": ("dma", {"dma_reduce_in_gemm": True}, {"flag_by_copy": False})}
+# "dma-alt": the copy engines with the other setting of each knob of cco.backends.cuda / cco.cuda.dma
+ALTERNATIVES = {"dma-alt": ("dma", {"dma_reduce_in_gemm": True, "schedule.flag_by_copy": False})}
 AUTO_LSA_ROWS = 256  # transport="auto" in this test: lsa up to 256 rows, copy engines above
 
 
@@ -187,7 +187,7 @@ def _fused_into(op, prob, b_pre, out):
 
 def rank_main():
     from cco import quant as Q
-    from cco.benchmark import budget_terms
+    from cco.benchmark import budget_terms, override
     from cco.comm import Communicator
     from cco.op import GemmAllReduceOp
     from cco.transport import FaultPlan
@@ -205,15 +205,12 @@ def rank_main():
         local = budget_terms(probs[0])
         for mode, gather, transport in ARMS:
             fp8 = gather == "fp8"
-            real, backend_attrs, schedule_attrs = ALTERNATIVES.get(transport, (transport, {}, {}))
+            real, overrides = ALTERNATIVES.get(transport, (transport, {}))
             with GemmAllReduceOp(comm, n=N, k=K, m_max=M, quant=quant, mode=mode, gather_dtype=gather,
                                  transport=real) as op:
                 if transport == "auto":  # alternating M then switches paths between calls
                     op._backend.lsa_max_elements = AUTO_LSA_ROWS * N
-                for name, value in backend_attrs.items():
-                    setattr(op._backend, name, value)
-                for name, value in schedule_attrs.items():
-                    setattr(op._backend.schedule, name, value)
+                override(op._backend, overrides, what=transport)
                 p = probs[0]
 
                 def first_call():
