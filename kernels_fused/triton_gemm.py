@@ -199,6 +199,9 @@ def fp8_gemm(
     cfg = config or default_config(quant, plain=not fuse, interpret=_interpreting())
     if cfg.launch == "ws" and fuse:
         raise ValueError(f"{fn}: launch='ws' is the plain GEMM's; fuse=True walks a tile table (launch='grid')")
+    if reduce is not None and not fuse:
+        raise ValueError(f"{fn}: reduce (the own tiles' epilogue reduce) needs fuse=True")
+    red = None
     if fuse:
         if out is None or tile_table is None or counters is None:
             raise ValueError(f"{fn}: fuse=True needs out (the partial region), tile_table and counters")
@@ -218,7 +221,6 @@ def fp8_gemm(
             raise ValueError(f"{fn}: block_n={cfg.block_n} must divide the column slice N/W={out.shape[2]}")
         grid = tile_table.shape[0]
         n_slice, dest_stride, stride_c = out.shape[2], out.stride(0), out.stride(1)
-        red = None
         if reduce is not None:
             if reduce.gather_scale is not None and cfg.block_n % GATHER_GROUP:
                 raise ValueError(f"{fn}: the fp8 gather's epilogue reduce needs block_n={cfg.block_n} to be a "
@@ -246,9 +248,6 @@ def fp8_gemm(
             return out
         n_slice, dest_stride, stride_c = n, 0, out.stride(0)
         tile_table = counters = b  # never read when FUSE is off; any pointer will do
-        if reduce is not None:
-            raise ValueError(f"{fn}: reduce (the own tiles' epilogue reduce) needs fuse=True")
-        red = None
 
     if red is None:  # unread without REDUCE
         red = (counters, 0) + (counters,) * 8 + (0, 0, 0)

@@ -296,6 +296,8 @@ def test_epilogue_reduce_refuses_what_it_cannot_do():
 
     with pytest.raises(ValueError, match="needs fuse=True"):
         call(epilogue(), fuse=False)
+    with pytest.raises(ValueError, match="needs fuse=True"):  # also where fuse=False takes another launch
+        call(epilogue(), fuse=False, config=GemmConfig(block_m=32, block_n=128, num_warps=4, num_stages=1, launch="ws"))
     with pytest.raises(ValueError, match="shaped like the partial region"):
         call(epilogue(recv=torch.zeros(2, M, N, dtype=torch.bfloat16)))
     with pytest.raises(ValueError, match=r"reduce.out must be bf16 \[96, 256\]"):
