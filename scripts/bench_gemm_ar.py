@@ -36,6 +36,11 @@ Alternatives of the fused copy-engine path, named only in a comma list (not in `
     fused-flag-write, fused-fp8-flag-write
                       a peer's flag is set by a stream write-value into its memory instead of an
                       8-byte copy queued behind the data (``cco.cuda.dma.FLAG_BY_COPY``)
+    fused-one-lane, fused-fp8-one-lane
+                      one put stream per peer carries every copy instead of two taking the steps in
+                      turn (``cco.cuda.dma.PUT_LANES``)
+    fused-8-chunks, fused-fp8-8-chunks
+                      8 row chunks per call whatever ``--chunks`` says
 
 Before timing: every op runs ``self_test()`` (bytes really move), and every arm's output is checked
 against the fp32 reference sum (relative L2 and element-wise), so a wrong or silent arm cannot post a
@@ -65,8 +70,8 @@ SWEEP_M = (2048, 4096, 8192, 16384, 32768)
 FAST_ACCUM = True
 ARMS = ("scaled_mm", "gemm-only", "scaled_mm+nccl", "symm_mem", "split", "fused", "fused-fp8", "fused-lsa",
         "fused-lsa-fp8")
-# the op's arms: name -> (mode, transport, gather_dtype)
-# arm -> (mode, transport, gather dtype, backend attributes the arm overrides)
+# arm -> (mode, transport, gather dtype, overrides): "chunks" is the op's chunk count (else --chunks), every
+# other key a backend attribute (a dotted path, cco.benchmark.override)
 OP_ARMS = {"split": ("split", "dma", "bf16", {}), "fused": ("fused", "dma", "bf16", {}),
            "fused-fp8": ("fused", "dma", "fp8", {}), "fused-lsa": ("fused", "lsa", "bf16", {}),
            "fused-lsa-fp8": ("fused", "lsa", "fp8", {}),
@@ -77,9 +82,12 @@ OP_ARMS = {"split": ("split", "dma", "bf16", {}), "fused": ("fused", "dma", "bf1
            "fused-reduce-in-gemm": ("fused", "dma", "bf16", {"dma_reduce_in_gemm": True}),
            "fused-fp8-reduce-in-gemm": ("fused", "dma", "fp8", {"dma_reduce_in_gemm": True}),
            "fused-flag-write": ("fused", "dma", "bf16", {"schedule.flag_by_copy": False}),
-           "fused-fp8-flag-write": ("fused", "dma", "fp8", {"schedule.flag_by_copy": False})}
-ALTERNATIVES = ("fused-chunk-major", "fused-fp8-chunk-major", "fused-narrow-side", "fused-fp8-narrow-side",
-                "fused-reduce-in-gemm", "fused-fp8-reduce-in-gemm", "fused-flag-write", "fused-fp8-flag-write")
+           "fused-fp8-flag-write": ("fused", "dma", "fp8", {"schedule.flag_by_copy": False}),
+           "fused-one-lane": ("fused", "dma", "bf16", {"schedule.lanes": 1}),
+           "fused-fp8-one-lane": ("fused", "dma", "fp8", {"schedule.lanes": 1}),
+           "fused-8-chunks": ("fused", "dma", "bf16", {"chunks": 8}),
+           "fused-fp8-8-chunks": ("fused", "dma", "fp8", {"chunks": 8})}
+ALTERNATIVES = tuple(name for name in OP_ARMS if name not in ARMS)  # named only in a comma list
 MORI_NAMES = {"gemm-only": ("gemm-only",), "split-sdma": ("split",), "fused-sdma": ("fused",),
               "fused-lsa": ("fused-lsa",)}
 
@@ -208,8 +216,9 @@ def build_arms(names, prob: Problem, comm, *, chunks, m_max):
             arms[name] = fn
         elif name in OP_ARMS:
             mode, transport, gather, overrides = OP_ARMS[name]
+            overrides = dict(overrides)
             op = GemmAllReduceOp(comm, n=prob.n, k=prob.k, m_max=m_max, quant=quant, mode=mode, transport=transport,
-                                 gather_dtype=gather, chunks=chunks)
+                                 gather_dtype=gather, chunks=overrides.pop("chunks", chunks))
             override(op._backend, overrides, what=name)
             ops[name] = op
 

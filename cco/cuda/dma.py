@@ -4,20 +4,20 @@ later chunks.
 
 One call on rank r (W ranks, C chunks; ``p`` ranges over peers, ``c`` over chunks)::
 
-    main      : header=(seq, m), stamp=(seq, m) | GEMM (a layout tile order; counters[d, c] += 1 per
-                layout tile) | join
-    put[p]    : copies in the order S0 S1 G0 S2 G1 ... G(C-1), or S0 .. S(C-1) G0 .. G(C-1) behind a
-                GEMM that computes every peer's tiles first (see submission_order), where
-                S c = wait counters[p,c] >= T_c ; counters[p,c] = 0 ; (c=0: copy stamp -> peer.scatter_m[r])
+    main      : counters = 0 (the backend) | header=(seq, m), stamp=(seq, m) | GEMM (a layout tile
+                order; counters[d, c] += 1 per layout tile) | join
+    put[p][l] : copies in the order S0 S1 G0 S2 G1 ... G(C-1), or S0 .. S(C-1) G0 .. G(C-1) behind a
+                GEMM that computes every peer's tiles first (see submission_order), dealt in turn to
+                the peer's ``lanes`` streams l, where
+                S c = wait counters[p,c] >= T_c ; (a lane's first S: copy stamp -> peer.scatter_m[r])
                       copy partial[p][rows c] -> peer.recv[r][rows c] ; set peer.scatter_flags[r,c]
                 G c = wait red[c] ; copy gather[r][rows c] (+ scales) -> peer.gather[r][rows c]
                       set peer.gather_flags[r,c]
     reduce    : wait counters[r,c] >= T_c ; wait scatter_flags[src,c] >= 1 (each src, then = 0)
                 reduce kernel: partial[r] + recv[src...] -> gather[r][rows c] and out[rows c, own cols]
-                gather_flags[r,c] = 1 ; event red[c]
+                event red[c]
                 (``reduced_in_gemm``: the GEMM's own tiles waited for the flags and reduced themselves;
-                here only wait counters[r,c] >= T_c ; counters[r,c] = 0 ; scatter_flags[src,c] = 0 ;
-                event red[c])
+                here only wait counters[r,c] >= T_c ; scatter_flags[src,c] = 0 ; event red[c])
     assemble  : wait gather_flags[o,c] >= 1 (each owner o != r, then = 0)
                 bf16: pitched copy gather[o][rows c] -> out[rows c, o cols] (the driver runs it as an SM
                 kernel; a Triton copy kernel measured the same); fp8: dequant kernel
@@ -29,16 +29,23 @@ SM spins, so nothing here can starve the GEMM of multiprocessors (the one-warp s
 "Set" a peer's flag is a write of ``FLAG_SET`` into its memory or (``flag_by_copy``) an 8-byte
 copy of a local word holding it, queued on the copy engine behind the data (``FLAG_BY_COPY``).
 
+Lanes (``PUT_LANES``): each step of a stream (its wait, the copy engine's start, the flag) leaves
+the link idle for ~15 us between one copy and the next; with two streams per peer taking the steps
+in turn, one lane's copy fills the other's gap. Every flag still follows its own data on its lane,
+and each lane copies the stamp before its first flag, so a peer that sees any flag of the call also
+sees the call's stamp.
+
 Graph safety: a wait's value is baked into a captured graph, so a monotonic word would satisfy a
-replayed wait at once. Each word therefore has exactly one waiter, which zeroes it right after its
-wait (counters: the put or reduce stream; scatter and gather flags: the owner of the window; with
-``reduced_in_gemm``, the scatter flags every own tile of a chunk reads are zeroed by the reduce
-stream once the chunk's counter shows every reader done). Every rewrite of a word happens-after its
-reset: a rank starts call s+1 only after its own call s joined, and a peer's call-(s+1) write needs
-that rank's call-(s+1) data. So a set flag is 1 (``FLAG_SET``), not the call's seq, and the only
-per-call value, the (seq, M) stamp a peer's reduce checks, travels through a device word
-(``stamp``, written at the call's start): the side work of a call is the same for every call with
-the same M and ``out``.
+replayed wait at once. Each word therefore has exactly one waiter and is back at zero before the
+next call can write it: the counters are zeroed on the main stream at each call's start, before the
+GEMM and every side stream; a scatter or gather flag is zeroed by its waiter (the owner of the
+window) right after its wait (with ``reduced_in_gemm``, the scatter flags every own tile of a chunk
+reads are zeroed by the reduce stream once the chunk's counter shows every reader done). Every
+rewrite of a flag happens-after its reset: a rank starts call s+1 only after its own call s joined,
+and a peer's call-(s+1) write needs that rank's call-(s+1) data. So a set flag is 1 (``FLAG_SET``),
+not the call's seq, and the only per-call value, the (seq, M) stamp a peer's reduce checks, travels
+through a device word (``stamp``, written at the call's start): the side work of a call is the same
+for every call with the same M and ``out``.
 
 Replayed side work (``replay=True``, the CUDA backend): an eager call spends most of its host time
 issuing the side streams' ~50 waits, writes, copies and kernel launches (757 us per call at
@@ -70,6 +77,8 @@ GRAPH_CACHE = 8  # captured side-work graphs kept per op (least recently used dr
 # engine behind the data it announces, instead of a stream write-value into peer memory: 820.2 vs
 # 835.7 us at 16384x7168 on 2 H200 (docs/BENCHMARKS.md)
 FLAG_BY_COPY = True
+# streams per peer that take the put steps in turn (module note, "Lanes"; docs/BENCHMARKS.md)
+PUT_LANES = 2
 # Programs of the reduce and assemble kernels beside the fused GEMM. None: one program per row (and
 # the bf16 assemble on the driver's pitched copy). Fewer programs, striding the rows, leave the
 # GEMM more multiprocessors but put a slower reduce on the critical path: 32 measured 1103 us
@@ -143,7 +152,7 @@ class CopyEngineSchedule:
     """Streams, events and window addresses of the ``dma`` transport for one op on one rank."""
 
     def __init__(self, *, config: layout.OpConfig, window, device: torch.device, silent: bool = False, memops=None,
-                 replay: bool = False, flag_by_copy: bool = False):
+                 replay: bool = False, flag_by_copy: bool = False, lanes: int = PUT_LANES):
         self.memops = cuda_memops if memops is None else memops
         self.cfg = config
         self.rank, self.world = window.rank, window.world
@@ -176,6 +185,9 @@ class CopyEngineSchedule:
         self.ticket = torch.zeros(1, dtype=torch.int64, device=device)  # the epilogue-reduce GEMM's claims
         self.flag_set = torch.full((1,), FLAG_SET, dtype=torch.int64, device=device)  # source of flag copies
         self.flag_by_copy = flag_by_copy
+        if not isinstance(lanes, int) or lanes < 1:
+            raise ValueError(f"CopyEngineSchedule: lanes must be an int >= 1, got {lanes!r}")
+        self.lanes = lanes  # streams per peer a call uses (at most the ones made here)
         self.replay = replay
         self.graphs = GraphCache()
         self.replays = 0  # calls that replayed captured side work
@@ -189,7 +201,7 @@ class CopyEngineSchedule:
             torch.cuda.synchronize(device)
         with torch.cuda.device(device):
             lo, hi = torch.cuda.Stream.priority_range()
-            self.put = {p: torch.cuda.Stream(device=device) for p in self.peers}
+            self.put = {p: [torch.cuda.Stream(device=device) for _ in range(lanes)] for p in self.peers}
             self.reduce = torch.cuda.Stream(device=device, priority=hi)  # reduce CTAs ahead of waiting GEMM CTAs
             self.assemble = torch.cuda.Stream(device=device)
             self.begin_event = torch.cuda.Event()
@@ -202,7 +214,7 @@ class CopyEngineSchedule:
             self.fork = torch.cuda.Event()
 
     def _side_streams(self):
-        return [*self.put.values(), self.reduce, self.assemble]
+        return [*(s for lanes in self.put.values() for s in lanes), self.reduce, self.assemble]
 
     @staticmethod
     def _addr(words: torch.Tensor, index: int) -> int:
@@ -259,7 +271,10 @@ class CopyEngineSchedule:
         if after_gemm:
             self.gemm_event.record(main)
             gate = self.gemm_event
-        variant = (scatters_first, reduced_in_gemm)
+        if not 1 <= self.lanes <= min(len(s) for s in self.put.values()):
+            raise ValueError(f"CopyEngineSchedule: lanes={self.lanes!r}; this schedule made "
+                             f"{min(len(s) for s in self.put.values())} put streams per peer")
+        variant = (scatters_first, reduced_in_gemm, self.lanes)
         graph = self._graph(plan, out, variant)
         if graph is None:
             self._fork_join(main, gate, plan, out, variant)
@@ -272,7 +287,7 @@ class CopyEngineSchedule:
         main.wait_event(self.launched)
 
     def _fork_join(self, origin, gate, plan, out, variant) -> None:
-        scatters_first, reduced_in_gemm = variant
+        scatters_first, reduced_in_gemm, _ = variant
         for s in self._side_streams():
             s.wait_event(gate)
         self._enqueue(plan, out, submission_order(plan.chunks, scatters_first=scatters_first), reduced_in_gemm)
@@ -308,14 +323,23 @@ class CopyEngineSchedule:
         return rows[0] * row_bytes, (rows[1] - rows[0]) * row_bytes
 
     def _enqueue(self, plan, out, order, reduced_in_gemm):
+        puts = 0  # put steps so far: step i goes to lane i % lanes
+        stamped = set()  # lanes that carried the stamp
         for phase, c in order:
             if phase == "reduce":
                 self._reduce_chunk(plan, out, c, reduced_in_gemm)
             elif phase == "assemble":
                 self._assemble_chunk(plan, out, c)
             else:
+                lane = puts % self.lanes
+                puts += 1
                 for p in self.peers:
-                    (self._scatter_chunk if phase == "scatter" else self._gather_chunk)(plan, p, c)
+                    if phase == "gather":
+                        self._gather_chunk(plan, p, c, lane)
+                    else:
+                        self._scatter_chunk(plan, p, c, lane, stamp=lane not in stamped)
+                if phase == "scatter":
+                    stamped.add(lane)
 
     def _set_peer_flag(self, stream, addr: int) -> None:
         """Set a peer's flag once every earlier copy of ``stream`` has landed."""
@@ -324,20 +348,18 @@ class CopyEngineSchedule:
         else:
             self._write(stream, addr, FLAG_SET)
 
-    def _scatter_chunk(self, plan, p, c):
-        r, s, peer = self.rank, self.put[p], self.peer[p]
-        ctr = self._addr(self.counters, layout.counter_index(p, c))
-        self._wait(s, ctr, self._tiles(plan, p, c))
-        self._write(s, ctr, 0)
-        if c == 0:
+    def _scatter_chunk(self, plan, p, c, lane, *, stamp):
+        r, s, peer = self.rank, self.put[p][lane], self.peer[p]
+        self._wait(s, self._addr(self.counters, layout.counter_index(p, c)), self._tiles(plan, p, c))
+        if stamp:
             self.memops.copy(s.cuda_stream, self._addr(peer["scatter_m"], r), self.stamp.data_ptr(), _WORD)
         off, nbytes = self._rows_bytes(self.partial, plan.rows[c])
         if not self.silent:
             self.memops.copy(s.cuda_stream, peer["recv"][r].data_ptr() + off, self.partial[p].data_ptr() + off, nbytes)
         self._set_peer_flag(s, self._addr(peer["scatter_flags"], layout.counter_index(r, c)))
 
-    def _gather_chunk(self, plan, p, c):
-        r, s, peer = self.rank, self.put[p], self.peer[p]
+    def _gather_chunk(self, plan, p, c, lane):
+        r, s, peer = self.rank, self.put[p][lane], self.peer[p]
         s.wait_event(self.reduced[c])
         off, nbytes = self._rows_bytes(self.gather, plan.rows[c])
         if not self.silent:
@@ -353,9 +375,7 @@ class CopyEngineSchedule:
         flags without consuming them, so they are zeroed here, after the last reader counted."""
         r, s = self.rank, self.reduce
         with torch.cuda.stream(s):
-            ctr = self._addr(self.counters, layout.counter_index(r, c))
-            self._wait(s, ctr, self._tiles(plan, r, c))
-            self._write(s, ctr, 0)
+            self._wait(s, self._addr(self.counters, layout.counter_index(r, c)), self._tiles(plan, r, c))
             for src in layout.reduce_order(r, self.world):
                 flag = self._addr(self.scatter_flags, layout.counter_index(src, c))
                 if not in_gemm:
@@ -366,7 +386,6 @@ class CopyEngineSchedule:
                                      gather_scale=self.gather_scale, out=out, scatter_m=self.scatter_m,
                                      status=self.status, rank=r, rows=plan.rows[c], stamp=self.stamp,
                                      programs=self.side_programs)
-                self._write(s, self._addr(self.gather_flags, layout.counter_index(r, c)), FLAG_SET)
             self.reduced[c].record(s)
 
     def _assemble_chunk(self, plan, out, c):

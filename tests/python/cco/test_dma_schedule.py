@@ -90,7 +90,7 @@ class _Memops:
         self.log.ops.append((stream, "copy_2d", kw["dst"]))
 
 
-def _schedule(monkeypatch, log, *, gather):
+def _schedule(monkeypatch, log, *, gather, lanes=1):
     from cco.cuda import dma
     from cco.window import Window
 
@@ -120,7 +120,8 @@ def _schedule(monkeypatch, log, *, gather):
     monkeypatch.setattr(dma, "kernels", types.SimpleNamespace(reduce_chunk=kernel("reduce_kernel"),
                                                               dequant_chunk=kernel("dequant_kernel")))
     window = HostWindow()
-    sched = dma.CopyEngineSchedule(config=cfg, window=window, device=torch.device("cpu"), memops=_Memops(log))
+    sched = dma.CopyEngineSchedule(config=cfg, window=window, device=torch.device("cpu"), memops=_Memops(log),
+                                   lanes=lanes)
     plan = layout.plan_call(cfg, m=M, seq=1, rank=RANK, counter_base=layout.zero_counters(WORLD))
     return sched, plan, window
 
@@ -129,19 +130,30 @@ def _addr(words, index):
     return words.data_ptr() + 8 * index
 
 
+def _lane_of(puts, op):
+    """(lane, position) of the one occurrence of ``op`` over every lane's log."""
+    hits = [(lane, i) for lane, ops in enumerate(puts) for i, o in enumerate(ops) if o == op]
+    assert len(hits) == 1, (op, hits)
+    return hits[0]
+
+
+@pytest.mark.parametrize("lanes", [1, 2], ids=["1-lane", "2-lanes"])
 @pytest.mark.parametrize("flag_by_copy", [True, False], ids=["flag-copy", "flag-write"])
 @pytest.mark.parametrize("in_gemm", [True, False], ids=["reduce-in-gemm", "reduce-kernel"])
-def test_reduce_stream_and_peer_flags(monkeypatch, in_gemm, flag_by_copy):
+def test_reduce_stream_and_peer_flags(monkeypatch, in_gemm, flag_by_copy, lanes):
     log = _Log()
-    sched, plan, window = _schedule(monkeypatch, log, gather="bf16")
+    sched, plan, window = _schedule(monkeypatch, log, gather="bf16", lanes=lanes)
     sched.flag_by_copy = flag_by_copy
     peer = 1 - RANK
     sched.run(plan, torch.zeros(M, 1024, dtype=torch.bfloat16), after_gemm=False, scatters_first=True,
               reduced_in_gemm=in_gemm)
     assert plan.chunks == 4
     reduce = [op[1:] for op in log.ops if op[0] == sched.reduce.name]
-    put = [op[1:] for op in log.ops if op[0] == sched.put[peer].name]
-    peer_flags = window.words(sched.cfg.window.scatter_flags, rank=peer)
+    puts = [[op[1:] for op in log.ops if op[0] == s.name] for s in sched.put[peer]]
+    peer_scatter = window.words(sched.cfg.window.scatter_flags, rank=peer)
+    peer_gather = window.words(sched.cfg.window.gather_flags, rank=peer)
+    stamp = ("copy", _addr(window.words(sched.cfg.window.scatter_m, rank=peer), RANK), sched.stamp.data_ptr(), 8)
+    row_bytes = sched.cfg.n_slice * 2
     for c in range(plan.chunks):
         counter = ("wait", _addr(sched.counters, layout.counter_index(RANK, c)), sched._tiles(plan, RANK, c))
         flag_wait = ("wait", _addr(sched.scatter_flags, layout.counter_index(peer, c)), 1)
@@ -154,12 +166,24 @@ def test_reduce_stream_and_peer_flags(monkeypatch, in_gemm, flag_by_copy):
             assert flag_wait not in reduce and kernel not in reduce
         else:
             assert reduce.index(flag_wait) < reduce.index(flag_zero) < reduce.index(kernel) < reduce.index(reduced)
-        # the put stream: the chunk's data, then its flag in the peer
-        target = _addr(peer_flags, layout.counter_index(RANK, c))
-        flag_set = (("copy", target, sched.flag_set.data_ptr(), 8) if flag_by_copy else ("write", target, 1))
-        data = [i for i, op in enumerate(put) if op[0] == "copy" and op[1] != target and op[3] > 8]
-        assert flag_set in put and put.count(flag_set) == 1
-        assert data[c] < put.index(flag_set)
-        assert c == plan.chunks - 1 or put.index(flag_set) < data[c + 1]
-    if flag_by_copy:
-        assert not any(op[0] == "write" and op[2] == 1 for op in put)  # no flag write-value left
+        # a put lane: the chunk's data, then its flag in the peer, before the lane's next copy of data
+        (r0, r1), off = plan.rows[c], plan.rows[c][0] * row_bytes
+        for dst, src, flags in ((sched.peer[peer]["recv"][RANK], sched.partial[peer], peer_scatter),
+                                (sched.peer[peer]["gather"][RANK], sched.gather[RANK], peer_gather)):
+            data = ("copy", dst.data_ptr() + off, src.data_ptr() + off, (r1 - r0) * row_bytes)
+            target = _addr(flags, layout.counter_index(RANK, c))
+            flag_set = (("copy", target, sched.flag_set.data_ptr(), 8) if flag_by_copy else ("write", target, 1))
+            lane, at = _lane_of(puts, data)
+            assert _lane_of(puts, flag_set)[0] == lane
+            ops = puts[lane]
+            later_data = [i for i, op in enumerate(ops) if i > at and op[0] == "copy" and op[3] > 8]
+            assert at < ops.index(flag_set) and (not later_data or ops.index(flag_set) < later_data[0])
+            if flags is peer_scatter:  # the lane carried the call's stamp before this flag
+                assert stamp in ops[:ops.index(flag_set)]
+    for ops in puts:
+        assert any(op[0] == "copy" and op[3] > 8 for op in ops)  # every lane carries data
+        if flag_by_copy:
+            assert not any(op[0] == "write" and op[2] == 1 for op in ops)  # no flag write-value left
+    # the counters are zeroed at the call's start (by the backend), never by a side stream
+    counter_words = {_addr(sched.counters, i) for i in range(sched.counters.numel())}
+    assert not any(op[1] == "write" and op[2] in counter_words for op in log.ops)
