@@ -185,7 +185,8 @@ class OpConfig:
     mode: str  # "fused" | "split" | "gemm-only"
     transport: str  # "dma" | "lsa"
     gather_dtype: str  # "bf16" | "fp8"
-    chunks: int  # row chunks of a call with enough m-tiles (fewer for small M)
+    chunks: int | tuple[int, ...]  # row chunks of a call with enough m-tiles (fewer for small M), or
+    # their relative sizes (chunk_tiles)
     block_m: int
     block_n: int
     n_slice: int = field(init=False)
@@ -243,8 +244,16 @@ def build_config(*, n: int, k: int, m_max: int, world: int, quant: str = "ptpc",
         raise ValueError(f"block_m={block_m} must be a positive int")
     if chunks is None:
         chunks = DEFAULT_CHUNKS
-    if not isinstance(chunks, int) or not 1 <= chunks <= MAX_CHUNKS:
-        raise ValueError(f"chunks={chunks!r} is not supported; pass an int in 1..{MAX_CHUNKS} or None")
+    if isinstance(chunks, list):
+        chunks = tuple(chunks)
+    if isinstance(chunks, tuple):
+        if not 1 <= len(chunks) <= MAX_CHUNKS or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1
+                                                         for w in chunks):
+            raise ValueError(f"chunks={chunks!r} is not supported; relative chunk sizes are 1..{MAX_CHUNKS} "
+                             f"positive ints, e.g. (1, 2, 2, 1)")
+    elif not isinstance(chunks, int) or isinstance(chunks, bool) or not 1 <= chunks <= MAX_CHUNKS:
+        raise ValueError(f"chunks={chunks!r} is not supported; pass an int in 1..{MAX_CHUNKS}, a tuple of relative "
+                         f"chunk sizes or None")
     return OpConfig(n=n, k=k, m_max=m_max, world=world, quant=quant, mode=mode, transport=transport,
                     gather_dtype=gather_dtype, chunks=chunks, block_m=block_m, block_n=block_n)
 
@@ -274,17 +283,30 @@ def padded_m(m: int, block_m: int) -> int:
     return _ceil_div(m, block_m) * block_m
 
 
+def chunk_weights(cfg: OpConfig) -> tuple[int, ...]:
+    """Relative sizes of a call's chunks: ``cfg.chunks`` equal ones, or the sizes it names."""
+    return cfg.chunks if isinstance(cfg.chunks, tuple) else (1,) * cfg.chunks
+
+
 def call_chunks(cfg: OpConfig, m: int) -> int:
-    """Row chunks of a call: cfg.chunks, or one per m-tile when M has fewer tiles than that."""
-    return min(cfg.chunks, padded_m(m, cfg.block_m) // cfg.block_m)
+    """Row chunks of a call: those of cfg.chunks, or one per m-tile when M has fewer tiles than that."""
+    return min(len(chunk_weights(cfg)), padded_m(m, cfg.block_m) // cfg.block_m)
 
 
 def chunk_tiles(cfg: OpConfig, m: int) -> tuple[tuple[int, int], ...]:
-    """Per chunk, the m-tile range [t0, t1): m-tiles split as evenly as possible, earlier chunks
-    never smaller than later ones."""
+    """Per chunk, the m-tile range [t0, t1): chunk i ends at tile ``floor(tiles * w_0..i / w_all)`` of
+    the weights (equal weights: as even as possible), each chunk at least one tile; one chunk per
+    tile when M has fewer tiles than chunks. Smaller first and last chunks (``(1, 2, ..., 2, 1)``)
+    start the first put sooner and shorten what follows the GEMM's last tile."""
     tiles = padded_m(m, cfg.block_m) // cfg.block_m
     c = call_chunks(cfg, m)
-    return tuple((i * tiles // c, (i + 1) * tiles // c) for i in range(c))
+    weights = chunk_weights(cfg) if c == len(chunk_weights(cfg)) else (1,) * c
+    total, cum, ends = sum(weights), 0, []
+    for i, w in enumerate(weights):
+        cum += w
+        lo = (ends[-1] if ends else 0) + 1
+        ends.append(min(max(tiles * cum // total, lo), tiles - (c - 1 - i)))
+    return tuple(zip((0, *ends[:-1]), ends))
 
 
 def chunk_rows(cfg: OpConfig, m: int) -> tuple[tuple[int, int], ...]:

@@ -93,7 +93,8 @@ class GemmAllReduceOp:
                     Default: auto on CUDA, dma elsewhere.
       gather_dtype: "bf16", or "fp8" (e4m3 + one fp32 scale per row and 128 columns; half the gather
                     bytes, ~10x the error).
-      chunks:       row chunks per call (1..8); None picks ``layout.DEFAULT_CHUNKS``.
+      chunks:       row chunks per call (1..8), or their relative sizes (a tuple such as
+                    ``(1, 2, 2, 1)``: small first and last chunks); None picks ``layout.DEFAULT_CHUNKS``.
       deadline_s:   seconds one call may wait on peers in total before raising.
       faults:       a :class:`cco.transport.FaultPlan` to inject lost puts or a silent transport (tests).
     """

@@ -458,7 +458,7 @@ class GemmScatterLauncher:
     * stream: a torch stream (default: the current one).
     """
 
-    def __init__(self, *, cfg: KernelConfig, rank: int, world: int, chunks: int | None):
+    def __init__(self, *, cfg: KernelConfig, rank: int, world: int, chunks: int | tuple[int, ...] | None):
         self.cfg, self.rank, self.world, self.chunks = cfg, rank, world, chunks
         self._kernel = None
         self._tiles = {}  # (m, n, m_max_padded) -> int32 tile table on the device
@@ -529,7 +529,7 @@ class GemmScatterLauncher:
 
 
 def compile_fused_gemm_scatter(rank: int, world: int, *, K: int, BLOCK_M: int = 256, BLOCK_N: int = 256,
-                               quant: str = "ptpc", fuse: bool = True, chunks: int | None = None,
+                               quant: str = "ptpc", fuse: bool = True, chunks: int | tuple[int, ...] | None = None,
                                loop_count: str | int | None = None, variant: str = "shipped",
                                mfma_barriers: bool = True) -> GemmScatterLauncher:
     """The gfx950 kernel for one (K, tile, quant, mode), emitted from the ``variant`` schedule.

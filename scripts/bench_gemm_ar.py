@@ -41,6 +41,9 @@ Alternatives of the fused copy-engine path, named only in a comma list (not in `
                       turn (``cco.cuda.dma.PUT_LANES``)
     fused-8-chunks, fused-fp8-8-chunks
                       8 row chunks per call whatever ``--chunks`` says
+    fused-taper, fused-fp8-taper
+                      8 row chunks, the first and last half as large as the others (``TAPER``): the
+                      first put starts sooner, less follows the GEMM's last tile
 
 Before timing: every op runs ``self_test()`` (bytes really move), and every arm's output is checked
 against the fp32 reference sum (relative L2 and element-wise), so a wrong or silent arm cannot post a
@@ -70,6 +73,7 @@ SWEEP_M = (2048, 4096, 8192, 16384, 32768)
 FAST_ACCUM = True
 ARMS = ("scaled_mm", "gemm-only", "scaled_mm+nccl", "symm_mem", "split", "fused", "fused-fp8", "fused-lsa",
         "fused-lsa-fp8")
+TAPER = (1, 2, 2, 2, 2, 2, 2, 1)  # the taper arms' relative chunk sizes
 # arm -> (mode, transport, gather dtype, overrides): "chunks" is the op's chunk count (else --chunks), every
 # other key a backend attribute (a dotted path, cco.benchmark.override)
 OP_ARMS = {"split": ("split", "dma", "bf16", {}), "fused": ("fused", "dma", "bf16", {}),
@@ -86,7 +90,9 @@ OP_ARMS = {"split": ("split", "dma", "bf16", {}), "fused": ("fused", "dma", "bf1
            "fused-one-lane": ("fused", "dma", "bf16", {"schedule.lanes": 1}),
            "fused-fp8-one-lane": ("fused", "dma", "fp8", {"schedule.lanes": 1}),
            "fused-8-chunks": ("fused", "dma", "bf16", {"chunks": 8}),
-           "fused-fp8-8-chunks": ("fused", "dma", "fp8", {"chunks": 8})}
+           "fused-fp8-8-chunks": ("fused", "dma", "fp8", {"chunks": 8}),
+           "fused-taper": ("fused", "dma", "bf16", {"chunks": TAPER}),
+           "fused-fp8-taper": ("fused", "dma", "fp8", {"chunks": TAPER})}
 ALTERNATIVES = tuple(name for name in OP_ARMS if name not in ARMS)  # named only in a comma list
 MORI_NAMES = {"gemm-only": ("gemm-only",), "split-sdma": ("split",), "fused-sdma": ("fused",),
               "fused-lsa": ("fused-lsa",)}

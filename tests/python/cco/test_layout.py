@@ -28,6 +28,10 @@ def cfg(**kw):
     (dict(gather_dtype="fp16"), ["gather_dtype='fp16'", "fp8"]),
     (dict(chunks=9), ["chunks=9", "1..8"]),
     (dict(chunks=0), ["chunks=0"]),
+    (dict(chunks=()), ["chunks=()", "positive ints"]),
+    (dict(chunks=(1, 0, 1)), ["chunks=(1, 0, 1)", "positive ints"]),
+    (dict(chunks=(1,) * 9), ["chunks=(1, 1", "1..8"]),
+    (dict(chunks=True), ["chunks=True"]),
     (dict(block_n=48), ["block_n=48", "128"]),
     (dict(m_max=0), ["m_max=0"]),
 ], ids=lambda x: str(x)[:40])
@@ -89,15 +93,24 @@ def test_dest_major_walk_puts_every_peer_before_the_own_slice(world):
 
 
 @pytest.mark.parametrize("m", [1, 5, 63, 64, 65, 130, 256])
-@pytest.mark.parametrize("chunks", [1, 3, 8])
+@pytest.mark.parametrize("chunks", [1, 3, 8, (1, 2, 2, 1), (5, 1)])
 def test_chunks_cover_rows_exactly(m, chunks):
     c = cfg(chunks=chunks)
     rows = layout.chunk_rows(c, m)
     assert rows[0][0] == 0 and rows[-1][1] == m
     assert all(r1 > r0 for r0, r1 in rows)  # no empty chunk, even for M=1
     assert all(a[1] == b[0] for a, b in zip(rows, rows[1:]))
-    assert len(rows) == min(chunks, layout.padded_m(m, c.block_m) // c.block_m)
+    assert len(rows) == min(len(layout.chunk_weights(c)), layout.padded_m(m, c.block_m) // c.block_m)
     assert all(r0 % c.block_m == 0 for r0, _ in rows)  # chunks are whole m-tiles
+
+
+def test_chunk_sizes_follow_their_weights():
+    """Relative chunk sizes split the m-tiles in proportion (rounded down at each end, at least
+    one tile each); equal weights give the even split of an int."""
+    c = cfg(chunks=(1, 2, 2, 2, 2, 2, 2, 1), block_m=128, m_max=16384)
+    assert [t1 - t0 for t0, t1 in layout.chunk_tiles(c, 16384)] == [9, 18, 18, 19, 18, 18, 18, 10]
+    assert layout.chunk_tiles(cfg(chunks=(1, 1, 1)), 640) == layout.chunk_tiles(cfg(chunks=3), 640)
+    assert [t1 - t0 for t0, t1 in layout.chunk_tiles(cfg(chunks=(8, 1, 1)), 192)] == [1, 1, 1]  # 3 tiles
 
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])

@@ -89,10 +89,10 @@ def test_gemm_only_returns_the_local_partial():
 ALTERNATING_M = (64, 1, 130, 256, 17, 64, 200)
 
 
-def _alternating_m(comm, mode, transport):
+def _alternating_m(comm, mode, transport, chunks):
     n, k = 384, 256  # world 3: 128 columns per rank
     outs = []
-    with GemmAllReduceOp(comm, n=n, k=k, m_max=256, mode=mode, transport=transport, chunks=3,
+    with GemmAllReduceOp(comm, n=n, k=k, m_max=256, mode=mode, transport=transport, chunks=chunks,
                          deadline_s=DEADLINE_S) as op:
         for i, m in enumerate(ALTERNATING_M):
             p, b_pre = operands(comm.rank, m, n, k, "ptpc", seed=i)
@@ -101,11 +101,13 @@ def _alternating_m(comm, mode, transport):
     return outs
 
 
-@pytest.mark.parametrize("mode, transport", [("fused", "dma"), ("split-lsa", None)])
-def test_alternating_m_including_small_m(mode, transport):
-    """Guards: counter targets or chunk rows computed for the previous call's M."""
+@pytest.mark.parametrize("mode, transport, chunks", [("fused", "dma", 3), ("split-lsa", None, 3),
+                                                     ("fused", "dma", (1, 3, 1))])
+def test_alternating_m_including_small_m(mode, transport, chunks):
+    """Guards: counter targets or chunk rows computed for the previous call's M (and with chunks of
+    unequal sizes)."""
     world = 3
-    per_rank = check_outcomes(spawn(_alternating_m, world=world, args=(mode, transport), timeout_s=120))
+    per_rank = check_outcomes(spawn(_alternating_m, world=world, args=(mode, transport, chunks), timeout_s=120))
     for i, m in enumerate(ALTERNATING_M):
         ref = reference(world, m, 384, 256, "ptpc", seed=i)
         for outs in per_rank:
