@@ -155,8 +155,10 @@ def _check(out, ref, *, quant: str, fp8_gather: bool, what: str):
 ARMS = (("gemm-only", "bf16", None), ("split", "bf16", "dma"), ("fused", "bf16", "dma"), ("fused", "fp8", "dma"),
         ("fused", "bf16", "lsa"), ("fused", "fp8", "lsa"), ("fused", "bf16", "auto"),
         ("fused", "bf16", "dma-alt"), ("fused", "fp8", "dma-alt"))
-# "dma-alt": the copy engines with the other setting of each knob of cco.backends.cuda / cco.cuda.dma
-ALTERNATIVES = {"dma-alt": ("dma", {"dma_reduce_in_gemm": True, "schedule.flag_by_copy": False, "schedule.lanes": 1})}
+# "dma-alt": the copy engines with the other setting of each knob of cco.backends.cuda / cco.cuda.dma,
+# and chunks of unequal sizes: transport -> (real transport, backend overrides, op options)
+ALTERNATIVES = {"dma-alt": ("dma", {"dma_reduce_in_gemm": True, "schedule.flag_by_copy": False, "schedule.lanes": 1},
+                            {"chunks": (1, 2, 2, 1)})}
 AUTO_LSA_ROWS = 256  # transport="auto" in this test: lsa up to 256 rows, copy engines above
 
 
@@ -205,9 +207,9 @@ def rank_main():
         local = budget_terms(probs[0])
         for mode, gather, transport in ARMS:
             fp8 = gather == "fp8"
-            real, overrides = ALTERNATIVES.get(transport, (transport, {}))
+            real, overrides, options = ALTERNATIVES.get(transport, (transport, {}, {}))
             with GemmAllReduceOp(comm, n=N, k=K, m_max=M, quant=quant, mode=mode, gather_dtype=gather,
-                                 transport=real) as op:
+                                 transport=real, **options) as op:
                 if transport == "auto":  # alternating M then switches paths between calls
                     op._backend.lsa_max_elements = AUTO_LSA_ROWS * N
                 override(op._backend, overrides, what=transport)
