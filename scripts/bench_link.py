@@ -2,6 +2,7 @@
 (both directions busy, as in the all-reduce).
 
     torchrun --nproc-per-node 2 -m scripts.bench_link --rows 16384 --cols 3584
+    torchrun --nproc-per-node 2 -m scripts.bench_link --graph
 
 Arms, each moving a bf16 ``[rows, cols]`` slice from this rank's window into the next rank's:
 
@@ -9,6 +10,13 @@ Arms, each moving a bf16 ``[rows, cols]`` slice from this rank's window into the
     sm-flat         a Triton kernel, 1-D blocks of 8192 elements (best-case SM stores)
     sm-tile         a Triton kernel storing 128x256 tiles of a row-major slice (the ``lsa``
                     kernel's epilogue pattern)
+    steps-1-lane    the slice in ``--steps`` row pieces, each moved as a step of the ``dma``
+                    transport: a stream wait on a word (already set, as a completed counter), the
+                    copy, an 8-byte copy setting a flag in the peer; all on one stream
+    steps-2-lanes   the same steps dealt in turn to two streams (``cco.cuda.dma.PUT_LANES``)
+
+``--graph`` times CUDA-graph replays of every arm (what the op's side work runs as) instead of
+eager launches.
 
 Timing is ``cco.benchmark.time_arms`` (arms alternate, device rendezvous before each iteration,
 max over ranks); the slice is checked bit-exact on the receiver first. Last line: ``RESULT_JSON``.
@@ -25,7 +33,7 @@ import triton
 import triton.language as tl
 
 from cco import layout
-from cco.benchmark import idle_check, time_arms
+from cco.benchmark import graphed, idle_check, time_arms
 
 
 @triton.jit
@@ -51,6 +59,8 @@ def main(argv=None):
     p.add_argument("--cols", type=int, default=3584)
     p.add_argument("--passes", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--steps", type=int, default=8, help="row pieces of the steps arms")
+    p.add_argument("--graph", action="store_true", help="time CUDA-graph replays instead of eager launches")
     args = p.parse_args(argv)
     from cco.comm import Communicator
     from cco.cuda import memops
@@ -79,7 +89,31 @@ def main(argv=None):
         _push_tile[(triton.cdiv(args.rows, 128) * (args.cols // 256),)](src, dst, args.rows, args.cols, BM=128, BN=256,
                                                                          num_warps=8)
 
-    arms = {"copy-engine": copy_engine, "sm-flat": sm_flat, "sm-tile": sm_tile}
+    if not 1 <= args.steps <= min(args.rows, layout.MAX_CHUNKS):
+        raise SystemExit(f"--steps {args.steps} must be in 1..{min(args.rows, layout.MAX_CHUNKS)}")
+    lanes = [torch.cuda.Stream() for _ in range(2)]
+    ready = torch.ones(args.steps, dtype=torch.int64, device=src.device)  # the steps' counters, complete
+    flag_set = torch.ones(1, dtype=torch.int64, device=src.device)
+    peer_flags = window.words(w.scatter_flags, rank=peer)
+    row_bytes = nbytes // args.rows
+
+    def steps(n_lanes):
+        def fn(i):
+            main = torch.cuda.current_stream()
+            for s in lanes[:n_lanes]:
+                s.wait_stream(main)
+            for c in range(args.steps):
+                s = lanes[c % n_lanes].cuda_stream
+                r0, r1 = c * args.rows // args.steps, (c + 1) * args.rows // args.steps
+                memops.wait_geq(s, ready.data_ptr() + 8 * c, 1)
+                memops.copy(s, dst.data_ptr() + r0 * row_bytes, src.data_ptr() + r0 * row_bytes, (r1 - r0) * row_bytes)
+                memops.copy(s, peer_flags.data_ptr() + 8 * layout.counter_index(rank, c), flag_set.data_ptr(), 8)
+            for s in lanes[:n_lanes]:
+                main.wait_stream(s)
+        return fn
+
+    arms = {"copy-engine": copy_engine, "sm-flat": sm_flat, "sm-tile": sm_tile, "steps-1-lane": steps(1),
+            "steps-2-lanes": steps(2)}
     mine = window.tensor(w.recv, rank=rank)[(rank - 1) % world]
     checks = {}
     for name, fn in arms.items():
@@ -90,12 +124,17 @@ def main(argv=None):
         torch.cuda.synchronize()
         comm.barrier()
         checks[name] = bool(torch.equal(mine, window.tensor(w.partial, rank=(rank - 1) % world)[rank]))
+    if args.graph:
+        arms, eager = graphed(arms, rotate=1)
+        if eager:
+            raise SystemExit(f"--graph: arms {eager} could not be captured")
     idle_before = idle_check()
     timings = time_arms(arms, passes=args.passes, iters=args.iters, rotate=1)
     idle_after = idle_check()
     rows = {}
     if rank == 0:
-        print(f"push {nbytes / 1e6:.1f} MB to the next rank, all {world} ranks at once, {torch.cuda.get_device_name()}")
+        print(f"push {nbytes / 1e6:.1f} MB to the next rank, all {world} ranks at once, {torch.cuda.get_device_name()}, "
+              f"{'graph replays' if args.graph else 'eager'}")
     for name, t in timings.items():
         gbs = nbytes / (t.median_us * 1e-6) / 1e9
         rows[name] = {**t.as_dict(), "GB_per_s": round(gbs, 1), "bit_exact": checks[name]}
@@ -104,7 +143,8 @@ def main(argv=None):
                   f"{'ok' if checks[name] else 'WRONG BYTES'}")
     if rank == 0:
         print("RESULT_JSON " + json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                           "bytes": nbytes, "world": world, "arms": rows,
+                                           "bytes": nbytes, "world": world, "graph": args.graph,
+                                           "steps": args.steps, "arms": rows,
                                            "idle_before": idle_before, "idle_after": idle_after}))
     window.close()
     comm.close()
