@@ -31,7 +31,8 @@ copy of a local word holding it, queued on the copy engine behind the data (``FL
 
 Lanes (``PUT_LANES``): each step of a stream (its wait, the copy engine's start, the flag) leaves
 the link idle for ~15 us between one copy and the next; with two streams per peer taking the steps
-in turn, one lane's copy fills the other's gap. Every flag still follows its own data on its lane,
+in turn, one lane's copy fills the other's gap. With more peers their streams fill each other's
+gaps, so a peer gets ``ceil(PUT_LANES / peers)`` lanes: two with one peer, one from two peers on. Every flag still follows its own data on its lane,
 and each lane copies the stamp before its first flag, so a peer that sees any flag of the call also
 sees the call's stamp.
 
@@ -77,8 +78,14 @@ GRAPH_CACHE = 8  # captured side-work graphs kept per op (least recently used dr
 # engine behind the data it announces, instead of a stream write-value into peer memory: 820.2 vs
 # 835.7 us at 16384x7168 on 2 H200 (docs/BENCHMARKS.md)
 FLAG_BY_COPY = True
-# streams per peer that take the put steps in turn (module note, "Lanes"; docs/BENCHMARKS.md)
+# put streams per rank that take the put steps in turn, at least one per peer (module note, "Lanes";
+# docs/BENCHMARKS.md)
 PUT_LANES = 2
+
+
+def put_lanes(world: int) -> int:
+    """Put streams per peer: ``PUT_LANES`` streams in all, at least one per peer."""
+    return -(-PUT_LANES // max(1, world - 1))
 # Programs of the reduce and assemble kernels beside the fused GEMM. None: one program per row (and
 # the bf16 assemble on the driver's pitched copy). Fewer programs, striding the rows, leave the
 # GEMM more multiprocessors but put a slower reduce on the critical path: 32 measured 1103 us
@@ -152,7 +159,7 @@ class CopyEngineSchedule:
     """Streams, events and window addresses of the ``dma`` transport for one op on one rank."""
 
     def __init__(self, *, config: layout.OpConfig, window, device: torch.device, silent: bool = False, memops=None,
-                 replay: bool = False, flag_by_copy: bool = False, lanes: int = PUT_LANES):
+                 replay: bool = False, flag_by_copy: bool = False, lanes: int | None = None):
         self.memops = cuda_memops if memops is None else memops
         self.cfg = config
         self.rank, self.world = window.rank, window.world
@@ -185,9 +192,11 @@ class CopyEngineSchedule:
         self.ticket = torch.zeros(1, dtype=torch.int64, device=device)  # the epilogue-reduce GEMM's claims
         self.flag_set = torch.full((1,), FLAG_SET, dtype=torch.int64, device=device)  # source of flag copies
         self.flag_by_copy = flag_by_copy
+        if lanes is None:
+            lanes = put_lanes(self.world)
         if not isinstance(lanes, int) or lanes < 1:
             raise ValueError(f"CopyEngineSchedule: lanes must be an int >= 1, got {lanes!r}")
-        self.lanes = lanes  # streams per peer a call uses (at most the ones made here)
+        self.lanes = self.lanes_made = lanes  # streams per peer: those a call uses, those made here
         self.replay = replay
         self.graphs = GraphCache()
         self.replays = 0  # calls that replayed captured side work
@@ -271,9 +280,9 @@ class CopyEngineSchedule:
         if after_gemm:
             self.gemm_event.record(main)
             gate = self.gemm_event
-        if not 1 <= self.lanes <= min(len(s) for s in self.put.values()):
-            raise ValueError(f"CopyEngineSchedule: lanes={self.lanes!r}; this schedule made "
-                             f"{min(len(s) for s in self.put.values())} put streams per peer")
+        if not 1 <= self.lanes <= self.lanes_made:
+            raise ValueError(f"CopyEngineSchedule: lanes={self.lanes!r}; this schedule made {self.lanes_made} put "
+                             f"streams per peer")
         variant = (scatters_first, reduced_in_gemm, self.lanes)
         graph = self._graph(plan, out, variant)
         if graph is None:

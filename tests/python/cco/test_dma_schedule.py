@@ -187,3 +187,17 @@ def test_reduce_stream_and_peer_flags(monkeypatch, in_gemm, flag_by_copy, lanes)
     # the counters are zeroed at the call's start (by the backend), never by a side stream
     counter_words = {_addr(sched.counters, i) for i in range(sched.counters.numel())}
     assert not any(op[1] == "write" and op[2] in counter_words for op in log.ops)
+
+
+def test_lanes_per_peer_and_their_bounds(monkeypatch):
+    """Two put streams in all, at least one per peer; a call cannot use more lanes than were made."""
+    from cco.cuda import dma
+
+    assert [dma.put_lanes(w) for w in (1, 2, 3, 4, 8)] == [2, 2, 1, 1, 1]
+    sched, plan, _ = _schedule(monkeypatch, _Log(), gather="bf16", lanes=None)
+    assert sched.lanes == dma.put_lanes(WORLD) and all(len(s) == sched.lanes for s in sched.put.values())
+    sched.lanes = sched.lanes_made + 1
+    with pytest.raises(ValueError, match="lanes=3"):
+        sched.run(plan, torch.zeros(M, 1024, dtype=torch.bfloat16), after_gemm=False)
+    with pytest.raises(ValueError, match="lanes must be an int >= 1"):
+        _schedule(monkeypatch, _Log(), gather="bf16", lanes=0)
