@@ -94,7 +94,7 @@ class GemmAllReduceOp:
       gather_dtype: "bf16", or "fp8" (e4m3 + one fp32 scale per row and 128 columns; half the gather
                     bytes, ~10x the error).
       chunks:       row chunks per call (1..8), or their relative sizes (a tuple such as
-                    ``(1, 2, 2, 1)``: small first and last chunks); None picks ``layout.DEFAULT_CHUNKS``.
+                    ``(1, 2, 2, 1)``: small first and last chunks); None: the backend's default.
       deadline_s:   seconds one call may wait on peers in total before raising.
       faults:       a :class:`cco.transport.FaultPlan` to inject lost puts or a silent transport (tests).
     """
@@ -108,7 +108,8 @@ class GemmAllReduceOp:
         try:
             self.config = layout.build_config(
                 n=n, k=k, m_max=m_max, world=comm.world, quant=quant, mode=mode, transport=transport,
-                gather_dtype=gather_dtype, chunks=chunks, block_m=backend_cls.block_m, block_n=backend_cls.block_n,
+                gather_dtype=gather_dtype, chunks=backend_cls.default_chunks if chunks is None else chunks,
+                block_m=backend_cls.block_m, block_n=backend_cls.block_n,
                 default_transport=backend_cls.default_transport)
         except ValueError as err:
             raise ValueError(f"{_FN}: {err}") from None

@@ -298,10 +298,12 @@ def run_shape(args, comm, m, *, arms_wanted, m_max, progress=None) -> dict:
             row["x_split_baseline"] = round(t.median_us / timings[base].median_us, 3)
         if gemm_ref and name == "gemm-only":
             row["throughput_vs_scaled_mm"] = round(timings[gemm_ref].median_us / t.median_us, 3)
+        if name in ops:
+            row["chunks"] = ops[name].config.chunks
         rows[name] = row
     return {"m": m, "n": args.n, "k": args.k, "quant": args.quant, "world": comm.world, "graph": args.graph,
             "eager_arms": eager_arms,
-            "chunks": args.chunks or layout.DEFAULT_CHUNKS, "arms": rows, "correctness": correctness,
+            "chunks": args.chunks or "backend default", "arms": rows, "correctness": correctness,
             "dropped_for_wrong_output": failed, "self_test": self_tests,
             "idle_before": idle_before, "idle_after": idle_after}
 

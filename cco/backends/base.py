@@ -55,6 +55,8 @@ from __future__ import annotations
 import abc
 from typing import TYPE_CHECKING, ClassVar
 
+from cco import layout
+
 if TYPE_CHECKING:  # keep this module importable without torch-heavy or device imports
     import torch
 
@@ -90,6 +92,8 @@ class Backend(abc.ABC):
     block_n: ClassVar[int | None] = None
     # what transport=None means on this backend ("auto": the backend picks per call, see CudaBackend)
     default_transport: ClassVar[str] = "dma"
+    # what chunks=None means on this backend (a count, or relative sizes: layout.chunk_tiles)
+    default_chunks: ClassVar[int | tuple[int, ...]] = layout.DEFAULT_CHUNKS
 
     def __init__(self, *, config: "OpConfig", comm: "Communicator", window: "Window", deadline_s: float,
                  faults=None):
