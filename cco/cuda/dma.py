@@ -83,9 +83,12 @@ FLAG_BY_COPY = True
 PUT_LANES = 2
 
 
-def put_lanes(world: int) -> int:
-    """Put streams per peer: ``PUT_LANES`` streams in all, at least one per peer."""
-    return -(-PUT_LANES // max(1, world - 1))
+LANES_MADE = 2  # put streams per rank a schedule makes (a call may use fewer: the benchmark's arms)
+
+
+def put_lanes(world: int, lanes: int | None = None) -> int:
+    """Put streams per peer: ``lanes`` (default ``PUT_LANES``) streams in all, at least one per peer."""
+    return -(-(PUT_LANES if lanes is None else lanes) // max(1, world - 1))
 # Programs of the reduce and assemble kernels beside the fused GEMM. None: one program per row (and
 # the bf16 assemble on the driver's pitched copy). Fewer programs, striding the rows, leave the
 # GEMM more multiprocessors but put a slower reduce on the critical path: 32 measured 1103 us
@@ -196,7 +199,8 @@ class CopyEngineSchedule:
             lanes = put_lanes(self.world)
         if not isinstance(lanes, int) or lanes < 1:
             raise ValueError(f"CopyEngineSchedule: lanes must be an int >= 1, got {lanes!r}")
-        self.lanes = self.lanes_made = lanes  # streams per peer: those a call uses, those made here
+        self.lanes = lanes  # put streams per peer a call uses
+        self.lanes_made = max(lanes, put_lanes(self.world, LANES_MADE))
         self.replay = replay
         self.graphs = GraphCache()
         self.replays = 0  # calls that replayed captured side work
@@ -210,20 +214,22 @@ class CopyEngineSchedule:
             torch.cuda.synchronize(device)
         with torch.cuda.device(device):
             lo, hi = torch.cuda.Stream.priority_range()
-            self.put = {p: [torch.cuda.Stream(device=device) for _ in range(lanes)] for p in self.peers}
+            self.put = {p: [torch.cuda.Stream(device=device) for _ in range(self.lanes_made)] for p in self.peers}
             self.reduce = torch.cuda.Stream(device=device, priority=hi)  # reduce CTAs ahead of waiting GEMM CTAs
             self.assemble = torch.cuda.Stream(device=device)
             self.begin_event = torch.cuda.Event()
             self.gemm_event = torch.cuda.Event()
             self.reduced = [torch.cuda.Event() for _ in range(layout.MAX_CHUNKS)]
-            self.done = {s: torch.cuda.Event() for s in self._side_streams()}
+            self.done = {s: torch.cuda.Event() for s in self._side_streams(every=True)}
             self.launch = torch.cuda.Stream(device=device)  # replays of the captured side work
             self.capture = torch.cuda.Stream(device=device)
             self.launched = torch.cuda.Event()
             self.fork = torch.cuda.Event()
 
-    def _side_streams(self):
-        return [*(s for lanes in self.put.values() for s in lanes), self.reduce, self.assemble]
+    def _side_streams(self, every: bool = False):
+        """The streams a call uses (``every``: also the put streams beyond ``lanes``)."""
+        used = self.lanes_made if every else self.lanes
+        return [*(s for lanes in self.put.values() for s in lanes[:used]), self.reduce, self.assemble]
 
     @staticmethod
     def _addr(words: torch.Tensor, index: int) -> int:
@@ -300,9 +306,9 @@ class CopyEngineSchedule:
         for s in self._side_streams():
             s.wait_event(gate)
         self._enqueue(plan, out, submission_order(plan.chunks, scatters_first=scatters_first), reduced_in_gemm)
-        for s, ev in self.done.items():
-            ev.record(s)
-            origin.wait_event(ev)
+        for s in self._side_streams():
+            self.done[s].record(s)
+            origin.wait_event(self.done[s])
 
     def _graph(self, plan, out, variant):
         """The captured side work of this call, captured now if its key was seen before; None: enqueue it."""

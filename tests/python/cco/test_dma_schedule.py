@@ -149,7 +149,8 @@ def test_reduce_stream_and_peer_flags(monkeypatch, in_gemm, flag_by_copy, lanes)
               reduced_in_gemm=in_gemm)
     assert plan.chunks == 4
     reduce = [op[1:] for op in log.ops if op[0] == sched.reduce.name]
-    puts = [[op[1:] for op in log.ops if op[0] == s.name] for s in sched.put[peer]]
+    puts = [[op[1:] for op in log.ops if op[0] == s.name] for s in sched.put[peer][:lanes]]
+    assert not any(op[0] == s.name for s in sched.put[peer][lanes:] for op in log.ops)  # made, unused
     peer_scatter = window.words(sched.cfg.window.scatter_flags, rank=peer)
     peer_gather = window.words(sched.cfg.window.gather_flags, rank=peer)
     stamp = ("copy", _addr(window.words(sched.cfg.window.scatter_m, rank=peer), RANK), sched.stamp.data_ptr(), 8)
@@ -193,9 +194,11 @@ def test_lanes_per_peer_and_their_bounds(monkeypatch):
     """Two put streams in all, at least one per peer; a call cannot use more lanes than were made."""
     from cco.cuda import dma
 
-    assert [dma.put_lanes(w) for w in (1, 2, 3, 4, 8)] == [2, 2, 1, 1, 1]
+    assert [dma.put_lanes(w, 2) for w in (1, 2, 3, 4, 8)] == [2, 2, 1, 1, 1]
+    assert dma.put_lanes(2, 1) == 1
     sched, plan, _ = _schedule(monkeypatch, _Log(), gather="bf16", lanes=None)
-    assert sched.lanes == dma.put_lanes(WORLD) and all(len(s) == sched.lanes for s in sched.put.values())
+    assert sched.lanes == dma.put_lanes(WORLD)
+    assert all(len(s) == max(sched.lanes, dma.put_lanes(WORLD, dma.LANES_MADE)) for s in sched.put.values())
     sched.lanes = sched.lanes_made + 1
     with pytest.raises(ValueError, match="lanes=3"):
         sched.run(plan, torch.zeros(M, 1024, dtype=torch.bfloat16), after_gemm=False)
