@@ -36,9 +36,9 @@ Alternatives of the fused copy-engine path, named only in a comma list (not in `
     fused-flag-write, fused-fp8-flag-write
                       a peer's flag is set by a stream write-value into its memory instead of an
                       8-byte copy queued behind the data (``cco.cuda.dma.FLAG_BY_COPY``)
-    fused-one-lane, fused-fp8-one-lane
-                      one put stream per peer carries every copy instead of two taking the steps in
-                      turn (``cco.cuda.dma.PUT_LANES``)
+    fused-two-lanes, fused-fp8-two-lanes
+                      two put streams per peer take the copy steps in turn instead of one carrying
+                      them all (``cco.cuda.dma.PUT_LANES``)
     fused-8-chunks, fused-fp8-8-chunks
                       8 row chunks per call whatever ``--chunks`` says
     fused-taper, fused-fp8-taper
@@ -87,8 +87,8 @@ OP_ARMS = {"split": ("split", "dma", "bf16", {}), "fused": ("fused", "dma", "bf1
            "fused-fp8-reduce-in-gemm": ("fused", "dma", "fp8", {"dma_reduce_in_gemm": True}),
            "fused-flag-write": ("fused", "dma", "bf16", {"schedule.flag_by_copy": False}),
            "fused-fp8-flag-write": ("fused", "dma", "fp8", {"schedule.flag_by_copy": False}),
-           "fused-one-lane": ("fused", "dma", "bf16", {"schedule.lanes": 1}),
-           "fused-fp8-one-lane": ("fused", "dma", "fp8", {"schedule.lanes": 1}),
+           "fused-two-lanes": ("fused", "dma", "bf16", {"schedule.lanes": 2}),
+           "fused-fp8-two-lanes": ("fused", "dma", "fp8", {"schedule.lanes": 2}),
            "fused-8-chunks": ("fused", "dma", "bf16", {"chunks": 8}),
            "fused-fp8-8-chunks": ("fused", "dma", "fp8", {"chunks": 8}),
            "fused-taper": ("fused", "dma", "bf16", {"chunks": TAPER}),

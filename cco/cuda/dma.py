@@ -8,7 +8,7 @@ One call on rank r (W ranks, C chunks; ``p`` ranges over peers, ``c`` over chunk
                 order; counters[d, c] += 1 per layout tile) | join
     put[p][l] : copies in the order S0 S1 G0 S2 G1 ... G(C-1), or S0 .. S(C-1) G0 .. G(C-1) behind a
                 GEMM that computes every peer's tiles first (see submission_order), dealt in turn to
-                the peer's ``lanes`` streams l, where
+                the peer's ``lanes`` streams l (one by default), where
                 S c = wait counters[p,c] >= T_c ; (a lane's first S: copy stamp -> peer.scatter_m[r])
                       copy partial[p][rows c] -> peer.recv[r][rows c] ; set peer.scatter_flags[r,c]
                 G c = wait red[c] ; copy gather[r][rows c] (+ scales) -> peer.gather[r][rows c]
@@ -29,12 +29,13 @@ SM spins, so nothing here can starve the GEMM of multiprocessors (the one-warp s
 "Set" a peer's flag is a write of ``FLAG_SET`` into its memory or (``flag_by_copy``) an 8-byte
 copy of a local word holding it, queued on the copy engine behind the data (``FLAG_BY_COPY``).
 
-Lanes (``PUT_LANES``): each step of a stream (its wait, the copy engine's start, the flag) leaves
-the link idle for ~15 us between one copy and the next; with two streams per peer taking the steps
-in turn, one lane's copy fills the other's gap. With more peers their streams fill each other's
-gaps, so a peer gets ``ceil(PUT_LANES / peers)`` lanes: two with one peer, one from two peers on. Every flag still follows its own data on its lane,
-and each lane copies the stamp before its first flag, so a peer that sees any flag of the call also
-sees the call's stamp.
+Lanes (``PUT_LANES``, 1 by default until measured on two GPUs): each step of a stream (its wait,
+the copy engine's start, the flag) leaves the link idle for ~15 us between one copy and the next;
+with two streams per peer taking the steps in turn, one lane's copy fills the other's gap. With
+more peers their streams fill each other's gaps, so a peer gets ``ceil(PUT_LANES / peers)`` lanes
+(at 2: two with one peer, one from two peers on). Every flag still follows its own data on its
+lane, and each lane copies the stamp before its first flag, so a peer that sees any flag of the
+call also sees the call's stamp.
 
 Graph safety: a wait's value is baked into a captured graph, so a monotonic word would satisfy a
 replayed wait at once. Each word therefore has exactly one waiter and is back at zero before the
@@ -79,8 +80,8 @@ GRAPH_CACHE = 8  # captured side-work graphs kept per op (least recently used dr
 # 835.7 us at 16384x7168 on 2 H200 (docs/BENCHMARKS.md)
 FLAG_BY_COPY = True
 # put streams per rank that take the put steps in turn, at least one per peer (module note, "Lanes";
-# docs/BENCHMARKS.md)
-PUT_LANES = 2
+# docs/BENCHMARKS.md). 1 until two GPUs measure 2 (one GPU did: steps-2-lanes of scripts/bench_link)
+PUT_LANES = 1
 
 
 LANES_MADE = 2  # put streams per rank a schedule makes (a call may use fewer: the benchmark's arms)

@@ -157,7 +157,7 @@ ARMS = (("gemm-only", "bf16", None), ("split", "bf16", "dma"), ("fused", "bf16",
         ("fused", "bf16", "dma-alt"), ("fused", "fp8", "dma-alt"))
 # "dma-alt": the copy engines with the other setting of each knob of cco.backends.cuda / cco.cuda.dma,
 # and chunks of unequal sizes: transport -> (real transport, backend overrides, op options)
-ALTERNATIVES = {"dma-alt": ("dma", {"dma_reduce_in_gemm": True, "schedule.flag_by_copy": False, "schedule.lanes": 1},
+ALTERNATIVES = {"dma-alt": ("dma", {"dma_reduce_in_gemm": True, "schedule.flag_by_copy": False, "schedule.lanes": 2},
                             {"chunks": (1, 2, 2, 1)})}
 AUTO_LSA_ROWS = 256  # transport="auto" in this test: lsa up to 256 rows, copy engines above
 
