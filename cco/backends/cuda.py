@@ -17,8 +17,9 @@ The weight arrives in the gfx950 bpreshuffle layout; the Triton kernel reads row
 so the backend keeps the unshuffled copy of the last weights it saw (keyed by storage and version:
 an in-place update of the weight is noticed).
 
-Deviation from the protocol text of ``cco.backends.base``: every counter and flag has one waiter, and
-that waiter zeroes it after its wait, and the counters are zeroed at each call's start. A stream
+Deviation from the protocol text of ``cco.backends.base``: every counter and flag has one waiter; the
+counters are zeroed at each call's start (on the main stream, before the GEMM and every side stream)
+and each flag by its waiter after its wait. A stream
 wait's target is baked into a captured CUDA graph, so monotonic words would let a replayed wait pass
 at once; consumed words keep every replay correct. A set flag is 1, not the call's seq; the call's
 (seq, M) stamp travels through a device word, so the copy-engine side work of a call can be captured
