@@ -31,3 +31,19 @@ def test_override_sets_dotted_paths_and_refuses_unknown_knobs():
     for bad in ("dma_reduce_in_gem", "schedule.flag_by_cpy"):
         with pytest.raises(AttributeError, match=bad):
             override(backend, {bad: True}, what="arm")
+
+
+def test_every_alternative_arm_is_selectable_and_its_chunks_build():
+    """An alternative arm named in a comma list runs; a "chunks" override is a valid op chunking."""
+    from cco import layout
+    from scripts.bench_gemm_ar import ALTERNATIVES, OP_ARMS
+
+    assert select_arms(",".join(ALTERNATIVES), "ptpc") == list(ALTERNATIVES)
+    assert {"fused-two-lanes", "fused-taper", "fused-8-chunks"} <= set(ALTERNATIVES)
+    for name in ALTERNATIVES:
+        overrides = OP_ARMS[name][3]
+        assert overrides, f"{name} overrides nothing: it would time the default"
+        if "chunks" in overrides:
+            cfg = layout.build_config(n=7168, k=2048, m_max=16384, world=2, chunks=overrides["chunks"],
+                                      block_m=128, block_n=128)
+            assert layout.call_chunks(cfg, 16384) == len(layout.chunk_weights(cfg))
