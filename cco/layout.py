@@ -300,7 +300,9 @@ def chunk_tiles(cfg: OpConfig, m: int) -> tuple[tuple[int, int], ...]:
     start the first put sooner and shorten what follows the GEMM's last tile."""
     tiles = padded_m(m, cfg.block_m) // cfg.block_m
     c = call_chunks(cfg, m)
-    weights = chunk_weights(cfg) if c == len(chunk_weights(cfg)) else (1,) * c
+    weights = chunk_weights(cfg)
+    if c < len(weights):  # fewer m-tiles than chunks: one chunk per tile
+        weights = (1,) * c
     total, cum, ends = sum(weights), 0, []
     for i, w in enumerate(weights):
         cum += w

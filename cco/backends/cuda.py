@@ -19,9 +19,9 @@ an in-place update of the weight is noticed).
 
 Deviation from the protocol text of ``cco.backends.base``: every counter and flag has one waiter; the
 counters are zeroed at each call's start (on the main stream, before the GEMM and every side stream)
-and each flag by its waiter after its wait. A stream
-wait's target is baked into a captured CUDA graph, so monotonic words would let a replayed wait pass
-at once; consumed words keep every replay correct. A set flag is 1, not the call's seq; the call's
+and each flag by its waiter after its wait. A stream wait's target is baked into a captured CUDA
+graph, so monotonic words would let a replayed wait pass at once; consumed words keep every replay
+correct. A set flag is 1, not the call's seq; the call's
 (seq, M) stamp travels through a device word, so the copy-engine side work of a call can be captured
 once and replayed by later eager calls (``cco.cuda.dma``: host time, not device time, bounds an eager
 call otherwise).

@@ -82,19 +82,17 @@ FLAG_BY_COPY = True
 # put streams per rank that take the put steps in turn, at least one per peer (module note, "Lanes";
 # docs/BENCHMARKS.md). 1 until two GPUs measure 2 (one GPU did: steps-2-lanes of scripts/bench_link)
 PUT_LANES = 1
-
-
 LANES_MADE = 2  # put streams per rank a schedule makes (a call may use fewer: the benchmark's arms)
-
-
-def put_lanes(world: int, lanes: int | None = None) -> int:
-    """Put streams per peer: ``lanes`` (default ``PUT_LANES``) streams in all, at least one per peer."""
-    return -(-(PUT_LANES if lanes is None else lanes) // max(1, world - 1))
 # Programs of the reduce and assemble kernels beside the fused GEMM. None: one program per row (and
 # the bf16 assemble on the driver's pitched copy). Fewer programs, striding the rows, leave the
 # GEMM more multiprocessors but put a slower reduce on the critical path: 32 measured 1103 us
 # against 833 us at 16384x7168 (docs/BENCHMARKS.md).
 SIDE_PROGRAMS: int | None = None
+
+
+def put_lanes(world: int, lanes: int | None = None) -> int:
+    """Put streams per peer: ``lanes`` (default ``PUT_LANES``) streams in all, at least one per peer."""
+    return -(-(PUT_LANES if lanes is None else lanes) // max(1, world - 1))
 
 
 class GraphCache:
