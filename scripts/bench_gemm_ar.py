@@ -42,8 +42,8 @@ Alternatives of the fused copy-engine path, named only in a comma list (not in `
     fused-8-chunks, fused-fp8-8-chunks
                       8 row chunks per call whatever ``--chunks`` says
     fused-taper, fused-fp8-taper
-                      8 row chunks, the first and last half as large as the others (``TAPER``): the
-                      first put starts sooner, less follows the GEMM's last tile
+                      8 row chunks, the first and last half as large as the others (``TAPER``), so
+                      that the first put can start sooner and less follows the GEMM's last tile
 
 Before timing: every op runs ``self_test()`` (bytes really move), and every arm's output is checked
 against the fp32 reference sum (relative L2 and element-wise), so a wrong or silent arm cannot post a
