@@ -78,6 +78,17 @@ def idle_check(device: int | None = None) -> dict:
     return {"available": True, "util_pct": util, "other_pids": others, "busy": util > 5 or bool(others)}
 
 
+def require_a_gpu_per_rank(comm, what: str) -> None:
+    """Refuse to time ranks that share a GPU: their bytes never cross a link, the GPU time-slices the
+    processes, and NCCL (a baseline) refuses them."""
+    from cco.window import ranks_share_a_device
+
+    if ranks_share_a_device(comm):
+        raise SystemExit(f"{what}: ranks share a GPU ({torch.cuda.device_count()} visible for {comm.world} ranks); "
+                         f"timings need one GPU per rank (tests/python/cco/test_cuda_op.py checks correctness on "
+                         f"a shared GPU)")
+
+
 def _rendezvous(group) -> None:
     import torch.distributed as dist
 
@@ -230,15 +241,18 @@ def budget_terms(problem) -> tuple[torch.Tensor, torch.Tensor]:
     return a @ b.t(), a.abs() @ b.abs().t()
 
 
-def allreduce_terms(local: torch.Tensor, dot_abs: torch.Tensor, group=None) -> tuple[torch.Tensor, ...]:
+def allreduce_terms(local: torch.Tensor, dot_abs: torch.Tensor, group=None, *,
+                    on_host: bool = False) -> tuple[torch.Tensor, ...]:
     """What :func:`allreduce_mismatches` takes, from this rank's :func:`budget_terms` (collective over
-    ``group``): the sums over ranks of the fp32 partials, of their absolute values and of ``dot_abs``."""
+    ``group``): the sums over ranks of the fp32 partials, of their absolute values and of ``dot_abs``.
+    ``on_host``: reduce copies on the CPU (gloo), for ranks that share a GPU, which NCCL refuses."""
     import torch.distributed as dist
 
-    terms = (local.clone(), local.abs(), dot_abs.clone())
+    terms = (local, local.abs(), dot_abs)
+    terms = tuple(t.to("cpu" if on_host else t.device, copy=True) for t in terms)
     for t in terms:
         dist.all_reduce(t, group=group)
-    return terms
+    return tuple(t.to(local.device) for t in terms)
 
 
 def gemm_mismatches(out: torch.Tensor, ref: torch.Tensor, dot_abs: torch.Tensor) -> int:
@@ -278,4 +292,4 @@ def tflops(m: int, n: int, k: int, us: float) -> float:
 
 
 __all__ = ["ArmTiming", "allreduce_mismatches", "allreduce_terms", "budget_terms", "gemm_mismatches", "idle_check",
-           "time_arms", "tflops"]
+           "require_a_gpu_per_rank", "time_arms", "tflops"]

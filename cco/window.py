@@ -5,6 +5,9 @@ can read and write.
   CPU path moves bytes between processes exactly as the GPU path moves them between devices. Files
   are unlinked as soon as every rank has mapped them: a crash leaves nothing behind.
 - :class:`SymmetricMemoryWindow` (CUDA and ROCm): torch symmetric memory, peer-mapped device memory.
+- :class:`IpcWindow` (CUDA): device memory shared through CUDA IPC handles, for ranks that share a GPU
+  (torch symmetric memory refuses them). The bytes then never cross a link, so such a job checks the
+  protocol, not the speed.
 
 Both are created collectively (every rank, same layout) and zero-filled before first use.
 """
@@ -162,8 +165,74 @@ class SymmetricMemoryWindow(Window):
         self._peers, self._handle, self._buf = [], None, None
 
 
+class _DevicePointer:
+    """A device byte range as a CUDA array (``torch.as_tensor`` then views it without a copy)."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+
+
+class IpcWindow(Window):
+    """CUDA window in device memory of its own (``cuMemAlloc``), mapped into every rank process through
+    CUDA IPC handles. Works when ranks share a GPU, where torch symmetric memory refuses."""
+
+    def __init__(self, *, comm, layout: WindowLayout):
+        super().__init__(comm=comm, layout=layout)
+        from cco.cuda.memops import ipc_export, ipc_open, mem_alloc
+
+        self._device = comm.device
+        nbytes = max(layout.nbytes, 1)
+        torch.cuda.synchronize(self._device)  # makes the device's primary context current for the driver
+        self._own = mem_alloc(nbytes)
+        self._opened: list[int] = []
+        try:
+            handles = comm.all_gather_object(ipc_export(self._own))
+            ptrs = []
+            for r, handle in enumerate(handles):
+                if r == self.rank:
+                    ptrs.append(self._own)
+                else:
+                    ptrs.append(ipc_open(handle))
+                    self._opened.append(ptrs[-1])
+        except BaseException:
+            self._release()
+            raise
+        self._peers = [torch.as_tensor(_DevicePointer(p, nbytes), device=self._device) for p in ptrs]
+        self._peers[self.rank].zero_()
+        torch.cuda.synchronize(self._device)
+        comm.barrier()
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def _raw(self, rank: int) -> torch.Tensor:
+        return self._peers[rank]
+
+    def _release(self) -> None:
+        from cco.cuda.memops import ipc_close, mem_free
+
+        self._peers = []
+        for ptr in self._opened:
+            ipc_close(ptr)
+        self._opened = []
+        if self._own is not None:
+            mem_free(self._own)
+            self._own = None
+
+
+def ranks_share_a_device(comm) -> bool:
+    """Whether two ranks of ``comm`` run on the same GPU of the same host."""
+    props = torch.cuda.get_device_properties(comm.device)
+    keys = comm.all_gather_object((platform.node(), str(getattr(props, "uuid", comm.device))))
+    return len(set(keys)) < len(keys)
+
+
 def open_window(*, comm, layout: WindowLayout) -> Window:
-    """The window kind for the communicator's device: shared memory on CPU, symmetric memory on GPU."""
+    """The window kind for the communicator's device: shared memory on CPU, symmetric memory on GPU,
+    CUDA IPC where ranks share an NVIDIA GPU."""
     if comm.device.type == "cpu":
         return ShmWindow(comm=comm, layout=layout)
+    if not getattr(torch.version, "hip", None) and ranks_share_a_device(comm):
+        return IpcWindow(comm=comm, layout=layout)
     return SymmetricMemoryWindow(comm=comm, layout=layout)

@@ -66,7 +66,7 @@ import torch.distributed as dist
 from cco import layout
 from cco import quant as Q
 from cco.benchmark import (allreduce_mismatches, allreduce_terms, budget_terms, gemm_mismatches, graphed, idle_check,
-                           override, tflops, time_arms)
+                           override, require_a_gpu_per_rank, tflops, time_arms)
 
 SWEEP_M = (2048, 4096, 8192, 16384, 32768)
 # cuBLAS arms accumulate like the Triton ptpc kernel (fp8 tensor-core accumulation, no promotion)
@@ -362,6 +362,7 @@ def main(argv=None):
 
     comm = Communicator.from_env()
     torch.cuda.set_device(comm.device)
+    require_a_gpu_per_rank(comm, "bench_gemm_ar")
     arms_wanted = select_arms(args.mode, args.quant)
     ms = SWEEP_M if args.sweep else (args.m,)
     results = []

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from cco import layout
-from cco.benchmark import graphed, idle_check, time_arms
+from cco.benchmark import graphed, idle_check, require_a_gpu_per_rank, time_arms
 
 
 @triton.jit
@@ -68,6 +68,7 @@ def main(argv=None):
 
     comm = Communicator.from_env()
     torch.cuda.set_device(comm.device)
+    require_a_gpu_per_rank(comm, "bench_link")
     rank, world = comm.rank, comm.world
     w = layout.window_layout(world=world, m_max_padded=args.rows, n_slice=args.cols, gather_dtype="bf16")
     window = open_window(comm=comm, layout=w)

@@ -7,6 +7,9 @@ the stream), and copies bytes with the copy engines (``cuMemcpyAsync`` / ``cuMem
 addresses of a symmetric window are ordinary unified addresses). All take an integer stream
 handle (``torch.cuda.Stream.cuda_stream``) and integer device addresses, and are captured into a
 CUDA graph like any other stream work. Every driver result is checked.
+
+The window of ranks that share a GPU (``cco.window.IpcWindow``) is allocated and mapped here too, with
+the driver's IPC calls.
 """
 
 from __future__ import annotations
@@ -69,6 +72,41 @@ def copy_2d(stream: int, *, dst: int, dst_pitch: int, src: int, src_pitch: int, 
     p.WidthInBytes = width
     p.Height = height
     _check(d.cuMemcpy2DAsync(p, d.CUstream(stream)), "cuMemcpy2DAsync")
+
+
+def mem_alloc(nbytes: int) -> int:
+    """``nbytes`` of device memory on the current context, outside torch's caching allocator (whose
+    blocks share one allocation, and whose expandable segments have no IPC handle)."""
+    d = _driver()
+    (ptr,) = _check(d.cuMemAlloc(nbytes), "cuMemAlloc")
+    return int(ptr)
+
+
+def mem_free(ptr: int) -> None:
+    d = _driver()
+    _check(d.cuMemFree(d.CUdeviceptr(ptr)), "cuMemFree")
+
+
+def ipc_export(ptr: int) -> bytes:
+    """The IPC handle of an allocation made by :func:`mem_alloc`, as bytes another process can open."""
+    d = _driver()
+    (handle,) = _check(d.cuIpcGetMemHandle(d.CUdeviceptr(ptr)), "cuIpcGetMemHandle")
+    return bytes(handle.reserved)
+
+
+def ipc_open(handle: bytes) -> int:
+    """Map another process's allocation (its :func:`ipc_export` bytes); the address it has here."""
+    d = _driver()
+    h = d.CUipcMemHandle()
+    h.reserved = handle
+    (ptr,) = _check(d.cuIpcOpenMemHandle(h, d.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
+                    "cuIpcOpenMemHandle")
+    return int(ptr)
+
+
+def ipc_close(ptr: int) -> None:
+    d = _driver()
+    _check(d.cuIpcCloseMemHandle(d.CUdeviceptr(ptr)), "cuIpcCloseMemHandle")
 
 
 def supports_mem_ops(device_index: int) -> str | None:
