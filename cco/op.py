@@ -17,7 +17,9 @@ owner, reduces the own tiles as the peers' tiles land and stores the results int
 ``transport="auto"`` (the CUDA default) takes that kernel at small M and the copy engines above.
 
 ``mode="split"`` runs the same GEMM and the same transfers one after the other (the baseline);
-``mode="gemm-only"`` returns the local partial without communication. mori's arm names
+``mode="gemm-only"`` returns the local partial without communication. With one rank (world 1) the
+all-reduce is the identity: ``fused`` and ``split`` calls run the plain GEMM into the output and touch
+no window (with ``gather_dtype="fp8"`` too: nothing is gathered, so nothing is rounded to fp8). mori's arm names
 (``gemm-only``, ``split-sdma``, ``fused-sdma``, ``split-lsa``, ``fused-lsa``) are accepted as modes.
 
 Contracts:
@@ -171,11 +173,14 @@ class GemmAllReduceOp:
         fn = f"{_FN}.__call__"
         m = self._check(a, b_pre, a_scale, b_scale, fn)
         out = torch.empty(m, self.config.n, dtype=torch.bfloat16, device=self.comm.device)
-        if self.config.mode == "gemm-only":
-            # the plan only supplies the tile walk: nothing is published, no seq is consumed
+        alone = self.world == 1 and self.config.mode != "gemm-only"
+        if self.config.mode == "gemm-only" or alone:
+            # the plan only supplies the tile walk: nothing is published. One rank: the all-reduce
+            # is the identity, so the plain GEMM writes ``out`` (a call all the same)
             plan = layout.plan_call(self.config, m=m, seq=self._seq + 1, rank=self.rank,
                                     counter_base=self._counter_base)
             self._backend.gemm(a, b_pre, a_scale, b_scale, out=out, plan=plan)
+            self._seq += alone
             return out
         run = self._backend.fused if self.config.mode == "fused" else self._backend.split
         self._collective(lambda plan: run(a, b_pre, a_scale, b_scale, out=out, plan=plan), m)

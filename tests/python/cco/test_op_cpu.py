@@ -85,6 +85,30 @@ def test_gemm_only_returns_the_local_partial():
         assert torch.equal(out, operands(rank, 64, 256, 256, "blockscale")[0].reference())
 
 
+def _alone(comm, quant, m, n, k):
+    p, b_pre = operands(comm.rank, m, n, k, quant)
+    got = {}
+    for mode, gather in (("fused", "bf16"), ("split", "fp8")):
+        with GemmAllReduceOp(comm, n=n, k=k, m_max=m, quant=quant, mode=mode, gather_dtype=gather) as op:
+            outs = [op(p.a, b_pre, p.a_scale, p.b_scale) for _ in range(2)]
+            w = op.config.window
+            untouched = all(not op.window.tensor(r, rank=0).view(torch.uint8).any() for r in (w.partial, w.counters))
+            got[mode] = (outs, op.calls, untouched)
+    return got
+
+
+def test_one_rank_runs_the_plain_gemm_and_leaves_the_window_alone():
+    """World 1: the all-reduce is the identity; the call is the GEMM into ``out`` (exact, even with
+    the fp8 gather asked for), counted as a call, with no window traffic."""
+    (got,) = check_outcomes(spawn(_alone, world=1, args=("mxfp8", 64, 256, 256), timeout_s=60))
+    ref = operands(0, 64, 256, 256, "mxfp8")[0].reference()
+    for mode, (outs, calls, untouched) in got.items():
+        assert calls == 2, mode
+        assert untouched, f"{mode}: a world-1 call wrote the window"
+        for out in outs:
+            assert torch.equal(out, ref), mode
+
+
 # --------------------------------------------------------------------------------------------------
 ALTERNATING_M = (64, 1, 130, 256, 17, 64, 200)
 
