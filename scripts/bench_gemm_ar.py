@@ -44,6 +44,8 @@ Alternatives of the fused copy-engine path, named only in a comma list (not in `
     fused-taper, fused-fp8-taper
                       8 row chunks, the first and last half as large as the others (``TAPER``), so
                       that the first put can start sooner and less follows the GEMM's last tile
+    fused-taper-two-lanes, fused-fp8-taper-two-lanes
+                      both of the above: eight steps per put stream leave more gaps to hide
 
 Before timing: every op runs ``self_test()`` (bytes really move), and every arm's output is checked
 against the fp32 reference sum (relative L2 and element-wise), so a wrong or silent arm cannot post a
@@ -92,7 +94,9 @@ OP_ARMS = {"split": ("split", "dma", "bf16", {}), "fused": ("fused", "dma", "bf1
            "fused-8-chunks": ("fused", "dma", "bf16", {"chunks": 8}),
            "fused-fp8-8-chunks": ("fused", "dma", "fp8", {"chunks": 8}),
            "fused-taper": ("fused", "dma", "bf16", {"chunks": TAPER}),
-           "fused-fp8-taper": ("fused", "dma", "fp8", {"chunks": TAPER})}
+           "fused-fp8-taper": ("fused", "dma", "fp8", {"chunks": TAPER}),
+           "fused-taper-two-lanes": ("fused", "dma", "bf16", {"chunks": TAPER, "schedule.lanes": 2}),
+           "fused-fp8-taper-two-lanes": ("fused", "dma", "fp8", {"chunks": TAPER, "schedule.lanes": 2})}
 ALTERNATIVES = tuple(name for name in OP_ARMS if name not in ARMS)  # named only in a comma list
 MORI_NAMES = {"gemm-only": ("gemm-only",), "split-sdma": ("split",), "fused-sdma": ("fused",),
               "fused-lsa": ("fused-lsa",)}
