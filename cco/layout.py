@@ -402,11 +402,17 @@ def plan_call(cfg: OpConfig, *, m: int, seq: int, rank: int,
     """The plan of call ``seq`` with ``m`` rows; ``counter_base`` is the previous plan's
     ``counter_targets`` (``zero_counters(world)`` for the first call)."""
     assert 1 <= m <= cfg.m_max and seq >= 1 and 0 <= rank < cfg.world
-    per_chunk = tiles_per_slot(cfg, m)
+    per_chunk, rows, tiles = _call_shape(cfg, m, rank)
     targets = tuple(
         tuple(base[c] + (per_chunk[c] if c < len(per_chunk) else 0) for c in range(MAX_CHUNKS))
         for base in counter_base
     )
     return CallPlan(seq=seq, m=m, padded_m=padded_m(m, cfg.block_m), rank=rank, chunks=len(per_chunk),
-                    rows=chunk_rows(cfg, m), counter_base=counter_base, counter_targets=targets,
-                    tiles=tile_table(cfg, m=m, rank=rank))
+                    rows=rows, counter_base=counter_base, counter_targets=targets, tiles=tiles)
+
+
+@functools.lru_cache(maxsize=TILE_TABLE_CACHE)
+def _call_shape(cfg: OpConfig, m: int, rank: int):
+    """What a call's plan takes from (config, M, rank) alone, built once: an eager call pays its
+    host time."""
+    return tiles_per_slot(cfg, m), chunk_rows(cfg, m), tile_table(cfg, m=m, rank=rank)
