@@ -1,5 +1,6 @@
 """NVIDIA backend: the Triton fp8 GEMM (``kernels_fused.triton_gemm``) and the copy-engine ``dma``
-transport (``cco.cuda.dma``) over a torch symmetric-memory window.
+transport (``cco.cuda.dma``) over a torch symmetric-memory window (a CUDA IPC window where ranks share
+a GPU: ``cco.window``).
 
 What runs where, per call (details and the stream diagram in ``cco.cuda.dma``):
 
