@@ -18,7 +18,8 @@ Window regions (one symmetric window per rank, same offsets on every rank)::
 
     header        int64 [HEADER_WORDS]             [HEADER_SEQ, HEADER_M]: seq and M of the last call this
                                                    rank started; [HEADER_LEFT]: seq of the last call it
-                                                   left (it reads nothing more of that call)
+                                                   left (it reads nothing more of that call); CPU
+                                                   backend only (GPU peers check a (seq, M) stamp)
     counters      int64 [W, MAX_CHUNKS]            tiles written per (dest, chunk), cumulative
     scatter_flags int64 [W(src), MAX_CHUNKS]       = seq once src's chunk has landed in recv[src]
     scatter_m     int64 [W(src)]                   M of src's call seq (checked before reducing)

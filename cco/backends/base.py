@@ -7,6 +7,8 @@ Interface changes (kept backward compatible once published):
   what their device-side protocol recorded (e.g. a peer's (seq, M) stamp that did not match).
 - v1.2 (2026-11-30): protocol step 6 (``header[LEFT]``, enter/leave ordering of calls that can fail
   part-way); a failed call still delivers the chunks it completed. No method changed.
+- v1.3 (2026-12-01): step 1's header words are written by backends whose peers read them (CPU);
+  the GPU backends' peers check the (seq, M) stamp of step 3 only. No method changed.
 
 Division of work. The op owns everything that is the same on every device: public validation
 (``cco.validate``), the layout (``cco.layout``: config, window regions, chunk rows, tile table,
@@ -17,7 +19,7 @@ deadlines, the cross-rank M check's bookkeeping, and ``self_test()`` orchestrati
 Protocol every backend follows (see ``cco.layout`` for the regions):
 
 1. ``header[SEQ, M] = (seq, m)`` (indices ``layout.HEADER_*``) in the own window, before any tile of
-   call ``seq`` is published.
+   call ``seq`` is published (CPU backend; no GPU peer reads these words, see v1.3).
 2. GEMM tiles go, in ``plan.tiles`` order, to ``partial[dest]`` (dma) or straight into
    ``recv[rank]`` of the owner ``dest`` (lsa); after a tile's stores are complete, one
    ``counters[dest, chunk] += 1`` (release). A chunk is complete at ``plan.target(dest, chunk)``.
