@@ -75,6 +75,9 @@ from cco.transport.base import stamp_seq_m
 _WORD = 8  # bytes of one int64 counter or flag
 FLAG_SET = 1  # a set scatter or gather flag (its one waiter zeroes it)
 GRAPH_CACHE = 8  # captured side-work graphs kept per op (least recently used dropped)
+# beyond the first GRAPH_CACHE captures, one more capture per this many replays: a working set of
+# keys larger than the cache would otherwise evict and recapture graphs call after call
+REPLAYS_PER_CAPTURE = 8
 # CUDA: a peer's flag set by an 8-byte copy from a local word holding FLAG_SET, queued on the copy
 # engine behind the data it announces, instead of a stream write-value into peer memory: 820.2 vs
 # 835.7 us at 16384x7168 on 2 H200 (docs/BENCHMARKS.md)
@@ -98,23 +101,33 @@ def put_lanes(world: int, lanes: int | None = None) -> int:
 class GraphCache:
     """Which calls replay captured side work: a key (M, ``out`` address and row stride, put order) is
     captured the second time it is seen (a one-off address never pays a capture), the ``size`` most
-    recently used graphs are kept."""
+    recently used graphs are kept, and past ``size`` captures a capture needs ``replays_per_capture``
+    replays since the last one (a working set larger than the cache then runs mostly eager instead
+    of recapturing what it just evicted)."""
 
-    def __init__(self, size: int = GRAPH_CACHE):
+    def __init__(self, size: int = GRAPH_CACHE, replays_per_capture: int = REPLAYS_PER_CAPTURE):
         self.size = size
+        self.replays_per_capture = replays_per_capture
         self.graphs: OrderedDict = OrderedDict()
         self.seen: OrderedDict = OrderedDict()
+        self.captures = self.replays = 0
+        self._credit = 0  # replays since the last capture
 
     def lookup(self, key):
         """(graph or None, whether to capture one now)."""
         graph = self.graphs.get(key)
         if graph is not None:
             self.graphs.move_to_end(key)
+            self.replays += 1
+            self._credit += 1
             return graph, False
-        if key in self.seen:
+        if key in self.seen and (self.captures < self.size or self._credit >= self.replays_per_capture):
             del self.seen[key]
+            self.captures += 1
+            self._credit = 0
             return None, True
         self.seen[key] = None
+        self.seen.move_to_end(key)
         while len(self.seen) > 4 * self.size:
             self.seen.popitem(last=False)
         return None, False

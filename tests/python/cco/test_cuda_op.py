@@ -114,7 +114,7 @@ def test_graph_cache_captures_at_the_second_sighting_and_keeps_the_recent():
     on, and only the most recently used keys keep a graph (the GPU run counts real replays)."""
     from cco.cuda.dma import GraphCache
 
-    cache = GraphCache(size=2)
+    cache = GraphCache(size=2, replays_per_capture=0)  # the capture budget: next test
     assert cache.lookup("a") == (None, False)  # first sighting: enqueue, no capture
     assert cache.lookup("a") == (None, True)  # second: capture now
     cache.store("a", "graph a")
@@ -128,6 +128,28 @@ def test_graph_cache_captures_at_the_second_sighting_and_keeps_the_recent():
     for i in range(100):  # one-off keys are forgotten, not hoarded
         cache.lookup(("once", i))
     assert len(cache.seen) <= 4 * cache.size and len(cache.graphs) == 2
+
+
+@pytest.mark.parametrize("keys", [4, 8, 12, 32])
+def test_graph_cache_does_not_recapture_a_working_set_larger_than_itself(keys):
+    """Keys cycling through the cache (a model's layers, each call a new ``out``): a working set that
+    fits is captured once and then only replayed; one that does not must not evict and recapture
+    graphs call after call (each capture costs far more host time than an eager call)."""
+    from cco.cuda.dma import GraphCache
+
+    cache = GraphCache(size=8, replays_per_capture=8)
+    cycles = 50
+    for _ in range(cycles):
+        for k in range(keys):
+            graph, capture = cache.lookup(k)
+            if capture:
+                cache.store(k, f"graph {k}")
+    calls = cycles * keys
+    if keys <= cache.size:
+        assert cache.captures == keys and cache.replays == calls - 2 * keys
+    else:
+        assert cache.captures <= cache.size + cache.replays // 8 + 1
+        assert cache.captures < calls // 8
 
 
 # --------------------------------------------------------------------------------------------------
