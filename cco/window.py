@@ -233,6 +233,9 @@ def open_window(*, comm, layout: WindowLayout) -> Window:
     CUDA IPC where ranks share an NVIDIA GPU."""
     if comm.device.type == "cpu":
         return ShmWindow(comm=comm, layout=layout)
-    if not getattr(torch.version, "hip", None) and ranks_share_a_device(comm):
+    if ranks_share_a_device(comm):
+        if getattr(torch.version, "hip", None):
+            raise RuntimeError(f"open_window: ranks share {comm.device}; on ROCm every rank needs a GPU of its own "
+                               f"(torch symmetric memory refuses ranks on one device)")
         return IpcWindow(comm=comm, layout=layout)
     return SymmetricMemoryWindow(comm=comm, layout=layout)
