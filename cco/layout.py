@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 
 MAX_CHUNKS = 8  # mori's knee: more chunks pay the fixed per-put cost (~2 us per SDMA put) more often
 DEFAULT_CHUNKS = 4  # untuned; enough to overlap all but the last quarter of the scatter
+TAPERED_CHUNKS = (1, 2, 2, 2, 2, 2, 2, 1)  # relative sizes: an early first put, a short tail (bench arms)
 DEFAULT_BLOCK_M = 64  # CPU tile; GPU backends pass their own tile via build_config(block_m=...)
 BLOCK_N_CHOICES = (128, 64, 32, 16)  # default block_n: the largest that divides n_slice
 HEADER_WORDS = 8

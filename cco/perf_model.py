@@ -16,8 +16,8 @@ It predicts, per ``(M, world, quant, gather)`` at N = 7168, K = 2048 per rank:
 2. Bytes each rank sends per direction: ``(W-1)/W x 2MN`` for the scatter plus the same for the
    gather, ``2(W-1)/W x 2MN`` in all for a bf16 partial (``link_bytes``); the fp8 gather sends one
    byte per element and one fp32 scale per row and 128 columns instead of two bytes.
-3. One copy-engine rate per GPU and direction, shared equally by the copies in flight on the W-1
-   put streams (one per peer), capped by NVLink's 450 GB/s per direction per GPU through NVSwitch:
+3. One copy-engine rate per GPU and direction, shared equally by the copies in flight on the
+   put streams (one per peer, or ``lanes`` per peer taking the copies in turn), capped by NVLink's 450 GB/s per direction per GPU through NVSwitch:
    the rate seen with one peer is assumed to hold with seven.
 4. Every step of the transport (a put, a reduce, an assemble) starts a fixed latency after its
    inputs are complete (stream waits on flags written by another stream or GPU, flag writes, copy
@@ -247,8 +247,9 @@ def fused_floor_us(m: int, world: int, *, quant: str = "ptpc", gather: str = "bf
 
 
 def fused_us(m: int, world: int, *, quant: str = "ptpc", gather: str = "bf16", cal: Calibration,
-             n: int = N, chunks: int = CHUNKS) -> float:
-    return simulate(m, world, quant=quant, gather=gather, cal=cal, n=n, chunks=chunks, overlap=True).end
+             n: int = N, chunks: int = CHUNKS, lanes: int = 1) -> float:
+    return simulate(m, world, quant=quant, gather=gather, cal=cal, n=n, chunks=chunks, overlap=True,
+                    lanes=lanes).end
 
 
 def split_us(m: int, world: int, *, quant: str = "ptpc", gather: str = "bf16", cal: Calibration,
@@ -292,15 +293,17 @@ class Timeline:
 
 
 def simulate(m: int, world: int, *, quant: str = "ptpc", gather: str = "bf16", cal: Calibration, n: int = N,
-             chunks: int = CHUNKS, overlap: bool = True, trace: list | None = None) -> Timeline:
+             chunks: int = CHUNKS, overlap: bool = True, lanes: int = 1, trace: list | None = None) -> Timeline:
     """Event simulation of one call on one rank. All ranks run the same timeline (the walk order only
     rotates which peer is served first), so what a rank receives arrives when what it sends leaves.
 
     Resources: the SMs, held by the GEMM except while reduce or assemble kernels run (those share the
     SMs among themselves); and the link, whose ``copy_gbs`` the copies in flight share equally. Every
     step (a put, a reduce, an assemble) starts ``step_latency_us`` after its inputs are complete.
-    ``overlap=False`` is the split mode: every put waits for the whole GEMM. ``trace``, if given, gets
-    ``(time, event)`` for every start and end."""
+    ``overlap=False`` is the split mode: every put waits for the whole GEMM. ``lanes``: put streams
+    per peer taking the copies in turn (``cco.cuda.dma.put_lanes``): one lane's latency runs while
+    another's copy moves. ``chunks``: a count or relative sizes (``cco.layout.chunk_tiles``).
+    ``trace``, if given, gets ``(time, event)`` for every start and end."""
     _check("world", world, tuple(range(2, 9)))
     cfg = layout.build_config(n=n, k=K, m_max=m, world=world, block_m=CUDA_BLOCK_M, chunks=chunks)
     rows = [r1 - r0 for r0, r1 in layout.chunk_rows(cfg, m)]
@@ -320,8 +323,10 @@ def simulate(m: int, world: int, *, quant: str = "ptpc", gather: str = "bf16", c
     lat = cal.step_latency_us
     eps = 1e-9
 
-    peers = range(world - 1)  # stream p serves the p-th destination of the walk; the own slice is last
-    queue = {p: put_stream_order(n_chunks) for p in peers}
+    # stream (d, l): lane l of the d-th destination of the walk (the own slice is last), every
+    # lanes-th copy of that destination's put order
+    peers = [(d, lane) for d in range(world - 1) for lane in range(lanes)]
+    queue = {(d, lane): put_stream_order(n_chunks)[lane::lanes] for d, lane in peers}
     starts_at = {}  # p -> time its head copy starts moving (in its latency)
     moving = {}  # p -> bytes left of its head copy
     kernels = {}  # "reduce" / "assemble" -> [chunk, us of whole-GPU work left]
@@ -352,7 +357,7 @@ def simulate(m: int, world: int, *, quant: str = "ptpc", gather: str = "bf16", c
         for p in peers:
             if p not in starts_at and p not in moving and queue[p]:
                 phase, c = queue[p][0]
-                if gemm_wrote(c, p) if phase == "scatter" else c in reduced:
+                if gemm_wrote(c, p[0]) if phase == "scatter" else c in reduced:
                     starts_at[p] = t + lat
                     first_put = t if first_put is None else first_put
         for kind in ("reduce", "assemble"):
@@ -402,13 +407,13 @@ def simulate(m: int, world: int, *, quant: str = "ptpc", gather: str = "bf16", c
                 del starts_at[p]
                 phase, c = queue[p][0]
                 moving[p] = slice_bytes(rows[c], n, world, dtype="bf16" if phase == "scatter" else gather)
-                _note(trace, t, f"{phase} {c} to peer {p} start")
+                _note(trace, t, f"{phase} {c} to peer {p[0]} start")
         for p, left in list(moving.items()):
             if left <= 1e-6:
                 del moving[p]
                 phase, c = queue[p].pop(0)
                 (scatters if phase == "scatter" else gathers)[c] += 1
-                _note(trace, t, f"{phase} {c} to peer {p} end")
+                _note(trace, t, f"{phase} {c} to peer {p[0]} end")
     return Timeline(end=t, gemm_end=gemm_end, first_put_start=first_put,
                     link_busy_us=link_busy, reduce_end=tuple(reduced[c] for c in range(n_chunks)),
                     assemble_end=tuple(assembled[c] for c in range(n_chunks)))

@@ -75,7 +75,7 @@ SWEEP_M = (2048, 4096, 8192, 16384, 32768)
 FAST_ACCUM = True
 ARMS = ("scaled_mm", "gemm-only", "scaled_mm+nccl", "symm_mem", "split", "fused", "fused-fp8", "fused-lsa",
         "fused-lsa-fp8")
-TAPER = (1, 2, 2, 2, 2, 2, 2, 1)  # the taper arms' relative chunk sizes
+TAPER = layout.TAPERED_CHUNKS  # the taper arms' relative chunk sizes
 # arm -> (mode, transport, gather dtype, overrides): "chunks" is the op's chunk count (else --chunks), every
 # other key a backend attribute (a dotted path, cco.benchmark.override)
 OP_ARMS = {"split": ("split", "dma", "bf16", {}), "fused": ("fused", "dma", "bf16", {}),

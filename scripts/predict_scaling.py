@@ -5,6 +5,7 @@ the 2x H200 measurements of docs/BENCHMARKS.md). These are predictions, not meas
     python -m scripts.predict_scaling --check              # the model against the 2-GPU figures
     python -m scripts.predict_scaling --sensitivity        # W=8 [16384, 7168] ratio if an assumption is off
     python -m scripts.predict_scaling --worlds 8 -m 16384 --no-plot
+    python -m scripts.predict_scaling --variants --worlds 2 -m 16384   # put lanes x chunk sizes
 
 The table: one row per (world, quant, M); times in us; ratios against ``scaled_mm+nccl`` (for
 blockscale the Triton blockscale GEMM + NCCL, as ``scripts/bench_gemm_ar.py`` runs it).
@@ -17,9 +18,14 @@ import json
 import os
 import sys
 
+from cco import layout
 from cco import perf_model as P
 
 SWEEP_M = (2048, 4096, 8192, 16384, 32768)
+TAPER = layout.TAPERED_CHUNKS  # the chunk sizes of scripts/bench_gemm_ar.py's taper arms
+# (label, chunks, put lanes): the copy-engine variants scripts/bench_gemm_ar.py has arms for
+VARIANTS = (("4 chunks", 4, 1), ("8 chunks", 8, 1), ("taper", TAPER, 1), ("two lanes", 4, 2),
+            ("8 chunks, two lanes", 8, 2), ("taper, two lanes", TAPER, 2))
 DEFAULT_PLOT = os.path.join("docs", "predicted_scaling_w8.png")
 
 
@@ -32,6 +38,8 @@ def parse_args(argv=None):
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--check", action="store_true", help="print the model against the 2-GPU measurements instead")
     p.add_argument("--sensitivity", action="store_true", help="print the W=8 ratio under changed assumptions instead")
+    p.add_argument("--variants", action="store_true",
+                   help="print fused and fused-fp8 per put-lane count and chunk sizes instead (ptpc)")
     p.add_argument("--json", default=None, help="also write the predictions here")
     return p.parse_args(argv)
 
@@ -72,6 +80,24 @@ def print_sensitivity(cal, file=None):
         print(f"  {name:68s} {bf16:5.3f}x  fp8 gather {fp8:5.3f}x", file=file)
 
 
+def print_variants(cal, worlds, ms, file=None):
+    file = file or sys.stdout
+    print("PREDICTED (not measured) fused / fused-fp8 per copy-engine variant (lanes: put streams per peer), "
+          "ptpc; ratios against "
+          "scaled_mm+nccl. The model walks the layout's chunk-major order (the CUDA launch computes every "
+          "peer's tiles first) and was calibrated with one lane and 4 chunks", file=file)
+    head = f"{'W':>2} {'M':>6} {'variant':22s} | {'fused':>8} {'fused-fp8':>9} | {'fused':>6} {'fp8':>6}"
+    print(head, file=file)
+    print("-" * len(head), file=file)
+    for w in worlds:
+        for m in ms:
+            base = P.baseline_us(m, w, cal=cal)
+            for label, chunks, lanes in VARIANTS:
+                bf16, fp8 = (P.fused_us(m, w, gather=g, cal=cal, chunks=chunks, lanes=lanes) for g in P.GATHERS)
+                print(f"{w:>2} {m:>6} {label:22s} | {bf16:8.1f} {fp8:9.1f} | {bf16 / base:5.3f}x {fp8 / base:5.3f}x",
+                      file=file)
+
+
 def plot(cal, path, *, world=8, ms=SWEEP_M):
     import matplotlib
 
@@ -107,6 +133,12 @@ def main(argv=None):
         return
     if args.sensitivity:
         print_sensitivity(cal)
+        return
+    if args.variants:
+        try:
+            print_variants(cal, args.worlds, args.m)
+        except ValueError as err:
+            raise SystemExit(f"predict_scaling: {err}") from None
         return
     try:
         preds = [P.predict(m, w, quant=q, cal=cal) for w in args.worlds for q in args.quant for m in args.m]

@@ -65,13 +65,26 @@ def test_fused_never_beats_its_floor_nor_loses_to_split(cal, world, quant, gathe
 
 
 @pytest.mark.parametrize("world", P.WORLDS)
-@pytest.mark.parametrize("chunks", (1, 4, 8))
-def test_simulated_link_moves_exactly_the_bytes_at_the_copy_rate(cal, world, chunks):
+@pytest.mark.parametrize("chunks, lanes", [(1, 1), (4, 1), (8, 1), (4, 2), ((1, 2, 2, 1), 2)])
+def test_simulated_link_moves_exactly_the_bytes_at_the_copy_rate(cal, world, chunks, lanes):
     for gather in P.GATHERS:
         for m in MS:
-            tl = P.simulate(m, world, gather=gather, cal=cal, chunks=chunks)
+            tl = P.simulate(m, world, gather=gather, cal=cal, chunks=chunks, lanes=lanes)
             moved = tl.link_busy_us * cal.copy_gbs * 1e3
             assert moved == pytest.approx(P.link_bytes(m, P.N, world, gather=gather), rel=1e-6)
+
+
+def test_a_second_lane_hides_the_step_latency_between_copies(cal):
+    """Eight chunks on one put stream pay the step latency between every two copies; with two lanes
+    one lane's latency runs while the other's copy moves, so the call gets faster, and more so the
+    longer the latency (at zero latency a lane has nothing to hide)."""
+    gains = []
+    for lat in (0.0, 10.0, 30.0):
+        c = cal.with_(step_latency_us=lat)
+        one, two = (P.fused_us(16384, 2, cal=c, chunks=8, lanes=lanes) for lanes in (1, 2))
+        gains.append(one - two)
+    assert gains[1] > 0 and gains[2] > gains[1]
+    assert abs(gains[0]) < gains[2]
 
 
 def test_timeline_order(cal):
@@ -219,6 +232,18 @@ def test_cli_prints_the_table_and_the_check(capsys):
     predict_scaling.main(["--check"])
     out = capsys.readouterr().out
     assert out.count("held out") == 16 + 1 and out.count("fitted") == 4
+
+
+def test_cli_prints_every_variant_with_the_model_s_own_figures(capsys):
+    from scripts import predict_scaling
+
+    predict_scaling.main(["--variants", "--worlds", "2", "-m", "16384"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.lstrip().startswith("2  16384")]
+    assert len(rows) == len(predict_scaling.VARIANTS)
+    cal = P.calibrate()
+    for row, (_, chunks, lanes) in zip(rows, predict_scaling.VARIANTS):
+        fused = float(row.split("|")[1].split()[0])
+        assert fused == pytest.approx(P.fused_us(16384, 2, cal=cal, chunks=chunks, lanes=lanes), abs=0.05)
 
 
 def test_cli_writes_the_plot(tmp_path):
