@@ -1,5 +1,5 @@
-"""The gemm-ar benchmark's arm selection (host only): mori's names, the lsa arms, refusals, and how
-the alternative arms switch backend knobs."""
+"""The gemm-ar benchmark's arm selection (host only): mori's names, the lsa arms, refusals, how
+the alternative arms switch backend knobs, and the refusal of ranks that share a GPU."""
 
 import pytest
 
@@ -47,3 +47,42 @@ def test_every_alternative_arm_is_selectable_and_its_chunks_build():
             cfg = layout.build_config(n=7168, k=2048, m_max=16384, world=2, chunks=overrides["chunks"],
                                       block_m=128, block_n=128)
             assert layout.call_chunks(cfg, 16384) == len(layout.chunk_weights(cfg))
+
+
+class _Comm:
+    """A stand-in communicator whose ranks report ``keys`` (host, GPU uuid)."""
+
+    def __init__(self, keys):
+        import torch
+
+        self.keys, self.world, self.device = keys, len(keys), torch.device("cuda", 0)
+
+    def all_gather_object(self, _):
+        return list(self.keys)
+
+
+@pytest.mark.parametrize("keys, shared", [
+    ([("h0", "gpu-a"), ("h0", "gpu-b")], False),
+    ([("h0", "gpu-a"), ("h1", "gpu-a")], False),  # same uuid string on two hosts: distinct GPUs
+    ([("h0", "gpu-a"), ("h0", "gpu-a")], True),
+    ([("h0", "gpu-a"), ("h0", "gpu-b"), ("h0", "gpu-a")], True),
+])
+def test_ranks_sharing_a_gpu_are_found_and_refused_by_the_benchmarks(monkeypatch, keys, shared):
+    """Ranks on one GPU get the IPC window (torch symmetric memory refuses them) and the benchmarks
+    refuse to time them: their bytes never cross a link."""
+    import types
+
+    import torch
+
+    from cco import window
+    from cco.benchmark import require_a_gpu_per_rank
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(uuid="unused"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    comm = _Comm(keys)
+    assert window.ranks_share_a_device(comm) is shared
+    if shared:
+        with pytest.raises(SystemExit, match="ranks share a GPU"):
+            require_a_gpu_per_rank(comm, "bench")
+    else:
+        require_a_gpu_per_rank(comm, "bench")
