@@ -15,7 +15,8 @@ flag, fails them there too), but the run says nothing about speed.
 Guards, per check:
 - every quant x mode (gemm-only, split, fused, fused with fp8 gather) x transport (dma, lsa, and
   auto switching between them; and dma with its alternatives: the own tiles reduced in the
-  GEMM's epilogue, flags set by a stream write-value) against the fp32 reference sum: a wrong
+  GEMM's epilogue, flags set by a stream write-value, two put lanes, chunks of unequal sizes,
+  eight of them) against the fp32 reference sum: a wrong
   scale, tile order, chunk row range or peer slot shows as element mismatches;
 - ``self_test()`` passes, and fails with a silent transport (flags released, no bytes moved), so
   the self-test can catch the trap it exists for;
@@ -37,6 +38,8 @@ import sys
 
 import pytest
 import torch
+
+from cco import layout
 
 M, N, K = 1000, 2048, 512  # M not a multiple of the 128-row tile on purpose
 REPEATS = 100
@@ -184,11 +187,14 @@ def _check(out, ref, *, quant: str, fp8_gather: bool, what: str):
 # (mode, gather, transport) checked per quant; the bf16 fused arms also get the repeat, graph and M checks
 ARMS = (("gemm-only", "bf16", None), ("split", "bf16", "dma"), ("fused", "bf16", "dma"), ("fused", "fp8", "dma"),
         ("fused", "bf16", "lsa"), ("fused", "fp8", "lsa"), ("fused", "bf16", "auto"),
-        ("fused", "bf16", "dma-alt"), ("fused", "fp8", "dma-alt"))
-# "dma-alt": the copy engines with the other setting of each knob of cco.backends.cuda / cco.cuda.dma,
-# and chunks of unequal sizes: transport -> (real transport, backend overrides, op options)
+        ("fused", "bf16", "dma-alt"), ("fused", "fp8", "dma-alt"), ("fused", "bf16", "dma-taper"),
+        ("fused", "fp8", "dma-taper"))
+# transport -> (real transport, backend overrides, op options). "dma-alt": the copy engines with the
+# other setting of each knob of cco.backends.cuda / cco.cuda.dma, and chunks of unequal sizes;
+# "dma-taper": the default knobs with two put lanes and the benchmark's taper (8 chunks)
 ALTERNATIVES = {"dma-alt": ("dma", {"dma_reduce_in_gemm": True, "schedule.flag_by_copy": False, "schedule.lanes": 2},
-                            {"chunks": (1, 2, 2, 1)})}
+                            {"chunks": (1, 2, 2, 1)}),
+                "dma-taper": ("dma", {"schedule.lanes": 2}, {"chunks": layout.TAPERED_CHUNKS})}
 AUTO_LSA_ROWS = 256  # transport="auto" in this test: lsa up to 256 rows, copy engines above
 
 
