@@ -19,8 +19,9 @@ owner, reduces the own tiles as the peers' tiles land and stores the results int
 ``mode="split"`` runs the same GEMM and the same transfers one after the other (the baseline);
 ``mode="gemm-only"`` returns the local partial without communication. With one rank (world 1) the
 all-reduce is the identity: ``fused`` and ``split`` calls run the plain GEMM into the output and touch
-no window (with ``gather_dtype="fp8"`` too: nothing is gathered, so nothing is rounded to fp8). mori's arm names
-(``gemm-only``, ``split-sdma``, ``fused-sdma``, ``split-lsa``, ``fused-lsa``) are accepted as modes.
+no window (with ``gather_dtype="fp8"`` too: nothing is gathered, so nothing is rounded to fp8).
+mori's arm names (``gemm-only``, ``split-sdma``, ``fused-sdma``, ``split-lsa``, ``fused-lsa``) are
+accepted as modes.
 
 Contracts:
 - Collective: every rank calls ``__call__`` (and ``self_test``) in the same order with the same M.
