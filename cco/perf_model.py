@@ -16,9 +16,10 @@ It predicts, per ``(M, world, quant, gather)`` at N = 7168, K = 2048 per rank:
 2. Bytes each rank sends per direction: ``(W-1)/W x 2MN`` for the scatter plus the same for the
    gather, ``2(W-1)/W x 2MN`` in all for a bf16 partial (``link_bytes``); the fp8 gather sends one
    byte per element and one fp32 scale per row and 128 columns instead of two bytes.
-3. One copy-engine rate per GPU and direction, shared equally by the copies in flight on the
-   put streams (one per peer, or ``lanes`` per peer taking the copies in turn), capped by NVLink's 450 GB/s per direction per GPU through NVSwitch:
-   the rate seen with one peer is assumed to hold with seven.
+3. One copy-engine rate per GPU and direction, shared equally by the copies in flight on the put
+   streams (one per peer, or ``lanes`` per peer taking the copies in turn), capped by NVLink's
+   450 GB/s per direction per GPU through NVSwitch: the rate seen with one peer is assumed to hold
+   with seven.
 4. Every step of the transport (a put, a reduce, an assemble) starts a fixed latency after its
    inputs are complete (stream waits on flags written by another stream or GPU, flag writes, copy
    setup). The latency holds neither the link nor the SMs: other peers' copies fill the link.

@@ -22,10 +22,9 @@ from cco import layout
 from cco import perf_model as P
 
 SWEEP_M = (2048, 4096, 8192, 16384, 32768)
-TAPER = layout.TAPERED_CHUNKS  # the chunk sizes of scripts/bench_gemm_ar.py's taper arms
 # (label, chunks, put lanes): the copy-engine variants scripts/bench_gemm_ar.py has arms for
-VARIANTS = (("4 chunks", 4, 1), ("8 chunks", 8, 1), ("taper", TAPER, 1), ("two lanes", 4, 2),
-            ("8 chunks, two lanes", 8, 2), ("taper, two lanes", TAPER, 2))
+VARIANTS = (("4 chunks", 4, 1), ("8 chunks", 8, 1), ("taper", layout.TAPERED_CHUNKS, 1), ("two lanes", 4, 2),
+            ("8 chunks, two lanes", 8, 2), ("taper, two lanes", layout.TAPERED_CHUNKS, 2))
 DEFAULT_PLOT = os.path.join("docs", "predicted_scaling_w8.png")
 
 
@@ -83,9 +82,8 @@ def print_sensitivity(cal, file=None):
 def print_variants(cal, worlds, ms, file=None):
     file = file or sys.stdout
     print("PREDICTED (not measured) fused / fused-fp8 per copy-engine variant (lanes: put streams per peer), "
-          "ptpc; ratios against "
-          "scaled_mm+nccl. The model walks the layout's chunk-major order (the CUDA launch computes every "
-          "peer's tiles first) and was calibrated with one lane and 4 chunks", file=file)
+          "ptpc; ratios against scaled_mm+nccl. The model walks the layout's chunk-major order (the CUDA "
+          "launch computes every peer's tiles first) and was calibrated with one lane and 4 chunks", file=file)
     head = f"{'W':>2} {'M':>6} {'variant':22s} | {'fused':>8} {'fused-fp8':>9} | {'fused':>6} {'fp8':>6}"
     print(head, file=file)
     print("-" * len(head), file=file)
