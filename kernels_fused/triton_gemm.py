@@ -430,7 +430,12 @@ def persistent_programs(device) -> int:
     programs run one after another: a waiting program would never see a later one's tile)."""
     if _interpreting():
         return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _multiprocessors(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count  # ~6 us: not per launch
 
 
 def fp8_gemm_lsa(a, b, a_scale, b_scale, *, quant: str, out: torch.Tensor, win: LsaWindow,

@@ -213,6 +213,7 @@ class CopyEngineSchedule:
         self.lanes = lanes  # put streams per peer a call uses
         self.lanes_made = max(lanes, put_lanes(self.world, LANES_MADE))
         self.replay = replay
+        self.main = None  # the stream of the call in progress (begin() sets it)
         self.graphs = GraphCache()
         self.replays = 0  # calls that replayed captured side work
         self.side_programs = SIDE_PROGRAMS
@@ -270,29 +271,31 @@ class CopyEngineSchedule:
         """The call's (seq, M) stamp word, on the current stream. Peers check the stamp (copied into
         their ``scatter_m``) and never read the header, so its (seq, m) words stay unwritten here:
         every stream write-value on the main stream delays the GEMM's start."""
-        main = torch.cuda.current_stream()
+        main = self.main = torch.cuda.current_stream()  # run() joins into it (~7 us to ask again)
         self._write(main, self.stamp.data_ptr(), stamp_seq_m(plan.seq, plan.m))
-        self.begin_event.record()
+        self.begin_event.record(main)
 
     def set_counters(self, plan: layout.CallPlan) -> None:
         """Bring this call's counters to their targets without a GEMM (``all_reduce_window``)."""
-        main = torch.cuda.current_stream()
+        main = self.main
         for d in range(self.world):
             for c in range(plan.chunks):
                 self._write(main, self._addr(self.counters, layout.counter_index(d, c)), self._tiles(plan, d, c))
-        self.begin_event.record()
+        self.begin_event.record(main)
 
     def run(self, plan: layout.CallPlan, out: torch.Tensor, *, after_gemm: bool, scatters_first: bool = False,
             reduced_in_gemm: bool = False) -> None:
-        """Enqueue steps 3-5 of call ``plan`` and join them into the current stream.
+        """Enqueue steps 3-5 of call ``plan`` and join them into the stream :meth:`begin` ran on.
 
         ``after_gemm=True`` (split mode, self-test): every side stream first waits for the whole
-        GEMM (an event recorded now on the current stream); otherwise the puts start as the
+        GEMM (an event recorded now on that stream); otherwise the puts start as the
         counters complete, while the GEMM is still running. ``scatters_first``: see
         :func:`submission_order`. ``reduced_in_gemm``: the GEMM reduces its own tiles itself
         (``kernels_fused.triton_gemm.ReduceEpilogue``); the reduce stream only waits for them and
         resets the words they read."""
-        main = torch.cuda.current_stream()
+        main = self.main
+        if main is None:
+            raise RuntimeError("CopyEngineSchedule.run: call begin() first (it records the call's start)")
         gate = self.begin_event
         if after_gemm:
             self.gemm_event.record(main)
@@ -307,8 +310,11 @@ class CopyEngineSchedule:
             return
         self.replays += 1
         self.launch.wait_event(gate)
-        with torch.cuda.stream(self.launch):
-            graph.replay()
+        if hasattr(graph, "raw_cuda_graph_exec"):
+            self.memops.graph_launch(graph.raw_cuda_graph_exec(), self.launch.cuda_stream)
+        else:  # a torch without raw_cuda_graph_exec
+            with torch.cuda.stream(self.launch):
+                graph.replay()
         self.launched.record(self.launch)
         main.wait_event(self.launched)
 

@@ -145,6 +145,7 @@ def test_reduce_stream_and_peer_flags(monkeypatch, in_gemm, flag_by_copy, lanes)
     sched, plan, window = _schedule(monkeypatch, log, gather="bf16", lanes=lanes)
     sched.flag_by_copy = flag_by_copy
     peer = 1 - RANK
+    sched.begin(plan)
     sched.run(plan, torch.zeros(M, 1024, dtype=torch.bfloat16), after_gemm=False, scatters_first=True,
               reduced_in_gemm=in_gemm)
     assert plan.chunks == 4
@@ -200,6 +201,7 @@ def test_lanes_per_peer_and_their_bounds(monkeypatch):
     assert sched.lanes == dma.put_lanes(WORLD)
     assert all(len(s) == max(sched.lanes, dma.put_lanes(WORLD, dma.LANES_MADE)) for s in sched.put.values())
     sched.lanes = sched.lanes_made + 1
+    sched.begin(plan)
     with pytest.raises(ValueError, match="lanes=3"):
         sched.run(plan, torch.zeros(M, 1024, dtype=torch.bfloat16), after_gemm=False)
     with pytest.raises(ValueError, match="lanes must be an int >= 1"):
