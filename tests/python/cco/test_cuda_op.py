@@ -1,10 +1,11 @@
-"""The op on NVIDIA GPUs: Triton GEMM, copy-engine and lsa transports, world 2, under torchrun.
+"""The op on NVIDIA GPUs: Triton GEMM, copy-engine and lsa transports, at the world torchrun starts.
 
 The GPU checks run in rank processes started by torchrun; the pytest test launches them when the
 machine has an NVIDIA GPU and is skipped (with the reason) elsewhere. One host test (no GPU)
 replays the transport's submission order on in-order queues. Run the GPU part by hand with::
 
     torchrun --nproc-per-node 2 -m tests.python.cco.test_cuda_op
+    torchrun --nproc-per-node 4 -m tests.python.cco.test_cuda_op --quant ptpc   # any world; per format
 
 With two GPUs each rank has its own and the bytes cross the link. With one, both ranks share it
 through a CUDA IPC window (``cco.window.IpcWindow``): the GPU time-slices the two processes, each
@@ -223,7 +224,7 @@ def _fused_into(op, prob, b_pre, out):
                    prob.a.shape[0])
 
 
-def rank_main():
+def rank_main(quants=None):
     from cco import quant as Q
     from cco.benchmark import budget_terms, override
     from cco.comm import Communicator
@@ -241,7 +242,7 @@ def rank_main():
         else "one GPU per rank (symmetric-memory window)")
 
     failures = []
-    for quant in Q.QUANTS:
+    for quant in quants or Q.QUANTS:
         probs, b_pre = _problems(rank, quant, M, dev)
         refs = [_reference_sum(p) for p in probs]
         local = budget_terms(probs[0])
@@ -367,7 +368,15 @@ def _alternating_m(comm, op, quant, b_pre, probs, log):
 
 
 if __name__ == "__main__":
-    rank_main()
+    import argparse
+
+    from cco.quant import QUANTS
+
+    ap = argparse.ArgumentParser(description="the GPU checks of this module, on the ranks torchrun starts")
+    ap.add_argument("--quant", action="append", choices=QUANTS,
+                    help="run only this quant format (repeatable; default: all): 4 ranks on one GPU "
+                         "take more than 5 minutes per format")
+    rank_main(ap.parse_args().quant)
 
 
 def test_auto_transport_picks_lsa_below_the_threshold_and_self_tests_both_paths():
