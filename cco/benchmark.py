@@ -230,6 +230,35 @@ def override(obj, overrides: dict, *, what: str = "override") -> None:
         setattr(owner, attr, value)
 
 
+def cublas_gemm(quant: str, b: torch.Tensor, b_scale: torch.Tensor, *, fast_accum: bool = True):
+    """``fn(a, a_scale) -> bf16 [M, N]``: ``quant``'s GEMM through ``torch._scaled_mm`` (cuBLAS) as a
+    model calls it today, the weight's arguments prepared once; ``(None, why)`` where there is none.
+
+    ptpc: row-wise scales, ``use_fast_accum`` as given (fast accumulation is how the Triton kernel
+    accumulates by default). blockscale: cuBLAS's blockwise recipe, A scaled per row and 128 columns
+    ([M, K/128], M-major, as ``cco.quant`` keeps it), B per 128x128 block. mxfp8: none before
+    Blackwell (cuBLAS has no e8m0 block scaling on Hopper). A torch without the blockwise recipe is
+    found by one small call, so an arm is dropped with the reason instead of failing mid-run."""
+    b_t = b.t()  # [K, N] column-major
+    if quant == "ptpc":
+        b_row = b_scale.reshape(1, -1).float()
+        return (lambda a, a_scale: torch._scaled_mm(a, b_t, scale_a=a_scale.reshape(-1, 1).float(), scale_b=b_row,
+                                                    out_dtype=torch.bfloat16, use_fast_accum=fast_accum)), None
+    if quant != "blockscale":
+        return None, f"cuBLAS has no {quant} recipe on this GPU (no e8m0 block scaling before Blackwell)"
+    b_blocks = b_scale.t()  # cuBLAS reads B's [N/128, K/128] blocks as the transpose of its [K, N] operand's
+
+    def fn(a, a_scale):
+        return torch._scaled_mm(a, b_t, scale_a=a_scale, scale_b=b_blocks, out_dtype=torch.bfloat16)
+
+    try:
+        fn(torch.zeros(128, b.shape[1], dtype=b.dtype, device=b.device),
+           torch.ones(b.shape[1] // 128, 128, device=b.device).t())
+    except (RuntimeError, NotImplementedError, ValueError) as err:
+        return None, f"torch {torch.__version__} has no blockwise _scaled_mm here: {str(err).splitlines()[0]}"
+    return fn, None
+
+
 def budget_terms(problem) -> tuple[torch.Tensor, torch.Tensor]:
     """``(A @ B.T, |A| @ |B|.T)`` in fp32 of a :class:`cco.quant.Problem`'s dequantized operands: the
     reference and the cancellation term that :func:`gemm_mismatches` and :func:`allreduce_mismatches`

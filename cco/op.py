@@ -108,12 +108,12 @@ class GemmAllReduceOp:
         self.comm = comm
         self._closed = True
         backend_cls = select_backend(comm.device)
+        block_m, block_n = backend_cls.tile(quant)
         try:
             self.config = layout.build_config(
                 n=n, k=k, m_max=m_max, world=comm.world, quant=quant, mode=mode, transport=transport,
                 gather_dtype=gather_dtype, chunks=backend_cls.default_chunks if chunks is None else chunks,
-                block_m=backend_cls.block_m, block_n=backend_cls.block_n,
-                default_transport=backend_cls.default_transport)
+                block_m=block_m, block_n=block_n, default_transport=backend_cls.default_transport)
         except ValueError as err:
             raise ValueError(f"{_FN}: {err}") from None
         if not deadline_s > 0:

@@ -28,7 +28,11 @@ Operand tiles arrive through TMA descriptors (``GemmConfig.tma``); how each quan
   the chain accumulates in the tensor cores' fp8 accumulator (cuBLAS ``use_fast_accum=True``);
   ``precise_acc`` promotes into fp32 every K step instead (427 us -> 549 us).
 * ``blockscale``: every K step's dot is scaled by ``a_s[m, kb] * b_s[n // 128, kb]`` and added to
-  the fp32 accumulator (759 us: the per-step multiply-add serializes the MMA chain).
+  the fp32 accumulator. Triton waits for each such dot before the multiply-add (its result is read
+  by more than the next dot), so within a program the tensor cores idle while the add runs; small
+  programs (64x128 tiles, one warp group, three per SM) let one program's MMAs run beside another's
+  adds: 588 us against 752 us for 128x128 tiles of two warp groups (one per SM), 0.68x of cuBLAS's
+  blockwise ``_scaled_mm`` (397 us).
 * ``mxfp8``: Hopper's tensor cores have no block-scaled fp8 MMA. Each K step multiplies the fp8
   tiles by their e8m0 group scales into bf16, which is exact (a 3-bit mantissa times a power of two
   fits bf16's 7 bits; only values below bf16's normal range, 2**-126, would round), and runs a bf16
@@ -84,11 +88,12 @@ class GemmConfig:
 
 # Hopper defaults of the tile-table kernels (fused, lsa), measured on H200 at 16384x7168x2048
 # (docs/BENCHMARKS.md): ptpc 128x256, 3 stages (427 us; 4 stages 433, 256x128 446, pointer loads 432);
-# blockscale adds a second accumulator for the per-step partial dot, so 128x128 (759 us; 128x256: 850
-# us); mxfp8 128x256 (1217 us; 128x128: 1567 us).
+# blockscale 64x128, 4 warps, 3 stages, so that three programs share an SM (588 us; 128x128 with 8
+# warps 752, 64x128 with 2 / 4 stages 717 / 674, 128x64 699, 64x64 817; the same order at M = 2048,
+# 4096 and 8192); mxfp8 128x256 (1220 us; 128x128: 1565 us, 64x128 with 4 warps: 1648 us).
 _HOPPER = {
     "ptpc": GemmConfig(block_m=128, block_n=256),
-    "blockscale": GemmConfig(block_m=128, block_n=128),
+    "blockscale": GemmConfig(block_m=64, block_n=128, num_warps=4),
     "mxfp8": GemmConfig(block_m=128, block_n=256),
 }
 # fuse=False: the persistent warp-specialized kernel where it measured faster than the grid one;

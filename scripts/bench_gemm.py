@@ -2,23 +2,26 @@
 
     python -m scripts.bench_gemm --quant ptpc -m 16384 -n 7168 -k 2048
     python -m scripts.bench_gemm --configs 128x256x3,128x256x4 --launch grid,ws,ticket,persistent
+    python -m scripts.bench_gemm --quant blockscale --configs 128x128x3,64x128x3x4 --graph
     python -m scripts.bench_gemm --epilogue --graph
 
 ``--epilogue`` times the fused copy-engine launch instead (``fuse=True``, the CUDA backend's tile
-table and config for rank 0 of 2): ``fused stored`` stores every tile into the window's partial
-region; ``fused reduce-bf16`` / ``fused reduce-fp8`` reduce the own tiles in the epilogue
-(``kernels_fused.triton_gemm.ReduceEpilogue``) with the peer's chunks already flagged (zeros, so
-the own columns of ``out`` must equal the GEMM's), which is what the epilogue costs the GEMM when
-it never waits.
+table and config for rank 0 of 2, or each ``--configs`` entry with the layout's m-tile set to its
+rows): ``fused stored`` stores every tile into the window's partial region; ``fused reduce-bf16`` /
+``fused reduce-fp8`` reduce the own tiles in the epilogue (``kernels_fused.triton_gemm.ReduceEpilogue``)
+with the peer's chunks already flagged (zeros, so the own columns of ``out`` must equal the GEMM's),
+which is what the epilogue costs the GEMM when it never waits.
 
-Arms: ``scaled_mm`` (cuBLAS, default accumulation) and ``scaled_mm-fast`` (``use_fast_accum=True``;
-ptpc only), then one Triton arm per ``--configs`` entry (``BMxBNxSTAGES``, 8 warps) and ``--launch``
-style (``GemmConfig.launch``: "grid" is the plain kernel, "ws" the persistent warp-specialized one;
-"ticket" and "persistent" run the lsa kernel on a world of one, which shows what its tile walk costs
-the GEMM). ``--configs default`` is the config ``fp8_gemm`` picks for ``fuse=False``, launch
-included. Every arm's output is checked against the fp32 reference first (``cco.benchmark.gemm_mismatches``); a wrong arm posts no time. Timing is
-``cco.benchmark.time_arms`` (arms alternate inside each pass, median over iterations, spread over
-passes); the last line is ``RESULT_JSON {...}``.
+Arms: ``scaled_mm`` (cuBLAS: ptpc with default accumulation, blockscale with its blockwise 1x128 /
+128x128 recipe; mxfp8 has no cuBLAS arm on Hopper) and ``scaled_mm-fast`` (``use_fast_accum=True``;
+ptpc only), then one Triton arm per ``--configs`` entry (``BMxBNxSTAGES[xWARPS]``, 8 warps unless
+given) and ``--launch`` style (``GemmConfig.launch``: "grid" is the plain kernel, "ws" the persistent
+warp-specialized one; "ticket" and "persistent" run the lsa kernel on a world of one, which shows
+what its tile walk costs the GEMM). ``--configs default`` is the config ``fp8_gemm`` picks for
+``fuse=False``, launch included. Every arm's output is checked against the fp32 reference first
+(``cco.benchmark.gemm_mismatches``); a wrong arm posts no time. Timing is ``cco.benchmark.time_arms``
+(arms alternate inside each pass, median over iterations, spread over passes); the last line is
+``RESULT_JSON {...}``.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ import time
 import torch
 
 from cco import quant as Q
-from cco.benchmark import allreduce_mismatches, budget_terms, gemm_mismatches, graphed, idle_check, tflops, time_arms
+from cco.benchmark import (allreduce_mismatches, budget_terms, cublas_gemm, gemm_mismatches, graphed, idle_check,
+                           tflops, time_arms)
 
 
 def parse_args(argv=None):
@@ -61,23 +65,40 @@ def triton_configs(spec: str, quant: str):
     configs = []
     for item in spec.split(","):
         try:
-            bm, bn, stages = (int(x) for x in item.lower().split("x"))
+            bm, bn, stages, *warps = (int(x) for x in item.lower().split("x"))
+            if len(warps) > 1:
+                raise ValueError
         except ValueError:
-            raise SystemExit(f"--configs: {item!r} is not BMxBNxSTAGES (e.g. 128x256x3)") from None
-        configs.append(GemmConfig(block_m=bm, block_n=bn, num_stages=stages))
+            raise SystemExit(f"--configs: {item!r} is not BMxBNxSTAGES[xWARPS] (e.g. 128x256x3, 64x128x3x4)") from None
+        configs.append(GemmConfig(block_m=bm, block_n=bn, num_stages=stages, num_warps=warps[0] if warps else 8))
     return configs
 
 
-def epilogue_arms(args, sets, dev):
-    """The ``--epilogue`` arms: name -> (call(i), check(output of call(0), ref, dot_abs) -> bad elements)."""
+def config_name(cfg) -> str:
+    """``BMxBNxSTAGES``, with `` wWARPS`` where the config has other than 8 warps."""
+    return f"{cfg.block_m}x{cfg.block_n}x{cfg.num_stages}" + ("" if cfg.num_warps == 8 else f" w{cfg.num_warps}")
+
+
+def epilogue_arms(args, sets, dev, kernel=None):
+    """The ``--epilogue`` arms: name -> (call(i), check(output of call(0), ref, dot_abs) -> bad elements).
+    ``kernel``: a GemmConfig to launch instead of the backend's (the layout's m-tile follows its rows;
+    the arms' names then carry it)."""
     from cco import layout
-    from cco.backends.cuda import GEMM_BLOCK_M, GEMM_BLOCK_N, fused_config, fused_table
+    from cco.backends.cuda import CudaBackend, fused_config, fused_table
     from kernels_fused.triton_gemm import ReduceEpilogue, fp8_gemm
 
     world, rank = 2, 0
+    block_m, block_n = CudaBackend.tile(args.quant) if kernel is None else (kernel.block_m, CudaBackend.block_n)
     cfg = layout.build_config(n=args.n, k=args.k, m_max=args.m, world=world, quant=args.quant,
-                              block_m=GEMM_BLOCK_M, block_n=GEMM_BLOCK_N)
-    gcfg, weight = fused_config(cfg)
+                              block_m=block_m, block_n=block_n)
+    if kernel is None:
+        gcfg, weight = fused_config(cfg)
+    elif kernel.block_n in (block_n, 2 * block_n) and cfg.n_slice % kernel.block_n == 0:
+        gcfg, weight = kernel, kernel.block_n // block_n
+    else:
+        raise SystemExit(f"--epilogue --configs: block_n={kernel.block_n} must be {block_n} or {2 * block_n} and "
+                         f"divide the column slice {cfg.n_slice}")
+    suffix = "" if kernel is None else f" {config_name(kernel)}"
     table = fused_table(cfg, m=args.m, rank=rank, dest_major=True, tile_weight=weight, device=dev)
     shape = (world, cfg.m_max_padded, cfg.n_slice)
     words = lambda n: torch.zeros(n, dtype=torch.int64, device=dev)  # noqa: E731
@@ -103,10 +124,10 @@ def epilogue_arms(args, sets, dev):
     def stored_bad(out, ref, dot_abs):
         return gemm_mismatches(out.permute(1, 0, 2).reshape(cfg.m_max_padded, args.n)[:args.m], ref, dot_abs)
 
-    arms = {"fused stored": (call, stored_bad)}
+    arms = {f"fused stored{suffix}": (call, stored_bad)}
     for gather in ("bf16", "fp8"):
         red = epilogue(gather == "fp8")
-        arms[f"fused reduce-{gather}"] = (
+        arms[f"fused reduce-{gather}{suffix}"] = (
             lambda i, red=red: call(i, red),
             lambda out, ref, dot_abs, fp8=gather == "fp8": allreduce_mismatches(
                 out[:, own], ref[:, own], ref[:, own].abs(), dot_abs[:, own], fp8_gather=fp8))
@@ -123,21 +144,24 @@ def main(argv=None):
     arms = {}
     checks = {}
     if args.epilogue:
-        for name, (run, check) in epilogue_arms(args, sets, dev).items():
-            arms[name], checks[name] = run, check
-    if args.quant == "ptpc" and not args.epilogue:
-        b_t, b_row = b.t(), b_s.reshape(1, -1).float()
-        a_col = [p.a_scale.reshape(-1, 1).float() for p in sets]
-        for name, fast in (("scaled_mm", False), ("scaled_mm-fast", True)):
-            arms[name] = (lambda i, fast=fast: torch._scaled_mm(sets[i].a, b_t, scale_a=a_col[i], scale_b=b_row,
-                                                                 out_dtype=torch.bfloat16, use_fast_accum=fast))
+        for kernel in [None] if args.configs == "default" else triton_configs(args.configs, args.quant):
+            for name, (run, check) in epilogue_arms(args, sets, dev, kernel).items():
+                arms[name], checks[name] = run, check
+    for name, fast in () if args.epilogue else (("scaled_mm", False), ("scaled_mm-fast", True)):
+        if fast and args.quant != "ptpc":
+            continue  # blockscale's blockwise recipe has no fast-accumulation variant
+        fn, why = cublas_gemm(args.quant, b, b_s, fast_accum=fast)
+        if fn is None:
+            print(f"no {name} arm: {why}")
+            continue
+        arms[name] = lambda i, fn=fn: fn(sets[i].a, sets[i].a_scale)
     launches = [x.strip() for x in args.launch.split(",")]
     if launches != ["default"] and not set(launches) <= {"grid", "ws", "ticket", "persistent"}:
         raise SystemExit(f"--launch {args.launch!r}: pick from grid, ws, ticket, persistent (or default)")
     for cfg in [] if args.epilogue else triton_configs(args.configs, args.quant):
         for launch in ([cfg.launch] if launches == ["default"] else launches):
             cfg_l = dataclasses.replace(cfg, launch=launch)
-            name = f"triton {cfg.block_m}x{cfg.block_n}x{cfg.num_stages} {launch}"
+            name = f"triton {config_name(cfg)} {launch}"
             arms[name] = (lambda i, cfg_l=cfg_l: fp8_gemm(sets[i].a, b, sets[i].a_scale, b_s, quant=args.quant,
                                                            config=cfg_l))
 

@@ -9,9 +9,10 @@ Arms (``--mode`` picks; ``all`` runs every one; mori's names are accepted: gemm-
 fused-sdma, fused-lsa; split-lsa is refused, it is not implemented on CUDA). The op's arms name their
 transport explicitly; the op's default, ``auto``, runs ``fused-lsa`` or ``fused`` by M:
 
-    scaled_mm         torch._scaled_mm alone (cuBLAS; ptpc only)              -- GEMM reference
+    scaled_mm         torch._scaled_mm alone (cuBLAS: ptpc rowwise, blockscale blockwise; none for
+                      mxfp8)                                                 -- GEMM reference
     gemm-only         the Triton GEMM alone (fuse=False)
-    scaled_mm+nccl    torch._scaled_mm + NCCL all_reduce (ptpc; other quants: the Triton GEMM + NCCL)
+    scaled_mm+nccl    torch._scaled_mm + NCCL all_reduce (mxfp8: the Triton GEMM + NCCL)
     symm_mem          torch symm-mem fused_scaled_matmul_reduce_scatter + NCCL all_gather (ptpc)
     split             GemmAllReduceOp(mode="split"): whole GEMM, then the copy-engine all-reduce
     fused             GemmAllReduceOp(mode="fused"): copy-engine puts on the GEMM's counters
@@ -67,8 +68,8 @@ import torch.distributed as dist
 
 from cco import layout
 from cco import quant as Q
-from cco.benchmark import (allreduce_mismatches, allreduce_terms, budget_terms, gemm_mismatches, graphed, idle_check,
-                           override, require_a_gpu_per_rank, tflops, time_arms)
+from cco.benchmark import (allreduce_mismatches, allreduce_terms, budget_terms, cublas_gemm, gemm_mismatches, graphed,
+                           idle_check, override, require_a_gpu_per_rank, tflops, time_arms)
 
 SWEEP_M = (2048, 4096, 8192, 16384, 32768)
 # cuBLAS arms accumulate like the Triton ptpc kernel (fp8 tensor-core accumulation, no promotion)
@@ -141,8 +142,10 @@ def select_arms(mode: str, quant: str) -> list[str]:
             else:
                 raise SystemExit(f"--mode {part!r} is not an arm; pick from all, baselines, {', '.join(ARMS)}, "
                                  f"{', '.join(ALTERNATIVES)}, {', '.join(MORI_NAMES)}")
-    if quant != "ptpc":  # cuBLAS / symm-mem rowwise scaling only
-        arms = [a for a in arms if a not in ("scaled_mm", "symm_mem")]
+    if quant != "ptpc":  # symm-mem's fused scaled matmul scales rows only
+        arms = [a for a in arms if a != "symm_mem"]
+    if quant == "mxfp8":  # cuBLAS has no e8m0 block scaling on Hopper (cco.benchmark.cublas_gemm)
+        arms = [a for a in arms if a != "scaled_mm"]
     return list(dict.fromkeys(arms))
 
 
@@ -164,6 +167,8 @@ class Problem:
         self.b_t = self.b.t()  # [K, N] column-major for _scaled_mm
         self.a_scale_col = [p.a_scale.reshape(m, 1).float() for p in self.sets] if quant == "ptpc" else None
         self.b_scale_row = self.b_scale.reshape(1, n).float() if quant == "ptpc" else None
+        # cuBLAS's GEMM for this quant (None where it has none: the baseline then runs the Triton GEMM)
+        self.cublas, self.no_cublas = cublas_gemm(quant, self.b, self.b_scale, fast_accum=FAST_ACCUM)
 
     def a(self, i):
         return self.sets[i].a, self.sets[i].a_scale
@@ -186,9 +191,7 @@ def build_arms(names, prob: Problem, comm, *, chunks, m_max):
     quant = prob.quant
 
     def scaled_mm(i):
-        a, _ = prob.a(i)
-        return torch._scaled_mm(a, prob.b_t, scale_a=prob.a_scale_col[i], scale_b=prob.b_scale_row,
-                                out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM)
+        return prob.cublas(*prob.a(i))
 
     def triton_gemm(i):
         a, a_s = prob.a(i)
@@ -196,11 +199,14 @@ def build_arms(names, prob: Problem, comm, *, chunks, m_max):
 
     for name in names:
         if name == "scaled_mm":
+            if prob.cublas is None:
+                print(f"no scaled_mm arm: {prob.no_cublas}")
+                continue
             arms[name] = scaled_mm
         elif name == "gemm-only":
             arms[name] = triton_gemm
         elif name == "scaled_mm+nccl":
-            local = scaled_mm if quant == "ptpc" else triton_gemm
+            local = triton_gemm if prob.cublas is None else scaled_mm
 
             def fn(i, local=local):
                 out = local(i)
@@ -289,6 +295,7 @@ def run_shape(args, comm, m, *, arms_wanted, m_max, progress=None) -> dict:
         trace(timed[args.trace_arm], args.trace, rank=rank)
     for op in ops.values():
         op.close()
+    baseline_gemm = "triton" if prob.cublas is None else "cublas"  # what scaled_mm+nccl's GEMM was
     del timed, arms, prob
     torch.cuda.empty_cache()
     base = "scaled_mm+nccl" if "scaled_mm+nccl" in timings else None
@@ -306,7 +313,7 @@ def run_shape(args, comm, m, *, arms_wanted, m_max, progress=None) -> dict:
             row["chunks"] = ops[name].config.chunks
         rows[name] = row
     return {"m": m, "n": args.n, "k": args.k, "quant": args.quant, "world": comm.world, "graph": args.graph,
-            "eager_arms": eager_arms,
+            "eager_arms": eager_arms, "baseline_gemm": baseline_gemm,
             "chunks": args.chunks or "backend default", "arms": rows, "correctness": correctness,
             "dropped_for_wrong_output": failed, "self_test": self_tests,
             "idle_before": idle_before, "idle_after": idle_after}

@@ -53,7 +53,8 @@ from cco.preshuffle import unshuffle_b
 from cco.transport.base import stamp_seq_m
 from cco.transport.protocol import PeerMismatchError
 
-GEMM_BLOCK_M = 128  # wgmma-friendly tile rows; also the layout's m-tile (chunk granularity)
+GEMM_BLOCK_M = 128  # wgmma-friendly tile rows; also the layout's m-tile (chunk granularity), but
+# blockscale's, whose fused kernel runs 64-row programs (CudaBackend.tile)
 GEMM_BLOCK_N = 128  # divides N/world for N = 7168 up to 8 ranks; ptpc gemm-only uses 128x256
 # fused dma: the GEMM computes every peer's tiles before its own, so the scatters run back to back
 # from the first slice on and the own tiles are computed while they fly (docs/BENCHMARKS.md compares
@@ -108,6 +109,15 @@ class CudaBackend(Backend):
     block_m = GEMM_BLOCK_M
     block_n = GEMM_BLOCK_N
     default_transport = "auto"
+
+    @classmethod
+    def tile(cls, quant: str) -> tuple[int, int]:
+        """The layout's m-tile is the fused kernel's (``kernels_fused.triton_gemm.default_config``):
+        a kernel tile then covers one layout tile, or two side by side (``fused_config``)."""
+        from kernels_fused.triton_gemm import QUANT_ID, default_config
+
+        return (default_config(quant).block_m if quant in QUANT_ID else cls.block_m), cls.block_n
+
     lsa_max_elements: int | None = 0  # uses_lsa: None always, 0 never, else up to M * N elements
     dma_peers_first = DMA_PEERS_FIRST  # the fused dma launch's tile order (False: the layout's chunk-major)
     dma_reduce_in_gemm = DMA_REDUCE_IN_GEMM  # the fused dma launch reduces its own tiles

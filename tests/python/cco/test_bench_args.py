@@ -2,6 +2,7 @@
 the alternative arms switch backend knobs, and the refusal of ranks that share a GPU."""
 
 import pytest
+import torch
 
 from scripts.bench_gemm_ar import ARMS, select_arms
 
@@ -9,7 +10,10 @@ from scripts.bench_gemm_ar import ARMS, select_arms
 def test_all_and_mori_names():
     assert select_arms("all", "ptpc") == list(ARMS)
     assert select_arms("fused-sdma,fused-lsa,gemm-only", "ptpc") == ["fused", "fused-lsa", "gemm-only"]
-    assert "scaled_mm" not in select_arms("all", "blockscale")  # cuBLAS has no blockscale arm
+    assert "scaled_mm" in select_arms("all", "blockscale")  # cuBLAS's blockwise recipe
+    assert "symm_mem" not in select_arms("all", "blockscale")  # symm-mem scales rows only
+    assert "scaled_mm" not in select_arms("all", "mxfp8")  # cuBLAS has no e8m0 scaling on Hopper
+    assert "scaled_mm+nccl" in select_arms("all", "mxfp8")  # (with the Triton GEMM)
 
 
 @pytest.mark.parametrize("mode", ["split-lsa", "fused-xyz"])
@@ -86,3 +90,38 @@ def test_ranks_sharing_a_gpu_are_found_and_refused_by_the_benchmarks(monkeypatch
             require_a_gpu_per_rank(comm, "bench")
     else:
         require_a_gpu_per_rank(comm, "bench")
+
+
+def test_gemm_bench_configs_take_warps_and_name_them():
+    """``--configs BMxBNxSTAGES[xWARPS]``: the 4-warp blockscale tile must be expressible (8 warps
+    otherwise), and its arm name must say so, or two configs would time under one name."""
+    from scripts.bench_gemm import config_name, triton_configs
+
+    eight, four = triton_configs("128x128x3,64x128x3x4", "blockscale")
+    assert (eight.block_m, eight.block_n, eight.num_stages, eight.num_warps) == (128, 128, 3, 8)
+    assert (four.block_m, four.block_n, four.num_stages, four.num_warps) == (64, 128, 3, 4)
+    assert config_name(eight) == "128x128x3" and config_name(four) == "64x128x3 w4"
+    for bad in ("128x128", "64x128x3x4x2", "big"):
+        with pytest.raises(SystemExit, match="BMxBNxSTAGES"):
+            triton_configs(bad, "ptpc")
+
+
+def test_cublas_baseline_is_the_quants_gemm_or_names_why_not():
+    """The cuBLAS arms compute the quant's GEMM (checked here where torch runs it: ptpc on the CPU;
+    the benchmarks check every arm against the reference on the GPU before timing), and where cuBLAS
+    has no recipe the arm is dropped with the reason rather than timing something else."""
+    from cco import quant as Q
+    from cco.benchmark import budget_terms, cublas_gemm, gemm_mismatches
+
+    p = Q.random_problem(256, 256, 512, "ptpc", seed=3)
+    fn, why = cublas_gemm("ptpc", p.b, p.b_scale, fast_accum=False)
+    assert why is None
+    assert gemm_mismatches(fn(p.a, p.a_scale), *budget_terms(p)) == 0
+    fn, why = cublas_gemm("mxfp8", p.b, p.b_scale)
+    assert fn is None and "e8m0" in why
+    p = Q.random_problem(256, 256, 512, "blockscale", seed=3)
+    fn, why = cublas_gemm("blockscale", p.b, p.b_scale)
+    if fn is None:  # CPU builds of torch have no blockwise recipe: the probe call must say so
+        assert "blockwise" in why and torch.__version__ in why
+    else:
+        assert gemm_mismatches(fn(p.a, p.a_scale), *budget_terms(p)) == 0

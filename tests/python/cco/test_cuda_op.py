@@ -113,6 +113,33 @@ def test_submission_order_cannot_deadlock_on_shared_queues(world, chunks):
             assert sorted(c for p, c in steps if p == phase) == list(range(chunks))
 
 
+@pytest.mark.parametrize("quant", layout.QUANTS)
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_fused_launch_runs_the_tuned_kernel_tile_over_whole_layout_tiles(quant, world):
+    """The layout's m-tile is the fused kernel's per quant (blockscale's 64-row programs, three to an
+    SM, were measured 1.3x faster than 128-row ones): the fused launch must run the tuned config
+    itself, not the layout's 128 rows with the tuned warps, and each program must cover one layout
+    tile or two side by side, so that every counter reaches its target exactly."""
+    from cco.backends.cuda import CudaBackend, fused_config, fused_table
+    from kernels_fused.triton_gemm import default_config
+
+    block_m, block_n = CudaBackend.tile(quant)
+    cfg = layout.build_config(n=7168, k=2048, m_max=4096, world=world, quant=quant, block_m=block_m,
+                              block_n=block_n)
+    kernel, weight = fused_config(cfg)
+    tuned = default_config(quant)
+    assert (kernel.block_m, kernel.num_warps, kernel.num_stages) == (tuned.block_m, tuned.num_warps, tuned.num_stages)
+    assert kernel.block_m == cfg.block_m and kernel.block_n == weight * cfg.block_n and weight in (1, 2)
+    m = 1000  # not a whole number of tiles
+    table = fused_table(cfg, m=m, rank=world - 1, dest_major=True, tile_weight=weight, device="cpu")
+    plan = layout.plan_call(cfg, m=m, seq=1, rank=world - 1, counter_base=layout.zero_counters(world))
+    added = {}
+    for chunk, dest, row0, col0 in table.tolist():
+        assert row0 % kernel.block_m == 0 and col0 % kernel.block_n == 0
+        added[dest, chunk] = added.get((dest, chunk), 0) + weight
+    assert added == {(d, c): plan.target(d, c) for d in range(world) for c in range(plan.chunks)}
+
+
 def test_graph_cache_captures_at_the_second_sighting_and_keeps_the_recent():
     """Eager dma calls replay captured side work: never for a key seen once, from the second sighting
     on, and only the most recently used keys keep a graph (the GPU run counts real replays)."""
