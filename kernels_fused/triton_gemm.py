@@ -33,12 +33,15 @@ Operand tiles arrive through TMA descriptors (``GemmConfig.tma``); how each quan
   programs (64x128 tiles, one warp group, three per SM) let one program's MMAs run beside another's
   adds: 588 us against 752 us for 128x128 tiles of two warp groups (one per SM), 0.68x of cuBLAS's
   blockwise ``_scaled_mm`` (397 us).
-* ``mxfp8``: Hopper's tensor cores have no block-scaled fp8 MMA. Each K step multiplies the fp8
-  tiles by their e8m0 group scales into bf16, which is exact (a 3-bit mantissa times a power of two
-  fits bf16's 7 bits; only values below bf16's normal range, 2**-126, would round), and runs a bf16
-  MMA with an fp32 accumulator. Cost: the bf16 MMA rate is half the fp8 one, plus the conversions
-  and a register-to-shared copy of B every step: 1217 us, 2.9x ptpc. (Four 32-wide fp8 dots per
-  step, each scaled into the accumulator, measured 6.1 ms.)
+* ``mxfp8``: Hopper's tensor cores have no block-scaled fp8 MMA. Both operands are dequantized
+  into bf16 first (``mx_to_bf16``: one pass, 31 us for A at 16384x2048), which is exact (a 3-bit
+  mantissa times a power of two fits bf16's 7 bits; only values below bf16's normal range, 2**-126,
+  would round), and the products of bf16 values are exact in the fp32 accumulator, so any bf16 GEMM
+  with fp32 accumulation computes the same function. The plain GEMM then is cuBLAS's bf16 GEMM
+  (``launch="cublas"``): 631 us with A's dequantization, where scaling the fp8 tiles into bf16
+  inside the Triton kernel every K step took 1273 us; the fused kernels run a bf16 MMA chain on the
+  dequantized tiles (738 us for the plain Triton launch). The cost against ptpc: bf16 MMAs run at
+  half the fp8 rate, and A's dequantization adds a pass over A.
 
 The fp8 gather (``gather_dtype="fp8"``) carries one scale per row and ``cco.layout.GATHER_GROUP``
 columns: an epilogue sees one tile, never a whole row. Triton is imported lazily: ``import
@@ -47,6 +50,7 @@ kernels_fused`` works without it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -79,7 +83,8 @@ class GemmConfig:
     # only: one persistent program per SM, warp-specialized, TMA-stored tiles; fp8_gemm_ws_kernel),
     # "ticket" (one per tile, claimed in the walk's order from a counter), "persistent" (one per SM,
     # striding the walk). fuse=False with "ticket"/"persistent" runs the lsa kernel on a world of one
-    # (its epilogue then only writes out); the lsa kernel treats "grid" as "ticket".
+    # (its epilogue then only writes out); the lsa kernel treats "grid" as "ticket". "cublas" (fuse=False,
+    # mxfp8 only): cuBLAS's bf16 GEMM on the dequantized operands (the tile fields are unused).
     launch: str = "grid"
 
     def tiles(self, m: int, n: int) -> tuple[int, int]:
@@ -90,15 +95,18 @@ class GemmConfig:
 # (docs/BENCHMARKS.md): ptpc 128x256, 3 stages (427 us; 4 stages 433, 256x128 446, pointer loads 432);
 # blockscale 64x128, 4 warps, 3 stages, so that three programs share an SM (588 us; 128x128 with 8
 # warps 752, 64x128 with 2 / 4 stages 717 / 674, 128x64 699, 64x64 817; the same order at M = 2048,
-# 4096 and 8192); mxfp8 128x256 (1220 us; 128x128: 1565 us, 64x128 with 4 warps: 1648 us).
+# 4096 and 8192); mxfp8 (bf16 operands) 128x128, BLOCK_K 64, 4 stages (738 us; 128x256x64 with 3 / 4
+# stages 848 / 787, 128x128x128 with 3 stages 774, 128x256x128 with 2 stages 915).
 _HOPPER = {
     "ptpc": GemmConfig(block_m=128, block_n=256),
     "blockscale": GemmConfig(block_m=64, block_n=128, num_warps=4),
-    "mxfp8": GemmConfig(block_m=128, block_n=256),
+    "mxfp8": GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4),
 }
 # fuse=False: the persistent warp-specialized kernel where it measured faster than the grid one;
-# its halved TMA-store staging leaves shared memory for a fourth stage (docs/BENCHMARKS.md)
-_HOPPER_PLAIN = {**_HOPPER, "ptpc": GemmConfig(block_m=128, block_n=256, num_stages=4, launch="ws")}
+# its halved TMA-store staging leaves shared memory for a fourth stage; mxfp8 through cuBLAS's bf16
+# GEMM, 631 us against 738 for the Triton launch (docs/BENCHMARKS.md)
+_HOPPER_PLAIN = {**_HOPPER, "ptpc": GemmConfig(block_m=128, block_n=256, num_stages=4, launch="ws"),
+                 "mxfp8": dataclasses.replace(_HOPPER["mxfp8"], launch="cublas")}
 
 
 def default_config(quant: str, *, plain: bool = False, interpret: bool = False) -> GemmConfig:
@@ -133,18 +141,35 @@ def merge_tile_pairs(rows, *, layout_block_n: int) -> list[list[int]]:
 
 @functools.cache
 def _kernels():
-    """(plain/dma kernel, lsa kernel, warp-specialized plain kernel), imported on first use."""
-    from kernels_fused import triton_kernels
+    """(plain/dma kernel, lsa kernel, warp-specialized plain kernel, mxfp8 dequantization), imported
+    on first use."""
+    from kernels_fused import triton_kernels as tk
 
-    return triton_kernels.fp8_gemm_kernel, triton_kernels.fp8_gemm_lsa_kernel, triton_kernels.fp8_gemm_ws_kernel
+    return tk.fp8_gemm_kernel, tk.fp8_gemm_lsa_kernel, tk.fp8_gemm_ws_kernel, tk.mx_to_bf16_kernel
+
+
+def mx_to_bf16(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """An mxfp8 operand ``x`` (e4m3 [R, K]) times its e8m0 group scales ([R, K/32]) as bf16 [R, K]:
+    exact for every value at or above bf16's normal range (module docstring). One pass."""
+    rows, k = x.shape
+    if scale.shape != (rows, k // MX_GROUP):
+        raise ValueError(f"mx_to_bf16: scale must be [{rows}, {k // MX_GROUP}] for x [{rows}, {k}], "
+                         f"got {list(scale.shape)}")
+    x, bits = x.contiguous(), scale.contiguous().view(torch.uint8)
+    y = torch.empty(rows, k, dtype=torch.bfloat16, device=x.device)
+    groups, block = x.numel() // MX_GROUP, 64
+    _kernels()[3][(-(-groups // block),)](x, bits, y, groups, GROUP=MX_GROUP, BLOCK=block)
+    return y
 
 
 def _operands(a, b, a_scale, b_scale, *, quant: str, config: GemmConfig):
     """The kernels' operand arguments: (A source, B source, A scale, B scale, strides), the sources
-    TMA descriptors when ``config.tma``, the mxfp8 e8m0 scales as bytes; strides are (A row, B row,
-    A scale row / column, B scale row / column; 0 for a 1-D scale)."""
+    TMA descriptors when ``config.tma``; mxfp8 operands dequantized to bf16 (:func:`mx_to_bf16`; the
+    scale arguments are then unread); strides are (A row, B row, A scale row / column, B scale row /
+    column; 0 for a 1-D scale)."""
     if quant == "mxfp8":
-        a_scale, b_scale = a_scale.view(torch.uint8), b_scale.view(torch.uint8)
+        a, b = mx_to_bf16(a, a_scale), mx_to_bf16(b, b_scale)
+        a_scale, b_scale = a, b  # unread: any tensor will do
     strides = (a.stride(0), b.stride(0), a_scale.stride(0), a_scale.stride(1) if a_scale.dim() == 2 else 0,
                b_scale.stride(0), b_scale.stride(1) if b_scale.dim() == 2 else 0)
     if not config.tma:
@@ -202,8 +227,12 @@ def fp8_gemm(
     shape = check_operands(a, b, a_scale, b_scale, quant=quant, fn=fn)
     m, n, k = shape.m, shape.n, shape.k
     cfg = config or default_config(quant, plain=not fuse, interpret=_interpreting())
-    if cfg.launch == "ws" and fuse:
-        raise ValueError(f"{fn}: launch='ws' is the plain GEMM's; fuse=True walks a tile table (launch='grid')")
+    if cfg.launch in ("ws", "cublas") and fuse:
+        raise ValueError(f"{fn}: launch={cfg.launch!r} is the plain GEMM's; fuse=True walks a tile table "
+                         f"(launch='grid')")
+    if cfg.launch == "cublas" and quant != "mxfp8":
+        raise ValueError(f"{fn}: launch='cublas' is mxfp8's plain GEMM (bf16 operands, exact); {quant} runs the "
+                         f"Triton kernels (launch='grid' or 'ws')")
     if reduce is not None and not fuse:
         raise ValueError(f"{fn}: reduce (the own tiles' epilogue reduce) needs fuse=True")
     red = None
@@ -241,6 +270,9 @@ def fp8_gemm(
             )
         if config is None and cfg.launch == "ws" and not tma_storable(out):
             cfg = default_config(quant)  # the default call takes any out: the grid kernel's pointer stores
+        if cfg.launch == "cublas":
+            torch.matmul(mx_to_bf16(a, a_scale), mx_to_bf16(b, b_scale).t(), out=out)
+            return out
         tiles_m, tiles_n = cfg.tiles(m, n)
         grid = tiles_m * tiles_n
         if cfg.launch == "ws":
@@ -267,7 +299,7 @@ def fp8_gemm(
         QUANT=QUANT_ID[quant], FUSE=bool(fuse), REDUCE=reduce is not None, USE_TMA=cfg.tma,
         MX_BF16=not _interpreting(), PRECISE_ACC=cfg.precise_acc,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        SCALE_BLOCK=SCALE_BLOCK, MX_GROUP=MX_GROUP, MAX_CHUNKS=MAX_CHUNKS, TILE_WEIGHT=int(tile_weight),
+        SCALE_BLOCK=SCALE_BLOCK, MAX_CHUNKS=MAX_CHUNKS, TILE_WEIGHT=int(tile_weight),
         WORLD=world, FP8_GATHER=fp8_gather, GATHER_GROUP=GATHER_GROUP,
         EPILOGUE_PIECES=_epilogue_pieces(cfg.block_n, fp8_gather),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -341,7 +373,7 @@ def _warp_specialized(a, b, a_scale, b_scale, *, quant, out, config, tiles) -> N
         a_src, b_src, c_desc, a_scale, b_scale, out.shape[0], out.shape[1], a.shape[1], *strides[2:],
         QUANT=QUANT_ID[quant], MX_BF16=not _interpreting(), PRECISE_ACC=config.precise_acc,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        SCALE_BLOCK=SCALE_BLOCK, MX_GROUP=MX_GROUP, NUM_PROGS=programs,
+        SCALE_BLOCK=SCALE_BLOCK, NUM_PROGS=programs,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
@@ -499,7 +531,7 @@ def fp8_gemm_lsa(a, b, a_scale, b_scale, *, quant: str, out: torch.Tensor, win: 
         win.recv.stride(0), win.tile_flags.stride(1), gscale.stride(0) if fp8 else 0, *strides[2:],
         QUANT=QUANT_ID[quant], USE_TMA=use_tma, MX_BF16=not _interpreting(), PRECISE_ACC=config.precise_acc,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        SCALE_BLOCK=SCALE_BLOCK, MX_GROUP=MX_GROUP,
+        SCALE_BLOCK=SCALE_BLOCK,
         WORLD=world, FP8_GATHER=fp8, GATHER_GROUP=GATHER_GROUP, NUM_PROGS=programs,
         FROM_PARTIAL=bool(from_partial), MOVE_BYTES=bool(move_bytes),
         num_warps=config.num_warps, num_stages=config.num_stages,

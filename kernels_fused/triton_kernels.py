@@ -3,7 +3,8 @@
 ``_tile_acc`` is the K loop every launch shares; ``fp8_gemm_ws_kernel`` is the plain GEMM (persistent,
 warp-specialized); ``fp8_gemm_kernel`` writes a plain tensor or (the ``dma`` transport) the window's
 partial region with a release add per tile; ``fp8_gemm_lsa_kernel`` is the persistent kernel of the
-``lsa`` transport, whose epilogue scatters, reduces and gathers.
+``lsa`` transport, whose epilogue scatters, reduces and gathers; ``mx_to_bf16_kernel`` dequantizes an
+mxfp8 operand for them.
 Imported only when a kernel is launched, so ``import kernels_fused`` needs no triton.
 """
 
@@ -17,7 +18,7 @@ def _tile_acc(
     stride_asm, stride_ask, stride_bsn, stride_bsk,
     QUANT: tl.constexpr, USE_TMA: tl.constexpr, MX_BF16: tl.constexpr, PRECISE_ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr, MX_GROUP: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
 ):
     """The fp32 tile C[m0:m0+BLOCK_M, n0:n0+BLOCK_N], every scale applied: the K loop every
     launch shares."""
@@ -27,7 +28,6 @@ def _tile_acc(
     # clamp instead of masking: rows past M / N only feed stores that are masked
     rows_a = tl.where(offs_m < M, offs_m, 0)
     rows_b = tl.where(offs_n < N, offs_n, 0)
-    GROUPS: tl.constexpr = BLOCK_K // MX_GROUP
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
@@ -47,25 +47,10 @@ def _tile_acc(
             sa = tl.load(as_ptr + rows_a * stride_asm + kb * stride_ask)
             sb = tl.load(bs_ptr + (rows_b // SCALE_BLOCK) * stride_bsn + kb * stride_bsk)
             acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
-        else:
-            # no block-scaled fp8 MMA on Hopper: scale each 32-wide group into bf16 (exact: 3-bit
-            # mantissa times a power of two) and run a bf16 MMA at half the fp8 rate
-            groups = kb * GROUPS + tl.arange(0, GROUPS)
-            ea = tl.load(as_ptr + rows_a[:, None] * stride_asm + groups[None, :] * stride_ask)
-            eb = tl.load(bs_ptr + rows_b[:, None] * stride_bsn + groups[None, :] * stride_bsk)
-            # e8m0 bits -> 2**(bits - 127) built exactly in the fp32 exponent field
-            sa = (ea.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-            sb = (eb.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-            a3 = tl.reshape(a.to(tl.float32), (BLOCK_M, GROUPS, MX_GROUP)) * sa[:, :, None]
-            b3 = tl.reshape(b.to(tl.float32), (BLOCK_N, GROUPS, MX_GROUP)) * sb[:, :, None]
-            if MX_BF16:
-                a_bf = tl.reshape(a3, (BLOCK_M, BLOCK_K)).to(tl.bfloat16)
-                b_bf = tl.reshape(b3, (BLOCK_N, BLOCK_K)).to(tl.bfloat16)
-                acc = tl.dot(a_bf, tl.trans(b_bf), acc)
-            else:  # Triton's CPU interpreter multiplies bf16 tiles as raw integers: fp32 there
-                a_f = tl.reshape(a3, (BLOCK_M, BLOCK_K))
-                b_f = tl.reshape(b3, (BLOCK_N, BLOCK_K))
-                acc = tl.dot(a_f, tl.trans(b_f), acc, input_precision="ieee")
+        elif MX_BF16:  # mxfp8: the operands arrive dequantized to bf16 (triton_gemm._operands)
+            acc = tl.dot(a, tl.trans(b), acc)
+        else:  # Triton's CPU interpreter multiplies bf16 tiles as raw integers: fp32 there
+            acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
 
     if QUANT == 0:
         sa = tl.load(as_ptr + rows_a * stride_asm)
@@ -99,7 +84,7 @@ def fp8_gemm_ws_kernel(
     a_src, b_src, c_desc, as_ptr, bs_ptr, M, N, K, stride_asm, stride_ask, stride_bsn, stride_bsk,
     QUANT: tl.constexpr, MX_BF16: tl.constexpr, PRECISE_ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr, MX_GROUP: tl.constexpr, NUM_PROGS: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr, NUM_PROGS: tl.constexpr,
 ):
     """The plain GEMM (``launch="ws"``): NUM_PROGS persistent programs stride the grouped tile
     order; Triton splits the tile loop into a producer warp group issuing the TMA loads and consumer
@@ -111,7 +96,7 @@ def fp8_gemm_ws_kernel(
         m0, n0 = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         acc = _tile_acc(a_src, b_src, as_ptr, bs_ptr, m0, n0, M, N, K, 0, 0,
                         stride_asm, stride_ask, stride_bsn, stride_bsk, QUANT, True, MX_BF16, PRECISE_ACC,
-                        BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BLOCK, MX_GROUP)
+                        BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BLOCK)
         halves = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
         c_desc.store([m0, n0], halves[0].to(tl.bfloat16))
         c_desc.store([m0, n0 + BLOCK_N // 2], halves[1].to(tl.bfloat16))
@@ -133,7 +118,7 @@ def fp8_gemm_kernel(
     QUANT: tl.constexpr, FUSE: tl.constexpr, REDUCE: tl.constexpr, USE_TMA: tl.constexpr, MX_BF16: tl.constexpr,
     PRECISE_ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr, MX_GROUP: tl.constexpr, MAX_CHUNKS: tl.constexpr, TILE_WEIGHT: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr, MAX_CHUNKS: tl.constexpr, TILE_WEIGHT: tl.constexpr,
     WORLD: tl.constexpr, FP8_GATHER: tl.constexpr, GATHER_GROUP: tl.constexpr, EPILOGUE_PIECES: tl.constexpr,
 ):
     """FUSE: program t computes entry t of the tile table and stores it into ``partial[dest]``, or
@@ -160,7 +145,7 @@ def fp8_gemm_kernel(
         c0 = n0
     acc = _tile_acc(a_src, b_src, as_ptr, bs_ptr, m0, n0, M, N, K, stride_am, stride_bn,
                     stride_asm, stride_ask, stride_bsn, stride_bsk, QUANT, USE_TMA, MX_BF16, PRECISE_ACC,
-                    BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BLOCK, MX_GROUP)
+                    BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BLOCK)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_c = c0 + tl.arange(0, BLOCK_N)
@@ -313,7 +298,7 @@ def fp8_gemm_lsa_kernel(
     stride_asm, stride_ask, stride_bsn, stride_bsk,
     QUANT: tl.constexpr, USE_TMA: tl.constexpr, MX_BF16: tl.constexpr, PRECISE_ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr, MX_GROUP: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
     WORLD: tl.constexpr, FP8_GATHER: tl.constexpr, GATHER_GROUP: tl.constexpr,
     FROM_PARTIAL: tl.constexpr, MOVE_BYTES: tl.constexpr,
     NUM_PROGS: tl.constexpr,
@@ -357,7 +342,7 @@ def fp8_gemm_lsa_kernel(
         else:  # an assemble tile runs the loop zero times (no GEMM nested in a branch: it stays pipelined)
             acc = _tile_acc(a_src, b_src, as_ptr, bs_ptr, m0, col, M, N, tl.where(assemble, 0, K), stride_am,
                             stride_bn, stride_asm, stride_ask, stride_bsn, stride_bsk, QUANT, USE_TMA,
-                            MX_BF16, PRECISE_ACC, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BLOCK, MX_GROUP)
+                            MX_BF16, PRECISE_ACC, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BLOCK)
         if assemble:
             owner = dest - WORLD
             _consume_flag(gather_flag_ptr + owner * flag_plane + tile_id, stamp, status_ptr, owner)
@@ -398,3 +383,15 @@ def fp8_gemm_lsa_kernel(
                 peer = (rank + j) % WORLD
                 tl.atomic_xchg(_peer(gather_flag_ptr, delta_ptr, peer) + rank * flag_plane + tile_id, stamp,
                                sem="release", scope="sys")
+
+
+@triton.jit
+def mx_to_bf16_kernel(x_ptr, e_ptr, y_ptr, n_groups, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    """``y = x * 2**(e - 127)`` in bf16 for ``BLOCK`` consecutive groups of ``GROUP`` values, each
+    group with its e8m0 byte (``x`` and ``e`` contiguous, so group g holds values [g*GROUP, ...))."""
+    g = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = g < n_groups
+    offs = g[:, None].to(tl.int64) * GROUP + tl.arange(0, GROUP)[None, :]
+    x = tl.load(x_ptr + offs, mask=ok[:, None]).to(tl.float32)
+    scale = (tl.load(e_ptr + g, mask=ok).to(tl.int32) << 23).to(tl.float32, bitcast=True)  # exact powers of two
+    tl.store(y_ptr + offs, (x * scale[:, None]).to(tl.bfloat16), mask=ok[:, None])

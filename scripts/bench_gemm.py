@@ -17,7 +17,8 @@ Arms: ``scaled_mm`` (cuBLAS: ptpc with default accumulation, blockscale with its
 ptpc only), then one Triton arm per ``--configs`` entry (``BMxBNxSTAGES[xWARPS]``, 8 warps unless
 given) and ``--launch`` style (``GemmConfig.launch``: "grid" is the plain kernel, "ws" the persistent
 warp-specialized one; "ticket" and "persistent" run the lsa kernel on a world of one, which shows
-what its tile walk costs the GEMM). ``--configs default`` is the config ``fp8_gemm`` picks for
+what its tile walk costs the GEMM; "cublas", mxfp8 only: cuBLAS's bf16 GEMM on the dequantized
+operands, mxfp8's plain default). ``--configs default`` is the config ``fp8_gemm`` picks for
 ``fuse=False``, launch included. Every arm's output is checked against the fp32 reference first
 (``cco.benchmark.gemm_mismatches``); a wrong arm posts no time. Timing is ``cco.benchmark.time_arms``
 (arms alternate inside each pass, median over iterations, spread over passes); the last line is
@@ -45,7 +46,8 @@ def parse_args(argv=None):
     p.add_argument("-n", type=int, default=7168)
     p.add_argument("-k", type=int, default=2048)
     p.add_argument("--configs", default="default", help="comma list of BMxBNxSTAGES, or 'default'")
-    p.add_argument("--launch", default="default", help="comma list of grid, ws, ticket, persistent; 'default': "
+    p.add_argument("--launch", default="default", help="comma list of grid, ws, ticket, persistent, cublas "
+                   "(mxfp8); 'default': "
                    "each config's own")
     p.add_argument("--passes", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)
@@ -58,7 +60,7 @@ def parse_args(argv=None):
 
 
 def triton_configs(spec: str, quant: str):
-    from kernels_fused.triton_gemm import GemmConfig, default_config
+    from kernels_fused.triton_gemm import default_config
 
     if spec == "default":
         return [default_config(quant, plain=True)]
@@ -70,7 +72,9 @@ def triton_configs(spec: str, quant: str):
                 raise ValueError
         except ValueError:
             raise SystemExit(f"--configs: {item!r} is not BMxBNxSTAGES[xWARPS] (e.g. 128x256x3, 64x128x3x4)") from None
-        configs.append(GemmConfig(block_m=bm, block_n=bn, num_stages=stages, num_warps=warps[0] if warps else 8))
+        # the quant's tile-kernel config with this tile (mxfp8 keeps its BLOCK_K of 64)
+        configs.append(dataclasses.replace(default_config(quant), block_m=bm, block_n=bn, num_stages=stages,
+                                           num_warps=warps[0] if warps else 8))
     return configs
 
 
@@ -156,12 +160,12 @@ def main(argv=None):
             continue
         arms[name] = lambda i, fn=fn: fn(sets[i].a, sets[i].a_scale)
     launches = [x.strip() for x in args.launch.split(",")]
-    if launches != ["default"] and not set(launches) <= {"grid", "ws", "ticket", "persistent"}:
-        raise SystemExit(f"--launch {args.launch!r}: pick from grid, ws, ticket, persistent (or default)")
+    if launches != ["default"] and not set(launches) <= {"grid", "ws", "ticket", "persistent", "cublas"}:
+        raise SystemExit(f"--launch {args.launch!r}: pick from grid, ws, ticket, persistent, cublas (or default)")
     for cfg in [] if args.epilogue else triton_configs(args.configs, args.quant):
         for launch in ([cfg.launch] if launches == ["default"] else launches):
             cfg_l = dataclasses.replace(cfg, launch=launch)
-            name = f"triton {config_name(cfg)} {launch}"
+            name = "cublas bf16 (dequantized)" if launch == "cublas" else f"triton {config_name(cfg)} {launch}"
             arms[name] = (lambda i, cfg_l=cfg_l: fp8_gemm(sets[i].a, b, sets[i].a_scale, b_s, quant=args.quant,
                                                            config=cfg_l))
 

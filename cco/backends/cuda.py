@@ -45,6 +45,8 @@ finished call s (its assemble included).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from cco import layout
@@ -84,13 +86,12 @@ def lsa_max_elements(cfg: layout.OpConfig) -> int | None:
 def fused_config(cfg: layout.OpConfig):
     """(GemmConfig, tile weight) of the fused dma launch: the quant's best tile, which may be two
     layout tiles wide (same order, and each program then counts for both)."""
-    from kernels_fused.triton_gemm import GemmConfig, default_config
+    from kernels_fused.triton_gemm import default_config
 
     base = default_config(cfg.quant)
     wide = base.block_n == 2 * cfg.block_n and cfg.n_tiles_per_dest % 2 == 0 and base.block_m == cfg.block_m
     weight = 2 if wide else 1
-    return GemmConfig(block_m=cfg.block_m, block_n=cfg.block_n * weight, num_warps=base.num_warps,
-                      num_stages=base.num_stages, tma=base.tma), weight
+    return dataclasses.replace(base, block_m=cfg.block_m, block_n=cfg.block_n * weight), weight
 
 
 def fused_table(cfg: layout.OpConfig, *, m: int, rank: int, dest_major: bool, tile_weight: int, device):
@@ -184,13 +185,13 @@ class CudaBackend(Backend):
         return rows
 
     def _init_lsa(self, base) -> None:
-        from kernels_fused.triton_gemm import GemmConfig, LsaWindow, peer_deltas
+        from kernels_fused.triton_gemm import LsaWindow, peer_deltas
 
         cfg, w, r = self.config, self.config.window, self.rank
         width = 2 if cfg.n_slice % (2 * cfg.block_n) == 0 and base.block_n == 2 * cfg.block_n else 1
         self.lsa_weight = width
-        self.lsa_config = GemmConfig(block_m=cfg.block_m, block_n=cfg.block_n * width, num_warps=base.num_warps,
-                                     num_stages=base.num_stages, tma=base.tma, launch=LSA_LAUNCH)
+        self.lsa_config = dataclasses.replace(base, block_m=cfg.block_m, block_n=cfg.block_n * width,
+                                              launch=LSA_LAUNCH)
         deltas = peer_deltas([self.window.tensor(w.header, rank=p).data_ptr() for p in range(self.world)], r)
         fp8 = cfg.gather_dtype == "fp8"
         self.lsa_window = LsaWindow(

@@ -96,6 +96,41 @@ def test_warp_specialized_launch_refuses_what_it_cannot_do():
         fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="ptpc", out=odd, config=ws)  # asked for ws: refused
 
 
+def test_mxfp8_operands_dequantize_exactly_to_bf16():
+    """Every mxfp8 launch on Hopper multiplies bf16 operands that ``mx_to_bf16`` made from e4m3 and
+    e8m0 bytes: they must equal the reference dequantization bit for bit (a wrong group, scale byte
+    or bias shows here as a changed value, not as an error within the GEMM's budget)."""
+    from kernels_fused.triton_gemm import mx_to_bf16
+
+    p = Q.random_problem(M, N, K, "mxfp8", seed=5)
+    for x, s, ref in ((p.a, p.a_scale, Q.dequantize_a(p.a, p.a_scale, "mxfp8")),
+                      (p.b, p.b_scale, Q.dequantize_b(p.b, p.b_scale, "mxfp8"))):
+        y = mx_to_bf16(x, s)
+        assert y.dtype == torch.bfloat16 and torch.equal(y.float(), ref.float())
+    with pytest.raises(ValueError, match=r"scale must be \[96, 8\]"):
+        mx_to_bf16(p.a, p.a_scale[:, :4])
+
+
+def test_mxfp8_plain_gemm_through_cublas():
+    """``launch="cublas"`` (mxfp8's plain default on Hopper): torch's bf16 GEMM on the dequantized
+    operands computes the reference; it is refused where it would compute something else."""
+    from kernels_fused.triton_gemm import GemmConfig, default_config, fp8_gemm
+
+    assert default_config("mxfp8", plain=True).launch == "cublas" and default_config("mxfp8").launch == "grid"
+    cfg = GemmConfig(block_m=32, block_n=64, launch="cublas")
+    p = Q.random_problem(M, N, K, "mxfp8", seed=6)
+    out = torch.full((M, N), float("nan"), dtype=torch.bfloat16)
+    _assert_close(fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="mxfp8", out=out, config=cfg), p.reference(),
+                  "mxfp8", "cublas")
+    q = Q.random_problem(M, N, K, "ptpc", seed=6)
+    with pytest.raises(ValueError, match="launch='cublas' is mxfp8's plain GEMM"):
+        fp8_gemm(q.a, q.b, q.a_scale, q.b_scale, quant="ptpc", config=cfg)
+    with pytest.raises(ValueError, match="launch='cublas' is the plain GEMM's"):
+        fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="mxfp8", out=torch.zeros(2, M, N // 2, dtype=torch.bfloat16),
+                 fuse=True, tile_table=torch.zeros(1, 4, dtype=torch.int32),
+                 counters=torch.zeros(16, dtype=torch.int64), config=cfg)
+
+
 @pytest.mark.parametrize("launch", ["ticket", "persistent"])
 def test_plain_gemm_through_the_lsa_walk(launch):
     """GemmConfig.launch "ticket" / "persistent" with fuse=False: the lsa kernel on a world of one
