@@ -34,7 +34,8 @@ parameters, each solved so the model passes exactly through measured points of t
 ``copy_gbs`` and ``step_latency_us`` through the fused arm at M = 2048 and 16384 (the latency sets
 small M, the rate large M); ``nccl_alpha_us`` and ``nccl_busbw_gbs`` through ``scaled_mm+nccl -
 scaled_mm`` at M = 4096 and 16384. Taken as measured: the GEMM times, the reduce (41 us) and
-assemble (37 us) kernels of the profile, and the blockscale/ptpc GEMM ratio (759.0 / 426.9 us).
+assemble (37 us) kernels of the profile, and blockscale's GEMM times as ratios to ptpc's measured on
+one H200 in one session: the Triton kernels (578.7 / 411.3 us) and cuBLAS (391.0 / 318.7 us).
 Every other 2-GPU figure is held out (``check_2gpu``): split at every M, the fp8 gather at every M,
 fused at 4096, 8192, 32768, NCCL at 2048, 8192, 32768; and the fitted copy rate must fall in the
 range the profile's copies ran at (341-381 GB/s).
@@ -51,9 +52,14 @@ from cco import layout
 N = 7168
 K = 2048
 WORLDS = (2, 4, 8)
-CUDA_BLOCK_M = 128  # = cco.backends.cuda.GEMM_BLOCK_M: the m-tile, and so the chunk granularity
+# the layout's tile on CUDA (cco.backends.cuda.CudaBackend.tile): the m-tile is the chunk granularity
+CUDA_BLOCK_M = {"ptpc": 128, "blockscale": 64}
+CUDA_BLOCK_N = 128
 CHUNKS = layout.DEFAULT_CHUNKS
-H200_SMS = 132  # one GEMM tile per SM per wave (the Triton kernel is not persistent)
+H200_SMS = 132
+# fused GEMM programs resident per SM (a wave is H200_SMS x this many tiles): blockscale's 64x128
+# programs of one warp group run three to an SM (kernels_fused.triton_gemm)
+PROGRAMS_PER_SM = {"ptpc": 1, "blockscale": 3}
 # block_n of the Triton kernel's Hopper launch (kernels_fused.triton_gemm.default_config); the fused
 # launch uses it only where it covers two whole layout tiles of a rank's slice (CudaBackend)
 TRITON_BLOCK_N = {"ptpc": 256, "blockscale": 128}
@@ -88,9 +94,13 @@ H200X2 = {
     "profile_chunk_rows": 4096,
     # the profile's peer copies: 29.4 MB in 77-86 us each
     "copy_gbs_range": (341.0, 381.0),
-    # do_bench, one H200, 16384x7168x2048: Triton blockscale 128x128 TMA vs ptpc 128x256 TMA
-    "triton_blockscale_us": 759.0,
-    "triton_ptpc_us": 426.9,
+    # one H200, 16384x7168x2048, graph replays, 2026-12-01 20:00 UTC (docs/BENCHMARKS.md): the Triton
+    # fused-launch kernels (blockscale 64x128 of 4 warps, ptpc 128x256 grid), and cuBLAS (blockwise
+    # recipe; ptpc with fast accumulation, as the sweep's scaled_mm)
+    "triton_blockscale_us": 578.7,
+    "triton_ptpc_us": 411.3,
+    "cublas_blockscale_us": 391.0,
+    "cublas_ptpc_us": 318.7,
 }
 FUSED_FIT_M = (2048, 16384)  # sweep points the transport is fitted on (fused, bf16 gather)
 NCCL_FIT_M = (4096, 16384)  # sweep points NCCL's line is fitted on (scaled_mm+nccl - scaled_mm)
@@ -138,7 +148,7 @@ class Calibration:
     step_latency_us: float  # from a step's inputs being complete to its start (fitted)
     nccl_alpha_us: float  # NCCL all_reduce latency term (fitted)
     nccl_busbw_gbs: float  # NCCL all_reduce bus bandwidth (fitted)
-    blockscale_factor: float  # Triton blockscale GEMM time / ptpc GEMM time (measured)
+    blockscale_factor: dict  # kernel -> blockscale GEMM time / ptpc GEMM time (measured)
     gemm_us: dict  # M -> {"scaled_mm": us, "gemm-only": us}: measured, independent of W
 
     def with_(self, **changes) -> Calibration:
@@ -175,7 +185,8 @@ def calibrate(data: dict = H200X2, *, n: int = N) -> Calibration:
         step_latency_us=0.0,
         nccl_alpha_us=alpha,
         nccl_busbw_gbs=1e-3 / us_per_byte,
-        blockscale_factor=data["triton_blockscale_us"] / data["triton_ptpc_us"],
+        blockscale_factor={"gemm-only": data["triton_blockscale_us"] / data["triton_ptpc_us"],
+                           "scaled_mm": data["cublas_blockscale_us"] / data["cublas_ptpc_us"]},
         gemm_us={m: {"scaled_mm": v["scaled_mm"], "gemm-only": v["gemm-only"]} for m, v in sweep.items()},
     )
     # the transport: copy rate and step latency such that the model gives the measured fused time at
@@ -212,13 +223,13 @@ def _solve(f, *, lo: float, hi: float, tol: float = 1e-3, what: str) -> float:
 # --------------------------------------------------------------------------------------------------
 def gemm_us(m: int, *, quant: str, kernel: str, cal: Calibration) -> float:
     """GEMM time at M (``kernel``: "scaled_mm" = cuBLAS, "gemm-only" = the Triton kernel), linear
-    between measured M values (the GEMM is linear in M once the grid fills the GPU). Blockscale has
-    no cuBLAS arm: both kernels are the Triton blockscale GEMM, ptpc's Triton time x the measured
-    blockscale factor."""
+    between measured M values (the GEMM is linear in M once the grid fills the GPU). Blockscale:
+    the same kernel's ptpc time x its measured blockscale factor (cuBLAS's blockwise recipe, the
+    Triton blockscale kernel)."""
     _check("quant", quant, QUANTS)
     _check("kernel", kernel, ("scaled_mm", "gemm-only"))
     if quant == "blockscale":
-        return gemm_us(m, quant="ptpc", kernel="gemm-only", cal=cal) * cal.blockscale_factor
+        return gemm_us(m, quant="ptpc", kernel=kernel, cal=cal) * cal.blockscale_factor[kernel]
     ms = sorted(cal.gemm_us)
     if not ms[0] <= m <= ms[-1]:
         raise ValueError(f"m={m} is outside the measured GEMM range {ms[0]}..{ms[-1]}; the model does not "
@@ -236,7 +247,7 @@ def nccl_allreduce_us(m: int, world: int, *, cal: Calibration, n: int = N) -> fl
 
 
 def baseline_us(m: int, world: int, *, quant: str = "ptpc", cal: Calibration, n: int = N) -> float:
-    """``scaled_mm+nccl``: cuBLAS (ptpc) or the Triton GEMM (blockscale), then NCCL all_reduce."""
+    """``scaled_mm+nccl``: cuBLAS (rowwise for ptpc, blockwise for blockscale), then NCCL all_reduce."""
     return gemm_us(m, quant=quant, kernel="scaled_mm", cal=cal) + nccl_allreduce_us(m, world, cal=cal, n=n)
 
 
@@ -265,14 +276,14 @@ def fused_block_n(quant: str, world: int, *, n: int = N) -> int:
     """Tile width of the fused launch: the kernel's own width where two layout tiles pair up within
     a rank's slice, else the layout tile (at W = 8, N = 7168: 896 = 7 x 128, so ptpc runs 128 wide)."""
     base = TRITON_BLOCK_N[quant]
-    layout_tiles = (n // world) // CUDA_BLOCK_M
-    return base if base == 2 * CUDA_BLOCK_M and layout_tiles % 2 == 0 else CUDA_BLOCK_M
+    layout_tiles = (n // world) // CUDA_BLOCK_N
+    return base if base == 2 * CUDA_BLOCK_N and layout_tiles % 2 == 0 else CUDA_BLOCK_N
 
 
 def gemm_waves(m: int, world: int, *, quant: str, n: int = N) -> int:
-    """Waves of the fused GEMM launch: its tiles over the SMs."""
-    tiles = -(-m // CUDA_BLOCK_M) * (n // fused_block_n(quant, world, n=n))
-    return -(-tiles // H200_SMS)
+    """Waves of the fused GEMM launch: its tiles over the programs resident at once."""
+    tiles = -(-m // CUDA_BLOCK_M[quant]) * (n // fused_block_n(quant, world, n=n))
+    return -(-tiles // (H200_SMS * PROGRAMS_PER_SM[quant]))
 
 
 def put_stream_order(chunks: int) -> list[tuple[str, int]]:
@@ -306,7 +317,7 @@ def simulate(m: int, world: int, *, quant: str = "ptpc", gather: str = "bf16", c
     another's copy moves. ``chunks``: a count or relative sizes (``cco.layout.chunk_tiles``).
     ``trace``, if given, gets ``(time, event)`` for every start and end."""
     _check("world", world, tuple(range(2, 9)))
-    cfg = layout.build_config(n=n, k=K, m_max=m, world=world, block_m=CUDA_BLOCK_M, chunks=chunks)
+    cfg = layout.build_config(n=n, k=K, m_max=m, world=world, block_m=CUDA_BLOCK_M[quant], chunks=chunks)
     rows = [r1 - r0 for r0, r1 in layout.chunk_rows(cfg, m)]
     per_slot = layout.tiles_per_slot(cfg, m)
     n_chunks = len(rows)
@@ -433,7 +444,7 @@ class Prediction:
     m: int
     world: int
     quant: str
-    baseline_us: float  # scaled_mm+nccl (blockscale: the Triton GEMM + NCCL, as the benchmark does)
+    baseline_us: float  # scaled_mm+nccl (cuBLAS + NCCL, as the benchmark runs it)
     split_us: float
     split_fp8_us: float
     fused_us: float

@@ -7,8 +7,8 @@ the 2x H200 measurements of docs/BENCHMARKS.md). These are predictions, not meas
     python -m scripts.predict_scaling --worlds 8 -m 16384 --no-plot
     python -m scripts.predict_scaling --variants --worlds 2 -m 16384   # put lanes x chunk sizes
 
-The table: one row per (world, quant, M); times in us; ratios against ``scaled_mm+nccl`` (for
-blockscale the Triton blockscale GEMM + NCCL, as ``scripts/bench_gemm_ar.py`` runs it).
+The table: one row per (world, quant, M); times in us; ratios against ``scaled_mm+nccl`` (cuBLAS,
+for blockscale its blockwise recipe, + NCCL, as ``scripts/bench_gemm_ar.py`` runs it).
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def plot(cal, path, *, world=8, ms=SWEEP_M):
     fig, axes = plt.subplots(1, len(P.QUANTS), figsize=(11, 4.5), sharey=True)
     for ax, quant in zip(axes, P.QUANTS):
         preds = [P.predict(m, world, quant=quant, cal=cal) for m in ms]
-        for label, attr, style in (("scaled_mm+nccl" if quant == "ptpc" else "Triton GEMM+nccl", "baseline_us", "o-"),
+        for label, attr, style in (("scaled_mm+nccl", "baseline_us", "o-"),
                                    ("split", "split_us", "s-"), ("fused", "fused_us", "^-"),
                                    ("fused-fp8", "fused_fp8_us", "v-"), ("floor, bf16 gather", "floor_us", "k--"),
                                    ("floor, fp8 gather", "floor_fp8_us", "k:")):

@@ -172,11 +172,17 @@ def test_calibration_refuses_measurements_it_cannot_reproduce():
         P.calibrate(data)
 
 
-def test_blockscale_gemm_uses_the_measured_factor(cal):
-    ptpc = P.gemm_us(16384, quant="ptpc", kernel="gemm-only", cal=cal)
-    assert P.gemm_us(16384, quant="blockscale", kernel="gemm-only", cal=cal) == pytest.approx(ptpc * 759.0 / 426.9)
-    # no cuBLAS blockscale: the baseline GEMM is the Triton one
-    assert P.gemm_us(16384, quant="blockscale", kernel="scaled_mm", cal=cal) == pytest.approx(ptpc * 759.0 / 426.9)
+def test_blockscale_gemm_uses_the_measured_factor_of_each_kernel(cal):
+    """Blockscale's GEMMs are ptpc's of the same library times the one-GPU ratio: the Triton kernel's
+    for the op's arms, cuBLAS's blockwise recipe for the baseline (as the benchmark runs it)."""
+    for kernel, ratio in (("gemm-only", 578.7 / 411.3), ("scaled_mm", 391.0 / 318.7)):
+        ptpc = P.gemm_us(16384, quant="ptpc", kernel=kernel, cal=cal)
+        assert P.gemm_us(16384, quant="blockscale", kernel=kernel, cal=cal) == pytest.approx(ptpc * ratio)
+
+
+def test_blockscale_waves_count_three_programs_per_sm():
+    # 64x128 tiles, three resident per SM: 256 x 56 tiles at M = 16384 over 396 slots
+    assert P.gemm_waves(16384, 2, quant="blockscale") == -(-(256 * 56) // (3 * P.H200_SMS))
 
 
 def test_gemm_interpolates_between_measured_m(cal):
@@ -196,8 +202,8 @@ def test_put_stream_order_is_the_transports():
 def test_tile_constants_are_the_kernels():
     cuda = pytest.importorskip("cco.backends.cuda")
     tg = pytest.importorskip("kernels_fused.triton_gemm")
-    assert P.CUDA_BLOCK_M == cuda.GEMM_BLOCK_M
     for quant in P.QUANTS:
+        assert (P.CUDA_BLOCK_M[quant], P.CUDA_BLOCK_N) == cuda.CudaBackend.tile(quant)
         assert P.TRITON_BLOCK_N[quant] == tg.default_config(quant).block_n
 
 
