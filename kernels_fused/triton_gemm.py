@@ -28,20 +28,21 @@ Operand tiles arrive through TMA descriptors (``GemmConfig.tma``); how each quan
   the chain accumulates in the tensor cores' fp8 accumulator (cuBLAS ``use_fast_accum=True``);
   ``precise_acc`` promotes into fp32 every K step instead (427 us -> 549 us).
 * ``blockscale``: every K step's dot is scaled by ``a_s[m, kb] * b_s[n // 128, kb]`` and added to
-  the fp32 accumulator. Triton waits for each such dot before the multiply-add (its result is read
-  by more than the next dot), so within a program the tensor cores idle while the add runs; small
-  programs (64x128 tiles, one warp group, three per SM) let one program's MMAs run beside another's
-  adds: 588 us against 752 us for 128x128 tiles of two warp groups (one per SM), 0.68x of cuBLAS's
-  blockwise ``_scaled_mm`` (397 us).
+  the fp32 accumulator. Triton waits for each such dot before the multiply-add (a dot runs
+  asynchronously only when its result feeds the next dot), so within a program the tensor cores
+  idle while the add runs; small programs (64x128 tiles, one warp group, three per SM) let one
+  program's MMAs run beside another's adds: 581 us against 752 us for 128x128 tiles of two warp
+  groups (one per SM), 0.68x of cuBLAS's blockwise ``_scaled_mm`` (392 us); the fused launch 601
+  against 824 us.
 * ``mxfp8``: Hopper's tensor cores have no block-scaled fp8 MMA. Both operands are dequantized
   into bf16 first (``mx_to_bf16``: one pass, 31 us for A at 16384x2048), which is exact (a 3-bit
   mantissa times a power of two fits bf16's 7 bits; only values below bf16's normal range, 2**-126,
   would round), and the products of bf16 values are exact in the fp32 accumulator, so any bf16 GEMM
   with fp32 accumulation computes the same function. The plain GEMM then is cuBLAS's bf16 GEMM
-  (``launch="cublas"``): 631 us with A's dequantization, where scaling the fp8 tiles into bf16
-  inside the Triton kernel every K step took 1273 us; the fused kernels run a bf16 MMA chain on the
-  dequantized tiles (738 us for the plain Triton launch). The cost against ptpc: bf16 MMAs run at
-  half the fp8 rate, and A's dequantization adds a pass over A.
+  (``launch="cublas"``): 629 us, both dequantizations included, where scaling the fp8 tiles into
+  bf16 inside the Triton kernel every K step took 1225 us; the fused launch runs a bf16 MMA chain on
+  the dequantized tiles: 725 us, where the in-kernel scaling took 1259. The cost against ptpc: bf16
+  MMAs run at half the fp8 rate, and the dequantization adds a pass over A and one over B per call.
 
 The fp8 gather (``gather_dtype="fp8"``) carries one scale per row and ``cco.layout.GATHER_GROUP``
 columns: an epilogue sees one tile, never a whole row. Triton is imported lazily: ``import
@@ -93,18 +94,19 @@ class GemmConfig:
 
 # Hopper defaults of the tile-table kernels (fused, lsa), measured on H200 at 16384x7168x2048
 # (docs/BENCHMARKS.md): ptpc 128x256, 3 stages (427 us; 4 stages 433, 256x128 446, pointer loads 432);
-# blockscale 64x128, 4 warps, 3 stages, so that three programs share an SM (588 us; 128x128 with 8
-# warps 752, 64x128 with 2 / 4 stages 717 / 674, 128x64 699, 64x64 817; the same order at M = 2048,
-# 4096 and 8192); mxfp8 (bf16 operands) 128x128, BLOCK_K 64, 4 stages (738 us; 128x256x64 with 3 / 4
-# stages 848 / 787, 128x128x128 with 3 stages 774, 128x256x128 with 2 stages 915).
+# blockscale 64x128, 4 warps, 3 stages, so that three programs share an SM (581-594 us; 128x128 with 8
+# warps 752-782, 64x128 with 2 / 4 stages 691-717 / 645-674, 128x64 699, 64x64 817; the same order at
+# M = 2048, 4096 and 8192); mxfp8 (bf16 operands) 128x128, BLOCK_K 64, 3 stages (the fused launch 725 us; 4 / 5
+# stages 779 / 790, 128x256 with 3 / 4 stages 873 / 875; as a plain launch 128x128x128 with 3 stages
+# took 774 us, 128x256x128 with 2 stages 915).
 _HOPPER = {
     "ptpc": GemmConfig(block_m=128, block_n=256),
     "blockscale": GemmConfig(block_m=64, block_n=128, num_warps=4),
-    "mxfp8": GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4),
+    "mxfp8": GemmConfig(block_m=128, block_n=128, block_k=64),
 }
 # fuse=False: the persistent warp-specialized kernel where it measured faster than the grid one;
 # its halved TMA-store staging leaves shared memory for a fourth stage; mxfp8 through cuBLAS's bf16
-# GEMM, 631 us against 738 for the Triton launch (docs/BENCHMARKS.md)
+# GEMM, 629 us against 774 for the Triton launch (docs/BENCHMARKS.md)
 _HOPPER_PLAIN = {**_HOPPER, "ptpc": GemmConfig(block_m=128, block_n=256, num_stages=4, launch="ws"),
                  "mxfp8": dataclasses.replace(_HOPPER["mxfp8"], launch="cublas")}
 
