@@ -4,7 +4,8 @@ a GPU: ``cco.window``).
 
 What runs where, per call (details and the stream diagram in ``cco.cuda.dma``):
 
-- ``gemm``: one Triton launch writing ``out`` directly.
+- ``gemm``: one Triton launch writing ``out`` directly (mxfp8: its operands dequantized exactly to
+  bf16, then cuBLAS's bf16 GEMM; ``kernels_fused.triton_gemm``).
 - ``fused``: one Triton launch with the fused epilogue (peer tiles into ``partial[dest]``, every
   peer's tiles before the own ones: the layout's (dest, chunk, m, n) order, ``DMA_PEERS_FIRST``; one
   release add per tile on ``counters[dest, chunk]``; where the GEMM's best tile is two layout tiles
