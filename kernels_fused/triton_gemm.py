@@ -96,9 +96,8 @@ class GemmConfig:
 # (docs/BENCHMARKS.md): ptpc 128x256, 3 stages (427 us; 4 stages 433, 256x128 446, pointer loads 432);
 # blockscale 64x128, 4 warps, 3 stages, so that three programs share an SM (581-594 us; 128x128 with 8
 # warps 752-782, 64x128 with 2 / 4 stages 691-717 / 645-674, 128x64 699, 64x64 817; the same order at
-# M = 2048, 4096 and 8192); mxfp8 (bf16 operands) 128x128, BLOCK_K 64, 3 stages (the fused launch 725 us; 4 / 5
-# stages 779 / 790, 128x256 with 3 / 4 stages 873 / 875; as a plain launch 128x128x128 with 3 stages
-# took 774 us, 128x256x128 with 2 stages 915).
+# M = 2048, 4096 and 8192); mxfp8 (bf16 operands) 128x128, BLOCK_K 64, 3 stages (the fused launch
+# 725 us; 4 / 5 stages 779 / 790, 128x256 with 3 / 4 stages 873 / 875).
 _HOPPER = {
     "ptpc": GemmConfig(block_m=128, block_n=256),
     "blockscale": GemmConfig(block_m=64, block_n=128, num_warps=4),
