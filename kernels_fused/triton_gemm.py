@@ -39,10 +39,13 @@ Operand tiles arrive through TMA descriptors (``GemmConfig.tma``); how each quan
   mantissa times a power of two fits bf16's 7 bits; only values below bf16's normal range, 2**-126,
   would round), and the products of bf16 values are exact in the fp32 accumulator, so any bf16 GEMM
   with fp32 accumulation computes the same function. The plain GEMM then is cuBLAS's bf16 GEMM
-  (``launch="cublas"``): 629 us, both dequantizations included, where scaling the fp8 tiles into
-  bf16 inside the Triton kernel every K step took 1225 us; the fused launch runs a bf16 MMA chain on
-  the dequantized tiles: 725 us, where the in-kernel scaling took 1259. The cost against ptpc: bf16
-  MMAs run at half the fp8 rate, and the dequantization adds a pass over A and one over B per call.
+  (``launch="cublas"``; its MMAs accumulate in fp32, though torch lets cuBLAS add split-K partials
+  in bf16 unless ``torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction`` is False; the
+  GEMM's error budget is checked either way): 629 us, both dequantizations included, where scaling
+  the fp8 tiles into bf16 inside the Triton kernel every K step took 1225 us; the fused launch runs
+  a bf16 MMA chain on the dequantized tiles: 725 us, where the in-kernel scaling took 1259. The cost
+  against ptpc: bf16 MMAs run at half the fp8 rate, and the dequantization adds a pass over A and
+  one over B per call.
 
 The fp8 gather (``gather_dtype="fp8"``) carries one scale per row and ``cco.layout.GATHER_GROUP``
 columns: an epilogue sees one tile, never a whole row. Triton is imported lazily: ``import
