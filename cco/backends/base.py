@@ -92,16 +92,16 @@ class Backend(abc.ABC):
     # tile sizes this backend's kernel walks; the op passes them to layout.build_config
     block_m: ClassVar[int | None] = None
     block_n: ClassVar[int | None] = None
+    # what transport=None means on this backend ("auto": the backend picks per call, see CudaBackend)
+    default_transport: ClassVar[str] = "dma"
+    # what chunks=None means on this backend (a count, or relative sizes: layout.chunk_tiles)
+    default_chunks: ClassVar[int | tuple[int, ...]] = layout.DEFAULT_CHUNKS
+
     @classmethod
     def tile(cls, quant: str) -> tuple[int | None, int | None]:
         """(block_m, block_n) of the layout for ``quant`` (the op passes them to layout.build_config;
         None: the layout's default): the tile the backend's fused kernel walks."""
         return cls.block_m, cls.block_n
-
-    # what transport=None means on this backend ("auto": the backend picks per call, see CudaBackend)
-    default_transport: ClassVar[str] = "dma"
-    # what chunks=None means on this backend (a count, or relative sizes: layout.chunk_tiles)
-    default_chunks: ClassVar[int | tuple[int, ...]] = layout.DEFAULT_CHUNKS
 
     def __init__(self, *, config: "OpConfig", comm: "Communicator", window: "Window", deadline_s: float,
                  faults=None):

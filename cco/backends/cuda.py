@@ -111,6 +111,9 @@ class CudaBackend(Backend):
     block_m = GEMM_BLOCK_M
     block_n = GEMM_BLOCK_N
     default_transport = "auto"
+    lsa_max_elements: int | None = 0  # uses_lsa: None always, 0 never, else up to M * N elements
+    dma_peers_first = DMA_PEERS_FIRST  # the fused dma launch's tile order (False: the layout's chunk-major)
+    dma_reduce_in_gemm = DMA_REDUCE_IN_GEMM  # the fused dma launch reduces its own tiles
 
     @classmethod
     def tile(cls, quant: str) -> tuple[int, int]:
@@ -119,10 +122,6 @@ class CudaBackend(Backend):
         from kernels_fused.triton_gemm import QUANT_ID, default_config
 
         return (default_config(quant).block_m if quant in QUANT_ID else cls.block_m), cls.block_n
-
-    lsa_max_elements: int | None = 0  # uses_lsa: None always, 0 never, else up to M * N elements
-    dma_peers_first = DMA_PEERS_FIRST  # the fused dma launch's tile order (False: the layout's chunk-major)
-    dma_reduce_in_gemm = DMA_REDUCE_IN_GEMM  # the fused dma launch reduces its own tiles
 
     @classmethod
     def supports_device(cls, device):
