@@ -77,6 +77,11 @@ class Communicator:
                                     world_size=world, timeout=timeout)
             self.group = dist.group.WORLD
             self._owns_group = True
+        # One gloo all-reduce before anyone may leave: a rank's init can return while a peer is still
+        # connecting its mesh, and a rank that then failed and closed its sockets made that peer's init
+        # fail too ("Gloo connectFullMesh failed ... Connection closed by peer"), so one rank's error
+        # showed as two. A CPU tensor keeps it on gloo in a mixed gloo/NCCL group.
+        dist.all_reduce(torch.zeros(1), group=self.group)
         self._closed = False
 
     # ---- launchers --------------------------------------------------------------------------------
