@@ -43,7 +43,8 @@ Operand tiles arrive through TMA descriptors (``GemmConfig.tma``); how each quan
   in bf16 unless ``torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction`` is False; the
   GEMM's error budget is checked either way): 629 us, both dequantizations included, where scaling
   the fp8 tiles into bf16 inside the Triton kernel every K step took 1225 us; the fused launch runs
-  a bf16 MMA chain on the dequantized tiles: 725 us, where the in-kernel scaling took 1259. The cost
+  a bf16 MMA chain on the dequantized tiles: 761 us with 4 stages where the in-kernel scaling took
+  1259 in the same run, 725 us with the 3 it ships with (a later run). The cost
   against ptpc: bf16 MMAs run at half the fp8 rate, and the dequantization adds a pass over A and
   one over B per call.
 
