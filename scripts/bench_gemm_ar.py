@@ -12,7 +12,7 @@ transport explicitly; the op's default, ``auto``, runs ``fused-lsa`` or ``fused`
     scaled_mm         torch._scaled_mm alone (cuBLAS: ptpc rowwise, blockscale blockwise; none for
                       mxfp8)                                                 -- GEMM reference
     gemm-only         the Triton GEMM alone (fuse=False)
-    scaled_mm+nccl    torch._scaled_mm + NCCL all_reduce (mxfp8: the Triton GEMM + NCCL)
+    scaled_mm+nccl    torch._scaled_mm + NCCL all_reduce (mxfp8: gemm-only's GEMM + NCCL)
     symm_mem          torch symm-mem fused_scaled_matmul_reduce_scatter + NCCL all_gather (ptpc)
     split             GemmAllReduceOp(mode="split"): whole GEMM, then the copy-engine all-reduce
     fused             GemmAllReduceOp(mode="fused"): copy-engine puts on the GEMM's counters
@@ -164,10 +164,10 @@ class Problem:
         self.b = self.sets[0].b
         self.b_scale = self.sets[0].b_scale
         self.b_pre = preshuffle_b(self.b)
-        self.b_t = self.b.t()  # [K, N] column-major for _scaled_mm
+        self.b_t = self.b.t()  # [K, N] column-major, for symm-mem's fused scaled matmul (ptpc)
         self.a_scale_col = [p.a_scale.reshape(m, 1).float() for p in self.sets] if quant == "ptpc" else None
         self.b_scale_row = self.b_scale.reshape(1, n).float() if quant == "ptpc" else None
-        # cuBLAS's GEMM for this quant (None where it has none: the baseline then runs the Triton GEMM)
+        # cuBLAS's GEMM for this quant (None where it has none: the baseline then runs gemm-only's GEMM)
         self.cublas, self.no_cublas = cublas_gemm(quant, self.b, self.b_scale, fast_accum=FAST_ACCUM)
 
     def a(self, i):
@@ -295,7 +295,7 @@ def run_shape(args, comm, m, *, arms_wanted, m_max, progress=None) -> dict:
         trace(timed[args.trace_arm], args.trace, rank=rank)
     for op in ops.values():
         op.close()
-    baseline_gemm = "triton" if prob.cublas is None else "cublas"  # what scaled_mm+nccl's GEMM was
+    baseline_gemm = "fp8_gemm" if prob.cublas is None else "cublas"  # what scaled_mm+nccl's GEMM was
     del timed, arms, prob
     torch.cuda.empty_cache()
     base = "scaled_mm+nccl" if "scaled_mm+nccl" in timings else None
