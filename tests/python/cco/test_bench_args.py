@@ -13,7 +13,7 @@ def test_all_and_mori_names():
     assert "scaled_mm" in select_arms("all", "blockscale")  # cuBLAS's blockwise recipe
     assert "symm_mem" not in select_arms("all", "blockscale")  # symm-mem scales rows only
     assert "scaled_mm" not in select_arms("all", "mxfp8")  # cuBLAS has no e8m0 scaling on Hopper
-    assert "scaled_mm+nccl" in select_arms("all", "mxfp8")  # (with the Triton GEMM)
+    assert "scaled_mm+nccl" in select_arms("all", "mxfp8")  # (with gemm-only's GEMM)
 
 
 @pytest.mark.parametrize("mode", ["split-lsa", "fused-xyz"])
