@@ -3,6 +3,15 @@
 ``out = all_reduce(a @ b.T)`` over the ranks of a communicator, with the all-reduce's scatter (and on
 NVIDIA its reduce and gather) overlapped with the GEMM that produces it. See README.md.
 
+What lives where:
+- pure contracts, importable anywhere (the kernels use these and nothing else of ``cco``):
+  ``layout`` (window regions, chunks, counter targets, tile walks), ``quant`` (formats, fp32
+  reference), ``preshuffle`` (the weight layout), ``validate`` (input checks);
+- the runtime: ``op`` (``GemmAllReduceOp``), ``comm``, ``window``, ``backends/`` (one executor per
+  device), ``transport/`` (protocol words, deadlines, the CPU transports), ``cuda/`` (stream memory
+  operations, the copy-engine schedule, reduce and gather kernels on CUDA and HIP);
+- tools apart from the runtime: ``bench/`` (timing, cost model), ``demo`` (the main job).
+
 Exports are resolved lazily so ``import cco`` stays cheap and works without a GPU, FlyDSL, Triton or
 an MPI runtime.
 """

@@ -38,9 +38,9 @@ def _operands(rank: int, opts, device="cpu"):
 
 def _check(out, problems, opts, *, reduced: bool) -> tuple[float, int]:
     """(relative L2 error, elements outside the error budget) of ``out`` against the fp32 sum of
-    the problems' products. The budget (``cco.benchmark``) is what bf16 partials and fp8
+    the problems' products. The budget (``cco.bench.timing``) is what bf16 partials and fp8
     tensor-core accumulation allow where a dot product cancels; a wrong tile misses it by O(|ref|)."""
-    from cco.benchmark import allreduce_mismatches, budget_terms, gemm_mismatches
+    from cco.bench.timing import allreduce_mismatches, budget_terms, gemm_mismatches
 
     local, dot_abs = zip(*(budget_terms(p) for p in problems))
     ref = sum(p.reference().float() for p in problems).to(torch.bfloat16)

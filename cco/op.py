@@ -74,7 +74,7 @@ def select_backend(device: torch.device):
         arch = torch.cuda.get_device_properties(device).gcnArchName.split(":")[0]
         if arch != "gfx950":
             raise ValueError(f"{_FN}: ROCm device {device} is {arch}; the fused kernel targets gfx950 (MI355X)")
-        from kernels_fused.gemm_gfx950 import Gfx950Backend  # needs flydsl
+        from cco.backends.gfx950 import Gfx950Backend  # its kernel needs flydsl
         return Gfx950Backend
     if device.type == "cuda":
         from cco.backends.cuda import CudaBackend  # needs triton

@@ -8,7 +8,7 @@
 ``--epilogue`` times the fused copy-engine launch instead (``fuse=True``, the CUDA backend's tile
 table and config for rank 0 of 2, or each ``--configs`` entry with the layout's m-tile set to its
 rows): ``fused stored`` stores every tile into the window's partial region; ``fused reduce-bf16`` /
-``fused reduce-fp8`` reduce the own tiles in the epilogue (``kernels_fused.triton_gemm.ReduceEpilogue``)
+``fused reduce-fp8`` reduce the own tiles in the epilogue (``kernels_fused.hopper.gemm.ReduceEpilogue``)
 with the peer's chunks already flagged (zeros, so the own columns of ``out`` must equal the GEMM's),
 which is what the epilogue costs the GEMM when it never waits.
 
@@ -20,7 +20,7 @@ warp-specialized one; "ticket" and "persistent" run the lsa kernel on a world of
 what its tile walk costs the GEMM; "cublas", mxfp8 only: cuBLAS's bf16 GEMM on the dequantized
 operands, mxfp8's plain default). ``--configs default`` is the config ``fp8_gemm`` picks for
 ``fuse=False``, launch included. Every arm's output is checked against the fp32 reference first
-(``cco.benchmark.gemm_mismatches``); a wrong arm posts no time. Timing is ``cco.benchmark.time_arms``
+(``cco.bench.timing.gemm_mismatches``); a wrong arm posts no time. Timing is ``cco.bench.timing.time_arms``
 (arms alternate inside each pass, median over iterations, spread over passes); the last line is
 ``RESULT_JSON {...}``.
 """
@@ -35,7 +35,7 @@ import time
 import torch
 
 from cco import quant as Q
-from cco.benchmark import (allreduce_mismatches, budget_terms, cublas_gemm, gemm_mismatches, graphed, idle_check,
+from cco.bench.timing import (allreduce_mismatches, budget_terms, cublas_gemm, gemm_mismatches, graphed, idle_check,
                            tflops, time_arms)
 
 
@@ -60,7 +60,7 @@ def parse_args(argv=None):
 
 
 def triton_configs(spec: str, quant: str):
-    from kernels_fused.triton_gemm import default_config
+    from kernels_fused.hopper.gemm import default_config
 
     if spec == "default":
         return [default_config(quant, plain=True)]
@@ -89,7 +89,7 @@ def epilogue_arms(args, sets, dev, kernel=None):
     the arms' names then carry it)."""
     from cco import layout
     from cco.backends.cuda import CudaBackend, fused_config, fused_table
-    from kernels_fused.triton_gemm import ReduceEpilogue, fp8_gemm
+    from kernels_fused.hopper.gemm import ReduceEpilogue, fp8_gemm
 
     world, rank = 2, 0
     block_m, block_n = CudaBackend.tile(args.quant) if kernel is None else (kernel.block_m, CudaBackend.block_n)
@@ -140,7 +140,7 @@ def epilogue_arms(args, sets, dev, kernel=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    from kernels_fused.triton_gemm import fp8_gemm
+    from kernels_fused.hopper.gemm import fp8_gemm
 
     dev = torch.device("cuda", torch.cuda.current_device())
     sets = [Q.random_problem(args.m, args.n, args.k, args.quant, seed=i, device=dev) for i in range(args.rotate)]

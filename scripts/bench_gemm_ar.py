@@ -50,7 +50,7 @@ Alternatives of the fused copy-engine path, named only in a comma list (not in `
 
 Before timing: every op runs ``self_test()`` (bytes really move), and every arm's output is checked
 against the fp32 reference sum (relative L2 and element-wise), so a wrong or silent arm cannot post a
-time. Timing is ``cco.benchmark.time_arms`` (arms alternate inside each pass, >= 3 passes, median over
+time. Timing is ``cco.bench.timing.time_arms`` (arms alternate inside each pass, >= 3 passes, median over
 iterations, max over ranks, rotating input sets, idle check before and after). ``--graph`` times
 CUDA-graph replays of each arm instead of eager calls. The last line is ``RESULT_JSON {...}``.
 """
@@ -68,7 +68,7 @@ import torch.distributed as dist
 
 from cco import layout
 from cco import quant as Q
-from cco.benchmark import (allreduce_mismatches, allreduce_terms, budget_terms, cublas_gemm, gemm_mismatches, graphed,
+from cco.bench.timing import (allreduce_mismatches, allreduce_terms, budget_terms, cublas_gemm, gemm_mismatches, graphed,
                            idle_check, override, require_a_gpu_per_rank, tflops, time_arms)
 
 SWEEP_M = (2048, 4096, 8192, 16384, 32768)
@@ -78,7 +78,7 @@ ARMS = ("scaled_mm", "gemm-only", "scaled_mm+nccl", "symm_mem", "split", "fused"
         "fused-lsa-fp8")
 TAPER = layout.TAPERED_CHUNKS  # the taper arms' relative chunk sizes
 # arm -> (mode, transport, gather dtype, overrides): "chunks" is the op's chunk count (else --chunks), every
-# other key a backend attribute (a dotted path, cco.benchmark.override)
+# other key a backend attribute (a dotted path, cco.bench.timing.override)
 OP_ARMS = {"split": ("split", "dma", "bf16", {}), "fused": ("fused", "dma", "bf16", {}),
            "fused-fp8": ("fused", "dma", "fp8", {}), "fused-lsa": ("fused", "lsa", "bf16", {}),
            "fused-lsa-fp8": ("fused", "lsa", "fp8", {}),
@@ -144,7 +144,7 @@ def select_arms(mode: str, quant: str) -> list[str]:
                                  f"{', '.join(ALTERNATIVES)}, {', '.join(MORI_NAMES)}")
     if quant != "ptpc":  # symm-mem's fused scaled matmul scales rows only
         arms = [a for a in arms if a != "symm_mem"]
-    if quant == "mxfp8":  # cuBLAS has no e8m0 block scaling on Hopper (cco.benchmark.cublas_gemm)
+    if quant == "mxfp8":  # cuBLAS has no e8m0 block scaling on Hopper (cco.bench.timing.cublas_gemm)
         arms = [a for a in arms if a != "scaled_mm"]
     return list(dict.fromkeys(arms))
 
@@ -184,7 +184,7 @@ class Problem:
 def build_arms(names, prob: Problem, comm, *, chunks, m_max):
     """name -> fn(i) returning the output tensor; plus the ops (for self_test and close)."""
     from cco.op import GemmAllReduceOp
-    from kernels_fused.triton_gemm import fp8_gemm
+    from kernels_fused.hopper.gemm import fp8_gemm
 
     arms, ops = {}, {}
     group = dist.group.WORLD
@@ -247,7 +247,7 @@ def build_arms(names, prob: Problem, comm, *, chunks, m_max):
 
 def check_arms(arms, prob: Problem, *, rank) -> dict:
     """Each arm's output for input set 0 against the fp32 reference: element-wise (the budgets of
-    :func:`cco.benchmark.gemm_mismatches` and :func:`cco.benchmark.allreduce_mismatches`) and
+    :func:`cco.bench.timing.gemm_mismatches` and :func:`cco.bench.timing.allreduce_mismatches`) and
     relative L2."""
     ref = prob.reference()
     report = {}

@@ -18,7 +18,7 @@ Arms, each moving a bf16 ``[rows, cols]`` slice from this rank's window into the
 ``--graph`` times CUDA-graph replays of every arm (what the op's side work runs as) instead of
 eager launches.
 
-Timing is ``cco.benchmark.time_arms`` (arms alternate, device rendezvous before each iteration,
+Timing is ``cco.bench.timing.time_arms`` (arms alternate, device rendezvous before each iteration,
 max over ranks); the slice is checked bit-exact on the receiver first. Last line: ``RESULT_JSON``.
 """
 
@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from cco import layout
-from cco.benchmark import graphed, idle_check, require_a_gpu_per_rank, time_arms
+from cco.bench.timing import graphed, idle_check, require_a_gpu_per_rank, time_arms
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""Predicted gemm-ar times at world 2, 4 and 8 from the cost model ``cco.perf_model`` (calibrated on
+"""Predicted gemm-ar times at world 2, 4 and 8 from the cost model ``cco.bench.perf_model`` (calibrated on
 the 2x H200 measurements of docs/BENCHMARKS.md). These are predictions, not measurements.
 
     python -m scripts.predict_scaling                      # the table + docs/predicted_scaling_w8.png
@@ -19,7 +19,7 @@ import os
 import sys
 
 from cco import layout
-from cco import perf_model as P
+from cco.bench import perf_model as P
 
 SWEEP_M = (2048, 4096, 8192, 16384, 32768)
 # (label, chunks, put lanes): the copy-engine variants scripts/bench_gemm_ar.py has arms for
@@ -117,7 +117,7 @@ def plot(cal, path, *, world=8, ms=SWEEP_M):
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     axes[0].set_ylabel("time (us), cost model")
-    fig.suptitle(f"gemm-ar N={P.N} K={P.K}, {world}x H200 predicted from 2x H200 measurements (cco.perf_model)")
+    fig.suptitle(f"gemm-ar N={P.N} K={P.K}, {world}x H200 predicted from 2x H200 measurements (cco.bench.perf_model)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -81,7 +81,7 @@ class Backend(abc.ABC):
                   A backend that cannot inject faults raises ValueError when one is passed.
 
     Backend modules: ``cco.backends.cpu.CpuBackend``, ``cco.backends.cuda.CudaBackend``,
-    ``kernels_fused.gemm_gfx950.Gfx950Backend``; the op picks one by device (``cco.op.select_backend``).
+    ``cco.backends.gfx950.Gfx950Backend``; the op picks one by device (``cco.op.select_backend``).
 
     Calls are collective: every rank calls the same method with the same ``plan.seq`` and M.
     ``out`` is a caller-owned contiguous bf16 ``[M, N]`` tensor on the backend's device; the backend

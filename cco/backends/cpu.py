@@ -15,7 +15,7 @@ from cco.quant import dequantize_gather, quantize_gather
 from cco.transport import transport_class
 from cco.transport.base import unstamp_seq_m
 from cco.transport.protocol import CommTimeoutError, Deadline, PeerMismatchError, release, wait_at_least
-from kernels_fused.cpu_tiles import dequantized_operands, run_tiles
+from kernels_fused.cpu.tiles import dequantized_operands, run_tiles
 
 # A call waits this many deadlines for a peer to leave the previous call: the peer entered that call
 # before this rank finished it, so it leaves within its own deadline plus its error-path wait.

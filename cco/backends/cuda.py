@@ -1,11 +1,11 @@
-"""NVIDIA backend: the Triton fp8 GEMM (``kernels_fused.triton_gemm``) and the copy-engine ``dma``
+"""NVIDIA backend: the Triton fp8 GEMM (``kernels_fused.hopper.gemm``) and the copy-engine ``dma``
 transport (``cco.cuda.dma``) over a torch symmetric-memory window (a CUDA IPC window where ranks share
 a GPU: ``cco.window``).
 
 What runs where, per call (details and the stream diagram in ``cco.cuda.dma``):
 
 - ``gemm``: one Triton launch writing ``out`` directly (mxfp8: its operands dequantized exactly to
-  bf16, then cuBLAS's bf16 GEMM; ``kernels_fused.triton_gemm``).
+  bf16, then cuBLAS's bf16 GEMM; ``kernels_fused.hopper.gemm``).
 - ``fused``: one Triton launch with the fused epilogue (peer tiles into ``partial[dest]``, every
   peer's tiles before the own ones: the layout's (dest, chunk, m, n) order, ``DMA_PEERS_FIRST``; one
   release add per tile on ``counters[dest, chunk]``; where the GEMM's best tile is two layout tiles
@@ -29,7 +29,7 @@ once and replayed by later eager calls (``cco.cuda.dma``: host time, not device 
 call otherwise).
 
 ``transport="lsa"`` (fused mode, and the self test) replaces the GEMM, the puts, the reduce and the
-assemble by one kernel (``kernels_fused.triton_gemm.fp8_gemm_lsa``) and no side stream: its programs
+assemble by one kernel (``kernels_fused.hopper.gemm.fp8_gemm_lsa``) and no side stream: its programs
 claim the entries of a walk that stores every peer's tiles straight into the owner's ``recv``, then
 reduces the own tiles as the peers' tiles land and stores them into every peer's ``gather``, then
 copies the peers' gathered tiles into ``out`` as they land. split-lsa is not implemented on CUDA.
@@ -64,7 +64,7 @@ GEMM_BLOCK_N = 128  # divides N/world for N = 7168 up to 8 ranks; ptpc gemm-only
 # it with the layout's chunk-major order)
 DMA_PEERS_FIRST = True
 # fused dma, an alternative: the GEMM's own tiles wait for the peers' chunks and reduce them in the
-# epilogue (kernels_fused.triton_gemm.ReduceEpilogue) instead of a reduce kernel per chunk on a side
+# epilogue (kernels_fused.hopper.gemm.ReduceEpilogue) instead of a reduce kernel per chunk on a side
 # stream. Measured level with the reduce kernel at 16384x7168 (the link bounds both,
 # docs/BENCHMARKS.md); split mode and the self test always use the reduce kernel
 DMA_REDUCE_IN_GEMM = False
@@ -87,7 +87,7 @@ def lsa_max_elements(cfg: layout.OpConfig) -> int | None:
 def fused_config(cfg: layout.OpConfig):
     """(GemmConfig, tile weight) of the fused dma launch: the quant's best tile, which may be two
     layout tiles wide (same order, and each program then counts for both)."""
-    from kernels_fused.triton_gemm import default_config
+    from kernels_fused.hopper.gemm import default_config
 
     base = default_config(cfg.quant)
     wide = base.block_n == 2 * cfg.block_n and cfg.n_tiles_per_dest % 2 == 0 and base.block_m == cfg.block_m
@@ -98,7 +98,7 @@ def fused_config(cfg: layout.OpConfig):
 def fused_table(cfg: layout.OpConfig, *, m: int, rank: int, dest_major: bool, tile_weight: int, device):
     """The fused dma launch's tile table for ``m`` rows on ``rank`` (``cco.layout.tile_table`` order,
     pairs merged for a tile two layout tiles wide)."""
-    from kernels_fused.triton_gemm import merge_tile_pairs, tile_table_tensor
+    from kernels_fused.hopper.gemm import merge_tile_pairs, tile_table_tensor
 
     rows = layout.tile_table_rows(layout.tile_table(cfg, m=m, rank=rank, dest_major=dest_major))
     if tile_weight == 2:
@@ -117,9 +117,9 @@ class CudaBackend(Backend):
 
     @classmethod
     def tile(cls, quant: str) -> tuple[int, int]:
-        """The layout's m-tile is the fused kernel's (``kernels_fused.triton_gemm.default_config``):
+        """The layout's m-tile is the fused kernel's (``kernels_fused.hopper.gemm.default_config``):
         a kernel tile then covers one layout tile, or two side by side (``fused_config``)."""
-        from kernels_fused.triton_gemm import QUANT_ID, default_config
+        from kernels_fused.hopper.gemm import QUANT_ID, default_config
 
         return (default_config(quant).block_m if quant in QUANT_ID else cls.block_m), cls.block_n
 
@@ -151,7 +151,7 @@ class CudaBackend(Backend):
         self._refuse_lost_puts("CUDA")
         faults = self.faults
         from cco.cuda.dma import FLAG_BY_COPY, CopyEngineSchedule
-        from kernels_fused.triton_gemm import default_config
+        from kernels_fused.hopper.gemm import default_config
 
         self.device = self.window.device
         self.rank, self.world = self.window.rank, self.window.world
@@ -185,7 +185,7 @@ class CudaBackend(Backend):
         return rows
 
     def _init_lsa(self, base) -> None:
-        from kernels_fused.triton_gemm import LsaWindow, peer_deltas
+        from kernels_fused.hopper.gemm import LsaWindow, peer_deltas
 
         cfg, w, r = self.config, self.config.window, self.rank
         width = 2 if cfg.n_slice % (2 * cfg.block_n) == 0 and base.block_n == 2 * cfg.block_n else 1
@@ -222,7 +222,7 @@ class CudaBackend(Backend):
         key = ("lsa", plan.m)
         table = self._tables.get(key)
         if table is None:
-            from kernels_fused.triton_gemm import lsa_walk_rows, tile_table_tensor
+            from kernels_fused.hopper.gemm import lsa_walk_rows, tile_table_tensor
 
             rows = lsa_walk_rows(self.config, m=plan.m, rank=self.rank, width=self.lsa_weight)
             table = tile_table_tensor(rows, device=self.device)
@@ -230,7 +230,7 @@ class CudaBackend(Backend):
         return table
 
     def _lsa(self, a, b_pre, a_scale, b_scale, out, plan, *, from_partial: bool) -> None:
-        from kernels_fused.triton_gemm import fp8_gemm_lsa
+        from kernels_fused.hopper.gemm import fp8_gemm_lsa
 
         self.schedule.begin(plan)
         silent = self.faults is not None and self.faults.silent
@@ -242,7 +242,7 @@ class CudaBackend(Backend):
     def _fused_gemm(self, a, b_pre, a_scale, b_scale, plan, *, reduce_into=None) -> None:
         """The tile-table GEMM into the window; ``reduce_into``: the caller's ``out``, the own tiles
         reduced into it in the epilogue."""
-        from kernels_fused.triton_gemm import ReduceEpilogue, fp8_gemm
+        from kernels_fused.hopper.gemm import ReduceEpilogue, fp8_gemm
 
         self.counters.zero_()  # see the module note: consumed words, zero at the call's start
         self.schedule.begin(plan)
@@ -258,7 +258,7 @@ class CudaBackend(Backend):
 
     # ---- modes --------------------------------------------------------------------------------------
     def gemm(self, a, b_pre, a_scale, b_scale, *, out, plan):
-        from kernels_fused.triton_gemm import fp8_gemm
+        from kernels_fused.hopper.gemm import fp8_gemm
 
         fp8_gemm(a, self._unshuffled(b_pre), a_scale, b_scale, quant=self.config.quant, out=out,
                  config=self.gemm_config)

@@ -291,7 +291,7 @@ class CopyEngineSchedule:
         GEMM (an event recorded now on that stream); otherwise the puts start as the
         counters complete, while the GEMM is still running. ``scatters_first``: see
         :func:`submission_order`. ``reduced_in_gemm``: the GEMM reduces its own tiles itself
-        (``kernels_fused.triton_gemm.ReduceEpilogue``); the reduce stream only waits for them and
+        (``kernels_fused.hopper.gemm.ReduceEpilogue``); the reduce stream only waits for them and
         resets the words they read."""
         main = self.main
         if main is None:

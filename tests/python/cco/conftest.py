@@ -27,7 +27,7 @@ def pytest_sessionstart(session):
     # In CI the compile tier must run: a missing FlyDSL or ld.lld would otherwise turn every gfx950
     # compile and ISA-conformance test into a skip and the run would pass without checking them.
     if os.environ.get("CI"):
-        from kernels_fused.flydsl_toolchain import flydsl_available
+        from kernels_fused.gfx950.toolchain import flydsl_available
 
         why = flydsl_available()
         if why is not None:

@@ -27,7 +27,7 @@ def test_override_sets_dotted_paths_and_refuses_unknown_knobs():
     arm silently running the default."""
     import types
 
-    from cco.benchmark import override
+    from cco.bench.timing import override
 
     backend = types.SimpleNamespace(dma_reduce_in_gemm=False, schedule=types.SimpleNamespace(flag_by_copy=True))
     override(backend, {"dma_reduce_in_gemm": True, "schedule.flag_by_copy": False})
@@ -79,7 +79,7 @@ def test_ranks_sharing_a_gpu_are_found_and_refused_by_the_benchmarks(monkeypatch
     import torch
 
     from cco import window
-    from cco.benchmark import require_a_gpu_per_rank
+    from cco.bench.timing import require_a_gpu_per_rank
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(uuid="unused"))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -111,7 +111,7 @@ def test_cublas_baseline_is_the_quants_gemm_or_names_why_not():
     the benchmarks check every arm against the reference on the GPU before timing), and where cuBLAS
     has no recipe the arm is dropped with the reason rather than timing something else."""
     from cco import quant as Q
-    from cco.benchmark import budget_terms, cublas_gemm, gemm_mismatches
+    from cco.bench.timing import budget_terms, cublas_gemm, gemm_mismatches
 
     p = Q.random_problem(256, 256, 512, "ptpc", seed=3)
     fn, why = cublas_gemm("ptpc", p.b, p.b_scale, fast_accum=False)

@@ -121,7 +121,7 @@ def test_fused_launch_runs_the_tuned_kernel_tile_over_whole_layout_tiles(quant, 
     itself, not the layout's 128 rows with the tuned warps, and each program must cover one layout
     tile or two side by side, so that every counter reaches its target exactly."""
     from cco.backends.cuda import CudaBackend, fused_config, fused_table
-    from kernels_fused.triton_gemm import default_config
+    from kernels_fused.hopper.gemm import default_config
 
     block_m, block_n = CudaBackend.tile(quant)
     cfg = layout.build_config(n=7168, k=2048, m_max=4096, world=world, quant=quant, block_m=block_m,
@@ -189,7 +189,7 @@ def test_graph_cache_does_not_recapture_a_working_set_larger_than_itself(keys):
 def _reference_sum(prob):
     """All-reduce reference: (sum of fp32 partials, sum of |partials|, sum of |A| @ |B|.T), summed on
     the host so that it holds when the ranks share a GPU."""
-    from cco.benchmark import allreduce_terms, budget_terms
+    from cco.bench.timing import allreduce_terms, budget_terms
 
     return allreduce_terms(*budget_terms(prob), on_host=True)
 
@@ -197,7 +197,7 @@ def _reference_sum(prob):
 def _check(out, ref, *, quant: str, fp8_gather: bool, what: str):
     """``ref``: (local fp32 GEMM, |A| @ |B|.T), or the all-reduce reference of ``_reference_sum``."""
     from cco import quant as Q
-    from cco.benchmark import allreduce_mismatches, gemm_mismatches
+    from cco.bench.timing import allreduce_mismatches, gemm_mismatches
 
     tol = Q.REL_L2_TOL_FP8_GATHER if fp8_gather else Q.REL_L2_TOL[quant]
     if len(ref) == 3:
@@ -253,7 +253,7 @@ def _fused_into(op, prob, b_pre, out):
 
 def rank_main(quants=None):
     from cco import quant as Q
-    from cco.benchmark import budget_terms, override
+    from cco.bench.timing import budget_terms, override
     from cco.comm import Communicator
     from cco.op import GemmAllReduceOp
     from cco.transport import FaultPlan
@@ -344,7 +344,7 @@ def _repeat_poisoned(op, probs, b_pre, refs, log, quant):
 
 
 def _bad(out, ref):
-    from cco.benchmark import allreduce_mismatches
+    from cco.bench.timing import allreduce_mismatches
 
     total, abs_sum, dot_abs_sum = ref
     return allreduce_mismatches(out, total, abs_sum, dot_abs_sum, fp8_gather=False)

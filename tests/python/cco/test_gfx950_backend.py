@@ -33,8 +33,8 @@ from cco.preshuffle import preshuffle_b
 from cco.quant import random_problem
 from cco.transport.base import Drop, FaultPlan
 from cco.window import Window
-from kernels_fused import gemm_gfx950
-from kernels_fused import gfx950_backend as gb
+from kernels_fused.gfx950 import kernel as gemm_gfx950
+from cco.backends import gfx950 as gb
 
 N_MODEL = 7168
 
@@ -145,7 +145,7 @@ def test_module_imports_without_flydsl_hip_or_triton():
         "        if name.split('.')[0] in ('flydsl', 'hip', 'triton'):\n"
         "            raise ImportError('blocked: ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import kernels_fused.gfx950_backend as gb\n"
+        "import cco.backends.gfx950 as gb\n"
         "print(gb.Gfx950Backend.supports_device('cpu'))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -1,8 +1,8 @@
 """The gfx950 FlyDSL kernel: its data path (host) and its compilation to gfx950 ISA (compile).
 
-The compile tier needs flydsl and an ld.lld >= 18 (``kernels_fused.flydsl_toolchain``), no GPU:
+The compile tier needs flydsl and an ld.lld >= 18 (``kernels_fused.gfx950.toolchain``), no GPU:
 nothing compiled here is ever launched. CI compiles a representative set; the full sweep is
-``python -m kernels_fused.isa --check-all``.
+``python -m kernels_fused.gfx950.isa --check-all``.
 """
 
 import functools
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from cco.preshuffle import preshuffle_b
-from kernels_fused import gfx950_layout as L
-from kernels_fused.gemm_gfx950 import compile_fused_gemm_scatter
+from kernels_fused.gfx950 import byte_layout as L
+from kernels_fused.gfx950.kernel import compile_fused_gemm_scatter
 
 
 # --------------------------------------------------------------------------------------------------
@@ -89,7 +89,7 @@ def test_factory_rejects_what_it_cannot_build(bad, match):
 
 def test_launch_without_gfx950_raises_before_touching_a_device():
     """Calling a FlyDSL kernel without its device aborts the process; the launcher must refuse first."""
-    from kernels_fused.gemm_gfx950 import gfx950_device_reason
+    from kernels_fused.gfx950.kernel import gfx950_device_reason
 
     if gfx950_device_reason() is None:
         pytest.skip("this machine has a gfx950 device; the refusal path is for machines without one")
@@ -107,7 +107,7 @@ def test_launch_without_gfx950_raises_before_touching_a_device():
 # compile: FlyDSL -> gfx950 ISA on this CPU
 # --------------------------------------------------------------------------------------------------
 def _toolchain_reason():
-    from kernels_fused.flydsl_toolchain import flydsl_available
+    from kernels_fused.gfx950.toolchain import flydsl_available
 
     return flydsl_available()
 
@@ -128,7 +128,7 @@ REPRESENTATIVE = [
 
 @functools.lru_cache(maxsize=None)
 def compiled(quant, tile, K, fuse, variant="shipped"):
-    from kernels_fused.isa import compile_variant
+    from kernels_fused.gfx950.isa import compile_variant
 
     cfg, isa = compile_variant(quant=quant, tile=tile, K=K, fuse=fuse, variant=variant)
     return cfg, isa
@@ -143,7 +143,7 @@ def _ids(p):
 @needs_toolchain
 @pytest.mark.parametrize("variant", REPRESENTATIVE, ids=[_ids(p) for p in REPRESENTATIVE])
 def test_variant_compiles_for_gfx950_without_spills(variant):
-    from kernels_fused.isa import parse, resources
+    from kernels_fused.gfx950.isa import parse, resources
 
     cfg, isa = compiled(*variant)
     assert re.search(r"\.amdgcn_target \"amdgcn-amd-amdhsa-[a-z]*-gfx950\"", isa), "not a gfx950 code object"
@@ -164,7 +164,7 @@ def test_variant_compiles_for_gfx950_without_spills(variant):
 def test_fused_epilogue_publishes_once_with_release_ordering(variant):
     """fuse=True: one 64-bit atomic add per workgroup, system-scope release (L2 written back
     first) and acquire (invalidate after), after the stores drain; fuse=False has no atomic."""
-    from kernels_fused.isa import parse
+    from kernels_fused.gfx950.isa import parse
 
     cfg, isa = compiled(*variant)
     instrs = parse(isa)
@@ -181,7 +181,7 @@ def test_fused_epilogue_publishes_once_with_release_ordering(variant):
 @pytest.mark.compile
 @needs_toolchain
 def test_compile_env_targets_gfx950_and_restores_the_environment(tmp_path, monkeypatch):
-    from kernels_fused.flydsl_toolchain import compile_env
+    from kernels_fused.gfx950.toolchain import compile_env
 
     monkeypatch.setenv("FLYDSL_GPU_ARCH", "gfx942")
     with compile_env(tmp_path) as d:
@@ -224,7 +224,7 @@ class _Recorder:
 
 
 def _emit_trace(schedule, quant):
-    from kernels_fused.gemm_gfx950 import PipelineEmitter, kernel_config, split_by_group
+    from kernels_fused.gfx950.kernel import PipelineEmitter, kernel_config, split_by_group
 
     g = schedule.geometry
     cfg = kernel_config(K=g.k, BLOCK_M=g.block_m, BLOCK_N=g.block_n, quant=quant, fuse=False)
@@ -281,7 +281,7 @@ def _emit_trace(schedule, quant):
 def test_emitter_emits_exactly_the_schedule(variant, quant, tile, K):
     """Every schedule event becomes its code in program order (waits/barriers as asm, loads into
     slot ktile % 2, MFMAs on the fragments of the K tile they name); nothing else is emitted."""
-    from kernels_fused import schedule as S
+    from kernels_fused.pipeline import schedule as S
 
     sched = S.build_schedule(block_m=tile[0], block_n=tile[1], k=K, quant=quant, variant=variant)
     want, in_call = [], False  # an MFMA call: s_setprio(1) ... s_setprio(0); s_barrier

@@ -16,7 +16,7 @@ import torch
 
 from cco.preshuffle import preshuffle_b
 from cco.quant import REL_L2_TOL, count_mismatches, random_problem, rel_l2
-from kernels_fused.gemm_gfx950 import compile_fused_gemm_scatter, gfx950_device_reason
+from kernels_fused.gfx950.kernel import compile_fused_gemm_scatter, gfx950_device_reason
 
 _WHY = gfx950_device_reason()
 pytestmark = [pytest.mark.gfx950, pytest.mark.skipif(_WHY is not None, reason=f"needs a gfx950 device: {_WHY}")]

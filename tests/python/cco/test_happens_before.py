@@ -6,9 +6,9 @@ fail and the fixed ones pass, both asserted, so a checker that stopped seeing th
 
 import pytest
 
-from kernels_fused.happens_before import check
-from kernels_fused.schedule import build_schedule
-from kernels_fused.verify import main as verify_main
+from kernels_fused.pipeline.happens_before import check
+from kernels_fused.pipeline.schedule import build_schedule
+from kernels_fused.pipeline.verify import main as verify_main
 
 pytestmark = pytest.mark.host
 

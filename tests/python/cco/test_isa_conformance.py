@@ -1,4 +1,4 @@
-"""The compiled gfx950 ISA against the pipeline schedule (``kernels_fused.isa``).
+"""The compiled gfx950 ISA against the pipeline schedule (``kernels_fused.gfx950.isa``).
 
 Compile tier: each variant is compiled for gfx950 on this CPU (flydsl + ld.lld >= 18) and never
 launched. The checker must pass the shipped kernel, catch the racy original (``upstream``: the
@@ -11,9 +11,9 @@ import re
 
 import pytest
 
-from kernels_fused import isa as isa_mod
-from kernels_fused.flydsl_toolchain import flydsl_available
-from kernels_fused.schedule import build_schedule
+from kernels_fused.gfx950 import isa as isa_mod
+from kernels_fused.gfx950.toolchain import flydsl_available
+from kernels_fused.pipeline.schedule import build_schedule
 
 _WHY = flydsl_available()
 needs_toolchain = pytest.mark.skipif(_WHY is not None, reason=f"no gfx950 CPU compile: {_WHY}")
@@ -30,7 +30,7 @@ def run_check(isa_text, cfg, reference="shipped"):
     return isa_mod.check(isa_text, cfg.schedule(), reference=ref, fused=cfg.fuse, name=cfg.name)
 
 
-# every tile x quant x K in isa.CHECK_ALL_K x mode: what `python -m kernels_fused.isa --check-all` sweeps
+# every tile x quant x K in isa.CHECK_ALL_K x mode: what `python -m kernels_fused.gfx950.isa --check-all` sweeps
 SHIPPED = list(isa_mod.all_variants())
 
 

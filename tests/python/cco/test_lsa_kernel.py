@@ -29,7 +29,7 @@ def _run_rank(comm, quant, gather, stamp_skew, move_bytes, from_partial=False, l
 
     from cco.transport.base import stamp_seq_m
     from cco.window import open_window
-    from kernels_fused.triton_gemm import GemmConfig, LsaWindow, fp8_gemm_lsa, lsa_walk_rows, peer_deltas, tile_table_tensor
+    from kernels_fused.hopper.gemm import GemmConfig, LsaWindow, fp8_gemm_lsa, lsa_walk_rows, peer_deltas, tile_table_tensor
 
     assert isinstance(triton.language.standard.zeros, InterpretedFunction), "rank process is not interpreting"
     rank, world = comm.rank, comm.world
@@ -78,7 +78,7 @@ def _pattern(rank, shape):
 def test_walk_holds_every_entry_once_and_waits_only_backwards():
     """Both walk orders list every scatter, reduce and assemble entry once, and every entry's
     dependency sits earlier in the peer's walk (the deadlock-freedom condition)."""
-    from kernels_fused.triton_gemm import lsa_walk_rows
+    from kernels_fused.hopper.gemm import lsa_walk_rows
 
     world = 3
     cfg = layout.build_config(n=SLICE * world, k=K, m_max=300, world=world, chunks=3, block_m=32, block_n=64)

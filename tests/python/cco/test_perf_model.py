@@ -1,4 +1,4 @@
-"""The cost model behind docs/SCALING.md (``cco.perf_model``): its byte counts, floors and timeline
+"""The cost model behind docs/SCALING.md (``cco.bench.perf_model``): its byte counts, floors and timeline
 arithmetic, the calibration reproducing the 2-GPU figures it was fitted on (and the held-out ones
 within the stated bound), and its agreement with the code it models (stream order, tile sizes).
 
@@ -8,7 +8,7 @@ measurements, and a model that drifts from the transport's real submission order
 
 import pytest
 
-from cco import perf_model as P
+from cco.bench import perf_model as P
 
 pytestmark = pytest.mark.host
 
@@ -201,7 +201,7 @@ def test_put_stream_order_is_the_transports():
 
 def test_tile_constants_are_the_kernels():
     cuda = pytest.importorskip("cco.backends.cuda")
-    tg = pytest.importorskip("kernels_fused.triton_gemm")
+    tg = pytest.importorskip("kernels_fused.hopper.gemm")
     for quant in P.QUANTS:
         assert (P.CUDA_BLOCK_M[quant], P.CUDA_BLOCK_N) == cuda.CudaBackend.tile(quant)
         assert P.TRITON_BLOCK_N[quant] == tg.default_config(quant).block_n

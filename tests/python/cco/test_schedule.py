@@ -6,7 +6,7 @@ walk: a wrong barrier count or row map here silently changes every verdict downs
 
 import pytest
 
-from kernels_fused.schedule import (VARIANTS, Barrier, LdsRead, LoadTile, Mfma, ReadDoneBarrier,
+from kernels_fused.pipeline.schedule import (VARIANTS, Barrier, LdsRead, LoadTile, Mfma, ReadDoneBarrier,
                                     ScaleLoad, WaitBarrier, WaitVm, build_schedule, loader_of_row)
 
 pytestmark = pytest.mark.host

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from cco.quant import count_mismatches, random_problem
-from kernels_fused.happens_before import check
-from kernels_fused.schedule import LdsRead, build_schedule
-from kernels_fused.simulator import (PREV_WG, GemmData, LatencyModel, StaleRows, count_wrong,
+from kernels_fused.pipeline.happens_before import check
+from kernels_fused.pipeline.schedule import LdsRead, build_schedule
+from kernels_fused.pipeline.simulator import (PREV_WG, GemmData, LatencyModel, StaleRows, count_wrong,
                                      find_stale, run_launches, simulate_timing, stale_errors)
 
 pytestmark = pytest.mark.host
@@ -165,7 +165,7 @@ def test_problem_shape_is_validated():
 
 
 def test_simulate_cli_prints_bad_launches_last(capsys):
-    from kernels_fused.simulate import main
+    from kernels_fused.pipeline.simulate import main
 
     rc = main(["--variant", "upstream", "--shape", "512x512x256", "--launches", "3", "--seed", "0"])
     last = capsys.readouterr().out.strip().splitlines()[-1]

@@ -31,7 +31,7 @@ TRUNCATION = 2.0  # interpreter rounding: truncation instead of round-to-nearest
 def interpreter():
     """The kernels are built lazily; make sure this module's runs get interpreted builds."""
     from cco.cuda import kernels
-    from kernels_fused import triton_gemm
+    from kernels_fused.hopper import gemm as triton_gemm
 
     triton_gemm._kernels.cache_clear()
     kernels._kernels.cache_clear()
@@ -46,7 +46,7 @@ def _assert_close(out, ref, quant, what):
 @pytest.mark.parametrize("quant", Q.QUANTS)
 def test_plain_gemm_matches_reference(quant):
     """fuse=False: every scale format applied per row / per 128-block / per 32-group correctly."""
-    from kernels_fused.triton_gemm import fp8_gemm
+    from kernels_fused.hopper.gemm import fp8_gemm
 
     p = Q.random_problem(M, N, K, quant, seed=7)
     out = fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant=quant)
@@ -58,7 +58,7 @@ def test_warp_specialized_launch_computes_what_the_grid_one_does(quant):
     """GemmConfig.launch="ws" (the ptpc default for fuse=False on Hopper): persistent programs
     striding the grouped tile order and storing tiles through TMA in halves give the grid kernel's
     bits, also where M is not a whole number of tiles (rows past M must not be stored)."""
-    from kernels_fused.triton_gemm import GemmConfig, default_config, fp8_gemm
+    from kernels_fused.hopper.gemm import GemmConfig, default_config, fp8_gemm
 
     assert default_config("ptpc", plain=True).launch == "ws" and default_config("ptpc").launch == "grid"
     for m in (1, M):
@@ -77,7 +77,7 @@ def test_warp_specialized_launch_computes_what_the_grid_one_does(quant):
 def test_warp_specialized_launch_refuses_what_it_cannot_do():
     """An explicit launch="ws" refuses what it cannot do; the default call (config=None) takes such
     an ``out`` through the grid kernel instead (``fp8_gemm``)."""
-    from kernels_fused.triton_gemm import GemmConfig, fp8_gemm, tma_storable
+    from kernels_fused.hopper.gemm import GemmConfig, fp8_gemm, tma_storable
 
     p = Q.random_problem(M, N, K, "ptpc", seed=3)
     ws = GemmConfig(block_m=32, block_n=64, num_warps=4, num_stages=1, launch="ws")
@@ -100,7 +100,7 @@ def test_mxfp8_operands_dequantize_exactly_to_bf16():
     """Every mxfp8 launch on Hopper multiplies bf16 operands that ``mx_to_bf16`` made from e4m3 and
     e8m0 bytes: they must equal the reference dequantization bit for bit (a wrong group, scale byte
     or bias shows here as a changed value, not as an error within the GEMM's budget)."""
-    from kernels_fused.triton_gemm import mx_to_bf16
+    from kernels_fused.hopper.gemm import mx_to_bf16
 
     p = Q.random_problem(M, N, K, "mxfp8", seed=5)
     for x, s, ref in ((p.a, p.a_scale, Q.dequantize_a(p.a, p.a_scale, "mxfp8")),
@@ -114,7 +114,7 @@ def test_mxfp8_operands_dequantize_exactly_to_bf16():
 def test_mxfp8_plain_gemm_through_cublas():
     """``launch="cublas"`` (mxfp8's plain default on Hopper): torch's bf16 GEMM on the dequantized
     operands computes the reference; it is refused where it would compute something else."""
-    from kernels_fused.triton_gemm import GemmConfig, default_config, fp8_gemm
+    from kernels_fused.hopper.gemm import GemmConfig, default_config, fp8_gemm
 
     assert default_config("mxfp8", plain=True).launch == "cublas" and default_config("mxfp8").launch == "grid"
     cfg = GemmConfig(block_m=32, block_n=64, launch="cublas")
@@ -135,7 +135,7 @@ def test_mxfp8_plain_gemm_through_cublas():
 def test_plain_gemm_through_the_lsa_walk(launch):
     """GemmConfig.launch "ticket" / "persistent" with fuse=False: the lsa kernel on a world of one
     computes the same GEMM, twice in a row (the ticket is reset by the last program)."""
-    from kernels_fused.triton_gemm import GemmConfig, fp8_gemm
+    from kernels_fused.hopper.gemm import GemmConfig, fp8_gemm
 
     cfg = GemmConfig(block_m=32, block_n=128, num_warps=4, num_stages=1, launch=launch)
     for seed in (3, 4):
@@ -149,7 +149,7 @@ def test_fused_epilogue_writes_partial_and_counts_tiles(quant, world):
     """fuse=True: tiles land in partial[dest] (dest-major column slices) and each (dest, chunk)
     counter ends at exactly the layout's per-call target: a tile written twice, skipped, or counted
     on the wrong slice breaks the copy engines' trigger."""
-    from kernels_fused.triton_gemm import default_config, fp8_gemm, tile_table_tensor
+    from kernels_fused.hopper.gemm import default_config, fp8_gemm, tile_table_tensor
 
     n = 128 * world  # blockscale needs N % 128 == 0; the slice must be a multiple of the 64-wide tile
     p = Q.random_problem(M, n, K, quant, seed=world)
@@ -170,7 +170,7 @@ def test_fused_epilogue_writes_partial_and_counts_tiles(quant, world):
 
 
 def test_fused_requires_table_and_counters():
-    from kernels_fused.triton_gemm import fp8_gemm
+    from kernels_fused.hopper.gemm import fp8_gemm
 
     p = Q.random_problem(M, N, K, "ptpc", seed=1)
     partial = torch.zeros(2, M, N // 2, dtype=torch.bfloat16)
@@ -234,7 +234,7 @@ def _epilogue_reduce_case(world, gather, rank, *, dest_major, bad_src=None, seed
     """One rank's fused launch with the own tiles reduced in the epilogue, beside the same launch
     storing them into partial[rank] followed by the reduce kernel on every chunk; the peers' chunks
     are already in ``recv`` and flagged, as their copy engines would leave them."""
-    from kernels_fused.triton_gemm import GemmConfig, ReduceEpilogue, fp8_gemm, tile_table_tensor
+    from kernels_fused.hopper.gemm import GemmConfig, ReduceEpilogue, fp8_gemm, tile_table_tensor
     from cco.cuda.kernels import reduce_chunk
 
     n, fp8 = block_n * world, gather == "fp8"
@@ -312,7 +312,7 @@ def test_epilogue_reduce_reports_a_peer_stamp_mismatch():
 
 
 def test_epilogue_reduce_refuses_what_it_cannot_do():
-    from kernels_fused.triton_gemm import GemmConfig, ReduceEpilogue, fp8_gemm, tile_table_tensor
+    from kernels_fused.hopper.gemm import GemmConfig, ReduceEpilogue, fp8_gemm, tile_table_tensor
 
     p = Q.random_problem(M, N, K, "ptpc", seed=3)
     words = torch.zeros(2 * layout.MAX_CHUNKS, dtype=torch.int64)
@@ -345,7 +345,7 @@ def test_epilogue_reduce_refuses_what_it_cannot_do():
 def test_wide_kernel_tile_counts_for_both_layout_tiles():
     """A kernel tile two layout tiles wide (the NVIDIA fused launch at N/W = 3584) keeps the layout's
     order and counter targets: it adds 2 per program."""
-    from kernels_fused.triton_gemm import GemmConfig, fp8_gemm, merge_tile_pairs, tile_table_tensor
+    from kernels_fused.hopper.gemm import GemmConfig, fp8_gemm, merge_tile_pairs, tile_table_tensor
 
     world, n = 2, 512
     p = Q.random_problem(M, n, K, "ptpc", seed=11)

@@ -1,8 +1,8 @@
-"""Happens-before checker for the 8-wave pipeline schedule (``kernels_fused.schedule``).
+"""Happens-before checker for the 8-wave pipeline schedule (``kernels_fused.pipeline.schedule``).
 
 Model (one workgroup, 8 waves, each running its filtered view of the one program):
 
-* A :class:`~kernels_fused.schedule.LoadTile` is ``n_vm`` VM instructions per wave; instruction
+* A :class:`~kernels_fused.pipeline.schedule.LoadTile` is ``n_vm`` VM instructions per wave; instruction
   ``s`` of wave ``u`` writes rows ``s*64 + u*8 .. +8`` of the half-tile. Scale loads are VM
   instructions too. VM instructions retire in issue order per wave (``fifo=True``); with
   ``fifo=False`` (LDS-DMA completion not FIFO) only ``vmcnt(0)`` proves a particular one done.
@@ -23,7 +23,7 @@ Verdicts:
   or a wait before the loader's c-th barrier with ``c <=`` the reader's barriers passed);
   otherwise its *slack* is the number of barrier generations between the loader issuing the
   instruction and the read. A read is *guaranteed* when all its sources are, *timing-only* when
-  every other source matches a :class:`~kernels_fused.schedule.TimingCover` the schedule declares
+  every other source matches a :class:`~kernels_fused.pipeline.schedule.TimingCover` the schedule declares
   and has at least its ``min_slack``, and *unguarded* otherwise.
 * Per LDS overwrite (a load into a buffer): *ordered* when every read of the old contents of those
   rows has retired before a barrier the loader passed before issuing; else *timing-only* if

@@ -1,11 +1,11 @@
 """Byte arithmetic of the gfx950 kernel's data path: global -> LDS (DMA) -> MFMA fragments.
 
-Pure integer functions, used by the FlyDSL stages (``gfx950_parts``, where the arguments are DSL
+Pure integer functions, used by the FlyDSL stages (``stages``, where the arguments are DSL
 integers) and by the host tests (plain ints), so the mapping the kernel compiles is the mapping the
-tests replay on real data. See ``gfx950_parts`` for the geometry in words.
+tests replay on real data. See ``stages`` for the geometry in words.
 """
 
-from .schedule import BLOCK_K, MFMA_ROWS, WAVES as N_WAVES
+from kernels_fused.pipeline.schedule import BLOCK_K, MFMA_ROWS, WAVES as N_WAVES
 
 WAVE = 64
 DMA_BYTES_PER_WAVE = WAVE * 16  # one buffer_load_dwordx4 ... lds: 16 bytes per lane

@@ -1,4 +1,4 @@
-"""Device code of the NVIDIA Triton GEMM (host side and formats: ``kernels_fused.triton_gemm``).
+"""Device code of the NVIDIA Triton GEMM (host side and formats: ``kernels_fused.hopper.gemm``).
 
 ``_tile_acc`` is the K loop every launch shares; ``fp8_gemm_ws_kernel`` is the plain GEMM (persistent,
 warp-specialized); ``fp8_gemm_kernel`` writes a plain tensor or (the ``dma`` transport) the window's
@@ -47,7 +47,7 @@ def _tile_acc(
             sa = tl.load(as_ptr + rows_a * stride_asm + kb * stride_ask)
             sb = tl.load(bs_ptr + (rows_b // SCALE_BLOCK) * stride_bsn + kb * stride_bsk)
             acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
-        elif MX_BF16:  # mxfp8: the operands arrive dequantized to bf16 (triton_gemm._operands)
+        elif MX_BF16:  # mxfp8: the operands arrive dequantized to bf16 (gemm._operands)
             acc = tl.dot(a, tl.trans(b), acc)
         else:  # Triton's CPU interpreter multiplies bf16 tiles as raw integers: fp32 there
             acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")

@@ -71,7 +71,7 @@ Event vocabulary (frozen dataclasses; every event has ``group``: None = both wav
 Declared timing covers (:class:`TimingCover`, ``Schedule.timing_covers``) list the LDS reads and
 overwrites the schedule accepts as ordered only by elapsed time, each with its minimum slack in
 barrier phases and the reason; the checker fails on any read neither guaranteed nor declared.
-``python -m kernels_fused.verify --print ...`` prints a schedule with both groups side by side.
+``python -m kernels_fused.pipeline.verify --print ...`` prints a schedule with both groups side by side.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Read the compiled gfx950 ISA of the fused GEMM and check it against the pipeline schedule.
 
-The kernel's pipeline is emitted from :mod:`kernels_fused.schedule`, and the happens-before checker
+The kernel's pipeline is emitted from :mod:`kernels_fused.pipeline.schedule`, and the happens-before checker
 proves that schedule. This module closes the loop on the compiled code: it parses the final ISA,
 splits the kernel body into *intervals* between ``s_barrier`` instructions, and checks
 
@@ -22,8 +22,8 @@ reference drains the final tiles) and at S0 (no ``lgkmcnt(0)``), and ``shipped``
 
 CLI::
 
-    python -m kernels_fused.isa --quant ptpc --tile 256x256 -k 256 [--fuse] [--variant upstream]
-    python -m kernels_fused.isa --check-all      # every variant; exit status 1 on any mismatch
+    python -m kernels_fused.gfx950.isa --quant ptpc --tile 256x256 -k 256 [--fuse] [--variant upstream]
+    python -m kernels_fused.gfx950.isa --check-all      # every variant; exit status 1 on any mismatch
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ class _VmTracker:
 
 def schedule_intervals(schedule, *, wave: int | None = None) -> list[Interval]:
     """The schedule's barrier intervals (both groups' events when ``wave`` is None)."""
-    from . import schedule as S
+    from kernels_fused.pipeline import schedule as S
 
     out, cur, vm = [], Interval(label="start"), _VmTracker()
     for phase, ev in schedule.program():
@@ -384,11 +384,11 @@ CHECK_ALL_K = (256, 384, 512, 1024)
 def compile_variant(*, quant: str, tile: str, K: int, fuse: bool, variant: str = "shipped",
                     loop_count=None, mfma_barriers: bool = True, dump_dir=None):
     """(config, ISA text) of one variant, compiled for gfx950 on this machine."""
-    from .gemm_gfx950 import compile_to_isa, kernel_config
+    from .kernel import compile_to_isa, kernel_config
 
     bm, bn = (int(x) for x in tile.split("x"))
     cfg = kernel_config(K=K, BLOCK_M=bm, BLOCK_N=bn, quant=quant, fuse=fuse, variant=variant,
-                        loop_count=loop_count, mfma_barriers=mfma_barriers, fn="kernels_fused.isa")
+                        loop_count=loop_count, mfma_barriers=mfma_barriers, fn="kernels_fused.gfx950.isa")
     if dump_dir is None:
         with tempfile.TemporaryDirectory(prefix="cco-isa-") as d:
             return cfg, compile_to_isa(cfg, dump_dir=d)
@@ -397,7 +397,7 @@ def compile_variant(*, quant: str, tile: str, K: int, fuse: bool, variant: str =
 
 def check_variant(*, quant: str, tile: str, K: int, fuse: bool, variant: str = "shipped",
                   reference: str = "shipped") -> tuple[Report, Resources]:
-    from .schedule import build_schedule
+    from kernels_fused.pipeline.schedule import build_schedule
 
     cfg, isa = compile_variant(quant=quant, tile=tile, K=K, fuse=fuse, variant=variant)
     ref = build_schedule(block_m=cfg.BLOCK_M, block_n=cfg.BLOCK_N, k=K, quant=quant, variant=reference,
@@ -420,7 +420,7 @@ def _parse_tile(s: str) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kernels_fused.isa", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m kernels_fused.gfx950.isa", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quant", default="ptpc", choices=("ptpc", "blockscale", "mxfp8"))
     ap.add_argument("--tile", default="256x256", type=_parse_tile, help="BLOCK_MxBLOCK_N")
     ap.add_argument("-k", "--K", type=int, default=256, dest="K")
@@ -433,11 +433,11 @@ def main(argv=None) -> int:
     ap.add_argument("--markdown", action="store_true", help="with --check-all: print the results as a markdown table")
     args = ap.parse_args(argv)
 
-    from .flydsl_toolchain import flydsl_available
+    from .toolchain import flydsl_available
 
     why = flydsl_available()
     if why:
-        print(f"kernels_fused.isa: cannot compile for gfx950 here: {why}", file=sys.stderr)
+        print(f"kernels_fused.gfx950.isa: cannot compile for gfx950 here: {why}", file=sys.stderr)
         return 2
 
     if args.check_all:
@@ -473,7 +473,7 @@ def main(argv=None) -> int:
         print(isa)
     print(f"# {cfg.name}: {resources(isa).line()}")
     if args.check:
-        from .schedule import build_schedule
+        from kernels_fused.pipeline.schedule import build_schedule
 
         ref = build_schedule(block_m=cfg.BLOCK_M, block_n=cfg.BLOCK_N, k=cfg.K, quant=cfg.quant, variant="shipped",
                              mfma_barriers=cfg.mfma_barriers)

@@ -58,9 +58,9 @@ CUDA_BLOCK_N = 128
 CHUNKS = layout.DEFAULT_CHUNKS
 H200_SMS = 132
 # fused GEMM programs resident per SM (a wave is H200_SMS x this many tiles): blockscale's 64x128
-# programs of one warp group run three to an SM (kernels_fused.triton_gemm)
+# programs of one warp group run three to an SM (kernels_fused.hopper.gemm)
 PROGRAMS_PER_SM = {"ptpc": 1, "blockscale": 3}
-# block_n of the Triton kernel's Hopper launch (kernels_fused.triton_gemm.default_config); the fused
+# block_n of the Triton kernel's Hopper launch (kernels_fused.hopper.gemm.default_config); the fused
 # launch uses it only where it covers two whole layout tiles of a rank's slice (CudaBackend)
 TRITON_BLOCK_N = {"ptpc": 256, "blockscale": 128}
 NVLINK_GBS = 450.0  # H200 NVLink, per direction per GPU, to all peers through NVSwitch

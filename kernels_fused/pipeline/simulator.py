@@ -1,6 +1,6 @@
 """Seeded latency simulator of the 8-wave pipeline on real fp8 data.
 
-Runs a :class:`~kernels_fused.schedule.Schedule` for every workgroup of a launch as discrete events
+Runs a :class:`~kernels_fused.pipeline.schedule.Schedule` for every workgroup of a launch as discrete events
 (vectorised over workgroups: the program is the same, only the sampled latencies differ):
 
 * each wave issues its stream in order; a global->LDS instruction of a wave leaves through that
@@ -477,7 +477,7 @@ def read_slack_cycles(schedule: Schedule, *, n_wg: int, seed: int, model: Latenc
     """Cycles between each listed read's sample and the landing of its producers (min over
     the read's non-guaranteed source rows), over ``n_wg`` sampled workgroups.
 
-    ``reads``: :class:`~kernels_fused.happens_before.ReadVerdict` items (usually the timing-only
+    ``reads``: :class:`~kernels_fused.pipeline.happens_before.ReadVerdict` items (usually the timing-only
     ones). How much extra DMA latency those reads tolerate before they go stale.
     """
     timing = simulate_timing(schedule, n_wg=n_wg, model=model, rng=np.random.default_rng(seed))

@@ -1,11 +1,11 @@
 """Simulated repeated launches of the 8-wave pipeline, checked element-wise.
 
-    python -m kernels_fused.simulate --variant upstream --quant ptpc --shape 4096x7168x256 \\
+    python -m kernels_fused.pipeline.simulate --variant upstream --quant ptpc --shape 4096x7168x256 \\
         --launches 12 --seed 0
-    python -m kernels_fused.simulate --sweep --shape 2048x7168x2048 --mfma-barriers off --launches 4
+    python -m kernels_fused.pipeline.simulate --sweep --shape 2048x7168x2048 --mfma-barriers off --launches 4
 
 Each launch NaN-poisons the output, runs every workgroup of the grid through the latency model
-(:mod:`kernels_fused.simulator`) and counts elements more than 5% off the bf16-rounded fp32
+(:mod:`kernels_fused.pipeline.simulator`) and counts elements more than 5% off the bf16-rounded fp32
 reference. The last line is ``bad launches: X/N`` and the worst launch's wrong-element count.
 
 ``--sweep`` compares the loop counts 2A+B and A+B-1 (drained tail and read_done in both) while
@@ -125,7 +125,7 @@ def sweep(args) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kernels_fused.simulate", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m kernels_fused.pipeline.simulate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variant", default="shipped", choices=sorted(VARIANTS))
     ap.add_argument("--quant", default="ptpc", choices=QUANTS)

@@ -31,7 +31,7 @@ from flydsl.expr import const_expr, range_constexpr, rocdl
 from flydsl.expr.typing import T
 from flydsl.expr.typing import Vector as Vec
 
-from .gfx950_layout import BLOCK_K, DMA_BYTES_PER_STEP, DMA_BYTES_PER_WAVE, MX_GROUP, a_read_offsets, b_read_offsets
+from .byte_layout import BLOCK_K, DMA_BYTES_PER_STEP, DMA_BYTES_PER_WAVE, MX_GROUP, a_read_offsets, b_read_offsets
 
 COUNTER_BYTES = 8  # cco.layout: counters are int64
 

@@ -1,4 +1,4 @@
-"""gfx950 (MI355X) backend: the FlyDSL fp8 GEMM (``kernels_fused.gemm_gfx950``) and the SDMA ``dma``
+"""gfx950 (MI355X) backend: the FlyDSL fp8 GEMM (``kernels_fused.gfx950.kernel``) and the SDMA ``dma``
 transport over a torch symmetric-memory window.
 
 What runs where, per call:
@@ -110,7 +110,7 @@ def gemm_grid(*, m: int, n: int, block_m: int, block_n: int) -> int:
 
 def kernel_tile_reason(*, block_m: int, block_n: int) -> str | None:
     """``None`` when the FlyDSL kernel compiles a ``block_m x block_n`` tile, else why not."""
-    from kernels_fused.gemm_gfx950 import TILES  # pure module: imports no flydsl
+    from kernels_fused.gfx950.kernel import TILES  # pure module: imports no flydsl
 
     if (block_m, block_n) in TILES:
         return None
@@ -317,7 +317,7 @@ class Gfx950Backend(CudaBackend):
     def _launcher(self, *, fuse: bool, block_m: int, block_n: int):
         key = (fuse, block_m, block_n)
         if key not in self._launchers:
-            from kernels_fused.gemm_gfx950 import compile_fused_gemm_scatter
+            from kernels_fused.gfx950.kernel import compile_fused_gemm_scatter
 
             cfg = self.config
             # compiles on its first launch; the launcher refuses to run off gfx950

@@ -9,7 +9,7 @@ How the kernel works:
    waves fill every half-tile with LDS-DMA loads (``buffer_load_dwordx4 ... lds``), ``A`` or ``B``
    instructions per wave (``A = BLOCK_M / 128``, ``B = BLOCK_N / 128``).
 3. The pipeline is not written here: it is EMITTED by walking the program of
-   :mod:`kernels_fused.schedule` (prologue, main-loop phases S0..S3, the peeled steps K-2 and K-1),
+   :mod:`kernels_fused.pipeline.schedule` (prologue, main-loop phases S0..S3, the peeled steps K-2 and K-1),
    event by event: a load event issues one half-tile's DMA, a read event loads that half-tile's
    MFMA fragments, an mfma event runs one quarter, and the waits/barriers are inline asm
    (``s_waitcnt vmcnt(n); s_barrier`` etc.) so LLVM cannot move LDS reads across them. The lag
@@ -44,7 +44,7 @@ import contextlib
 import io
 from dataclasses import dataclass
 
-from . import gfx950_layout as L
+from . import byte_layout as L
 
 QUANTS = ("ptpc", "blockscale", "mxfp8")
 TILES = ((256, 256), (128, 256), (256, 128))
@@ -63,7 +63,7 @@ class KernelConfig:
     BLOCK_N: int
     quant: str
     fuse: bool
-    variant: str  # a kernels_fused.schedule.VARIANTS name
+    variant: str  # a kernels_fused.pipeline.schedule.VARIANTS name
     loop_count: str | int | None  # None: the variant's main-loop count
     mfma_barriers: bool  # each MFMA call ends in a barrier (8 per K step) or not (4)
 
@@ -91,7 +91,7 @@ class KernelConfig:
 
     def schedule(self):
         """The schedule the kernel is emitted from (and the ISA is checked against)."""
-        from . import schedule as sched
+        from kernels_fused.pipeline import schedule as sched
 
         return sched.build_schedule(block_m=self.BLOCK_M, block_n=self.BLOCK_N, k=self.K, quant=self.quant,
                                     variant=self.variant, loop_count=self.loop_count,
@@ -102,7 +102,7 @@ def kernel_config(*, K: int, BLOCK_M: int = 256, BLOCK_N: int = 256, quant: str 
                   variant: str = "shipped", loop_count: str | int | None = None, mfma_barriers: bool = True,
                   fn: str = "compile_fused_gemm_scatter") -> KernelConfig:
     """Validate and freeze a variant. Raises ValueError naming the argument and the fix."""
-    from . import schedule as sched
+    from kernels_fused.pipeline import schedule as sched
 
     if quant not in QUANTS:
         raise ValueError(f"{fn}: quant={quant!r} is not supported; pass one of {', '.join(QUANTS)}")
@@ -341,7 +341,7 @@ def build_kernel(cfg: KernelConfig):
     import flydsl.expr as fx
     from flydsl.expr import const_expr
 
-    from . import gfx950_parts as P
+    from . import stages as P
 
     segments, groups = split_by_group([ev for _, ev in cfg.schedule().program()])
     assert groups[0] == 1 and len(segments) in (2, 3), f"unexpected group barriers {groups}"
@@ -417,7 +417,7 @@ def compile_to_isa(cfg: KernelConfig, *, dump_dir) -> str:
     """Compile ``cfg`` for gfx950 without a device and return the final ISA text."""
     import flydsl.compiler as flyc
 
-    from .flydsl_toolchain import compile_env, find_isa
+    from .toolchain import compile_env, find_isa
 
     with compile_env(dump_dir) as d, contextlib.redirect_stdout(io.StringIO()):  # flydsl prints dump paths
         flyc.compile(build_kernel(cfg), *placeholder_args(cfg))
@@ -492,7 +492,7 @@ class GemmScatterLauncher:
         why = gfx950_device_reason()
         if why is not None:
             raise RuntimeError(f"{fn}: needs a gfx950 device ({why}); the kernel is compile-only here "
-                               f"(python -m kernels_fused.isa)")
+                               f"(python -m kernels_fused.gfx950.isa)")
         if cfg.fuse:
             if C_or_window.dim() != 3 or C_or_window.shape[0] != self.world or C_or_window.shape[2] * self.world != n:
                 raise ValueError(f"{fn}: C_or_window shape {tuple(C_or_window.shape)} is not the partial region "
@@ -550,6 +550,3 @@ def compile_fused_gemm_scatter(rank: int, world: int, *, K: int, BLOCK_M: int = 
                         loop_count=loop_count, mfma_barriers=mfma_barriers, fn=fn)
     return GemmScatterLauncher(cfg=cfg, rank=rank, world=world, chunks=chunks)
 
-
-# the op picks its gfx950 backend from here (cco.op.select_backend)
-from kernels_fused.gfx950_backend import Gfx950Backend  # noqa: E402,F401

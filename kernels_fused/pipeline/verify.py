@@ -1,9 +1,9 @@
 """Check the 8-wave pipeline schedule over tiles x quant modes x K with the happens-before model.
 
-    python -m kernels_fused.verify                      # shipped, full table, exit 1 on a failure
-    python -m kernels_fused.verify --variant upstream --explain
-    python -m kernels_fused.verify --mfma-barriers off  # the four-barrier structure
-    python -m kernels_fused.verify --print --tile 256x256 --quant ptpc --k 256
+    python -m kernels_fused.pipeline.verify                      # shipped, full table, exit 1 on a failure
+    python -m kernels_fused.pipeline.verify --variant upstream --explain
+    python -m kernels_fused.pipeline.verify --mfma-barriers off  # the four-barrier structure
+    python -m kernels_fused.pipeline.verify --print --tile 256x256 --quant ptpc --k 256
 
 A row fails when an LDS read is neither guaranteed nor a declared timing cover with enough slack,
 or an LDS overwrite is not ordered after the reads of the old contents.
@@ -52,7 +52,7 @@ def summarize(report: Report) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kernels_fused.verify", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m kernels_fused.pipeline.verify", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variant", default="shipped", choices=sorted(VARIANTS))
     ap.add_argument("--mfma-barriers", type=_onoff, default=None, metavar="on|off",

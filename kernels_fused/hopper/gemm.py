@@ -1,6 +1,6 @@
 """Triton fp8 GEMM for NVIDIA Hopper: ``C[M, N] = dequant(A[M, K]) @ dequant(B[N, K]).T`` in bf16.
 
-Host side here, device code in ``kernels_fused.triton_kernels``: one K loop (``_tile_acc``) shared
+Host side here, device code in ``kernels_fused.hopper.kernels``: one K loop (``_tile_acc``) shared
 by three kernels. ``fp8_gemm`` (below) runs the plain and the tile-table ones; ``fp8_gemm_lsa`` runs
 the ``lsa`` transport's whole fused all-reduce in one launch (its docstring has the protocol).
 
@@ -148,7 +148,7 @@ def merge_tile_pairs(rows, *, layout_block_n: int) -> list[list[int]]:
 def _kernels():
     """(plain/dma kernel, lsa kernel, warp-specialized plain kernel, mxfp8 dequantization), imported
     on first use."""
-    from kernels_fused import triton_kernels as tk
+    from kernels_fused.hopper import kernels as tk
 
     return tk.fp8_gemm_kernel, tk.fp8_gemm_lsa_kernel, tk.fp8_gemm_ws_kernel, tk.mx_to_bf16_kernel
 
