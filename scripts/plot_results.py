@@ -20,6 +20,8 @@ import os
 
 # one colour per mechanism; the fp8 gather of a mechanism is its dashed twin
 STYLE = {
+    "scaled_mm": dict(color="tab:purple", linestyle=":", marker="x"),
+    "gemm-only": dict(color="tab:green", linestyle=":", marker="+"),
     "scaled_mm+nccl": dict(color="black", linestyle="-", marker="s", linewidth=2.2),
     "symm_mem": dict(color="tab:gray", linestyle="-", marker="v"),
     "split": dict(color="tab:brown", linestyle="-", marker="D"),
@@ -29,6 +31,8 @@ STYLE = {
     "fused-lsa-fp8": dict(color="tab:orange", linestyle="--", marker="^"),
 }
 LABEL = {
+    "scaled_mm": "scaled_mm (cuBLAS GEMM alone)",
+    "gemm-only": "gemm-only (Triton GEMM alone)",
     "scaled_mm+nccl": "scaled_mm + NCCL (baseline)",
     "symm_mem": "symm_mem (torch)",
     "split": "split (GEMM, then copy-engine all-reduce)",
@@ -138,7 +142,8 @@ def plot(doc, results, names, path, *, baseline, marks=(), title=None):
     handles, labels = ax_r.get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=9, frameon=False)
     fig.suptitle(title, fontsize=11)
-    fig.tight_layout(rect=(0, 0.09, 1, 1))
+    legend_rows = -(-len(handles) // 4)
+    fig.tight_layout(rect=(0, 0.045 * legend_rows + 0.01, 1, 1))
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
