@@ -1,5 +1,5 @@
 """Predicted gemm-ar times at world 2, 4 and 8 from the cost model ``cco.bench.perf_model`` (calibrated on
-the 2x H200 measurements of docs/BENCHMARKS.md). These are predictions, not measurements.
+the 2x H200 measurements of docs/BENCHMARKS.md and docs/experiments.md). These are predictions, not measurements.
 
     python -m scripts.predict_scaling                      # the table + docs/predicted_scaling_w8.png
     python -m scripts.predict_scaling --check              # the model against the 2-GPU figures
@@ -60,7 +60,7 @@ def print_predictions(preds, cal, file=None):
 
 def print_check(cal, file=None):
     file = file or sys.stdout
-    print("model vs measured, 2x H200, N=7168 K=2048 ptpc (docs/BENCHMARKS.md sweep, 2026-11-30 19:26 UTC)", file=file)
+    print("model vs measured, 2x H200, N=7168 K=2048 ptpc (docs/experiments.md, sweep of 2026-11-30 19:26 UTC)", file=file)
     print(f"{'arm':15s} {'M':>6} {'measured':>9} {'model':>9} {'error':>7}  role", file=file)
     for c in P.check_2gpu(cal):
         role = "fitted" if c.fitted else "held out"
