@@ -53,15 +53,21 @@ Contracts:
 
 from __future__ import annotations
 
+import secrets
+
 import torch
 
 from cco import layout
 from cco.transport.protocol import SelfTestError
+from cco.transport.reasons import RejectionNotes
 from cco.validate import check_operands
 from cco.window import open_window
 
 DEFAULT_DEADLINE_S = 60.0  # per call; generous because a GPU backend's first call may JIT-compile
 _FN = "GemmAllReduceOp"
+# windows of closed ops whose backend must keep them mapped (a failed GPU call: a late peer may
+# still write into them); they are released when the process exits
+_RETAINED_WINDOWS: list = []
 
 
 def select_backend(device: torch.device):
@@ -122,10 +128,13 @@ class GemmAllReduceOp:
         self.rank, self.world = comm.rank, comm.world
         self._seq = 0
         self._counter_base = layout.zero_counters(self.world)
+        notes = None
+        if self.world > 1 and self.config.mode != "gemm-only":  # the same key prefix on every rank
+            notes = RejectionNotes(comm, comm.broadcast_object(secrets.token_hex(8) if self.rank == 0 else None))
         self.window = open_window(comm=comm, layout=self.config.window)
         try:
             self._backend = backend_cls(config=self.config, comm=comm, window=self.window,
-                                        deadline_s=self.deadline_s, faults=faults)
+                                        deadline_s=self.deadline_s, faults=faults, notes=notes)
         except BaseException:
             self.window.close()
             raise
@@ -155,8 +164,6 @@ class GemmAllReduceOp:
 
     # ---- the op -------------------------------------------------------------------------------------
     def _check(self, a, b_pre, a_scale, b_scale, fn: str) -> int:
-        if self._closed:
-            raise RuntimeError(f"{fn}: the op is closed; build a new GemmAllReduceOp")
         shape = check_operands(a, b_pre, a_scale, b_scale, quant=self.config.quant, fn=fn)
         cfg = self.config
         if (shape.n, shape.k) != (cfg.n, cfg.k):
@@ -172,7 +179,17 @@ class GemmAllReduceOp:
     def __call__(self, a, b_pre, a_scale, b_scale) -> torch.Tensor:
         """All-reduced bf16 ``[M, N]`` of this rank's ``a [M, K] @ unshuffle(b_pre) [N, K].T``."""
         fn = f"{_FN}.__call__"
-        m = self._check(a, b_pre, a_scale, b_scale, fn)
+        if self._closed:
+            raise RuntimeError(f"{fn}: the op is closed; build a new GemmAllReduceOp")
+        collective = self.world > 1 and self.config.mode != "gemm-only"
+        if collective:
+            self._backend.raise_failed()
+        try:
+            m = self._check(a, b_pre, a_scale, b_scale, fn)
+        except (TypeError, ValueError) as err:
+            if collective:  # still a collective call: the peers fail it too and stay in step
+                self._reject(err)
+            raise
         out = torch.empty(m, self.config.n, dtype=torch.bfloat16, device=self.comm.device)
         alone = self.world == 1 and self.config.mode != "gemm-only"
         if self.config.mode == "gemm-only" or alone:
@@ -185,7 +202,25 @@ class GemmAllReduceOp:
             return out
         run = self._backend.fused if self.config.mode == "fused" else self._backend.split
         self._collective(lambda plan: run(a, b_pre, a_scale, b_scale, out=out, plan=plan), m)
+        self._backend.raise_deferred()
         return out
+
+    def _reject(self, err: Exception) -> None:
+        """This rank's inputs to the next call failed validation with ``err``: take part in the call
+        all the same (it consumes a seq on every rank), so every peer fails it with
+        ``PeerRejectedError`` naming this rank and ``err``, instead of pairing its next call with
+        this rank's next one. Whatever goes wrong on the way is added to ``err`` as a note."""
+        seq = self._seq = self._seq + 1
+        base = self._counter_base  # no tile of this call is written here: the counters stay put
+
+        def plan_for(m: int) -> layout.CallPlan:
+            return layout.plan_call(self.config, m=m, seq=seq, rank=self.rank, counter_base=base)
+
+        try:
+            self._backend.reject(seq=seq, error=err, plan_for=plan_for)
+        except Exception as problem:  # the caller's own error stays the one raised
+            err.add_note(f"{_FN}: rank {self.rank} could not take part in call seq {seq} it rejected: "
+                         f"{type(problem).__name__}: {problem}")
 
     def _collective(self, body, m: int):
         """Run one collective call with the next seq; on failure bring the own counters to the
@@ -286,7 +321,10 @@ class GemmAllReduceOp:
             return
         self._closed = True
         self._backend.close()
-        self.window.close()
+        if self._backend.retains_window:
+            _RETAINED_WINDOWS.append(self.window)
+        else:
+            self.window.close()
 
     def __enter__(self):
         return self
