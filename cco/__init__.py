@@ -27,6 +27,7 @@ _EXPORTS = {
     "Drop": "cco.transport",
     "CommTimeoutError": "cco.transport.protocol",
     "PeerMismatchError": "cco.transport.protocol",
+    "PeerRejectedError": "cco.transport.protocol",
     "SelfTestError": "cco.transport.protocol",
     "preshuffle_b": "cco.preshuffle",
     "unshuffle_b": "cco.preshuffle",

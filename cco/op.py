@@ -27,22 +27,41 @@ Contracts:
 - Collective: every rank calls ``__call__`` (and ``self_test``) in the same order with the same M.
   A failed call still counts: each rank makes the same sequence of calls, failed or not.
 - Output: a new bf16 ``[M, N]`` tensor per call, identical on every rank; it never aliases the window.
-- Errors instead of hangs (CPU backend; the CUDA backend's device waits have no deadline, see
-  ``cco.backends.cuda``): each call's waits share a deadline (``deadline_s``) and passing it raises
-  :class:`CommTimeoutError` naming the rank, the chunk and the call's seq.
-- Rejected calls: input validation runs before anything is published and consumes no seq; the op
-  stays usable. A rank whose M differs from its peers' makes every rank raise
-  :class:`PeerMismatchError` naming both Ms (each rank's first chunk carries its (seq, M) stamp, and
-  a failing rank still delivers the chunks it completed).
-- Recovery: call ``seq`` starts on a rank (publishes anything, starts its deadline) only once every
-  peer has left call ``seq - 1``, waiting up to ``2 * deadline_s`` for that; and a rank that fails a
-  call leaves it only once every peer has left it too (up to ``deadline_s`` more). So no rank's next
-  call overwrites the stamps, flags or data a slower peer still reads to reach its own verdict, and
-  a peer still timing out the previous call does not eat into the next call's deadline. After any
-  failed call in which every rank stayed alive and reached the call within its deadline (a
-  mismatched M, a lost put), the next call works on every rank, whether the peers returned or
-  raised the failed one. Later than that, the ranks fail calls until they are back in step; a rank
-  that died leaves the op unusable: rebuild it (and the communicator).
+- Errors instead of hangs, on every backend: a call's waits share a deadline (``deadline_s``);
+  passing it raises :class:`CommTimeoutError` on every live rank, naming the rank, the peer, the
+  chunk (where it can be told) and the call's seq. The CPU backend waits on the host and raises in
+  the call. On CUDA and gfx950 the call is asynchronous: a watchdog thread per op
+  (``cco.cuda.watchdog``) releases its device-side waits once the deadline passes, so nothing stays
+  blocked on the GPU and the CUDA context stays usable; the output of the released call is NaN
+  (never an earlier call's numbers), the op is failed from then on, and the error is raised by
+  ``check()`` (which synchronizes) and by every later call. A peer's watchdog tells this rank's, so
+  a rank whose own waits were fine fails its next call too. Close a failed op and build a new one
+  (and a new communicator if a rank died); its window stays mapped until the process exits (a peer
+  late for the failed call may still write into it).
+- Rejected inputs: a call whose inputs fail validation (TypeError / ValueError naming the argument)
+  is still a collective call: it consumes a seq on every rank. The rejecting rank takes part (it
+  publishes a "rejected" (seq, M) stamp where its M would go, and on CUDA runs the call on NaN data
+  with its peers' M, so every word a peer waits on is released and consumed once) and raises its
+  own error; every peer raises :class:`PeerRejectedError` naming that rank and its reason. The
+  ranks stay in step and the next call works on every rank.
+- Mismatched M: a rank whose M differs from its peers' makes every rank raise
+  :class:`PeerMismatchError` naming both Ms (each rank's chunks carry its (seq, M) stamp, and a
+  failing rank still delivers the chunks it completed). CPU: raised by the call. CUDA: the call's
+  output is NaN and the error is raised by ``check()`` and by the first call issued once the host
+  knows it (that call takes part in the collective first, so the ranks stay in step, and raises
+  instead of returning); where the ranks' Ms give different chunk counts, a wait passes its
+  deadline and the op is failed as above.
+- Recovery (CPU backend): call ``seq`` starts on a rank (publishes anything, starts its deadline)
+  only once every peer has left call ``seq - 1``, waiting up to ``2 * deadline_s`` for that; and a
+  rank that fails a call leaves it only once every peer that entered it has left it too (up to
+  ``deadline_s`` more; a peer that never entered the call or whose process exited is not waited
+  for). So no rank's next call overwrites the stamps, flags or data a slower peer still reads to
+  reach its own verdict, and a peer still timing out the previous call does not eat into the next
+  call's deadline. After any failed call in which every rank stayed alive and reached the call
+  within its deadline (a mismatched M, a lost put, rejected inputs), the next call works on every
+  rank, whether the peers returned or raised the failed one. Later than that, the ranks fail calls
+  until they are back in step; a rank that died leaves the op unusable: rebuild it (and the
+  communicator).
 - Graph safety: no host-side reset runs between calls or graph replays. Waits compare flags against
   the call's seq, so a word left by an earlier (even failed) call never completes a later one. The
   CPU backend never resets a word (counter targets grow by a known amount per call); the CUDA
@@ -53,15 +72,21 @@ Contracts:
 
 from __future__ import annotations
 
+import secrets
+
 import torch
 
 from cco import layout
 from cco.transport.protocol import SelfTestError
+from cco.transport.reasons import RejectionNotes
 from cco.validate import check_operands
 from cco.window import open_window
 
 DEFAULT_DEADLINE_S = 60.0  # per call; generous because a GPU backend's first call may JIT-compile
 _FN = "GemmAllReduceOp"
+# windows of closed ops whose backend must keep them mapped (a failed GPU call: a late peer may
+# still write into them); they are released when the process exits
+_RETAINED_WINDOWS: list = []
 
 
 def select_backend(device: torch.device):
@@ -122,10 +147,13 @@ class GemmAllReduceOp:
         self.rank, self.world = comm.rank, comm.world
         self._seq = 0
         self._counter_base = layout.zero_counters(self.world)
+        notes = None
+        if self.world > 1 and self.config.mode != "gemm-only":  # the same key prefix on every rank
+            notes = RejectionNotes(comm, comm.broadcast_object(secrets.token_hex(8) if self.rank == 0 else None))
         self.window = open_window(comm=comm, layout=self.config.window)
         try:
             self._backend = backend_cls(config=self.config, comm=comm, window=self.window,
-                                        deadline_s=self.deadline_s, faults=faults)
+                                        deadline_s=self.deadline_s, faults=faults, notes=notes)
         except BaseException:
             self.window.close()
             raise
@@ -155,8 +183,6 @@ class GemmAllReduceOp:
 
     # ---- the op -------------------------------------------------------------------------------------
     def _check(self, a, b_pre, a_scale, b_scale, fn: str) -> int:
-        if self._closed:
-            raise RuntimeError(f"{fn}: the op is closed; build a new GemmAllReduceOp")
         shape = check_operands(a, b_pre, a_scale, b_scale, quant=self.config.quant, fn=fn)
         cfg = self.config
         if (shape.n, shape.k) != (cfg.n, cfg.k):
@@ -172,7 +198,17 @@ class GemmAllReduceOp:
     def __call__(self, a, b_pre, a_scale, b_scale) -> torch.Tensor:
         """All-reduced bf16 ``[M, N]`` of this rank's ``a [M, K] @ unshuffle(b_pre) [N, K].T``."""
         fn = f"{_FN}.__call__"
-        m = self._check(a, b_pre, a_scale, b_scale, fn)
+        if self._closed:
+            raise RuntimeError(f"{fn}: the op is closed; build a new GemmAllReduceOp")
+        collective = self.world > 1 and self.config.mode != "gemm-only"
+        if collective:
+            self._backend.raise_failed()
+        try:
+            m = self._check(a, b_pre, a_scale, b_scale, fn)
+        except (TypeError, ValueError) as err:
+            if collective:  # still a collective call: the peers fail it too and stay in step
+                self._reject(err)
+            raise
         out = torch.empty(m, self.config.n, dtype=torch.bfloat16, device=self.comm.device)
         alone = self.world == 1 and self.config.mode != "gemm-only"
         if self.config.mode == "gemm-only" or alone:
@@ -185,7 +221,25 @@ class GemmAllReduceOp:
             return out
         run = self._backend.fused if self.config.mode == "fused" else self._backend.split
         self._collective(lambda plan: run(a, b_pre, a_scale, b_scale, out=out, plan=plan), m)
+        self._backend.raise_deferred()
         return out
+
+    def _reject(self, err: Exception) -> None:
+        """This rank's inputs to the next call failed validation with ``err``: take part in the call
+        all the same (it consumes a seq on every rank), so every peer fails it with
+        ``PeerRejectedError`` naming this rank and ``err``, instead of pairing its next call with
+        this rank's next one. Whatever goes wrong on the way is added to ``err`` as a note."""
+        seq = self._seq = self._seq + 1
+        base = self._counter_base  # no tile of this call is written here: the counters stay put
+
+        def plan_for(m: int) -> layout.CallPlan:
+            return layout.plan_call(self.config, m=m, seq=seq, rank=self.rank, counter_base=base)
+
+        try:
+            self._backend.reject(seq=seq, error=err, plan_for=plan_for)
+        except Exception as problem:  # the caller's own error stays the one raised
+            err.add_note(f"{_FN}: rank {self.rank} could not take part in call seq {seq} it rejected: "
+                         f"{type(problem).__name__}: {problem}")
 
     def _collective(self, body, m: int):
         """Run one collective call with the next seq; on failure bring the own counters to the
@@ -203,8 +257,10 @@ class GemmAllReduceOp:
             raise
 
     def check(self) -> None:
-        """Wait for the calls issued so far and raise what an asynchronous backend recorded (a
-        peer's mismatched M, ...). The CPU backend raises inside the call itself."""
+        """Wait for the calls issued so far and raise what an asynchronous backend recorded: a
+        call released at its deadline (``CommTimeoutError``, the op is then failed), a peer's
+        mismatched M (``PeerMismatchError``) or rejected inputs (``PeerRejectedError``). The wait is
+        bounded by the deadline. The CPU backend raises inside the call itself."""
         self._backend.check()
 
     # ---- self test ----------------------------------------------------------------------------------
@@ -233,6 +289,7 @@ class GemmAllReduceOp:
         return {**runs[0], "runs": runs}
 
     def _self_test_rows(self, m: int, fn: str) -> dict:
+        self._backend.raise_failed()
         cfg, w = self.config, self.config.window
         seq = self._seq + 1
         partial = self.window.tensor(w.partial, rank=self.rank)
@@ -286,7 +343,10 @@ class GemmAllReduceOp:
             return
         self._closed = True
         self._backend.close()
-        self.window.close()
+        if self._backend.retains_window:
+            _RETAINED_WINDOWS.append(self.window)
+        else:
+            self.window.close()
 
     def __enter__(self):
         return self

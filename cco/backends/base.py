@@ -9,6 +9,10 @@ Interface changes (kept backward compatible once published):
   part-way); a failed call still delivers the chunks it completed. No method changed.
 - v1.3 (2026-12-01): step 1's header words are written by backends whose peers read them (CPU);
   the GPU backends' peers check the (seq, M) stamp of step 3 only. No method changed.
+- v1.4 (2026-12-03): ``reject()`` (a rank whose inputs failed validation still takes part in the
+  call: step 7), ``raise_failed()`` / ``raise_deferred()`` (asynchronous backends raise a failure
+  the device recorded from the next call too), ``retains_window`` (a failed GPU op keeps its window
+  mapped after ``close()``), the ``notes`` constructor argument (rejection reasons).
 
 Division of work. The op owns everything that is the same on every device: public validation
 (``cco.validate``), the layout (``cco.layout``: config, window regions, chunk rows, tile table,
@@ -38,6 +42,12 @@ Protocol every backend follows (see ``cco.layout`` for the regions):
    after every peer's ``header[LEFT] >= seq - 1`` and, on failure, leaves only after every peer's
    ``header[LEFT] >= seq`` (both bounded; the contract is in ``cco.op`` "Recovery"). A backend whose
    device-side protocol always runs a call to its end (CUDA) gets the same order from its streams.
+7. Rejected call: a rank whose inputs fail validation publishes, instead of steps 2-5, the stamp
+   ``transport.base.stamp_rejected(seq)`` (M = 0) where step 3 puts its (seq, M) stamp, and
+   releases every wait its peers make on it for that call (CPU: the chunk-0 scatter flag, the
+   only one a peer reads before checking the stamp; CUDA: a whole call run on NaN data with the
+   peer's M, so every consumed word is consumed). A peer that finds the stamp raises
+   ``PeerRejectedError`` naming the rank and its reason (``cco.transport.reasons``).
 
 No host-side reset runs between calls: waits compare flags against the call's seq. The CPU backend
 never resets a word (cumulative counter targets); the CUDA backend consumes them (zeroes counters at
@@ -49,7 +59,9 @@ then-gather order above is the baseline). What is fixed is the data each region 
 is released, because peers running another backend of the same protocol read it.
 
 Every wait has a deadline (``self.deadline_s`` seconds per call) and raises
-``cco.transport.protocol.CommTimeoutError`` naming the rank, region, chunk and seq it waited for.
+``cco.transport.protocol.CommTimeoutError`` naming the rank, region, chunk and seq it waited for:
+on the host (CPU backend), or through a watchdog that releases the device's waits (CUDA and HIP:
+``cco.cuda.watchdog``).
 """
 
 from __future__ import annotations
@@ -79,6 +91,8 @@ class Backend(abc.ABC):
       deadline_s: seconds one call's waits may take in total before one raises.
       faults:     optional :class:`cco.transport.FaultPlan` (tests: lost puts, a silent engine).
                   A backend that cannot inject faults raises ValueError when one is passed.
+      notes:      optional :class:`cco.transport.reasons.RejectionNotes`: where a rejecting rank
+                  leaves its reason and a peer reads it (None: peers name the rank, not the reason).
 
     Backend modules: ``cco.backends.cpu.CpuBackend``, ``cco.backends.cuda.CudaBackend``,
     ``cco.backends.gfx950.Gfx950Backend``; the op picks one by device (``cco.op.select_backend``).
@@ -103,13 +117,17 @@ class Backend(abc.ABC):
         None: the layout's default): the tile the backend's fused kernel walks."""
         return cls.block_m, cls.block_n
 
+    # whether close() leaves the window mapped (a failed GPU op: a late peer may still write into it)
+    retains_window: bool = False
+
     def __init__(self, *, config: "OpConfig", comm: "Communicator", window: "Window", deadline_s: float,
-                 faults=None):
+                 faults=None, notes=None):
         self.config = config
         self.comm = comm
         self.window = window
         self.deadline_s = deadline_s
         self.faults = faults
+        self.notes = notes
 
     def path_rows(self) -> list[int]:
         """Row counts that together take every transfer path of this backend (the self test runs
@@ -144,9 +162,29 @@ class Backend(abc.ABC):
         ``self_test()``, which fills ``partial`` with a known pattern and checks what arrived in
         every rank's ``recv`` and ``out``. Collective."""
 
+    @abc.abstractmethod
+    def reject(self, *, seq: int, error: Exception, plan_for) -> None:
+        """Protocol step 7: take part in call ``seq``, whose inputs this rank rejected with
+        ``error`` (the op raises it after this returns), so that every peer fails the same call
+        with :class:`PeerRejectedError` and the ranks stay in step. ``plan_for(m)`` is the
+        :class:`CallPlan` of call ``seq`` with ``m`` rows (a backend that must mirror a peer's
+        call learns the peer's M from its stamp). Problems on the way (a peer that is not there)
+        are added to ``error`` as notes, not raised. Collective."""
+
+    def raise_failed(self) -> None:
+        """Before a call: raise if the op can run no more calls (an asynchronous backend whose
+        call passed its deadline: its words are no longer in step with the peers'). Synchronous
+        backends raise inside the failed call and have nothing to add here."""
+
+    def raise_deferred(self) -> None:
+        """After a call was issued (it took part in the collective, so the ranks stay in step):
+        raise the error an earlier call recorded on the device, once the host knows it (a peer's
+        mismatched M or rejected inputs). Synchronous backends have nothing to add here."""
+
     def check(self) -> None:
         """Wait for the calls issued so far and raise any error their device-side protocol recorded
-        (:class:`cco.transport.protocol.PeerMismatchError` for a peer's mismatched (seq, M)).
+        (:class:`cco.transport.protocol.PeerMismatchError` for a peer's mismatched (seq, M),
+        ``PeerRejectedError``, ``CommTimeoutError`` for a call the watchdog released).
         Synchronous backends raise inside the call and have nothing to add here."""
 
     def close(self) -> None:

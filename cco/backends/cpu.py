@@ -7,19 +7,40 @@ process memories.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from cco import layout
 from cco.backends.base import Backend
 from cco.quant import dequantize_gather, quantize_gather
 from cco.transport import transport_class
-from cco.transport.base import unstamp_seq_m
-from cco.transport.protocol import CommTimeoutError, Deadline, PeerMismatchError, release, wait_at_least
+from cco.transport.base import REJECTED_M, stamp_rejected, unstamp_seq_m
+from cco.transport.protocol import (CommTimeoutError, Deadline, PeerMismatchError, PeerRejectedError, release,
+                                    wait_at_least)
 from kernels_fused.cpu.tiles import dequantized_operands, run_tiles
 
 # A call waits this many deadlines for a peer to leave the previous call: the peer entered that call
 # before this rank finished it, so it leaves within its own deadline plus its error-path wait.
 PREVIOUS_CALL_DEADLINES = 2
+HEADER_PID = layout.HEADER_LEFT + 1  # CPU backend: the rank's process id, for its peers' liveness checks
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host still runs (a zombie has exited; it only waits for its
+    parent to collect it). The ranks of a CPU window share the host: they map the same files."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            state = stat.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
 
 
 class CpuBackend(Backend):
@@ -43,11 +64,14 @@ class CpuBackend(Backend):
         self._counters = win.words(w.counters, rank=rank)
         self._scatter_flags = win.words(w.scatter_flags, rank=rank)
         self._scatter_m = win.words(w.scatter_m, rank=rank)
+        self._peer_scatter_m = [win.words(w.scatter_m, rank=r) for r in range(self.world)]
+        self._peer_scatter_flags = [win.words(w.scatter_flags, rank=r) for r in range(self.world)]
         self._gather_flags = [win.words(w.gather_flags, rank=r) for r in range(self.world)]
         self._partial = win.tensor(w.partial, rank=rank)
         self._recv = win.tensor(w.recv, rank=rank)
         self._gather = [win.tensor(w.gather, rank=r) for r in range(self.world)]
         self._gather_scale = [win.tensor(w.gather_scale, rank=r) for r in range(self.world)]
+        self._header[HEADER_PID] = os.getpid()
 
     # ---- modes --------------------------------------------------------------------------------------
     def gemm(self, a, b_pre, a_scale, b_scale, *, out, plan):
@@ -87,6 +111,27 @@ class CpuBackend(Backend):
 
         self._run_call(plan, steps)
 
+    def reject(self, *, seq, error, plan_for):
+        """Take part in call ``seq`` with inputs this rank rejected: enter it like any call, publish
+        the rejected stamp and the chunk-0 scatter flag to every peer (all a peer reads before it
+        checks the stamp), leave it. Peers raise :class:`PeerRejectedError`; nothing else of the
+        call is read by anyone, and the next call's flags (``>= seq + 1``) never match these."""
+        try:
+            self._enter(seq, REJECTED_M)
+        except CommTimeoutError as late:  # a peer is still in the previous call: it will time out
+            error.add_note(f"{late}; the peers were not told of the rejection and time out this call")
+            self._leave_failed(seq, error)
+            return
+        problem = self.notes.post(seq=seq, rank=self.rank, reason=f"{type(error).__name__}: {error}") \
+            if self.notes is not None else None
+        if problem is not None:
+            error.add_note(f"rank {self.rank}: the reason could not be passed to the peers: {problem}")
+        flag = layout.counter_index(self.rank, 0)
+        for peer in layout.dest_order(self.rank, self.world)[:-1]:
+            release(self._peer_scatter_m[peer], self.rank, stamp_rejected(seq))
+            release(self._peer_scatter_flags[peer], flag, seq)
+        self._leave_failed(seq, error)
+
     def close(self):
         self.transport.close()
 
@@ -94,47 +139,65 @@ class CpuBackend(Backend):
     def _run_call(self, plan, steps) -> None:
         """One collective call: enter (wait for every peer to have left the previous call), run
         ``steps(deadline)``, leave (``header[LEFT] = seq``). A failed call leaves too, but only
-        after every peer has left it as well (bounded): see ``cco.op``, "Recovery"."""
+        after every peer that entered it has left it as well (bounded): see ``cco.op``, "Recovery"."""
         try:
-            self._enter(plan)
+            self._enter(plan.seq, plan.m)
             steps(Deadline(self.deadline_s))  # the call's deadline starts once every peer is in reach
         except BaseException as err:
             self.transport.abort()  # nothing of this call is in flight from here on
-            self._leave_failed(plan, err)
+            if isinstance(err, CommTimeoutError):
+                for peer in layout.dest_order(self.rank, self.world)[:-1]:
+                    if self._peer_gone(peer):
+                        err.add_note(f"rank {self.rank}: rank {peer}'s process has exited")
+            self._leave_failed(plan.seq, err)
             raise
         self._header[layout.HEADER_LEFT] = plan.seq
 
-    def _enter(self, plan) -> None:
+    def _peer_gone(self, peer: int) -> bool:
+        """Whether ``peer``'s process has exited (it published its process id at construction)."""
+        pid = int(self._peer_header[peer][HEADER_PID])
+        return pid > 0 and not process_alive(pid)
+
+    def _enter(self, seq: int, m: int) -> None:
         """Wait until every peer has left call ``seq - 1``, then stamp ``header = (seq, m)``.
 
         Nothing of call ``seq`` is published before this returns, so a slow peer still reading call
         ``seq - 1`` (a failing one may be reading our chunk-0 stamp, a successful one its gathers)
         never sees it overwritten. A peer still in that call leaves it within its own deadline plus
         its error-path wait, hence ``PREVIOUS_CALL_DEADLINES`` deadlines here."""
-        if plan.seq > 1:
+        if seq > 1:
             entry = Deadline(PREVIOUS_CALL_DEADLINES * self.deadline_s)
             for peer in layout.dest_order(self.rank, self.world)[:-1]:
-                wait_at_least(self._peer_header[peer], layout.HEADER_LEFT, plan.seq - 1, deadline=entry,
-                              what=f"rank {self.rank}: rank {peer} leaving call seq {plan.seq - 1} before "
-                                   f"call seq {plan.seq} starts")
-        self._header[layout.HEADER_SEQ] = plan.seq
-        self._header[layout.HEADER_M] = plan.m
+                wait_at_least(self._peer_header[peer], layout.HEADER_LEFT, seq - 1, deadline=entry,
+                              what=f"rank {self.rank}: rank {peer} leaving call seq {seq - 1} before "
+                                   f"call seq {seq} starts")
+        self._header[layout.HEADER_SEQ] = seq
+        self._header[layout.HEADER_M] = m
 
-    def _leave_failed(self, plan, err: BaseException) -> None:
-        """Error path: mark call ``seq`` left, then wait (one deadline at most) until every peer has
-        left it too, so that this rank's next call cannot overwrite the stamps, flags and data a
-        slower peer still reads to reach its own verdict on this call."""
-        self._header[layout.HEADER_LEFT] = plan.seq
+    def _leave_failed(self, seq: int, err: BaseException) -> None:
+        """Error path: mark call ``seq`` left, then wait (one deadline at most) until every peer that
+        entered it has left it too, so that this rank's next call cannot overwrite the stamps, flags
+        and data a slower peer still reads to reach its own verdict on this call.
+
+        Not waited for: a peer that has not entered the call (stalled before it: it reads nothing of
+        this call before it enters, and this rank's next call waits in ``_enter`` for it to leave
+        this one), and a peer whose process has exited. Waiting a deadline for either made a rank
+        raise only after twice its deadline."""
+        self._header[layout.HEADER_LEFT] = seq
         if not isinstance(err, Exception):
             return  # KeyboardInterrupt and the like: leave at once
         rendezvous = Deadline(self.deadline_s)
         for peer in layout.dest_order(self.rank, self.world)[:-1]:
+            if int(self._peer_header[peer][layout.HEADER_SEQ]) < seq:
+                continue
             try:
-                wait_at_least(self._peer_header[peer], layout.HEADER_LEFT, plan.seq, deadline=rendezvous,
-                              what=f"rank {self.rank}: rank {peer} leaving failed call seq {plan.seq}")
+                wait_at_least(self._peer_header[peer], layout.HEADER_LEFT, seq, deadline=rendezvous,
+                              what=f"rank {self.rank}: rank {peer} leaving failed call seq {seq}",
+                              cancelled=lambda: self._peer_gone(peer))
             except CommTimeoutError as late:
-                err.add_note(f"{late}; this rank's next call waits for it to leave this one first")
-                return
+                if not self._peer_gone(peer):
+                    err.add_note(f"{late}; this rank's next call waits for it to leave this one first")
+                    return
 
     # ---- protocol steps -----------------------------------------------------------------------------
     def _communicate(self, plan, out, deadline):
@@ -157,6 +220,10 @@ class CpuBackend(Backend):
         if seq != plan.seq:
             raise PeerMismatchError(f"rank {self.rank}: rank {src}'s chunk-0 stamp is for seq {seq}, not {plan.seq}; "
                                     f"the ranks are out of step; rebuild the op on every rank")
+        if m == REJECTED_M:
+            reason = self.notes.fetch(seq=seq, rank=src) if self.notes is not None else "(the op has no store)"
+            raise PeerRejectedError(f"rank {self.rank}: rank {src} rejected its inputs to call seq {seq}, so the "
+                                    f"call fails on every rank (the next call works); rank {src}: {reason}")
         if m != plan.m:
             raise PeerMismatchError(
                 f"rank {self.rank}: called with M={plan.m} but rank {src} called with M={m} (call seq "

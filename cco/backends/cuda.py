@@ -34,6 +34,14 @@ claim the entries of a walk that stores every peer's tiles straight into the own
 reduces the own tiles as the peers' tiles land and stores them into every peer's ``gather``, then
 copies the peers' gathered tiles into ``out`` as they land. split-lsa is not implemented on CUDA.
 
+Deadlines (``cco.cuda.watchdog``): every call marks its entry and its exit in host memory from the
+device; a watchdog thread per op releases a call that stays in past ``deadline_s`` (NaN output, the
+op failed, ``CommTimeoutError`` from the next call, ``check()`` and ``close()``'s successors), and
+reads the reduce's status word so that a peer's mismatched M or rejected inputs are raised by the
+next call (after it took part in the collective) as well as by ``check()``. A rank that rejects its
+inputs runs the call all the same, on NaN data, with its peers' M and a rejected stamp
+(:meth:`CudaBackend.reject`). Lost puts (``FaultPlan.drops``) are injected on the copy engines.
+
 ``transport="auto"`` (the CUDA default) runs the lsa kernel for small outputs, where it is the
 fastest path measured (0.87x of ``_scaled_mm`` + NCCL at M=2048 where the copy engines take 1.27x),
 and the copy engines for large ones (``LSA_AUTO_MAX_ELEMENTS``). Both paths share the window and
@@ -47,13 +55,14 @@ finished call s (its assemble included).
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 
 from cco import layout
 from cco.backends.base import Backend
 from cco.preshuffle import unshuffle_b
-from cco.transport.base import stamp_seq_m
+from cco.transport.base import REJECTED_M, unstamp_seq_m
 from cco.transport.protocol import PeerMismatchError
 
 GEMM_BLOCK_M = 128  # wgmma-friendly tile rows; also the layout's m-tile (chunk granularity), but
@@ -114,6 +123,9 @@ class CudaBackend(Backend):
     lsa_max_elements: int | None = 0  # uses_lsa: None always, 0 never, else up to M * N elements
     dma_peers_first = DMA_PEERS_FIRST  # the fused dma launch's tile order (False: the layout's chunk-major)
     dma_reduce_in_gemm = DMA_REDUCE_IN_GEMM  # the fused dma launch reduces its own tiles
+    # calls marked and watched (cco.cuda.watchdog); False only for the cost measurement's "before"
+    # arm (tests/python/cco/test_cuda_faults.py --bench), whose waits have no deadline
+    watched = True
 
     @classmethod
     def tile(cls, quant: str) -> tuple[int, int]:
@@ -136,11 +148,33 @@ class CudaBackend(Backend):
 
         return supports_mem_ops(device.index or 0)
 
-    def _refuse_lost_puts(self, runtime: str) -> None:
-        if self.faults is not None and self.faults.drops:
-            raise ValueError(f"{type(self).__name__}: lost-put faults (FaultPlan.drops) cannot be injected on "
-                             f"{runtime}: device-side waits have no deadline, so a lost put would hang; "
-                             f"use FaultPlan(silent=True)")
+    def _lost_puts(self):
+        """``FaultPlan.dropped`` when lost puts are to be injected (on the copy engines), else None."""
+        if self.faults is None or not self.faults.drops:
+            return None
+        if self.config.transport == "lsa":
+            raise ValueError(f"{type(self).__name__}: lost-put faults (FaultPlan.drops) are injected on the copy "
+                             f"engines; the lsa kernel stores its tiles itself: pass transport='dma'")
+        return self.faults.dropped
+
+    def _marks(self):
+        """The call marks of an op whose calls wait on peers (None: nothing to watch)."""
+        if not self.watched or self.config.mode == "gemm-only" or self.world == 1:
+            return None
+        from cco.cuda.watchdog import CallMarks
+
+        return CallMarks()
+
+    def _watch(self, memops) -> None:
+        """Start the watchdog of the schedule's marked calls (``cco.cuda.watchdog``)."""
+        self.watchdog = None
+        self._deferred = None
+        if self.schedule is not None and self.schedule.marks is not None:
+            from cco.cuda.watchdog import Watchdog
+
+            self.watchdog = Watchdog(marks=self.schedule.marks, window=self.window, config=self.config,
+                                     schedule=self.schedule, memops=memops, deadline_s=self.deadline_s,
+                                     notes=self.notes)
 
     def __init__(self, **kw):
         super().__init__(**kw)
@@ -148,16 +182,17 @@ class CudaBackend(Backend):
         if cfg.transport == "lsa" and cfg.mode == "split":
             raise ValueError("CudaBackend: mode 'split' with transport 'lsa' is not implemented on CUDA (the lsa "
                              "transport lives in the fused kernel's epilogue); pass transport='dma' for split")
-        self._refuse_lost_puts("CUDA")
+        drops = self._lost_puts()
         faults = self.faults
+        from cco.cuda import memops
         from cco.cuda.dma import FLAG_BY_COPY, CopyEngineSchedule
         from kernels_fused.hopper.gemm import default_config
 
         self.device = self.window.device
         self.rank, self.world = self.window.rank, self.window.world
         self.schedule = CopyEngineSchedule(config=cfg, window=self.window, device=self.device,
-                                           silent=bool(faults is not None and faults.silent), replay=True,
-                                           flag_by_copy=FLAG_BY_COPY)
+                                           silent=bool(faults is not None and faults.silent), replay=drops is None,
+                                           flag_by_copy=FLAG_BY_COPY, marks=self._marks(), drops=drops)
         base = default_config(cfg.quant)
         self.fused_config, self.tile_weight = fused_config(cfg)
         self.gemm_config = default_config(cfg.quant, plain=True)
@@ -167,9 +202,10 @@ class CudaBackend(Backend):
         self._tables: dict[int, torch.Tensor] = {}
         self._weight_key = None
         self._weight = None
-        self.lsa_max_elements = lsa_max_elements(cfg)
+        self.lsa_max_elements = 0 if drops is not None else lsa_max_elements(cfg)
         if self.lsa_max_elements != 0:
             self._init_lsa(base)
+        self._watch(memops)
 
     def uses_lsa(self, m: int) -> bool:
         """Whether a fused call (or self test) with ``m`` rows runs the lsa kernel."""
@@ -232,12 +268,18 @@ class CudaBackend(Backend):
     def _lsa(self, a, b_pre, a_scale, b_scale, out, plan, *, from_partial: bool) -> None:
         from kernels_fused.hopper.gemm import fp8_gemm_lsa
 
-        self.schedule.begin(plan)
+        sch = self.schedule
+        sch.begin(plan)
+        sch.path = "lsa"
         silent = self.faults is not None and self.faults.silent
+        if sch.marks is not None:
+            sch.marks.enter(sch._write, sch.main)
         fp8_gemm_lsa(None if from_partial else a, None if from_partial else self._unshuffled(b_pre), a_scale, b_scale,
                      quant=self.config.quant, out=out, win=self.lsa_window, tile_table=self._lsa_table(plan),
-                     rank=self.rank, stamp=stamp_seq_m(plan.seq, plan.m), config=self.lsa_config,
+                     rank=self.rank, stamp=sch.stamp_of(plan), config=self.lsa_config,
                      from_partial=from_partial, move_bytes=not silent)
+        if sch.marks is not None:
+            sch.marks.leave(sch._write, sch.main)
 
     def _fused_gemm(self, a, b_pre, a_scale, b_scale, plan, *, reduce_into=None) -> None:
         """The tile-table GEMM into the window; ``reduce_into``: the caller's ``out``, the own tiles
@@ -284,8 +326,110 @@ class CudaBackend(Backend):
         self.schedule.set_counters(plan)
         self.schedule.run(plan, out, after_gemm=True)
 
+    def reject(self, *, seq, error, plan_for):
+        """Protocol step 7 on the device: the peers' calls wait on this rank's flags of call ``seq``
+        (scatter and gather, per chunk or per tile) and consume them, and a flag set but never
+        consumed would satisfy a later call's wait. So this rank runs the call all the same, with
+        a peer's M (read from the peer's stamp as it arrives), on operands whose product is NaN
+        (:meth:`_null_operands`) and under the rejected stamp: every wait on either side is released
+        once and consumed once, and the peers' reduces find the stamp (status: this rank and the
+        stamp) and compute NaN; their hosts name this rank and its reason (``PeerRejectedError``)."""
+        wd = self.watchdog
+        if wd is None:
+            return
+        if torch.cuda.is_current_stream_capturing():  # host reads cannot run inside a capture
+            error.add_note(f"rank {self.rank}: rejected while a CUDA graph was being captured: the peers' call seq "
+                           f"{seq} is not released; they fail it when their deadline passes")
+            return
+        problem = self.notes.post(seq=seq, rank=self.rank, reason=f"{type(error).__name__}: {error}") \
+            if self.notes is not None else None
+        if problem is not None:
+            error.add_note(f"rank {self.rank}: the reason could not be passed to the peers: {problem}")
+        m = self._peer_m(seq)
+        if m is None:
+            error.add_note(f"rank {self.rank}: no peer's stamp of call seq {seq} arrived within deadline_s="
+                           f"{self.deadline_s:g} s (a peer is not there, or every peer rejected too): a peer still "
+                           f"to come fails the call when its deadline passes")
+            return
+        run = self.fused if self.config.mode == "fused" else self.split
+        self.schedule.rejected_seq = seq
+        try:
+            run(*self._null_operands(m), out=torch.empty(m, self.config.n, dtype=torch.bfloat16, device=self.device),
+                plan=plan_for(m))
+        finally:
+            self.schedule.rejected_seq = None
+        wd.clear_status()  # this rank's own reduce found the peers' stamps unlike its rejected one
+
+    def _null_operands(self, m: int):
+        """Operands of the op's shape, quant and ``m`` rows whose product is NaN everywhere: A all
+        e4m3 NaN, B zero, unit scales in the quant's layouts. A call on them runs the kernels a real
+        call of the peers runs (no kernel variant compiles while their deadline runs) and sends NaN."""
+        from cco.quant import E8M0, FP8, MX_GROUP, SCALE_BLOCK
+
+        cfg, dev = self.config, self.device
+        a = torch.full((m, cfg.k), 0x7F, dtype=torch.uint8, device=dev).view(FP8)  # 0x7F: e4m3fn NaN
+        b = torch.zeros(cfg.n, cfg.k, dtype=torch.uint8, device=dev).view(FP8)
+        if cfg.quant == "ptpc":
+            return a, b, torch.ones(m, device=dev), torch.ones(cfg.n, device=dev)
+        if cfg.quant == "blockscale":
+            return (a, b, torch.ones(cfg.k // SCALE_BLOCK, m, device=dev).t(),
+                    torch.ones(cfg.n // SCALE_BLOCK, cfg.k // SCALE_BLOCK, device=dev))
+        one = 127  # e8m0 of 2**0
+
+        def unit(rows):
+            return torch.full((rows, cfg.k // MX_GROUP), one, dtype=torch.uint8, device=dev).view(E8M0)
+
+        return a, b, unit(m), unit(cfg.n)
+
+    def _peer_m(self, seq: int) -> int | None:
+        """M of call ``seq`` on a peer that did not reject it, from the (seq, M) stamp the peer sends
+        with its first chunk (``scatter_m``) or on every tile (lsa ``tile_flags``), read as it
+        arrives; None if every peer's stamp says rejected or none arrives within ``deadline_s``."""
+        w = self.config.window
+        stamps = self.window.words(w.scatter_m, rank=self.rank)
+        tiles = self.window.tensor(w.tile_flags, rank=self.rank)[0].reshape(self.world, -1)
+        waiting = {p for p in range(self.world) if p != self.rank}
+        until = time.monotonic() + self.deadline_s
+        while waiting and time.monotonic() < until:
+            seen, tile_words = stamps.tolist(), tiles.cpu()
+            for p in sorted(waiting):
+                for word in [seen[p], *tile_words[p].unique().tolist()]:
+                    p_seq, p_m = unstamp_seq_m(word)
+                    if p_seq == seq and p_m != REJECTED_M:
+                        return p_m
+                    if p_seq == seq:
+                        waiting.discard(p)
+            time.sleep(0.001)
+        return None
+
+    def raise_failed(self) -> None:
+        wd = self.watchdog
+        if wd is None:
+            return
+        err = wd.failed_error()
+        if err is not None:
+            raise err
+        self._deferred = wd.take_deferred()  # this call clears the status word; raised once it took part
+
+    def raise_deferred(self) -> None:
+        err, self._deferred = self._deferred, None
+        if err is not None:
+            raise err
+
+    @property
+    def retains_window(self) -> bool:
+        """A failed op's window stays mapped after close(): a peer late for the failed call may still
+        write into it."""
+        return self.watchdog is not None and self.watchdog.error is not None
+
     def check(self) -> None:
-        """Synchronize and raise :class:`PeerMismatchError` if a reduce saw another rank's (seq, m)."""
+        """Synchronize (a stuck call is released by the watchdog within its deadline) and raise what
+        the calls recorded: the op's failure, a peer's failure, a peer's mismatched or rejected
+        (seq, M) stamp (:class:`PeerMismatchError`, ``PeerRejectedError``)."""
+        if self.watchdog is not None:
+            self.watchdog.sync()
+            self.watchdog.check()
+            return
         status = self.schedule.check()
         if status:
             raise PeerMismatchError(
@@ -294,6 +438,10 @@ class CudaBackend(Backend):
 
     def close(self):
         if self.schedule is not None:
-            torch.cuda.synchronize(self.device)
+            if self.watchdog is not None:
+                self.watchdog.sync()  # bounded: the watchdog releases a stuck call
+                self.watchdog.close()
+            else:
+                torch.cuda.synchronize(self.device)
             self.schedule.close()
             self.schedule = None

@@ -28,8 +28,10 @@ and 256x128 is the tile every quant compiles without spills (docs/GFX950.md, res
 plain GEMM uses 256 x 256 for ptpc where N allows it (no spills at any K there; blockscale and mxfp8
 spill at 256 x 256, so they keep 256 x 128). Both choices are untimed until MI355X runs exist.
 
-Not covered, as on CUDA: a device-side wait has no deadline, so lost-put faults cannot be injected
-(a lost put would hang); ``transport="lsa"`` needs the kernel's epilogue to store into the owner's
+Safety, as on CUDA (``cco.backends.cuda``): the schedule marks every call for the same watchdog
+(``cco.cuda.watchdog``), which releases a call past its deadline through :class:`HipMemOps`; a
+rejecting rank runs the call on NaN data (``CudaBackend.reject``); lost puts are injected on the SDMA
+engines. Not covered: ``transport="lsa"`` needs the kernel's epilogue to store into the owner's
 window (a per-destination peer base pointer), which the FlyDSL kernel does not have.
 """
 
@@ -199,6 +201,12 @@ class HipMemOps:
             _check(hip.hipMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, height,
                                         hip.hipMemcpyKind.hipMemcpyDeviceToDevice, stream), "hipMemcpy2DAsync")
 
+    def copy_host(self, stream: int, dst: int, src: int, nbytes: int) -> None:
+        """A copy between pinned host and device memory (the watchdog's reads and NaN fills)."""
+        if nbytes:
+            hip = _hip()
+            _check(hip.hipMemcpyAsync(dst, src, nbytes, hip.hipMemcpyKind.hipMemcpyDefault, stream), "hipMemcpyAsync")
+
     def wait_geq_kernel(self, stream, addr: int, value: int) -> None:
         from cco.cuda import memops
 
@@ -294,7 +302,7 @@ class Gfx950Backend(CudaBackend):
         why = kernel_tile_reason(block_m=cfg.block_m, block_n=cfg.block_n)
         if why is not None:
             raise ValueError(f"Gfx950Backend: the layout's {why}")
-        self._refuse_lost_puts("ROCm")
+        drops = self._lost_puts()
         faults = self.faults
         self.device = self.window.device
         self.rank, self.world = self.window.rank, self.window.world
@@ -311,7 +319,8 @@ class Gfx950Backend(CudaBackend):
                 raise RuntimeError(f"Gfx950Backend: {why}")
             self.schedule = schedule_cls(
                 config=cfg, window=self.window, device=self.device,
-                silent=bool(faults is not None and faults.silent), memops=memops)
+                silent=bool(faults is not None and faults.silent), memops=memops, marks=self._marks(), drops=drops)
+        self._watch(memops if self.schedule is not None else None)
 
     # ---- the FlyDSL launches -------------------------------------------------------------------------
     def _launcher(self, *, fuse: bool, block_m: int, block_n: int):

@@ -56,9 +56,10 @@ the second time it sees a (M, ``out`` address) and from then on replays it on a 
 like the side streams (``GraphCache``); the GEMM stays an ordinary launch. While the caller itself
 captures a graph, the work is enqueued as usual (and lands in the caller's graph).
 
-Not covered: a device-side wait has no deadline; a peer that never sends hangs the streams (the
-host-side deadline of the CPU path does not exist here). ``check()`` reports a peer M mismatch
-found by the reduce kernel.
+Deadlines (``marks``, ``cco.cuda.watchdog``): the assemble stream writes the call's "in call" mark
+before any wait of the call and, once the reduce stream's last chunk is done and its own waits
+are, the "left" marks; a watchdog thread releases a call that stays in for ``deadline_s``.
+``check()`` reports a peer M mismatch found by the reduce kernel.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ import torch
 from cco import layout
 from cco.cuda import kernels
 from cco.cuda import memops as cuda_memops
-from cco.transport.base import stamp_seq_m
+from cco.cuda.kernels import STATUS_WORDS
+from cco.transport.base import stamp_rejected, stamp_seq_m
 
 _WORD = 8  # bytes of one int64 counter or flag
 FLAG_SET = 1  # a set scatter or gather flag (its one waiter zeroes it)
@@ -174,11 +176,16 @@ class CopyEngineSchedule:
     """Streams, events and window addresses of the ``dma`` transport for one op on one rank."""
 
     def __init__(self, *, config: layout.OpConfig, window, device: torch.device, silent: bool = False, memops=None,
-                 replay: bool = False, flag_by_copy: bool = False, lanes: int | None = None):
+                 replay: bool = False, flag_by_copy: bool = False, lanes: int | None = None, marks=None,
+                 drops=None):
         self.memops = cuda_memops if memops is None else memops
         self.cfg = config
         self.rank, self.world = window.rank, window.world
         self.silent = silent  # fault injection: flags released, no bytes moved (self_test must catch it)
+        self.marks = marks  # cco.cuda.watchdog.CallMarks, or None: nothing watches the calls
+        self.drops = drops  # fault injection: FaultPlan.dropped(phase=, seq=, src=, dest=, chunk=), or None
+        self.rejected_seq = None  # the call this rank rejected (its stamp says so): cco.backends.cuda
+        self.plan, self.path = None, None  # the last call begun, and "dma" or "lsa" (the backend says)
         w = config.window
         r = self.rank
         self.peers = [d for d in layout.dest_order(r, self.world) if d != r]
@@ -201,7 +208,7 @@ class CopyEngineSchedule:
             }
             for p in self.peers
         }
-        self.status = torch.zeros(1, dtype=torch.int64, device=device)
+        self.status = torch.zeros(STATUS_WORDS, dtype=torch.int64, device=device)
         self.stamp = torch.zeros(1, dtype=torch.int64, device=device)  # this call's (seq, M) stamp
         self.ticket = torch.zeros(1, dtype=torch.int64, device=device)  # the epilogue-reduce GEMM's claims
         self.flag_set = torch.full((1,), FLAG_SET, dtype=torch.int64, device=device)  # source of flag copies
@@ -272,8 +279,13 @@ class CopyEngineSchedule:
         their ``scatter_m``) and never read the header, so its (seq, m) words stay unwritten here:
         every stream write-value on the main stream delays the GEMM's start."""
         main = self.main = torch.cuda.current_stream()  # run() joins into it (~7 us to ask again)
-        self._write(main, self.stamp.data_ptr(), stamp_seq_m(plan.seq, plan.m))
+        self.plan, self.path = plan, "dma"  # the call in flight, for the watchdog's diagnosis
+        self._write(main, self.stamp.data_ptr(), self.stamp_of(plan))
         self.begin_event.record(main)
+
+    def stamp_of(self, plan: layout.CallPlan) -> int:
+        """The (seq, M) stamp of ``plan``'s call; the rejected stamp for a call this rank rejected."""
+        return stamp_rejected(plan.seq) if plan.seq == self.rejected_seq else stamp_seq_m(plan.seq, plan.m)
 
     def set_counters(self, plan: layout.CallPlan) -> None:
         """Bring this call's counters to their targets without a GEMM (``all_reduce_window``)."""
@@ -322,7 +334,12 @@ class CopyEngineSchedule:
         scatters_first, reduced_in_gemm, _ = variant
         for s in self._side_streams():
             s.wait_event(gate)
+        if self.marks is not None:  # submitted before any wait of the call, on any stream
+            self.marks.enter(self._write, self.assemble)
         self._enqueue(plan, out, submission_order(plan.chunks, scatters_first=scatters_first), reduced_in_gemm)
+        if self.marks is not None:  # the assemble and the reduce stream hold every wait on a peer
+            self.assemble.wait_event(self.reduced[plan.chunks - 1])
+            self.marks.leave(self._write, self.assemble)
         for s in self._side_streams():
             self.done[s].record(s)
             origin.wait_event(self.done[s])
@@ -380,8 +397,13 @@ class CopyEngineSchedule:
         else:
             self._write(stream, addr, FLAG_SET)
 
+    def _dropped(self, phase, plan, p, c) -> bool:
+        return self.drops is not None and self.drops(phase=phase, seq=plan.seq, src=self.rank, dest=p, chunk=c)
+
     def _scatter_chunk(self, plan, p, c, lane, *, stamp):
         r, s, peer = self.rank, self.put[p][lane], self.peer[p]
+        if self._dropped("scatter", plan, p, c):
+            return  # a lost put: neither data nor flag arrive
         self._wait(s, self._addr(self.counters, layout.counter_index(p, c)), self._tiles(plan, p, c))
         if stamp:
             self.memops.copy(s.cuda_stream, self._addr(peer["scatter_m"], r), self.stamp.data_ptr(), _WORD)
@@ -392,6 +414,8 @@ class CopyEngineSchedule:
 
     def _gather_chunk(self, plan, p, c, lane):
         r, s, peer = self.rank, self.put[p][lane], self.peer[p]
+        if self._dropped("gather", plan, p, c):
+            return
         s.wait_event(self.reduced[c])
         off, nbytes = self._rows_bytes(self.gather, plan.rows[c])
         if not self.silent:
@@ -440,7 +464,7 @@ class CopyEngineSchedule:
     def check(self) -> int:
         """Synchronizes; returns the status word (0: fine; 1 + src: rank src sent another M/seq)."""
         torch.cuda.synchronize(self.status.device)
-        return int(self.status.item())
+        return int(self.status[0].item())
 
     def close(self) -> None:
         self.put = {}

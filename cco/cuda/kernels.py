@@ -8,9 +8,12 @@
     out[:, rank * n_slice:(rank + 1) * n_slice] = the value every peer will reconstruct
 
 so the own columns of ``out`` need no second pass, and every rank ends with identical bits (with
-the fp8 gather the owner writes the dequantized value too). Program 0 also checks that ``scatter_m[src]``
-holds this call's (seq, m) stamp (read from a device word, so a captured launch stays valid) for
-every source and records a mismatch in ``status``.
+the fp8 gather the owner writes the dequantized value too). Every program checks that
+``scatter_m[src]`` holds this call's (seq, m) stamp (read from a device word, so a captured launch
+stays valid) for every source: if one does not (a peer called with another M, or rejected its
+inputs), the chunk's values are NaN (its rows would pair another call's data; the host raises the
+error later, the output must not look good before that) and program 0 records the source in
+``status``.
 
 ``dequant_chunk`` (fp8 gather only): rows [r0, r1) of every peer owner's ``gather[owner]`` ->
 ``out[:, owner * n_slice ...]``. With the bf16 gather that step is a pitched copy-engine copy instead.
@@ -24,7 +27,8 @@ import torch
 
 from cco.layout import GATHER_GROUP, gather_scale_cols
 
-STATUS_PEER_M_MISMATCH = 1  # status[0] = this + src when rank src stamped another (seq, m)
+STATUS_PEER_M_MISMATCH = 1  # status[0] = this + src when rank src stamped another (seq, m) ...
+STATUS_WORDS = 2  # ... and status[1] = that stamp (the host names the peer's M from it)
 
 
 def _pow2(x: int) -> int:
@@ -43,13 +47,16 @@ def _kernels():
         WORLD: tl.constexpr, FP8_GATHER: tl.constexpr, BLOCK_C: tl.constexpr, GROUP: tl.constexpr,
     ):
         pid = tl.program_id(0)
-        if pid == 0:
-            stamp = tl.load(stamp_ptr)
-            for j in tl.static_range(1, WORLD):
-                src = (rank + j) % WORLD
-                peer_stamp = tl.load(scatter_m_ptr + src)
-                if peer_stamp != stamp:
+        stamp = tl.load(stamp_ptr)
+        mismatch = rank < 0  # False
+        for j in tl.static_range(1, WORLD):
+            src = (rank + j) % WORLD
+            other = tl.load(scatter_m_ptr + src) != stamp
+            mismatch = mismatch | other
+            if pid == 0:
+                if other:
                     tl.store(status_ptr, 1 + src)  # STATUS_PEER_M_MISMATCH + src
+                    tl.store(status_ptr + 1, tl.load(scatter_m_ptr + src))
         cols = tl.arange(0, BLOCK_C)
         mask = cols < n_slice
         for i in range(pid, rows, programs):
@@ -59,9 +66,11 @@ def _kernels():
             for j in tl.static_range(1, WORLD):
                 src = (rank + j) % WORLD
                 acc += tl.load(recv_ptr + src * region_stride + offs, mask=mask, other=0.0).to(tl.float32)
+            acc = tl.where(mismatch, float("nan"), acc)
             if FP8_GATHER:
                 groups = tl.reshape(acc, (BLOCK_C // GROUP, GROUP))
                 scale = tl.maximum(tl.max(tl.abs(groups), axis=1), 1e-30) / 448.0  # cco.quant.quantize_gather
+                scale = tl.where(mismatch, float("nan"), scale)  # tl.max skips NaN: the scale carries it
                 q = tl.reshape((groups / scale[:, None]).to(tl.float8e4nv), (BLOCK_C,))
                 tl.store(gather_ptr + offs, q, mask=mask)
                 g = tl.arange(0, BLOCK_C // GROUP)

@@ -74,6 +74,31 @@ def copy_2d(stream: int, *, dst: int, dst_pitch: int, src: int, src_pitch: int, 
     _check(d.cuMemcpy2DAsync(p, d.CUstream(stream)), "cuMemcpy2DAsync")
 
 
+def stream_create() -> int:
+    """A stream of its own at the device's highest priority, not synchronizing with the legacy
+    default stream (torch hands out streams from a pool of 32 it recycles, so two of its streams may
+    be one). For work that must run beside streams that are blocked: ``cco.cuda.watchdog``."""
+    d = _driver()
+    _, greatest = _check(d.cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange")
+    (stream,) = _check(d.cuStreamCreateWithPriority(d.CUstream_flags.CU_STREAM_NON_BLOCKING, greatest),
+                       "cuStreamCreateWithPriority")
+    return int(stream)
+
+
+def relax_capture_mode() -> None:
+    """Let the calling thread make stream calls while another thread captures a CUDA graph in
+    torch's default ("global") mode, which otherwise forbids them to every thread and invalidates
+    the capture (``cco.cuda.watchdog``'s thread: its reads and releases run on streams of its own)."""
+    d = _driver()
+    _check(d.cuThreadExchangeStreamCaptureMode(d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED),
+           "cuThreadExchangeStreamCaptureMode")
+
+
+def stream_destroy(stream: int) -> None:
+    d = _driver()
+    _check(d.cuStreamDestroy(d.CUstream(stream)), "cuStreamDestroy")
+
+
 def graph_launch(graph_exec: int, stream: int) -> None:
     """Launch an instantiated CUDA graph (``torch.cuda.CUDAGraph.raw_cuda_graph_exec()``) on
     ``stream``: what ``CUDAGraph.replay()`` does, without making ``stream`` current first (that

@@ -1,8 +1,8 @@
 """Transports: how completed chunks reach their owner (``dma``: a copier; ``lsa``: direct stores)."""
 
 from cco.transport.base import Drop, FaultPlan, Transport
-from cco.transport.protocol import (CommTimeoutError, Deadline, PeerMismatchError, SelfTestError,
-                                    TransferError)
+from cco.transport.protocol import (CommTimeoutError, Deadline, PeerMismatchError, PeerRejectedError,
+                                    SelfTestError, TransferError)
 
 
 def transport_class(name: str) -> type[Transport]:
@@ -16,5 +16,5 @@ def transport_class(name: str) -> type[Transport]:
     raise ValueError(f"transport={name!r} is not supported; pass 'dma' or 'lsa'")
 
 
-__all__ = ["CommTimeoutError", "Deadline", "Drop", "FaultPlan", "PeerMismatchError", "SelfTestError",
-           "TransferError", "Transport", "transport_class"]
+__all__ = ["CommTimeoutError", "Deadline", "Drop", "FaultPlan", "PeerMismatchError", "PeerRejectedError",
+           "SelfTestError", "TransferError", "Transport", "transport_class"]

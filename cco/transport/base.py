@@ -142,12 +142,20 @@ class Transport(abc.ABC):
 
 
 STAMP_M_BITS = 32
+REJECTED_M = 0  # the M of a (seq, M) stamp that says "this rank rejected its inputs to call seq"
 
 
 def stamp_seq_m(seq: int, m: int) -> int:
-    """One int64 word holding (seq, m): written and read whole, so the pair is never torn."""
-    assert 0 < m < (1 << STAMP_M_BITS)
+    """One int64 word holding (seq, m): written and read whole, so the pair is never torn. ``m`` is
+    a call's rows, or :data:`REJECTED_M` (see :func:`stamp_rejected`)."""
+    assert 0 <= m < (1 << STAMP_M_BITS)
     return (seq << STAMP_M_BITS) | m
+
+
+def stamp_rejected(seq: int) -> int:
+    """The stamp a rank publishes for call ``seq`` when it rejected its own inputs: no real call has
+    M = 0, so a peer that compares it with its own (seq, M) finds a mismatch and can name it."""
+    return stamp_seq_m(seq, REJECTED_M)
 
 
 def unstamp_seq_m(word: int) -> tuple[int, int]:

@@ -26,6 +26,12 @@ class PeerMismatchError(ValueError):
     """Ranks called the same collective with different arguments (e.g. different M)."""
 
 
+class PeerRejectedError(PeerMismatchError):
+    """A peer rejected its inputs to this call (its own error is a TypeError or ValueError); the
+    message names that rank, the call's seq and the peer's reason. The call fails on every rank;
+    the ranks stay in step, so the next call works."""
+
+
 class TransferError(RuntimeError):
     """A transport failed while moving a chunk (raised on the rank that owns the transport)."""
 

@@ -175,12 +175,16 @@ def _peer(ptr, delta_ptr, peer):
 @triton.jit
 def _consume_flag(flag, stamp, status_ptr, src):
     """Wait until ``flag`` is set, zero it (it has one reader: graph replays stay valid) and record
-    a source whose stamp names another call (seq, M) in ``status``."""
+    a source whose stamp names another call (seq, M) in ``status``. Returns whether it did: the
+    tile is then NaN (its data belongs to another call, or to none: a released wait)."""
     seen = tl.atomic_xchg(flag, 0, sem="acquire", scope="sys")
     while seen == 0:
         seen = tl.atomic_xchg(flag, 0, sem="acquire", scope="sys")
-    if seen != stamp:
+    other = seen != stamp
+    if other:
         tl.store(status_ptr, 1 + src)  # STATUS_PEER_M_MISMATCH + src
+        tl.store(status_ptr + 1, seen)  # the stamp it carried (cco.cuda.kernels.STATUS_WORDS)
+    return other
 
 
 @triton.jit
@@ -235,6 +239,7 @@ def _reduce_own_tile(acc, chunk, M, offs_m, c0, recv_ptr, gather_ptr, gscale_ptr
     quantization in registers spill."""
     plane = tl.cast(plane, tl.int64)  # [W, rows, n_slice] offsets pass 2**31 at large M
     stamp = tl.load(stamp_ptr)
+    mismatch = rank < 0  # False
     for j in tl.static_range(1, WORLD):
         src = (rank + j) % WORLD
         flag = flag_ptr + src * MAX_CHUNKS + chunk
@@ -246,8 +251,13 @@ def _reduce_own_tile(acc, chunk, M, offs_m, c0, recv_ptr, gather_ptr, gscale_ptr
             seen = tl.load(flag, volatile=True)
         tl.atomic_add(flag, 0, sem="acquire", scope="sys")
         tl.debug_barrier()
-        if tl.load(scatter_m_ptr + src, cache_modifier=".cg") != stamp:
+        peer_stamp = tl.load(scatter_m_ptr + src, cache_modifier=".cg")
+        other = peer_stamp != stamp
+        mismatch = mismatch | other
+        if other:
             tl.store(status_ptr, 1 + src)  # STATUS_PEER_M_MISMATCH + src
+            tl.store(status_ptr + 1, peer_stamp)
+    acc = tl.where(mismatch, float("nan"), acc)  # another call's rows: NaN, as the reduce kernel
     part = acc.to(tl.bfloat16)  # the partial a split call stores: both modes give the same bits
     if PIECES == 2:
         lo, hi = tl.split(tl.permute(tl.reshape(part, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
@@ -345,13 +355,13 @@ def fp8_gemm_lsa_kernel(
                             MX_BF16, PRECISE_ACC, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BLOCK)
         if assemble:
             owner = dest - WORLD
-            _consume_flag(gather_flag_ptr + owner * flag_plane + tile_id, stamp, status_ptr, owner)
+            other = _consume_flag(gather_flag_ptr + owner * flag_plane + tile_id, stamp, status_ptr, owner)
             q = tl.load(gather_ptr + owner * plane + local, mask=mask, other=0.0, cache_modifier=".cg")
             value = q.to(tl.float32)
             if FP8_GATHER:
                 value = value * _group_scales_load(gscale_ptr + owner * scale_plane, offs_m, offs_m < M, c0, scale_cols,
                                                    BLOCK_N, GATHER_GROUP)
-            tl.store(out_tile, value.to(tl.bfloat16), mask=mask)
+            tl.store(out_tile, tl.where(other, float("nan"), value).to(tl.bfloat16), mask=mask)
         elif dest != rank:
             # scatter: the partial tile straight into recv[rank] of its owner, then its flag
             if MOVE_BYTES:
@@ -360,12 +370,15 @@ def fp8_gemm_lsa_kernel(
             tl.atomic_xchg(_peer(scatter_flag_ptr, delta_ptr, dest) + rank * flag_plane + tile_id, stamp,
                            sem="release", scope="sys")
         else:
-            # reduce: each source's tile once its flag is up, added in fp32 in a fixed order
+            # reduce: each source's tile once its flag is up, added in fp32 in a fixed order (NaN
+            # if a flag carried another call's stamp)
+            other = rank < 0  # False
             for j in tl.static_range(1, WORLD):
                 src = (rank + j) % WORLD
-                _consume_flag(scatter_flag_ptr + src * flag_plane + tile_id, stamp, status_ptr, src)
+                other = other | _consume_flag(scatter_flag_ptr + src * flag_plane + tile_id, stamp, status_ptr, src)
                 part = tl.load(recv_ptr + src * plane + local, mask=mask, other=0.0, cache_modifier=".cg")
                 acc += part.to(tl.float32)
+            acc = tl.where(other, float("nan"), acc)
             # gather: the reduced tile into out and into gather[rank] of every peer, then its flag there
             if FP8_GATHER:
                 payload, value = _quantize_gather(acc, gscale_ptr, delta_ptr, rank, scale_plane, offs_m, offs_m < M,

@@ -250,8 +250,9 @@ def test_gemm_only_reaches_the_launchers_device_check(no_compile, pretend_device
 class _RecordingSchedule:
     """Stands in for CopyEngineSchedule (which needs streams): records what the backend asks of it."""
 
-    def __init__(self, *, config, window, device, silent, memops):
-        self.kw = dict(config=config, device=device, silent=silent, memops=memops)
+    def __init__(self, *, config, window, device, silent, memops, marks=None, drops=None):
+        self.kw = dict(config=config, device=device, silent=silent, memops=memops, drops=drops)
+        self.marks = marks
         self.begun = []
 
     def _tiles(self, plan, dest, chunk):
@@ -261,7 +262,24 @@ class _RecordingSchedule:
         self.begun.append(plan.seq)
 
 
-def test_fused_reaches_the_launchers_device_check(no_compile, pretend_device, monkeypatch):
+@pytest.fixture
+def recorded_watchdog(monkeypatch):
+    """The CUDA watchdog's pieces as recorders (the real ones need pinned memory and streams)."""
+    from cco.cuda import watchdog
+
+    class Marks:
+        pass
+
+    class Watchdog:
+        def __init__(self, **kw):
+            self.kw = kw
+
+    monkeypatch.setattr(watchdog, "CallMarks", Marks)
+    monkeypatch.setattr(watchdog, "Watchdog", Watchdog)
+    return Marks, Watchdog
+
+
+def test_fused_reaches_the_launchers_device_check(no_compile, pretend_device, recorded_watchdog, monkeypatch):
     monkeypatch.setattr(gb, "copy_engine_schedule", lambda: _RecordingSchedule)
     monkeypatch.setattr(gb.HipMemOps, "supported", lambda self, index: None)
     cfg = _config(2, n=512, k=256, m_max=512, chunks=2)
@@ -280,11 +298,26 @@ def test_fused_reaches_the_launchers_device_check(no_compile, pretend_device, mo
     assert no_compile == []
 
 
-def test_lsa_and_lost_puts_are_refused(pretend_device):
+def test_lsa_is_refused(pretend_device):
     with pytest.raises(NotImplementedError, match="transport='lsa'.*pass transport='dma'"):
         _backend(_config(2, n=512, k=256, m_max=512, transport="lsa"))
-    with pytest.raises(ValueError, match="FaultPlan.drops"):
-        _backend(_config(2, n=512, k=256, m_max=512), faults=FaultPlan(drops=(Drop(),)))
+
+
+def test_calls_are_watched_and_lost_puts_reach_the_schedule(no_compile, pretend_device, recorded_watchdog,
+                                                            monkeypatch):
+    """The gfx950 backend gets the CUDA backend's safety through the same schedule: its calls are
+    marked, one watchdog (with the HIP memory operations) watches them, and lost puts are injected
+    on the SDMA puts. A gemm-only op waits on nothing and is not watched."""
+    marks_cls, watchdog_cls = recorded_watchdog
+    monkeypatch.setattr(gb, "copy_engine_schedule", lambda: _RecordingSchedule)
+    monkeypatch.setattr(gb.HipMemOps, "supported", lambda self, index: None)
+    faults = FaultPlan(drops=(Drop(seq=2),))
+    backend = _backend(_config(2, n=512, k=256, m_max=512), faults=faults)
+    assert isinstance(backend.schedule.marks, marks_cls)
+    assert isinstance(backend.watchdog, watchdog_cls) and backend.watchdog.kw["schedule"] is backend.schedule
+    assert isinstance(backend.watchdog.kw["memops"], gb.HipMemOps)
+    assert backend.schedule.kw["drops"] == faults.dropped
+    assert _backend(_config(2, n=512, k=256, m_max=512, mode="gemm-only")).watchdog is None
 
 
 # --------------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ SLICE = 256  # columns per rank: two 128-wide kernel tiles (layout tiles 64 wide
 def _run_rank(comm, quant, gather, stamp_skew, move_bytes, from_partial=False, launch="ticket", interleave=False):
     from triton.runtime.interpreter import InterpretedFunction
 
+    from cco.cuda.kernels import STATUS_WORDS
     from cco.transport.base import stamp_seq_m
     from cco.window import open_window
     from kernels_fused.hopper.gemm import GemmConfig, LsaWindow, fp8_gemm_lsa, lsa_walk_rows, peer_deltas, tile_table_tensor
@@ -52,7 +53,7 @@ def _run_rank(comm, quant, gather, stamp_skew, move_bytes, from_partial=False, l
                         tile_flags=window.tensor(w.tile_flags, rank=rank),
                         deltas=torch.tensor(peer_deltas([window.tensor(w.header, rank=p).data_ptr()
                                                          for p in range(world)], rank), dtype=torch.int64),
-                        status=torch.zeros(1, dtype=torch.int64), ticket=torch.zeros(1, dtype=torch.int64))
+                        status=torch.zeros(STATUS_WORDS, dtype=torch.int64), ticket=torch.zeros(1, dtype=torch.int64))
         table = tile_table_tensor(lsa_walk_rows(cfg, m=M, rank=rank, width=2, interleave=interleave), device="cpu")
         p = Q.random_problem(M, cfg.n, K, quant, seed=rank)
         out = torch.full((M, cfg.n), float("nan"), dtype=torch.bfloat16)
@@ -64,7 +65,7 @@ def _run_rank(comm, quant, gather, stamp_skew, move_bytes, from_partial=False, l
         flags_left = int(window.tensor(w.tile_flags, rank=rank).count_nonzero())
         assert win.ticket.item() == 0, "the last program did not reset the ticket"
         comm.barrier()  # no rank unmaps its window while a peer still reads it
-        return out, flags_left, int(win.status.item())
+        return out, flags_left, int(win.status[0].item())
     finally:
         window.close()
 
@@ -136,11 +137,14 @@ def test_lsa_kernel_other_quants(quant):
 
 
 def test_lsa_kernel_reports_a_peer_stamp_mismatch():
-    """Rank 1 runs the call with another (seq, M) stamp: each rank names the other in status."""
+    """Rank 1 runs the call with another (seq, M) stamp: each rank names the other in status, and
+    no rank's output holds a number (the tiles of another call are NaN, never summed)."""
     outcomes = spawn(_run_rank, world=2, args=("ptpc", "bf16", 1, True), timeout_s=600)
     check_outcomes(outcomes)
     statuses = [o.value[2] for o in outcomes]
     assert statuses == [1 + 1, 1 + 0]
+    for out, *_ in (o.value for o in outcomes):
+        assert torch.isnan(out.float()).all()
 
 
 def test_lsa_kernel_without_bytes_leaves_poison():

@@ -185,10 +185,11 @@ def test_fused_requires_table_and_counters():
 @pytest.mark.parametrize("world", [2, 3], ids=lambda w: f"world{w}")
 def test_reduce_chunk_sums_sources_and_flags_stamp_mismatch(world, gather, programs):
     """The CUDA reduce kernel: own partial + every peer's recv slot, in fp32, into gather[rank] and
-    the own columns of out; a peer stamp for another (seq, m) is reported in status. With fewer
+    the own columns of out; a peer stamp for another (seq, m) is reported in status and makes the
+    chunk NaN (out and gather: nothing that looks like a result). With fewer
     programs than rows each program strides the rows; the assemble (a dequant for the fp8 gather,
     a copy for the bf16 one) fills every peer's columns."""
-    from cco.cuda.kernels import STATUS_PEER_M_MISMATCH, dequant_chunk, reduce_chunk
+    from cco.cuda.kernels import STATUS_PEER_M_MISMATCH, STATUS_WORDS, dequant_chunk, reduce_chunk
 
     rows_max, ns, m = 40, 96, 37
     g = torch.Generator().manual_seed(world)
@@ -202,8 +203,7 @@ def test_reduce_chunk_sums_sources_and_flags_stamp_mismatch(world, gather, progr
         stamp = 12345
         scatter_m = torch.full((world,), stamp, dtype=torch.int64)
         bad_src = (rank + 1) % world
-        scatter_m[bad_src] = stamp + 1
-        status = torch.zeros(1, dtype=torch.int64)
+        status = torch.zeros(STATUS_WORDS, dtype=torch.int64)
         for rows in ((0, 20), (20, m)):
             reduce_chunk(partial=partial, recv=recv, gather=gbuf, gather_scale=gscale, out=out,
                          scatter_m=scatter_m, status=status, rank=rank, rows=rows, stamp=torch.tensor([stamp]),
@@ -214,7 +214,19 @@ def test_reduce_chunk_sums_sources_and_flags_stamp_mismatch(world, gather, progr
         assert Q.rel_l2(own, ref) < tol
         stored = Q.dequantize_gather(gbuf[rank, :m], gscale[rank, :m], layout.GATHER_GROUP) if fp8 else gbuf[rank, :m].float()
         assert Q.rel_l2(stored, ref) < tol  # what peers receive is the same reduced value
-        assert status.item() == STATUS_PEER_M_MISMATCH + bad_src
+        assert status[0].item() == 0
+        poisoned_out, poisoned_gather = out.clone(), gbuf.clone()
+        poisoned_scale = gscale.clone() if fp8 else None
+        scatter_m[bad_src] = stamp + 1  # that peer called with another (seq, M)
+        for rows in ((0, 20), (20, m)):
+            reduce_chunk(partial=partial, recv=recv, gather=poisoned_gather, gather_scale=poisoned_scale,
+                         out=poisoned_out, scatter_m=scatter_m, status=status, rank=rank, rows=rows,
+                         stamp=torch.tensor([stamp]), programs=programs)
+        assert status.tolist() == [STATUS_PEER_M_MISMATCH + bad_src, stamp + 1]  # the source and its stamp
+        assert torch.isnan(poisoned_out[:, rank * ns:(rank + 1) * ns].float()).all()
+        sent = Q.dequantize_gather(poisoned_gather[rank, :m], poisoned_scale[rank, :m], layout.GATHER_GROUP) \
+            if fp8 else poisoned_gather[rank, :m].float()
+        assert torch.isnan(sent).all()  # what the peers assemble
         for o in range(world):  # the peers' gathered slices, as their reduces left them
             if o != rank:
                 gbuf[o] = (torch.randn(rows_max, ns, generator=g) * 4).to(gbuf.dtype)
@@ -235,7 +247,7 @@ def _epilogue_reduce_case(world, gather, rank, *, dest_major, bad_src=None, seed
     storing them into partial[rank] followed by the reduce kernel on every chunk; the peers' chunks
     are already in ``recv`` and flagged, as their copy engines would leave them."""
     from kernels_fused.hopper.gemm import GemmConfig, ReduceEpilogue, fp8_gemm, tile_table_tensor
-    from cco.cuda.kernels import reduce_chunk
+    from cco.cuda.kernels import STATUS_WORDS, reduce_chunk
 
     n, fp8 = block_n * world, gather == "fp8"
     p = Q.random_problem(M, n, K, "ptpc", seed=seed)
@@ -261,7 +273,7 @@ def _epilogue_reduce_case(world, gather, rank, *, dest_major, bad_src=None, seed
         gscale = torch.zeros(world, cfg.m_max_padded, layout.gather_scale_cols(cfg.n_slice)) if fp8 else None
         out = torch.full((M, n), float("nan"), dtype=torch.bfloat16)
         counters = torch.zeros(world * layout.MAX_CHUNKS, dtype=torch.int64)
-        status, ticket = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+        status, ticket = torch.zeros(STATUS_WORDS, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
         reduce = ReduceEpilogue(rank=rank, recv=recv, gather=gbuf, gather_scale=gscale, out=out, scatter_flags=flags,
                                 scatter_m=scatter_m, stamp=torch.tensor([stamp]), status=status, ticket=ticket)
         fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="ptpc", out=partial, fuse=True, tile_table=table,
@@ -300,15 +312,18 @@ def test_epilogue_reduce_gives_the_reduce_kernels_bits(world, gather, dest_major
             assert torch.equal(fused["partial"][d, :M], split["partial"][d, :M])
     assert torch.isnan(fused["partial"][rank].float()).all()
     assert fused["counters"].view(world, layout.MAX_CHUNKS).tolist() == [list(t) for t in plan.counter_targets]
-    assert fused["ticket"].item() == 0 and fused["status"].item() == 0
+    assert fused["ticket"].item() == 0 and fused["status"][0].item() == 0
     assert int(flags.sum()) == (world - 1) * plan.chunks
 
 
 def test_epilogue_reduce_reports_a_peer_stamp_mismatch():
+    """... and makes the own columns NaN, in the epilogue as in the reduce kernel."""
     from cco.cuda.kernels import STATUS_PEER_M_MISMATCH
 
     _, _, _, runs = _epilogue_reduce_case(2, "bf16", 0, dest_major=True, bad_src=1)
-    assert runs[True]["status"].item() == runs[False]["status"].item() == STATUS_PEER_M_MISMATCH + 1
+    assert runs[True]["status"].tolist() == runs[False]["status"].tolist() == [STATUS_PEER_M_MISMATCH + 1, 777 + 1]
+    for run in runs.values():
+        assert torch.isnan(run["out"][:, :run["out"].shape[1] // 2].float()).all()
 
 
 def test_epilogue_reduce_refuses_what_it_cannot_do():

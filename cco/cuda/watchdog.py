@@ -1,0 +1,479 @@
+"""Deadlines for the device-side waits of the CUDA (and HIP) backend, without a host sync per call.
+
+A call's stream waits (``cuStreamWaitValue64`` on flags peers set) and the lsa kernel's spins wait
+for words that only a peer writes. A peer that never writes them (it stalled, died, lost a put or
+called with another M) would leave the device blocked for good, and every later
+``torch.cuda.synchronize()`` with it. NCCL's watchdog aborts the communicator (and by default the
+process); torch symmetric memory's signal waits ``trap``, which loses the CUDA context. Here the
+blocked work is released and the context stays usable::
+
+    device, per call                      host pinned words          watchdog thread (per op)
+    ----------------                      -----------------          ------------------------
+    before the first wait: write  ----->  IN_CALL = 1                every poll: IN_CALL set and no
+    after the last wait:   write  ----->  IN_CALL = 0, PROGRESS = 1  PROGRESS for deadline_s: stuck
+
+1. Marks (:class:`CallMarks`): stream write-values of constants into pinned host memory, so a
+   captured CUDA graph replays them and graph replays are watched like eager calls; the thread
+   reads them with plain loads (no CUDA call, no sync). ``PROGRESS`` is cleared by the thread, so
+   back-to-back calls that keep ``IN_CALL`` set most of the time still show progress.
+2. Release (:meth:`Watchdog.fire`), on streams of its own: first a "failed" record into every
+   peer's header (``FAILED_WORD``: the peers' watchdogs release their own calls at once instead of
+   waiting out their deadlines, and their ops fail too; the release waits up to
+   ``RECORD_WAIT_S`` for one of these writes to land, so a peer that consumes this call's data
+   below can see the record first, and goes on without it when the peer is gone); then, in stream
+   order: this rank's outgoing flags muted (``flag_set = 0``: later flag copies carry 0, so no peer
+   takes this call's data as good); the own ``recv``, ``gather`` (and ``gather_scale``) regions
+   filled with NaN (0xFF bytes, NaN in bf16 and e4m3) from a pinned host buffer, so whatever is
+   computed from a released wait is NaN, never a stale earlier call's bytes; then every scatter and
+   gather flag set (stream waits pass, the epilogue-reduce spin exits) and every lsa tile flag set
+   to -1 (not a stamp: the lsa kernel's waits pass and record a mismatch). Copies go host to device
+   on the copy engines, so they run even while spinning programs hold every multiprocessor.
+3. Errors: the op is *failed* from then on (its words are no longer in step with the peers'). The
+   next call on it, ``check()`` and every later call raise :class:`CommTimeoutError` (or
+   :class:`PeerMismatchError` when a peer's stamp shows another M for the call) naming the rank,
+   the call's seq and M, and what each peer had sent. Close the op and build a new one (and a new
+   communicator if a rank died): the CUDA context is untouched.
+
+The thread also reads, every poll, this rank's header records and the reduce kernels' status words
+(device to host copies on its own stream): a peer's "failed" record fails this op (and releases a
+call in flight); a status set by a reduce (``1 + src`` and the stamp rank src sent: another M, or
+the rejected stamp) becomes the error the next call raises after it has taken part in the
+collective (``raise_deferred``), and ``check()`` raises it after a synchronisation.
+
+Limits. A blocked stream wait holds the hardware queue its stream is mapped to; the release is
+issued on ``RELEASE_STREAMS`` streams of their own (at least one lands on a queue no stuck wait
+holds, unless work queued behind the stuck call holds every queue of the device:
+``CUDA_DEVICE_MAX_CONNECTIONS``). The deadline counts from the device's entry into the call, so a
+peer that compiles kernels on its first call for longer than ``deadline_s`` fails the call.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from cco import layout
+from cco.cuda.kernels import STATUS_WORDS
+from cco.transport.base import REJECTED_M, stamp_seq_m, unstamp_seq_m
+from cco.transport.protocol import CommTimeoutError, PeerMismatchError, PeerRejectedError
+
+IN_CALL, PROGRESS = 0, 1  # words of CallMarks
+# A header word of a GPU window (its SEQ/M/LEFT words are the CPU backend's; GPU peers never read
+# them): (seq, rank + 1) of the last call a peer failed (its deadline passed) and released
+FAILED_WORD = layout.HEADER_LEFT + 1
+RELEASE_STREAMS = 8  # the default CUDA_DEVICE_MAX_CONNECTIONS: one stream per hardware queue
+RECORD_WAIT_S = 0.25  # the release's wait for a "failed" record to land in a peer (a live one: us)
+LEFT_WAIT_S = 1.0  # a released call still in its waits this long after the release is logged
+FILL_BYTES = 16 << 20  # the pinned 0xFF buffer the NaN fills copy from, piece by piece
+RELEASED = -1  # an lsa tile flag set by a release: never a (seq, M) stamp
+# The thread polls every deadline_s / 50 within these bounds: a stuck call is released at most 2 %
+# (and 50 ms) past its deadline, well inside the 2 s the op promises, and the thread takes the GIL
+# at most 500 times a second (each poll is a few plain loads and, while idle, one small async read)
+POLL_MIN_S, POLL_MAX_S = 0.002, 0.05
+READ_WAIT_S = 1.0  # how long a diagnostic read may take before the release goes ahead without it
+_WORD = 8
+
+_fill_buffer: torch.Tensor | None = None  # one per process, shared by every op's watchdog
+_log = logging.getLogger(__name__)
+
+
+def _fill_source() -> torch.Tensor:
+    """The pinned buffer of 0xFF bytes (made once, before any call can be stuck: a pinned
+    allocation inside a stuck call's release could wait on the device)."""
+    global _fill_buffer
+    if _fill_buffer is None:
+        _fill_buffer = torch.full((FILL_BYTES,), 0xFF, dtype=torch.uint8, pin_memory=True)
+    return _fill_buffer
+
+
+class CallMarks:
+    """The two pinned host words a call's device work writes (module note, step 1)."""
+
+    def __init__(self):
+        self.words = torch.zeros(2, dtype=torch.int64, pin_memory=True)
+
+    def _addr(self, word: int) -> int:
+        return self.words.data_ptr() + word * _WORD
+
+    def enter(self, write, stream) -> None:
+        """``write(stream, addr, value)`` (the schedule's stream write): before the call's first wait."""
+        write(stream, self._addr(IN_CALL), 1)
+
+    def leave(self, write, stream) -> None:
+        """After the call's last wait (on a stream that has waited for every other waiting one)."""
+        write(stream, self._addr(IN_CALL), 0)
+        write(stream, self._addr(PROGRESS), 1)
+
+    def in_call(self) -> bool:
+        return bool(int(self.words[IN_CALL]))
+
+    def take_progress(self) -> bool:
+        """Whether a call left since the last look (and clear the word)."""
+        if int(self.words[PROGRESS]):
+            self.words[PROGRESS] = 0
+            return True
+        return False
+
+
+def poll_interval(deadline_s: float) -> float:
+    return min(POLL_MAX_S, max(POLL_MIN_S, deadline_s / 50))
+
+
+class Watchdog:
+    """The deadline of one op's device-side waits on one rank (see the module note).
+
+    ``window``/``config``: the op's window and layout; ``schedule``: the op's
+    ``cco.cuda.dma.CopyEngineSchedule`` (its ``status``, ``stamp`` and ``flag_set`` words, its
+    ``reduced`` events, its stream write); ``memops``: the stream memory operations of the device
+    (``cco.cuda.memops`` or the HIP one); ``notes``: where rejecting peers leave their reasons."""
+
+    def __init__(self, *, marks: CallMarks, window, config: layout.OpConfig, schedule, memops, deadline_s: float,
+                 notes=None):
+        self.marks = marks
+        self.config = config
+        self.schedule = schedule
+        self.memops = memops
+        self.deadline_s = deadline_s
+        self.notes = notes
+        self.rank, self.world = window.rank, window.world
+        self.device = schedule.status.device
+        self.peers = [p for p in layout.dest_order(self.rank, self.world) if p != self.rank]
+        w = config.window
+        self._header = window.words(w.header, rank=self.rank)
+        self._peer_header = {p: window.words(w.header, rank=p) for p in self.peers}
+        self._scatter_m = window.words(w.scatter_m, rank=self.rank)
+        self._flags = [window.words(w.scatter_flags, rank=self.rank), window.words(w.gather_flags, rank=self.rank)]
+        self._poison = [window.tensor(r, rank=self.rank) for r in (w.recv, w.gather, w.gather_scale)]
+        self._tile_flags = window.tensor(w.tile_flags, rank=self.rank)
+        self._copy_host = getattr(memops, "copy_host", memops.copy)  # HIP names its host copies apart
+        # Everything the release and the reads use is made now: a pinned allocation while a call is
+        # stuck could be ordered behind the stuck work
+        self._fill = _fill_source()
+        self._streams = self._make_streams()
+        self._remote = self._make_streams()  # the peer records: a write to a dead peer may never land
+        self._remote_events = [torch.cuda.Event() for _ in self._remote]
+        words = max(self.world * layout.MAX_CHUNKS, layout.HEADER_WORDS, STATUS_WORDS, self._tile_flags.numel())
+        self._scratch = [torch.zeros(words, dtype=torch.int64, pin_memory=True) for _ in self._streams]
+        self._scratch_events = [torch.cuda.Event() for _ in self._streams]
+        self._read_lock = threading.Lock()
+        # the monitor's reads (header records and the reduce status), one buffer per stream: a read
+        # left pending on a held queue may land late, into its own buffer only
+        self._seen = [torch.zeros(layout.HEADER_WORDS + STATUS_WORDS, dtype=torch.int64, pin_memory=True)
+                      for _ in self._streams]
+        self._seen_event = torch.cuda.Event()
+        self._seen_stream = 0
+        self._seen_since = None  # when the pending monitor read was issued (None: none pending)
+        self._seen_valid = True  # the pending read was issued after the last status clear had run
+        self._seen_gen = 0  # ... and after which clear (a read from before a later clear is stale)
+        self._clear_gen = 0
+        self._clear_event = None  # recorded after the last status clear (raise_failed, check)
+        self._handled = {FAILED_WORD: 0}
+        self.error: Exception | None = None  # the op failed: every later call raises this
+        self.deferred: Exception | None = None  # raised by the next call, after it took part
+        self.releases = 0  # release rounds so far (a graph of a failed op replayed again gets one too)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"cco-watchdog-rank{self.rank}", daemon=True)
+        self._thread.start()
+
+    def _make_streams(self) -> list[int]:
+        create = getattr(self.memops, "stream_create", None)
+        if create is not None:
+            return [create() for _ in range(RELEASE_STREAMS)]
+        with torch.cuda.device(self.device):
+            _, high = torch.cuda.Stream.priority_range()
+            streams = [torch.cuda.Stream(device=self.device, priority=high) for _ in range(RELEASE_STREAMS)]
+        self._torch_streams = getattr(self, "_torch_streams", []) + streams  # kept alive
+        return [s.cuda_stream for s in streams]
+
+    def _external(self, handle: int):
+        return torch.cuda.ExternalStream(handle, device=self.device)
+
+    @property
+    def plan(self):
+        """The last call issued (its seq and M name the call in errors)."""
+        return getattr(self.schedule, "plan", None)
+
+    # ---- the thread ---------------------------------------------------------------------------------
+    def _run(self) -> None:
+        torch.cuda.set_device(self.device)  # the driver calls below need the device's context here
+        relax = getattr(self.memops, "relax_capture_mode", None)
+        if relax is not None:  # the op's thread may be capturing a graph while this one polls
+            relax()
+        poll = poll_interval(self.deadline_s)
+        quiet_since = time.monotonic()  # last time the device was seen outside a call or leaving one
+        released_at = None  # a release whose call has not been seen leaving yet
+        while not self._stop.wait(poll):
+            try:
+                now = time.monotonic()
+                if self.marks.take_progress() or not self.marks.in_call():
+                    quiet_since = now
+                    released_at = None
+                self._monitor()
+                if released_at is not None and now - released_at > LEFT_WAIT_S:
+                    _log.warning("rank %d: the call released %.1f s ago is still in its waits: %s", self.rank,
+                                 now - released_at, self._progress())
+                    released_at = None
+                if now - quiet_since > self.deadline_s:
+                    # stuck: fail the op (first time) and release; a failed op's graph replayed
+                    # again gets stuck again and released again, a deadline later
+                    self.fire(self._diagnosed(now - quiet_since) if self.error is None else None)
+                    quiet_since = released_at = time.monotonic()
+            except Exception as err:  # log and keep watching: a dead thread would leave a stuck call stuck
+                _log.warning("rank %d: the op's watchdog: %s: %s", self.rank, type(err).__name__, err)
+
+    def _monitor(self) -> None:
+        """Read this rank's header records and the reduce status (asynchronously: one read in
+        flight, a fresh stream if it stays pending past READ_WAIT_S) and act on what changed."""
+        if self._seen_since is not None:
+            if not self._seen_event.query():
+                if time.monotonic() - self._seen_since < READ_WAIT_S:
+                    return
+                self._seen_stream = (self._seen_stream + 1) % len(self._streams)  # a queue held by a wait
+            else:
+                self._act_on(self._seen[self._seen_stream].tolist(),
+                             status_valid=self._seen_valid and self._seen_gen == self._clear_gen)
+        s, buf = self._streams[self._seen_stream], self._seen[self._seen_stream]
+        clear = self._clear_event
+        self._seen_gen = self._clear_gen
+        self._seen_valid = clear is None or clear.query()
+        self._copy_host(s, buf.data_ptr(), self._header.data_ptr(), layout.HEADER_WORDS * _WORD)
+        self._copy_host(s, buf.data_ptr() + layout.HEADER_WORDS * _WORD, self.schedule.status.data_ptr(),
+                        STATUS_WORDS * _WORD)
+        self._seen_event.record(self._external(s))
+        self._seen_since = time.monotonic()
+
+    def _act_on(self, seen: list[int], *, status_valid: bool) -> None:
+        """``seen``: this rank's header words, then the status words."""
+        failed = seen[FAILED_WORD]
+        if failed and failed != self._handled[FAILED_WORD] and self.error is None:
+            self._handled[FAILED_WORD] = failed
+            seq, peer = unstamp_seq_m(failed)
+            self.fire(CommTimeoutError(
+                f"rank {self.rank}: rank {peer - 1} passed its deadline in call seq {seq} and released its waits; "
+                f"the op is failed on every rank (this rank was in {self._call_name()})"))
+        status, stamp = seen[layout.HEADER_WORDS:layout.HEADER_WORDS + 2]
+        if status and status_valid and self.deferred is None and self.error is None:
+            err = self._status_error(status, stamp)
+            with self._lock:
+                if self.deferred is None:
+                    self.deferred = err
+
+    # ---- errors -------------------------------------------------------------------------------------
+    def _call_name(self) -> str:
+        plan = self.plan
+        return "the call in flight" if plan is None else f"call seq {plan.seq} (M={plan.m})"
+
+    def _status_error(self, status: int, stamp: int) -> Exception:
+        """The error of a call whose reduce found rank ``status - 1``'s (seq, M) ``stamp`` unlike its own."""
+        src = status - 1
+        seq, m = unstamp_seq_m(stamp)
+        if m == REJECTED_M:
+            reason = self.notes.fetch(seq=seq, rank=src) if self.notes is not None else "(the op has no store)"
+            return PeerRejectedError(f"rank {self.rank}: rank {src} rejected its inputs to call seq {seq}, so the "
+                                     f"call fails on every rank and its output is NaN (the next call works); rank "
+                                     f"{src}: {reason}")
+        plan = self.plan
+        own = f"M={plan.m}" if plan is not None and plan.seq == seq else "another M"
+        return PeerMismatchError(
+            f"rank {self.rank}: rank {src} called with M={m} in call seq {seq}, this rank with {own}: every rank "
+            f"must call with the same M, in the same order; the call's output is NaN (the next call works)")
+
+    def _diagnosed(self, waited: float) -> Exception:
+        """:meth:`_timeout_error`, or a plain one if the diagnosis itself fails (the release must go on)."""
+        try:
+            return self._timeout_error(waited)
+        except Exception as err:
+            return CommTimeoutError(f"rank {self.rank}: {self._call_name()} did not finish within deadline_s="
+                                    f"{self.deadline_s:g} s (waited {waited:.1f} s; no diagnosis: "
+                                    f"{type(err).__name__}: {err})")
+
+    def _timeout_error(self, waited: float) -> Exception:
+        """Diagnose the stuck call from what the peers sent (read before the release): their (seq, M)
+        stamps, the flags of theirs not yet consumed here, a stamp a reduce found unlike its own."""
+        own = self._read_words(self.schedule.stamp)
+        seq, m = unstamp_seq_m(own[0]) if own is not None else (None, None)
+        call = f"call seq {seq} (M={m})" if seq is not None else self._call_name()
+        lsa = getattr(self.schedule, "path", None) == "lsa"
+        details, mismatch = [], None
+        status = self._read_words(self.schedule.status)
+        if status is not None and status[0]:
+            p_seq, p_m = unstamp_seq_m(status[1])
+            mismatch = f"rank {status[0] - 1} called with M={p_m} in call seq {p_seq}, this rank with M={m}"
+        if lsa:  # the lsa kernel's words: per-tile flags holding the sender's stamp until consumed
+            planes = self._read_words(self._tile_flags)
+            n = self._tile_flags[0, 0].numel()
+            for p in self.peers:
+                if planes is None:
+                    details.append(f"rank {p}: its tile flags could not be read")
+                    continue
+                scatter, gather = planes[p * n:(p + 1) * n], planes[(self.world + p) * n:(self.world + p + 1) * n]
+                sent = [v for v in scatter + gather if v]
+                stamps = {unstamp_seq_m(v) for v in sent}
+                other = [(ps, pm) for ps, pm in stamps if (ps, pm) != (seq, m)]
+                if other and mismatch is None:
+                    mismatch = f"rank {p} sent tiles stamped (seq, M) = {sorted(other)}, this rank is in {call}"
+                details.append(f"rank {p}: {len(sent)} of its tiles wait unconsumed here (none: it has not sent "
+                               f"what this rank's kernel waits for: not started, stalled, dead or lost)")
+        else:
+            stamps = self._read_words(self._scatter_m)
+            flags = [self._read_words(f) for f in self._flags]
+            for p in self.peers:
+                if stamps is None:
+                    details.append(f"rank {p}: its stamps could not be read")
+                    continue
+                p_seq, p_m = unstamp_seq_m(stamps[p])
+                if seq is not None and p_seq < seq:
+                    details.append(f"rank {p} sent nothing of call seq {seq} (its last stamp is for seq {p_seq}: it "
+                                   f"has not started the call, stalled or died)")
+                    continue
+                if p_seq == seq and p_m not in (m, REJECTED_M) and mismatch is None:
+                    mismatch = f"rank {p} called with M={p_m}, this rank with M={m} (call seq {seq})"
+                line = f"rank {p} started call seq {p_seq}"
+                if flags[0] is not None and flags[1] is not None:
+                    chunks = len(self.plan.rows) if self.plan is not None else layout.MAX_CHUNKS
+                    row = slice(p * layout.MAX_CHUNKS, p * layout.MAX_CHUNKS + chunks)
+                    line += (f"; its chunk flags not yet consumed here (1): scatter {flags[0][row]}, gather "
+                             f"{flags[1][row]}{self._stuck_chunk()}")
+                details.append(line)
+        what = (f"rank {self.rank}: {call} did not finish within deadline_s={self.deadline_s:g} s (waited "
+                f"{waited:.1f} s): " + "; ".join(details))
+        if mismatch is not None:
+            return PeerMismatchError(f"{what}. {mismatch}: every rank must call with the same M")
+        return CommTimeoutError(what)
+
+    def _progress(self) -> str:
+        """Which of the schedule's streams of the call in flight have finished (for the log)."""
+        sch = self.schedule
+        if getattr(sch, "path", None) != "dma" or self.plan is None:
+            return f"path {getattr(sch, 'path', None)}"
+        done = {name: event.query() for name, event in (("reduced", sch.reduced[len(self.plan.rows) - 1]),
+                                                          ("begun", sch.begin_event))}
+        streams = {f"side stream {i}": e.query() for i, e in enumerate(getattr(sch, "done", {}).values())}
+        return f"{done}, {streams}"
+
+    def _stuck_chunk(self) -> str:
+        plan = self.plan
+        if plan is None or getattr(self.schedule, "path", None) != "dma":
+            return ""
+        for c in range(len(plan.rows)):
+            if not self.schedule.reduced[c].query():
+                return f"; this rank's reduce waits at chunk {c}"
+        return "; this rank's reduces are done: its assemble waits for gathers"
+
+    def _read_words(self, words: torch.Tensor) -> list[int] | None:
+        """A device word region read to the host on the first release stream that runs it within
+        READ_WAIT_S (None if none does: the diagnosis then goes without it)."""
+        n = words.numel()
+        with self._read_lock:
+            for s, buf, event in zip(self._streams, self._scratch, self._scratch_events):
+                self._copy_host(s, buf.data_ptr(), words.data_ptr(), n * _WORD)
+                event.record(self._external(s))
+            until = time.monotonic() + READ_WAIT_S
+            while time.monotonic() < until:
+                for buf, event in zip(self._scratch, self._scratch_events):
+                    if event.query():
+                        return buf[:n].tolist()
+                time.sleep(0.001)
+        return None
+
+    # ---- the release --------------------------------------------------------------------------------
+    def fire(self, error: Exception | None) -> None:
+        """Fail the op with ``error`` (the first error stays the op's) and release every device-side
+        wait it may have (module note, step 2)."""
+        with self._lock:
+            if self.error is None:
+                self.error = error
+            self.releases += 1
+            seq = self.plan.seq if self.plan is not None else 0
+            record = stamp_seq_m(seq, self.rank + 1)
+            for s, event in zip(self._remote, self._remote_events):  # the same writes on every stream
+                for p in self.peers:
+                    try:  # the driver refuses a write into the window of a peer whose process is gone
+                        self.memops.write(s, self._peer_header[p].data_ptr() + FAILED_WORD * _WORD, record)
+                    except RuntimeError as err:
+                        _log.warning("rank %d: no failed record for rank %d: %s", self.rank, p, err)
+                event.record(self._external(s))
+            until = time.monotonic() + RECORD_WAIT_S
+            while time.monotonic() < until and not any(e.query() for e in self._remote_events):
+                time.sleep(0.001)
+            for s in self._streams:  # the same idempotent writes on every stream (module note, "Limits")
+                self.memops.write(s, self.schedule.flag_set.data_ptr(), 0)
+                for region in self._poison:
+                    self._fill_region(s, region)
+                for flags in self._flags:
+                    for i in range(flags.numel()):
+                        self.memops.write(s, flags.data_ptr() + i * _WORD, 1)
+                self._fill_region(s, self._tile_flags)  # 0xFF bytes: RELEASED in every int64 word
+
+    def _fill_region(self, stream: int, region: torch.Tensor) -> None:
+        start, nbytes = region.data_ptr(), region.numel() * region.element_size()
+        for off in range(0, nbytes, FILL_BYTES):
+            self._copy_host(stream, start + off, self._fill.data_ptr(), min(FILL_BYTES, nbytes - off))
+
+    # ---- what the op raises -------------------------------------------------------------------------
+    def failed_error(self) -> Exception | None:
+        """The op's failure as a fresh exception (raised again by every later call), or None."""
+        err = self.error
+        if err is None:
+            return None
+        fresh = type(err)(f"{err}. The op is failed: close it and build a new GemmAllReduceOp on every rank (and "
+                          f"a new Communicator if a rank died); its output of that call is NaN")
+        return fresh
+
+    def take_deferred(self) -> Exception | None:
+        """The recorded status error, once; the status word is cleared in stream order on the
+        current stream (after every call issued so far), so the monitor sees only later ones."""
+        with self._lock:
+            err, self.deferred = self.deferred, None
+        if err is not None and not torch.cuda.is_current_stream_capturing():  # else it is raised again later
+            self._clear()
+        return err
+
+    def _clear(self) -> None:
+        self.schedule.status.zero_()
+        event = torch.cuda.Event()
+        event.record()
+        self._clear_event = event
+        self._clear_gen += 1
+
+    def clear_status(self) -> None:
+        """Clear the status word (in stream order on the current stream) and forget what the monitor
+        read of it so far: a call this rank ran knowing its stamp differs (a rejected call)."""
+        with self._lock:
+            self.deferred = None
+        self._clear()
+
+    def check(self) -> None:
+        """After a device synchronisation: raise what the calls so far recorded (the op's failure,
+        a peer's failure record, a status set by a reduce), and clear the status word."""
+        err = self.failed_error()
+        if err is None:
+            seen = self._read_words(self._header) or [0] * layout.HEADER_WORDS
+            status = self._read_words(self.schedule.status) or [0] * STATUS_WORDS
+            self._act_on(seen + status, status_valid=True)
+            err = self.failed_error() or self.take_deferred()
+        self.sync()
+        if err is not None:
+            raise err
+
+    def sync(self) -> None:
+        """Wait for the op's calls (joined into the stream they were issued on) and the local
+        release work. Never the whole device: a "failed" record written into a dead peer's window
+        need never complete."""
+        main = getattr(self.schedule, "main", None) or torch.cuda.current_stream(self.device)
+        main.synchronize()
+        for s in self._streams:
+            self._external(s).synchronize()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        destroy = getattr(self.memops, "stream_destroy", None)
+        if destroy is not None:
+            for s in self._streams + self._remote:
+                destroy(s)
+        self._streams = self._remote = []

@@ -1,0 +1,281 @@
+"""Faults every backend of the op must turn into errors on every live rank: never a hang, never a
+returned wrong result. One module for the CPU ranks (``test_faults.py``, self-spawned) and the
+CUDA ranks (``test_cuda_faults.py``, torchrun on one GPU), so both are held to the same words.
+
+``run(comm, name, victim, ...)`` plays scenario ``name`` in one rank and returns that rank's
+report: ``{"problems": [...], "seen": [...]}``. A problem is a broken promise in that rank's own
+view (a call that returned a wrong result, raised the wrong error, raised too late, or a fresh op
+that computes wrongly). The caller asserts that no rank reports one (a dead rank reports nothing).
+
+Every call is followed by ``op.check()`` (a no-op on the CPU backend, where a call raises its own
+errors; on CUDA the synchronisation point of asynchronous errors), and the pair counts as the
+call. Promises, per scenario:
+
+- ``bad-input``: rank b passes an operand the op rejects (b = every rank in turn, each with another
+  kind of bad input), the others valid ones. Rank b raises its own TypeError / ValueError, every
+  peer raises ``PeerRejectedError`` naming rank b and its reason; then a good call is correct on
+  every rank (the ranks stayed in step).
+- ``m-mismatch``: the victim passes fewer rows (the same number of chunks). Every rank raises
+  ``PeerMismatchError`` naming both Ms; then a good call is correct.
+- ``m-mismatch-chunks``: the victim passes half the rows (fewer chunks, so peers wait for chunks it
+  never sends). Every rank raises; then a good call (CPU) or a fresh op (CUDA) is correct.
+- ``stalled``: the victim never makes call 2 (it sleeps past the deadline, then leaves the op).
+  Every other rank raises ``CommTimeoutError`` naming the victim and seq 2; then a fresh op is
+  correct on every rank.
+- ``late``: the victim makes call 2 half a deadline late. Every rank's call 2 is correct.
+- ``killed``: the victim's process exits in the middle of call 2. Every other rank raises
+  ``CommTimeoutError`` naming the victim; then the survivors build a new communicator and op,
+  which compute correctly.
+- ``dropped``: the victim's scatter put of chunk 1 to the next rank is lost in call 2
+  (``FaultPlan``). Every rank raises ``CommTimeoutError``; then a good call (CPU) or a fresh op
+  (CUDA) is correct.
+
+"Raises" means within ``deadline_s + RAISE_SLACK_S`` of the call's start.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+import tempfile
+import time
+
+import torch
+
+from cco import quant as q
+from cco.bench.timing import allreduce_mismatches, budget_terms
+from cco.comm import Communicator
+from cco.op import GemmAllReduceOp
+from cco.preshuffle import preshuffle_b
+from cco.transport import Drop, FaultPlan
+
+RAISE_SLACK_S = 2.0  # the issue's bound: every live rank raises within deadline + 2 s
+SCENARIOS = ("bad-input", "m-mismatch", "m-mismatch-chunks", "stalled", "late", "dropped", "killed")  # killed last:
+# it replaces the communicator
+# on CUDA a call that passed its deadline leaves the op failed (its words may no longer be in step
+# with the peers'): the next call raises at once and a fresh op takes over
+RECOVERS_IN_PLACE = {"cpu": {"bad-input", "m-mismatch", "m-mismatch-chunks", "dropped"},
+                     "cuda": {"bad-input", "m-mismatch"}}
+
+
+class Setup:
+    """Shapes, deadline and device of one run. A rank's weight is a function of the rank (an op is
+    built per weight), its activations of (rank, seed)."""
+
+    def __init__(self, *, n: int, k: int, m: int, deadline_s: float, device, transport=None, chunks=2):
+        self.n, self.k, self.m = n, k, m
+        self.deadline_s = deadline_s
+        self.device = torch.device(device)
+        self.transport = transport
+        self.chunks = chunks
+
+    def op(self, comm, faults=None, transport=None):
+        return GemmAllReduceOp(comm, n=self.n, k=self.k, m_max=self.m, transport=transport or self.transport,
+                               chunks=self.chunks, deadline_s=self.deadline_s, faults=faults)
+
+    def problem(self, rank: int, seed: int, m: int | None = None):
+        m = self.m if m is None else m
+        act = q.random_problem(m, self.n, self.k, "ptpc", seed=100 * seed + rank)
+        weight = q.random_problem(m, self.n, self.k, "ptpc", seed=100_000 + rank)
+        return q.Problem("ptpc", act.a, weight.b, act.a_scale, weight.b_scale)
+
+    def reference(self, ranks, seed: int, m: int | None = None) -> tuple[torch.Tensor, ...]:
+        """all_reduce(reference_gemm) over ``ranks`` on the host, as ``allreduce_mismatches`` takes it:
+        the fp32 sum of the partials, of their absolute values, and of |A| @ |B|.T."""
+        terms = [budget_terms(self.problem(r, seed, m)) for r in ranks]
+        return (sum(t[0] for t in terms), sum(t[0].abs() for t in terms), sum(t[1] for t in terms))
+
+    def operands(self, rank: int, seed: int, m: int | None = None):
+        p = self.problem(rank, seed, m)
+        dev = self.device
+        return p.a.to(dev), preshuffle_b(p.b).to(dev), p.a_scale.to(dev), p.b_scale.to(dev)
+
+
+class Report:
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.problems: list[str] = []
+        self.seen: list[str] = []
+
+    def expect(self, ok: bool, what: str) -> None:
+        if not ok:
+            self.problems.append(f"rank {self.rank}: {what}")
+
+    def as_dict(self) -> dict:
+        return {"problems": self.problems, "seen": self.seen}
+
+
+def attempt(op, operands):
+    """One call and ``op.check()``: ("result", bf16 out on the host, s) or (error type, message, s)."""
+    t0 = time.monotonic()
+    try:
+        out = op(*operands)
+        op.check()
+        return "result", out.cpu(), time.monotonic() - t0
+    except Exception as err:
+        return type(err).__name__, f"{err}" + "".join(f"\n{n}" for n in getattr(err, "__notes__", ())), \
+            time.monotonic() - t0
+
+
+def _wrong(out, ref) -> int:
+    """Elements of ``out`` outside the error budget of an all-reduce of bf16 partials (NaN counts)."""
+    return allreduce_mismatches(out, *ref, fp8_gather=False)
+
+
+def _expect_correct(report, outcome, ref, what):
+    kind, value, _ = outcome
+    report.expect(kind == "result", f"{what}: raised {kind}: {str(value)[:600]}")
+    if kind == "result":
+        bad = _wrong(value, ref)
+        nan = int(torch.isnan(value.float()).sum())
+        report.expect(bad == 0, f"{what}: returned a wrong result ({bad} elements off the reference, {nan} NaN)")
+
+
+def _expect_raise(report, outcome, setup, what, kinds, words=()):
+    kind, value, seconds = outcome
+    report.seen.append(f"{what}: {kind} after {seconds:.2f} s")
+    if kind == "result":
+        report.problems.append(f"rank {report.rank}: {what}: returned instead of raising")
+        return
+    report.expect(kind in kinds, f"{what}: raised {kind}, expected one of {kinds}: {value[:600]}")
+    for word in words:
+        report.expect(word in value, f"{what}: the {kind} does not say {word!r}: {value[:600]}")
+    bound = setup.deadline_s + RAISE_SLACK_S
+    report.expect(seconds <= bound, f"{what}: raised after {seconds:.2f} s, more than deadline + "
+                                    f"{RAISE_SLACK_S} s = {bound:.1f} s")
+
+
+def _next_call(comm, op, setup, report, name, backend, seed, what):
+    """The call after a failed one: correct where the op recovers in place, else (a CUDA op whose
+    call passed its deadline) an error or a correct result, never a wrong one."""
+    outcome = attempt(op, setup.operands(comm.rank, seed))
+    ref = setup.reference(range(comm.world), seed)
+    if name in RECOVERS_IN_PLACE[backend]:
+        _expect_correct(report, outcome, ref, what)
+    else:
+        report.seen.append(f"{what}: {outcome[0]}")
+        report.expect(outcome[0] != "result" or _wrong(outcome[1], ref) == 0, f"{what}: returned a wrong result")
+
+
+def _fresh_op_is_correct(comm, setup, report, seed=9, what="a fresh op"):
+    with setup.op(comm) as op:
+        _expect_correct(report, attempt(op, setup.operands(comm.rank, seed)), setup.reference(range(comm.world), seed),
+                        what)
+
+
+# the bad inputs of "bad-input": (name, operands -> bad operands, a word of the error message)
+BAD_INPUTS = (
+    ("a is uint8", lambda a, b, sa, sb: (a.view(torch.uint8), b, sa, sb), "uint8"),
+    ("M > m_max", lambda a, b, sa, sb: (torch.cat([a, a]), b, torch.cat([sa, sa]), sb), "m_max"),
+    ("a_scale is bf16", lambda a, b, sa, sb: (a, b, sa.to(torch.bfloat16), sb), "a_scale"),
+)
+
+
+def _bad_input(comm, setup, report, backend):
+    rank, world = comm.rank, comm.world
+    with setup.op(comm) as op:
+        for bad in range(world):
+            seq, seed = 2 * bad + 1, bad + 1
+            name, spoil, word = BAD_INPUTS[bad % len(BAD_INPUTS)]
+            operands = setup.operands(rank, seed)
+            outcome = attempt(op, spoil(*operands) if rank == bad else operands)
+            what = f"call {seq}, rank {bad} passes bad input ({name})"
+            if rank == bad:
+                _expect_raise(report, outcome, setup, what, ("TypeError", "ValueError"),
+                              ("GemmAllReduceOp.__call__", word))
+            else:
+                _expect_raise(report, outcome, setup, what, ("PeerRejectedError",),
+                              (f"rank {bad} rejected", f"seq {seq}", word))
+            _expect_correct(report, attempt(op, setup.operands(rank, seed + 10)),
+                            setup.reference(range(world), seed + 10), f"good call {seq + 1} after it")
+        calls = comm.all_gather_object(op.calls)
+        report.expect(len(set(calls)) == 1, f"the ranks' call counts diverged: {calls}")
+
+
+def _m_mismatch(comm, setup, report, name, backend, victim, m_other):
+    rank = comm.rank
+    with setup.op(comm) as op:
+        outcome = attempt(op, setup.operands(rank, 1, m_other if rank == victim else None))
+        what = f"call 1, rank {victim} passes M={m_other}"
+        if name in RECOVERS_IN_PLACE[backend]:
+            _expect_raise(report, outcome, setup, what, ("PeerMismatchError",), (f"M={m_other}", f"M={setup.m}"))
+        else:  # CUDA, fewer chunks: a wait passes its deadline (and the peer's next call may be consumed by it)
+            _expect_raise(report, outcome, setup, what, ("PeerMismatchError", "CommTimeoutError"))
+        _next_call(comm, op, setup, report, name, backend, 2, "good call 2 after it")
+    _fresh_op_is_correct(comm, setup, report)
+
+
+def run(comm, name: str, victim: int, setup: Setup, backend: str) -> dict:
+    """Play scenario ``name`` (see the module doc) in this rank; ``backend``: "cpu" or "cuda"."""
+    report = Report(comm.rank)
+    rank, world, d = comm.rank, comm.world, setup.deadline_s
+    peers = [r for r in range(world) if r != victim]
+    if name == "bad-input":
+        _bad_input(comm, setup, report, backend)
+    elif name in ("m-mismatch", "m-mismatch-chunks"):
+        # as many chunks: 3/4 of two m-tiles still fill two; fewer chunks: half the rows, one m-tile
+        _m_mismatch(comm, setup, report, name, backend, victim, setup.m - setup.m // 4 if name == "m-mismatch"
+                    else setup.m // 2)
+    elif name in ("stalled", "late"):
+        with setup.op(comm) as op:
+            _expect_correct(report, attempt(op, setup.operands(rank, 1)), setup.reference(range(world), 1), "call 1")
+            if rank == victim:
+                time.sleep(d + RAISE_SLACK_S + 0.5 if name == "stalled" else d / 2)
+            if name == "late":
+                _expect_correct(report, attempt(op, setup.operands(rank, 2)), setup.reference(range(world), 2),
+                                f"call 2, rank {victim} half a deadline late")
+            elif rank != victim:
+                _expect_raise(report, attempt(op, setup.operands(rank, 2)), setup,
+                              f"call 2, rank {victim} never calls", ("CommTimeoutError",), (f"rank {victim}", "seq 2"))
+        _fresh_op_is_correct(comm, setup, report)
+    elif name == "killed":
+        rendezvous = comm.broadcast_object(secrets.token_hex(8) if rank == 0 else None)
+        with setup.op(comm) as op:
+            _expect_correct(report, attempt(op, setup.operands(rank, 1)), setup.reference(range(world), 1), "call 1")
+            if rank == victim:
+                die_in_call(op, backend)
+                op(*setup.operands(rank, 2))
+                os._exit(9)  # CUDA: the call is in flight on the device
+            _expect_raise(report, attempt(op, setup.operands(rank, 2)), setup,
+                          f"call 2, rank {victim} killed in it", ("CommTimeoutError",), (f"rank {victim}",))
+            print(f"rank {rank}: killed: call 2 raised; closing the op", file=sys.stderr, flush=True)
+        print(f"rank {rank}: killed: closing the communicator", file=sys.stderr, flush=True)
+        comm.close()  # the process group has a dead member: the survivors build their own
+        path = os.path.join(tempfile.gettempdir(), f"cco-survivors-{rendezvous}")
+        with Communicator(rank=peers.index(rank), world=len(peers), init_method=f"file://{path}",
+                          device=comm.device, timeout_s=60) as survivors:
+            _fresh_op_is_correct(survivors, setup, report, what="a fresh op among the survivors")
+    elif name == "dropped":
+        dest = (victim + 1) % world
+        drop = FaultPlan(drops=(Drop(phase="scatter", seq=2, src=victim, dest=dest, chunk=1),))
+        # a lost put is a copy-engine fault on CUDA (the lsa kernel stores its tiles itself)
+        with setup.op(comm, faults=drop, transport="dma" if backend == "cuda" else None) as op:
+            _expect_correct(report, attempt(op, setup.operands(rank, 1)), setup.reference(range(world), 1), "call 1")
+            words = (f"rank {victim}", "seq 2") if rank == dest else ("seq 2",)
+            _expect_raise(report, attempt(op, setup.operands(rank, 2)), setup,
+                          f"call 2, rank {victim}'s put of chunk 1 to rank {dest} lost", ("CommTimeoutError",), words)
+            _next_call(comm, op, setup, report, name, backend, 3, "call 3 after it")
+        _fresh_op_is_correct(comm, setup, report)
+    else:
+        raise ValueError(f"scenario {name!r}: pass one of {', '.join(SCENARIOS)}")
+    return report.as_dict()
+
+
+DEVICE_BUSY_CYCLES = 20_000_000_000  # ~10 s of a ~2 GHz GPU clock: longer than any deadline here
+
+
+def die_in_call(op, backend: str) -> None:
+    """Make this rank's process exit in the middle of its next call: on the CPU once the call has
+    entered (its header says so) and before it reduces; on CUDA the caller exits right after the
+    call was issued, with its work still queued on the device (behind a busy kernel: a call whose
+    work finished before the exit would simply have succeeded)."""
+    if backend != "cpu":
+        torch.cuda._sleep(DEVICE_BUSY_CYCLES)
+        return
+    from cco.backends.cpu import CpuBackend
+
+    def exit_in_call(self, plan, out, deadline):
+        os._exit(9)
+
+    op._backend._reduce_gather_assemble = exit_in_call.__get__(op._backend, CpuBackend)
