@@ -15,6 +15,13 @@ def _load_rows(x_ptr, rows, cols, M, K, stride_x):
 
 
 @triton.jit
+def _div_rn(x, y):
+    """IEEE ``x / y``, broadcast (Triton's ``/`` divides approximately on NVIDIA: 2 ulp; torch rounds)."""
+    x, y = tl.broadcast(x, y)
+    return tl.div_rn(x, y)
+
+
+@triton.jit
 def _to_e4m3(v, ROUND_IN_FP32: tl.constexpr):
     """e4m3 of ``v`` (|v| <= 448), round to nearest even. ``ROUND_IN_FP32`` (Triton's CPU
     interpreter, whose conversion drops the carry when rounding up crosses a power of two: 124.4 came
@@ -42,10 +49,10 @@ def quantize_ptpc_kernel(x_ptr, q_ptr, s_ptr, M, K, K_PAD, stride_x, tiny, fp8_m
     for k0 in range(0, K, BLOCK_K):
         x = _load_rows(x_ptr, rows, k0 + cols, M, K, stride_x)
         amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-    scale = tl.div_rn(tl.maximum(amax, tiny), fp8_max)
+    scale = _div_rn(tl.maximum(amax, tiny), tl.zeros_like(amax) + fp8_max)
     for k0 in range(0, K_PAD, BLOCK_K):
         x = _load_rows(x_ptr, rows, k0 + cols, M, K, stride_x)
-        q = tl.clamp(tl.div_rn(x, scale[:, None]), -fp8_max, fp8_max)
+        q = tl.clamp(_div_rn(x, scale[:, None]), -fp8_max, fp8_max)
         mask = (rows[:, None] < M) & ((k0 + cols)[None, :] < K_PAD)
         tl.store(q_ptr + rows[:, None] * K_PAD + (k0 + cols)[None, :], _to_e4m3(q, ROUND_IN_FP32), mask=mask)
     tl.store(s_ptr + rows, scale, mask=rows < M)
@@ -68,11 +75,12 @@ def quantize_groups_kernel(x_ptr, q_ptr, s_ptr, M, K, K_PAD, stride_x, tiny, fp8
     k0 = tl.program_id(1) * BLOCK_K
     cols = k0 + tl.arange(0, BLOCK_K)
     x = tl.reshape(_load_rows(x_ptr, rows, cols, M, K, stride_x), (BLOCK_M, G, GROUP))
-    ratio = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=2), tiny), fp8_max)  # [BLOCK_M, G]
+    amax = tl.max(tl.abs(x), axis=2)  # [BLOCK_M, G]
+    ratio = _div_rn(tl.maximum(amax, tiny), tl.zeros_like(amax) + fp8_max)
     groups = k0 // GROUP + tl.arange(0, G)
     s_mask = (rows[:, None] < M) & (groups[None, :] < K_PAD // GROUP)
     if not MX:
-        q = tl.div_rn(x, ratio[:, :, None])
+        q = _div_rn(x, ratio[:, :, None])
         tl.store(s_ptr + groups[None, :] * M + rows[:, None], ratio, mask=s_mask)
     else:
         bits = ratio.to(tl.int32, bitcast=True)
