@@ -7,8 +7,9 @@ Arms, per (quant, M, K): ``quantize_a`` (plain torch, as a model calls it today:
 and several kernels; a K that is not a whole number of 128-wide tiles is zero-padded first with
 ``torch.nn.functional.pad``, which the layer would otherwise need) and ``triton``
 (``kernels_fused.hopper.quantize.quantize_activation``: one launch that writes the padding too).
-Inputs are bf16 ``[M, K]``. Both arms' bytes are compared first (they must be equal); a wrong arm
-posts no time. Timing is ``cco.bench.timing.time_arms`` (arms alternate inside each pass, median over
+Inputs are bf16 ``[M, K]``. The Triton arm's bytes are compared first with ``quantize_a`` on the
+host (they must be equal; on a CUDA tensor ``quantize_a`` divides by 448 as a multiply by the
+reciprocal, which can move a scale by one ulp); a wrong arm posts no time. Timing is ``cco.bench.timing.time_arms`` (arms alternate inside each pass, median over
 iterations, spread over passes); eager calls by default (host launch cost included, as an eager model
 pays it), CUDA-graph replays with ``--graph``. One line per shape, then ``RESULT_JSON {...}``.
 """
@@ -71,7 +72,10 @@ def main(argv=None) -> int:
                     return quantize_activation(xs[i], quant, k_padded=k_pad)
 
                 arms = {"quantize_a": torch_arm, "triton": triton_arm}
-                if not same_bytes(triton_arm(0), torch_arm(0)):
+                # checked against quantize_a on the host: on a CUDA tensor its division by 448 is a
+                # multiply by the reciprocal (torch's kernel for a scalar divisor), a scale one ulp off
+                host = Q.quantize_a(torch.nn.functional.pad(xs[0].cpu().float(), (0, k_pad - k)), quant)
+                if not same_bytes(tuple(t.cpu() for t in triton_arm(0)), host):
                     print(f"{quant} M={m} K={k}: triton's bytes differ from quantize_a's; not timed", flush=True)
                     ok = False
                     continue

@@ -108,8 +108,10 @@ class RowParallelLinear(torch.nn.Module):
         self._reduce_group = self.comm.group if group is None or isinstance(group, type(self.comm)) else group
         op_options = dict(quant=quant, mode="fused" if mode == "unfused" else mode, transport=transport,
                           gather_dtype=gather_dtype, chunks=chunks)
-        backend_cls = shapes.backend_class(device=self.device)
-        weight_layout = backend_cls.weight_layouts[0]
+        try:
+            weight_layout = shapes.backend_class(device=self.device).weight_layouts[0]
+        except ValueError:  # no backend runs on this device: layer_shape says why, the layer falls back
+            weight_layout = "row-major"
         plan = shapes.layer_shape(out_features, in_features_per_rank, self.comm.world, m_max=m_max,
                                   device=self.device, weight_layout=weight_layout, **op_options)
         reason = "mode='unfused' was asked for" if mode == "unfused" else plan.reason

@@ -13,8 +13,10 @@ Columns ``K <= k < K_pad`` are written as zeros (their scales, for the group for
 an all-zero group): a weight padded with zero columns to ``K_pad`` at load then multiplies them to
 nothing, so a K that is not a whole number of the GEMM's 128-wide K tiles costs no extra pass.
 
-Bit for bit what ``quantize_a`` gives on the padded input: divisions are IEEE (``div_rn``, as torch
-divides); the one difference is mxfp8's exponent, taken exactly from the bits here, where torch's
+Bit for bit what ``quantize_a`` gives on the padded input on the CPU: divisions are IEEE
+(``div_rn``; Triton's ``/`` is approximate on NVIDIA). On a CUDA tensor ``quantize_a`` itself differs
+by up to one ulp of a scale: torch divides a CUDA tensor by a Python scalar as a multiply by the
+scalar's reciprocal. The one other difference is mxfp8's exponent, taken exactly from the bits here, where torch's
 ``log2`` can round to an integer for a ratio within about one fp32 ulp above a power of two (the
 group's largest value then saturates at 448 instead of rounding to it from below).
 
@@ -31,8 +33,10 @@ import torch
 from cco.quant import _TINY, E8M0, FP8, FP8_MAX, MX_GROUP, QUANTS, SCALE_BLOCK
 
 # rows per program and the K step. Per-token rows are walked twice (amax, then quantize) in 1024-wide
-# steps; the group formats take one [8, 512] tile per program. Untuned beyond the benchmark of
-# docs/BENCHMARKS.md ("Activation quantization"), which times them against quantize_a.
+# steps; the group formats take one [8, 512] tile per program (8 KiB of bf16 either way). Untuned:
+# docs/BENCHMARKS.md ("The layer on the GPU, and the activation quantizer") times the kernel with
+# them against quantize_a (mxfp8 at M = 16384, K = 2432: 33.6 us replayed in a graph, 3.5 TB/s),
+# not other choices.
 PTPC_BLOCK_M, PTPC_BLOCK_K = 4, 1024
 GROUP_BLOCK_M, GROUP_BLOCK_K = 8, 512
 NUM_WARPS = 4
