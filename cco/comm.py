@@ -130,7 +130,8 @@ class Communicator:
         rank = dist.get_rank(group)
         if rank < 0:
             raise ValueError(f"{fn}: this process (global rank {dist.get_rank()}) is not a member of the group "
-                             f"(ranks {dist.get_process_group_ranks(group)}); build the communicator on its members only")
+                             f"(ranks {dist.get_process_group_ranks(group)}); build the communicator on its "
+                             f"members only")
         bootstrap = group if cpu_group is None else cpu_group
         if cpu_group is not None and dist.get_process_group_ranks(cpu_group) != dist.get_process_group_ranks(group):
             raise ValueError(f"{fn}: cpu_group has ranks {dist.get_process_group_ranks(cpu_group)} but group has "

@@ -9,9 +9,10 @@ and several kernels; a K that is not a whole number of 128-wide tiles is zero-pa
 (``kernels_fused.hopper.quantize.quantize_activation``: one launch that writes the padding too).
 Inputs are bf16 ``[M, K]``. The Triton arm's bytes are compared first with ``quantize_a`` on the
 host (they must be equal; on a CUDA tensor ``quantize_a`` divides by 448 as a multiply by the
-reciprocal, which can move a scale by one ulp); a wrong arm posts no time. Timing is ``cco.bench.timing.time_arms`` (arms alternate inside each pass, median over
-iterations, spread over passes); eager calls by default (host launch cost included, as an eager model
-pays it), CUDA-graph replays with ``--graph``. One line per shape, then ``RESULT_JSON {...}``.
+reciprocal, which can move a scale by one ulp); a wrong arm posts no time. Timing is
+``cco.bench.timing.time_arms`` (arms alternate inside each pass, median over iterations, spread over
+passes); eager calls by default (host launch cost included, as an eager model pays it), CUDA-graph
+replays with ``--graph``. One line per shape, then ``RESULT_JSON {...}``.
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from cco import layout, library, shapes
 from cco import quant as Q
+from cco.comm import Communicator
 from cco.nn.pool import DEFAULT_POOL, WindowPool
 from cco.op import DEFAULT_DEADLINE_S
 from cco.preshuffle import preshuffle_b, unshuffle_b
@@ -105,7 +106,7 @@ class RowParallelLinear(torch.nn.Module):
         self.device = self.comm.device
         # the group the unfused path all-reduces on: the caller's, whose backend carries the device's
         # tensors (NCCL on NVIDIA); the communicator's bootstrap group where a Communicator was given
-        self._reduce_group = self.comm.group if group is None or isinstance(group, type(self.comm)) else group
+        self._reduce_group = self.comm.group if group is None or isinstance(group, Communicator) else group
         op_options = dict(quant=quant, mode="fused" if mode == "unfused" else mode, transport=transport,
                           gather_dtype=gather_dtype, chunks=chunks)
         try:
@@ -135,7 +136,9 @@ class RowParallelLinear(torch.nn.Module):
         w_q, w_s = self._zero_weight()
         self.register_buffer("qweight", w_q)
         self.register_buffer("weight_scale", w_s)
-        self.bias = torch.nn.Parameter(torch.zeros(out_features, dtype=torch.bfloat16, device=self.device)) if bias else None
+        self.bias = None
+        if bias:
+            self.bias = torch.nn.Parameter(torch.zeros(out_features, dtype=torch.bfloat16, device=self.device))
         self.weight = None
         if trainable:
             self.weight = torch.nn.Parameter(torch.zeros(out_features, in_features_per_rank, dtype=torch.bfloat16,
@@ -191,7 +194,8 @@ class RowParallelLinear(torch.nn.Module):
             raise TypeError(f"{fn}: w_q must be torch.float8_e4m3fn, got {w_q.dtype}; quantize a float shard with "
                             f"load_weight(w) instead")
         cdiv = lambda a, b: -(-a // b)  # noqa: E731
-        want = {"ptpc": ((n,), torch.float32), "blockscale": ((cdiv(n, Q.SCALE_BLOCK), cdiv(k, Q.SCALE_BLOCK)), torch.float32),
+        want = {"ptpc": ((n,), torch.float32),
+                "blockscale": ((cdiv(n, Q.SCALE_BLOCK), cdiv(k, Q.SCALE_BLOCK)), torch.float32),
                 "mxfp8": ((n, cdiv(k, Q.MX_GROUP)), Q.E8M0)}[self.quant]
         if tuple(w_scale.shape) != want[0] or w_scale.dtype != want[1]:
             raise ValueError(f"{fn}: w_scale for quant={self.quant!r} must be {want[1]} {list(want[0])}, got "
@@ -218,7 +222,8 @@ class RowParallelLinear(torch.nn.Module):
             raise ValueError(f"{_FN}.{verb}: {arg} must be this rank's shard {list(shape)} "
                              f"([out_features, in_features_per_rank]), got {got}")
 
-    def dequantized_weight(self, qweight: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+    def dequantized_weight(self, qweight: torch.Tensor | None = None,
+                           scale: torch.Tensor | None = None) -> torch.Tensor:
         """The weight the forward multiplies by, fp32 ``[out_features, in_features_per_rank]``."""
         qweight = self.qweight if qweight is None else qweight
         scale = self.weight_scale if scale is None else scale

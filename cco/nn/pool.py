@@ -39,9 +39,9 @@ class WindowPool:
     def acquire(self, comm: Communicator, **options) -> GemmAllReduceOp:
         """The op of ``comm`` and ``options`` (GemmAllReduceOp's keywords), built on first use
         (collective over ``comm``); release it with :meth:`release`."""
-        key = (id(comm), tuple(sorted(options.items())))
+        key = (id(comm), tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in options.items())))
         entry = self._ops.get(key)
-        if entry is None or entry[0]._closed:
+        if entry is None:
             entry = self._ops[key] = [GemmAllReduceOp(comm, **options), 0]
         entry[1] += 1
         return entry[0]

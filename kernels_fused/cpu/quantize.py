@@ -9,7 +9,8 @@ import torch
 from cco.quant import quantize_a
 
 
-def quantize_activation(x: torch.Tensor, quant: str, *, k_padded: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activation(x: torch.Tensor, quant: str, *,
+                        k_padded: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]`` -> ``(q e4m3 [M, k_padded], scale)`` in the layout of ``quant``; columns past K
     are zeros before quantization (they add nothing against zero weight columns)."""
     k = x.shape[-1]

@@ -53,7 +53,8 @@ def _kernels():
     return qk.quantize_ptpc_kernel, qk.quantize_groups_kernel
 
 
-def quantize_activation(x: torch.Tensor, quant: str, *, k_padded: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activation(x: torch.Tensor, quant: str, *,
+                        k_padded: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]`` (row stride any, unit column stride) -> ``(q e4m3 [M, k_padded], scale)`` in the
     layout of ``quant`` (``cco.quant``), columns past K zero. ``k_padded`` defaults to K and must be
     a multiple of 128 (the GEMM's K tile) when it differs from K."""
