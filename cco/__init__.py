@@ -9,7 +9,10 @@ What lives where:
   reference), ``preshuffle`` (the weight layout), ``validate`` (input checks);
 - the runtime: ``op`` (``GemmAllReduceOp``), ``comm``, ``window``, ``backends/`` (one executor per
   device), ``transport/`` (protocol words, deadlines, the CPU transports), ``cuda/`` (stream memory
-  operations, the copy-engine schedule, reduce and gather kernels on CUDA and HIP);
+  operations, the copy-engine schedule, reduce and gather kernels on CUDA and HIP), ``shapes``
+  (what each backend runs fused: ``cco.supports``, a layer's padding), ``library`` (the ops in
+  torch.library, for torch.compile and CUDA graphs);
+- layers on the runtime: ``nn/`` (``RowParallelLinear``; nothing in the runtime imports it);
 - tools apart from the runtime: ``bench/`` (timing, cost model), ``demo`` (the main job).
 
 Exports are resolved lazily so ``import cco`` stays cheap and works without a GPU, FlyDSL, Triton or
@@ -22,7 +25,8 @@ _EXPORTS = {
     "GemmAllReduceOp": "cco.op",
     "Communicator": "cco.comm",
     "spawn": "cco.comm",
-    "supports": "cco.layout",
+    "supports": "cco.shapes",
+    "RowParallelLinear": "cco.nn",
     "FaultPlan": "cco.transport",
     "Drop": "cco.transport",
     "CommTimeoutError": "cco.transport.protocol",

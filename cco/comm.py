@@ -1,15 +1,18 @@
 """Communicator: rank, world, local device and a CPU (gloo) group, however the ranks were launched.
 
-Three ways in, one object out::
+Four ways in, one object out::
 
     comm = Communicator.from_env()            # torchrun (RANK/WORLD_SIZE/MASTER_*), or mpirun
                                               # (OMPI_/PMI_ variables, bootstrapped over mpi4py)
+    comm = Communicator.from_group(tp_group)  # the ranks of a group of a job that is already running
+                                              # (tensor parallel inside TP x DP or TP x PP)
     outcomes = spawn(fn, world=4, args=(...)) # self-spawned local ranks (tests, the demo):
                                               # fn(comm, *args) runs in each rank process
 
-The gloo group carries only bootstrap traffic (window names, barriers at setup); the op's data moves
-through windows. ``close()`` destroys the process group if this communicator created it, is
-idempotent, and runs on ``with`` exit. Nothing here is a per-call collective.
+``rank`` and ``world`` are the rank within, and the size of, the communicator's group; the gloo group
+carries only bootstrap traffic (window names, barriers at setup); the op's data moves through
+windows. ``close()`` destroys the process group if this communicator created it (never one it was
+given), is idempotent, and runs on ``with`` exit. Nothing here is a per-call collective.
 """
 
 from __future__ import annotations
@@ -51,22 +54,14 @@ class Communicator:
                  launcher: str = "direct"):
         if not 0 <= rank < world:
             raise ValueError(f"Communicator: rank={rank} must be in 0..world-1 (world={world})")
-        self.rank = rank
-        self.world = world
-        self.local_rank = rank if local_rank is None else local_rank
-        self.device = torch.device(device) if device is not None else _default_device(self.local_rank)
-        if self.device.type == "cuda":
-            # streams, symmetric memory and the kernels' launches all use the current device: without
-            # this every local rank would work on device 0
-            torch.cuda.set_device(self.device)
-        self.launcher = launcher
-        self._owns_group = False
+        self._place(rank=rank, world=world, local_rank=local_rank, device=device, launcher=launcher)
         timeout = datetime.timedelta(seconds=timeout_s)
         if dist.is_initialized():
             if dist.get_world_size() != world or dist.get_rank() != rank:
                 raise RuntimeError(
                     f"Communicator: torch.distributed is already initialized as rank {dist.get_rank()} of "
-                    f"{dist.get_world_size()}, not rank {rank} of {world}"
+                    f"{dist.get_world_size()}, not rank {rank} of {world}; for a group of that job (tensor "
+                    f"parallel inside a larger job) use Communicator.from_group(group)"
                 )
             # reuse the job's group; add a gloo group for CPU bootstrap if its backend is not gloo
             self.group = dist.new_group(backend="gloo", timeout=timeout)
@@ -77,6 +72,21 @@ class Communicator:
                                     world_size=world, timeout=timeout)
             self.group = dist.group.WORLD
             self._owns_group = True
+        self._handshake()
+
+    def _place(self, *, rank: int, world: int, local_rank: int | None, device, launcher: str) -> None:
+        self.rank = rank
+        self.world = world
+        self.local_rank = rank if local_rank is None else local_rank
+        self.device = torch.device(device) if device is not None else _default_device(self.local_rank)
+        if self.device.type == "cuda":
+            # streams, symmetric memory and the kernels' launches all use the current device: without
+            # this every local rank would work on device 0
+            torch.cuda.set_device(self.device)
+        self.launcher = launcher
+        self._owns_group = False
+
+    def _handshake(self) -> None:
         # One gloo all-reduce before anyone may leave: a rank's init can return while a peer is still
         # connecting its mesh, and a rank that then failed and closed its sockets made that peer's init
         # fail too ("Gloo connectFullMesh failed ... Connection closed by peer"), so one rank's error
@@ -99,6 +109,45 @@ class Communicator:
             "Communicator.from_env: no launcher found: set RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT "
             "(torchrun does), launch under mpirun, or use cco.comm.spawn(fn, world=...) for local ranks"
         )
+
+    @classmethod
+    def from_group(cls, group=None, *, device=None, cpu_group=None) -> "Communicator":
+        """The ranks of ``group``, a process group of a job whose torch.distributed is already
+        initialized (``None``: the whole world). Collective over ``group`` (one all-reduce on its CPU
+        backend); never creates or destroys a process group.
+
+        ``rank`` and ``world`` are this process's rank in ``group`` and the group's size, so a tensor
+        parallel group inside TP x DP (or TP x PP) is a communicator of its own. Bootstrap traffic
+        (window names, barriers) needs a group that carries CPU tensors: ``group`` itself when its
+        backend includes gloo (``"gloo"``, ``"cpu:gloo,cuda:nccl"``), else ``cpu_group``, a gloo group
+        of the same ranks. ``device`` defaults to the current CUDA device (set it per local rank, as
+        torchrun jobs do) or the CPU."""
+        fn = "Communicator.from_group"
+        if not dist.is_initialized():
+            raise RuntimeError(f"{fn}: torch.distributed is not initialized; call dist.init_process_group first, "
+                               f"or use Communicator.from_env() to let the communicator initialize it")
+        group = dist.group.WORLD if group is None else group
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise ValueError(f"{fn}: this process (global rank {dist.get_rank()}) is not a member of the group "
+                             f"(ranks {dist.get_process_group_ranks(group)}); build the communicator on its "
+                             f"members only")
+        bootstrap = group if cpu_group is None else cpu_group
+        if cpu_group is not None and dist.get_process_group_ranks(cpu_group) != dist.get_process_group_ranks(group):
+            raise ValueError(f"{fn}: cpu_group has ranks {dist.get_process_group_ranks(cpu_group)} but group has "
+                             f"{dist.get_process_group_ranks(group)}; pass a gloo group of the same ranks")
+        backend = str(dist.get_backend(bootstrap))
+        if "gloo" not in backend and "mpi" not in backend:
+            raise ValueError(f"{fn}: the group's backend is {backend!r}, which carries no CPU tensors for the "
+                             f"bootstrap; pass cpu_group=dist.new_group(ranks, backend='gloo') (collective over "
+                             f"the world), or create the group with backend='cpu:gloo,cuda:nccl'")
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        comm = cls.__new__(cls)
+        comm._place(rank=rank, world=dist.get_world_size(group), local_rank=None, device=device, launcher="group")
+        comm.group = bootstrap
+        comm._handshake()
+        return comm
 
     @classmethod
     def from_mpi(cls, *, device=None, timeout_s: float = DEFAULT_TIMEOUT_S) -> "Communicator":
@@ -127,8 +176,10 @@ class Communicator:
         dist.barrier(group=self.group)
 
     def broadcast_object(self, obj, *, src: int = 0):
+        """``obj`` of the communicator's rank ``src`` on every rank (``src`` counts in this group)."""
         box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self.group)
+        # torch.distributed names the source by its global rank, also for a subgroup
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, src), group=self.group)
         return box[0]
 
     def all_gather_object(self, obj) -> list:

@@ -44,6 +44,7 @@ targets valid. Neither needs a reset step between calls or graph replays.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 
 MAX_CHUNKS = 8  # mori's knee: more chunks pay the fixed per-put cost (~2 us per SDMA put) more often
@@ -61,6 +62,11 @@ BLOCKSCALE_N = 128  # blockscale B scales cover 128 rows of B
 GATHER_GROUP = 128  # fp8 gather: one fp32 scale per row and 128 columns (a GEMM epilogue sees one tile)
 
 QUANTS = ("ptpc", "blockscale", "mxfp8")
+# how the weight operand is laid out in memory: the gfx950 kernel's 16x16 "bpreshuffle" order
+# (cco.preshuffle; what GemmAllReduceOp takes by default), or plain row-major [N, K] (what the Triton
+# kernels read: a backend that lists it in Backend.weight_layouts takes it as is, so a layer that lays
+# its weight out once never pays an unshuffle per call)
+WEIGHT_LAYOUTS = ("bpreshuffle", "row-major")
 MODES = ("fused", "split", "gemm-only")
 TRANSPORTS = ("dma", "lsa", "auto")  # auto: the backend picks per call (CUDA: lsa at small M); else dma
 GATHER_DTYPES = ("bf16", "fp8")
@@ -191,6 +197,7 @@ class OpConfig:
     # their relative sizes (chunk_tiles)
     block_m: int
     block_n: int
+    weight_layout: str = "bpreshuffle"  # WEIGHT_LAYOUTS
     n_slice: int = field(init=False)
     m_max_padded: int = field(init=False)
     n_tiles_per_dest: int = field(init=False)
@@ -213,11 +220,13 @@ def _pick_block_n(n_slice: int) -> int | None:
 def build_config(*, n: int, k: int, m_max: int, world: int, quant: str = "ptpc", mode: str = "fused",
                  transport: str | None = None, gather_dtype: str = "bf16", chunks: int | None = None,
                  block_m: int | None = None, block_n: int | None = None,
-                 default_transport: str = "dma") -> OpConfig:
+                 default_transport: str = "dma", weight_layout: str = "bpreshuffle") -> OpConfig:
     """The single place that decides whether a configuration is expressible.
 
     Raises ValueError whose message names the argument, its value, what is allowed and the fix."""
     mode, transport = normalize_mode(mode, transport, default_transport)
+    if weight_layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight_layout={weight_layout!r} is not supported; pass one of {', '.join(WEIGHT_LAYOUTS)}")
     for name, value in (("n", n), ("k", k), ("m_max", m_max), ("world", world)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive int")
@@ -226,21 +235,26 @@ def build_config(*, n: int, k: int, m_max: int, world: int, quant: str = "ptpc",
     if gather_dtype not in GATHER_DTYPES:
         raise ValueError(f"gather_dtype={gather_dtype!r} is not supported; pass one of {', '.join(GATHER_DTYPES)}")
     if k < K_MIN or k % K_ALIGN:
-        raise ValueError(f"k={k} is not supported; K must be >= {K_MIN} and a multiple of {K_ALIGN} "
-                         f"(pad the reduction dimension with zeros)")
+        raise ValueError(f"k={k} is not supported; K must be >= {K_MIN} and a multiple of {K_ALIGN}: pad the "
+                         f"reduction dimension with zeros to k={padded_k(k)} (zero weight columns and activation "
+                         f"columns add nothing; cco.nn.RowParallelLinear pads both)")
+    pad_n = (f"pad N with zero weight rows to n={padded_n(n, world, quant=quant, block_n=block_n)} "
+             f"(cco.nn.RowParallelLinear does, and drops the extra output columns)")
     if quant == "blockscale" and n % BLOCKSCALE_N:
-        raise ValueError(f"n={n} is not supported with quant='blockscale'; N must be a multiple of {BLOCKSCALE_N}")
+        raise ValueError(f"n={n} is not supported with quant='blockscale'; N must be a multiple of {BLOCKSCALE_N}: "
+                         f"{pad_n}")
     if n % world:
         raise ValueError(f"n={n} is not divisible by world={world}; every rank owns N/world output "
-                         f"columns, so pad N to a multiple of {world}")
+                         f"columns, so {pad_n}")
     n_slice = n // world
     if block_n is None:
         block_n = _pick_block_n(n_slice)
         if block_n is None:
             raise ValueError(f"n={n} with world={world} gives a {n_slice}-column slice per rank, which no "
-                             f"tile width in {BLOCK_N_CHOICES} divides; pad N to a multiple of {16 * world}")
+                             f"tile width in {BLOCK_N_CHOICES} divides; {pad_n}")
     elif block_n < 1 or n_slice % block_n:
-        raise ValueError(f"block_n={block_n} must divide the per-rank slice N/world = {n_slice}")
+        raise ValueError(f"block_n={block_n} (the backend's tile width) must divide the per-rank slice "
+                         f"N/world = {n}/{world} = {n_slice}; {pad_n}")
     block_m = DEFAULT_BLOCK_M if block_m is None else block_m
     if block_m < 1:
         raise ValueError(f"block_m={block_m} must be a positive int")
@@ -257,14 +271,34 @@ def build_config(*, n: int, k: int, m_max: int, world: int, quant: str = "ptpc",
         raise ValueError(f"chunks={chunks!r} is not supported; pass an int in 1..{MAX_CHUNKS}, a tuple of relative "
                          f"chunk sizes or None")
     return OpConfig(n=n, k=k, m_max=m_max, world=world, quant=quant, mode=mode, transport=transport,
-                    gather_dtype=gather_dtype, chunks=chunks, block_m=block_m, block_n=block_n)
+                    gather_dtype=gather_dtype, chunks=chunks, block_m=block_m, block_n=block_n,
+                    weight_layout=weight_layout)
+
+
+def padded_k(k: int) -> int:
+    """The smallest K' >= k that :func:`build_config` accepts: whole 128-wide K tiles, at least two."""
+    return max(K_MIN, _ceil_div(k, K_ALIGN) * K_ALIGN)
+
+
+def padded_n(n: int, world: int, *, quant: str = "ptpc", block_n: int | None = None) -> int:
+    """The smallest N' >= n that :func:`build_config` accepts for ``world`` ranks and a tile ``block_n``
+    wide (None: the narrowest of ``BLOCK_N_CHOICES``, which the layout then picks or a wider one):
+    every rank's slice N'/world a whole number of tiles, and for blockscale N' whole 128-row B
+    scale blocks."""
+    step = world * (BLOCK_N_CHOICES[-1] if block_n is None else block_n)
+    if quant == "blockscale":
+        step = math.lcm(step, BLOCKSCALE_N)
+    return _ceil_div(n, step) * step
 
 
 def supports(m: int, n: int, k: int, world: int, **options) -> str | None:
-    """``None`` when ``[m, k] x [n, k]`` over ``world`` ranks is expressible, else the reason.
+    """``None`` when ``[m, k] x [n, k]`` over ``world`` ranks is expressible with the tiles in
+    ``options``, else the reason (with the fix).
 
     ``options`` are build_config's (quant, mode, transport, gather_dtype, chunks, block_m, block_n,
-    m_max; m_max defaults to m)."""
+    weight_layout, m_max; m_max defaults to m). Without block_m / block_n this is the CPU backend's
+    answer; ``cco.supports`` (``cco.shapes.supports``) asks the backend of a device for its tiles and
+    its own limits, which is what a caller wants."""
     options.setdefault("m_max", m)
     try:
         cfg = build_config(n=n, k=k, world=world, **options)

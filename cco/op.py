@@ -123,13 +123,15 @@ class GemmAllReduceOp:
                     bytes, ~10x the error).
       chunks:       row chunks per call (1..8), or their relative sizes (a tuple such as
                     ``(1, 2, 2, 1)``: small first and last chunks); None: the backend's default.
+      weight_layout: "bpreshuffle" (``b_pre`` from ``preshuffle_b``), or "row-major" where the backend
+                    reads that as is (``Backend.weight_layouts``; CUDA): no unshuffle per call.
       deadline_s:   seconds one call may wait on peers in total before raising.
       faults:       a :class:`cco.transport.FaultPlan` to inject lost puts or a silent transport (tests).
     """
 
     def __init__(self, comm, *, n: int, k: int, m_max: int, quant: str = "ptpc", mode: str = "fused",
                  transport: str | None = None, gather_dtype: str = "bf16", chunks: int | None = None,
-                 deadline_s: float = DEFAULT_DEADLINE_S, faults=None):
+                 deadline_s: float = DEFAULT_DEADLINE_S, faults=None, weight_layout: str = "bpreshuffle"):
         self.comm = comm
         self._closed = True
         backend_cls = select_backend(comm.device)
@@ -138,9 +140,13 @@ class GemmAllReduceOp:
             self.config = layout.build_config(
                 n=n, k=k, m_max=m_max, world=comm.world, quant=quant, mode=mode, transport=transport,
                 gather_dtype=gather_dtype, chunks=backend_cls.default_chunks if chunks is None else chunks,
-                block_m=block_m, block_n=block_n, default_transport=backend_cls.default_transport)
+                block_m=block_m, block_n=block_n, default_transport=backend_cls.default_transport,
+                weight_layout=weight_layout)
         except ValueError as err:
             raise ValueError(f"{_FN}: {err}") from None
+        if weight_layout not in backend_cls.weight_layouts:
+            raise ValueError(f"{_FN}: weight_layout={weight_layout!r} is not read by the {backend_cls.name} backend; "
+                             f"pass one of {', '.join(backend_cls.weight_layouts)}")
         if not deadline_s > 0:
             raise ValueError(f"{_FN}: deadline_s={deadline_s!r} must be > 0 seconds")
         self.deadline_s = float(deadline_s)

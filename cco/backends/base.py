@@ -110,6 +110,9 @@ class Backend(abc.ABC):
     default_transport: ClassVar[str] = "dma"
     # what chunks=None means on this backend (a count, or relative sizes: layout.chunk_tiles)
     default_chunks: ClassVar[int | tuple[int, ...]] = layout.DEFAULT_CHUNKS
+    # weight layouts (layout.WEIGHT_LAYOUTS) the backend takes as ``b_pre``; the first is the one its
+    # kernel reads as is (a layer lays its weight out in it once, at load)
+    weight_layouts: ClassVar[tuple[str, ...]] = ("bpreshuffle",)
 
     @classmethod
     def tile(cls, quant: str) -> tuple[int | None, int | None]:

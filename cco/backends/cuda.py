@@ -123,6 +123,7 @@ class CudaBackend(Backend):
     lsa_max_elements: int | None = 0  # uses_lsa: None always, 0 never, else up to M * N elements
     dma_peers_first = DMA_PEERS_FIRST  # the fused dma launch's tile order (False: the layout's chunk-major)
     dma_reduce_in_gemm = DMA_REDUCE_IN_GEMM  # the fused dma launch reduces its own tiles
+    weight_layouts = ("row-major", "bpreshuffle")  # the Triton kernels read row-major: taken as is
     # calls marked and watched (cco.cuda.watchdog); False only for the cost measurement's "before"
     # arm (tests/python/cco/test_cuda_faults.py --bench), whose waits have no deadline
     watched = True
@@ -239,6 +240,8 @@ class CudaBackend(Backend):
 
     # ---- helpers ------------------------------------------------------------------------------------
     def _unshuffled(self, b_pre: torch.Tensor) -> torch.Tensor:
+        if self.config.weight_layout == "row-major":  # laid out once by its owner (cco.nn)
+            return b_pre
         key = (b_pre.data_ptr(), b_pre._version, tuple(b_pre.shape))
         if key != self._weight_key:
             self._weight = unshuffle_b(b_pre)

@@ -275,6 +275,13 @@ class Gfx950Backend(CudaBackend):
     default_transport = "dma"
     dma_peers_first = False  # the FlyDSL kernel writes the schedule's (chunk, dest) order
     dma_reduce_in_gemm = False  # and stores its own tiles for the reduce kernel
+    weight_layouts = ("bpreshuffle",)  # the FlyDSL kernel reads b_pre as is
+
+    @classmethod
+    def tile(cls, quant: str) -> tuple[int, int]:
+        """The FlyDSL kernel's 256x128 for every quant (not CudaBackend's Triton tiles, which it
+        would otherwise inherit and then refuse in __init__)."""
+        return cls.block_m, cls.block_n
 
     @classmethod
     def supports_device(cls, device):

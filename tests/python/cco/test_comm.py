@@ -81,6 +81,65 @@ def test_spawn_reports_errors_and_deaths_without_hanging():
         check_outcomes(outcomes)
 
 
+def _tp_dp(comm, tp: int):
+    """TP x DP on the world: TP groups of consecutive ranks, DP groups across them (every rank
+    creates every group, as torch.distributed requires)."""
+    import torch.distributed as dist
+
+    world = comm.world
+    tp_groups = [dist.new_group(list(range(s, s + tp)), backend="gloo") for s in range(0, world, tp)]
+    dp_groups = [dist.new_group(list(range(r, world, tp)), backend="gloo") for r in range(tp)]
+    return tp_groups[comm.rank // tp], dp_groups[comm.rank % tp]
+
+
+def _from_group(comm):
+    tp_group, dp_group = _tp_dp(comm, 2)
+    tp = Communicator.from_group(tp_group)
+    dp = Communicator.from_group(dp_group)
+    seen = (tp.rank, tp.world, dp.rank, dp.world, tp.launcher)
+    # each group's rank 0 is the source: global rank 2 in the second TP group, rank 1 in the second DP group
+    token = tp.broadcast_object(f"tp-root-{comm.rank}" if tp.rank == 0 else None)
+    dp_token = dp.broadcast_object(f"dp-root-{comm.rank}" if dp.rank == 0 else None)
+    gathered = tp.all_gather_object(comm.rank)
+    tp.close()
+    dp.close()
+    try:
+        Communicator(rank=tp.rank, world=2, init_method="env://")
+        refusal = None
+    except RuntimeError as err:
+        refusal = str(err)
+    return seen, token, dp_token, gathered, refusal
+
+
+def test_communicator_from_a_subgroup_of_a_running_job():
+    """TP 2 x DP 2 on 4 ranks: each group is a communicator of its own rank and size, its object
+    collectives count ranks within the group (a broadcast from "rank 0" of the second TP group
+    came from global rank 0, which is not in it, before ``broadcast_object`` mapped the source),
+    closing it leaves the job's groups alone, and the plain constructor points to from_group."""
+    values = check_outcomes(spawn(_from_group, world=4, timeout_s=120))
+    for rank, (seen, token, dp_token, gathered, refusal) in enumerate(values):
+        assert seen == (rank % 2, 2, rank // 2, 2, "group")
+        assert token == f"tp-root-{rank - rank % 2}"
+        assert dp_token == f"dp-root-{rank % 2}"
+        assert gathered == [rank - rank % 2, rank - rank % 2 + 1]
+        assert refusal is not None and "from_group" in refusal
+
+
+def _not_a_member(comm):
+    import torch.distributed as dist
+
+    group = dist.new_group([0], backend="gloo")
+    if comm.rank == 0:
+        return Communicator.from_group(group).world
+    with pytest.raises(ValueError, match="not a member"):
+        Communicator.from_group(group)
+    return None
+
+
+def test_from_group_refuses_a_rank_outside_the_group():
+    assert check_outcomes(spawn(_not_a_member, world=2, timeout_s=60)) == [1, None]
+
+
 def test_from_env_without_launcher_says_how_to_launch(monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK"):
         monkeypatch.delenv(var, raising=False)

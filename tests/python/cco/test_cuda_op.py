@@ -32,36 +32,21 @@ Guards, per check:
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from cco import layout
+from tests.python.cco.torchrun_checks import nvidia_gpus, run_rank_checks
 
 M, N, K = 1000, 2048, 512  # M not a multiple of the 128-row tile on purpose
 REPEATS = 100
 
 
-def _gpus() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() and not torch.version.hip else 0
-
-
 @pytest.mark.cuda
-@pytest.mark.skipif(_gpus() < 1, reason="needs an NVIDIA GPU (two ranks share one if there is only one); the CPU "
+@pytest.mark.skipif(nvidia_gpus() < 1, reason="needs an NVIDIA GPU (two ranks share one if there is only one); the CPU "
                     "path is covered by the host and multirank tests")
 def test_cuda_op_world2_under_torchrun():
-    torchrun = shutil.which("torchrun")
-    cmd = ([torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]) + [
-        "--nproc-per-node", "2", "-m", "tests.python.cco.test_cuda_op"]
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "PYTHONPATH": root})
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "CUDA_OP_CHECKS PASSED" in proc.stdout, proc.stdout[-4000:]
+    run_rank_checks("tests.python.cco.test_cuda_op", "CUDA_OP_CHECKS PASSED")
 
 
 def _drains(order_of, *, world: int, chunks: int) -> bool:

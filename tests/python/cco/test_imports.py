@@ -177,3 +177,11 @@ def test_runtime_never_imports_the_tools(graph):
 def test_backends_do_not_import_the_op(graph):
     bad = offending(graph, "cco.backends", lambda dst: dst != "cco.op")
     assert bad == [], "\n".join(bad)
+
+
+def test_runtime_never_imports_the_layers(graph):
+    """``cco.nn`` builds on the runtime (op, communicator, torch.library ops); the runtime, the
+    kernels and the tools stay usable without it."""
+    bad = [f"{m} -> {d}" for m in sorted(graph) if not within(m, "cco.nn")
+           for d in sorted(graph[m]) if within(d, "cco.nn")]
+    assert bad == [], "\n".join(bad)

@@ -1,0 +1,73 @@
+"""Ops shared by layers: one :class:`cco.op.GemmAllReduceOp` (one window) per communicator and
+shape family, and one :class:`cco.comm.Communicator` per process group.
+
+A window holds ``partial``, ``recv`` and ``gather`` of ``m_max`` rows by N columns per rank, about
+``3 * m_max * N * 2`` bytes (bf16 gather; 672 MiB at m_max 16384, N 7168): one per layer would not
+fit a model. Calls are collective and run one at a time (a forward calls its layers in order, a
+backward needs no op), so the layers of a family (same communicator, padded ``[N, K]``, quant and
+op options) take turns on one op. A family's op is built when its first layer is, which every rank
+does in the same order (layers are built in model order), and closed when its last layer is.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from cco.comm import Communicator
+from cco.op import GemmAllReduceOp
+
+
+class WindowPool:
+    """The shared communicators and ops of a process (``DEFAULT_POOL``, unless a layer is given
+    another)."""
+
+    def __init__(self):
+        self._comms: dict[int, tuple[object, Communicator]] = {}  # id(group) -> (group, comm)
+        self._ops: dict[tuple, list] = {}  # family key -> [op, users]
+
+    def communicator(self, group=None) -> Communicator:
+        """``group`` itself when it is a Communicator; else the communicator of a torch.distributed
+        group (None: the world), built on first use (collective over the group)."""
+        if isinstance(group, Communicator):
+            return group
+        group = dist.group.WORLD if group is None else group
+        entry = self._comms.get(id(group))
+        if entry is None:
+            entry = self._comms[id(group)] = (group, Communicator.from_group(group))
+        return entry[1]
+
+    def acquire(self, comm: Communicator, **options) -> GemmAllReduceOp:
+        """The op of ``comm`` and ``options`` (GemmAllReduceOp's keywords), built on first use
+        (collective over ``comm``); release it with :meth:`release`."""
+        key = (id(comm), tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in options.items())))
+        entry = self._ops.get(key)
+        if entry is None:
+            entry = self._ops[key] = [GemmAllReduceOp(comm, **options), 0]
+        entry[1] += 1
+        return entry[0]
+
+    def users(self, op: GemmAllReduceOp) -> int:
+        """Layers sharing ``op`` now."""
+        return next((users for o, users in self._ops.values() if o is op), 0)
+
+    def release(self, op: GemmAllReduceOp) -> None:
+        """One user fewer; the last closes the op and frees its window (local, not collective)."""
+        for key, entry in list(self._ops.items()):
+            if entry[0] is op:
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    del self._ops[key]
+                    op.close()
+                return
+
+    def close(self) -> None:
+        """Close every op and every communicator this pool built (never a group it was given)."""
+        for op, _ in self._ops.values():
+            op.close()
+        self._ops.clear()
+        for _, comm in self._comms.values():
+            comm.close()
+        self._comms.clear()
+
+
+DEFAULT_POOL = WindowPool()

@@ -1,0 +1,213 @@
+"""A tensor-parallel transformer MLP block through cco, checked against the unfused model.
+
+    python -m examples.tp_mlp                                         # 2 CPU ranks, spawned here
+    torchrun --nproc-per-node 2 -m examples.tp_mlp                    # CPU ranks under torchrun
+    torchrun --nproc-per-node 2 -m examples.tp_mlp --device cuda      # one GPU per rank (or shared)
+    torchrun --nproc-per-node 4 -m examples.tp_mlp --tp 2             # TP 2 x DP 2
+    python -m examples.tp_mlp --compile on --train                    # compiled, with a backward
+
+The block, hidden size H, intermediate size I, tensor parallel over TP ranks::
+
+    h = silu(x @ W_gate.T) * (x @ W_up.T)     # column parallel: each rank holds I/TP rows of W_gate
+                                              # and W_up and computes its I/TP columns of h, no comm
+    y = all_reduce(h_r @ W_down_r.T)          # row parallel: each rank holds the matching I/TP
+                                              # columns of W_down; cco.nn.RowParallelLinear fuses
+                                              # the fp8 GEMM with the all-reduce
+
+Every rank builds the full weights from one seed (a real job loads its shard), keeps its shard,
+and checks ``y`` against the unfused model: the same block with full bf16 matrices on one rank.
+The fp8 down projection puts the two a few percent apart (``FP8_TOL``); the same block with the
+down projection's operands quantized as the layer quantizes them must agree to bf16 rounding
+(``EXACT_TOL``). ``--compile both`` (the default) runs the block eager and under
+``torch.compile(fullgraph=True)``. With ``--tp`` smaller than the world the ranks form TP groups
+(``torch.distributed.new_group``) and DP replicas that each get their own batch, as in a training
+job; the layer takes the TP group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from cco import layout
+from cco import quant as Q
+from cco.nn import RowParallelLinear
+
+FP8_TOL = 0.08  # rel. L2 against the bf16 model: fp8 operands (e4m3: 3 mantissa bits)
+EXACT_TOL = 1e-2  # rel. L2 against the same quantized operands: bf16 rounding of h and y
+
+
+class TPMLP(torch.nn.Module):
+    """The MLP block of one rank: column-parallel gate/up in bf16, row-parallel down through cco."""
+
+    def __init__(self, hidden: int, intermediate: int, *, tp_group, tp: int, quant: str, m_max: int, device,
+                 trainable: bool = False):
+        super().__init__()
+        self.shard = intermediate // tp
+        self.gate_up = torch.nn.Linear(hidden, 2 * self.shard, bias=False, dtype=torch.bfloat16, device=device)
+        self.down = RowParallelLinear(self.shard, hidden, group=tp_group, quant=quant, m_max=m_max, trainable=trainable)
+
+    def load(self, w_gate, w_up, w_down, tp_rank: int) -> None:
+        cols = slice(tp_rank * self.shard, (tp_rank + 1) * self.shard)
+        with torch.no_grad():
+            self.gate_up.weight.copy_(torch.cat([w_gate[cols], w_up[cols]]))
+        self.down.load_weight(w_down[:, cols])
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+def full_weights(hidden: int, intermediate: int, seed: int = 0):
+    """bf16 (W_gate, W_up, W_down), as a checkpoint holds them."""
+    g = torch.Generator().manual_seed(seed)
+    scale = hidden ** -0.5
+    return tuple(w.to(torch.bfloat16) for w in (
+        torch.randn(intermediate, hidden, generator=g) * scale, torch.randn(intermediate, hidden, generator=g) * scale,
+        torch.randn(hidden, intermediate, generator=g) * intermediate ** -0.5))
+
+
+def unfused_model(x, w_gate, w_up, w_down):
+    """The block on one rank with the full bf16 weights."""
+    bf = torch.bfloat16
+    h = F.silu(x @ w_gate.to(bf).t()) * (x @ w_up.to(bf).t())
+    return h @ w_down.to(bf).t()
+
+
+def unfused_grads(x, w_gate, w_up, w_down, *, tp_rank: int, tp: int):
+    """This rank's shards of the unfused model's weight gradients for ``mean(y**2)``: (W_down's
+    columns, W_gate's and W_up's rows, stacked as the block's gate_up weight)."""
+    ws = [w.to(torch.bfloat16).requires_grad_(True) for w in (w_gate, w_up, w_down)]
+    unfused_model(x, *ws).float().square().mean().backward()
+    shard = w_down.shape[1] // tp
+    cols = slice(tp_rank * shard, (tp_rank + 1) * shard)
+    return ws[2].grad[:, cols].float(), torch.cat([ws[0].grad[cols], ws[1].grad[cols]]).float()
+
+
+def quantized_down(x, w_gate, w_up, w_down, *, tp: int, quant: str):
+    """The block with the down projection's operands quantized per rank slice as the layer does
+    (zero padding to whole 128-wide K tiles, fp8 per ``quant``), partial products in fp32 rounded
+    to bf16 and summed in fp32: the layer's arithmetic without its kernels."""
+    bf = torch.bfloat16
+    h = (F.silu(x @ w_gate.to(bf).t()) * (x @ w_up.to(bf).t())).reshape(-1, w_down.shape[1])
+    n, shard = w_down.shape[0], w_down.shape[1] // tp
+    k, n_padded = layout.padded_k(shard), layout.padded_n(n, 1, quant=quant)
+    total = 0
+    for r in range(tp):
+        cols = slice(r * shard, (r + 1) * shard)
+        a, a_s = Q.quantize_a(F.pad(h[:, cols].float(), (0, k - shard)), quant)
+        b, b_s = Q.quantize_b(F.pad(w_down[:, cols].float(), (0, k - shard, 0, n_padded - n)), quant)
+        total = total + Q.reference_gemm(a, b, a_s, b_s, quant).float()
+    return total.to(bf)[:, :n].reshape(*x.shape[:-1], n)
+
+
+def run(opts, device) -> dict:
+    """One rank's run (torch.distributed initialized); returns its errors per arm."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tp = opts.tp or world
+    if world % tp:
+        raise SystemExit(f"--tp={tp} must divide the world ({world} ranks)")
+    groups = [dist.new_group(list(range(s, s + tp))) for s in range(0, world, tp)]  # every rank makes every group
+    tp_group, tp_rank, replica = groups[rank // tp], rank % tp, rank // tp
+    w_gate, w_up, w_down = full_weights(opts.hidden, opts.intermediate)
+    block = TPMLP(opts.hidden, opts.intermediate, tp_group=tp_group, tp=tp, quant=opts.quant, m_max=opts.m_max,
+                  device=device, trainable=opts.train)
+    block.load(w_gate.to(device), w_up.to(device), w_down.to(device), tp_rank)
+    g = torch.Generator().manual_seed(100 + replica)  # each DP replica its own batch
+    x = torch.randn(opts.batch, opts.seq, opts.hidden, generator=g).to(torch.bfloat16)
+    ref = unfused_model(x, w_gate, w_up, w_down)
+    ref_q = quantized_down(x, w_gate, w_up, w_down, tp=tp, quant=opts.quant)
+    arms = {"eager": block, "compiled": torch.compile(block, fullgraph=True, mode=opts.compile_mode)}
+    arms = {name: fn for name, fn in arms.items() if opts.compile in ("both", "on" if name == "compiled" else "off")}
+    result = {"repr": repr(block.down), "tp": tp, "arms": {}}
+    grads = unfused_grads(x, w_gate, w_up, w_down, tp_rank=tp_rank, tp=tp) if opts.train else None
+    for name, fn in arms.items():
+        block.zero_grad(set_to_none=True)
+        with torch.set_grad_enabled(opts.train):
+            fn(x.to(device))
+            y = fn(x.to(device))  # a compiled function's second call runs the compiled code
+        errors = {"y vs unfused bf16 model": Q.rel_l2(y.detach().cpu(), ref)}
+        if name == "eager":  # inductor computes silu(g) * u in fp32 in one kernel: h rounds differently
+            errors["y vs quantized unfused"] = Q.rel_l2(y.detach().cpu(), ref_q)
+        if opts.train:
+            y.float().square().mean().backward()
+            errors["down grad vs unfused"] = Q.rel_l2(block.down.weight.grad.cpu(), grads[0])
+            errors["gate/up grad vs unfused"] = Q.rel_l2(block.gate_up.weight.grad.cpu(), grads[1])
+        result["arms"][name] = errors
+    block.down.close()
+    return result
+
+
+def report(results: list[dict], opts) -> bool:
+    r0 = results[0]
+    print(f"tp_mlp: hidden {opts.hidden}, intermediate {opts.intermediate}, tokens {opts.batch}x{opts.seq}, "
+          f"quant={opts.quant}, world {len(results)}, TP {r0['tp']}")
+    print(f"  rank 0 down projection: {r0['repr']}")
+    ok = True
+    for name in r0["arms"]:
+        for what in r0["arms"][name]:
+            worst = max(r["arms"][name][what] for r in results)
+            tol = EXACT_TOL if what == "y vs quantized unfused" else FP8_TOL
+            good = worst <= tol
+            ok &= good
+            print(f"  {name:8s} {what:24s} rel L2 {worst:.2e} (worst rank, tol {tol:.0e}) -> {'ok' if good else 'FAIL'}")
+    print("PASS" if ok else "FAIL")
+    return ok
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m examples.tp_mlp", description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--intermediate", type=int, default=1536)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=24)
+    p.add_argument("--quant", choices=Q.QUANTS, default="ptpc")
+    p.add_argument("--m-max", type=int, default=256, help="tokens one fused call takes (sizes the window)")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: the whole world)")
+    p.add_argument("--world", type=int, default=2, help="ranks to spawn when not under torchrun")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--compile", choices=("off", "on", "both"), default="both")
+    p.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. reduce-overhead (CUDA graphs)")
+    p.add_argument("--train", action="store_true", help="a trainable down projection; also run a backward and check "
+                   "this rank's weight gradients (no communication: the row-parallel backward needs none)")
+    return p.parse_args(argv)
+
+
+def _rank_main(comm, opts):
+    """A spawned rank: cco.comm.spawn has initialized torch.distributed for the world."""
+    return run(opts, comm.device)
+
+
+def main(argv=None) -> int:
+    opts = parse_args(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        if opts.device == "cuda":
+            device = torch.device("cuda", local % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+        else:
+            device = torch.device("cpu")
+        dist.init_process_group("gloo" if opts.device == "cpu" else "cpu:gloo,cuda:nccl")
+        result = run(opts, device)
+        results = [None] * dist.get_world_size()
+        dist.all_gather_object(results, result)
+        ok = report(results, opts) if dist.get_rank() == 0 else True
+        box = [ok]
+        dist.broadcast_object_list(box, src=0)
+        dist.destroy_process_group()
+        return 0 if box[0] else 1
+    if opts.device == "cuda":
+        raise SystemExit("--device cuda: start the ranks with torchrun (one GPU per local rank, or ranks sharing one)")
+    from cco.comm import check_outcomes, spawn
+
+    results = check_outcomes(spawn(_rank_main, world=opts.world, args=(opts,), timeout_s=900))
+    return 0 if report(results, opts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

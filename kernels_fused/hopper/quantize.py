@@ -1,0 +1,90 @@
+"""Activation quantizer in Triton: bf16 (or any float) ``x [M, K]`` -> e4m3 ``[M, K_pad]`` and its
+scales in the layout the GEMM reads, in one kernel launch (``cco.quant.quantize_a`` in plain torch
+takes several kernels and an fp32 copy of ``x``). Device code: ``kernels_fused.hopper.quantize_kernels``.
+
+What it computes, per format (the same formulas as ``cco.quant.quantize_a``)::
+
+    ptpc        scale[m] = max(amax(x[m, :]), tiny) / 448                   fp32 [M]
+    blockscale  scale[m, g] = max(amax(x[m, 128g:128g+128]), tiny) / 448     fp32 [M, K/128], stride (1, M)
+    mxfp8       scale[m, g] = 2**ceil(log2(max(amax(x[m, 32g:32g+32]), tiny) / 448))   e8m0 [M, K/32]
+    q = e4m3(clamp(x / scale, -448, 448))
+
+Columns ``K <= k < K_pad`` are written as zeros (their scales, for the group formats, are those of
+an all-zero group): a weight padded with zero columns to ``K_pad`` at load then multiplies them to
+nothing, so a K that is not a whole number of the GEMM's 128-wide K tiles costs no extra pass.
+
+Bit for bit what ``quantize_a`` gives on the padded input on the CPU: divisions are IEEE
+(``div_rn``; Triton's ``/`` is approximate on NVIDIA). On a CUDA tensor ``quantize_a`` itself differs
+by up to one ulp of a scale: torch divides a CUDA tensor by a Python scalar as a multiply by the
+scalar's reciprocal. The one other difference is mxfp8's exponent, taken exactly from the bits here, where torch's
+``log2`` can round to an integer for a ratio within about one fp32 ulp above a power of two (the
+group's largest value then saturates at 448 instead of rounding to it from below).
+
+Runs wherever Triton runs: NVIDIA, and ROCm (gfx950's e4m3 is the OCP format, ``tl.float8e4nv``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from cco.quant import _TINY, E8M0, FP8, FP8_MAX, MX_GROUP, QUANTS, SCALE_BLOCK
+
+# rows per program and the K step. Per-token rows are walked twice (amax, then quantize) in 1024-wide
+# steps; the group formats take one [8, 512] tile per program (8 KiB of bf16 either way). Untuned:
+# docs/BENCHMARKS.md ("The layer on the GPU, and the activation quantizer") times the kernel with
+# them against quantize_a (mxfp8 at M = 16384, K = 2432: 33.6 us replayed in a graph, 3.5 TB/s),
+# not other choices.
+PTPC_BLOCK_M, PTPC_BLOCK_K = 4, 1024
+GROUP_BLOCK_M, GROUP_BLOCK_K = 8, 512
+NUM_WARPS = 4
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def _kernels():
+    from kernels_fused.hopper import quantize_kernels as qk
+
+    return qk.quantize_ptpc_kernel, qk.quantize_groups_kernel
+
+
+def quantize_activation(x: torch.Tensor, quant: str, *,
+                        k_padded: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` (row stride any, unit column stride) -> ``(q e4m3 [M, k_padded], scale)`` in the
+    layout of ``quant`` (``cco.quant``), columns past K zero. ``k_padded`` defaults to K and must be
+    a multiple of 128 (the GEMM's K tile) when it differs from K."""
+    fn = "quantize_activation"
+    if quant not in QUANTS:
+        raise ValueError(f"{fn}: quant={quant!r} is not supported; pass one of {', '.join(QUANTS)}")
+    if x.dim() != 2 or x.stride(1) != 1 or not x.dtype.is_floating_point:
+        raise ValueError(f"{fn}: x must be a float [M, K] tensor with unit column stride, got {x.dtype} "
+                         f"{list(x.shape)} stride {x.stride()}; pass x.reshape(-1, K).contiguous()")
+    m, k = x.shape
+    k_padded = k if k_padded is None else k_padded
+    group = {"ptpc": 1, "blockscale": SCALE_BLOCK, "mxfp8": MX_GROUP}[quant]
+    if k_padded < k or k_padded % group or (k_padded != k and k_padded % SCALE_BLOCK):
+        raise ValueError(f"{fn}: k_padded={k_padded} must be >= K={k}, a multiple of {group} for {quant}, and of "
+                         f"{SCALE_BLOCK} when it pads")
+    q = torch.empty(m, k_padded, dtype=FP8, device=x.device)
+    ptpc, groups = _kernels()
+    if quant == "ptpc":
+        scale = torch.empty(m, dtype=torch.float32, device=x.device)
+        if m:
+            ptpc[(-(-m // PTPC_BLOCK_M),)](x, q, scale, m, k, k_padded, x.stride(0), _TINY, FP8_MAX,
+                                           BLOCK_M=PTPC_BLOCK_M, BLOCK_K=PTPC_BLOCK_K, ROUND_IN_FP32=_interpreting(),
+                                           num_warps=NUM_WARPS)
+        return q, scale
+    if quant == "blockscale":
+        scale = torch.empty(k_padded // group, m, dtype=torch.float32, device=x.device).t()  # column-major
+    else:
+        scale = torch.empty(m, k_padded // group, dtype=torch.uint8, device=x.device)
+    if m:  # GROUP_BLOCK_K is a whole number of groups of either format: tiles never split a group
+        grid = (-(-m // GROUP_BLOCK_M), -(-k_padded // GROUP_BLOCK_K))
+        groups[grid](x, q, scale, m, k, k_padded, x.stride(0), _TINY, FP8_MAX, MX=quant == "mxfp8", GROUP=group,
+                     BLOCK_M=GROUP_BLOCK_M, BLOCK_K=GROUP_BLOCK_K, ROUND_IN_FP32=_interpreting(), num_warps=NUM_WARPS)
+    return q, scale.view(E8M0) if quant == "mxfp8" else scale

@@ -1,0 +1,95 @@
+"""Device code of the activation quantizer (host side: ``kernels_fused.hopper.quantize``).
+
+Imported only when the quantizer runs, so ``import kernels_fused`` needs no triton.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_rows(x_ptr, rows, cols, M, K, stride_x):
+    """fp32 [BLOCK_M, BLOCK_K] of x; rows past M and the zero-padded columns past K read 0."""
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    return tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _div_rn(x, y):
+    """IEEE ``x / y``, broadcast (Triton's ``/`` divides approximately on NVIDIA: 2 ulp; torch rounds)."""
+    x, y = tl.broadcast(x, y)
+    return tl.div_rn(x, y)
+
+
+@triton.jit
+def _to_e4m3(v, ROUND_IN_FP32: tl.constexpr):
+    """e4m3 of ``v`` (|v| <= 448), round to nearest even. ``ROUND_IN_FP32`` (Triton's CPU
+    interpreter, whose conversion drops the carry when rounding up crosses a power of two: 124.4 came
+    out as 64): round in fp32 first, so that the conversion only ever sees e4m3 values."""
+    if ROUND_IN_FP32:
+        bits = v.to(tl.int32, bitcast=True)
+        # normal e4m3 (|v| >= 2**-6): keep 3 of fp32's 23 mantissa bits, ties to even
+        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
+        normal = bits.to(tl.float32, bitcast=True)
+        # subnormal e4m3: multiples of 2**-9, which is fp32's spacing between 2**14 and 2**15
+        sub = ((tl.abs(v) + 16384.0) - 16384.0) * tl.where(v < 0, -1.0, 1.0)
+        v = tl.where(tl.abs(v) >= 0.015625, normal, sub)
+    return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def quantize_ptpc_kernel(x_ptr, q_ptr, s_ptr, M, K, K_PAD, stride_x, tiny, fp8_max,
+                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+    """Per-token: one fp32 scale ``max(amax(row), tiny) / fp8_max`` per row, then the row divided by
+    it (IEEE division, as torch divides), clamped and rounded to e4m3. Two passes over the row: the
+    amax, then the quantization (the second pass reads from L2 at the row lengths of a layer)."""
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # M * K may pass 2**31
+    cols = tl.arange(0, BLOCK_K)
+    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = _load_rows(x_ptr, rows, k0 + cols, M, K, stride_x)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+    scale = _div_rn(tl.maximum(amax, tiny), tl.zeros_like(amax) + fp8_max)
+    for k0 in range(0, K_PAD, BLOCK_K):
+        x = _load_rows(x_ptr, rows, k0 + cols, M, K, stride_x)
+        q = tl.clamp(_div_rn(x, scale[:, None]), -fp8_max, fp8_max)
+        mask = (rows[:, None] < M) & ((k0 + cols)[None, :] < K_PAD)
+        tl.store(q_ptr + rows[:, None] * K_PAD + (k0 + cols)[None, :], _to_e4m3(q, ROUND_IN_FP32), mask=mask)
+    tl.store(s_ptr + rows, scale, mask=rows < M)
+
+
+@triton.jit
+def quantize_groups_kernel(x_ptr, q_ptr, s_ptr, M, K, K_PAD, stride_x, tiny, fp8_max,
+                           MX: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_K: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+    """One scale per row and ``GROUP`` columns, one pass: a [BLOCK_M, BLOCK_K] tile seen as
+    [BLOCK_M, BLOCK_K / GROUP, GROUP].
+
+    blockscale (GROUP 128): fp32 ``max(amax, tiny) / fp8_max``, stored column-major ([M, K/128] with
+    stride (1, M)), the layout the GEMM reads. mxfp8 (GROUP 32): the smallest power of two ``2**e``
+    with ``amax / 2**e <= fp8_max``, ``e`` taken exactly from the bits of ``amax / fp8_max`` (no
+    log2 approximation), stored as e8m0 bits ``e + 127`` row-major [M, K/32]; the values are
+    multiplied by ``2**-e``, which is exact."""
+    G: tl.constexpr = BLOCK_K // GROUP
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    k0 = tl.program_id(1) * BLOCK_K
+    cols = k0 + tl.arange(0, BLOCK_K)
+    x = tl.reshape(_load_rows(x_ptr, rows, cols, M, K, stride_x), (BLOCK_M, G, GROUP))
+    amax = tl.max(tl.abs(x), axis=2)  # [BLOCK_M, G]
+    ratio = _div_rn(tl.maximum(amax, tiny), tl.zeros_like(amax) + fp8_max)
+    groups = k0 // GROUP + tl.arange(0, G)
+    s_mask = (rows[:, None] < M) & (groups[None, :] < K_PAD // GROUP)
+    if not MX:
+        q = _div_rn(x, ratio[:, :, None])
+        tl.store(s_ptr + groups[None, :] * M + rows[:, None], ratio, mask=s_mask)
+    else:
+        bits = ratio.to(tl.int32, bitcast=True)
+        # ceil(log2(ratio)) for a normal fp32 ratio (tiny / fp8_max keeps it normal)
+        exp = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        inv = ((127 - exp) << 23).to(tl.float32, bitcast=True)  # 2**-exp
+        q = x * inv[:, :, None]
+        e8m0 = tl.minimum(tl.maximum(exp + 127, 0), 254).to(tl.uint8)
+        tl.store(s_ptr + rows[:, None] * (K_PAD // GROUP) + groups[None, :], e8m0, mask=s_mask)
+    q = _to_e4m3(tl.reshape(tl.clamp(q, -fp8_max, fp8_max), (BLOCK_M, BLOCK_K)), ROUND_IN_FP32)
+    mask = (rows[:, None] < M) & (cols[None, :] < K_PAD)
+    tl.store(q_ptr + rows[:, None] * K_PAD + cols[None, :], q, mask=mask)

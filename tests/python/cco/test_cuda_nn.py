@@ -1,0 +1,236 @@
+"""``cco.nn.RowParallelLinear`` and the torch.library ops on NVIDIA GPUs, at the world torchrun starts.
+
+The checks run in rank processes started by torchrun; the pytest test launches them where there is
+an NVIDIA GPU and is skipped elsewhere (the CPU path is covered by test_nn_linear.py,
+test_library.py and test_activation_quant.py). By hand::
+
+    torchrun --nproc-per-node 2 -m tests.python.cco.test_cuda_nn
+
+With one GPU both ranks share it through a CUDA IPC window: the checks hold, speed is not measured.
+
+Guards, per check:
+- the Triton activation quantizer gives the bytes of ``quantize_a`` on the host (every quant, K
+  padded and not, M past a program's rows);
+- the layer, every quant, N and K padded (1000 -> 1024 outputs, 300 -> 384 inputs per rank),
+  against the unfused model's error budget, on every rank; its weight reaches the kernel without an
+  unshuffle per call (two layers sharing one op, called in turn);
+- ``torch.compile(fullgraph=True)`` (inductor) around the layer gives the eager bytes; the
+  compiled function captured in a CUDA graph and replayed with changing inputs into a NaN-poisoned
+  output; ``mode="reduce-overhead"`` (inductor's CUDA graphs); for the lsa kernel and the copy
+  engines (transports auto and dma);
+- the backward of a trainable layer, eager and compiled, gives the unfused model's gradients.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.python.cco.torchrun_checks import nvidia_gpus, run_rank_checks
+
+N, K_RANK, M_MAX = 1000, 300, 256  # padded on a GPU backend at world 2: N 1024, K 384
+LEAD = (4, 50)  # 200 rows
+REPLAYS = 20
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(nvidia_gpus() < 1, reason="needs an NVIDIA GPU (two ranks share one if there is only one); the "
+                    "CPU path is covered by test_nn_linear.py and test_library.py")
+def test_cuda_nn_world2_under_torchrun():
+    run_rank_checks("tests.python.cco.test_cuda_nn", "CUDA_NN_CHECKS PASSED")
+
+
+# --------------------------------------------------------------------------------------------------
+# rank side (torchrun)
+# --------------------------------------------------------------------------------------------------
+def _inputs(rank: int, seed: int):
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    x = torch.randn(*LEAD, K_RANK, generator=g).to(torch.bfloat16)
+    w = (torch.randn(N, K_RANK, generator=g) * torch.exp2(torch.randint(-2, 3, (N, 1), generator=g).float()))
+    return x, w.to(torch.bfloat16)
+
+
+def _budget(comm, layer, seed: int):
+    """The all-reduce reference of every rank's inputs (collective over the group, summed on the
+    host: the ranks may share a GPU): (fp32 sum of partials, sum of |partials|, sum of |A| @ |B|.T).
+    Each rank's partial multiplies its input quantized on the host (``quantize_a``, which the
+    kernel matches bit for bit: ``check_quantizer``) by the weight the layer stores."""
+    from cco import quant as Q
+    from cco.bench.timing import allreduce_terms
+
+    x = _inputs(comm.rank, seed)[0].reshape(-1, K_RANK).float()
+    a, a_s = Q.quantize_a(torch.nn.functional.pad(x, (0, layer.k_padded - K_RANK)), layer.quant)
+    a = Q.dequantize_a(a, a_s, layer.quant)[:, :K_RANK]
+    w = layer.dequantized_weight().cpu()
+    return allreduce_terms(a @ w.t(), a.abs() @ w.abs().t(), comm.group, on_host=True)
+
+
+def _bad(out, ref) -> int:
+    from cco.bench.timing import allreduce_mismatches
+
+    return allreduce_mismatches(out.reshape(-1, N).cpu(), *ref, fp8_gather=False)
+
+
+def _layer(comm, quant, *, transport=None, trainable=False, wseed=0):
+    from cco.nn import RowParallelLinear
+
+    layer = RowParallelLinear(K_RANK, N, group=comm, quant=quant, m_max=M_MAX, transport=transport,
+                              trainable=trainable)  # transport None: the backend's default
+    layer.load_weight(_inputs(comm.rank, wseed)[1].to(comm.device))
+    return layer
+
+
+def check_quantizer(comm, log):
+    from cco import quant as Q
+    from kernels_fused.hopper.quantize import quantize_activation
+
+    for quant in Q.QUANTS:
+        for m, k, k_pad in ((1, 2048, 2048), (37, 2368, 2432), (1000, 7168, 7168), (5, 300, 384)):
+            x = torch.randn(m, k, device=comm.device).to(torch.bfloat16)
+            x[:, 0] *= 300.0  # an outlier per row: the rest of a ptpc row near e4m3's subnormals
+            q, s = (t.cpu() for t in quantize_activation(x, quant, k_padded=k_pad))
+            # on the host: torch's CUDA division by a scalar multiplies by its reciprocal, so
+            # quantize_a of a CUDA tensor can move a scale by one ulp; the kernel divides exactly
+            rq, rs = Q.quantize_a(torch.nn.functional.pad(x.cpu().float(), (0, k_pad - k)), quant)
+            bad = int((q.view(torch.uint8) != rq.view(torch.uint8)).sum())
+            same_scales = torch.equal(s.view(torch.uint8), rs.view(torch.uint8)) if quant == "mxfp8" else torch.equal(s, rs)
+            if bad or not same_scales:
+                raise AssertionError(f"quantizer {quant} {m}x{k}->{k_pad}: {bad} e4m3 bytes or the scales differ")
+    log("ok quantizer: Triton bytes == quantize_a bytes on the host (every quant, K padded and not)")
+
+
+def check_layers(comm, log):
+    from cco import quant as Q
+
+    for quant in Q.QUANTS:
+        layer = _layer(comm, quant)
+        x = _inputs(comm.rank, 1)[0].to(comm.device)
+        out = layer(x)
+        bad = _bad(out, _budget(comm, layer, 1))
+        if bad:
+            raise AssertionError(f"layer {quant}: {bad} elements outside the budget")
+        if layer.op is None or layer.op.config.weight_layout != "row-major" or layer.n_padded != 1024:
+            raise AssertionError(f"layer {quant}: expected the fused path, row-major weight, N padded: {layer!r}")
+        log(f"ok layer {quant:10s} eager, N 1000->1024, K 300->384: 0 bad elements; {layer!r}")
+        layer.close()
+    # two layers of one family take turns on one op; neither weight is ever unshuffled
+    a, b = _layer(comm, "ptpc", wseed=0), _layer(comm, "ptpc", wseed=2)
+    if a.op is not b.op:
+        raise AssertionError("two layers of one shape did not share their op")
+    x = _inputs(comm.rank, 1)[0].to(comm.device)
+    for layer in (a, b, a, b):
+        if _bad(layer(x), _budget(comm, layer, 1)):
+            raise AssertionError("shared op: a layer's output used the other layer's weight")
+    if a.op._backend._weight is not None:
+        raise AssertionError("the backend unshuffled a row-major weight")
+    log("ok two layers on one op, called in turn: each its own weight, no unshuffled copy kept")
+    a.close()
+    b.close()
+
+
+def check_compiled_and_graphs(comm, log, transport):
+    layer = _layer(comm, "ptpc", transport=transport)
+    dev = comm.device
+    transport = transport or "auto"  # the CUDA default: the lsa kernel at these sizes
+
+    def block(x):  # torch work on both sides of the op, exact in either form
+        return layer(x * 2.0).float() * 0.5
+
+    xs = [_inputs(comm.rank, s)[0].to(dev) * 0.5 for s in (1, 2)]  # the layer sees the inputs themselves
+    refs = [tuple(t * 0.5 for t in _budget(comm, layer, s)) for s in (1, 2)]  # and the block halves y
+    eager = [block(x) for x in xs]
+    compiled = torch.compile(block, fullgraph=True)
+    for x, e in zip(xs, eager):
+        if not torch.equal(compiled(x), e):
+            raise AssertionError(f"{transport}: compiled output differs from eager")
+    for e, ref in zip(eager, refs):
+        if _bad(e, ref):
+            raise AssertionError(f"{transport}: eager block outside the budget")
+    log(f"ok {transport}: torch.compile(fullgraph=True) == eager bytes, both within the budget")
+
+    static = xs[0].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        compiled(static)  # warm outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    comm.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = compiled(static)
+    torch.cuda.synchronize()
+    comm.barrier()
+    for i in range(REPLAYS):
+        static.copy_(xs[i % 2])
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        if not torch.equal(out, eager[i % 2]):
+            raise AssertionError(f"{transport}: CUDA graph replay {i} differs from eager")
+    log(f"ok {transport}: compiled block captured in a CUDA graph, {REPLAYS} replays with changing inputs == eager")
+
+    overhead = torch.compile(block, fullgraph=True, mode="reduce-overhead")
+    for i in range(6):  # warm-up, record, then replays
+        got = overhead(xs[i % 2]).clone()
+        torch.cuda.synchronize()
+        if not torch.equal(got, eager[i % 2]):
+            raise AssertionError(f"{transport}: mode='reduce-overhead' call {i} differs from eager")
+    log(f"ok {transport}: mode='reduce-overhead' (inductor CUDA graphs), 6 calls == eager")
+    layer.close()
+
+
+def check_backward(comm, log):
+    from cco import quant as Q
+
+    layer = _layer(comm, "ptpc", trainable=True)
+    x0 = _inputs(comm.rank, 1)[0].to(comm.device)
+    grad_y = torch.randn(*LEAD, N, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).to(comm.device)
+
+    def grads(fn):
+        layer.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_(True)
+        fn(x).backward(grad_y)
+        return x.grad, layer.weight.grad
+
+    w_used = layer.dequantized_weight(*layer.quantized_weight()).float()
+    ref_x = (grad_y.float().reshape(-1, N) @ w_used).reshape(*LEAD, K_RANK)
+    ref_w = grad_y.float().reshape(-1, N).t() @ x0.float().reshape(-1, K_RANK)
+    # the compiled forward requantizes the master weight in inductor's own kernels: a few e4m3
+    # values may round the other way, so compiled and eager are held to the same bound, not bytes
+    for name, fn in (("eager", layer), ("compiled", torch.compile(layer, fullgraph=True))):
+        gx, gw = grads(fn)
+        ex, ew = Q.rel_l2(gx, ref_x), Q.rel_l2(gw, ref_w)
+        if not (ex < 1e-2 and ew < 1e-2):
+            raise AssertionError(f"{name} gradients off the unfused model's: input {ex:.2e}, weight {ew:.2e}")
+        log(f"ok backward {name}: vs unfused rel L2 input {ex:.1e}, weight {ew:.1e}")
+    layer.close()
+
+
+def rank_main():
+    from cco.comm import Communicator
+    from cco.window import ranks_share_a_device
+
+    comm = Communicator.from_env()
+    log = (lambda *a: print(*a, flush=True)) if comm.rank == 0 else (lambda *a: None)
+    log("the ranks share one GPU (IPC window)" if ranks_share_a_device(comm) else "one GPU per rank")
+    checks = [lambda: check_quantizer(comm, log), lambda: check_layers(comm, log),
+              lambda: check_compiled_and_graphs(comm, log, None), lambda: check_compiled_and_graphs(comm, log, "dma"),
+              lambda: check_backward(comm, log)]
+    failures = []
+    for check in checks:  # keep going so one run reports every failing check
+        try:
+            check()
+        except Exception as err:
+            failures.append(f"{type(err).__name__}: {err}")
+            log("FAIL", failures[-1])
+        torch.cuda.synchronize()
+        comm.barrier()
+    if failures:
+        raise SystemExit("CUDA_NN_CHECKS FAILED:\n" + "\n".join(failures))
+    log("CUDA_NN_CHECKS PASSED")
+    comm.close()
+
+
+if __name__ == "__main__":
+    rank_main()

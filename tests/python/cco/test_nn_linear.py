@@ -1,0 +1,315 @@
+"""``cco.nn.RowParallelLinear`` on CPU ranks against the unfused model.
+
+The unfused model of world W (``reference`` below): the full weight ``[N, K]`` split along K, each
+rank's slice and input quantized as the layer's format prescribes (zero padding included), its
+partial product in fp32 rounded to bf16, the partials summed in fp32, rounded to bf16, plus the bias.
+Guards, per test: padding that is not zero or lands in the wrong place, a scale layout or weight
+layout the kernel does not read, calls of more than ``m_max`` rows, an output that differs between
+ranks, gradients that are not the unfused model's (or that would need communication), ranks that
+take different paths, a shared window that mixes up two layers' weights, TP groups inside a larger
+job.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cco import quant as Q
+from cco.comm import check_outcomes, spawn
+
+pytestmark = pytest.mark.multirank
+
+DEADLINE_S = 20.0
+
+
+def problem(n: int, k_total: int, lead=(3, 5), seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k_total, generator=g) * torch.exp2(torch.randint(-2, 3, (n, 1), generator=g).float())
+    x = (torch.randn(*lead, k_total, generator=g)).to(torch.bfloat16)
+    bias = (torch.randn(n, generator=g) * 0.1).to(torch.bfloat16)
+    return w, x, bias
+
+
+def shard(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    k = t.shape[-1] // world
+    return t[..., rank * k:(rank + 1) * k]
+
+
+def reference(w, x, bias, world: int, quant: str, n_padded: int, k_padded: int) -> torch.Tensor:
+    n = w.shape[0]
+    total = 0
+    for r in range(world):
+        xr, wr = shard(x, r, world), shard(w, r, world)
+        k = xr.shape[-1]
+        a, a_s = Q.quantize_a(torch.nn.functional.pad(xr.reshape(-1, k).float(), (0, k_padded - k)), quant)
+        b, b_s = Q.quantize_b(torch.nn.functional.pad(wr.float(), (0, k_padded - k, 0, n_padded - n)), quant)
+        total = total + Q.reference_gemm(a, b, a_s, b_s, quant).float()
+    out = total.to(torch.bfloat16)[:, :n]
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], n)
+
+
+def float_model(w, x, bias) -> torch.Tensor:
+    return (x.float() @ w.t() + (0 if bias is None else bias.float())).to(torch.bfloat16)
+
+
+def _layer(comm, quant, n, k_total, *, bias=True, m_max=8, mode="fused", trainable=False, group=None):
+    from cco.nn import RowParallelLinear
+
+    layer = RowParallelLinear(k_total // comm.world, n, group=comm if group is None else group, quant=quant,
+                              bias=bias, m_max=m_max, mode=mode, trainable=trainable, deadline_s=DEADLINE_S)
+    return layer
+
+
+# --------------------------------------------------------------------------------------------------
+def _forward(comm, quant, n, k_total, mode):
+    w, x, bias = problem(n, k_total)
+    layer = _layer(comm, quant, n, k_total, mode=mode)
+    layer.load_weight(shard(w, comm.rank, comm.world))
+    with torch.no_grad():
+        layer.bias.copy_(bias)
+        y = layer(shard(x, comm.rank, comm.world))
+    return y, repr(layer), layer.n_padded, layer.k_padded
+
+
+CASES = [pytest.param(2, q, 200, 400, "fused", id=f"w2-{q}-pads-N-and-K") for q in Q.QUANTS]
+CASES += [pytest.param(3, "ptpc", 384, 3 * 256, "fused", id="w3-ptpc-unpadded"),
+          pytest.param(2, "blockscale", 200, 400, "unfused", id="w2-blockscale-unfused")]
+
+
+@pytest.mark.parametrize("world, quant, n, k_total, mode", CASES)
+def test_forward_is_the_unfused_model(world, quant, n, k_total, mode):
+    """15 rows through m_max=8 (two calls), leading shape (3, 5), bias; padded N and K where the
+    shape needs them: every rank returns the same bytes, within the op's budget of the quantized
+    reference and within fp8's error of the float model."""
+    outs = check_outcomes(spawn(_forward, world=world, args=(quant, n, k_total, mode), timeout_s=180))
+    y, text, n_padded, k_padded = outs[0]
+    for other in outs[1:]:
+        assert torch.equal(other[0], y)
+    w, x, bias = problem(n, k_total)
+    ref = reference(w, x, bias, world, quant, n_padded, k_padded)
+    assert y.shape == (3, 5, n) and y.dtype == torch.bfloat16
+    assert Q.count_mismatches(y, ref) == 0 and Q.rel_l2(y, ref) < Q.REL_L2_TOL[quant]
+    assert Q.rel_l2(y, float_model(w, x, bias)) < 0.1  # fp8 operands: a few percent
+    if mode == "fused":
+        assert "path=fused" in text and "window" in text
+        assert (n_padded > n) == ("padded N" in text)
+    else:
+        assert "path=unfused (mode='unfused' was asked for)" in text and "window" not in text
+
+
+# --------------------------------------------------------------------------------------------------
+def _one_rank_refuses(comm):
+    """Rank 1's backend refuses the shape (its plan carries a reason); rank 0's accepts."""
+    from cco import shapes
+    from cco.nn import linear
+
+    real = shapes.layer_shape
+
+    def refusing(*args, **kw):
+        plan = real(*args, **kw)
+        return shapes.LayerShape(**{**plan.__dict__, "reason": "cpu: refused on this rank (test)"})
+
+    if comm.rank == 1:
+        linear.shapes.layer_shape = refusing
+    w, x, bias = problem(256, 512)
+    layer = _layer(comm, "ptpc", 256, 512, m_max=16)
+    layer.load_weight(shard(w, comm.rank, comm.world))
+    with torch.no_grad():
+        layer.bias.copy_(bias)
+        return layer(shard(x, comm.rank, comm.world)), layer.fallback_reason, layer.op is None
+
+
+def test_one_rank_refusing_sends_every_rank_down_the_unfused_path():
+    """A backend verdict that differs between ranks becomes one verdict: every rank runs unfused,
+    names the rank that refused, and returns the unfused model. With per-rank verdicts rank 0 would
+    run the op while rank 1 all-reduces, and neither returns."""
+    outs = check_outcomes(spawn(_one_rank_refuses, world=2, timeout_s=120))
+    w, x, bias = problem(256, 512)
+    ref = reference(w, x, bias, 2, "ptpc", 256, 256)
+    for y, reason, unfused in outs:
+        assert unfused and reason == "rank 1: cpu: refused on this rank (test)"
+        assert Q.count_mismatches(y, ref) == 0
+
+
+# --------------------------------------------------------------------------------------------------
+def _loads(comm, quant, n, k):
+    from cco.nn import RowParallelLinear
+
+    w = problem(n, k)[0]
+    a = RowParallelLinear(k, n, group=comm, quant=quant, m_max=8)
+    b = RowParallelLinear(k, n, group=comm, quant=quant, m_max=8)
+    a.load_weight(w)
+    # a checkpoint shard: quantized with the format's blocks over the zero-padded K, stored unpadded
+    kb = {"ptpc": k, "blockscale": -(-k // Q.SCALE_BLOCK) * Q.SCALE_BLOCK, "mxfp8": -(-k // Q.MX_GROUP) * Q.MX_GROUP}
+    q, s = Q.quantize_b(torch.nn.functional.pad(w, (0, kb[quant] - k)), quant)
+    b.load_fp8(q[:, :k].contiguous(), s)
+    # the same e4m3 bytes (zero padding included) and the same weight; the scales of the padding may
+    # differ (one here, the quantizer's all-zero scale there): they multiply zeros
+    same = torch.equal(a.qweight.view(torch.uint8), b.qweight.view(torch.uint8)) and torch.equal(
+        a.dequantized_weight(), b.dequantized_weight())
+    errors = []
+    for bad in (lambda: b.load_fp8(q[:, :k].float(), s), lambda: b.load_fp8(q[:, :k - 1], s),
+                lambda: b.load_fp8(q[:, :k].contiguous(), s[:1]), lambda: a.load_weight(w.to(Q.FP8)),
+                lambda: a(torch.zeros(2, k + 1))):
+        try:
+            bad()
+            errors.append(None)
+        except (TypeError, ValueError) as err:
+            errors.append(str(err))
+    return same, errors
+
+
+@pytest.mark.parametrize("quant", Q.QUANTS)
+def test_fp8_checkpoint_shard_loads_like_its_float_source(quant):
+    """K = 200 per rank: blockscale's and mxfp8's last block is partial in the checkpoint; padded
+    with zero weights whose scales are one, the stored operands equal the float load's."""
+    (same, errors), = check_outcomes(spawn(_loads, world=1, args=(quant, 256, 200), timeout_s=60))
+    assert same
+    expect = ["float8_e4m3fn", "[256, 200]", "w_scale", "load_fp8", "in_features_per_rank=200"]
+    for err, word in zip(errors, expect):
+        assert err is not None and word in err, (err, word)
+
+
+# --------------------------------------------------------------------------------------------------
+def _gradients(comm, quant, trainable):
+    n, k_total = 200, 400
+    w, x, bias = problem(n, k_total, lead=(2, 7), seed=4)
+    layer = _layer(comm, quant, n, k_total, trainable=trainable)
+    layer.load_weight(shard(w, comm.rank, comm.world))
+    with torch.no_grad():
+        layer.bias.copy_(bias)
+    xr = shard(x, comm.rank, comm.world).clone().requires_grad_(True)
+    w_used = layer.dequantized_weight(*layer.quantized_weight())  # trainable: the master weight requantized
+    y = layer(xr)
+    g = torch.Generator().manual_seed(9)
+    grad_y = torch.randn(y.shape, generator=g).to(torch.bfloat16)
+    y.backward(grad_y)
+    return (xr.grad, None if layer.weight is None else layer.weight.grad, layer.bias.grad, w_used, grad_y,
+            layer.training)
+
+
+@pytest.mark.parametrize("quant, trainable", [("ptpc", True), ("blockscale", False), ("mxfp8", True)])
+def test_gradients_are_the_unfused_models(quant, trainable):
+    """Backward against torch autograd through the unfused model (full weight, fp32): every rank's
+    input gradient is ``grad_y @ W_r`` for the weight the forward used, its master weight's
+    ``grad_y.T @ x_r``, the bias gradient ``grad_y`` summed; no rank needs another's data."""
+    world = 2
+    outs = check_outcomes(spawn(_gradients, world=world, args=(quant, trainable), timeout_s=180))
+    n, k_total = 200, 400
+    w, x, bias = problem(n, k_total, lead=(2, 7), seed=4)
+    grad_y = outs[0][4]
+    w_full = torch.cat([o[3] for o in outs], dim=1).requires_grad_(True)  # [N, K]: each rank's dequantized W_r
+    x_full = x.float().requires_grad_(True)
+    b = bias.float().requires_grad_(True)
+    (x_full @ w_full.t() + b).backward(grad_y.float())
+    for rank, (gx, gw, gb, _, _, training) in enumerate(outs):
+        assert training
+        assert gx.dtype == torch.bfloat16 and gx.shape == (2, 7, k_total // world)
+        assert Q.rel_l2(gx, shard(x_full.grad, rank, world)) < 1e-2
+        assert Q.rel_l2(gb, b.grad) < 1e-2
+        if trainable:
+            assert gw.shape == (n, k_total // world)
+            assert Q.rel_l2(gw, shard(w_full.grad, rank, world)) < 1e-2
+        else:
+            assert gw is None
+
+
+# --------------------------------------------------------------------------------------------------
+def _tp_dp(comm):
+    import torch.distributed as dist
+
+    from tests.python.cco.test_comm import _tp_dp as groups
+
+    tp_group, dp_group = groups(comm, 2)
+    tp_rank, dp_rank = comm.rank % 2, comm.rank // 2
+    n, k_total = 256, 512
+    w, _, bias = problem(n, k_total)
+    w = w.to(torch.bfloat16)  # a bf16 master weight, requantized in every training forward
+    x = problem(n, k_total, lead=(6,), seed=10 + dp_rank)[1]  # each DP replica its own batch
+    from cco.nn import RowParallelLinear
+
+    layer = RowParallelLinear(k_total // 2, n, group=tp_group, quant="ptpc", bias=True, m_max=8, trainable=True,
+                              deadline_s=DEADLINE_S)
+    layer.load_weight(shard(w, tp_rank, 2))
+    with torch.no_grad():
+        layer.bias.copy_(bias)
+    y = layer(shard(x, tp_rank, 2))
+    y.float().square().sum().backward()
+    grad_w = layer.weight.grad.float()
+    dist.all_reduce(grad_w, group=dp_group)  # data parallel: the replicas' gradients summed
+    return y.detach(), grad_w, layer.comm.rank, layer.comm.world, repr(layer)
+
+
+def test_tp2_by_dp2_on_four_ranks():
+    """Two TP groups of two ranks, each with its own window and its own batch; the DP groups sum
+    the TP ranks' weight gradients. Each TP group's output is the unfused model of its batch; the
+    summed gradient of each weight shard is the unfused model's over both batches."""
+    outs = check_outcomes(spawn(_tp_dp, world=4, timeout_s=240))
+    n, k_total = 256, 512
+    w, _, bias = problem(n, k_total)
+    w = w.to(torch.bfloat16).float()
+    grads = 0
+    for dp_rank in range(2):
+        x = problem(n, k_total, lead=(6,), seed=10 + dp_rank)[1]
+        ref = reference(w, x, bias, 2, "ptpc", 256, 256)
+        for tp_rank in range(2):
+            y, _, rank, world, text = outs[2 * dp_rank + tp_rank]
+            assert (rank, world) == (tp_rank, 2) and "rank=%d/2" % tp_rank in text
+            assert Q.count_mismatches(y, ref) == 0
+        grads = grads + (2 * ref.float()).t() @ x.float()  # d(sum y^2)/dW = (2 y).T @ x
+    for rank, (_, grad_w, *_) in enumerate(outs):
+        assert Q.rel_l2(grad_w, shard(grads, rank % 2, 2)) < 2e-2
+
+
+# --------------------------------------------------------------------------------------------------
+def _shared(comm):
+    from cco.nn import RowParallelLinear, WindowPool
+
+    pool = WindowPool()
+    n, k = 256, 256
+    make = lambda n_out, quant="ptpc": RowParallelLinear(k, n_out, group=comm, quant=quant, m_max=8,  # noqa: E731
+                                                         pool=pool, deadline_s=DEADLINE_S)
+    a, b, c = make(n), make(n), make(2 * n)
+    ws = [problem(layer.out_features, k * comm.world, seed=s)[0] for s, layer in enumerate((a, b, c))]
+    for layer, w in zip((a, b, c), ws):
+        layer.load_weight(shard(w, comm.rank, comm.world))
+    x = shard(problem(n, k * comm.world, lead=(5,), seed=7)[1], comm.rank, comm.world)
+    with torch.no_grad():
+        ys = [layer(x) for layer in (a, b, c, a)]  # a, then b on the same op, then a again
+    facts = {"a_is_b": a.op is b.op, "a_is_c": a.op is c.op, "repr": repr(a), "users_before": pool.users(a.op)}
+    op = a.op
+    a.close()
+    facts["users_after"] = pool.users(op)
+    facts["open_after_one"] = not op._closed
+    b.close()
+    facts["closed_after_both"] = op._closed
+    try:
+        a(x)
+        facts["closed_call"] = None
+    except RuntimeError as err:
+        facts["closed_call"] = str(err)
+    with torch.no_grad():
+        empty = c(x[:0])
+    c.close()
+    pool.close()
+    return ys, ws, facts, empty
+
+
+def test_layers_of_one_shape_share_one_window():
+    """Two layers of one shape take turns on one op (one window, its size in repr), a third shape
+    gets its own; outputs follow each layer's own weight; the window goes with its last layer; a
+    closed layer refuses calls; an empty batch returns [0, N] on every rank without a call."""
+    outs = check_outcomes(spawn(_shared, world=2, timeout_s=180))
+    ys, ws, facts, empty = outs[0]
+    x = problem(256, 512, lead=(5,), seed=7)[1]
+    for y, w in zip(ys, ws + [ws[0]]):
+        assert Q.count_mismatches(y, reference(w, x, None, 2, "ptpc", w.shape[0], 256)) == 0
+    for _, _, f, e in outs:
+        assert f["a_is_b"] and not f["a_is_c"]
+        assert "window 0.1 MiB shared by 2 layer(s)" in f["repr"] and f["users_before"] == 2
+        assert f["users_after"] == 1 and f["open_after_one"] and f["closed_after_both"]
+        assert "closed" in f["closed_call"]
+        assert e.shape == (0, 512)
