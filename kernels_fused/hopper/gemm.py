@@ -55,14 +55,14 @@ kernels_fused`` works without it.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 
 import torch
 
-from cco.quant import MX_GROUP, QUANTS, SCALE_BLOCK
+from cco.quant import QUANTS, SCALE_BLOCK
 from cco.validate import check_operands
+from kernels_fused.hopper.vendor import mx_to_bf16, prepare_weight, vendor_gemm
 
 QUANT_ID = {"ptpc": 0, "blockscale": 1, "mxfp8": 2}
 COUNTER_DTYPE = torch.int32
@@ -88,8 +88,10 @@ class GemmConfig:
     # only: one persistent program per SM, warp-specialized, TMA-stored tiles; fp8_gemm_ws_kernel),
     # "ticket" (one per tile, claimed in the walk's order from a counter), "persistent" (one per SM,
     # striding the walk). fuse=False with "ticket"/"persistent" runs the lsa kernel on a world of one
-    # (its epilogue then only writes out); the lsa kernel treats "grid" as "ticket". "cublas" (fuse=False,
-    # mxfp8 only): cuBLAS's bf16 GEMM on the dequantized operands (the tile fields are unused).
+    # (its epilogue then only writes out); the lsa kernel treats "grid" as "ticket". "cublas" (fuse=False):
+    # the vendor GEMM (kernels_fused.hopper.vendor: torch._scaled_mm's row-wise or blockwise recipe;
+    # mxfp8: cuBLAS's bf16 GEMM on the dequantized operands); the tile fields are unused, precise_acc
+    # picks ptpc's accumulation.
     launch: str = "grid"
 
     def tiles(self, m: int, n: int) -> tuple[int, int]:
@@ -107,19 +109,34 @@ _HOPPER = {
     "blockscale": GemmConfig(block_m=64, block_n=128, num_warps=4),
     "mxfp8": GemmConfig(block_m=128, block_n=128, block_k=64),
 }
-# fuse=False: the persistent warp-specialized kernel where it measured faster than the grid one;
-# its halved TMA-store staging leaves shared memory for a fourth stage; mxfp8 through cuBLAS's bf16
-# GEMM, 629 us against 774 for the Triton launch (docs/BENCHMARKS.md)
-_HOPPER_PLAIN = {**_HOPPER, "ptpc": GemmConfig(block_m=128, block_n=256, num_stages=4, launch="ws"),
-                 "mxfp8": dataclasses.replace(_HOPPER["mxfp8"], launch="cublas")}
+# fuse=False, the own kernels: the persistent warp-specialized kernel where it measured faster than
+# the grid one (ptpc; its halved TMA-store staging leaves shared memory for a fourth stage)
+TRITON_PLAIN = {**_HOPPER, "ptpc": GemmConfig(block_m=128, block_n=256, num_stages=4, launch="ws")}
+VENDOR = GemmConfig(block_m=128, block_n=128, launch="cublas")  # the tile fields are unused
+# fuse=False (mode gemm-only, and every call at world 1): the fastest correct GEMM per quant and M on
+# H200, own kernel or vendor, as ((largest M, config), ...); the last row takes every larger M.
+# Measured at N=7168, K=2048 (CUDA-graph replays, docs/hopper_gemm.md, docs/results/2026-12-02_*):
+PLAIN_RULE = {
+    "ptpc": ((None, VENDOR),),
+    "blockscale": ((None, VENDOR),),
+    "mxfp8": ((None, VENDOR),),
+}
 
 
-def default_config(quant: str, *, plain: bool = False, interpret: bool = False) -> GemmConfig:
+def default_config(quant: str, *, plain: bool = False, m: int | None = None, interpret: bool = False) -> GemmConfig:
     """The launch config for ``quant``: of the tile-table kernels, or with ``plain`` of the GEMM alone
-    (``fuse=False``); under ``TRITON_INTERPRET=1`` small tiles keep the CPU run short."""
+    (``fuse=False``) for ``m`` rows by ``PLAIN_RULE`` (None: its largest M); under
+    ``TRITON_INTERPRET=1`` small tiles keep the CPU run short."""
     if interpret:
         return GemmConfig(block_m=32, block_n=64, num_warps=4, num_stages=1)
-    return (_HOPPER_PLAIN if plain else _HOPPER)[quant]
+    if not plain:
+        return _HOPPER[quant]
+    rows = PLAIN_RULE[quant]
+    if m is not None:
+        for largest, cfg in rows:
+            if largest is None or m <= largest:
+                return cfg
+    return rows[-1][1]
 
 
 def tile_table_tensor(rows, *, device) -> torch.Tensor:
@@ -146,25 +163,10 @@ def merge_tile_pairs(rows, *, layout_block_n: int) -> list[list[int]]:
 
 @functools.cache
 def _kernels():
-    """(plain/dma kernel, lsa kernel, warp-specialized plain kernel, mxfp8 dequantization), imported
-    on first use."""
+    """(plain/dma kernel, lsa kernel, warp-specialized plain kernel), imported on first use."""
     from kernels_fused.hopper import kernels as tk
 
-    return tk.fp8_gemm_kernel, tk.fp8_gemm_lsa_kernel, tk.fp8_gemm_ws_kernel, tk.mx_to_bf16_kernel
-
-
-def mx_to_bf16(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """An mxfp8 operand ``x`` (e4m3 [R, K]) times its e8m0 group scales ([R, K/32]) as bf16 [R, K]:
-    exact for every value at or above bf16's normal range (module docstring). One pass."""
-    rows, k = x.shape
-    if scale.shape != (rows, k // MX_GROUP):
-        raise ValueError(f"mx_to_bf16: scale must be [{rows}, {k // MX_GROUP}] for x [{rows}, {k}], "
-                         f"got {list(scale.shape)}")
-    x, bits = x.contiguous(), scale.contiguous().view(torch.uint8)
-    y = torch.empty(rows, k, dtype=torch.bfloat16, device=x.device)
-    groups, block = x.numel() // MX_GROUP, 64
-    _kernels()[3][(-(-groups // block),)](x, bits, y, groups, GROUP=MX_GROUP, BLOCK=block)
-    return y
+    return tk.fp8_gemm_kernel, tk.fp8_gemm_lsa_kernel, tk.fp8_gemm_ws_kernel
 
 
 def _operands(a, b, a_scale, b_scale, *, quant: str, config: GemmConfig):
@@ -231,13 +233,10 @@ def fp8_gemm(
     fn = "fp8_gemm"
     shape = check_operands(a, b, a_scale, b_scale, quant=quant, fn=fn)
     m, n, k = shape.m, shape.n, shape.k
-    cfg = config or default_config(quant, plain=not fuse, interpret=_interpreting())
+    cfg = config or default_config(quant, plain=not fuse, m=m, interpret=_interpreting())
     if cfg.launch in ("ws", "cublas") and fuse:
         raise ValueError(f"{fn}: launch={cfg.launch!r} is the plain GEMM's; fuse=True walks a tile table "
                          f"(launch='grid')")
-    if cfg.launch == "cublas" and quant != "mxfp8":
-        raise ValueError(f"{fn}: launch='cublas' is mxfp8's plain GEMM (bf16 operands, exact); {quant} runs the "
-                         f"Triton kernels (launch='grid' or 'ws')")
     if reduce is not None and not fuse:
         raise ValueError(f"{fn}: reduce (the own tiles' epilogue reduce) needs fuse=True")
     red = None
@@ -276,8 +275,7 @@ def fp8_gemm(
         if config is None and cfg.launch == "ws" and not tma_storable(out):
             cfg = default_config(quant)  # the default call takes any out: the grid kernel's pointer stores
         if cfg.launch == "cublas":
-            torch.matmul(mx_to_bf16(a, a_scale), mx_to_bf16(b, b_scale).t(), out=out)
-            return out
+            return vendor_gemm(a, a_scale, prepare_weight(b, b_scale, quant), out=out, fast_accum=not cfg.precise_acc)
         tiles_m, tiles_n = cfg.tiles(m, n)
         grid = tiles_m * tiles_n
         if cfg.launch == "ws":
