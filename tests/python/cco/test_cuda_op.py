@@ -14,11 +14,13 @@ same standard (removing the scatter's wait on the GEMM's counter, or the reduce'
 flag, fails them there too), but the run says nothing about speed.
 
 Guards, per check:
-- every quant x mode (gemm-only, split, fused, fused with fp8 gather) x transport (dma, lsa, and
-  auto switching between them; and dma with its alternatives: the own tiles reduced in the
-  GEMM's epilogue, flags set by a stream write-value, two put lanes, chunks of unequal sizes,
-  eight of them) against the fp32 reference sum: a wrong
-  scale, tile order, chunk row range or peer slot shows as element mismatches;
+- every quant x mode (gemm-only by the measured rule and forced to the own kernel, split, fused,
+  fused with fp8 gather) x transport (dma, lsa, and auto switching between them; dma with each
+  producer of the partial: the quant's measured pick ``DMA_PRODUCER``, the vendor GEMM per chunk,
+  the fused Triton kernel; and dma with its alternatives: the own tiles reduced in the GEMM's
+  epilogue, flags set by a stream write-value, two put lanes, chunks of unequal sizes, eight of
+  them) against the fp32 reference sum: a wrong scale, tile order, chunk row range, counter
+  release, pitched put or peer slot shows as element mismatches;
 - ``self_test()`` passes, and fails with a silent transport (flags released, no bytes moved), so
   the self-test can catch the trap it exists for;
 - 100 fused launches into NaN-poisoned outputs and NaN-poisoned recv/gather regions, inputs
@@ -213,16 +215,28 @@ def _check(out, ref, *, quant: str, fp8_gather: bool, what: str):
 
 
 # (mode, gather, transport) checked per quant; the bf16 fused arms also get the repeat, graph and M checks
-ARMS = (("gemm-only", "bf16", None), ("split", "bf16", "dma"), ("fused", "bf16", "dma"), ("fused", "fp8", "dma"),
+ARMS = (("gemm-only", "bf16", None), ("gemm-only", "bf16", "own"), ("split", "bf16", "dma"),
+        ("split", "bf16", "dma-vendor"), ("fused", "bf16", "dma"), ("fused", "fp8", "dma"),
+        ("fused", "bf16", "dma-vendor"), ("fused", "fp8", "dma-vendor"), ("fused", "bf16", "dma-kernel"),
         ("fused", "bf16", "lsa"), ("fused", "fp8", "lsa"), ("fused", "bf16", "auto"),
         ("fused", "bf16", "dma-alt"), ("fused", "fp8", "dma-alt"), ("fused", "bf16", "dma-taper"),
         ("fused", "fp8", "dma-taper"))
-# transport -> (real transport, backend overrides, op options). "dma-alt": the copy engines with the
-# other setting of each knob of cco.backends.cuda / cco.cuda.dma, and chunks of unequal sizes;
-# "dma-taper": the default knobs with two put lanes and the benchmark's taper (8 chunks)
-ALTERNATIVES = {"dma-alt": ("dma", {"dma_reduce_in_gemm": True, "schedule.flag_by_copy": False, "schedule.lanes": 2},
-                            {"chunks": (1, 2, 2, 1)}),
+# transport -> (real transport, backend overrides, op options). "own": gemm-only forced to the own
+# Triton kernel (GemmConfig overrides the measured rule); "dma-vendor" / "dma-kernel": the copy engines
+# with that producer whatever DMA_PRODUCER picks; "dma-alt": the copy engines with the other setting
+# of each knob of cco.backends.cuda / cco.cuda.dma (the kernel producer, which alone can reduce in its
+# epilogue), and chunks of unequal sizes; "dma-taper": the default knobs with two put lanes and the
+# benchmark's taper (8 chunks)
+ALTERNATIVES = {"own": (None, {"gemm_config": "own"}, {}),
+                "dma-vendor": ("dma", {"producer": "vendor"}, {}),
+                "dma-kernel": ("dma", {"producer": "kernel"}, {}),
+                "dma-alt": ("dma", {"producer": "kernel", "dma_reduce_in_gemm": True, "schedule.flag_by_copy": False,
+                                    "schedule.lanes": 2}, {"chunks": (1, 2, 2, 1)}),
                 "dma-taper": ("dma", {"schedule.lanes": 2}, {"chunks": layout.TAPERED_CHUNKS})}
+
+
+def arm_name(mode, gather, transport) -> str:
+    return f"{mode}-{gather}-{transport or 'none'}"
 AUTO_LSA_ROWS = 256  # transport="auto" in this test: lsa up to 256 rows, copy engines above
 
 
@@ -251,7 +265,7 @@ def _fused_into(op, prob, b_pre, out):
                    prob.a.shape[0])
 
 
-def rank_main(quants=None):
+def rank_main(quants=None, arms=None):
     from cco import quant as Q
     from cco.bench.timing import budget_terms, override
     from cco.comm import Communicator
@@ -274,8 +288,13 @@ def rank_main(quants=None):
         refs = [_reference_sum(p) for p in probs]
         local = budget_terms(probs[0])
         for mode, gather, transport in ARMS:
+            if arms and arm_name(mode, gather, transport) not in arms:
+                continue
             fp8 = gather == "fp8"
             real, overrides, options = ALTERNATIVES.get(transport, (transport, {}, {}))
+            if overrides.get("gemm_config") == "own":
+                from kernels_fused.hopper.gemm import TRITON_PLAIN
+                overrides = {"gemm_config": TRITON_PLAIN[quant]}
             with GemmAllReduceOp(comm, n=N, k=K, m_max=M, quant=quant, mode=mode, gather_dtype=gather,
                                  transport=real, **options) as op:
                 if transport == "auto":  # alternating M then switches paths between calls
@@ -302,7 +321,7 @@ def rank_main(quants=None):
                         torch.cuda.synchronize()
                         comm.barrier()
     # the self-test must fail when the transport moves nothing
-    for transport in ("dma", "lsa"):
+    for transport in () if arms else ("dma", "lsa"):
         with GemmAllReduceOp(comm, n=N, k=K, m_max=M, mode="fused", transport=transport,
                              faults=FaultPlan(silent=True)) as op:
             try:
@@ -403,7 +422,11 @@ if __name__ == "__main__":
     ap.add_argument("--quant", action="append", choices=QUANTS,
                     help="run only this quant format (repeatable; default: all): 4 ranks on one GPU "
                          "take more than 5 minutes per format")
-    rank_main(ap.parse_args().quant)
+    ap.add_argument("--arm", action="append", choices=[arm_name(*a) for a in ARMS],
+                    help="run only this arm, MODE-GATHER-TRANSPORT (repeatable; default: every arm and the "
+                         "silent-transport checks)")
+    args = ap.parse_args()
+    rank_main(args.quant, args.arm)
 
 
 def test_auto_transport_picks_lsa_below_the_threshold_and_self_tests_both_paths():
