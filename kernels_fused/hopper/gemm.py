@@ -61,8 +61,8 @@ from dataclasses import dataclass
 import torch
 
 from cco.quant import QUANTS, SCALE_BLOCK
-from cco.validate import check_operands
-from kernels_fused.hopper.vendor import mx_to_bf16, prepare_weight, vendor_gemm
+from cco.validate import GemmShape, check_operands
+from kernels_fused.hopper.vendor import BLOCKWISE_ROW_MULTIPLE, mx_to_bf16, prepare_weight, takes_rows, vendor_gemm
 
 QUANT_ID = {"ptpc": 0, "blockscale": 1, "mxfp8": 2}
 COUNTER_DTYPE = torch.int32
@@ -125,18 +125,20 @@ PLAIN_RULE = {
 
 def default_config(quant: str, *, plain: bool = False, m: int | None = None, interpret: bool = False) -> GemmConfig:
     """The launch config for ``quant``: of the tile-table kernels, or with ``plain`` of the GEMM alone
-    (``fuse=False``) for ``m`` rows by ``PLAIN_RULE`` (None: its largest M); under
-    ``TRITON_INTERPRET=1`` small tiles keep the CPU run short."""
+    (``fuse=False``) for ``m`` rows by ``PLAIN_RULE`` (None: its largest M; the own kernel where the
+    vendor GEMM does not take ``m`` rows: ``vendor.takes_rows``); under ``TRITON_INTERPRET=1``
+    small tiles keep the CPU run short."""
     if interpret:
         return GemmConfig(block_m=32, block_n=64, num_warps=4, num_stages=1)
     if not plain:
         return _HOPPER[quant]
     rows = PLAIN_RULE[quant]
+    cfg = rows[-1][1]
     if m is not None:
-        for largest, cfg in rows:
-            if largest is None or m <= largest:
-                return cfg
-    return rows[-1][1]
+        cfg = next(c for largest, c in rows if largest is None or m <= largest)
+        if cfg.launch == "cublas" and not takes_rows(quant, m):
+            return TRITON_PLAIN[quant]
+    return cfg
 
 
 def tile_table_tensor(rows, *, device) -> torch.Tensor:
@@ -187,6 +189,10 @@ def _operands(a, b, a_scale, b_scale, *, quant: str, config: GemmConfig):
             TensorDescriptor.from_tensor(b, [config.block_n, config.block_k]), a_scale, b_scale, strides)
 
 
+def _shape(a: torch.Tensor, b: torch.Tensor) -> GemmShape:
+    return GemmShape(a.shape[0], b.shape[0], a.shape[1])
+
+
 def _interpreting() -> bool:
     import os
 
@@ -207,6 +213,7 @@ def fp8_gemm(
     tile_weight: int = 1,
     config: GemmConfig | None = None,
     reduce: "ReduceEpilogue | None" = None,
+    validated: bool = False,
 ) -> torch.Tensor:
     """``dequant(a) @ dequant(b).T`` in bf16, on the current CUDA stream.
 
@@ -227,11 +234,13 @@ def fp8_gemm(
       tiles in row-major order (see :class:`GemmConfig`).
     * ``reduce`` (``fuse=True`` only, :class:`ReduceEpilogue`): the own tiles are reduced in the
       epilogue instead of stored into ``partial[rank]``.
+    * ``validated``: the caller has run ``cco.validate.check_operands`` on these operands (the op
+      does, once per call; a second pass cost an eager call ~11 us of host time on an H200 host).
     """
     from cco.layout import GATHER_GROUP, MAX_CHUNKS
 
     fn = "fp8_gemm"
-    shape = check_operands(a, b, a_scale, b_scale, quant=quant, fn=fn)
+    shape = _shape(a, b) if validated else check_operands(a, b, a_scale, b_scale, quant=quant, fn=fn)
     m, n, k = shape.m, shape.n, shape.k
     cfg = config or default_config(quant, plain=not fuse, m=m, interpret=_interpreting())
     if cfg.launch in ("ws", "cublas") and fuse:
@@ -275,6 +284,10 @@ def fp8_gemm(
         if config is None and cfg.launch == "ws" and not tma_storable(out):
             cfg = default_config(quant)  # the default call takes any out: the grid kernel's pointer stores
         if cfg.launch == "cublas":
+            if not takes_rows(quant, m):
+                raise ValueError(f"{fn}: launch='cublas' with quant={quant!r} needs M % {BLOCKWISE_ROW_MULTIPLE} == 0 "
+                                 f"(cuBLAS's blockwise recipe refuses M={m}); pass config=None (the own kernel then) "
+                                 f"or pad A's rows")
             return vendor_gemm(a, a_scale, prepare_weight(b, b_scale, quant), out=out, fast_accum=not cfg.precise_acc)
         tiles_m, tiles_n = cfg.tiles(m, n)
         grid = tiles_m * tiles_n
@@ -480,7 +493,7 @@ def _multiprocessors(device: torch.device) -> int:
 
 def fp8_gemm_lsa(a, b, a_scale, b_scale, *, quant: str, out: torch.Tensor, win: LsaWindow,
                  tile_table: torch.Tensor, rank: int, stamp: int, config: GemmConfig,
-                 from_partial: bool = False, move_bytes: bool = True) -> None:
+                 from_partial: bool = False, move_bytes: bool = True, validated: bool = False) -> None:
     """The ``lsa`` fused launch: GEMM, scatter, reduce, gather and assemble in one kernel.
 
     Programs claim tiles per ``config.launch`` (:class:`GemmConfig`) along ``tile_table``
@@ -499,7 +512,7 @@ def fp8_gemm_lsa(a, b, a_scale, b_scale, *, quant: str, out: torch.Tensor, win: 
     walk than every earlier entry of its rank (tickets, or a persistent program's stride), so those
     are held by running programs. ``from_partial`` replaces the GEMM by the tiles found in
     ``win.partial`` (the self test); ``move_bytes=False`` releases flags without storing data (the
-    silent-transport fault).
+    silent-transport fault); ``validated``: as :func:`fp8_gemm`'s.
     """
     from cco.layout import GATHER_GROUP
 
@@ -514,7 +527,7 @@ def fp8_gemm_lsa(a, b, a_scale, b_scale, *, quant: str, out: torch.Tensor, win: 
         strides = (0, 0, 0, 0, 0, 0)
         use_tma = False
     else:
-        shape = check_operands(a, b, a_scale, b_scale, quant=quant, fn="fp8_gemm_lsa")
+        shape = _shape(a, b) if validated else check_operands(a, b, a_scale, b_scale, quant=quant, fn="fp8_gemm_lsa")
         m, k = shape.m, shape.k
         if shape.n != n:
             raise ValueError(f"fp8_gemm_lsa: b has N={shape.n} rows but the window holds {world} x {n_slice} columns")

@@ -31,6 +31,20 @@ import torch
 from cco.quant import MX_GROUP
 
 PACK_INDEX_CACHE = 16  # blockscale scale-packing indices kept, one per (M, chunk rows)
+# cuBLAS's blockwise recipe refused calls on M = 1 and M = 129 rows (CUBLAS_STATUS_NOT_SUPPORTED from its
+# heuristic query; torch 2.11 + CUDA 13 on H200, 2026-12-02) and ran M = 8, 100, 1000 and 4096: it is
+# taken for row counts that keep the M-major A scale's columns 16-byte aligned (M % 4 == 0)
+BLOCKWISE_ROW_MULTIPLE = 4
+
+
+def takes_rows(quant: str, rows) -> bool:
+    """Whether the vendor GEMM of ``quant`` runs calls on each of ``rows`` (a row count, or the
+    ``(r0, r1)`` ranges of :func:`row_chunks`); where it does not, the own kernel runs instead
+    (``kernels_fused.hopper.gemm.default_config``, ``cco.backends.cuda``)."""
+    if quant != "blockscale":
+        return True
+    counts = [rows] if isinstance(rows, int) else [r1 - r0 for r0, r1 in rows]
+    return all(n % BLOCKWISE_ROW_MULTIPLE == 0 for n in counts)
 
 
 def mx_to_bf16(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -70,14 +84,15 @@ def prepare_weight(b: torch.Tensor, b_scale: torch.Tensor, quant: str) -> Vendor
     raise ValueError(f"prepare_weight: quant={quant!r} has no vendor GEMM; pass ptpc, blockscale or mxfp8")
 
 
-def vendor_gemm(a: torch.Tensor, a_scale: torch.Tensor, weight: VendorWeight, *, out: torch.Tensor,
+def vendor_gemm(a: torch.Tensor, a_scale: torch.Tensor, weight: VendorWeight, *, out: torch.Tensor | None = None,
                 fast_accum: bool = True) -> torch.Tensor:
-    """``out[M, N] = dequant(a) @ dequant(b).T`` in bf16 through cuBLAS, on the current stream.
-    ``out``: contiguous bf16 [M, N]; ``fast_accum``: ptpc's accumulation (the others ignore it)."""
+    """``out[M, N] = dequant(a) @ dequant(b).T`` in bf16 through cuBLAS, on the current stream; returns
+    ``out`` (contiguous bf16 [M, N]; None: cuBLAS's call allocates it). ``fast_accum``: ptpc's
+    accumulation (the others ignore it). blockscale needs :func:`takes_rows`."""
     if weight.quant == "mxfp8":
         return torch.matmul(mx_to_bf16(a, a_scale), weight.b_t, out=out)
     if weight.quant == "ptpc":
-        return torch._scaled_mm(a, weight.b_t, scale_a=a_scale.view(-1, 1), scale_b=weight.scale_b,
+        return torch._scaled_mm(a, weight.b_t, scale_a=a_scale.reshape(-1, 1), scale_b=weight.scale_b,
                                 out_dtype=torch.bfloat16, use_fast_accum=fast_accum, out=out)
     return torch._scaled_mm(a, weight.b_t, scale_a=a_scale, scale_b=weight.scale_b, out_dtype=torch.bfloat16,
                             out=out)
@@ -97,7 +112,7 @@ def row_chunks(a: torch.Tensor, a_scale: torch.Tensor, weight: VendorWeight, *, 
             torch.matmul(a_bf16[r0:r1], weight.b_t, out=out[r0:r1])
         return mxfp8_rows
     if weight.quant == "ptpc":
-        scale = a_scale.view(-1, 1)
+        scale = a_scale.reshape(-1, 1)
 
         def ptpc_rows(c):
             r0, r1 = rows[c]
@@ -144,4 +159,4 @@ def _pack_index(m: int, kb: int, rows: tuple, device: torch.device) -> torch.Ten
 _PACK_INDEX: dict = {}
 
 
-__all__ = ["VendorWeight", "chunk_scales", "mx_to_bf16", "prepare_weight", "row_chunks", "vendor_gemm"]
+__all__ = ["VendorWeight", "chunk_scales", "mx_to_bf16", "prepare_weight", "row_chunks", "takes_rows", "vendor_gemm"]

@@ -114,8 +114,11 @@ def test_mxfp8_operands_dequantize_exactly_to_bf16():
 def _blockwise_scaled_mm(a, b_t, *, scale_a, scale_b, out_dtype, out, use_fast_accum=False):
     """torch._scaled_mm's blockwise recipe (A 1x128, B 128x128) as the CPU build lacks it: the
     layout torch checks on CUDA (A scale [M, K/128] with strides (1, M); B scale given as the
-    [K/128, N/128] transpose of an [N/128, K/128] row-major tensor), then the blockwise product."""
+    [K/128, N/128] transpose of an [N/128, K/128] row-major tensor) and the row counts cuBLAS
+    refused on H200 (``vendor.takes_rows``), then the blockwise product."""
     m, k = a.shape
+    if m % 4:
+        raise RuntimeError(f"CUBLAS_STATUS_NOT_SUPPORTED (stand-in): M={m}")
     n, kb = b_t.shape[1], k // 128
     assert scale_a.shape == (m, kb) and (m == 1 or scale_a.stride() == (1, m)), (scale_a.shape, scale_a.stride())
     assert scale_b.shape == (kb, n // 128) and scale_b.t().stride() == (kb, 1), (scale_b.shape, scale_b.stride())
@@ -174,6 +177,13 @@ def test_plain_rule_picks_by_m_and_a_config_forces_either(monkeypatch):
     assert [G.default_config("ptpc", plain=True, m=m) for m in (1, 128, 129, 4096, 4097, 10 ** 6)] == [
         own, own, G.VENDOR, G.VENDOR, own, own]
     assert G.default_config("ptpc", plain=True) == own  # no M: the last row
+    # blockscale: the vendor GEMM where cuBLAS's blockwise recipe takes M, the own kernel elsewhere
+    monkeypatch.setattr(G, "PLAIN_RULE", {**G.PLAIN_RULE, "blockscale": ((None, G.VENDOR),)})
+    assert [G.default_config("blockscale", plain=True, m=m).launch for m in (1, 4, 129, 132)] == [
+        G.TRITON_PLAIN["blockscale"].launch, "cublas", G.TRITON_PLAIN["blockscale"].launch, "cublas"]
+    q = Q.random_problem(130, N, K, "blockscale", seed=8)
+    with pytest.raises(ValueError, match="M % 4 == 0"):
+        G.fp8_gemm(q.a, q.b, q.a_scale, q.b_scale, quant="blockscale", config=G.VENDOR)
     p = Q.random_problem(M, N, K, "ptpc", seed=8)
     small = G.GemmConfig(block_m=32, block_n=64, num_warps=4, num_stages=1)
     for cfg in (G.VENDOR, small):
