@@ -238,8 +238,9 @@ class CudaBackend(Backend):
 
     def _vendor(self, b_pre: torch.Tensor, b_scale: torch.Tensor) -> "vendor.VendorWeight":
         """The weight as the vendor GEMM takes it (``kernels_fused.hopper.vendor.prepare_weight``:
-        views, or mxfp8's bf16 copy), kept while the weight and its scales are unchanged."""
-        key = (b_pre.data_ptr(), b_pre._version, b_pre.shape, b_scale.data_ptr(), b_scale._version)
+        views, or mxfp8's bf16 copy), kept while the weight and its scales are unchanged (the op
+        checked their shapes: the same for every call)."""
+        key = (b_pre.data_ptr(), b_pre._version, b_scale.data_ptr(), b_scale._version)
         if key != self._vendor_key:
             weight = vendor.prepare_weight(self._unshuffled(b_pre), b_scale, self.config.quant)
             if torch.cuda.is_current_stream_capturing():
@@ -248,6 +249,7 @@ class CudaBackend(Backend):
         return self._vendor_weight
 
     def _plain_config(self, m: int):
+        """The plain GEMM's config for ``m`` rows: ``gemm_config``, else ``PLAIN_RULE``'s (kept per M)."""
         cfg = self.gemm_config or self._plain.get(m)
         if cfg is None:
             cfg = self._plain[m] = hopper_gemm.default_config(self.config.quant, plain=True, m=m)
@@ -281,7 +283,7 @@ class CudaBackend(Backend):
         fp8_gemm_lsa(None if from_partial else a, None if from_partial else self._unshuffled(b_pre), a_scale, b_scale,
                      quant=self.config.quant, out=out, win=self.lsa_window, tile_table=self._lsa_table(plan),
                      rank=self.rank, stamp=stamp_seq_m(plan.seq, plan.m), config=self.lsa_config,
-                     from_partial=from_partial, move_bytes=not silent)
+                     from_partial=from_partial, move_bytes=not silent, validated=True)
 
     def _produce(self, a, b_pre, a_scale, b_scale, plan, *, reduce_into=None) -> torch.Tensor:
         """The producer of a fused or split dma call (``self.producer``, module note) into the
@@ -289,7 +291,8 @@ class CudaBackend(Backend):
         caller's ``out``, the own tiles reduced into it in the kernel producer's epilogue."""
         if self.producer not in PRODUCERS:
             raise ValueError(f"CudaBackend: producer={self.producer!r}; pick one of {', '.join(PRODUCERS)}")
-        if self.producer == "kernel":
+        if self.producer == "kernel" or not vendor.takes_rows(self.config.quant, plan.rows):
+            # (cuBLAS's blockwise recipe refuses some row counts: vendor.takes_rows)
             self._fused_gemm(a, b_pre, a_scale, b_scale, plan, reduce_into=reduce_into)
             return self.partial
         if reduce_into is not None:
@@ -316,16 +319,24 @@ class CudaBackend(Backend):
                 ticket=sch.ticket)
         hopper_gemm.fp8_gemm(a, self._unshuffled(b_pre), a_scale, b_scale, quant=self.config.quant, out=self.partial,
                              fuse=True, tile_table=self._table(plan), counters=self.counters,
-                             tile_weight=self.tile_weight, config=self.fused_config, reduce=reduce)
+                             tile_weight=self.tile_weight, config=self.fused_config, reduce=reduce, validated=True)
 
     # ---- modes --------------------------------------------------------------------------------------
     def gemm(self, a, b_pre, a_scale, b_scale, *, out, plan):
         cfg = self._plain_config(plan.m)
-        if cfg.launch == "cublas":  # the common eager path: the op validated the operands already
+        if cfg.launch == "cublas":
             vendor.vendor_gemm(a, a_scale, self._vendor(b_pre, b_scale), out=out, fast_accum=not cfg.precise_acc)
             return
         hopper_gemm.fp8_gemm(a, self._unshuffled(b_pre), a_scale, b_scale, quant=self.config.quant, out=out,
-                             config=cfg)
+                             config=cfg, validated=True)
+
+    def gemm_out(self, a, b_pre, a_scale, b_scale, *, plan):
+        """The eager plain call's path: the vendor GEMM allocates its output (in C++: a Python
+        ``torch.empty`` cost an eager call ~4 us of host time on an H200 host)."""
+        cfg = self._plain_config(plan.m)
+        if cfg.launch == "cublas":
+            return vendor.vendor_gemm(a, a_scale, self._vendor(b_pre, b_scale), fast_accum=not cfg.precise_acc)
+        return super().gemm_out(a, b_pre, a_scale, b_scale, plan=plan)
 
     def fused(self, a, b_pre, a_scale, b_scale, *, out, plan):
         if self.uses_lsa(plan.m):

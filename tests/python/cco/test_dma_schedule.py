@@ -18,6 +18,7 @@ a run ended right):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import types
 
 import pytest
@@ -224,16 +225,25 @@ def test_chunk_producer_releases_after_each_gemm_and_puts_pitched_blocks(monkeyp
     sched.produce_by_chunks(plan, lambda c: log.ops.append(("main", "gemm", plan.rows[c])))
     sched.run(plan, torch.zeros(M, cfg.n, dtype=torch.bfloat16), after_gemm=False, partial=by_rows)
     assert plan.chunks == 4
-    main = [op[1:] for op in log.ops if op[0] == "main" and op[1] in ("gemm", "write")]
-    counters = {_addr(sched.counters, layout.counter_index(d, c)): (d, c) for d in range(world) for c in range(8)}
-    main = [op for op in main if op[0] == "gemm" or op[1] in counters]  # not the stamp word
-    # per chunk: its GEMM, then one write per dest (own last) of exactly the slot's tiles
+    # main: each chunk's GEMM, then its event; no counter write between the GEMMs; the last release joined
+    main = [op[1:] for op in log.ops if op[0] == "main"]
+    steps = [op for op in main if op[0] == "gemm" or (op[0] == "record" and op[1].startswith("event"))]
+    done = [e.name for e in sched.chunk_done[:plan.chunks]]
+    assert [op for op in steps if op[0] == "gemm" or op[1] in done] == [
+        step for c in range(plan.chunks) for step in (("gemm", plan.rows[c]), ("record", done[c]))]
+    counters = {_addr(sched.counters, layout.counter_index(d, c)) for d in range(world) for c in range(8)}
+    assert not any(op[0] == "write" and op[1] in counters for op in main)
+    joined = main.index(("wait_event", sched.released.name))
+    assert joined > max(i for i, op in enumerate(main) if op[0] == "gemm")
+    # release stream: per chunk, wait for the chunk's GEMM, then one write per dest (own last) of
+    # exactly the slot's tiles, then the event the call's stream waits for
+    release = [op[1:] for op in log.ops if op[0] == sched.release.name]
     expect = []
     for c in range(plan.chunks):
-        expect.append(("gemm", plan.rows[c]))
+        expect.append(("wait_event", done[c]))
         expect += [("write", _addr(sched.counters, layout.counter_index(d, c)), plan.slot_tiles(d, c))
                    for d in layout.dest_order(RANK, world)]
-    assert main == expect
+    assert release == expect + [("record", sched.released.name)]
     assert all(plan.slot_tiles(d, c) == plan.target(d, c) for d in range(world) for c in range(plan.chunks))
     ns, row_bytes = cfg.n_slice, cfg.n * 2
     for p in (d for d in layout.dest_order(RANK, world) if d != RANK):
@@ -274,8 +284,8 @@ def test_cuda_backend_vendor_producer_end_to_end_on_the_host(monkeypatch):
     want = torch._scaled_mm(p.a, p.b.t(), scale_a=p.a_scale.view(-1, 1), scale_b=p.b_scale.view(1, -1),
                             out_dtype=torch.bfloat16, use_fast_accum=True)
     assert torch.equal(backend.partial_rows[:M], want)
-    writes = [op[2:] for op in log.ops if op[0] == "main" and op[1] == "write"]
-    released = [(addr, value) for addr, value in writes if addr != sched.stamp.data_ptr()]
+    counter_words = {_addr(sched.counters, i) for i in range(sched.counters.numel())}
+    released = [op[2:] for op in log.ops if op[1] == "write" and op[2] in counter_words and op[3]]
     assert sorted(released) == sorted((_addr(sched.counters, layout.counter_index(d, c)), plan.target(d, c))
                                       for d in range(WORLD) for c in range(plan.chunks))
     by_rows = backend.partial_by_rows
@@ -283,3 +293,40 @@ def test_cuda_backend_vendor_producer_end_to_end_on_the_host(monkeypatch):
     reduce = [op[2:] for op in log.ops if op[1] == "reduce_kernel"]
     assert reduce == [(rows, by_rows.data_ptr(), by_rows.stride()) for rows in plan.rows]
     assert sum(op[1] == "copy_2d" for op in log.ops) == plan.chunks * (WORLD - 1) + plan.chunks  # scatters, assembles
+
+
+@pytest.mark.parametrize("m, producer", [(128, "vendor"), (130, "kernel")])
+def test_cuda_backend_takes_the_kernel_producer_where_cublas_refuses_the_rows(monkeypatch, m, producer):
+    """blockscale: cuBLAS's blockwise recipe refuses row counts that are not a multiple of 4
+    (``kernels_fused.hopper.vendor.takes_rows``); a call with such an M runs the fused Triton kernel
+    into the dest-major planes instead (here under Triton's interpreter), the others the vendor
+    GEMM into the row-major ones. The transfers read what the producer wrote."""
+    from cco import quant as Q
+    from cco.backends.cuda import CudaBackend
+    from cco.preshuffle import preshuffle_b
+    from kernels_fused.hopper import vendor
+
+    pytest.importorskip("triton")
+    from tests.python.cco.test_triton_gemm import _blockwise_scaled_mm
+
+    log = _Log()
+    sched, _, window = _schedule(monkeypatch, log, gather="bf16")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch, "_scaled_mm", _blockwise_scaled_mm)  # the CPU build has no blockwise recipe
+    monkeypatch.setattr("cco.cuda.dma.CopyEngineSchedule", lambda **kw: sched)
+    cfg = layout.build_config(n=sched.cfg.n, k=256, m_max=M, world=WORLD, quant="blockscale", transport="dma",
+                              block_m=64, block_n=128)
+    backend = CudaBackend(config=cfg, comm=None, window=window, deadline_s=1.0)
+    backend.producer = "vendor"
+    backend.fused_config = dataclasses.replace(backend.fused_config, block_n=128, num_stages=1)  # interpreter-sized
+    backend.tile_weight = 1
+    plan = layout.plan_call(cfg, m=m, seq=1, rank=RANK, counter_base=layout.zero_counters(WORLD))
+    assert vendor.takes_rows("blockscale", plan.rows) == (producer == "vendor")
+    p = Q.random_problem(m, cfg.n, cfg.k, "blockscale", seed=5)
+    backend.fused(p.a, preshuffle_b(p.b), p.a_scale, p.b_scale, out=torch.zeros(m, cfg.n, dtype=torch.bfloat16),
+                  plan=plan)
+    planes = backend.partial_by_rows if producer == "vendor" else backend.partial
+    got = torch.cat([planes[d][:m] for d in range(WORLD)], dim=1)
+    assert Q.count_mismatches(got, p.reference()) == 0
+    reduce = [op[2:] for op in log.ops if op[1] == "reduce_kernel"]
+    assert reduce == [(rows, planes.data_ptr(), planes.stride()) for rows in plan.rows]
