@@ -210,13 +210,13 @@ class GemmAllReduceOp:
     def __call__(self, a, b_pre, a_scale, b_scale) -> torch.Tensor:
         """All-reduced bf16 ``[M, N]`` of this rank's ``a [M, K] @ unshuffle(b_pre) [N, K].T``."""
         m = self._check(a, b_pre, a_scale, b_scale, _CALL)
-        out = torch.empty(m, self.config.n, dtype=torch.bfloat16, device=self.comm.device)
         if self._plain:
             # nothing is published. One rank: the all-reduce is the identity, so the plain GEMM
             # writes ``out`` (a call all the same)
-            self._backend.gemm(a, b_pre, a_scale, b_scale, out=out, plan=self._plain_plan(m))
+            out = self._backend.gemm_out(a, b_pre, a_scale, b_scale, plan=self._plain_plan(m))
             self._seq += self.config.mode != "gemm-only"
             return out
+        out = torch.empty(m, self.config.n, dtype=torch.bfloat16, device=self.comm.device)
         run = self._backend.fused if self.config.mode == "fused" else self._backend.split
         self._collective(lambda plan: run(a, b_pre, a_scale, b_scale, out=out, plan=plan), m)
         return out
