@@ -17,7 +17,9 @@ chunk) counter of the call is released, on one GPU with the window local (the la
 2, ``cco.backends.cuda``): ``kernel`` (the fused Triton launch, stores and release adds of every
 tile), ``vendor xC`` (the vendor GEMM per row chunk into the row-major partial, each chunk's
 counters released by stream write-values: ``cco.cuda.dma.CopyEngineSchedule.produce_by_chunks``,
-C from ``--chunks``) and ``vendor whole`` (the same GEMM in one call, the baseline). Ratios are
+C from ``--chunks``; the call's preamble included: counters zeroed, the (seq, M) stamp written),
+``vendor xC GEMMs alone`` (the same calls without preamble or releases: what chunking costs) and
+``vendor whole`` (the same GEMM in one call, the baseline). ``kernel`` is the launch alone. Ratios are
 throughput against the baseline arm (``baseline`` in the JSON): cuBLAS fast accumulation for ptpc,
 cuBLAS blockwise for blockscale, gemm-only's GEMM for mxfp8 (no cuBLAS recipe on Hopper);
 ``vendor whole`` with ``--producer``.
@@ -238,6 +240,16 @@ def producer_arms(args, sets, dev):
             return gemm_mismatches(out[:args.m], ref, dot_abs) + wrong
 
         arms[f"vendor x{plan.chunks}"] = (call, check)
+        if chunks == args.chunks[0]:  # what the chunking alone costs: the same calls, nothing released
+
+            def gemms(i, rows=rows, plan=plan):
+                run = vendor.row_chunks(sets[i].a, sets[i].a_scale, weight, out=rows, rows=plan.rows)
+                for c in range(plan.chunks):
+                    run(c)
+                return rows
+
+            arms[f"vendor x{plan.chunks} GEMMs alone"] = (gemms, lambda out, ref, dot_abs: gemm_mismatches(
+                out[:args.m], ref, dot_abs))
     return arms
 
 
