@@ -7,9 +7,7 @@ One call on rank r (W ranks, C chunks; ``p`` ranges over peers, ``c`` over chunk
     main      : counters = 0 (the backend) | stamp=(seq, m) | GEMM (a layout tile
                 order; counters[d, c] += 1 per layout tile) | join
                 or, a producer of whole chunks (the vendor GEMM per chunk): for c: GEMM rows c
-                (every column), event done[c] | wait released | join
-    release   : for c: wait done[c] ; counters[d, c] = T_c for every d (stream write-values) ;
-                event released (the vendor producer only)
+                (every column) ; counters[d, c] = T_c for every d (stream write-values) | join
     put[p][l] : copies in the order S0 S1 G0 S2 G1 ... G(C-1), or S0 .. S(C-1) G0 .. G(C-1) behind a
                 GEMM that computes every peer's tiles first (see submission_order), dealt in turn to
                 the peer's ``lanes`` streams l (one by default), where
@@ -242,10 +240,6 @@ class CopyEngineSchedule:
             self.capture = torch.cuda.Stream(device=device)
             self.launched = torch.cuda.Event()
             self.fork = torch.cuda.Event()
-            # the vendor producer's counter releases, off the stream its GEMMs run on
-            self.release = torch.cuda.Stream(device=device)
-            self.chunk_done = [torch.cuda.Event() for _ in range(layout.MAX_CHUNKS)]
-            self.released = torch.cuda.Event()
 
     def _side_streams(self, every: bool = False):
         """The streams a call uses (``every``: also the put streams beyond ``lanes``)."""
@@ -290,32 +284,26 @@ class CopyEngineSchedule:
             self.release_chunk(plan, c)
         self.begin_event.record(self.main)
 
-    def release_chunk(self, plan: layout.CallPlan, chunk: int, stream=None) -> None:
-        """Raise every dest's counter of ``chunk`` to its target (own dest last) on ``stream`` (the
-        call's by default): a stream write-value runs once the stream's earlier work is done and
-        fences it, so a wait that sees the value sees what that work wrote."""
-        stream = self.main if stream is None else stream
+    def release_chunk(self, plan: layout.CallPlan, chunk: int) -> None:
+        """Raise every dest's counter of ``chunk`` to its target (own dest last), on the call's
+        stream: a stream write-value runs once the stream's earlier work is done and fences it, so a
+        wait that sees the value sees the chunk's rows written by that work."""
+        main = self.main
         for d in layout.dest_order(self.rank, self.world):
-            self._write(stream, self._addr(self.counters, layout.counter_index(d, chunk)), self._tiles(plan, d, chunk))
+            self._write(main, self._addr(self.counters, layout.counter_index(d, chunk)), self._tiles(plan, d, chunk))
 
     def produce_by_chunks(self, plan: layout.CallPlan, chunk_gemm) -> None:
         """The producer of whole chunks (``cco.backends.cuda``, producer ``"vendor"``):
-        ``chunk_gemm(c)`` enqueues chunk c's rows of the GEMM, every column, on the call's stream;
-        the ``release`` stream waits for it (an event) and releases the chunk's counters
-        (:meth:`release_chunk`), so the puts of chunk c start while chunk c + 1 is computed and the
-        GEMMs run back to back (write-values between them on one stream left the tensor cores idle:
-        docs/hopper_gemm.md). The call's stream waits for the last release at the end. Same
-        counters and targets as a producer of tiles."""
-        main = self.main
-        if main is None:
+        ``chunk_gemm(c)`` enqueues chunk c's rows of the GEMM, every column, on the call's stream,
+        then :meth:`release_chunk` releases its counters, so the puts of chunk c start while chunk
+        c + 1 is computed. Same counters and targets as a producer of tiles. (The releases on a
+        stream of their own, so that no write-value sits between two GEMMs, measured no faster and
+        cost each eager call two more host calls per chunk: docs/hopper_gemm.md.)"""
+        if self.main is None:
             raise RuntimeError("CopyEngineSchedule.produce_by_chunks: call begin() first")
         for c in range(plan.chunks):
             chunk_gemm(c)
-            self.chunk_done[c].record(main)
-            self.release.wait_event(self.chunk_done[c])
-            self.release_chunk(plan, c, self.release)
-        self.released.record(self.release)
-        main.wait_event(self.released)
+            self.release_chunk(plan, c)
 
     def run(self, plan: layout.CallPlan, out: torch.Tensor, *, after_gemm: bool, scatters_first: bool = False,
             reduced_in_gemm: bool = False, partial: torch.Tensor | None = None) -> None:

@@ -118,8 +118,10 @@ def _schedule(monkeypatch, log, *, gather, lanes=1, world=WORLD):
             pass
 
     def kernel(name):
-        return lambda **kw: log.ops.append((log.current.name, name, kw["rows"])
-                                           + ((kw["partial"].data_ptr(), kw["partial"].stride()) if "partial" in kw else ()))
+        def launch(**kw):
+            planes = (kw["partial"].data_ptr(), kw["partial"].stride()) if "partial" in kw else ()
+            log.ops.append((log.current.name, name, kw["rows"]) + planes)
+        return launch
 
     monkeypatch.setattr(dma, "torch", types.SimpleNamespace(zeros=torch.zeros, full=torch.full, int64=torch.int64,
                                                             cuda=_fake_cuda(log)))
@@ -225,25 +227,16 @@ def test_chunk_producer_releases_after_each_gemm_and_puts_pitched_blocks(monkeyp
     sched.produce_by_chunks(plan, lambda c: log.ops.append(("main", "gemm", plan.rows[c])))
     sched.run(plan, torch.zeros(M, cfg.n, dtype=torch.bfloat16), after_gemm=False, partial=by_rows)
     assert plan.chunks == 4
-    # main: each chunk's GEMM, then its event; no counter write between the GEMMs; the last release joined
-    main = [op[1:] for op in log.ops if op[0] == "main"]
-    steps = [op for op in main if op[0] == "gemm" or (op[0] == "record" and op[1].startswith("event"))]
-    done = [e.name for e in sched.chunk_done[:plan.chunks]]
-    assert [op for op in steps if op[0] == "gemm" or op[1] in done] == [
-        step for c in range(plan.chunks) for step in (("gemm", plan.rows[c]), ("record", done[c]))]
-    counters = {_addr(sched.counters, layout.counter_index(d, c)) for d in range(world) for c in range(8)}
-    assert not any(op[0] == "write" and op[1] in counters for op in main)
-    joined = main.index(("wait_event", sched.released.name))
-    assert joined > max(i for i, op in enumerate(main) if op[0] == "gemm")
-    # release stream: per chunk, wait for the chunk's GEMM, then one write per dest (own last) of
-    # exactly the slot's tiles, then the event the call's stream waits for
-    release = [op[1:] for op in log.ops if op[0] == sched.release.name]
+    main = [op[1:] for op in log.ops if op[0] == "main" and op[1] in ("gemm", "write")]
+    counters = {_addr(sched.counters, layout.counter_index(d, c)): (d, c) for d in range(world) for c in range(8)}
+    main = [op for op in main if op[0] == "gemm" or op[1] in counters]  # not the stamp word
+    # per chunk: its GEMM, then one write per dest (own last) of exactly the slot's tiles
     expect = []
     for c in range(plan.chunks):
-        expect.append(("wait_event", done[c]))
+        expect.append(("gemm", plan.rows[c]))
         expect += [("write", _addr(sched.counters, layout.counter_index(d, c)), plan.slot_tiles(d, c))
                    for d in layout.dest_order(RANK, world)]
-    assert release == expect + [("record", sched.released.name)]
+    assert main == expect
     assert all(plan.slot_tiles(d, c) == plan.target(d, c) for d in range(world) for c in range(plan.chunks))
     ns, row_bytes = cfg.n_slice, cfg.n * 2
     for p in (d for d in layout.dest_order(RANK, world) if d != RANK):
