@@ -8,7 +8,7 @@ What runs where, per call (details and the stream diagram in ``cco.cuda.dma``):
   for the quant and M, own Triton kernel or vendor (cuBLAS through torch,
   ``kernels_fused.hopper.vendor``), writing ``out`` directly; ``gemm_config`` forces either.
 - ``fused``: a producer fills the window's partial region and raises ``counters[dest, chunk]`` to its
-  target as each slice is complete (``DMA_PRODUCER`` picks per quant):
+  target as each slice is complete (``DMA_PRODUCER`` picks per quant and M; ``producer`` forces one):
 
   * ``"kernel"``: one Triton launch with the fused epilogue (peer tiles into ``partial[dest]``,
     every peer's tiles before the own ones: the layout's (dest, chunk, m, n) order,
@@ -80,10 +80,22 @@ DMA_PEERS_FIRST = True
 # stream. Measured level with the reduce kernel at 16384x7168 (the link bounds both,
 # docs/BENCHMARKS.md); split mode and the self test always use the reduce kernel
 DMA_REDUCE_IN_GEMM = False
-# fused / split on the copy engines: who fills the partial region (module note). Measured on one H200
-# with the window local, [16384, 7168] K=2048, the layout of 2 ranks (4 chunks): time until every
-# (dest, chunk) counter is released (scripts/bench_gemm.py --producer, docs/hopper_gemm.md):
-DMA_PRODUCER = {"ptpc": "vendor", "blockscale": "vendor", "mxfp8": "vendor"}
+# fused / split on the copy engines: who fills the partial region (module note), per quant as
+# ((largest M, producer), ...), the last row taking every larger M. Measured on one H200 with the window
+# local, N=7168, K=2048, the layout of 2 ranks (4 chunks), CUDA-graph replays, same run: the time until
+# every (dest, chunk) counter of the call is released, kernel / vendor in us (scripts/bench_gemm.py
+# --producer; docs/hopper_gemm.md, docs/results/2026-12-02_producer_h200.json):
+#   M            2048          4096           8192           16384          32768
+#   ptpc         61.9 / 79.8   106.5 / 124.9  203.8 / 195.7  428.5 / 369.6  946.8 / 738.8
+#   blockscale   85.9 / 98.8   158.9 / 158.2  305.3 / 247.6  620.2 / 471.8  1363.1 / 968.1
+#   mxfp8        116.7 / 111.0 190.6 / 211.2  364.0 / 329.7  748.8 / 696.2  1490.0 / 1433.6
+# (a second run agreed on every pick; blockscale at 4096 was a tie both times, 159.3 / 164.0 there).
+# Below 2048 rows nothing was measured and the kernel stays (transport="auto" runs the lsa kernel there).
+DMA_PRODUCER = {
+    "ptpc": ((4096, "kernel"), (None, "vendor")),
+    "blockscale": ((4096, "kernel"), (None, "vendor")),
+    "mxfp8": ((1024, "kernel"), (2048, "vendor"), (4096, "kernel"), (None, "vendor")),
+}
 PRODUCERS = ("kernel", "vendor")
 LSA_LAUNCH = "ticket"  # GemmConfig.launch of the lsa kernel (docs/BENCHMARKS.md compares the choices)
 # transport="auto": the lsa kernel while a rank's output has at most this many elements (M * N), the
@@ -91,6 +103,12 @@ LSA_LAUNCH = "ticket"  # GemmConfig.launch of the lsa kernel (docs/BENCHMARKS.md
 # gather lsa/dma 149/219 us at M=2048, 269/304 at 4096, 479/484 at 8192, 921/842 at 16384; fp8 gather
 # 157/206 at 2048, 286/282 at 4096.
 LSA_AUTO_MAX_ELEMENTS = {"bf16": 8192 * 7168, "fp8": 2048 * 7168}
+
+
+def dma_producer(quant: str, m: int) -> str:
+    """The producer ``DMA_PRODUCER`` picks for a call of ``m`` rows: the first row whose largest M
+    covers m."""
+    return next(producer for largest, producer in DMA_PRODUCER[quant] if largest is None or m <= largest)
 
 
 def lsa_max_elements(cfg: layout.OpConfig) -> int | None:
@@ -132,7 +150,7 @@ class CudaBackend(Backend):
     dma_peers_first = DMA_PEERS_FIRST  # the fused dma launch's tile order (False: the layout's chunk-major)
     dma_reduce_in_gemm = DMA_REDUCE_IN_GEMM  # the fused dma launch reduces its own tiles (kernel producer)
     gemm_config = None  # GemmConfig forcing the plain GEMM (own kernel or launch="cublas"); None: PLAIN_RULE
-    producer = "kernel"  # who fills the partial region on the dma path (PRODUCERS); __init__: DMA_PRODUCER's pick
+    producer = "kernel"  # who fills the partial region on the dma path (PRODUCERS); None: DMA_PRODUCER per call
 
     @classmethod
     def tile(cls, quant: str) -> tuple[int, int]:
@@ -179,7 +197,7 @@ class CudaBackend(Backend):
                                            flag_by_copy=FLAG_BY_COPY)
         base = default_config(cfg.quant)
         self.fused_config, self.tile_weight = fused_config(cfg)
-        self.producer = DMA_PRODUCER[cfg.quant]
+        self.producer = None  # DMA_PRODUCER's pick per call; "kernel" / "vendor" force one
         w = cfg.window
         self.partial = self.window.tensor(w.partial, rank=self.rank)
         # the vendor producer's reading of the same bytes: [m_max_padded, N] row-major, and the
@@ -286,18 +304,21 @@ class CudaBackend(Backend):
                      from_partial=from_partial, move_bytes=not silent, validated=True)
 
     def _produce(self, a, b_pre, a_scale, b_scale, plan, *, reduce_into=None) -> torch.Tensor:
-        """The producer of a fused or split dma call (``self.producer``, module note) into the
-        partial region; returns the [W, rows, n_slice] planes it wrote. ``reduce_into``: the
-        caller's ``out``, the own tiles reduced into it in the kernel producer's epilogue."""
-        if self.producer not in PRODUCERS:
-            raise ValueError(f"CudaBackend: producer={self.producer!r}; pick one of {', '.join(PRODUCERS)}")
-        if self.producer == "kernel" or not vendor.takes_rows(self.config.quant, plan.rows):
+        """The producer of a fused or split dma call (``self.producer``, else ``DMA_PRODUCER``'s for
+        the call's M; module note) into the partial region; returns the [W, rows, n_slice] planes it
+        wrote (the region itself: the kernel's). ``reduce_into``: the caller's ``out``, the own tiles
+        reduced into it in the kernel producer's epilogue (which the rule then always takes)."""
+        producer = self.producer or ("kernel" if reduce_into is not None else
+                                     dma_producer(self.config.quant, plan.m))
+        if producer not in PRODUCERS:
+            raise ValueError(f"CudaBackend: producer={producer!r}; pick one of {', '.join(PRODUCERS)}")
+        if producer == "kernel" or not vendor.takes_rows(self.config.quant, plan.rows):
             # (cuBLAS's blockwise recipe refuses some row counts: vendor.takes_rows)
             self._fused_gemm(a, b_pre, a_scale, b_scale, plan, reduce_into=reduce_into)
             return self.partial
         if reduce_into is not None:
             raise ValueError("CudaBackend: dma_reduce_in_gemm reduces in the fused kernel's epilogue; it needs "
-                             f"producer='kernel', not {self.producer!r}")
+                             f"producer='kernel', not {producer!r}")
         self.counters.zero_()  # see the module note: consumed words, zero at the call's start
         self.schedule.begin(plan)
         self.schedule.produce_by_chunks(plan, vendor.row_chunks(
@@ -333,7 +354,7 @@ class CudaBackend(Backend):
     def gemm_out(self, a, b_pre, a_scale, b_scale, *, plan):
         """The eager plain call's path: the vendor GEMM allocates its output (in C++: a Python
         ``torch.empty`` cost an eager call ~4 us of host time on an H200 host)."""
-        cfg = self._plain_config(plan.m)
+        cfg = self.gemm_config or self._plain.get(plan.m) or self._plain_config(plan.m)
         if cfg.launch == "cublas":
             return vendor.vendor_gemm(a, a_scale, self._vendor(b_pre, b_scale), fast_accum=not cfg.precise_acc)
         return super().gemm_out(a, b_pre, a_scale, b_scale, plan=plan)
@@ -346,7 +367,7 @@ class CudaBackend(Backend):
         partial = self._produce(a, b_pre, a_scale, b_scale, plan, reduce_into=out if in_gemm else None)
         # a kernel that computes every peer's tiles first scatters all chunks back to back; a producer
         # of whole chunks completes every dest of a chunk at once (cco.cuda.dma.submission_order)
-        first = self.dma_peers_first and self.producer == "kernel"
+        first = self.dma_peers_first and partial is self.partial
         self.schedule.run(plan, out, after_gemm=False, scatters_first=first, reduced_in_gemm=in_gemm,
                           partial=partial)
 

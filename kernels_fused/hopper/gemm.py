@@ -114,8 +114,16 @@ _HOPPER = {
 TRITON_PLAIN = {**_HOPPER, "ptpc": GemmConfig(block_m=128, block_n=256, num_stages=4, launch="ws")}
 VENDOR = GemmConfig(block_m=128, block_n=128, launch="cublas")  # the tile fields are unused
 # fuse=False (mode gemm-only, and every call at world 1): the fastest correct GEMM per quant and M on
-# H200, own kernel or vendor, as ((largest M, config), ...); the last row takes every larger M.
-# Measured at N=7168, K=2048 (CUDA-graph replays, docs/hopper_gemm.md, docs/results/2026-12-02_*):
+# H200, own kernel or vendor, as ((largest M, config), ...), the last row taking every larger M.
+# Measured at N=7168, K=2048, CUDA-graph replays, one run (scripts/bench_gemm.py, docs/hopper_gemm.md,
+# docs/results/2026-12-02_gemm_only_h200.json), vendor / own kernel in us:
+#   M      16        128       1024      2048       4096        8192        16384       32768
+#   ptpc   16.3/18.4 15.7/19.1 27.6/29.0 45.0/53.0  85.0/89.4   166.4/176.7 328.0/348.7 653.3/696.7
+#   block  15.3/15.9 15.6/15.7 32.5/47.3 54.4/82.3  104.0/152.5 202.6/296.2 398.8/585.6 792.3/1168.1
+#   mxfp8  15.8/37.0 14.7/36.3 51.0/65.1 80.6/112.6 160.7/186.7 312.2/354.4 620.2/693.6 1394.0/1459.8
+# (ptpc with fast accumulation, as the own kernel; mxfp8's own kernel dequantized B every call, the vendor
+# GEMM keeps its bf16 copy). The vendor GEMM wins or ties everywhere; blockscale M % 4 != 0 takes the own
+# kernel (vendor.takes_rows). The rule for another N, K or GPU is unmeasured.
 PLAIN_RULE = {
     "ptpc": ((None, VENDOR),),
     "blockscale": ((None, VENDOR),),

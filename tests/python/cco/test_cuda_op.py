@@ -450,3 +450,16 @@ def test_auto_transport_picks_lsa_below_the_threshold_and_self_tests_both_paths(
     assert backend(16384, "dma").path_rows() == [16384] and not backend(16384, "dma").uses_lsa(1)
     assert backend(16384, "lsa").path_rows() == [16384] and backend(16384, "lsa").uses_lsa(16384)
     assert not backend(16384, "auto", mode="split").uses_lsa(1)  # split runs the copy engines only
+
+
+def test_dma_producer_rule_reads_its_table(monkeypatch):
+    """``DMA_PRODUCER`` (the producer of a dma call per quant and M, measured): the first row whose
+    largest M covers the call's M, the last row for every larger M; every quant has a row for every M."""
+    from cco.backends import cuda
+
+    monkeypatch.setattr(cuda, "DMA_PRODUCER", {**cuda.DMA_PRODUCER, "ptpc": ((4096, "kernel"), (None, "vendor"))})
+    assert [cuda.dma_producer("ptpc", m) for m in (1, 4096, 4097, 32768)] == ["kernel", "kernel", "vendor", "vendor"]
+    for quant in layout.QUANTS:
+        rows = cuda.DMA_PRODUCER[quant]
+        bounds = [largest for largest, _ in rows[:-1]]
+        assert rows[-1][0] is None and bounds == sorted(bounds) and {p for _, p in rows} <= set(cuda.PRODUCERS)
