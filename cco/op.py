@@ -138,6 +138,7 @@ class GemmAllReduceOp:
         self._accepted: set = set()  # operand signatures that passed _check
         # gemm-only, or one rank (the all-reduce is the identity): the plain GEMM writes ``out``
         self._plain = self.config.mode == "gemm-only" or self.world == 1
+        self._alone = self.world == 1 and self.config.mode != "gemm-only"  # a plain call that counts as a call
         self._plain_plans: dict = {}
         self.window = open_window(comm=comm, layout=self.config.window)
         try:
@@ -213,8 +214,9 @@ class GemmAllReduceOp:
         if self._plain:
             # nothing is published. One rank: the all-reduce is the identity, so the plain GEMM
             # writes ``out`` (a call all the same)
-            out = self._backend.gemm_out(a, b_pre, a_scale, b_scale, plan=self._plain_plan(m))
-            self._seq += self.config.mode != "gemm-only"
+            plan = self._plain_plans.get(m) or self._plain_plan(m)
+            out = self._backend.gemm_out(a, b_pre, a_scale, b_scale, plan=plan)
+            self._seq += self._alone
             return out
         out = torch.empty(m, self.config.n, dtype=torch.bfloat16, device=self.comm.device)
         run = self._backend.fused if self.config.mode == "fused" else self._backend.split

@@ -107,7 +107,8 @@ def world_one(args, comm) -> list[dict]:
         base = timed.get("_scaled_mm")
         record = {"m": m, "world": 1, "arms": timed, "bad_elements": bad, "host_steps_us": host,
                   "gemm_only_config": str(backend._plain_config(m)), "baseline_missing": why}
-        print(f"M={m}: " + " | ".join(f"{n} {t['wall_us']:.1f} us/call (host {t['host_us']:.1f})" for n, t in timed.items())
+        print(f"M={m}: " + " | ".join(f"{n} {t['wall_us']:.1f} us/call (host {t['host_us']:.1f})"
+                                      for n, t in timed.items())
               + (f" | op gemm-only / _scaled_mm {timed['op gemm-only']['wall_us'] / base['wall_us']:.3f}x"
                  if base and "op gemm-only" in timed else ""))
         print("  host steps (us): " + ", ".join(f"{k} {v}" for k, v in host.items()))
@@ -179,11 +180,11 @@ def main(argv=None):
     with comm:
         runs = world_one(args, comm) if comm.world == 1 else world_many(args, comm)
         if args.json and comm.rank == 0:
+            command = "python3 -m scripts.bench_eager " + " ".join(sys.argv[1:] if argv is None else argv)
             with open(args.json, "w") as f:
                 json.dump({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                            "device": torch.cuda.get_device_name(), "quant": args.quant, "n": args.n, "k": args.k,
-                           "command": "python3 -m scripts.bench_eager " + " ".join(sys.argv[1:] if argv is None else argv),
-                           "runs": runs}, f, indent=1)
+                           "command": command, "runs": runs}, f, indent=1)
 
 
 if __name__ == "__main__":
