@@ -7,7 +7,7 @@ producers against ``torch._scaled_mm`` (cuBLAS).
     python -m scripts.bench_gemm --epilogue --graph
     python -m scripts.bench_gemm --quant ptpc,blockscale,mxfp8 -m 2048,4096,8192,16384,32768 --graph \
         --producer --json out.json --plot out.png
-    python -m scripts.bench_gemm --from out.json --plot out.png          # the plot alone, no GPU
+    python -m scripts.bench_gemm --from out.json,more.json --plot out.png    # the plot alone, no GPU
 
 Default arms: the cuBLAS baseline(s), ``gemm-only`` (what mode gemm-only runs: the GEMM
 ``kernels_fused.hopper.gemm.PLAIN_RULE`` picks for the quant and M, the vendor one with the weight
@@ -96,7 +96,7 @@ def parse_args(argv=None):
     p.add_argument("--chunks", type=_ints, default=[4, 8], help="--producer: row chunks of the vendor arms")
     p.add_argument("--json", help="write every (quant, M) result to this file")
     p.add_argument("--plot", help="write the ratios against the baseline per M to this PNG")
-    p.add_argument("--from", dest="from_json", help="plot this --json file instead of measuring")
+    p.add_argument("--from", dest="from_json", help="plot these --json files (comma list) instead of measuring")
     args = p.parse_args(argv)
     if args.epilogue and args.producer:
         p.error("--epilogue and --producer time different arm sets; pick one")
@@ -340,34 +340,44 @@ def run_one(args, dev) -> dict:
 
 
 def plot(runs: list[dict], path: str) -> None:
-    """One panel per (kind, quant): each arm's throughput against the run's baseline over M."""
+    """A row of panels per kind of run (plain, producer, ...), a column per quant: each arm's throughput
+    against the run's baseline over M."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = sorted({(r["kind"], r["quant"]) for r in runs})
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
-    for ax, (kind, quant) in zip(axes[0], panels):
-        mine = sorted((r for r in runs if (r["kind"], r["quant"]) == (kind, quant)), key=lambda r: r["m"])
-        names = [n for n in mine[0]["arms"] if all("vs_baseline" in r["arms"].get(n, {}) for r in mine)]
-        for name in names:
-            ax.plot([r["m"] for r in mine], [r["arms"][name]["vs_baseline"] for r in mine], marker="o", label=name)
-        ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("M (N=%d, K=%d)" % (mine[0]["n"], mine[0]["k"]))
-        ax.set_ylabel(f"throughput vs {mine[0]['baseline']}")
-        ax.set_title(f"{quant}: {'producer (until every counter is released)' if kind == 'producer' else kind}")
-        ax.legend(fontsize=8)
+    kinds = sorted({r["kind"] for r in runs}, key=["plain", "producer", "epilogue"].index)
+    quants = [q for q in Q.QUANTS if any(r["quant"] == q for r in runs)]
+    fig, axes = plt.subplots(len(kinds), len(quants), figsize=(5 * len(quants), 3.8 * len(kinds)), squeeze=False)
+    for row, kind in enumerate(kinds):
+        for ax, quant in zip(axes[row], quants):
+            mine = sorted((r for r in runs if (r["kind"], r["quant"]) == (kind, quant)), key=lambda r: r["m"])
+            if not mine:
+                ax.set_visible(False)
+                continue
+            names = [n for n in mine[0]["arms"] if all("vs_baseline" in r["arms"].get(n, {}) for r in mine)]
+            for name in names:
+                ax.plot([r["m"] for r in mine], [r["arms"][name]["vs_baseline"] for r in mine], marker="o",
+                        label=name)
+            ax.axhline(1.0, color="black", linewidth=0.8)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("M (N=%d, K=%d)" % (mine[0]["n"], mine[0]["k"]))
+            ax.set_ylabel(f"throughput vs {mine[0]['baseline']}")
+            what = "producer: until every counter is released" if kind == "producer" else f"{kind} GEMM"
+            ax.set_title(f"{quant}, {what}", fontsize=10)
+            ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
 
 
 def main(argv=None):
     args = parse_args(argv)
     if args.from_json:
-        with open(args.from_json) as f:
-            runs = json.load(f)["runs"]
+        runs = []
+        for path in args.from_json.split(","):
+            with open(path) as f:
+                runs += json.load(f)["runs"]
         if args.plot:
             plot(runs, args.plot)
         return

@@ -4,11 +4,13 @@ Host side here, device code in ``kernels_fused.hopper.kernels``: one K loop (``_
 by three kernels. ``fp8_gemm`` (below) runs the plain and the tile-table ones; ``fp8_gemm_lsa`` runs
 the ``lsa`` transport's whole fused all-reduce in one launch (its docstring has the protocol).
 
-* ``fuse=False`` (the ``gemm-only`` mode): a plain GEMM writing a bf16 tensor, tiles walked in
-  grouped order for L2 reuse; for ptpc by persistent warp-specialized programs with TMA stores
-  (``GemmConfig.launch="ws"``: 0.93x of cuBLAS with fast accumulation, where one program per tile,
-  ``"grid"``, reached 0.84x), for blockscale and mxfp8 by one program per tile (there ``"ws"``
-  measured slower).
+* ``fuse=False`` (the ``gemm-only`` mode): a plain GEMM writing a bf16 tensor. ``PLAIN_RULE`` picks
+  per quant and M between the vendor GEMM (``launch="cublas"``, ``kernels_fused.hopper.vendor``),
+  which it takes everywhere it was measured on H200, and the own kernels (``TRITON_PLAIN``): tiles
+  walked in grouped order for L2 reuse, for ptpc by persistent warp-specialized programs with TMA
+  stores (``"ws"``: 0.94x of cuBLAS with fast accumulation, where one program per tile, ``"grid"``,
+  reached 0.84x), for blockscale and mxfp8 by one program per tile (there ``"ws"`` measured
+  slower).
 * ``fuse=True`` (the fused modes): programs walk a tile table (``cco.layout.tile_table``: the
   layout's tiles, every peer's before the own ones on CUDA), each tile goes to ``partial[dest]`` of the
   window, and after the tile's stores one thread adds to the tile's (dest, chunk) counter with
@@ -45,8 +47,9 @@ Operand tiles arrive through TMA descriptors (``GemmConfig.tma``); how each quan
   the fp8 tiles into bf16 inside the Triton kernel every K step took 1225 us; the fused launch runs
   a bf16 MMA chain on the dequantized tiles: 761 us with 4 stages where the in-kernel scaling took
   1259 in the same run, 725 us with the 3 it ships with (a later run). The cost
-  against ptpc: bf16 MMAs run at half the fp8 rate, and the dequantization adds a pass over A and
-  one over B per call.
+  against ptpc: bf16 MMAs run at half the fp8 rate, and the dequantization adds a pass over A per
+  call and one over B per weight (the CUDA backend keeps B's bf16 copy; ``fp8_gemm`` itself makes
+  it every call).
 
 The fp8 gather (``gather_dtype="fp8"``) carries one scale per row and ``cco.layout.GATHER_GROUP``
 columns: an epilogue sees one tile, never a whole row. Triton is imported lazily: ``import

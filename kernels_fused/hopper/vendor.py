@@ -31,9 +31,10 @@ import torch
 from cco.quant import MX_GROUP
 
 PACK_INDEX_CACHE = 16  # blockscale scale-packing indices kept, one per (M, chunk rows)
-# cuBLAS's blockwise recipe refused calls on M = 1 and M = 129 rows (CUBLAS_STATUS_NOT_SUPPORTED from its
-# heuristic query; torch 2.11 + CUDA 13 on H200, 2026-12-02) and ran M = 8, 100, 1000 and 4096: it is
-# taken for row counts that keep the M-major A scale's columns 16-byte aligned (M % 4 == 0)
+# cuBLAS's blockwise recipe refused calls on M = 1, 2, 6, 66, 129 and 130 rows (CUBLAS_STATUS_NOT_SUPPORTED
+# from its heuristic query; torch 2.11 + CUDA 13 on H200, 2026-12-02) and ran M = 4, 8, 12, 36, 68, 100,
+# 132, 260, 1000 and 4096 correctly: it takes row counts that keep the M-major A scale's columns 16-byte
+# aligned (M % 4 == 0; tests/python/cco/test_cuda_op.py checks this on every GPU run)
 BLOCKWISE_ROW_MULTIPLE = 4
 
 

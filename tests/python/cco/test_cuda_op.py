@@ -29,7 +29,9 @@ Guards, per check:
 - CUDA graph capture and 100 replays with the inputs changed between replays: a wait whose target
   does not hold on replay passes early and reads stale or NaN data;
 - alternating M between calls of one op (chunk rows, counter targets and tile tables per M; with
-  transport "auto" the calls also alternate between the lsa kernel and the copy engines).
+  transport "auto" the calls also alternate between the lsa kernel and the copy engines);
+- ``kernels_fused.hopper.vendor.takes_rows`` says exactly which row counts cuBLAS's blockwise recipe
+  runs (correctly) and which it refuses: a rule that let a refused M through would fail the call.
 """
 
 from __future__ import annotations
@@ -283,6 +285,12 @@ def rank_main(quants=None, arms=None):
         else "one GPU per rank (symmetric-memory window)")
 
     failures = []
+    if "blockscale" in (quants or Q.QUANTS):
+        try:
+            _vendor_rows_rule(dev, log)
+        except Exception as err:
+            failures.append(f"blockscale vendor rows: {type(err).__name__}: {err}")
+            log("FAIL", failures[-1])
     for quant in quants or Q.QUANTS:
         probs, b_pre = _problems(rank, quant, M, dev)
         refs = [_reference_sum(p) for p in probs]
@@ -337,6 +345,27 @@ def rank_main(quants=None, arms=None):
         raise SystemExit("CUDA_OP_CHECKS FAILED:\n" + "\n".join(failures))
     log("CUDA_OP_CHECKS PASSED")
     comm.close()
+
+
+def _vendor_rows_rule(device, log):
+    from cco import quant as Q
+    from cco.bench.timing import budget_terms, gemm_mismatches
+    from kernels_fused.hopper import vendor
+
+    for m in (1, 2, 4, 6, 8, 12, 36, 66, 68, 100, 129, 130, 132, 260, 1000):
+        p = Q.random_problem(m, 2048, 512, "blockscale", seed=1, device=device)
+        try:
+            out = vendor.vendor_gemm(p.a, p.a_scale, vendor.prepare_weight(p.b, p.b_scale, "blockscale"))
+            ran = gemm_mismatches(out, *budget_terms(p)) == 0
+        except RuntimeError as err:  # CUBLAS_STATUS_NOT_SUPPORTED
+            if "NOT_SUPPORTED" not in str(err):
+                raise
+            ran = False
+        torch.cuda.synchronize()
+        if ran != vendor.takes_rows("blockscale", m):
+            raise AssertionError(f"cuBLAS's blockwise recipe {'ran' if ran else 'refused'} M={m}, vendor.takes_rows "
+                                 f"says {vendor.takes_rows('blockscale', m)}")
+    log("ok blockscale vendor.takes_rows matches what cuBLAS's blockwise recipe runs (M = 1 .. 1000)")
 
 
 def _repeat_poisoned(op, probs, b_pre, refs, log, quant):
