@@ -27,7 +27,8 @@ Window regions (one symmetric window per rank, same offsets on every rank)::
     tile_flags    int64 [2, W, m_tiles, n_tiles]   per-tile arrival flags of the CUDA ``lsa`` transport,
                                                    whose producers store tile by tile: [0][src] scatter,
                                                    [1][owner] gather
-    partial       bf16  [W, m_max_padded, n_slice]
+    partial       bf16  [W, m_max_padded, n_slice]   (a producer of whole rows reads the same bytes as
+                                                   [m_max_padded, N]: partial_strides)
     recv          bf16  [W, m_max_padded, n_slice]
     gather        bf16 | e4m3 [W, m_max_padded, n_slice]
     gather_scale  fp32  [W, m_max_padded, ceil(n_slice / GATHER_GROUP)]   (fp8 gather only)
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from dataclasses import dataclass, field
 
 MAX_CHUNKS = 8  # mori's knee: more chunks pay the fixed per-put cost (~2 us per SDMA put) more often
@@ -202,9 +204,17 @@ class OpConfig:
     m_max_padded: int = field(init=False)
     n_tiles_per_dest: int = field(init=False)
     window: WindowLayout = field(init=False)
+    # a config keys the per-call caches (tile tables, call shapes) that every call looks up: hashing
+    # its fields each time took ~1.4 us, so the hash of the fields the rest derives from is kept
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def __post_init__(self):
         set_ = object.__setattr__.__get__(self)
+        set_("_hash", hash((self.n, self.k, self.m_max, self.world, self.quant, self.mode, self.transport,
+                            self.gather_dtype, self.chunks, self.block_m, self.block_n)))
         set_("n_slice", self.n // self.world)
         set_("m_max_padded", padded_m(self.m_max, self.block_m))
         set_("n_tiles_per_dest", self.n_slice // self.block_n)
@@ -428,6 +438,25 @@ class CallPlan:
     def target(self, dest: int, chunk: int) -> int:
         return self.counter_targets[dest][chunk]
 
+    def slot_tiles(self, dest: int, chunk: int) -> int:
+        """Layout tiles slot (dest, chunk) receives in this call: what its counter gains. A
+        producer of whole chunks adds it at once, after the chunk's rows are stored."""
+        return self.counter_targets[dest][chunk] - self.counter_base[dest][chunk]
+
+
+def partial_strides(cfg: OpConfig, *, by_rows: bool = False) -> tuple[int, int, int]:
+    """Element strides (dest, row, column) of ``partial[dest][row, col]`` in the partial region.
+
+    A producer of tiles fills the region's own dest-major planes, so every (dest, chunk) slice is
+    one contiguous block (one put). A producer of whole rows (``by_rows``: the vendor GEMM, one call
+    per chunk of rows and every column) fills the same bytes as one row-major ``[m_max_padded, N]``
+    matrix: dest's plane starts at column ``dest * n_slice`` and its rows lie N apart, so a
+    (dest, chunk) slice is a pitched block (one 2-D put). Either way a slice holds the rows of its
+    chunk and the columns dest owns, and its counter reaches the same target."""
+    if by_rows:
+        return cfg.n_slice, cfg.n, 1
+    return cfg.m_max_padded * cfg.n_slice, cfg.n_slice, 1
+
 
 def zero_counters(world: int) -> tuple[tuple[int, ...], ...]:
     return tuple((0,) * MAX_CHUNKS for _ in range(world))
@@ -439,16 +468,14 @@ def plan_call(cfg: OpConfig, *, m: int, seq: int, rank: int,
     ``counter_targets`` (``zero_counters(world)`` for the first call)."""
     assert 1 <= m <= cfg.m_max and seq >= 1 and 0 <= rank < cfg.world
     per_chunk, rows, tiles = _call_shape(cfg, m, rank)
-    targets = tuple(
-        tuple(base[c] + (per_chunk[c] if c < len(per_chunk) else 0) for c in range(MAX_CHUNKS))
-        for base in counter_base
-    )
-    return CallPlan(seq=seq, m=m, padded_m=padded_m(m, cfg.block_m), rank=rank, chunks=len(per_chunk),
+    targets = tuple(tuple(map(operator.add, base, per_chunk)) for base in counter_base)
+    return CallPlan(seq=seq, m=m, padded_m=padded_m(m, cfg.block_m), rank=rank, chunks=len(rows),
                     rows=rows, counter_base=counter_base, counter_targets=targets, tiles=tiles)
 
 
 @functools.lru_cache(maxsize=TILE_TABLE_CACHE)
 def _call_shape(cfg: OpConfig, m: int, rank: int):
     """What a call's plan takes from (config, M, rank) alone, built once: an eager call pays its
-    host time."""
-    return tiles_per_slot(cfg, m), chunk_rows(cfg, m), tile_table(cfg, m=m, rank=rank)
+    host time. The tiles per slot come padded to MAX_CHUNKS (zero past the call's chunks)."""
+    per_chunk = tiles_per_slot(cfg, m)
+    return per_chunk + (0,) * (MAX_CHUNKS - len(per_chunk)), chunk_rows(cfg, m), tile_table(cfg, m=m, rank=rank)

@@ -87,6 +87,19 @@ _FN = "GemmAllReduceOp"
 # windows of closed ops whose backend must keep them mapped (a failed GPU call: a late peer may
 # still write into them); they are released when the process exits
 _RETAINED_WINDOWS: list = []
+_CALL = f"{_FN}.__call__"
+# operand signatures (types, dtypes, shapes, strides, devices) an op remembers as accepted, and plain
+# calls' plans it keeps (one per M): an eager call must not pay the full checks and a plan every time
+# (docs/hopper_gemm.md: the host time of an eager call)
+ACCEPTED_SIGNATURES = 16
+PLAIN_PLANS = 64
+
+
+def _signature(a, b_pre, a_scale, b_scale) -> tuple:
+    """What ``_check``'s verdict depends on, for each operand (AttributeError: not a tensor)."""
+    return (type(a), a.dtype, a.shape, a.stride(), a.device, type(b_pre), b_pre.dtype, b_pre.shape, b_pre.stride(),
+            b_pre.device, type(a_scale), a_scale.dtype, a_scale.shape, a_scale.stride(), a_scale.device,
+            type(b_scale), b_scale.dtype, b_scale.shape, b_scale.stride(), b_scale.device)
 
 
 def select_backend(device: torch.device):
@@ -156,6 +169,11 @@ class GemmAllReduceOp:
         notes = None
         if self.world > 1 and self.config.mode != "gemm-only":  # the same key prefix on every rank
             notes = RejectionNotes(comm, comm.broadcast_object(secrets.token_hex(8) if self.rank == 0 else None))
+        self._accepted: set = set()  # operand signatures that passed _check
+        # gemm-only, or one rank (the all-reduce is the identity): the plain GEMM writes ``out``
+        self._plain = self.config.mode == "gemm-only" or self.world == 1
+        self._alone = self.world == 1 and self.config.mode != "gemm-only"  # a plain call that counts as a call
+        self._plain_plans: dict = {}
         self.window = open_window(comm=comm, layout=self.config.window)
         try:
             self._backend = backend_cls(config=self.config, comm=comm, window=self.window,
@@ -189,6 +207,12 @@ class GemmAllReduceOp:
 
     # ---- the op -------------------------------------------------------------------------------------
     def _check(self, a, b_pre, a_scale, b_scale, fn: str) -> int:
+        try:
+            signature = _signature(a, b_pre, a_scale, b_scale)
+        except AttributeError:  # not a tensor: the checks below say which argument
+            signature = None
+        if signature in self._accepted:
+            return a.shape[0]
         shape = check_operands(a, b_pre, a_scale, b_scale, quant=self.config.quant, fn=fn)
         cfg = self.config
         if (shape.n, shape.k) != (cfg.n, cfg.k):
@@ -199,32 +223,44 @@ class GemmAllReduceOp:
                              f"split the batch or build the op with m_max >= {shape.m}")
         if a.device != self.comm.device:
             raise ValueError(f"{fn}: a is on {a.device} but the op runs on {self.comm.device}; move the operands")
+        if signature is not None:
+            if len(self._accepted) >= ACCEPTED_SIGNATURES:
+                self._accepted.clear()
+            self._accepted.add(signature)
         return shape.m
+
+    def _plain_plan(self, m: int) -> layout.CallPlan:
+        """The plan of a plain call with ``m`` rows, kept per M: it only supplies the tile walk (a
+        plain call publishes nothing, so its seq and counter targets are never read)."""
+        plan = self._plain_plans.get(m)
+        if plan is None:
+            if len(self._plain_plans) >= PLAIN_PLANS:
+                self._plain_plans.pop(next(iter(self._plain_plans)))
+            plan = self._plain_plans[m] = layout.plan_call(self.config, m=m, seq=1, rank=self.rank,
+                                                           counter_base=layout.zero_counters(self.world))
+        return plan
 
     def __call__(self, a, b_pre, a_scale, b_scale) -> torch.Tensor:
         """All-reduced bf16 ``[M, N]`` of this rank's ``a [M, K] @ unshuffle(b_pre) [N, K].T``."""
-        fn = f"{_FN}.__call__"
         if self._closed:
-            raise RuntimeError(f"{fn}: the op is closed; build a new GemmAllReduceOp")
-        collective = self.world > 1 and self.config.mode != "gemm-only"
+            raise RuntimeError(f"{_CALL}: the op is closed; build a new GemmAllReduceOp")
+        collective = not self._plain
         if collective:
             self._backend.raise_failed()
         try:
-            m = self._check(a, b_pre, a_scale, b_scale, fn)
+            m = self._check(a, b_pre, a_scale, b_scale, _CALL)
         except (TypeError, ValueError) as err:
             if collective:  # still a collective call: the peers fail it too and stay in step
                 self._reject(err)
             raise
-        out = torch.empty(m, self.config.n, dtype=torch.bfloat16, device=self.comm.device)
-        alone = self.world == 1 and self.config.mode != "gemm-only"
-        if self.config.mode == "gemm-only" or alone:
-            # the plan only supplies the tile walk: nothing is published. One rank: the all-reduce
-            # is the identity, so the plain GEMM writes ``out`` (a call all the same)
-            plan = layout.plan_call(self.config, m=m, seq=self._seq + 1, rank=self.rank,
-                                    counter_base=self._counter_base)
-            self._backend.gemm(a, b_pre, a_scale, b_scale, out=out, plan=plan)
-            self._seq += alone
+        if self._plain:
+            # nothing is published. One rank: the all-reduce is the identity, so the plain GEMM
+            # writes ``out`` (a call all the same)
+            plan = self._plain_plans.get(m) or self._plain_plan(m)
+            out = self._backend.gemm_out(a, b_pre, a_scale, b_scale, plan=plan)
+            self._seq += self._alone
             return out
+        out = torch.empty(m, self.config.n, dtype=torch.bfloat16, device=self.comm.device)
         run = self._backend.fused if self.config.mode == "fused" else self._backend.split
         self._collective(lambda plan: run(a, b_pre, a_scale, b_scale, out=out, plan=plan), m)
         self._backend.raise_deferred()

@@ -1,9 +1,28 @@
-"""The GEMM alone on one GPU: the Triton fp8 kernel (``fuse=False``) against ``torch._scaled_mm``.
+"""The GEMM alone on one GPU: gemm-only's GEMM, the own Triton kernels and the fused path's
+producers against ``torch._scaled_mm`` (cuBLAS).
 
     python -m scripts.bench_gemm --quant ptpc -m 16384 -n 7168 -k 2048
     python -m scripts.bench_gemm --configs 128x256x3,128x256x4 --launch grid,ws,ticket,persistent
     python -m scripts.bench_gemm --quant blockscale --configs 128x128x3,64x128x3x4 --graph
     python -m scripts.bench_gemm --epilogue --graph
+    python -m scripts.bench_gemm --quant ptpc,blockscale,mxfp8 -m 2048,4096,8192,16384,32768 --graph \
+        --producer --json out.json --plot out.png
+    python -m scripts.bench_gemm --from out.json,more.json --plot out.png    # the plot alone, no GPU
+
+Default arms: the cuBLAS baseline(s), ``gemm-only`` (what mode gemm-only runs: the GEMM
+``kernels_fused.hopper.gemm.PLAIN_RULE`` picks for the quant and M, the vendor one with the weight
+prepared once as the CUDA backend keeps it) and ``triton`` (the own kernel, ``TRITON_PLAIN``).
+``--producer`` times the fused copy-engine path's producers instead, each until every (dest,
+chunk) counter of the call is released, on one GPU with the window local (the layout of rank 0 of
+2, ``cco.backends.cuda``): ``kernel`` (the fused Triton launch, stores and release adds of every
+tile), ``vendor xC`` (the vendor GEMM per row chunk into the row-major partial, each chunk's
+counters released by stream write-values: ``cco.cuda.dma.CopyEngineSchedule.produce_by_chunks``,
+C from ``--chunks``; the call's preamble included: counters zeroed, the (seq, M) stamp written),
+``vendor xC GEMMs alone`` (the same calls without preamble or releases: what chunking costs) and
+``vendor whole`` (the same GEMM in one call, the baseline). ``kernel`` is the launch alone. Ratios are
+throughput against the baseline arm (``baseline`` in the JSON): cuBLAS fast accumulation for ptpc,
+cuBLAS blockwise for blockscale, gemm-only's GEMM for mxfp8 (no cuBLAS recipe on Hopper);
+``vendor whole`` with ``--producer``.
 
 ``--epilogue`` times the fused copy-engine launch instead (``fuse=True``, the CUDA backend's tile
 table and config for rank 0 of 2, or each ``--configs`` entry with the layout's m-tile set to its
@@ -12,17 +31,17 @@ rows): ``fused stored`` stores every tile into the window's partial region; ``fu
 with the peer's chunks already flagged (zeros, so the own columns of ``out`` must equal the GEMM's),
 which is what the epilogue costs the GEMM when it never waits.
 
-Arms: ``scaled_mm`` (cuBLAS: ptpc with default accumulation, blockscale with its blockwise 1x128 /
-128x128 recipe; mxfp8 has no cuBLAS arm on Hopper) and ``scaled_mm-fast`` (``use_fast_accum=True``;
-ptpc only), then one Triton arm per ``--configs`` entry (``BMxBNxSTAGES[xWARPS]``, 8 warps unless
-given) and ``--launch`` style (``GemmConfig.launch``: "grid" is the plain kernel, "ws" the persistent
-warp-specialized one; "ticket" and "persistent" run the lsa kernel on a world of one, which shows
-what its tile walk costs the GEMM; "cublas", mxfp8 only: cuBLAS's bf16 GEMM on the dequantized
-operands, mxfp8's plain default). ``--configs default`` is the config ``fp8_gemm`` picks for
-``fuse=False``, launch included. Every arm's output is checked against the fp32 reference first
+Baseline arms: ``scaled_mm`` (cuBLAS: ptpc with default accumulation, blockscale with its blockwise
+1x128 / 128x128 recipe; mxfp8 has no cuBLAS arm on Hopper) and ``scaled_mm-fast``
+(``use_fast_accum=True``; ptpc only). Given ``--configs`` or ``--launch``, one Triton arm per
+``--configs`` entry (``BMxBNxSTAGES[xWARPS]``, 8 warps unless given) and ``--launch`` style
+(``GemmConfig.launch``: "grid" is the plain kernel, "ws" the persistent warp-specialized one;
+"ticket" and "persistent" run the lsa kernel on a world of one, which shows what its tile walk
+costs the GEMM; "cublas": the vendor GEMM); ``--configs default`` is the own kernel's plain config
+(``TRITON_PLAIN``), launch included. Every arm's output is checked against the fp32 reference first
 (``cco.bench.timing.gemm_mismatches``); a wrong arm posts no time. Timing is ``cco.bench.timing.time_arms``
-(arms alternate inside each pass, median over iterations, spread over passes); the last line is
-``RESULT_JSON {...}``.
+(arms alternate inside each pass, median over iterations, spread over passes); each (quant, M)
+ends in a line ``RESULT_JSON {...}``; ``--json`` writes them all in one file.
 """
 
 from __future__ import annotations
@@ -30,6 +49,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
 
 import torch
@@ -39,10 +59,25 @@ from cco.bench.timing import (allreduce_mismatches, budget_terms, cublas_gemm, g
                            tflops, time_arms)
 
 
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of integers") from None
+
+
+def _quants(text: str) -> list[str]:
+    quants = text.split(",")
+    bad = [q for q in quants if q not in Q.QUANTS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{bad} are not quant formats; pick from {', '.join(Q.QUANTS)}")
+    return quants
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quant", default="ptpc", choices=Q.QUANTS)
-    p.add_argument("-m", type=int, default=16384)
+    p.add_argument("--quant", type=_quants, default=["ptpc"], help="comma list of " + ", ".join(Q.QUANTS))
+    p.add_argument("-m", type=_ints, default=[16384], help="comma list of row counts")
     p.add_argument("-n", type=int, default=7168)
     p.add_argument("-k", type=int, default=2048)
     p.add_argument("--configs", default="default", help="comma list of BMxBNxSTAGES, or 'default'")
@@ -56,14 +91,23 @@ def parse_args(argv=None):
                    "of the plain GEMM")
     p.add_argument("--graph", action="store_true", help="time CUDA-graph replays (kernel time without the "
                    "host's launch cost) instead of eager calls")
-    return p.parse_args(argv)
+    p.add_argument("--producer", action="store_true", help="time the fused path's producers (see above) instead "
+                   "of the plain GEMM")
+    p.add_argument("--chunks", type=_ints, default=[4, 8], help="--producer: row chunks of the vendor arms")
+    p.add_argument("--json", help="write every (quant, M) result to this file")
+    p.add_argument("--plot", help="write the ratios against the baseline per M to this PNG")
+    p.add_argument("--from", dest="from_json", help="plot these --json files (comma list) instead of measuring")
+    args = p.parse_args(argv)
+    if args.epilogue and args.producer:
+        p.error("--epilogue and --producer time different arm sets; pick one")
+    return args
 
 
 def triton_configs(spec: str, quant: str):
-    from kernels_fused.hopper.gemm import default_config
+    from kernels_fused.hopper.gemm import TRITON_PLAIN, default_config
 
     if spec == "default":
-        return [default_config(quant, plain=True)]
+        return [TRITON_PLAIN[quant]]
     configs = []
     for item in spec.split(","):
         try:
@@ -83,7 +127,7 @@ def config_name(cfg) -> str:
     return f"{cfg.block_m}x{cfg.block_n}x{cfg.num_stages}" + ("" if cfg.num_warps == 8 else f" w{cfg.num_warps}")
 
 
-def epilogue_arms(args, sets, dev, kernel=None):
+def epilogue_arms(args, sets, dev, kernel=None, *, stored_only=False):
     """The ``--epilogue`` arms: name -> (call(i), check(output of call(0), ref, dot_abs) -> bad elements).
     ``kernel``: a GemmConfig to launch instead of the backend's (the layout's m-tile follows its rows;
     the arms' names then carry it)."""
@@ -94,7 +138,7 @@ def epilogue_arms(args, sets, dev, kernel=None):
     world, rank = 2, 0
     block_m, block_n = CudaBackend.tile(args.quant) if kernel is None else (kernel.block_m, CudaBackend.block_n)
     cfg = layout.build_config(n=args.n, k=args.k, m_max=args.m, world=world, quant=args.quant,
-                              block_m=block_m, block_n=block_n)
+                              block_m=block_m, block_n=block_n, chunks=args.layout_chunks)
     if kernel is None:
         gcfg, weight = fused_config(cfg)
     elif kernel.block_n in (block_n, 2 * block_n) and cfg.n_slice % kernel.block_n == 0:
@@ -129,7 +173,7 @@ def epilogue_arms(args, sets, dev, kernel=None):
         return gemm_mismatches(out.permute(1, 0, 2).reshape(cfg.m_max_padded, args.n)[:args.m], ref, dot_abs)
 
     arms = {f"fused stored{suffix}": (call, stored_bad)}
-    for gather in ("bf16", "fp8"):
+    for gather in () if stored_only else ("bf16", "fp8"):
         red = epilogue(gather == "fp8")
         arms[f"fused reduce-{gather}{suffix}"] = (
             lambda i, red=red: call(i, red),
@@ -138,20 +182,111 @@ def epilogue_arms(args, sets, dev, kernel=None):
     return arms
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    from kernels_fused.hopper.gemm import fp8_gemm
+def local_window(cfg, dev):
+    """Every rank's window of ``cfg`` in this process's memory, as rank 0 (``cco.window.Window``):
+    a producer writes the own window as in a call; nothing is sent."""
+    from cco.window import Window
 
-    dev = torch.device("cuda", torch.cuda.current_device())
-    sets = [Q.random_problem(args.m, args.n, args.k, args.quant, seed=i, device=dev) for i in range(args.rotate)]
+    class LocalWindow(Window):
+        def __init__(self):
+            super().__init__(comm=argparse.Namespace(rank=0, world=cfg.world), layout=cfg.window)
+            self._bytes = [torch.zeros(cfg.window.nbytes, dtype=torch.uint8, device=dev) for _ in range(cfg.world)]
+
+        @property
+        def device(self):
+            return dev
+
+        def _raw(self, rank):
+            return self._bytes[rank]
+
+        def _release(self):
+            self._bytes = []
+
+    return LocalWindow()
+
+
+def producer_arms(args, sets, dev):
+    """The ``--producer`` arms: name -> (call(i), check(output of call(0), ref, dot_abs) -> bad elements)."""
+    from cco import layout
+    from cco.backends.cuda import CudaBackend
+    from cco.cuda.dma import CopyEngineSchedule
+    from kernels_fused.hopper import vendor
+
+    arms = {"kernel": epilogue_arms(args, sets, dev, stored_only=True)["fused stored"]}
+    weight = vendor.prepare_weight(sets[0].b, sets[0].b_scale, args.quant)  # as the backend keeps it
+    whole = torch.empty(args.m, args.n, dtype=torch.bfloat16, device=dev)
+    arms["vendor whole"] = (lambda i: vendor.vendor_gemm(sets[i].a, sets[i].a_scale, weight, out=whole),
+                            gemm_mismatches)
+    block_m, block_n = CudaBackend.tile(args.quant)
+    for chunks in args.chunks:
+        cfg = layout.build_config(n=args.n, k=args.k, m_max=args.m, world=2, quant=args.quant, block_m=block_m,
+                                  block_n=block_n, chunks=chunks)
+        window = local_window(cfg, dev)
+        sched = CopyEngineSchedule(config=cfg, window=window, device=dev)
+        rows = window.tensor(cfg.window.partial, rank=0).view(cfg.m_max_padded, cfg.n)
+        plan = layout.plan_call(cfg, m=args.m, seq=1, rank=0, counter_base=layout.zero_counters(2))
+
+        def call(i, sched=sched, rows=rows, plan=plan):
+            sched.counters.zero_()  # as the backend does at each call's start
+            sched.begin(plan)
+            sched.produce_by_chunks(plan, vendor.row_chunks(sets[i].a, sets[i].a_scale, weight, out=rows,
+                                                            rows=plan.rows))
+            return rows
+
+        def check(out, ref, dot_abs, sched=sched, plan=plan):
+            torch.cuda.synchronize()
+            counted = sched.counters.view(2, layout.MAX_CHUNKS).tolist()
+            wrong = sum(counted[d][c] != plan.target(d, c) for d in range(2) for c in range(layout.MAX_CHUNKS))
+            return gemm_mismatches(out[:args.m], ref, dot_abs) + wrong
+
+        arms[f"vendor x{plan.chunks}"] = (call, check)
+        if chunks == args.chunks[0]:  # what the chunking alone costs: the same calls, nothing released
+
+            def gemms(i, rows=rows, plan=plan):
+                run = vendor.row_chunks(sets[i].a, sets[i].a_scale, weight, out=rows, rows=plan.rows)
+                for c in range(plan.chunks):
+                    run(c)
+                return rows
+
+            arms[f"vendor x{plan.chunks} GEMMs alone"] = (gemms, lambda out, ref, dot_abs: gemm_mismatches(
+                out[:args.m], ref, dot_abs))
+    return arms
+
+
+def plain_arms(args, sets, dev):
+    """The default arms besides cuBLAS: name -> call(i)."""
+    from kernels_fused.hopper import vendor
+    from kernels_fused.hopper.gemm import TRITON_PLAIN, default_config, fp8_gemm
+
     b, b_s = sets[0].b, sets[0].b_scale
     arms = {}
-    checks = {}
-    if args.epilogue:
-        for kernel in [None] if args.configs == "default" else triton_configs(args.configs, args.quant):
-            for name, (run, check) in epilogue_arms(args, sets, dev, kernel).items():
+    rule = default_config(args.quant, plain=True, m=args.m)
+    if rule.launch == "cublas":  # the CUDA backend's path: the weight prepared once
+        weight = vendor.prepare_weight(b, b_s, args.quant)
+        out = torch.empty(args.m, args.n, dtype=torch.bfloat16, device=dev)
+        arms["gemm-only"] = lambda i: vendor.vendor_gemm(sets[i].a, sets[i].a_scale, weight, out=out,
+                                                         fast_accum=not rule.precise_acc)
+    else:
+        arms["gemm-only"] = lambda i: fp8_gemm(sets[i].a, b, sets[i].a_scale, b_s, quant=args.quant, config=rule)
+    own = TRITON_PLAIN[args.quant]
+    arms["triton"] = lambda i: fp8_gemm(sets[i].a, b, sets[i].a_scale, b_s, quant=args.quant, config=own)
+    return arms
+
+
+def run_one(args, dev) -> dict:
+    """Every arm at one (quant, M): checked, timed, printed; returns the result record."""
+    from kernels_fused.hopper.gemm import fp8_gemm
+
+    sets = [Q.random_problem(args.m, args.n, args.k, args.quant, seed=i, device=dev) for i in range(args.rotate)]
+    b, b_s = sets[0].b, sets[0].b_scale
+    arms, checks = {}, {}
+    if args.epilogue or args.producer:
+        kernels = [None] if args.configs == "default" or args.producer else triton_configs(args.configs, args.quant)
+        for kernel in kernels:
+            found = producer_arms(args, sets, dev) if args.producer else epilogue_arms(args, sets, dev, kernel)
+            for name, (run, check) in found.items():
                 arms[name], checks[name] = run, check
-    for name, fast in () if args.epilogue else (("scaled_mm", False), ("scaled_mm-fast", True)):
+    for name, fast in () if args.epilogue or args.producer else (("scaled_mm", False), ("scaled_mm-fast", True)):
         if fast and args.quant != "ptpc":
             continue  # blockscale's blockwise recipe has no fast-accumulation variant
         fn, why = cublas_gemm(args.quant, b, b_s, fast_accum=fast)
@@ -159,13 +294,16 @@ def main(argv=None):
             print(f"no {name} arm: {why}")
             continue
         arms[name] = lambda i, fn=fn: fn(sets[i].a, sets[i].a_scale)
+    if not (args.epilogue or args.producer):
+        arms.update(plain_arms(args, sets, dev))
     launches = [x.strip() for x in args.launch.split(",")]
     if launches != ["default"] and not set(launches) <= {"grid", "ws", "ticket", "persistent", "cublas"}:
         raise SystemExit(f"--launch {args.launch!r}: pick from grid, ws, ticket, persistent, cublas (or default)")
-    for cfg in [] if args.epilogue else triton_configs(args.configs, args.quant):
+    extra = args.configs != "default" or launches != ["default"]
+    for cfg in triton_configs(args.configs, args.quant) if extra and not (args.epilogue or args.producer) else []:
         for launch in ([cfg.launch] if launches == ["default"] else launches):
             cfg_l = dataclasses.replace(cfg, launch=launch)
-            name = "cublas bf16 (dequantized)" if launch == "cublas" else f"triton {config_name(cfg)} {launch}"
+            name = "cublas (vendor)" if launch == "cublas" else f"triton {config_name(cfg)} {launch}"
             arms[name] = (lambda i, cfg_l=cfg_l: fp8_gemm(sets[i].a, b, sets[i].a_scale, b_s, quant=args.quant,
                                                            config=cfg_l))
 
@@ -178,26 +316,86 @@ def main(argv=None):
             print(f"{name}: {bad} elements outside the GEMM budget; not timed")
             arms.pop(name)
     del ref, dot_abs
-    idle_before = idle_check()
     timed = graphed(arms, args.rotate)[0] if args.graph else arms
     timings = time_arms(timed, passes=args.passes, iters=args.iters, rotate=args.rotate)
-    idle_after = idle_check()
-    base = timings.get("scaled_mm")
+    baseline = next((n for n in ("vendor whole", "scaled_mm-fast", "scaled_mm", "gemm-only") if n in timings), None)
+    base = timings.get(baseline)
     print(f"[{args.m}, {args.n}] K={args.k} {args.quant} on {torch.cuda.get_device_name()}, "
-          f"{'graph replays' if args.graph else 'eager calls'}")
+          f"{'graph replays' if args.graph else 'eager calls'}" + (f"; ratios against {baseline}" if base else ""))
     rows = {}
     for name, t in timings.items():
         row = t.as_dict()
         row["tflops"] = round(tflops(args.m, args.n, args.k, t.median_us), 1)
         if base:
-            row["throughput_vs_scaled_mm"] = round(base.median_us / t.median_us, 3)
+            row["vs_baseline"] = round(base.median_us / t.median_us, 3)
         rows[name] = row
-        ratio = f" | {row['throughput_vs_scaled_mm']:.3f}x scaled_mm" if base else ""
+        ratio = f" | {row['vs_baseline']:.3f}x {baseline}" if base else ""
         print(f"  {name:32s} {t.median_us:8.1f} us (spread {100 * t.spread:4.1f}%) | {row['tflops']:7.1f} TFLOP/s{ratio}")
     payload = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
-               "m": args.m, "n": args.n, "k": args.k, "quant": args.quant, "graph": args.graph, "arms": rows, "bad_elements": checked,
-               "idle_before": idle_before, "idle_after": idle_after}
-    print("RESULT_JSON " + json.dumps(payload))
+               "m": args.m, "n": args.n, "k": args.k, "quant": args.quant, "graph": args.graph,
+               "kind": "producer" if args.producer else "epilogue" if args.epilogue else "plain", "baseline": baseline,
+               "arms": rows, "bad_elements": checked}
+    print("RESULT_JSON " + json.dumps(payload), flush=True)
+    return payload
+
+
+def plot(runs: list[dict], path: str) -> None:
+    """A row of panels per kind of run (plain, producer, ...), a column per quant: each arm's throughput
+    against the run's baseline over M."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = sorted({r["kind"] for r in runs}, key=["plain", "producer", "epilogue"].index)
+    quants = [q for q in Q.QUANTS if any(r["quant"] == q for r in runs)]
+    fig, axes = plt.subplots(len(kinds), len(quants), figsize=(5 * len(quants), 3.8 * len(kinds)), squeeze=False)
+    for row, kind in enumerate(kinds):
+        for ax, quant in zip(axes[row], quants):
+            mine = sorted((r for r in runs if (r["kind"], r["quant"]) == (kind, quant)), key=lambda r: r["m"])
+            if not mine:
+                ax.set_visible(False)
+                continue
+            names = [n for n in mine[0]["arms"] if all("vs_baseline" in r["arms"].get(n, {}) for r in mine)]
+            for name in names:
+                ax.plot([r["m"] for r in mine], [r["arms"][name]["vs_baseline"] for r in mine], marker="o",
+                        label=name)
+            ax.axhline(1.0, color="black", linewidth=0.8)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("M (N=%d, K=%d)" % (mine[0]["n"], mine[0]["k"]))
+            ax.set_ylabel(f"throughput vs {mine[0]['baseline']}")
+            what = "producer: until every counter is released" if kind == "producer" else f"{kind} GEMM"
+            ax.set_title(f"{quant}, {what}", fontsize=10)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.from_json:
+        runs = []
+        for path in args.from_json.split(","):
+            with open(path) as f:
+                runs += json.load(f)["runs"]
+        if args.plot:
+            plot(runs, args.plot)
+        return
+    dev = torch.device("cuda", torch.cuda.current_device())
+    idle_before = idle_check()  # the device idle around the whole sweep (each check waits ~1 s)
+    runs = []
+    for quant in args.quant:
+        for m in args.m:
+            runs.append(run_one(argparse.Namespace(**{**vars(args), "quant": quant, "m": m, "layout_chunks": None}),
+                                dev))
+    idle_after = idle_check()
+    print(f"idle before: {idle_before}; after: {idle_after}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": "python3 -m scripts.bench_gemm " + " ".join(sys.argv[1:] if argv is None else argv),
+                       "idle_before": idle_before, "idle_after": idle_after, "runs": runs}, f, indent=1)
+    if args.plot:
+        plot(runs, args.plot)
 
 
 if __name__ == "__main__":

@@ -91,6 +91,11 @@ OP_ARMS = {"split": ("split", "dma", "bf16", {}), "fused": ("fused", "dma", "bf1
            "fused-flag-write": ("fused", "dma", "bf16", {"schedule.flag_by_copy": False}),
            "fused-fp8-flag-write": ("fused", "dma", "fp8", {"schedule.flag_by_copy": False}),
            "fused-two-lanes": ("fused", "dma", "bf16", {"schedule.lanes": 2}),
+           # the producer of the copy-engine path forced either way (cco.backends.cuda.DMA_PRODUCER)
+           "fused-vendor": ("fused", "dma", "bf16", {"producer": "vendor"}),
+           "fused-kernel": ("fused", "dma", "bf16", {"producer": "kernel"}),
+           "fused-fp8-vendor": ("fused", "dma", "fp8", {"producer": "vendor"}),
+           "fused-fp8-kernel": ("fused", "dma", "fp8", {"producer": "kernel"}),
            "fused-fp8-two-lanes": ("fused", "dma", "fp8", {"schedule.lanes": 2}),
            "fused-8-chunks": ("fused", "dma", "bf16", {"chunks": 8}),
            "fused-fp8-8-chunks": ("fused", "dma", "fp8", {"chunks": 8}),

@@ -9,7 +9,9 @@ Interface changes (kept backward compatible once published):
   part-way); a failed call still delivers the chunks it completed. No method changed.
 - v1.3 (2026-12-01): step 1's header words are written by backends whose peers read them (CPU);
   the GPU backends' peers check the (seq, M) stamp of step 3 only. No method changed.
-- v1.4 (2026-12-03): ``reject()`` (a rank whose inputs failed validation still takes part in the
+- v1.4 (2026-12-02): ``gemm_out`` (the op's eager plain calls; default: ``gemm`` into a new tensor),
+  which a backend may override to let its GEMM allocate the output.
+- v1.5 (2026-12-02): ``reject()`` (a rank whose inputs failed validation still takes part in the
   call: step 7), ``raise_failed()`` / ``raise_deferred()`` (asynchronous backends raise a failure
   the device recorded from the next call too), ``retains_window`` (a failed GPU op keeps its window
   mapped after ``close()``), the ``notes`` constructor argument (rejection reasons).
@@ -147,6 +149,14 @@ class Backend(abc.ABC):
     def gemm(self, a, b_pre, a_scale, b_scale, *, out: "torch.Tensor", plan: "CallPlan") -> None:
         """Plain local GEMM (mode ``gemm-only``): ``out = dequant(a) @ dequant(unshuffle(b_pre)).T``
         in bf16; no window, no communication, not collective."""
+
+    def gemm_out(self, a, b_pre, a_scale, b_scale, *, plan: "CallPlan") -> "torch.Tensor":
+        """:meth:`gemm` into a new bf16 ``[M, N]`` tensor on ``a``'s device, returned."""
+        import torch
+
+        out = torch.empty(plan.m, self.config.n, dtype=torch.bfloat16, device=a.device)
+        self.gemm(a, b_pre, a_scale, b_scale, out=out, plan=plan)
+        return out
 
     @abc.abstractmethod
     def fused(self, a, b_pre, a_scale, b_scale, *, out: "torch.Tensor", plan: "CallPlan") -> None:

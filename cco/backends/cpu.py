@@ -18,7 +18,7 @@ from cco.transport import transport_class
 from cco.transport.base import REJECTED_M, stamp_rejected, unstamp_seq_m
 from cco.transport.protocol import (CommTimeoutError, Deadline, PeerMismatchError, PeerRejectedError, release,
                                     wait_at_least)
-from kernels_fused.cpu.tiles import dequantized_operands, run_tiles
+from kernels_fused.cpu.tiles import dequantized_operands, run_chunks, run_tiles
 
 # A call waits this many deadlines for a peer to leave the previous call: the peer entered that call
 # before this rank finished it, so it leaves within its own deadline plus its error-path wait.
@@ -47,6 +47,9 @@ class CpuBackend(Backend):
     name = "cpu"
     block_m = layout.DEFAULT_BLOCK_M
     block_n = None  # layout picks the widest tile that divides N/world
+    # fused / split calls on the dma transport produce whole chunks of rows into the partial region
+    # read row-major (kernels_fused.cpu.tiles.run_chunks): the CUDA backend's vendor producer, modelled
+    chunk_producer = False
 
     @classmethod
     def supports_device(cls, device):
@@ -67,7 +70,10 @@ class CpuBackend(Backend):
         self._peer_scatter_m = [win.words(w.scatter_m, rank=r) for r in range(self.world)]
         self._peer_scatter_flags = [win.words(w.scatter_flags, rank=r) for r in range(self.world)]
         self._gather_flags = [win.words(w.gather_flags, rank=r) for r in range(self.world)]
-        self._partial = win.tensor(w.partial, rank=rank)
+        self._partial = self._dest_major = win.tensor(w.partial, rank=rank)
+        self._rows = self._dest_major.view(cfg.m_max_padded, cfg.n)  # the chunk producer's reading
+        self._by_rows = torch.as_strided(self._dest_major, self._dest_major.shape,
+                                         layout.partial_strides(cfg, by_rows=True))
         self._recv = win.tensor(w.recv, rank=rank)
         self._gather = [win.tensor(w.gather, rank=r) for r in range(self.world)]
         self._gather_scale = [win.tensor(w.gather_scale, rank=r) for r in range(self.world)]
@@ -82,27 +88,45 @@ class CpuBackend(Backend):
 
     def fused(self, a, b_pre, a_scale, b_scale, *, out, plan):
         a_f, b_f = dequantized_operands(a, b_pre, a_scale, b_scale, self.config.quant)
+        by_rows = self._use_partial(by_rows=self.chunk_producer and self.config.transport != "lsa")
 
         def steps(deadline):
             self.transport.begin(plan, deadline)
-            run_tiles(a_f, b_f, config=self.config, plan=plan, destination=self.transport.tile_destination,
-                      counters=self._counters,
-                      on_chunk_complete=lambda dest, chunk: self.transport.chunk_complete(plan, dest, chunk))
+            complete = lambda dest, chunk: self.transport.chunk_complete(plan, dest, chunk)  # noqa: E731
+            if by_rows:
+                run_chunks(a_f, b_f, config=self.config, plan=plan, partial_rows=self._rows, counters=self._counters,
+                           on_chunk_complete=complete)
+            else:
+                run_tiles(a_f, b_f, config=self.config, plan=plan, destination=self.transport.tile_destination,
+                          counters=self._counters, on_chunk_complete=complete)
             self._reduce_gather_assemble(plan, out, deadline)
 
         self._run_call(plan, steps)
 
     def split(self, a, b_pre, a_scale, b_scale, *, out, plan):
         a_f, b_f = dequantized_operands(a, b_pre, a_scale, b_scale, self.config.quant)
+        by_rows = self._use_partial(by_rows=self.chunk_producer and self.config.transport != "lsa")
 
         def steps(deadline):
-            run_tiles(a_f, b_f, config=self.config, plan=plan, destination=lambda dest: self._partial[dest],
-                      counters=self._counters)
+            if by_rows:
+                run_chunks(a_f, b_f, config=self.config, plan=plan, partial_rows=self._rows, counters=self._counters)
+            else:
+                run_tiles(a_f, b_f, config=self.config, plan=plan, destination=lambda dest: self._partial[dest],
+                          counters=self._counters)
             self._communicate(plan, out, deadline)
 
         self._run_call(plan, steps)
 
+    def _use_partial(self, *, by_rows: bool) -> bool:
+        """The partial region's planes this call's producer writes and the transfers read: the
+        dest-major ones, or (``by_rows``) those of its row-major reading (``layout.partial_strides``)."""
+        self._partial = self._by_rows if by_rows else self._dest_major
+        self.transport.set_partial(self._partial)
+        return by_rows
+
     def all_reduce_window(self, *, out, plan):
+        self._use_partial(by_rows=False)  # the self test fills the dest-major planes
+
         def steps(deadline):
             for dest in range(self.world):
                 for chunk in range(plan.chunks):

@@ -4,16 +4,26 @@ a GPU: ``cco.window``).
 
 What runs where, per call (details and the stream diagram in ``cco.cuda.dma``):
 
-- ``gemm``: one Triton launch writing ``out`` directly (mxfp8: its operands dequantized exactly to
-  bf16, then cuBLAS's bf16 GEMM; ``kernels_fused.hopper.gemm``).
-- ``fused``: one Triton launch with the fused epilogue (peer tiles into ``partial[dest]``, every
-  peer's tiles before the own ones: the layout's (dest, chunk, m, n) order, ``DMA_PEERS_FIRST``; one
-  release add per tile on ``counters[dest, chunk]``; where the GEMM's best tile is two layout tiles
-  wide, one program covers a pair and adds 2); copy-engine puts start on each (dest, chunk) as soon
-  as its counter completes, while the GEMM still runs; reduce, gather and assemble follow chunk by
-  chunk on side streams (or, ``DMA_REDUCE_IN_GEMM``, an own tile waits for the peers' copies of its
-  chunk and reduces them in the GEMM's epilogue).
-- ``split``: the same launch, then the same transfers gated on the whole GEMM (the baseline).
+- ``gemm`` (and every call at world 1): the GEMM ``kernels_fused.hopper.gemm.PLAIN_RULE`` picks
+  for the quant and M, own Triton kernel or vendor (cuBLAS through torch,
+  ``kernels_fused.hopper.vendor``), writing ``out`` directly; ``gemm_config`` forces either.
+- ``fused``: a producer fills the window's partial region and raises ``counters[dest, chunk]`` to its
+  target as each slice is complete (``DMA_PRODUCER`` picks per quant and M; ``producer`` forces one):
+
+  * ``"kernel"``: one Triton launch with the fused epilogue (peer tiles into ``partial[dest]``,
+    every peer's tiles before the own ones: the layout's (dest, chunk, m, n) order,
+    ``DMA_PEERS_FIRST``; one release add per tile; where the GEMM's best tile is two layout tiles
+    wide, one program covers a pair and adds 2);
+  * ``"vendor"``: one vendor GEMM call per row chunk, every column, into the partial region read
+    row-major (``cco.layout.partial_strides``), each followed by stream write-values that release
+    the chunk's counters (``cco.cuda.dma.CopyEngineSchedule.produce_by_chunks``); the puts are
+    then 2-D copies of a pitched block per destination.
+
+  Copy-engine puts start on each (dest, chunk) as soon as its counter completes, while the GEMM
+  still runs; reduce, gather and assemble follow chunk by chunk on side streams (or, kernel producer
+  with ``DMA_REDUCE_IN_GEMM``, an own tile waits for the peers' copies of its chunk and reduces
+  them in the GEMM's epilogue).
+- ``split``: the same producer, then the same transfers gated on the whole GEMM (the baseline).
 
 The weight arrives in the gfx950 bpreshuffle layout; the Triton kernel reads row-major ``[N, K]``,
 so the backend keeps the unshuffled copy of the last weights it saw (keyed by storage and version:
@@ -63,6 +73,8 @@ from cco import layout
 from cco.backends.base import Backend
 from cco.preshuffle import unshuffle_b
 from cco.transport.base import REJECTED_M, unstamp_seq_m
+from kernels_fused.hopper import gemm as hopper_gemm
+from kernels_fused.hopper import vendor
 from cco.transport.protocol import PeerMismatchError
 
 GEMM_BLOCK_M = 128  # wgmma-friendly tile rows; also the layout's m-tile (chunk granularity), but
@@ -77,12 +89,35 @@ DMA_PEERS_FIRST = True
 # stream. Measured level with the reduce kernel at 16384x7168 (the link bounds both,
 # docs/BENCHMARKS.md); split mode and the self test always use the reduce kernel
 DMA_REDUCE_IN_GEMM = False
+# fused / split on the copy engines: who fills the partial region (module note), per quant as
+# ((largest M, producer), ...), the last row taking every larger M. Measured on one H200 with the window
+# local, N=7168, K=2048, the layout of 2 ranks (4 chunks), CUDA-graph replays, same run: the time until
+# every (dest, chunk) counter of the call is released, kernel / vendor in us (scripts/bench_gemm.py
+# --producer; docs/hopper_gemm.md, docs/results/2026-12-02_producer_h200.json):
+#   M            2048          4096           8192           16384          32768
+#   ptpc         61.9 / 79.8   106.5 / 124.9  203.8 / 195.7  428.5 / 369.6  946.8 / 738.8
+#   blockscale   85.9 / 98.8   158.9 / 158.2  305.3 / 247.6  620.2 / 471.8  1363.1 / 968.1
+#   mxfp8        116.7 / 111.0 190.6 / 211.2  364.0 / 329.7  748.8 / 696.2  1490.0 / 1433.6
+# (a second run agreed on every pick; blockscale at 4096 was a tie both times, 159.3 / 164.0 there).
+# Below 2048 rows nothing was measured and the kernel stays (transport="auto" runs the lsa kernel there).
+DMA_PRODUCER = {
+    "ptpc": ((4096, "kernel"), (None, "vendor")),
+    "blockscale": ((4096, "kernel"), (None, "vendor")),
+    "mxfp8": ((1024, "kernel"), (2048, "vendor"), (4096, "kernel"), (None, "vendor")),
+}
+PRODUCERS = ("kernel", "vendor")
 LSA_LAUNCH = "ticket"  # GemmConfig.launch of the lsa kernel (docs/BENCHMARKS.md compares the choices)
 # transport="auto": the lsa kernel while a rank's output has at most this many elements (M * N), the
 # copy engines above. Measured on 2 H200 at N=7168, K=2048, ptpc (docs/BENCHMARKS.md, sweep): bf16
 # gather lsa/dma 149/219 us at M=2048, 269/304 at 4096, 479/484 at 8192, 921/842 at 16384; fp8 gather
 # 157/206 at 2048, 286/282 at 4096.
 LSA_AUTO_MAX_ELEMENTS = {"bf16": 8192 * 7168, "fp8": 2048 * 7168}
+
+
+def dma_producer(quant: str, m: int) -> str:
+    """The producer ``DMA_PRODUCER`` picks for a call of ``m`` rows: the first row whose largest M
+    covers m."""
+    return next(producer for largest, producer in DMA_PRODUCER[quant] if largest is None or m <= largest)
 
 
 def lsa_max_elements(cfg: layout.OpConfig) -> int | None:
@@ -122,7 +157,9 @@ class CudaBackend(Backend):
     default_transport = "auto"
     lsa_max_elements: int | None = 0  # uses_lsa: None always, 0 never, else up to M * N elements
     dma_peers_first = DMA_PEERS_FIRST  # the fused dma launch's tile order (False: the layout's chunk-major)
-    dma_reduce_in_gemm = DMA_REDUCE_IN_GEMM  # the fused dma launch reduces its own tiles
+    dma_reduce_in_gemm = DMA_REDUCE_IN_GEMM  # the fused dma launch reduces its own tiles (kernel producer)
+    gemm_config = None  # GemmConfig forcing the plain GEMM (own kernel or launch="cublas"); None: PLAIN_RULE
+    producer = "kernel"  # who fills the partial region on the dma path (PRODUCERS); None: DMA_PRODUCER per call
     weight_layouts = ("row-major", "bpreshuffle")  # the Triton kernels read row-major: taken as is
     # calls marked and watched (cco.cuda.watchdog); False only for the cost measurement's "before"
     # arm (tests/python/cco/test_cuda_faults.py --bench), whose waits have no deadline
@@ -196,13 +233,19 @@ class CudaBackend(Backend):
                                            flag_by_copy=FLAG_BY_COPY, marks=self._marks(), drops=drops)
         base = default_config(cfg.quant)
         self.fused_config, self.tile_weight = fused_config(cfg)
-        self.gemm_config = default_config(cfg.quant, plain=True)
+        self.producer = None  # DMA_PRODUCER's pick per call; "kernel" / "vendor" force one
         w = cfg.window
         self.partial = self.window.tensor(w.partial, rank=self.rank)
+        # the vendor producer's reading of the same bytes: [m_max_padded, N] row-major, and the
+        # [W, rows, n_slice] planes of it the transfers take (cco.layout.partial_strides)
+        self.partial_rows = self.partial.view(cfg.m_max_padded, cfg.n)
+        self.partial_by_rows = torch.as_strided(self.partial, self.partial.shape,
+                                                layout.partial_strides(cfg, by_rows=True))
         self.counters = self.window.words(w.counters, rank=self.rank)
         self._tables: dict[int, torch.Tensor] = {}
-        self._weight_key = None
-        self._weight = None
+        self._plain: dict[int, object] = {}  # M -> PLAIN_RULE's config
+        self._weight_key = self._vendor_key = None
+        self._weight = self._vendor_weight = None
         self.lsa_max_elements = 0 if drops is not None else lsa_max_elements(cfg)
         if self.lsa_max_elements != 0:
             self._init_lsa(base)
@@ -242,11 +285,32 @@ class CudaBackend(Backend):
     def _unshuffled(self, b_pre: torch.Tensor) -> torch.Tensor:
         if self.config.weight_layout == "row-major":  # laid out once by its owner (cco.nn)
             return b_pre
-        key = (b_pre.data_ptr(), b_pre._version, tuple(b_pre.shape))
+        key = (b_pre.data_ptr(), b_pre._version, b_pre.shape)
         if key != self._weight_key:
-            self._weight = unshuffle_b(b_pre)
-            self._weight_key = key
+            weight = unshuffle_b(b_pre)
+            if torch.cuda.is_current_stream_capturing():
+                return weight  # a capture only records the work: the copy holds its bytes after a replay
+            self._weight, self._weight_key = weight, key
         return self._weight
+
+    def _vendor(self, b_pre: torch.Tensor, b_scale: torch.Tensor) -> "vendor.VendorWeight":
+        """The weight as the vendor GEMM takes it (``kernels_fused.hopper.vendor.prepare_weight``:
+        views, or mxfp8's bf16 copy), kept while the weight and its scales are unchanged (the op
+        checked their shapes: the same for every call)."""
+        key = (b_pre.data_ptr(), b_pre._version, b_scale.data_ptr(), b_scale._version)
+        if key != self._vendor_key:
+            weight = vendor.prepare_weight(self._unshuffled(b_pre), b_scale, self.config.quant)
+            if torch.cuda.is_current_stream_capturing():
+                return weight  # as in _unshuffled
+            self._vendor_weight, self._vendor_key = weight, key
+        return self._vendor_weight
+
+    def _plain_config(self, m: int):
+        """The plain GEMM's config for ``m`` rows: ``gemm_config``, else ``PLAIN_RULE``'s (kept per M)."""
+        cfg = self.gemm_config or self._plain.get(m)
+        if cfg is None:
+            cfg = self._plain[m] = hopper_gemm.default_config(self.config.quant, plain=True, m=m)
+        return cfg
 
     def _table(self, plan) -> torch.Tensor:
         key = (plan.m, self.dma_peers_first)
@@ -280,45 +344,81 @@ class CudaBackend(Backend):
         fp8_gemm_lsa(None if from_partial else a, None if from_partial else self._unshuffled(b_pre), a_scale, b_scale,
                      quant=self.config.quant, out=out, win=self.lsa_window, tile_table=self._lsa_table(plan),
                      rank=self.rank, stamp=sch.stamp_of(plan), config=self.lsa_config,
-                     from_partial=from_partial, move_bytes=not silent)
+                     from_partial=from_partial, move_bytes=not silent, validated=True)
         if sch.marks is not None:
             sch.marks.leave(sch._write, sch.main)
 
-    def _fused_gemm(self, a, b_pre, a_scale, b_scale, plan, *, reduce_into=None) -> None:
-        """The tile-table GEMM into the window; ``reduce_into``: the caller's ``out``, the own tiles
-        reduced into it in the epilogue."""
-        from kernels_fused.hopper.gemm import ReduceEpilogue, fp8_gemm
+    def _produce(self, a, b_pre, a_scale, b_scale, plan, *, reduce_into=None) -> torch.Tensor:
+        """The producer of a fused or split dma call (``self.producer``, else ``DMA_PRODUCER``'s for
+        the call's M; module note) into the partial region; returns the [W, rows, n_slice] planes it
+        wrote (the region itself: the kernel's). ``reduce_into``: the caller's ``out``, the own tiles
+        reduced into it in the kernel producer's epilogue (which the rule then always takes)."""
+        producer = self.producer or ("kernel" if reduce_into is not None else
+                                     dma_producer(self.config.quant, plan.m))
+        if producer not in PRODUCERS:
+            raise ValueError(f"CudaBackend: producer={producer!r}; pick one of {', '.join(PRODUCERS)}")
+        if producer == "kernel" or not vendor.takes_rows(self.config.quant, plan.rows):
+            # (cuBLAS's blockwise recipe refuses some row counts: vendor.takes_rows)
+            self._fused_gemm(a, b_pre, a_scale, b_scale, plan, reduce_into=reduce_into)
+            return self.partial
+        if reduce_into is not None:
+            raise ValueError("CudaBackend: dma_reduce_in_gemm reduces in the fused kernel's epilogue; it needs "
+                             f"producer='kernel', not {producer!r}")
+        self.counters.zero_()  # see the module note: consumed words, zero at the call's start
+        self.schedule.begin(plan)
+        self.schedule.produce_by_chunks(plan, vendor.row_chunks(
+            a, a_scale, self._vendor(b_pre, b_scale), out=self.partial_rows, rows=plan.rows,
+            fast_accum=not self.fused_config.precise_acc))
+        return self.partial_by_rows
 
+    def _fused_gemm(self, a, b_pre, a_scale, b_scale, plan, *, reduce_into=None) -> None:
+        """The kernel producer: the tile-table GEMM into the window's dest-major planes;
+        ``reduce_into``: the caller's ``out``, the own tiles reduced into it in the epilogue."""
         self.counters.zero_()  # see the module note: consumed words, zero at the call's start
         self.schedule.begin(plan)
         reduce = None
         if reduce_into is not None:
             sch = self.schedule
-            reduce = ReduceEpilogue(rank=self.rank, recv=sch.recv, gather=sch.gather, gather_scale=sch.gather_scale,
-                                    out=reduce_into, scatter_flags=sch.scatter_flags, scatter_m=sch.scatter_m,
-                                    stamp=sch.stamp, status=sch.status, ticket=sch.ticket)
-        fp8_gemm(a, self._unshuffled(b_pre), a_scale, b_scale, quant=self.config.quant, out=self.partial,
-                 fuse=True, tile_table=self._table(plan), counters=self.counters, tile_weight=self.tile_weight,
-                 config=self.fused_config, reduce=reduce)
+            reduce = hopper_gemm.ReduceEpilogue(
+                rank=self.rank, recv=sch.recv, gather=sch.gather, gather_scale=sch.gather_scale, out=reduce_into,
+                scatter_flags=sch.scatter_flags, scatter_m=sch.scatter_m, stamp=sch.stamp, status=sch.status,
+                ticket=sch.ticket)
+        hopper_gemm.fp8_gemm(a, self._unshuffled(b_pre), a_scale, b_scale, quant=self.config.quant, out=self.partial,
+                             fuse=True, tile_table=self._table(plan), counters=self.counters,
+                             tile_weight=self.tile_weight, config=self.fused_config, reduce=reduce, validated=True)
 
     # ---- modes --------------------------------------------------------------------------------------
     def gemm(self, a, b_pre, a_scale, b_scale, *, out, plan):
-        from kernels_fused.hopper.gemm import fp8_gemm
+        cfg = self._plain_config(plan.m)
+        if cfg.launch == "cublas":
+            vendor.vendor_gemm(a, a_scale, self._vendor(b_pre, b_scale), out=out, fast_accum=not cfg.precise_acc)
+            return
+        hopper_gemm.fp8_gemm(a, self._unshuffled(b_pre), a_scale, b_scale, quant=self.config.quant, out=out,
+                             config=cfg, validated=True)
 
-        fp8_gemm(a, self._unshuffled(b_pre), a_scale, b_scale, quant=self.config.quant, out=out,
-                 config=self.gemm_config)
+    def gemm_out(self, a, b_pre, a_scale, b_scale, *, plan):
+        """The eager plain call's path: the vendor GEMM allocates its output (in C++: a Python
+        ``torch.empty`` cost an eager call ~4 us of host time on an H200 host)."""
+        cfg = self.gemm_config or self._plain.get(plan.m) or self._plain_config(plan.m)
+        if cfg.launch == "cublas":
+            return vendor.vendor_gemm(a, a_scale, self._vendor(b_pre, b_scale), fast_accum=not cfg.precise_acc)
+        return super().gemm_out(a, b_pre, a_scale, b_scale, plan=plan)
 
     def fused(self, a, b_pre, a_scale, b_scale, *, out, plan):
         if self.uses_lsa(plan.m):
             self._lsa(a, b_pre, a_scale, b_scale, out, plan, from_partial=False)
             return
         in_gemm = self.dma_reduce_in_gemm
-        self._fused_gemm(a, b_pre, a_scale, b_scale, plan, reduce_into=out if in_gemm else None)
-        self.schedule.run(plan, out, after_gemm=False, scatters_first=self.dma_peers_first, reduced_in_gemm=in_gemm)
+        partial = self._produce(a, b_pre, a_scale, b_scale, plan, reduce_into=out if in_gemm else None)
+        # a kernel that computes every peer's tiles first scatters all chunks back to back; a producer
+        # of whole chunks completes every dest of a chunk at once (cco.cuda.dma.submission_order)
+        first = self.dma_peers_first and partial is self.partial
+        self.schedule.run(plan, out, after_gemm=False, scatters_first=first, reduced_in_gemm=in_gemm,
+                          partial=partial)
 
     def split(self, a, b_pre, a_scale, b_scale, *, out, plan):
-        self._fused_gemm(a, b_pre, a_scale, b_scale, plan)
-        self.schedule.run(plan, out, after_gemm=True)
+        partial = self._produce(a, b_pre, a_scale, b_scale, plan)
+        self.schedule.run(plan, out, after_gemm=True, partial=partial)
 
     def all_reduce_window(self, *, out, plan):
         if self.uses_lsa(plan.m):

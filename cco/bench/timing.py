@@ -15,6 +15,10 @@ Method (CUDA; see docs/BENCHMARKS.md for the figures):
 4. The device must be idle: :func:`idle_check` reads utilization and foreign processes through NVML
    before and after; a busy device is reported, never silently timed.
 
+Eager calls as a model issues them (:func:`time_back_to_back`): N calls back to back per arm, CUDA
+events around the run (wall time per call, whichever of host and device is behind) and the host's
+clock until the last call returns (the host's time per call); arms alternate per pass as above.
+
 Nothing here asserts a speed; tests never import it for timing.
 """
 
@@ -176,6 +180,48 @@ def time_arms(
     }
 
 
+def time_back_to_back(arms: dict[str, Callable[[], object]], *, calls: int = 50, passes: int = 5, warmup: int = 3,
+                      barrier: Callable[[], None] | None = None,
+                      gather: Callable[[object], list] | None = None) -> dict[str, dict]:
+    """Eager calls as a model makes them: per arm, ``calls`` calls back to back, bracketed by CUDA
+    events (so the wall time per call, whichever of host and device is behind) and by the host's
+    clock until the last call returns (the host's issue time per call). Arms alternate per pass
+    (order rotated); each figure is the median over passes with its min..max; ``barrier`` starts
+    every arm's run on all ranks together, ``gather`` (an all-gather of a Python object) takes the
+    max over ranks. Returns ``{name: {"wall_us", "host_us", "wall_pass_us", "host_pass_us"}}``."""
+    import time as _time
+
+    if passes < 3 or calls < 1:
+        raise ValueError(f"time_back_to_back: passes={passes} must be >= 3 and calls={calls} >= 1")
+    names = list(arms)
+    for name in names:
+        for _ in range(warmup):
+            arms[name]()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    wall: dict[str, list[float]] = {n: [] for n in names}
+    host: dict[str, list[float]] = {n: [] for n in names}
+    for p in range(passes):
+        for name in names[p % len(names):] + names[:p % len(names)]:
+            fn = arms[name]
+            if barrier is not None:
+                barrier()
+            start.record()
+            t0 = _time.perf_counter()
+            for _ in range(calls):
+                fn()
+            issued = _time.perf_counter() - t0
+            end.record()
+            end.synchronize()
+            w, h = 1e3 * start.elapsed_time(end) / calls, 1e6 * issued / calls
+            if gather is not None:
+                w, h = (max(v) for v in zip(*gather((w, h))))
+            wall[name].append(w)
+            host[name].append(h)
+    return {n: {"wall_us": statistics.median(wall[n]), "host_us": statistics.median(host[n]),
+                "wall_pass_us": wall[n], "host_pass_us": host[n]} for n in names}
+
+
 def graphed(arms, rotate):
     """Capture each arm once per input set; replaying returns the captured output. An arm that cannot
     be captured stays eager and is listed in the second return value."""
@@ -321,4 +367,4 @@ def tflops(m: int, n: int, k: int, us: float) -> float:
 
 
 __all__ = ["ArmTiming", "allreduce_mismatches", "allreduce_terms", "budget_terms", "gemm_mismatches", "idle_check",
-           "require_a_gpu_per_rank", "time_arms", "tflops"]
+           "require_a_gpu_per_rank", "time_arms", "time_back_to_back", "tflops"]

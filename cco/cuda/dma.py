@@ -6,11 +6,14 @@ One call on rank r (W ranks, C chunks; ``p`` ranges over peers, ``c`` over chunk
 
     main      : counters = 0 (the backend) | stamp=(seq, m) | GEMM (a layout tile
                 order; counters[d, c] += 1 per layout tile) | join
+                or, a producer of whole chunks (the vendor GEMM per chunk): for c: GEMM rows c
+                (every column) ; counters[d, c] = T_c for every d (stream write-values) | join
     put[p][l] : copies in the order S0 S1 G0 S2 G1 ... G(C-1), or S0 .. S(C-1) G0 .. G(C-1) behind a
                 GEMM that computes every peer's tiles first (see submission_order), dealt in turn to
                 the peer's ``lanes`` streams l (one by default), where
                 S c = wait counters[p,c] >= T_c ; (a lane's first S: copy stamp -> peer.scatter_m[r])
                       copy partial[p][rows c] -> peer.recv[r][rows c] ; set peer.scatter_flags[r,c]
+                      (a 2-D copy of a pitched block where the producer wrote whole rows)
                 G c = wait red[c] ; copy gather[r][rows c] (+ scales) -> peer.gather[r][rows c]
                       set peer.gather_flags[r,c]
     reduce    : wait counters[r,c] >= T_c ; wait scatter_flags[src,c] >= 1 (each src, then = 0)
@@ -289,14 +292,33 @@ class CopyEngineSchedule:
 
     def set_counters(self, plan: layout.CallPlan) -> None:
         """Bring this call's counters to their targets without a GEMM (``all_reduce_window``)."""
+        for c in range(plan.chunks):
+            self.release_chunk(plan, c)
+        self.begin_event.record(self.main)
+
+    def release_chunk(self, plan: layout.CallPlan, chunk: int) -> None:
+        """Raise every dest's counter of ``chunk`` to its target (own dest last), on the call's
+        stream: a stream write-value runs once the stream's earlier work is done and fences it, so a
+        wait that sees the value sees the chunk's rows written by that work."""
         main = self.main
-        for d in range(self.world):
-            for c in range(plan.chunks):
-                self._write(main, self._addr(self.counters, layout.counter_index(d, c)), self._tiles(plan, d, c))
-        self.begin_event.record(main)
+        for d in layout.dest_order(self.rank, self.world):
+            self._write(main, self._addr(self.counters, layout.counter_index(d, chunk)), self._tiles(plan, d, chunk))
+
+    def produce_by_chunks(self, plan: layout.CallPlan, chunk_gemm) -> None:
+        """The producer of whole chunks (``cco.backends.cuda``, producer ``"vendor"``):
+        ``chunk_gemm(c)`` enqueues chunk c's rows of the GEMM, every column, on the call's stream,
+        then :meth:`release_chunk` releases its counters, so the puts of chunk c start while chunk
+        c + 1 is computed. Same counters and targets as a producer of tiles. (The releases on a
+        stream of their own, so that no write-value sits between two GEMMs, measured no faster and
+        cost each eager call two more host calls per chunk: docs/hopper_gemm.md.)"""
+        if self.main is None:
+            raise RuntimeError("CopyEngineSchedule.produce_by_chunks: call begin() first")
+        for c in range(plan.chunks):
+            chunk_gemm(c)
+            self.release_chunk(plan, c)
 
     def run(self, plan: layout.CallPlan, out: torch.Tensor, *, after_gemm: bool, scatters_first: bool = False,
-            reduced_in_gemm: bool = False) -> None:
+            reduced_in_gemm: bool = False, partial: torch.Tensor | None = None) -> None:
         """Enqueue steps 3-5 of call ``plan`` and join them into the stream :meth:`begin` ran on.
 
         ``after_gemm=True`` (split mode, self-test): every side stream first waits for the whole
@@ -304,7 +326,9 @@ class CopyEngineSchedule:
         counters complete, while the GEMM is still running. ``scatters_first``: see
         :func:`submission_order`. ``reduced_in_gemm``: the GEMM reduces its own tiles itself
         (``kernels_fused.hopper.gemm.ReduceEpilogue``); the reduce stream only waits for them and
-        resets the words they read."""
+        resets the words they read. ``partial``: the [W, rows, n_slice] planes of the partial
+        region the producer wrote (``cco.layout.partial_strides``; None: the region's own
+        dest-major planes)."""
         main = self.main
         if main is None:
             raise RuntimeError("CopyEngineSchedule.run: call begin() first (it records the call's start)")
@@ -315,10 +339,11 @@ class CopyEngineSchedule:
         if not 1 <= self.lanes <= self.lanes_made:
             raise ValueError(f"CopyEngineSchedule: lanes={self.lanes!r}; this schedule made {self.lanes_made} put "
                              f"streams per peer")
-        variant = (scatters_first, reduced_in_gemm, self.lanes)
-        graph = self._graph(plan, out, variant)
+        partial = self.partial if partial is None else partial
+        variant = (scatters_first, reduced_in_gemm, self.lanes, partial.data_ptr(), partial.stride())
+        graph = self._graph(plan, out, variant, partial)
         if graph is None:
-            self._fork_join(main, gate, plan, out, variant)
+            self._fork_join(main, gate, plan, out, variant, partial)
             return
         self.replays += 1
         self.launch.wait_event(gate)
@@ -330,13 +355,14 @@ class CopyEngineSchedule:
         self.launched.record(self.launch)
         main.wait_event(self.launched)
 
-    def _fork_join(self, origin, gate, plan, out, variant) -> None:
-        scatters_first, reduced_in_gemm, _ = variant
+    def _fork_join(self, origin, gate, plan, out, variant, partial) -> None:
+        scatters_first, reduced_in_gemm = variant[:2]
         for s in self._side_streams():
             s.wait_event(gate)
         if self.marks is not None:  # submitted before any wait of the call, on any stream
             self.marks.enter(self._write, self.assemble)
-        self._enqueue(plan, out, submission_order(plan.chunks, scatters_first=scatters_first), reduced_in_gemm)
+        self._enqueue(plan, out, submission_order(plan.chunks, scatters_first=scatters_first), reduced_in_gemm,
+                      partial)
         if self.marks is not None:  # the assemble and the reduce stream hold every wait on a peer
             self.assemble.wait_event(self.reduced[plan.chunks - 1])
             self.marks.leave(self._write, self.assemble)
@@ -344,7 +370,7 @@ class CopyEngineSchedule:
             self.done[s].record(s)
             origin.wait_event(self.done[s])
 
-    def _graph(self, plan, out, variant):
+    def _graph(self, plan, out, variant, partial):
         """The captured side work of this call, captured now if its key was seen before; None: enqueue it."""
         if not self.replay or torch.cuda.is_current_stream_capturing():
             return None
@@ -357,26 +383,26 @@ class CopyEngineSchedule:
             graph.capture_begin(capture_error_mode="thread_local")
             try:
                 self.fork.record(self.capture)
-                self._fork_join(self.capture, self.fork, plan, out, variant)
+                self._fork_join(self.capture, self.fork, plan, out, variant, partial)
             finally:
                 graph.capture_end()
         self.graphs.store(key, graph)
         return graph
 
     def _tiles(self, plan, dest, chunk) -> int:
-        return plan.counter_targets[dest][chunk] - plan.counter_base[dest][chunk]
+        return plan.slot_tiles(dest, chunk)
 
     def _rows_bytes(self, region: torch.Tensor, rows: tuple[int, int]) -> tuple[int, int]:
         """(byte offset, byte count) of rows [r0, r1) of one [rows_max, n_slice] plane of ``region``."""
         row_bytes = region.shape[-1] * region.element_size()
         return rows[0] * row_bytes, (rows[1] - rows[0]) * row_bytes
 
-    def _enqueue(self, plan, out, order, reduced_in_gemm):
+    def _enqueue(self, plan, out, order, reduced_in_gemm, partial):
         puts = 0  # put steps so far: step i goes to lane i % lanes
         stamped = set()  # lanes that carried the stamp
         for phase, c in order:
             if phase == "reduce":
-                self._reduce_chunk(plan, out, c, reduced_in_gemm)
+                self._reduce_chunk(plan, out, c, reduced_in_gemm, partial)
             elif phase == "assemble":
                 self._assemble_chunk(plan, out, c)
             else:
@@ -386,7 +412,7 @@ class CopyEngineSchedule:
                     if phase == "gather":
                         self._gather_chunk(plan, p, c, lane)
                     else:
-                        self._scatter_chunk(plan, p, c, lane, stamp=lane not in stamped)
+                        self._scatter_chunk(plan, p, c, lane, partial[p], stamp=lane not in stamped)
                 if phase == "scatter":
                     stamped.add(lane)
 
@@ -400,16 +426,25 @@ class CopyEngineSchedule:
     def _dropped(self, phase, plan, p, c) -> bool:
         return self.drops is not None and self.drops(phase=phase, seq=plan.seq, src=self.rank, dest=p, chunk=c)
 
-    def _scatter_chunk(self, plan, p, c, lane, *, stamp):
+    def _scatter_chunk(self, plan, p, c, lane, source, *, stamp):
+        """Chunk c of ``source`` (dest p's [rows, n_slice] plane of the partial) into the peer's
+        ``recv[rank]``: one copy of a contiguous block, or a 2-D copy where the plane's rows lie
+        further apart (a producer of whole rows)."""
         r, s, peer = self.rank, self.put[p][lane], self.peer[p]
         if self._dropped("scatter", plan, p, c):
             return  # a lost put: neither data nor flag arrive
         self._wait(s, self._addr(self.counters, layout.counter_index(p, c)), self._tiles(plan, p, c))
         if stamp:
             self.memops.copy(s.cuda_stream, self._addr(peer["scatter_m"], r), self.stamp.data_ptr(), _WORD)
-        off, nbytes = self._rows_bytes(self.partial, plan.rows[c])
         if not self.silent:
-            self.memops.copy(s.cuda_stream, peer["recv"][r].data_ptr() + off, self.partial[p].data_ptr() + off, nbytes)
+            (r0, r1), width = plan.rows[c], source.shape[1] * source.element_size()
+            pitch = source.stride(0) * source.element_size()
+            dst, src = peer["recv"][r].data_ptr() + r0 * width, source.data_ptr() + r0 * pitch
+            if pitch == width:
+                self.memops.copy(s.cuda_stream, dst, src, (r1 - r0) * width)
+            else:
+                self.memops.copy_2d(s.cuda_stream, dst=dst, dst_pitch=width, src=src, src_pitch=pitch, width=width,
+                                    height=r1 - r0)
         self._set_peer_flag(s, self._addr(peer["scatter_flags"], layout.counter_index(r, c)))
 
     def _gather_chunk(self, plan, p, c, lane):
@@ -426,7 +461,7 @@ class CopyEngineSchedule:
                                  self.gather_scale[r].data_ptr() + off, nbytes)
         self._set_peer_flag(s, self._addr(peer["gather_flags"], layout.counter_index(r, c)))
 
-    def _reduce_chunk(self, plan, out, c, in_gemm):
+    def _reduce_chunk(self, plan, out, c, in_gemm, partial):
         """Reduce chunk c, or (``in_gemm``) wait until the GEMM has: its own tiles read the scatter
         flags without consuming them, so they are zeroed here, after the last reader counted."""
         r, s = self.rank, self.reduce
@@ -438,7 +473,7 @@ class CopyEngineSchedule:
                     self._wait(s, flag, FLAG_SET)
                 self._write(s, flag, 0)
             if not in_gemm:
-                kernels.reduce_chunk(partial=self.partial, recv=self.recv, gather=self.gather,
+                kernels.reduce_chunk(partial=partial, recv=self.recv, gather=self.gather,
                                      gather_scale=self.gather_scale, out=out, scatter_m=self.scatter_m,
                                      status=self.status, rank=r, rows=plan.rows[c], stamp=self.stamp,
                                      programs=self.side_programs)

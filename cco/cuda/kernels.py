@@ -43,7 +43,8 @@ def _kernels():
     @triton.jit
     def _reduce(
         partial_ptr, recv_ptr, gather_ptr, gscale_ptr, out_ptr, scatter_m_ptr, status_ptr,
-        stamp_ptr, rank, row0, rows, n_slice, region_stride, out_stride, out_col0, scale_cols, programs,
+        stamp_ptr, rank, row0, rows, n_slice, partial_stride, region_stride, out_stride, out_col0, scale_cols,
+        programs,
         WORLD: tl.constexpr, FP8_GATHER: tl.constexpr, BLOCK_C: tl.constexpr, GROUP: tl.constexpr,
     ):
         pid = tl.program_id(0)
@@ -62,7 +63,7 @@ def _kernels():
         for i in range(pid, rows, programs):
             row = (row0 + i).to(tl.int64)
             offs = row * n_slice + cols
-            acc = tl.load(partial_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            acc = tl.load(partial_ptr + row * partial_stride + cols, mask=mask, other=0.0).to(tl.float32)
             for j in tl.static_range(1, WORLD):
                 src = (rank + j) % WORLD
                 acc += tl.load(recv_ptr + src * region_stride + offs, mask=mask, other=0.0).to(tl.float32)
@@ -122,7 +123,8 @@ def reduce_chunk(*, partial: torch.Tensor, recv: torch.Tensor, gather: torch.Ten
                  status: torch.Tensor, rank: int, rows: tuple[int, int], stamp: torch.Tensor,
                  programs: int | None = None) -> None:
     """Reduce rows ``rows`` of this rank's slice (see module doc). ``partial``, ``recv``, ``gather``
-    are the window's [W, rows_max, n_slice] regions; ``out`` is the caller's bf16 [M, N]; ``stamp``
+    are the window's [W, rows_max, n_slice] regions (``partial`` as the producer wrote it: its rows
+    may lie further apart, ``cco.layout.partial_strides``); ``out`` is the caller's bf16 [M, N]; ``stamp``
     the int64 word holding this call's (seq, m) stamp. ``programs``: how many programs stride the rows
     (None: one per row)."""
     world, _, n_slice = recv.shape
@@ -135,7 +137,8 @@ def reduce_chunk(*, partial: torch.Tensor, recv: torch.Tensor, gather: torch.Ten
     grid = _programs(r1 - r0, programs)
     reduce[(grid,)](
         partial[rank], recv, gather[rank], gather_scale[rank] if fp8 else gather, out, scatter_m, status,
-        stamp, rank, r0, r1 - r0, n_slice, recv.stride(0), out.stride(0), rank * n_slice, gather_scale_cols(n_slice), grid,
+        stamp, rank, r0, r1 - r0, n_slice, partial.stride(1), recv.stride(0), out.stride(0), rank * n_slice,
+        gather_scale_cols(n_slice), grid,
         WORLD=world, FP8_GATHER=fp8, BLOCK_C=block_c, GROUP=GATHER_GROUP, num_warps=_warps(block_c),
     )
 

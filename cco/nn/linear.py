@@ -40,7 +40,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from cco import layout, library, shapes
+from cco import library, shapes
 from cco import quant as Q
 from cco.comm import Communicator
 from cco.nn.pool import DEFAULT_POOL, WindowPool

@@ -75,6 +75,12 @@ class Transport(abc.ABC):
         self._scatter_m = [window.words(w.scatter_m, rank=r) for r in range(self.world)]
 
     # ---- producer side ------------------------------------------------------------------------------
+    def set_partial(self, planes: torch.Tensor) -> None:
+        """The ``[W, rows, n_slice]`` planes of the own partial region that the next calls' producer
+        writes and the scatter reads: the region's dest-major planes (the default), or those of its
+        row-major reading by a producer of whole rows (``cco.layout.partial_strides``)."""
+        self._partial = planes
+
     def tile_destination(self, dest: int) -> torch.Tensor:
         """Where the producer stores tiles for ``dest``: ``[m_max_padded, n_slice]`` bf16."""
         if self.producer_stores_remote and dest != self.rank and not self.faults.silent:

@@ -12,6 +12,11 @@ kernels'):
 
 Unfused equivalent: ``reference_gemm(a, unshuffle_b(b_pre), a_scale, b_scale, quant)``; the tiles
 use the same fp32 math, so results differ from it only by summation order inside fp32.
+
+``run_chunks`` is the other producer the protocol allows (the CUDA backend's vendor GEMM, one call
+per chunk of rows): each chunk's rows of the whole product, every column, stored into the partial
+region read row-major (``cco.layout.partial_strides``), then every (dest, chunk) counter of the chunk
+raised by the tiles its slot holds.
 """
 
 from __future__ import annotations
@@ -51,3 +56,20 @@ def run_tiles(a_f32: torch.Tensor, b_f32: torch.Tensor, *, config: layout.OpConf
         counters[index] = value
         if value == plan.target(tile.dest, tile.chunk) and on_chunk_complete is not None and tile.dest != plan.rank:
             on_chunk_complete(tile.dest, tile.chunk)
+
+
+def run_chunks(a_f32: torch.Tensor, b_f32: torch.Tensor, *, config: layout.OpConfig, plan: layout.CallPlan,
+               partial_rows: torch.Tensor, counters: torch.Tensor,
+               on_chunk_complete: Callable[[int, int], None] | None = None) -> None:
+    """The producer of whole chunks: for each chunk in order, ``C[rows] = A[rows] @ B.T`` (fp32,
+    rounded to bf16) into ``partial_rows`` (``[rows >= M, N]``), then, in dest order (own slice
+    last), ``counters[dest, chunk] += plan.slot_tiles(dest, chunk)``: the counter goes straight to
+    its target, after every row of the slot is stored, and ``on_chunk_complete(dest, chunk)`` runs
+    for each peer dest."""
+    for chunk, (r0, r1) in enumerate(plan.rows):
+        partial_rows[r0:r1] = (a_f32[r0:r1] @ b_f32.t()).to(torch.bfloat16)
+        for dest in layout.dest_order(plan.rank, config.world):
+            index = layout.counter_index(dest, chunk)
+            counters[index] = int(counters[index]) + plan.slot_tiles(dest, chunk)  # single producer per rank
+            if dest != plan.rank and on_chunk_complete is not None:
+                on_chunk_complete(dest, chunk)

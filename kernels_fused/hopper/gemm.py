@@ -4,11 +4,13 @@ Host side here, device code in ``kernels_fused.hopper.kernels``: one K loop (``_
 by three kernels. ``fp8_gemm`` (below) runs the plain and the tile-table ones; ``fp8_gemm_lsa`` runs
 the ``lsa`` transport's whole fused all-reduce in one launch (its docstring has the protocol).
 
-* ``fuse=False`` (the ``gemm-only`` mode): a plain GEMM writing a bf16 tensor, tiles walked in
-  grouped order for L2 reuse; for ptpc by persistent warp-specialized programs with TMA stores
-  (``GemmConfig.launch="ws"``: 0.93x of cuBLAS with fast accumulation, where one program per tile,
-  ``"grid"``, reached 0.84x), for blockscale and mxfp8 by one program per tile (there ``"ws"``
-  measured slower).
+* ``fuse=False`` (the ``gemm-only`` mode): a plain GEMM writing a bf16 tensor. ``PLAIN_RULE`` picks
+  per quant and M between the vendor GEMM (``launch="cublas"``, ``kernels_fused.hopper.vendor``),
+  which it takes everywhere it was measured on H200, and the own kernels (``TRITON_PLAIN``): tiles
+  walked in grouped order for L2 reuse, for ptpc by persistent warp-specialized programs with TMA
+  stores (``"ws"``: 0.94x of cuBLAS with fast accumulation, where one program per tile, ``"grid"``,
+  reached 0.84x), for blockscale and mxfp8 by one program per tile (there ``"ws"`` measured
+  slower).
 * ``fuse=True`` (the fused modes): programs walk a tile table (``cco.layout.tile_table``: the
   layout's tiles, every peer's before the own ones on CUDA), each tile goes to ``partial[dest]`` of the
   window, and after the tile's stores one thread adds to the tile's (dest, chunk) counter with
@@ -45,8 +47,9 @@ Operand tiles arrive through TMA descriptors (``GemmConfig.tma``); how each quan
   the fp8 tiles into bf16 inside the Triton kernel every K step took 1225 us; the fused launch runs
   a bf16 MMA chain on the dequantized tiles: 761 us with 4 stages where the in-kernel scaling took
   1259 in the same run, 725 us with the 3 it ships with (a later run). The cost
-  against ptpc: bf16 MMAs run at half the fp8 rate, and the dequantization adds a pass over A and
-  one over B per call.
+  against ptpc: bf16 MMAs run at half the fp8 rate, and the dequantization adds a pass over A per
+  call and one over B per weight (the CUDA backend keeps B's bf16 copy; ``fp8_gemm`` itself makes
+  it every call).
 
 The fp8 gather (``gather_dtype="fp8"``) carries one scale per row and ``cco.layout.GATHER_GROUP``
 columns: an epilogue sees one tile, never a whole row. Triton is imported lazily: ``import
@@ -55,14 +58,14 @@ kernels_fused`` works without it.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 
 import torch
 
-from cco.quant import MX_GROUP, QUANTS, SCALE_BLOCK
-from cco.validate import check_operands
+from cco.quant import QUANTS, SCALE_BLOCK
+from cco.validate import GemmShape, check_operands
+from kernels_fused.hopper.vendor import BLOCKWISE_ROW_MULTIPLE, mx_to_bf16, prepare_weight, takes_rows, vendor_gemm
 
 QUANT_ID = {"ptpc": 0, "blockscale": 1, "mxfp8": 2}
 COUNTER_DTYPE = torch.int32
@@ -88,8 +91,10 @@ class GemmConfig:
     # only: one persistent program per SM, warp-specialized, TMA-stored tiles; fp8_gemm_ws_kernel),
     # "ticket" (one per tile, claimed in the walk's order from a counter), "persistent" (one per SM,
     # striding the walk). fuse=False with "ticket"/"persistent" runs the lsa kernel on a world of one
-    # (its epilogue then only writes out); the lsa kernel treats "grid" as "ticket". "cublas" (fuse=False,
-    # mxfp8 only): cuBLAS's bf16 GEMM on the dequantized operands (the tile fields are unused).
+    # (its epilogue then only writes out); the lsa kernel treats "grid" as "ticket". "cublas" (fuse=False):
+    # the vendor GEMM (kernels_fused.hopper.vendor: torch._scaled_mm's row-wise or blockwise recipe;
+    # mxfp8: cuBLAS's bf16 GEMM on the dequantized operands); the tile fields are unused, precise_acc
+    # picks ptpc's accumulation.
     launch: str = "grid"
 
     def tiles(self, m: int, n: int) -> tuple[int, int]:
@@ -107,19 +112,44 @@ _HOPPER = {
     "blockscale": GemmConfig(block_m=64, block_n=128, num_warps=4),
     "mxfp8": GemmConfig(block_m=128, block_n=128, block_k=64),
 }
-# fuse=False: the persistent warp-specialized kernel where it measured faster than the grid one;
-# its halved TMA-store staging leaves shared memory for a fourth stage; mxfp8 through cuBLAS's bf16
-# GEMM, 629 us against 774 for the Triton launch (docs/BENCHMARKS.md)
-_HOPPER_PLAIN = {**_HOPPER, "ptpc": GemmConfig(block_m=128, block_n=256, num_stages=4, launch="ws"),
-                 "mxfp8": dataclasses.replace(_HOPPER["mxfp8"], launch="cublas")}
+# fuse=False, the own kernels: the persistent warp-specialized kernel where it measured faster than
+# the grid one (ptpc; its halved TMA-store staging leaves shared memory for a fourth stage)
+TRITON_PLAIN = {**_HOPPER, "ptpc": GemmConfig(block_m=128, block_n=256, num_stages=4, launch="ws")}
+VENDOR = GemmConfig(block_m=128, block_n=128, launch="cublas")  # the tile fields are unused
+# fuse=False (mode gemm-only, and every call at world 1): the fastest correct GEMM per quant and M on
+# H200, own kernel or vendor, as ((largest M, config), ...), the last row taking every larger M.
+# Measured at N=7168, K=2048, CUDA-graph replays, one run (scripts/bench_gemm.py, docs/hopper_gemm.md,
+# docs/results/2026-12-02_gemm_only_h200.json), vendor / own kernel in us:
+#   M      16        128       1024      2048       4096        8192        16384       32768
+#   ptpc   16.3/18.4 15.7/19.1 27.6/29.0 45.0/53.0  85.0/89.4   166.4/176.7 328.0/348.7 653.3/696.7
+#   block  15.3/15.9 15.6/15.7 32.5/47.3 54.4/82.3  104.0/152.5 202.6/296.2 398.8/585.6 792.3/1168.1
+#   mxfp8  15.8/37.0 14.7/36.3 51.0/65.1 80.6/112.6 160.7/186.7 312.2/354.4 620.2/693.6 1394.0/1459.8
+# (ptpc with fast accumulation, as the own kernel; mxfp8's own kernel dequantized B every call, the vendor
+# GEMM keeps its bf16 copy). The vendor GEMM wins or ties everywhere; blockscale M % 4 != 0 takes the own
+# kernel (vendor.takes_rows). The rule for another N, K or GPU is unmeasured.
+PLAIN_RULE = {
+    "ptpc": ((None, VENDOR),),
+    "blockscale": ((None, VENDOR),),
+    "mxfp8": ((None, VENDOR),),
+}
 
 
-def default_config(quant: str, *, plain: bool = False, interpret: bool = False) -> GemmConfig:
+def default_config(quant: str, *, plain: bool = False, m: int | None = None, interpret: bool = False) -> GemmConfig:
     """The launch config for ``quant``: of the tile-table kernels, or with ``plain`` of the GEMM alone
-    (``fuse=False``); under ``TRITON_INTERPRET=1`` small tiles keep the CPU run short."""
+    (``fuse=False``) for ``m`` rows by ``PLAIN_RULE`` (None: its largest M; the own kernel where the
+    vendor GEMM does not take ``m`` rows: ``vendor.takes_rows``); under ``TRITON_INTERPRET=1``
+    small tiles keep the CPU run short."""
     if interpret:
         return GemmConfig(block_m=32, block_n=64, num_warps=4, num_stages=1)
-    return (_HOPPER_PLAIN if plain else _HOPPER)[quant]
+    if not plain:
+        return _HOPPER[quant]
+    rows = PLAIN_RULE[quant]
+    cfg = rows[-1][1]
+    if m is not None:
+        cfg = next(c for largest, c in rows if largest is None or m <= largest)
+        if cfg.launch == "cublas" and not takes_rows(quant, m):
+            return TRITON_PLAIN[quant]
+    return cfg
 
 
 def tile_table_tensor(rows, *, device) -> torch.Tensor:
@@ -146,25 +176,10 @@ def merge_tile_pairs(rows, *, layout_block_n: int) -> list[list[int]]:
 
 @functools.cache
 def _kernels():
-    """(plain/dma kernel, lsa kernel, warp-specialized plain kernel, mxfp8 dequantization), imported
-    on first use."""
+    """(plain/dma kernel, lsa kernel, warp-specialized plain kernel), imported on first use."""
     from kernels_fused.hopper import kernels as tk
 
-    return tk.fp8_gemm_kernel, tk.fp8_gemm_lsa_kernel, tk.fp8_gemm_ws_kernel, tk.mx_to_bf16_kernel
-
-
-def mx_to_bf16(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """An mxfp8 operand ``x`` (e4m3 [R, K]) times its e8m0 group scales ([R, K/32]) as bf16 [R, K]:
-    exact for every value at or above bf16's normal range (module docstring). One pass."""
-    rows, k = x.shape
-    if scale.shape != (rows, k // MX_GROUP):
-        raise ValueError(f"mx_to_bf16: scale must be [{rows}, {k // MX_GROUP}] for x [{rows}, {k}], "
-                         f"got {list(scale.shape)}")
-    x, bits = x.contiguous(), scale.contiguous().view(torch.uint8)
-    y = torch.empty(rows, k, dtype=torch.bfloat16, device=x.device)
-    groups, block = x.numel() // MX_GROUP, 64
-    _kernels()[3][(-(-groups // block),)](x, bits, y, groups, GROUP=MX_GROUP, BLOCK=block)
-    return y
+    return tk.fp8_gemm_kernel, tk.fp8_gemm_lsa_kernel, tk.fp8_gemm_ws_kernel
 
 
 def _operands(a, b, a_scale, b_scale, *, quant: str, config: GemmConfig):
@@ -183,6 +198,10 @@ def _operands(a, b, a_scale, b_scale, *, quant: str, config: GemmConfig):
 
     return (TensorDescriptor.from_tensor(a, [config.block_m, config.block_k]),
             TensorDescriptor.from_tensor(b, [config.block_n, config.block_k]), a_scale, b_scale, strides)
+
+
+def _shape(a: torch.Tensor, b: torch.Tensor) -> GemmShape:
+    return GemmShape(a.shape[0], b.shape[0], a.shape[1])
 
 
 def _interpreting() -> bool:
@@ -205,6 +224,7 @@ def fp8_gemm(
     tile_weight: int = 1,
     config: GemmConfig | None = None,
     reduce: "ReduceEpilogue | None" = None,
+    validated: bool = False,
 ) -> torch.Tensor:
     """``dequant(a) @ dequant(b).T`` in bf16, on the current CUDA stream.
 
@@ -225,19 +245,18 @@ def fp8_gemm(
       tiles in row-major order (see :class:`GemmConfig`).
     * ``reduce`` (``fuse=True`` only, :class:`ReduceEpilogue`): the own tiles are reduced in the
       epilogue instead of stored into ``partial[rank]``.
+    * ``validated``: the caller has run ``cco.validate.check_operands`` on these operands (the op
+      does, once per call; a second pass cost an eager call ~11 us of host time on an H200 host).
     """
     from cco.layout import GATHER_GROUP, MAX_CHUNKS
 
     fn = "fp8_gemm"
-    shape = check_operands(a, b, a_scale, b_scale, quant=quant, fn=fn)
+    shape = _shape(a, b) if validated else check_operands(a, b, a_scale, b_scale, quant=quant, fn=fn)
     m, n, k = shape.m, shape.n, shape.k
-    cfg = config or default_config(quant, plain=not fuse, interpret=_interpreting())
+    cfg = config or default_config(quant, plain=not fuse, m=m, interpret=_interpreting())
     if cfg.launch in ("ws", "cublas") and fuse:
         raise ValueError(f"{fn}: launch={cfg.launch!r} is the plain GEMM's; fuse=True walks a tile table "
                          f"(launch='grid')")
-    if cfg.launch == "cublas" and quant != "mxfp8":
-        raise ValueError(f"{fn}: launch='cublas' is mxfp8's plain GEMM (bf16 operands, exact); {quant} runs the "
-                         f"Triton kernels (launch='grid' or 'ws')")
     if reduce is not None and not fuse:
         raise ValueError(f"{fn}: reduce (the own tiles' epilogue reduce) needs fuse=True")
     red = None
@@ -276,8 +295,11 @@ def fp8_gemm(
         if config is None and cfg.launch == "ws" and not tma_storable(out):
             cfg = default_config(quant)  # the default call takes any out: the grid kernel's pointer stores
         if cfg.launch == "cublas":
-            torch.matmul(mx_to_bf16(a, a_scale), mx_to_bf16(b, b_scale).t(), out=out)
-            return out
+            if not takes_rows(quant, m):
+                raise ValueError(f"{fn}: launch='cublas' with quant={quant!r} needs M % {BLOCKWISE_ROW_MULTIPLE} == 0 "
+                                 f"(cuBLAS's blockwise recipe refuses M={m}); pass config=None (the own kernel then) "
+                                 f"or pad A's rows")
+            return vendor_gemm(a, a_scale, prepare_weight(b, b_scale, quant), out=out, fast_accum=not cfg.precise_acc)
         tiles_m, tiles_n = cfg.tiles(m, n)
         grid = tiles_m * tiles_n
         if cfg.launch == "ws":
@@ -482,7 +504,7 @@ def _multiprocessors(device: torch.device) -> int:
 
 def fp8_gemm_lsa(a, b, a_scale, b_scale, *, quant: str, out: torch.Tensor, win: LsaWindow,
                  tile_table: torch.Tensor, rank: int, stamp: int, config: GemmConfig,
-                 from_partial: bool = False, move_bytes: bool = True) -> None:
+                 from_partial: bool = False, move_bytes: bool = True, validated: bool = False) -> None:
     """The ``lsa`` fused launch: GEMM, scatter, reduce, gather and assemble in one kernel.
 
     Programs claim tiles per ``config.launch`` (:class:`GemmConfig`) along ``tile_table``
@@ -501,7 +523,7 @@ def fp8_gemm_lsa(a, b, a_scale, b_scale, *, quant: str, out: torch.Tensor, win: 
     walk than every earlier entry of its rank (tickets, or a persistent program's stride), so those
     are held by running programs. ``from_partial`` replaces the GEMM by the tiles found in
     ``win.partial`` (the self test); ``move_bytes=False`` releases flags without storing data (the
-    silent-transport fault).
+    silent-transport fault); ``validated``: as :func:`fp8_gemm`'s.
     """
     from cco.layout import GATHER_GROUP
 
@@ -516,7 +538,7 @@ def fp8_gemm_lsa(a, b, a_scale, b_scale, *, quant: str, out: torch.Tensor, win: 
         strides = (0, 0, 0, 0, 0, 0)
         use_tma = False
     else:
-        shape = check_operands(a, b, a_scale, b_scale, quant=quant, fn="fp8_gemm_lsa")
+        shape = _shape(a, b) if validated else check_operands(a, b, a_scale, b_scale, quant=quant, fn="fp8_gemm_lsa")
         m, k = shape.m, shape.k
         if shape.n != n:
             raise ValueError(f"fp8_gemm_lsa: b has N={shape.n} rows but the window holds {world} x {n_slice} columns")

@@ -14,11 +14,13 @@ same standard (removing the scatter's wait on the GEMM's counter, or the reduce'
 flag, fails them there too), but the run says nothing about speed.
 
 Guards, per check:
-- every quant x mode (gemm-only, split, fused, fused with fp8 gather) x transport (dma, lsa, and
-  auto switching between them; and dma with its alternatives: the own tiles reduced in the
-  GEMM's epilogue, flags set by a stream write-value, two put lanes, chunks of unequal sizes,
-  eight of them) against the fp32 reference sum: a wrong
-  scale, tile order, chunk row range or peer slot shows as element mismatches;
+- every quant x mode (gemm-only by the measured rule and forced to the own kernel, split, fused,
+  fused with fp8 gather) x transport (dma, lsa, and auto switching between them; dma with each
+  producer of the partial: the quant's measured pick ``DMA_PRODUCER``, the vendor GEMM per chunk,
+  the fused Triton kernel; and dma with its alternatives: the own tiles reduced in the GEMM's
+  epilogue, flags set by a stream write-value, two put lanes, chunks of unequal sizes, eight of
+  them) against the fp32 reference sum: a wrong scale, tile order, chunk row range, counter
+  release, pitched put or peer slot shows as element mismatches;
 - ``self_test()`` passes, and fails with a silent transport (flags released, no bytes moved), so
   the self-test can catch the trap it exists for;
 - 100 fused launches into NaN-poisoned outputs and NaN-poisoned recv/gather regions, inputs
@@ -27,7 +29,9 @@ Guards, per check:
 - CUDA graph capture and 100 replays with the inputs changed between replays: a wait whose target
   does not hold on replay passes early and reads stale or NaN data;
 - alternating M between calls of one op (chunk rows, counter targets and tile tables per M; with
-  transport "auto" the calls also alternate between the lsa kernel and the copy engines).
+  transport "auto" the calls also alternate between the lsa kernel and the copy engines);
+- ``kernels_fused.hopper.vendor.takes_rows`` says exactly which row counts cuBLAS's blockwise recipe
+  runs (correctly) and which it refuses: a rule that let a refused M through would fail the call.
 """
 
 from __future__ import annotations
@@ -198,16 +202,28 @@ def _check(out, ref, *, quant: str, fp8_gather: bool, what: str):
 
 
 # (mode, gather, transport) checked per quant; the bf16 fused arms also get the repeat, graph and M checks
-ARMS = (("gemm-only", "bf16", None), ("split", "bf16", "dma"), ("fused", "bf16", "dma"), ("fused", "fp8", "dma"),
+ARMS = (("gemm-only", "bf16", None), ("gemm-only", "bf16", "own"), ("split", "bf16", "dma"),
+        ("split", "bf16", "dma-vendor"), ("fused", "bf16", "dma"), ("fused", "fp8", "dma"),
+        ("fused", "bf16", "dma-vendor"), ("fused", "fp8", "dma-vendor"), ("fused", "bf16", "dma-kernel"),
         ("fused", "bf16", "lsa"), ("fused", "fp8", "lsa"), ("fused", "bf16", "auto"),
         ("fused", "bf16", "dma-alt"), ("fused", "fp8", "dma-alt"), ("fused", "bf16", "dma-taper"),
         ("fused", "fp8", "dma-taper"))
-# transport -> (real transport, backend overrides, op options). "dma-alt": the copy engines with the
-# other setting of each knob of cco.backends.cuda / cco.cuda.dma, and chunks of unequal sizes;
-# "dma-taper": the default knobs with two put lanes and the benchmark's taper (8 chunks)
-ALTERNATIVES = {"dma-alt": ("dma", {"dma_reduce_in_gemm": True, "schedule.flag_by_copy": False, "schedule.lanes": 2},
-                            {"chunks": (1, 2, 2, 1)}),
+# transport -> (real transport, backend overrides, op options). "own": gemm-only forced to the own
+# Triton kernel (GemmConfig overrides the measured rule); "dma-vendor" / "dma-kernel": the copy engines
+# with that producer whatever DMA_PRODUCER picks; "dma-alt": the copy engines with the other setting
+# of each knob of cco.backends.cuda / cco.cuda.dma (the kernel producer, which alone can reduce in its
+# epilogue), and chunks of unequal sizes; "dma-taper": the default knobs with two put lanes and the
+# benchmark's taper (8 chunks)
+ALTERNATIVES = {"own": (None, {"gemm_config": "own"}, {}),
+                "dma-vendor": ("dma", {"producer": "vendor"}, {}),
+                "dma-kernel": ("dma", {"producer": "kernel"}, {}),
+                "dma-alt": ("dma", {"producer": "kernel", "dma_reduce_in_gemm": True, "schedule.flag_by_copy": False,
+                                    "schedule.lanes": 2}, {"chunks": (1, 2, 2, 1)}),
                 "dma-taper": ("dma", {"schedule.lanes": 2}, {"chunks": layout.TAPERED_CHUNKS})}
+
+
+def arm_name(mode, gather, transport) -> str:
+    return f"{mode}-{gather}-{transport or 'none'}"
 AUTO_LSA_ROWS = 256  # transport="auto" in this test: lsa up to 256 rows, copy engines above
 
 
@@ -236,7 +252,7 @@ def _fused_into(op, prob, b_pre, out):
                    prob.a.shape[0])
 
 
-def rank_main(quants=None):
+def rank_main(quants=None, arms=None):
     from cco import quant as Q
     from cco.bench.timing import budget_terms, override
     from cco.comm import Communicator
@@ -254,13 +270,24 @@ def rank_main(quants=None):
         else "one GPU per rank (symmetric-memory window)")
 
     failures = []
+    if "blockscale" in (quants or Q.QUANTS):
+        try:
+            _vendor_rows_rule(dev, log)
+        except Exception as err:
+            failures.append(f"blockscale vendor rows: {type(err).__name__}: {err}")
+            log("FAIL", failures[-1])
     for quant in quants or Q.QUANTS:
         probs, b_pre = _problems(rank, quant, M, dev)
         refs = [_reference_sum(p) for p in probs]
         local = budget_terms(probs[0])
         for mode, gather, transport in ARMS:
+            if arms and arm_name(mode, gather, transport) not in arms:
+                continue
             fp8 = gather == "fp8"
             real, overrides, options = ALTERNATIVES.get(transport, (transport, {}, {}))
+            if overrides.get("gemm_config") == "own":
+                from kernels_fused.hopper.gemm import TRITON_PLAIN
+                overrides = {"gemm_config": TRITON_PLAIN[quant]}
             with GemmAllReduceOp(comm, n=N, k=K, m_max=M, quant=quant, mode=mode, gather_dtype=gather,
                                  transport=real, **options) as op:
                 if transport == "auto":  # alternating M then switches paths between calls
@@ -287,7 +314,7 @@ def rank_main(quants=None):
                         torch.cuda.synchronize()
                         comm.barrier()
     # the self-test must fail when the transport moves nothing
-    for transport in ("dma", "lsa"):
+    for transport in () if arms else ("dma", "lsa"):
         with GemmAllReduceOp(comm, n=N, k=K, m_max=M, mode="fused", transport=transport,
                              faults=FaultPlan(silent=True)) as op:
             try:
@@ -303,6 +330,27 @@ def rank_main(quants=None):
         raise SystemExit("CUDA_OP_CHECKS FAILED:\n" + "\n".join(failures))
     log("CUDA_OP_CHECKS PASSED")
     comm.close()
+
+
+def _vendor_rows_rule(device, log):
+    from cco import quant as Q
+    from cco.bench.timing import budget_terms, gemm_mismatches
+    from kernels_fused.hopper import vendor
+
+    for m in (1, 2, 4, 6, 8, 12, 36, 66, 68, 100, 129, 130, 132, 260, 1000):
+        p = Q.random_problem(m, 2048, 512, "blockscale", seed=1, device=device)
+        try:
+            out = vendor.vendor_gemm(p.a, p.a_scale, vendor.prepare_weight(p.b, p.b_scale, "blockscale"))
+            ran = gemm_mismatches(out, *budget_terms(p)) == 0
+        except RuntimeError as err:  # CUBLAS_STATUS_NOT_SUPPORTED
+            if "NOT_SUPPORTED" not in str(err):
+                raise
+            ran = False
+        torch.cuda.synchronize()
+        if ran != vendor.takes_rows("blockscale", m):
+            raise AssertionError(f"cuBLAS's blockwise recipe {'ran' if ran else 'refused'} M={m}, vendor.takes_rows "
+                                 f"says {vendor.takes_rows('blockscale', m)}")
+    log("ok blockscale vendor.takes_rows matches what cuBLAS's blockwise recipe runs (M = 1 .. 1000)")
 
 
 def _repeat_poisoned(op, probs, b_pre, refs, log, quant):
@@ -388,7 +436,11 @@ if __name__ == "__main__":
     ap.add_argument("--quant", action="append", choices=QUANTS,
                     help="run only this quant format (repeatable; default: all): 4 ranks on one GPU "
                          "take more than 5 minutes per format")
-    rank_main(ap.parse_args().quant)
+    ap.add_argument("--arm", action="append", choices=[arm_name(*a) for a in ARMS],
+                    help="run only this arm, MODE-GATHER-TRANSPORT (repeatable; default: every arm and the "
+                         "silent-transport checks)")
+    args = ap.parse_args()
+    rank_main(args.quant, args.arm)
 
 
 def test_auto_transport_picks_lsa_below_the_threshold_and_self_tests_both_paths():
@@ -412,3 +464,16 @@ def test_auto_transport_picks_lsa_below_the_threshold_and_self_tests_both_paths(
     assert backend(16384, "dma").path_rows() == [16384] and not backend(16384, "dma").uses_lsa(1)
     assert backend(16384, "lsa").path_rows() == [16384] and backend(16384, "lsa").uses_lsa(16384)
     assert not backend(16384, "auto", mode="split").uses_lsa(1)  # split runs the copy engines only
+
+
+def test_dma_producer_rule_reads_its_table(monkeypatch):
+    """``DMA_PRODUCER`` (the producer of a dma call per quant and M, measured): the first row whose
+    largest M covers the call's M, the last row for every larger M; every quant has a row for every M."""
+    from cco.backends import cuda
+
+    monkeypatch.setattr(cuda, "DMA_PRODUCER", {**cuda.DMA_PRODUCER, "ptpc": ((4096, "kernel"), (None, "vendor"))})
+    assert [cuda.dma_producer("ptpc", m) for m in (1, 4096, 4097, 32768)] == ["kernel", "kernel", "vendor", "vendor"]
+    for quant in layout.QUANTS:
+        rows = cuda.DMA_PRODUCER[quant]
+        bounds = [largest for largest, _ in rows[:-1]]
+        assert rows[-1][0] is None and bounds == sorted(bounds) and {p for _, p in rows} <= set(cuda.PRODUCERS)

@@ -8,12 +8,17 @@ a run ended right):
   read (zeroed earlier, a tile still polling would wait forever or a late flag would survive into
   the next call); without it, it waits for each flag before the reduce kernel;
 - a peer's flag is set after the data it announces, by an 8-byte copy of the word holding
-  ``FLAG_SET`` (``flag_by_copy``) or by a write-value of it.
+  ``FLAG_SET`` (``flag_by_copy``) or by a write-value of it;
+- the producer of whole chunks (the vendor GEMM per chunk): each chunk's counters are released
+  on the call's stream after that chunk's GEMM and before the next one, each to exactly its
+  target; the puts then move a pitched block per destination (2-D copies of the row-major partial)
+  and the reduce kernel reads the same planes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import types
 
 import pytest
@@ -64,7 +69,7 @@ def _fake_cuda(log: _Log):
             log.current = before
 
     log.current = Stream()
-    log.current.name = "main"
+    log.current.name = log.current.cuda_stream = "main"
     return types.SimpleNamespace(Stream=Stream, Event=Event, stream=stream, current_stream=lambda: log.current,
                                  device=lambda device: contextlib.nullcontext(),
                                  is_current_stream_capturing=lambda: False, synchronize=lambda device=None: None)
@@ -86,21 +91,21 @@ class _Memops:
     def copy(self, stream, dst, src, nbytes):
         self.log.ops.append((stream, "copy", dst, src, nbytes))
 
-    def copy_2d(self, stream, **kw):
-        self.log.ops.append((stream, "copy_2d", kw["dst"]))
+    def copy_2d(self, stream, *, dst, dst_pitch, src, src_pitch, width, height):
+        self.log.ops.append((stream, "copy_2d", dst, dst_pitch, src, src_pitch, width, height))
 
 
-def _schedule(monkeypatch, log, *, gather, lanes=1):
+def _schedule(monkeypatch, log, *, gather, lanes=1, world=WORLD):
     from cco.cuda import dma
     from cco.window import Window
 
-    cfg = layout.build_config(n=1024, k=256, m_max=M, world=WORLD, quant="ptpc", transport="dma",
+    cfg = layout.build_config(n=512 * world, k=256, m_max=M, world=world, quant="ptpc", transport="dma",
                               gather_dtype=gather, block_m=128, block_n=128)
 
     class HostWindow(Window):
         def __init__(self):
-            super().__init__(comm=types.SimpleNamespace(rank=RANK, world=WORLD), layout=cfg.window)
-            self._buffers = [torch.zeros(cfg.window.nbytes, dtype=torch.uint8) for _ in range(WORLD)]
+            super().__init__(comm=types.SimpleNamespace(rank=RANK, world=world), layout=cfg.window)
+            self._buffers = [torch.zeros(cfg.window.nbytes, dtype=torch.uint8) for _ in range(world)]
 
         @property
         def device(self):
@@ -113,7 +118,10 @@ def _schedule(monkeypatch, log, *, gather, lanes=1):
             pass
 
     def kernel(name):
-        return lambda **kw: log.ops.append((log.current.name, name, kw["rows"]))
+        def launch(**kw):
+            planes = (kw["partial"].data_ptr(), kw["partial"].stride()) if "partial" in kw else ()
+            log.ops.append((log.current.name, name, kw["rows"]) + planes)
+        return launch
 
     monkeypatch.setattr(dma, "torch", types.SimpleNamespace(zeros=torch.zeros, full=torch.full, int64=torch.int64,
                                                             cuda=_fake_cuda(log)))
@@ -122,7 +130,7 @@ def _schedule(monkeypatch, log, *, gather, lanes=1):
     window = HostWindow()
     sched = dma.CopyEngineSchedule(config=cfg, window=window, device=torch.device("cpu"), memops=_Memops(log),
                                    lanes=lanes)
-    plan = layout.plan_call(cfg, m=M, seq=1, rank=RANK, counter_base=layout.zero_counters(WORLD))
+    plan = layout.plan_call(cfg, m=M, seq=1, rank=RANK, counter_base=layout.zero_counters(world))
     return sched, plan, window
 
 
@@ -163,7 +171,7 @@ def test_reduce_stream_and_peer_flags(monkeypatch, in_gemm, flag_by_copy, lanes)
         reduced = ("record", sched.reduced[c].name)
         assert counter in reduce and flag_zero in reduce and reduced in reduce
         assert reduce.index(counter) < reduce.index(flag_zero) < reduce.index(reduced)
-        kernel = ("reduce_kernel", plan.rows[c])
+        kernel = ("reduce_kernel", plan.rows[c], sched.partial.data_ptr(), sched.partial.stride())
         if in_gemm:
             assert flag_wait not in reduce and kernel not in reduce
         else:
@@ -206,3 +214,112 @@ def test_lanes_per_peer_and_their_bounds(monkeypatch):
         sched.run(plan, torch.zeros(M, 1024, dtype=torch.bfloat16), after_gemm=False)
     with pytest.raises(ValueError, match="lanes must be an int >= 1"):
         _schedule(monkeypatch, _Log(), gather="bf16", lanes=0)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_chunk_producer_releases_after_each_gemm_and_puts_pitched_blocks(monkeypatch, world):
+    """The vendor producer (``produce_by_chunks``) and the transfers of its row-major partial."""
+    log = _Log()
+    sched, plan, window = _schedule(monkeypatch, log, gather="bf16", world=world)
+    cfg = sched.cfg
+    by_rows = torch.as_strided(sched.partial, sched.partial.shape, layout.partial_strides(cfg, by_rows=True))
+    sched.begin(plan)
+    sched.produce_by_chunks(plan, lambda c: log.ops.append(("main", "gemm", plan.rows[c])))
+    sched.run(plan, torch.zeros(M, cfg.n, dtype=torch.bfloat16), after_gemm=False, partial=by_rows)
+    assert plan.chunks == 4
+    main = [op[1:] for op in log.ops if op[0] == "main" and op[1] in ("gemm", "write")]
+    counters = {_addr(sched.counters, layout.counter_index(d, c)): (d, c) for d in range(world) for c in range(8)}
+    main = [op for op in main if op[0] == "gemm" or op[1] in counters]  # not the stamp word
+    # per chunk: its GEMM, then one write per dest (own last) of exactly the slot's tiles
+    expect = []
+    for c in range(plan.chunks):
+        expect.append(("gemm", plan.rows[c]))
+        expect += [("write", _addr(sched.counters, layout.counter_index(d, c)), plan.slot_tiles(d, c))
+                   for d in layout.dest_order(RANK, world)]
+    assert main == expect
+    assert all(plan.slot_tiles(d, c) == plan.target(d, c) for d in range(world) for c in range(plan.chunks))
+    ns, row_bytes = cfg.n_slice, cfg.n * 2
+    for p in (d for d in layout.dest_order(RANK, world) if d != RANK):
+        puts = [op[1:] for op in log.ops if op[0] == sched.put[p][0].name]
+        recv = sched.peer[p]["recv"][RANK]
+        into_recv = range(recv.data_ptr(), recv.data_ptr() + recv.numel() * 2)
+        scatters = [op[0] for op in puts if op[0] in ("copy", "copy_2d") and op[1] in into_recv]
+        assert scatters == ["copy_2d"] * plan.chunks  # the chunks' data only as pitched blocks
+        for c, (r0, r1) in enumerate(plan.rows):
+            block = ("copy_2d", sched.peer[p]["recv"][RANK].data_ptr() + r0 * ns * 2, ns * 2,
+                     sched.partial.data_ptr() + r0 * row_bytes + p * ns * 2, row_bytes, ns * 2, r1 - r0)
+            wait = ("wait", _addr(sched.counters, layout.counter_index(p, c)), plan.slot_tiles(p, c))
+            assert block in puts and puts.index(wait) < puts.index(block)
+    reduce = [op[1:] for op in log.ops if op[0] == sched.reduce.name and op[1] == "reduce_kernel"]
+    assert reduce == [("reduce_kernel", rows, by_rows.data_ptr(), by_rows.stride()) for rows in plan.rows]
+
+
+def test_cuda_backend_vendor_producer_end_to_end_on_the_host(monkeypatch):
+    """The CUDA backend's fused dma call with the vendor producer, run on the host: torch's CPU
+    ``_scaled_mm`` is the vendor GEMM (ptpc), the streams and memory operations are the recorders
+    above. The partial region read row-major must hold the product's rows, every counter must be
+    released to its target once, and the transfers must read the row-major planes (pitched puts,
+    the reduce kernel's strides)."""
+    from cco import quant as Q
+    from cco.backends.cuda import CudaBackend
+    from cco.preshuffle import preshuffle_b
+
+    log = _Log()
+    sched, plan, window = _schedule(monkeypatch, log, gather="bf16")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr("cco.cuda.dma.CopyEngineSchedule", lambda **kw: sched)  # streams: the recorders
+    backend = CudaBackend(config=sched.cfg, comm=None, window=window, deadline_s=1.0)
+    backend.producer = "vendor"  # whatever DMA_PRODUCER picks for ptpc
+    cfg = sched.cfg
+    p = Q.random_problem(M, cfg.n, cfg.k, "ptpc", seed=4)
+    backend.fused(p.a, preshuffle_b(p.b), p.a_scale, p.b_scale, out=torch.zeros(M, cfg.n, dtype=torch.bfloat16),
+                  plan=plan)
+    want = torch._scaled_mm(p.a, p.b.t(), scale_a=p.a_scale.view(-1, 1), scale_b=p.b_scale.view(1, -1),
+                            out_dtype=torch.bfloat16, use_fast_accum=True)
+    assert torch.equal(backend.partial_rows[:M], want)
+    counter_words = {_addr(sched.counters, i) for i in range(sched.counters.numel())}
+    released = [op[2:] for op in log.ops if op[1] == "write" and op[2] in counter_words and op[3]]
+    assert sorted(released) == sorted((_addr(sched.counters, layout.counter_index(d, c)), plan.target(d, c))
+                                      for d in range(WORLD) for c in range(plan.chunks))
+    by_rows = backend.partial_by_rows
+    assert by_rows.stride() == layout.partial_strides(cfg, by_rows=True)
+    reduce = [op[2:] for op in log.ops if op[1] == "reduce_kernel"]
+    assert reduce == [(rows, by_rows.data_ptr(), by_rows.stride()) for rows in plan.rows]
+    assert sum(op[1] == "copy_2d" for op in log.ops) == plan.chunks * (WORLD - 1) + plan.chunks  # scatters, assembles
+
+
+@pytest.mark.parametrize("m, producer", [(128, "vendor"), (130, "kernel")])
+def test_cuda_backend_takes_the_kernel_producer_where_cublas_refuses_the_rows(monkeypatch, m, producer):
+    """blockscale: cuBLAS's blockwise recipe refuses row counts that are not a multiple of 4
+    (``kernels_fused.hopper.vendor.takes_rows``); a call with such an M runs the fused Triton kernel
+    into the dest-major planes instead (here under Triton's interpreter), the others the vendor
+    GEMM into the row-major ones. The transfers read what the producer wrote."""
+    from cco import quant as Q
+    from cco.backends.cuda import CudaBackend
+    from cco.preshuffle import preshuffle_b
+    from kernels_fused.hopper import vendor
+
+    pytest.importorskip("triton")
+    from tests.python.cco.test_triton_gemm import _blockwise_scaled_mm
+
+    log = _Log()
+    sched, _, window = _schedule(monkeypatch, log, gather="bf16")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch, "_scaled_mm", _blockwise_scaled_mm)  # the CPU build has no blockwise recipe
+    monkeypatch.setattr("cco.cuda.dma.CopyEngineSchedule", lambda **kw: sched)
+    cfg = layout.build_config(n=sched.cfg.n, k=256, m_max=M, world=WORLD, quant="blockscale", transport="dma",
+                              block_m=64, block_n=128)
+    backend = CudaBackend(config=cfg, comm=None, window=window, deadline_s=1.0)
+    backend.producer = "vendor"
+    backend.fused_config = dataclasses.replace(backend.fused_config, block_n=128, num_stages=1)  # interpreter-sized
+    backend.tile_weight = 1
+    plan = layout.plan_call(cfg, m=m, seq=1, rank=RANK, counter_base=layout.zero_counters(WORLD))
+    assert vendor.takes_rows("blockscale", plan.rows) == (producer == "vendor")
+    p = Q.random_problem(m, cfg.n, cfg.k, "blockscale", seed=5)
+    backend.fused(p.a, preshuffle_b(p.b), p.a_scale, p.b_scale, out=torch.zeros(m, cfg.n, dtype=torch.bfloat16),
+                  plan=plan)
+    planes = backend.partial_by_rows if producer == "vendor" else backend.partial
+    got = torch.cat([planes[d][:m] for d in range(WORLD)], dim=1)
+    assert Q.count_mismatches(got, p.reference()) == 0
+    reduce = [op[2:] for op in log.ops if op[1] == "reduce_kernel"]
+    assert reduce == [(rows, planes.data_ptr(), planes.stride()) for rows in plan.rows]

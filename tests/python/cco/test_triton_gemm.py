@@ -55,12 +55,12 @@ def test_plain_gemm_matches_reference(quant):
 
 @pytest.mark.parametrize("quant", Q.QUANTS)
 def test_warp_specialized_launch_computes_what_the_grid_one_does(quant):
-    """GemmConfig.launch="ws" (the ptpc default for fuse=False on Hopper): persistent programs
-    striding the grouped tile order and storing tiles through TMA in halves give the grid kernel's
-    bits, also where M is not a whole number of tiles (rows past M must not be stored)."""
-    from kernels_fused.hopper.gemm import GemmConfig, default_config, fp8_gemm
+    """GemmConfig.launch="ws" (ptpc's own plain kernel on Hopper): persistent programs striding the
+    grouped tile order and storing tiles through TMA in halves give the grid kernel's bits, also
+    where M is not a whole number of tiles (rows past M must not be stored)."""
+    from kernels_fused.hopper.gemm import TRITON_PLAIN, GemmConfig, default_config, fp8_gemm
 
-    assert default_config("ptpc", plain=True).launch == "ws" and default_config("ptpc").launch == "grid"
+    assert TRITON_PLAIN["ptpc"].launch == "ws" and default_config("ptpc").launch == "grid"
     for m in (1, M):
         p = Q.random_problem(m, N, K, quant, seed=3)
         cfg = GemmConfig(block_m=32, block_n=64, num_warps=4, num_stages=1)
@@ -111,24 +111,84 @@ def test_mxfp8_operands_dequantize_exactly_to_bf16():
         mx_to_bf16(p.a, p.a_scale[:, :4])
 
 
-def test_mxfp8_plain_gemm_through_cublas():
-    """``launch="cublas"`` (mxfp8's plain default on Hopper): torch's bf16 GEMM on the dequantized
-    operands computes the reference; it is refused where it would compute something else."""
-    from kernels_fused.hopper.gemm import GemmConfig, default_config, fp8_gemm
+def _blockwise_scaled_mm(a, b_t, *, scale_a, scale_b, out_dtype, out, use_fast_accum=False):
+    """torch._scaled_mm's blockwise recipe (A 1x128, B 128x128) as the CPU build lacks it: the
+    layout torch checks on CUDA (A scale [M, K/128] with strides (1, M); B scale given as the
+    [K/128, N/128] transpose of an [N/128, K/128] row-major tensor) and the row counts cuBLAS
+    refused on H200 (``vendor.takes_rows``), then the blockwise product."""
+    m, k = a.shape
+    if m % 4:
+        raise RuntimeError(f"CUBLAS_STATUS_NOT_SUPPORTED (stand-in): M={m}")
+    n, kb = b_t.shape[1], k // 128
+    assert scale_a.shape == (m, kb) and (m == 1 or scale_a.stride() == (1, m)), (scale_a.shape, scale_a.stride())
+    assert scale_b.shape == (kb, n // 128) and scale_b.t().stride() == (kb, 1), (scale_b.shape, scale_b.stride())
+    a_f = a.float() * scale_a.repeat_interleave(128, dim=1)
+    b_f = b_t.t().float() * scale_b.t().repeat_interleave(128, dim=0).repeat_interleave(128, dim=1)
+    return out.copy_((a_f @ b_f.t()).to(out_dtype))
 
-    assert default_config("mxfp8", plain=True).launch == "cublas" and default_config("mxfp8").launch == "grid"
-    cfg = GemmConfig(block_m=32, block_n=64, launch="cublas")
-    p = Q.random_problem(M, N, K, "mxfp8", seed=6)
+
+@pytest.mark.parametrize("quant", Q.QUANTS)
+def test_vendor_gemm_whole_and_by_row_chunks(quant, monkeypatch):
+    """``launch="cublas"`` (the vendor GEMM, kernels_fused.hopper.vendor) computes the reference for
+    every quant, whole and one call per chunk of rows (the fused path's vendor producer): each
+    chunk's call writes exactly its rows, every column (NaN poison elsewhere survives until its own
+    chunk), through the arguments torch's recipes take (blockscale: the packed chunk scales). ptpc
+    and mxfp8 run torch's CPU kernels; the CPU build has no blockwise recipe, so blockscale runs a
+    stand-in that asserts the layout torch checks on CUDA and computes the blockwise product."""
+    from cco import layout
+    from kernels_fused.hopper import vendor
+    from kernels_fused.hopper.gemm import VENDOR, fp8_gemm
+
+    if quant == "blockscale":
+        monkeypatch.setattr(torch, "_scaled_mm", _blockwise_scaled_mm)
+    p = Q.random_problem(M, N, K, quant, seed=6)
     out = torch.full((M, N), float("nan"), dtype=torch.bfloat16)
-    _assert_close(fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="mxfp8", out=out, config=cfg), p.reference(),
-                  "mxfp8", "cublas")
-    q = Q.random_problem(M, N, K, "ptpc", seed=6)
-    with pytest.raises(ValueError, match="launch='cublas' is mxfp8's plain GEMM"):
-        fp8_gemm(q.a, q.b, q.a_scale, q.b_scale, quant="ptpc", config=cfg)
+    whole = fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant=quant, out=out, config=VENDOR)
+    _assert_close(whole, p.reference(), quant, f"{quant} vendor")
+    cfg = layout.build_config(n=N, k=K, m_max=M, world=2, quant=quant, block_m=32, chunks=(1, 2))
+    rows = layout.chunk_rows(cfg, M)
+    assert len(rows) == 2 and rows[0][1] < M  # two calls, the second on rows that do not start at 0
+    buf = torch.full((M + 7, N), float("nan"), dtype=torch.bfloat16)
+    run = vendor.row_chunks(p.a, p.a_scale, vendor.prepare_weight(p.b, p.b_scale, quant), out=buf, rows=rows)
+    for c, (r0, r1) in enumerate(rows):
+        run(c)
+        assert torch.isfinite(buf[:r1].float()).all() and torch.isnan(buf[r1:].float()).all(), (quant, c)
+    assert torch.equal(buf[:M], whole), quant
+
+
+def test_vendor_config_is_refused_where_it_cannot_run():
+    from kernels_fused.hopper.gemm import VENDOR, fp8_gemm
+
+    p = Q.random_problem(M, N, K, "mxfp8", seed=6)
     with pytest.raises(ValueError, match="launch='cublas' is the plain GEMM's"):
         fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="mxfp8", out=torch.zeros(2, M, N // 2, dtype=torch.bfloat16),
                  fuse=True, tile_table=torch.zeros(1, 4, dtype=torch.int32),
-                 counters=torch.zeros(16, dtype=torch.int64), config=cfg)
+                 counters=torch.zeros(16, dtype=torch.int64), config=VENDOR)
+
+
+def test_plain_rule_picks_by_m_and_a_config_forces_either(monkeypatch):
+    """``default_config(plain=True, m=...)`` reads ``PLAIN_RULE`` row by row (the first row whose
+    largest M covers m; the last row takes every larger M), and an explicit GemmConfig overrides it
+    both ways: the vendor GEMM and the own kernel compute the same reference."""
+    from kernels_fused.hopper import gemm as G
+
+    own = G.TRITON_PLAIN["ptpc"]
+    monkeypatch.setattr(G, "PLAIN_RULE", {**G.PLAIN_RULE, "ptpc": ((128, own), (4096, G.VENDOR), (None, own))})
+    assert [G.default_config("ptpc", plain=True, m=m) for m in (1, 128, 129, 4096, 4097, 10 ** 6)] == [
+        own, own, G.VENDOR, G.VENDOR, own, own]
+    assert G.default_config("ptpc", plain=True) == own  # no M: the last row
+    # blockscale: the vendor GEMM where cuBLAS's blockwise recipe takes M, the own kernel elsewhere
+    monkeypatch.setattr(G, "PLAIN_RULE", {**G.PLAIN_RULE, "blockscale": ((None, G.VENDOR),)})
+    assert [G.default_config("blockscale", plain=True, m=m).launch for m in (1, 4, 129, 132)] == [
+        G.TRITON_PLAIN["blockscale"].launch, "cublas", G.TRITON_PLAIN["blockscale"].launch, "cublas"]
+    q = Q.random_problem(130, N, K, "blockscale", seed=8)
+    with pytest.raises(ValueError, match="M % 4 == 0"):
+        G.fp8_gemm(q.a, q.b, q.a_scale, q.b_scale, quant="blockscale", config=G.VENDOR)
+    p = Q.random_problem(M, N, K, "ptpc", seed=8)
+    small = G.GemmConfig(block_m=32, block_n=64, num_warps=4, num_stages=1)
+    for cfg in (G.VENDOR, small):
+        _assert_close(G.fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="ptpc", config=cfg), p.reference(), "ptpc",
+                      cfg.launch)
 
 
 @pytest.mark.parametrize("launch", ["ticket", "persistent"])

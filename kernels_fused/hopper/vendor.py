@@ -1,0 +1,163 @@
+"""The vendor GEMM on Hopper: cuBLAS through torch, for every quant, whole or one call per row chunk.
+
+Unfused equivalent: ``cco.quant.reference_gemm(a, b, a_scale, b_scale, quant)`` rounded to bf16.
+
+* ``ptpc``: ``torch._scaled_mm`` with row-wise scales (A's as [M, 1], B's as [1, N]); fast
+  accumulation unless asked for the precise one (the Triton kernel accumulates the same way by
+  default: ``GemmConfig.precise_acc``).
+* ``blockscale``: cuBLAS's blockwise recipe: A scaled per row and 128 columns ([M, K/128] M-major,
+  as ``cco.quant`` keeps it), B per 128x128 block ([N/128, K/128], passed as the transpose the
+  recipe reads for its [K, N] operand). torch wants the A scale's column stride to be the call's
+  own row count, so calls on row chunks of a larger A read a packed copy of the scales: one gather
+  per call for every chunk (:func:`chunk_scales`).
+* ``mxfp8``: cuBLAS on Hopper has no e8m0 block scaling. Both operands are dequantized exactly to
+  bf16 (:func:`mx_to_bf16`, why exact: ``kernels_fused.hopper.gemm``) and cuBLAS's bf16 GEMM runs
+  on them. The weight's bf16 copy is made once per weight (:func:`prepare_weight`), so a call
+  dequantizes only A.
+
+:func:`prepare_weight` turns a weight into what every call passes; :func:`vendor_gemm` runs the whole
+product; :func:`row_chunks` returns the chunk-granular producer of the fused copy-engine path
+(``cco.backends.cuda``): call ``c`` computes rows ``rows[c]`` of the product, every column, into the
+same rows of ``out``. Triton is imported only for mxfp8's dequantization.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from cco.quant import MX_GROUP
+
+PACK_INDEX_CACHE = 16  # blockscale scale-packing indices kept, one per (M, chunk rows)
+# cuBLAS's blockwise recipe refused calls on M = 1, 2, 6, 66, 129 and 130 rows (CUBLAS_STATUS_NOT_SUPPORTED
+# from its heuristic query; torch 2.11 + CUDA 13 on H200, 2026-12-02) and ran M = 4, 8, 12, 36, 68, 100,
+# 132, 260, 1000 and 4096 correctly: it takes row counts that keep the M-major A scale's columns 16-byte
+# aligned (M % 4 == 0; tests/python/cco/test_cuda_op.py checks this on every GPU run)
+BLOCKWISE_ROW_MULTIPLE = 4
+
+
+def takes_rows(quant: str, rows) -> bool:
+    """Whether the vendor GEMM of ``quant`` runs calls on each of ``rows`` (a row count, or the
+    ``(r0, r1)`` ranges of :func:`row_chunks`); where it does not, the own kernel runs instead
+    (``kernels_fused.hopper.gemm.default_config``, ``cco.backends.cuda``)."""
+    if quant != "blockscale":
+        return True
+    counts = [rows] if isinstance(rows, int) else [r1 - r0 for r0, r1 in rows]
+    return all(n % BLOCKWISE_ROW_MULTIPLE == 0 for n in counts)
+
+
+def mx_to_bf16(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """An mxfp8 operand ``x`` (e4m3 [R, K]) times its e8m0 group scales ([R, K/32]) as bf16 [R, K]:
+    exact for every value at or above bf16's normal range (``kernels_fused.hopper.gemm``). One pass."""
+    from kernels_fused.hopper import kernels as tk
+
+    rows, k = x.shape
+    if scale.shape != (rows, k // MX_GROUP):
+        raise ValueError(f"mx_to_bf16: scale must be [{rows}, {k // MX_GROUP}] for x [{rows}, {k}], "
+                         f"got {list(scale.shape)}")
+    x, bits = x.contiguous(), scale.contiguous().view(torch.uint8)
+    y = torch.empty(rows, k, dtype=torch.bfloat16, device=x.device)
+    groups, block = x.numel() // MX_GROUP, 64
+    tk.mx_to_bf16_kernel[(-(-groups // block),)](x, bits, y, groups, GROUP=MX_GROUP, BLOCK=block)
+    return y
+
+
+@dataclass(frozen=True)
+class VendorWeight:
+    """A weight as every vendor call passes it, prepared once (:func:`prepare_weight`)."""
+
+    quant: str
+    b_t: torch.Tensor  # [K, N] column-major: the e4m3 weight transposed (a view), mxfp8's bf16 copy
+    scale_b: torch.Tensor | None  # ptpc [1, N]; blockscale [K/128, N/128] (a view); mxfp8 None
+
+
+def prepare_weight(b: torch.Tensor, b_scale: torch.Tensor, quant: str) -> VendorWeight:
+    """``b`` is the row-major weight [N, K] (not preshuffled) and ``b_scale`` its scales in
+    ``quant``'s layout (``cco.quant``); mxfp8 dequantizes here, the others take views."""
+    if quant == "mxfp8":
+        return VendorWeight(quant, mx_to_bf16(b, b_scale).t(), None)
+    if quant == "ptpc":
+        return VendorWeight(quant, b.t(), b_scale.reshape(1, -1))
+    if quant == "blockscale":
+        return VendorWeight(quant, b.t(), b_scale.t())
+    raise ValueError(f"prepare_weight: quant={quant!r} has no vendor GEMM; pass ptpc, blockscale or mxfp8")
+
+
+def vendor_gemm(a: torch.Tensor, a_scale: torch.Tensor, weight: VendorWeight, *, out: torch.Tensor | None = None,
+                fast_accum: bool = True) -> torch.Tensor:
+    """``out[M, N] = dequant(a) @ dequant(b).T`` in bf16 through cuBLAS, on the current stream; returns
+    ``out`` (contiguous bf16 [M, N]; None: cuBLAS's call allocates it). ``fast_accum``: ptpc's
+    accumulation (the others ignore it). blockscale needs :func:`takes_rows`."""
+    if weight.quant == "mxfp8":
+        return torch.matmul(mx_to_bf16(a, a_scale), weight.b_t, out=out)
+    if weight.quant == "ptpc":
+        return torch._scaled_mm(a, weight.b_t, scale_a=a_scale.reshape(-1, 1), scale_b=weight.scale_b,
+                                out_dtype=torch.bfloat16, use_fast_accum=fast_accum, out=out)
+    return torch._scaled_mm(a, weight.b_t, scale_a=a_scale, scale_b=weight.scale_b, out_dtype=torch.bfloat16,
+                            out=out)
+
+
+def row_chunks(a: torch.Tensor, a_scale: torch.Tensor, weight: VendorWeight, *, out: torch.Tensor,
+               rows, fast_accum: bool = True) -> Callable[[int], None]:
+    """``fn(c)``: rows ``rows[c] = (r0, r1)`` of the product, every column, into ``out[r0:r1]`` (one
+    cuBLAS call on the current stream). ``rows`` tile ``[0, M)`` in order (``cco.layout.chunk_rows``);
+    ``out`` has at least M contiguous bf16 rows of N. What all chunks share (mxfp8's dequantized A,
+    blockscale's packed scales) is made here, once per call."""
+    if weight.quant == "mxfp8":
+        a_bf16 = mx_to_bf16(a, a_scale)
+
+        def mxfp8_rows(c):
+            r0, r1 = rows[c]
+            torch.matmul(a_bf16[r0:r1], weight.b_t, out=out[r0:r1])
+        return mxfp8_rows
+    if weight.quant == "ptpc":
+        scale = a_scale.reshape(-1, 1)
+
+        def ptpc_rows(c):
+            r0, r1 = rows[c]
+            torch._scaled_mm(a[r0:r1], weight.b_t, scale_a=scale[r0:r1], scale_b=weight.scale_b,
+                             out_dtype=torch.bfloat16, use_fast_accum=fast_accum, out=out[r0:r1])
+        return ptpc_rows
+    scales = chunk_scales(a_scale, rows)
+
+    def blockscale_rows(c):
+        r0, r1 = rows[c]
+        torch._scaled_mm(a[r0:r1], weight.b_t, scale_a=scales[c], scale_b=weight.scale_b,
+                         out_dtype=torch.bfloat16, out=out[r0:r1])
+    return blockscale_rows
+
+
+def chunk_scales(a_scale: torch.Tensor, rows) -> list[torch.Tensor]:
+    """blockscale: per chunk ``(r0, r1)`` of ``rows``, the A scales of its rows as the blockwise
+    recipe takes them: [r1 - r0, K/128] with strides (1, r1 - r0). The M-major [M, K/128] scale of
+    the whole A has column stride M, so the chunks' scales are gathered into one packed buffer
+    (chunk c's block at r0 * K/128, itself M-major) by one index_select."""
+    m, kb = a_scale.shape
+    if len(rows) == 1:
+        return [a_scale]
+    packed = torch.index_select(a_scale.t().reshape(-1), 0, _pack_index(m, kb, tuple(rows), a_scale.device))
+    return [packed[r0 * kb:r1 * kb].view(kb, r1 - r0).t() for r0, r1 in rows]
+
+
+def _pack_index(m: int, kb: int, rows: tuple, device: torch.device) -> torch.Tensor:
+    """Source positions (in the [K/128, M] row-major storage of an M-major scale) of the packed
+    chunk scales. Built with device kernels and kept, except while a graph is being captured: the
+    capture only records the kernels, so the tensor would hold its values only after a replay."""
+    key = (m, kb, rows, str(device))
+    index = _PACK_INDEX.get(key)
+    if index is None:
+        index = torch.cat([(torch.arange(kb, device=device)[:, None] * m
+                            + torch.arange(r0, r1, device=device)[None, :]).reshape(-1) for r0, r1 in rows])
+        if not (index.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _PACK_INDEX[key] = index
+            while len(_PACK_INDEX) > PACK_INDEX_CACHE:
+                _PACK_INDEX.pop(next(iter(_PACK_INDEX)))
+    return index
+
+
+_PACK_INDEX: dict = {}
+
+
+__all__ = ["VendorWeight", "chunk_scales", "mx_to_bf16", "prepare_weight", "row_chunks", "takes_rows", "vendor_gemm"]
