@@ -81,13 +81,13 @@ GEMM_BLOCK_M = 128  # wgmma-friendly tile rows; also the layout's m-tile (chunk 
 # blockscale's, whose fused kernel runs 64-row programs (CudaBackend.tile)
 GEMM_BLOCK_N = 128  # divides N/world for N = 7168 up to 8 ranks; ptpc gemm-only uses 128x256
 # fused dma: the GEMM computes every peer's tiles before its own, so the scatters run back to back
-# from the first slice on and the own tiles are computed while they fly (docs/BENCHMARKS.md compares
+# from the first slice on and the own tiles are computed while they fly (docs/experiments.md compares
 # it with the layout's chunk-major order)
 DMA_PEERS_FIRST = True
 # fused dma, an alternative: the GEMM's own tiles wait for the peers' chunks and reduce them in the
 # epilogue (kernels_fused.hopper.gemm.ReduceEpilogue) instead of a reduce kernel per chunk on a side
 # stream. Measured level with the reduce kernel at 16384x7168 (the link bounds both,
-# docs/BENCHMARKS.md); split mode and the self test always use the reduce kernel
+# docs/experiments.md); split mode and the self test always use the reduce kernel
 DMA_REDUCE_IN_GEMM = False
 # fused / split on the copy engines: who fills the partial region (module note), per quant as
 # ((largest M, producer), ...), the last row taking every larger M. Measured on one H200 with the window
@@ -106,7 +106,7 @@ DMA_PRODUCER = {
     "mxfp8": ((1024, "kernel"), (2048, "vendor"), (4096, "kernel"), (None, "vendor")),
 }
 PRODUCERS = ("kernel", "vendor")
-LSA_LAUNCH = "ticket"  # GemmConfig.launch of the lsa kernel (docs/BENCHMARKS.md compares the choices)
+LSA_LAUNCH = "ticket"  # GemmConfig.launch of the lsa kernel (docs/experiments.md compares the choices)
 # transport="auto": the lsa kernel while a rank's output has at most this many elements (M * N), the
 # copy engines above. Measured on 2 H200 at N=7168, K=2048, ptpc (docs/BENCHMARKS.md, sweep): bf16
 # gather lsa/dma 149/219 us at M=2048, 269/304 at 4096, 479/484 at 8192, 921/842 at 16384; fp8 gather

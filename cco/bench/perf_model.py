@@ -1,5 +1,5 @@
 """Cost model of the gemm-ar arms at world W, calibrated on the 2x H200 measurements of
-docs/BENCHMARKS.md: pure arithmetic (no torch), so it runs anywhere.
+docs/BENCHMARKS.md and docs/experiments.md: pure arithmetic (no torch), so it runs anywhere.
 
 It predicts, per ``(M, world, quant, gather)`` at N = 7168, K = 2048 per rank:
 
@@ -68,7 +68,7 @@ QUANTS = ("ptpc", "blockscale")
 GATHERS = ("bf16", "fp8")
 
 # --------------------------------------------------------------------------------------------------
-# what was measured (docs/BENCHMARKS.md, 2x H200, 2026-11-30); times in us
+# what was measured (docs/BENCHMARKS.md and docs/experiments.md, 2x H200, 2026-11-30); times in us
 # --------------------------------------------------------------------------------------------------
 H200X2 = {
     # "Sweep over M" table, 19:26 UTC, --graph, ptpc, chunks = 4
@@ -94,7 +94,7 @@ H200X2 = {
     "profile_chunk_rows": 4096,
     # the profile's peer copies: 29.4 MB in 77-86 us each
     "copy_gbs_range": (341.0, 381.0),
-    # one H200, 16384x7168x2048, graph replays, 2026-12-01 20:00 UTC (docs/BENCHMARKS.md): the Triton
+    # one H200, 16384x7168x2048, graph replays, 2026-12-01 20:00 UTC (docs/experiments.md, blockscale): the Triton
     # fused-launch kernels (blockscale 64x128 of 4 warps, ptpc 128x256 grid), and cuBLAS (blockwise
     # recipe; ptpc with fast accumulation, as the sweep's scaled_mm)
     "triton_blockscale_us": 578.7,

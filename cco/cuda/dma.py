@@ -54,7 +54,7 @@ for every call with the same M and ``out``.
 
 Replayed side work (``replay=True``, the CUDA backend): an eager call spends most of its host time
 issuing the side streams' ~50 waits, writes, copies and kernel launches (757 us per call at
-M=2048 on an H200 host, docs/BENCHMARKS.md). So the schedule captures that work into a CUDA graph
+M=2048 on an H200 host, docs/experiments.md). So the schedule captures that work into a CUDA graph
 the second time it sees a (M, ``out`` address) and from then on replays it on a launch stream gated
 like the side streams (``GraphCache``); the GEMM stays an ordinary launch. While the caller itself
 captures a graph, the work is enqueued as usual (and lands in the caller's graph).
@@ -85,16 +85,16 @@ GRAPH_CACHE = 8  # captured side-work graphs kept per op (least recently used dr
 REPLAYS_PER_CAPTURE = 8
 # CUDA: a peer's flag set by an 8-byte copy from a local word holding FLAG_SET, queued on the copy
 # engine behind the data it announces, instead of a stream write-value into peer memory: 820.2 vs
-# 835.7 us at 16384x7168 on 2 H200 (docs/BENCHMARKS.md)
+# 835.7 us at 16384x7168 on 2 H200 (docs/experiments.md)
 FLAG_BY_COPY = True
 # put streams per rank that take the put steps in turn, at least one per peer (module note, "Lanes";
-# docs/BENCHMARKS.md). 1 until two GPUs measure 2 (one GPU did: steps-2-lanes of scripts/bench_link)
+# docs/experiments.md). 1 until two GPUs measure 2 (one GPU did: steps-2-lanes of scripts/bench_link)
 PUT_LANES = 1
 LANES_MADE = 2  # put streams per rank a schedule makes (a call may use fewer: the benchmark's arms)
 # Programs of the reduce and assemble kernels beside the fused GEMM. None: one program per row (and
 # the bf16 assemble on the driver's pitched copy). Fewer programs, striding the rows, leave the
 # GEMM more multiprocessors but put a slower reduce on the critical path: 32 measured 1103 us
-# against 833 us at 16384x7168 (docs/BENCHMARKS.md).
+# against 833 us at 16384x7168 (docs/experiments.md).
 SIDE_PROGRAMS: int | None = None
 
 
@@ -150,7 +150,7 @@ def submission_order(chunks: int, *, scatters_first: bool = False) -> list[tuple
     (S: scatter, G: gather): the copies use the link one at a time, a scatter is never slowed by a
     gather beside it (the chunk it carries gates a reduce on the peer), and each gather is queued
     behind one scatter, by when its reduce has usually run. Separate scatter and gather streams
-    measured 890 us against 857 us at 16384x7168 on 2 H200 (docs/BENCHMARKS.md).
+    measured 890 us against 857 us at 16384x7168 on 2 H200 (docs/experiments.md).
 
     The order of submission matters beyond each stream's order: streams are multiplexed onto a few
     hardware queues, and a blocked wait holds every later submission of its queue. So nothing is

@@ -102,7 +102,7 @@ class GemmConfig:
 
 
 # Hopper defaults of the tile-table kernels (fused, lsa), measured on H200 at 16384x7168x2048
-# (docs/BENCHMARKS.md): ptpc 128x256, 3 stages (427 us; 4 stages 433, 256x128 446, pointer loads 432);
+# (docs/experiments.md): ptpc 128x256, 3 stages (427 us; 4 stages 433, 256x128 446, pointer loads 432);
 # blockscale 64x128, 4 warps, 3 stages, so that three programs share an SM (581-594 us; 128x128 with 8
 # warps 752-782, 64x128 with 2 / 4 stages 691-717 / 645-674, 128x64 699, 64x64 817; the same order at
 # M = 2048, 4096 and 8192); mxfp8 (bf16 operands) 128x128, BLOCK_K 64, 3 stages (the fused launch
@@ -458,7 +458,7 @@ def lsa_walk_rows(cfg, *, m: int, rank: int, width: int, interleave: bool = Fals
     0, 1, ...: scatter c, reduce c - 1, assemble c - 2, so the link always carries both a scatter
     and a gather while the programs keep computing. Every entry waits only for peer entries that
     sit earlier in the peer's walk, which is what makes any claim order deadlock-free. On 2 H200 at
-    16384x7168x2048 the phased walk measured 913 us and the interleaved one 974 us (docs/BENCHMARKS.md)."""
+    16384x7168x2048 the phased walk measured 913 us and the interleaved one 974 us (docs/experiments.md)."""
     from cco import layout
 
     rows = layout.tile_table_rows(layout.tile_table(cfg, m=m, rank=rank, dest_major=True))

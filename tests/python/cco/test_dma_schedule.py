@@ -268,6 +268,7 @@ def test_cuda_backend_vendor_producer_end_to_end_on_the_host(monkeypatch):
     sched, plan, window = _schedule(monkeypatch, log, gather="bf16")
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr("cco.cuda.dma.CopyEngineSchedule", lambda **kw: sched)  # streams: the recorders
+    monkeypatch.setattr(CudaBackend, "watched", False)  # the watchdog's pinned words need a device
     backend = CudaBackend(config=sched.cfg, comm=None, window=window, deadline_s=1.0)
     backend.producer = "vendor"  # whatever DMA_PRODUCER picks for ptpc
     cfg = sched.cfg
@@ -307,6 +308,7 @@ def test_cuda_backend_takes_the_kernel_producer_where_cublas_refuses_the_rows(mo
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch, "_scaled_mm", _blockwise_scaled_mm)  # the CPU build has no blockwise recipe
     monkeypatch.setattr("cco.cuda.dma.CopyEngineSchedule", lambda **kw: sched)
+    monkeypatch.setattr(CudaBackend, "watched", False)  # the watchdog's pinned words need a device
     cfg = layout.build_config(n=sched.cfg.n, k=256, m_max=M, world=WORLD, quant="blockscale", transport="dma",
                               block_m=64, block_n=128)
     backend = CudaBackend(config=cfg, comm=None, window=window, deadline_s=1.0)
