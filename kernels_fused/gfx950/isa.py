@@ -167,6 +167,13 @@ def _reads_per_event(schedule, half: str) -> int:
     return 2 * (g.n_tiles_a if half[0] == "A" else g.n_tiles_b)  # two ds_read_b128 per MFMA tile
 
 
+def _stage_reads_per_store(schedule) -> int:
+    from .byte_layout import CStage
+
+    g = schedule.geometry
+    return CStage(n_a=g.n_tiles_a, n_b=g.n_tiles_b).stores
+
+
 def _mfmas_per_event(schedule) -> int:
     g = schedule.geometry
     return g.n_tiles_a * g.n_tiles_b
@@ -208,6 +215,8 @@ def schedule_intervals(schedule, *, wave: int | None = None) -> list[Interval]:
             cur.ds_reads += _reads_per_event(schedule, ev.half)
         elif isinstance(ev, S.Mfma):
             cur.mfmas += _mfmas_per_event(schedule)
+        elif isinstance(ev, S.StoreC):  # the staged quarter read back, 16 bytes per lane per store
+            cur.ds_reads += _stage_reads_per_store(schedule)
         elif ev.is_barrier:
             if isinstance(ev, S.WaitBarrier):
                 vm.wait(ev.vmcnt)

@@ -265,7 +265,9 @@ def _emit_trace(schedule, quant):
     lds = {h: (f"{h}.slot0", f"{h}.slot1") for h in ("a0", "a1", "b0", "b1")}
     emitter = PipelineEmitter(cfg=cfg, parts=P, lds=lds, dma={h: Dma(h) for h in lds},
                               readers={"a": Reader("a"), "b": Reader("b")}, mfma=Mfma(), scales=Scales(),
-                              store=lambda name, acc, a, b: trace.append(("store", name)))
+                              stage=lambda name, acc, a, b, scales: trace.append(("stage", name)),
+                              store=lambda name, a, b: trace.append(("store", name)),
+                              flush=lambda: trace.append(("flush",)))
     segments, groups = split_by_group([ev for _, ev in schedule.program()])
     for i, seg in enumerate(segments):
         emitter.run(seg)
@@ -280,11 +282,12 @@ def _emit_trace(schedule, quant):
 @pytest.mark.parametrize("K", [256, 640])
 def test_emitter_emits_exactly_the_schedule(variant, quant, tile, K):
     """Every schedule event becomes its code in program order (waits/barriers as asm, loads into
-    slot ktile % 2, MFMAs on the fragments of the K tile they name); nothing else is emitted."""
+    slot ktile % 2, MFMAs on the fragments of the K tile they name, the C stage written before one
+    flush and the read-back stores); nothing else is emitted."""
     from kernels_fused.pipeline import schedule as S
 
     sched = S.build_schedule(block_m=tile[0], block_n=tile[1], k=K, quant=quant, variant=variant)
-    want, in_call = [], False  # an MFMA call: s_setprio(1) ... s_setprio(0); s_barrier
+    want, in_call, staged = [], False, False  # an MFMA call: s_setprio(1) ... s_setprio(0); s_barrier
     for _, ev in sched.program():
         if isinstance(ev, S.LoadTile):
             want.append(("load", ev.half.lower(), ev.ktile, f"{ev.half.lower()}.slot{ev.ktile % 2}"))
@@ -309,7 +312,13 @@ def test_emitter_emits_exactly_the_schedule(variant, quant, tile, K):
                 in_call = True
             kind = {"ptpc": False, "mxfp8": True, "blockscale": "folded"}[quant]
             want.append(("mfma", f"{ev.a}.slot{ev.ktile % 2}", f"{ev.b}.slot{ev.ktile % 2}", kind))
+        elif isinstance(ev, S.StageC):
+            want.append(("stage", ev.acc))
+            staged = True
         elif isinstance(ev, S.StoreC):
+            if staged:  # the wave's stage writes land before its first read-back
+                want.append(("flush",))
+                staged = False
             want.append(("store", ev.acc))
         else:
             assert isinstance(ev, S.WaitVm), ev
