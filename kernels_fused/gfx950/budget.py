@@ -49,7 +49,8 @@ class Region:
     salu: int = 0  # s_* other than waits, barriers, branches and s_nop
     mfma: int = 0
     dma: int = 0  # buffer_load_dwordx4 ... lds
-    vm_loads: int = 0  # global/buffer loads into registers (scales, tile table)
+    vm_loads: int = 0  # global/buffer loads into registers (scales)
+    atomics: int = 0  # the fused publish
     ds_read: int = 0
     ds_write: int = 0
     barriers: int = 0
@@ -61,7 +62,7 @@ class Region:
 
 
 def _region(instrs: list[Instr]) -> Region:
-    c = dict(instructions=len(instrs), valu=0, salu=0, mfma=0, dma=0, vm_loads=0, ds_read=0, ds_write=0,
+    c = dict(instructions=len(instrs), valu=0, salu=0, mfma=0, dma=0, vm_loads=0, atomics=0, ds_read=0, ds_write=0,
              barriers=0, scratch=0, stores=0, full_drains=0, store_waits=0)
     widths = set()
     vm = []  # per outstanding VM op in issue order: is it a store
@@ -79,7 +80,7 @@ def _region(instrs: list[Instr]) -> Region:
             c["dma"] += 1
             vm.append(False)
         elif ins.kind == "vm":
-            c["vm_loads"] += 1
+            c["atomics" if "atomic" in op else "vm_loads"] += 1
             vm.append(False)
         elif ins.kind == "ds_read":
             c["ds_read"] += 1
@@ -152,3 +153,155 @@ def profile(isa: str, *, k_tiles: int) -> Profile:
                    loop_scratch=sum(x.op.startswith("scratch_") for x in instrs[first_mfma:last_mfma]),
                    vgprs=res.vgprs, vgpr_spills=res.vgpr_spills, scratch_bytes=res.scratch_bytes,
                    lds_bytes=res.lds_bytes)
+
+
+# --------------------------------------------------------------------------------------------------
+# limits: what every variant of our kernel must stay within
+# --------------------------------------------------------------------------------------------------
+PROLOGUE_LIMIT = 240  # instructions; measured max 200 (mxfp8 256x256 K=8192), upstream 287, this kernel before 364-390
+VALU_PER_MFMA = 8  # blockscale's fold is 6 VALU per MFMA (sa * sb, * part, + acc); the rest is scheduling slack
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The budget of one variant. ``None``: not limited."""
+
+    iteration_mfma: int  # exactly the schedule's, per K step
+    iteration_dma: int  # exactly
+    iteration_ds_read: int  # exactly
+    iteration_barriers: int  # exactly
+    iteration_full_drains: int  # at most: no s_waitcnt vmcnt(0) inside a K step
+    iteration_valu: int  # at most
+    prologue: int  # at most, instructions
+    epilogue_stores: int  # at most, per wave
+    store_bytes: int  # every store writes this many bytes per lane
+    store_waits: int  # at most: vmcnt waits that force a C store to complete (the fused publish: 1)
+    epilogue_scale_loads: int  # at most
+    vgprs: int  # at most
+    vgpr_spills: int  # at most
+    scratch_bytes: int  # at most
+    lds_bytes: int  # exactly
+
+
+def limits(cfg) -> Limits:
+    """The budget of ``cfg`` (a ``kernel.KernelConfig``), from its schedule and stage layout."""
+    from kernels_fused.pipeline import schedule as S
+
+    from .byte_layout import CStage, C_GRANULE
+
+    sched = cfg.schedule()
+    g = sched.geometry
+    step = [op for ph, op in sched.program() if ph.section == "loop" and ph.step == 0]
+    mfmas = sum(g.n_tiles_a * g.n_tiles_b for op in step if isinstance(op, S.Mfma))
+    scale_loads = sum(op.n_vm for op in step if isinstance(op, S.ScaleLoad))
+    dma = sum(op.n_vm for op in step if isinstance(op, S.LoadTile))
+    valu = {"ptpc": 0,  # as upstream: every address is formed before the loop
+            "mxfp8": scale_loads + dma,  # at most one add per scale load and per DMA load
+            "blockscale": VALU_PER_MFMA * mfmas + scale_loads + dma}[cfg.quant]
+    stage = CStage(n_a=g.n_tiles_a, n_b=g.n_tiles_b)
+    return Limits(
+        iteration_mfma=mfmas, iteration_dma=dma,
+        iteration_ds_read=sum(2 * (g.n_tiles_a if op.half[0] == "A" else g.n_tiles_b)
+                              for op in step if isinstance(op, S.LdsRead)),
+        iteration_barriers=sum(op.is_barrier for op in step), iteration_full_drains=0, iteration_valu=valu,
+        prologue=PROLOGUE_LIMIT, epilogue_stores=4 * stage.stores, store_bytes=C_GRANULE,
+        store_waits=1 if cfg.fuse else 0,
+        epilogue_scale_loads=sum(g.epilogue_scale_vm(h) for h in S.HALVES), vgprs=VGPR_LIMIT, vgpr_spills=0,
+        scratch_bytes=0, lds_bytes=cfg.lds_bytes)
+
+
+def check(prof: Profile, lim: Limits) -> list[str]:
+    """One line per limit ``prof`` violates (empty: within budget)."""
+    bad = []
+
+    def want(what, got, limit, exact=False):
+        if (got != limit) if exact else (got > limit):
+            bad.append(f"{what}: {got}, {'must be' if exact else 'limit'} {limit}")
+
+    it = prof.iteration
+    if it is not None:
+        want("MFMA per K step", it.mfma, lim.iteration_mfma, exact=True)
+        want("DMA loads per K step", it.dma, lim.iteration_dma, exact=True)
+        want("ds_read per K step", it.ds_read, lim.iteration_ds_read, exact=True)
+        want("barriers per K step", it.barriers, lim.iteration_barriers, exact=True)
+        want("s_waitcnt vmcnt(0) in a K step", it.full_drains, lim.iteration_full_drains)
+        want("VALU per K step", it.valu, lim.iteration_valu)
+        want("spill instructions in the main loop", prof.loop_scratch, 0)
+    want("prologue instructions", prof.prologue.instructions, lim.prologue)
+    ep = prof.epilogue
+    want("epilogue stores per wave", ep.stores, lim.epilogue_stores)
+    if ep.store_bytes != (lim.store_bytes,):
+        bad.append(f"store bytes per lane: {'/'.join(map(str, ep.store_bytes))}, must be {lim.store_bytes}")
+    want("waits on C stores", ep.store_waits, lim.store_waits)
+    want("epilogue scale loads", ep.vm_loads, lim.epilogue_scale_loads)
+    want("VGPRs", prof.vgprs, lim.vgprs)
+    want("spilled VGPRs", prof.vgpr_spills, lim.vgpr_spills)
+    want("scratch bytes", prof.scratch_bytes, lim.scratch_bytes)
+    want("LDS bytes", prof.lds_bytes, lim.lds_bytes, exact=True)
+    return bad
+
+
+# --------------------------------------------------------------------------------------------------
+# the sweep
+# --------------------------------------------------------------------------------------------------
+SWEEP_K = (256, 384, 512, 1024, 2048, 8192)
+SWEEP_QUANTS = ("ptpc", "blockscale", "mxfp8")
+SWEEP_TILES = ("256x256", "128x256", "256x128")
+COLUMNS = ("prologue", "iteration", "iteration VALU", "epilogue", "epilogue stores", "store bytes/lane",
+           "store waits", "full drains", "VGPRs", "spilled VGPRs", "scratch B")
+
+
+def budget_variant(args) -> tuple:
+    """(quant, tile, K, fuse) -> (the same, profile row, violations): compiles one variant."""
+    from .isa import compile_variant
+
+    quant, tile, K, fuse = args
+    cfg, isa = compile_variant(quant=quant, tile=tile, K=K, fuse=fuse)
+    prof = profile(isa, k_tiles=cfg.k_tiles)
+    return args, prof.row(), check(prof, limits(cfg))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kernels_fused.gfx950.budget",
+                                 description="Compile variants for gfx950 and check each against its ISA budget.")
+    ap.add_argument("--quant", nargs="+", default=SWEEP_QUANTS, choices=SWEEP_QUANTS)
+    ap.add_argument("--tile", nargs="+", default=SWEEP_TILES, choices=SWEEP_TILES)
+    ap.add_argument("-k", "--K", nargs="+", type=int, default=SWEEP_K, dest="K")
+    ap.add_argument("--mode", nargs="+", default=("gemm-only", "fused"), choices=("gemm-only", "fused"))
+    ap.add_argument("--jobs", type=int, default=2, help="compiles in parallel (processes)")
+    ap.add_argument("--markdown", action="store_true", help="print a markdown table")
+    args = ap.parse_args(argv)
+
+    from .toolchain import flydsl_available
+
+    why = flydsl_available()
+    if why:
+        print(f"kernels_fused.gfx950.budget: cannot compile for gfx950 here: {why}", file=sys.stderr)
+        return 2
+    jobs = [(q, t, k, m == "fused") for q in args.quant for t in args.tile for k in args.K for m in args.mode]
+    sep = " | " if args.markdown else "  "
+    head = ["quant", "tile", "K", "mode", "budget", *COLUMNS]
+    print(("| " + sep.join(head) + " |") if args.markdown else sep.join(head))
+    if args.markdown:
+        print("|" + "---|" * len(head))
+    failed = 0
+    with _pool(args.jobs) as pool:
+        for (quant, tile, K, fuse), row, bad in pool.map(budget_variant, jobs):
+            cells = [quant, tile, str(K), "fused" if fuse else "gemm-only", "FAIL" if bad else "PASS",
+                     *(str(row[c]) for c in COLUMNS)]
+            print(("| " + sep.join(cells) + " |") if args.markdown else sep.join(cells), flush=True)
+            for line in bad:
+                print(f"    over budget: {line}")
+            failed += bool(bad)
+    print(f"{failed} of {len(jobs)} variant(s) over budget")
+    return 1 if failed else 0
+
+
+def _pool(jobs: int):
+    from concurrent.futures import ProcessPoolExecutor
+
+    return ProcessPoolExecutor(max_workers=max(1, jobs))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

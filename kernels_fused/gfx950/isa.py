@@ -29,6 +29,7 @@ CLI::
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import sys
 import tempfile
@@ -402,6 +403,12 @@ def compile_variant(*, quant: str, tile: str, K: int, fuse: bool, variant: str =
         with tempfile.TemporaryDirectory(prefix="cco-isa-") as d:
             return cfg, compile_to_isa(cfg, dump_dir=d)
     return cfg, compile_to_isa(cfg, dump_dir=dump_dir)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(quant: str, tile: str, K: int, fuse: bool, variant: str = "shipped", mfma_barriers: bool = True):
+    """:func:`compile_variant`, memoized per process: the test tiers check the same variants several ways."""
+    return compile_variant(quant=quant, tile=tile, K=K, fuse=fuse, variant=variant, mfma_barriers=mfma_barriers)
 
 
 def check_variant(*, quant: str, tile: str, K: int, fuse: bool, variant: str = "shipped",

@@ -5,10 +5,11 @@ nothing compiled here is ever launched. CI compiles a representative set; the fu
 ``python -m kernels_fused.gfx950.isa --check-all``.
 """
 
-import functools
+import itertools
 import os
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -71,6 +72,118 @@ def test_fragments_hold_the_rows_and_k_bytes_the_mfma_expects(block_m, block_n):
                     assert torch.equal(frag, B[col, k_bytes].to(torch.int16)), (h, wave, lane, j)
 
 
+# --------------------------------------------------------------------------------------------------
+# host: the epilogue's bytes, replayed element by element against the direct-store epilogue it replaced
+# --------------------------------------------------------------------------------------------------
+def _workgroups(block_m, block_n, fuse):
+    """(c_row_base, row0, b_row0, c_col0, ldc, c_rows) of every workgroup of a small problem: gemm-only
+    [2 BLOCK_M, 2 BLOCK_N]; fused: world 2, rank 1, two chunks, every row of cco.layout's tile table."""
+    from cco import layout
+
+    m = 2 * block_m
+    if not fuse:
+        n = 2 * block_n
+        return [(0, r, c, c, n, m) for r in (0, block_m) for c in (0, block_n)]
+    world, n = 2, 2 * 2 * block_n
+    lay = layout.build_config(n=n, k=256, m_max=m, world=world, quant="ptpc", mode="fused", chunks=2,
+                              block_m=block_m, block_n=block_n)
+    rows = layout.tile_table_rows(layout.tile_table(lay, m=m, rank=1))
+    assert {dest for _, dest, _, _ in rows} == {0, 1} and len({chunk for chunk, _, _, _ in rows}) == 2
+    return [(dest * lay.m_max_padded, row0, dest * lay.n_slice + col0, col0, lay.n_slice, lay.m_max_padded)
+            for _, dest, row0, col0 in rows]
+
+
+def _replay_epilogue(block_m, block_n, fuse, *, staged):
+    """C element (flat index) -> (source register, A scale index, B scale index) for every element the
+    epilogue writes: the direct stores (``staged=False``: C[row, col] = bf16(acc[i, j][e] * sa * sb),
+    one buffer_store_short per value) or the LDS stage and its 16-byte stores (``byte_layout.CStage``
+    and the scale offsets, composed as ``stages.CEpilogue`` / ``RowScales`` compose them). The
+    register is (workgroup, wave, lane, quarter, i, j, e)."""
+    n_a, n_b, half_m, half_n = block_m // 64, block_n // 128, block_m // 2, block_n // 2
+    lane = np.arange(L.WAVE)
+    stage = L.CStage(n_a=n_a, n_b=n_b)
+    out = {}
+    for wg, (c_row_base, row0, b_row0, c_col0, ldc, c_rows) in enumerate(_workgroups(block_m, block_n, fuse)):
+        lds = {}  # the workgroup's LDS bytes -> the register staged there
+        for wave in range(L.N_WAVES):
+            wave_m, wave_n = wave // 4, wave % 4
+            a_row0, b_wave_row0 = row0 + wave_m * 16 * n_a, b_row0 + wave_n * 16 * n_b
+            for q, (rh, ch) in enumerate(((0, 0), (0, 1), (1, 0), (1, 1))):
+                for i in range(n_a):
+                    for j in range(n_b):
+                        for e in range(4):
+                            regs = [(wg, wave, int(l), q, i, j, e) for l in lane]
+                            if staged:  # the scales' per-lane bases plus the half and tile immediates
+                                sa = (L.row_scale_base(lane=lane, row0=a_row0)
+                                      + L.tile_scale_imm(half=rh, half_rows=half_m, tile=i)) // L.F32_BYTES + e
+                                sb = (L.col_scale_base(lane=lane, col0=b_wave_row0)
+                                      + L.tile_scale_imm(half=ch, half_rows=half_n, tile=j)) // L.F32_BYTES
+                                b, imm = stage.write_imm(q, i, j, e)
+                                for r, addr, x, y in zip(regs, stage.write_bases(lane, wave)[b] + imm, sa, sb):
+                                    assert addr not in lds, f"two values staged at LDS byte {addr}"
+                                    lds[addr] = (r, int(x), int(y))
+                            else:  # the replaced epilogue: Bf16Store.tile and the scale reads of kernel._stages
+                                row = a_row0 + rh * half_m + 16 * i
+                                sa = row + (lane // 16) * 4 + e
+                                sb = b_wave_row0 + ch * half_n + 16 * j + lane % 16
+                                col = c_col0 + ch * half_n + wave_n * 16 * n_b + 16 * j + lane % 16
+                                flat = (c_row_base + row + (lane // 16) * 4 + e) * ldc + col
+                                for r, f, x, y in zip(regs, flat, sa, sb):
+                                    assert int(f) not in out, f"element {f} written twice"
+                                    out[int(f)] = (r, int(x), int(y))
+                if staged:  # the read-back, 16 bytes per lane, and the global store of quarter q
+                    voff0 = stage.store_lane_offset(lane, row0=c_row_base + a_row0,
+                                                    col0=c_col0 + wave_n * 16 * n_b, ldc=ldc)
+                    for n in range(stage.stores):
+                        src = stage.read_base(lane, wave) + stage.read_imm(q, n)
+                        voff = voff0 + stage.store_step_offset(n, row_offset=rh * half_m, col_offset=ch * half_n,
+                                                               ldc=ldc)
+                        assert (voff % L.C_GRANULE == 0).all() and ((voff // 2) % ldc + L.C_VECTOR <= ldc).all()
+                        for a, f in zip(src, voff // L.C_BYTES):
+                            for k in range(L.C_VECTOR):  # one store never straddles a row (bounds drop rows whole)
+                                assert int(f) + k not in out, f"element {int(f) + k} stored twice"
+                                out[int(f) + k] = lds.pop(int(a) + L.C_BYTES * k)
+        assert not lds, f"{len(lds)} staged values were never stored"
+    return out
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["gemm", "fused"])
+@pytest.mark.parametrize("block_m,block_n", [(256, 256), (128, 256), (256, 128)], ids=lambda v: str(v))
+def test_staged_epilogue_writes_the_bytes_of_the_direct_one(block_m, block_n, fuse):
+    """Guards the epilogue's address arithmetic: through the LDS stage and its 16-byte stores every C
+    element of every workgroup (gemm-only, and fused with cco.layout's tile table: dest planes,
+    column slices) gets exactly the register, and (ptpc) the A and B scale indices, the direct
+    per-value stores gave it, and nothing else is written. blockscale and mxfp8 store the
+    accumulators unscaled through the same path, so the register map is their whole proof; the
+    value is bf16(acc * (sa * sb)) in the same fp32 order in both (kernel._stages.stage)."""
+    old = _replay_epilogue(block_m, block_n, fuse, staged=False)
+    new = _replay_epilogue(block_m, block_n, fuse, staged=True)
+    assert len(new) == len(old) == len(_workgroups(block_m, block_n, fuse)) * block_m * block_n
+    assert new == old
+
+
+def test_the_stage_fits_the_operand_buffers_and_its_accesses_are_bank_conflict_free():
+    """The C tile in bf16 fits in the A/B buffers it reuses; each ds_write_b16 (64 lanes, 2 bytes) and
+    each group of 8 lanes of a ds_read_b128 touches 32 distinct 4-byte banks."""
+    from kernels_fused.gfx950.kernel import TILES, kernel_config
+
+    lane = np.arange(L.WAVE)
+    for bm, bn in TILES:
+        stage = L.CStage(n_a=bm // 64, n_b=bn // 128)
+        assert L.N_WAVES * stage.wave_bytes == bm * bn * L.C_BYTES <= kernel_config(K=256, BLOCK_M=bm, BLOCK_N=bn).lds_bytes
+        for q, i, j, e in itertools.product(range(4), range(stage.n_a), range(stage.n_b), range(4)):
+            b, imm = stage.write_imm(q, i, j, e)
+            words = (stage.write_bases(lane, 0)[b] + imm) // 4
+            banks = {}
+            for w in words:
+                banks.setdefault(int(w) % 32, set()).add(int(w))
+            assert max(len(v) for v in banks.values()) == 1, (bm, bn, q, i, j, e)
+        for q, n in itertools.product(range(4), range(stage.stores)):
+            words = (stage.read_base(lane, 0) + stage.read_imm(q, n)) // 4
+            for g in range(0, L.WAVE, 8):
+                assert len({(int(w) + d) % 32 for w in words[g:g + 8] for d in range(4)}) == 32
+
+
 def test_a_swizzle_is_an_involution_within_a_row():
     for row in range(32):
         cols = [L.swizzle_col(row, c) for c in range(0, 128, 16)]
@@ -126,12 +239,10 @@ REPRESENTATIVE = [
 ]
 
 
-@functools.lru_cache(maxsize=None)
 def compiled(quant, tile, K, fuse, variant="shipped"):
-    from kernels_fused.gfx950.isa import compile_variant
+    from kernels_fused.gfx950.isa import compiled as shared  # one compile per variant across the test tiers
 
-    cfg, isa = compile_variant(quant=quant, tile=tile, K=K, fuse=fuse, variant=variant)
-    return cfg, isa
+    return shared(quant, tile, K, fuse, variant)
 
 
 def _ids(p):
@@ -323,3 +434,41 @@ def test_emitter_emits_exactly_the_schedule(variant, quant, tile, K):
         else:
             assert isinstance(ev, S.WaitVm), ev
     assert _emit_trace(sched, quant) == want
+
+
+# --------------------------------------------------------------------------------------------------
+# host: the C stage reuses the A/B buffers only once no wave reads them (happens-before checker)
+# --------------------------------------------------------------------------------------------------
+def _without_epilogue_barrier(sched):
+    """``sched`` with the epilogue's barrier (close, or both groups' without close_lag) removed."""
+    import dataclasses
+
+    from kernels_fused.pipeline import schedule as S
+
+    *head, epi = sched.phases
+    ops = tuple(op for op in epi.ops if not (isinstance(op, S.Barrier) and op.kind in ("close", "epilogue")))
+    assert len(ops) == len(epi.ops) - 1
+    return dataclasses.replace(sched, phases=(*head, dataclasses.replace(epi, ops=ops)))
+
+
+@pytest.mark.parametrize("variant", ["shipped", "upstream", "a+b-1"])
+@pytest.mark.parametrize("tile", [(256, 256), (128, 256), (256, 128)], ids=lambda t: f"{t[0]}x{t[1]}")
+def test_stage_writes_wait_for_every_wave_to_finish_reading(variant, tile):
+    """Every wave's C stage writes (into LDS the A/B half-tiles occupied) are ordered after every LDS
+    read and every DMA load of every wave, through the barrier pairing of both wave groups: the
+    leading group's close barrier pairs with the lagging group's last MFMA barrier (or, without the
+    close barrier, both groups pass an epilogue barrier). Without that barrier the leading group
+    would stage over the final A1 the lagging group is still reading: the checker must say so."""
+    from kernels_fused.pipeline import happens_before as H
+    from kernels_fused.pipeline import schedule as S
+
+    for K in (256, 640):
+        sched = S.build_schedule(block_m=tile[0], block_n=tile[1], k=K, quant="ptpc", variant=variant)
+        stages = H.check(sched).stages
+        assert len(stages) == 4 * L.N_WAVES and all(st.status == "ordered" for st in stages)
+        broken = H.check(_without_epilogue_barrier(sched))
+        late = [st for st in broken.stages if st.status == "unordered"]
+        assert late and not broken.ok
+        assert {st.wave // 4 for st in late} == {0}  # the leading group writes early ...
+        assert all(w // 4 == 1 and what.startswith("read A1") for st in late for what, w, _ in st.unordered)
+        assert "is not ordered before it" in broken.explain(late[0])  # ... over the lagging group's reads

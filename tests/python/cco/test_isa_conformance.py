@@ -6,7 +6,6 @@ tail's bare barrier and the missing S0 ``read_done_barrier``), and catch hand-ma
 the shipped ISA (a wait removed, an LDS read moved across its barrier).
 """
 
-import functools
 import re
 
 import pytest
@@ -19,9 +18,8 @@ _WHY = flydsl_available()
 needs_toolchain = pytest.mark.skipif(_WHY is not None, reason=f"no gfx950 CPU compile: {_WHY}")
 
 
-@functools.lru_cache(maxsize=None)
 def compiled(quant, tile, K, fuse, variant):
-    return isa_mod.compile_variant(quant=quant, tile=tile, K=K, fuse=fuse, variant=variant)
+    return isa_mod.compiled(quant, tile, K, fuse, variant)  # shared with the other compile-tier tests
 
 
 def run_check(isa_text, cfg, reference="shipped"):
