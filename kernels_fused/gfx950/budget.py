@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from .isa import Instr, parse, resources
 

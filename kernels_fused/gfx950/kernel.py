@@ -19,7 +19,14 @@ How the kernel works:
    B (128x128) scales, ``acc += part * sa * sb`` (four temporaries, no second accumulator set).
    ``mxfp8`` feeds the e8m0 scales to ``v_mfma_scale_f32_16x16x128_f8f6f4`` as operands (one per
    lane = row x 32-wide K group). Scale loads follow the schedule's per-half ``ScaleLoad`` events.
-5. Epilogue: bf16 C stores. With ``fuse=True`` the tile goes to the op's window region
+   Addresses are per-lane registers formed once plus immediates (``stages``), the tile origin a
+   2-D grid position (``fuse=False``) or a scalar load of the tile table (``fuse=True``): the
+   prologue divides nothing at run time.
+5. Epilogue: ptpc's row scales are loaded once per tile, ahead of the close barrier; each wave
+   writes its accumulators as bf16 into its own region of LDS (the A/B buffers: the close barrier
+   pairs with the lagging group's last MFMA barrier, so no wave reads them any more) and stores
+   them back as 16-byte row vectors (``byte_layout.CStage``: 16 ``buffer_store_dwordx4`` per wave
+   at 256x256), waiting on none of them. With ``fuse=True`` the tile goes to the op's window region
    ``partial[dest, row, col]`` (``cco.layout``), then ``s_waitcnt vmcnt(0); s_barrier`` and one
    thread adds 1 to ``counters[dest, chunk]`` with acq_rel ordering at system scope. Counters are
    monotonic and never reset (graph replay safe: targets grow by a known amount per call,
@@ -249,16 +256,15 @@ class PipelineEmitter:
 # --------------------------------------------------------------------------------------------------
 # the kernel
 # --------------------------------------------------------------------------------------------------
-def _tile_origin(cfg, P, fx, *, tiles, c_n, c_ld):
+def _tile_origin(cfg, P, fx, *, tiles, c_ld):
     """(row0, b_row0, c_col0, counter) of this workgroup's output tile.
 
-    fuse=False: row-major over the [M, N] grid of tiles. fuse=True: row ``block_idx`` of the
+    fuse=False: the launch grid is [N / BLOCK_N, M tiles], dispatched x first, so the tiles run
+    row-major with no division by the runtime tile count. fuse=True: row ``block_idx`` of the
     ``cco.layout.tile_table_rows`` table, [chunk, dest, row0, col0], col0 within dest's slice.
     """
     if not cfg.fuse:
-        n_blocks = c_n // cfg.BLOCK_N
-        row0 = (fx.block_idx.x // n_blocks) * cfg.BLOCK_M
-        col0 = (fx.block_idx.x % n_blocks) * cfg.BLOCK_N
+        row0, col0 = fx.block_idx.y * cfg.BLOCK_M, fx.block_idx.x * cfg.BLOCK_N
         return row0, col0, col0, None
     from cco import layout as cco_layout
 
@@ -275,7 +281,7 @@ def _stages(cfg, P, fx, *, A, B, C, A_scale, B_scale, tiles, c_m, c_n, c_ld, c_r
     tid = fx.thread_idx.x
     lane, wave_id = tid % 64, P.wave_uniform(tid // 64)
     wave_m, wave_n = wave_id // 4, wave_id % 4
-    row0, b_row0, c_col0, counter = _tile_origin(cfg, P, fx, tiles=tiles, c_n=c_n, c_ld=c_ld)
+    row0, b_row0, c_col0, counter = _tile_origin(cfg, P, fx, tiles=tiles, c_ld=c_ld)
 
     smem = fx.SharedAllocator().allocate(_shared_storage(cfg, fx)).peek()
     lds = {"a0": (smem.a0_0, smem.a0_1), "a1": (smem.a1_0, smem.a1_1),
@@ -409,13 +415,13 @@ def build_kernel(cfg: KernelConfig):
         c_rows: fx.Int32, n_tiles: fx.Int32, stream: fx.Stream,
     ):
         if const_expr(fuse):
-            grid_x = n_tiles
+            grid = (n_tiles, 1, 1)
         else:
-            grid_x = ((c_m + (cfg.BLOCK_M - 1)) // cfg.BLOCK_M) * (c_n // cfg.BLOCK_N)
+            grid = (c_n // cfg.BLOCK_N, (c_m + (cfg.BLOCK_M - 1)) // cfg.BLOCK_M, 1)
         fused_gemm_scatter(
             A, B, C, A_scale, B_scale, tiles, counters, c_m, c_n, c_ld, c_rows,
             value_attrs={"rocdl.waves_per_eu": WAVES_PER_EU, "rocdl.flat_work_group_size": f"{WORKGROUP},{WORKGROUP}"},
-        ).launch(grid=(grid_x, 1, 1), block=(WORKGROUP, 1, 1), stream=stream)
+        ).launch(grid=grid, block=(WORKGROUP, 1, 1), stream=stream)
 
     return launch
 

@@ -18,6 +18,17 @@ MFMA operand order (v_mfma_*_16x16x128_f8f6f4): lane ``l`` holds row ``l % 16`` 
 consecutive K bytes ``[32 (l // 16), +32)`` of the K tile, as 8 dwords. That is the order the
 e8m0 block scales of ``v_mfma_scale_f32_16x16x128_f8f6f4`` are defined on (one scale per lane =
 per row and 32-wide K group), so every quant format uses the same readers.
+
+Addresses: every global access is a raw buffer instruction whose offset is a per-lane register
+formed once plus constants (the 12-bit immediate, or an add next to the instruction), and every
+LDS access a per-lane register plus a 16-bit immediate; nothing re-derives an index per access.
+The byte arithmetic lives in ``byte_layout`` (pure ints, replayed by the host tests).
+
+Epilogue (``CEpilogue``): the accumulators hold column vectors (lane ``l``: rows ``4 (l // 16) ..
++3`` of column ``l % 16``); each wave writes its part of the C tile, as bf16, into its own region
+of LDS (the A/B buffers, free by then) and reads it back as 16-byte row vectors, one
+``buffer_store_dwordx4`` per lane and 16 rows: 16 stores per wave at 256x256 instead of 128
+``buffer_store_short``, with no wait on them before the fused publish.
 """
 
 from __future__ import annotations
@@ -27,7 +38,6 @@ from flydsl._mlir import ir
 from flydsl._mlir.dialects import fly as _fly
 from flydsl._mlir.dialects import llvm as _llvm
 from flydsl._mlir.dialects import rocdl as _rocdl
-from flydsl._mlir.dialects.fly_rocdl import TargetAddressSpace
 from flydsl.expr import const_expr, range_constexpr, rocdl
 from flydsl.expr.typing import T
 from flydsl.expr.typing import Vector as Vec
@@ -84,7 +94,7 @@ def set_priority(level: int) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# global -> LDS
+# buffer access: raw buffer instructions, offsets a per-lane register plus constants
 # --------------------------------------------------------------------------------------------------
 def buffer_resource(tensor):
     """The raw buffer descriptor of a tensor, sized from its runtime extent (bounds-checked)."""
@@ -112,6 +122,45 @@ def _i32_attr(value: int):
     return ir.IntegerAttr.get(ir.IntegerType.get_signless(32), value)
 
 
+def buffer_load(rsrc, voffset, *, dtype, count: int = 1, soffset=0):
+    """``count`` values of ``dtype`` at byte ``voffset + soffset`` (``buffer_load_ubyte/dword/dwordx4``;
+    past the descriptor's size: zeros; ``soffset``, wave-uniform, may not count in that check on every
+    chip, so only offsets known in range go there). A scalar for ``count == 1``, else a vector."""
+    ty = dtype.ir_type if count == 1 else ir.VectorType.get([count], dtype.ir_type)
+    value = _rocdl.raw_ptr_buffer_load(ty, rsrc, fx.Int32(voffset).ir_value(), fx.Int32(soffset).ir_value(),
+                                       aux=_i32_attr(0))
+    return dtype(value) if count == 1 else Vec(value)
+
+
+def tile_table_entry(tiles, index):
+    """Row ``index`` of the int32 [n, 4] tile table, wave-uniform: ``s_buffer_load_dwordx4`` into SGPRs."""
+    return fx.rocdl.s_buffer_load(fx.get_iter(fx.rocdl.make_buffer_tensor(tiles, max_size=False)), index * 4, count=4)
+
+
+def add_here(base, addend):
+    """``base + addend`` computed at this point by an asm ``v_add_u32`` (``addend`` an int or a
+    wave-uniform value): a sum the compiler cannot merge with other uses and keep live across
+    the main loop (or fold into a 64-bit multiply-add holding a register pair)."""
+    if isinstance(addend, int):
+        if addend == 0:
+            return base
+        text, operands, constraints = f"v_add_u32 $0, {addend}, $1", [fx.Int32(base).ir_value()], "=v,v"
+    else:
+        text, constraints = "v_add_u32 $0, $2, $1", "=v,v,s"
+        operands = [fx.Int32(base).ir_value(), fx.Int32(addend).ir_value()]
+    return fx.Int32(_llvm.inline_asm(res=T.i32, operands_=operands, asm_string=text, constraints=constraints,
+                                     has_side_effects=True))
+
+
+def offset_here(base, const: int):
+    """``base + const`` for a buffer load: the instruction's 12-bit immediate where it fits, else
+    :func:`add_here` (each such offset would otherwise hold a register for the whole kernel)."""
+    return base + const if const <= BUFFER_IMM_MAX else add_here(base, const)
+
+
+# --------------------------------------------------------------------------------------------------
+# global -> LDS
+# --------------------------------------------------------------------------------------------------
 class HalfTileDMA:
     """Fills one LDS half-tile of one operand with one LDS-DMA load per step and wave.
 
@@ -145,6 +194,7 @@ class HalfTileDMA:
 # LDS -> registers
 # --------------------------------------------------------------------------------------------------
 def _lds_16_bytes(lds, offset):
+    """``ds_read_b128`` at byte ``offset`` of LDS array ``lds`` (the pointer keeps its alias information)."""
     ptr = fx.add_offset(lds.ptr, fx.make_int_tuple(offset))
     return fx.make_view(fx.recast_iter(fx.Uint8, ptr), fx.make_layout(16, 1)).load().bitcast(fx.Int32)
 
@@ -167,7 +217,8 @@ def lds_store_bf16(address, value) -> None:
 
 
 def lds_load_dwords(address):
-    """``ds_read_b128``: the 16 bytes at LDS byte ``address`` as four i32."""
+    """``ds_read_b128``: the 16 bytes at LDS byte ``address`` as four i32 (the epilogue's stage: no DMA
+    is in flight by then, so the compiler's conservative wait before it costs nothing)."""
     view = fx.make_view(_lds_pointer(fx.Uint8, address, 16), fx.make_layout(16, 1))
     return view.load().bitcast(fx.Int32)
 
@@ -176,11 +227,12 @@ class FragmentReader:
     """MFMA fragments of one wave from one operand's half-tiles: ``n_tiles`` 16-row tiles.
 
     ``bases`` are the lane's two offsets (K bytes ``32 (l // 16)`` and ``+16``) of tile 0 in the
-    ``anchor`` slot (``byte_layout.a_read_bases`` / ``b_read_bases``). They are added to the
-    anchor's LDS address once and pinned: every read is then that register plus an immediate (the
-    slot's distance from the anchor and ``i * MFMA_TILE_BYTES``), which fits the 16-bit offset
-    because the anchor is the operand's first slot. Without the pin the compiler folds the anchor
-    address into the immediate, and for B (above 64 KiB) it needs a register per slot and tile.
+    ``anchor`` slot (``byte_layout.a_read_bases`` / ``b_read_bases``), pinned: the compiler keeps one
+    register each and puts the slot's distance from the anchor and ``i * MFMA_TILE_BYTES`` in the
+    instruction's offset (unpinned, it merged those constants into the lane arithmetic and held a
+    register per slot and tile; spills at 256x256). Reads are addressed from the anchor array, not
+    from a bare integer: from an integer address the compiler cannot tell an LDS read from the
+    in-flight DMA writes and waits for every load (``s_waitcnt vmcnt(0)``) before it.
     """
 
     def __init__(self, *, anchor, bases, n_tiles):
@@ -253,44 +305,8 @@ class Mfma:
 
 
 # --------------------------------------------------------------------------------------------------
-# small global reads and the epilogue
+# the epilogue
 # --------------------------------------------------------------------------------------------------
-def buffer_load(rsrc, voffset, *, dtype, count: int = 1, soffset=0):
-    """``count`` values of ``dtype`` at byte ``voffset + soffset`` (``buffer_load_ubyte/dword/dwordx4``;
-    past the descriptor's size: zeros; ``soffset``, wave-uniform, may not count in that check on every
-    chip, so only offsets known in range go there). A scalar for ``count == 1``, else a vector."""
-    ty = dtype.ir_type if count == 1 else ir.VectorType.get([count], dtype.ir_type)
-    value = _rocdl.raw_ptr_buffer_load(ty, rsrc, fx.Int32(voffset).ir_value(), fx.Int32(soffset).ir_value(),
-                                       aux=_i32_attr(0))
-    return dtype(value) if count == 1 else Vec(value)
-
-
-def tile_table_entry(tiles, index):
-    """Row ``index`` of the int32 [n, 4] tile table, wave-uniform: ``s_buffer_load_dwordx4`` into SGPRs."""
-    return fx.rocdl.s_buffer_load(fx.get_iter(fx.rocdl.make_buffer_tensor(tiles, max_size=False)), index * 4, count=4)
-
-
-def add_here(base, addend):
-    """``base + addend`` computed at this point by an asm ``v_add_u32`` (``addend`` an int or a
-    wave-uniform value): a sum the compiler cannot merge with other uses and keep live across
-    the main loop (or fold into a 64-bit multiply-add holding a register pair)."""
-    if isinstance(addend, int):
-        if addend == 0:
-            return base
-        text, operands, constraints = f"v_add_u32 $0, {addend}, $1", [fx.Int32(base).ir_value()], "=v,v"
-    else:
-        text, constraints = "v_add_u32 $0, $2, $1", "=v,v,s"
-        operands = [fx.Int32(base).ir_value(), fx.Int32(addend).ir_value()]
-    return fx.Int32(_llvm.inline_asm(res=T.i32, operands_=operands, asm_string=text, constraints=constraints,
-                                     has_side_effects=True))
-
-
-def offset_here(base, const: int):
-    """``base + const`` for a buffer load: the instruction's 12-bit immediate where it fits, else
-    :func:`add_here` (each such offset would otherwise hold a register for the whole kernel)."""
-    return base + const if const <= BUFFER_IMM_MAX else add_here(base, const)
-
-
 class CEpilogue:
     """The C tile through the wave's LDS stage (``byte_layout.CStage``) to 16-byte global stores.
 
