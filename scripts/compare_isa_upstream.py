@@ -109,12 +109,10 @@ def main(argv=None) -> int:
                                          "pass the root of another checkout of this project")
 
     from kernels_fused.gfx950.isa import compile_variant
-    from kernels_fused.gfx950.toolchain import flydsl_available
+    from kernels_fused.gfx950.toolchain import cli_unavailable
 
-    why = flydsl_available()
-    if why:
-        print(f"compare_isa_upstream: cannot compile for gfx950 here: {why}", file=sys.stderr)
-        return 2
+    if (status := cli_unavailable("compare_isa_upstream")) is not None:
+        return status
     results = []
     for tile in args.tile:
         for K in args.K:

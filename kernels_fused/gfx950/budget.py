@@ -272,12 +272,10 @@ def main(argv=None) -> int:
     ap.add_argument("--markdown", action="store_true", help="print a markdown table")
     args = ap.parse_args(argv)
 
-    from .toolchain import flydsl_available
+    from .toolchain import cli_unavailable
 
-    why = flydsl_available()
-    if why:
-        print(f"kernels_fused.gfx950.budget: cannot compile for gfx950 here: {why}", file=sys.stderr)
-        return 2
+    if (status := cli_unavailable("kernels_fused.gfx950.budget")) is not None:
+        return status
     jobs = [(q, t, k, m == "fused") for q in args.quant for t in args.tile for k in args.K for m in args.mode]
     sep = " | " if args.markdown else "  "
     head = ["quant", "tile", "K", "mode", "budget", *COLUMNS]

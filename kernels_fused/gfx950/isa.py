@@ -449,12 +449,10 @@ def main(argv=None) -> int:
     ap.add_argument("--markdown", action="store_true", help="with --check-all: print the results as a markdown table")
     args = ap.parse_args(argv)
 
-    from .toolchain import flydsl_available
+    from .toolchain import cli_unavailable
 
-    why = flydsl_available()
-    if why:
-        print(f"kernels_fused.gfx950.isa: cannot compile for gfx950 here: {why}", file=sys.stderr)
-        return 2
+    if (status := cli_unavailable("kernels_fused.gfx950.isa")) is not None:
+        return status
 
     if args.check_all:
         failed = 0

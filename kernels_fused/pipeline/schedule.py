@@ -238,21 +238,20 @@ class Mfma(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
-class StageC(Event):
+class _Quarter(Event):
+    """An epilogue event on one accumulator set (quarter ``acc`` = A half ``row_half`` x B half ``col_half``)."""
+
     acc: str
     row_half: int
     col_half: int
 
+
+class StageC(_Quarter):
     def text(self) -> str:
         return f"stage {self.acc} -> LDS"
 
 
-@dataclass(frozen=True, kw_only=True)
-class StoreC(Event):
-    acc: str
-    row_half: int
-    col_half: int
-
+class StoreC(_Quarter):
     def text(self) -> str:
         return f"store {self.acc}"
 
