@@ -75,7 +75,7 @@ def test_fragments_hold_the_rows_and_k_bytes_the_mfma_expects(block_m, block_n):
 # --------------------------------------------------------------------------------------------------
 # host: the epilogue's bytes, replayed element by element against the direct-store epilogue it replaced
 # --------------------------------------------------------------------------------------------------
-def _workgroups(block_m, block_n, fuse):
+def _workgroups(block_m, block_n, fuse, quant):
     """(c_row_base, row0, b_row0, c_col0, ldc, c_rows) of every workgroup of a small problem: gemm-only
     [2 BLOCK_M, 2 BLOCK_N]; fused: world 2, rank 1, two chunks, every row of cco.layout's tile table."""
     from cco import layout
@@ -85,7 +85,7 @@ def _workgroups(block_m, block_n, fuse):
         n = 2 * block_n
         return [(0, r, c, c, n, m) for r in (0, block_m) for c in (0, block_n)]
     world, n = 2, 2 * 2 * block_n
-    lay = layout.build_config(n=n, k=256, m_max=m, world=world, quant="ptpc", mode="fused", chunks=2,
+    lay = layout.build_config(n=n, k=256, m_max=m, world=world, quant=quant, mode="fused", chunks=2,
                               block_m=block_m, block_n=block_n)
     rows = layout.tile_table_rows(layout.tile_table(lay, m=m, rank=1))
     assert {dest for _, dest, _, _ in rows} == {0, 1} and len({chunk for chunk, _, _, _ in rows}) == 2
@@ -93,73 +93,80 @@ def _workgroups(block_m, block_n, fuse):
             for _, dest, row0, col0 in rows]
 
 
-def _replay_epilogue(block_m, block_n, fuse, *, staged):
-    """C element (flat index) -> (source register, A scale index, B scale index) for every element the
-    epilogue writes: the direct stores (``staged=False``: C[row, col] = bf16(acc[i, j][e] * sa * sb),
-    one buffer_store_short per value) or the LDS stage and its 16-byte stores (``byte_layout.CStage``
-    and the scale offsets, composed as ``stages.CEpilogue`` / ``RowScales`` compose them). The
-    register is (workgroup, wave, lane, quarter, i, j, e)."""
+def _put(image, index, values, what):
+    """``image[:, index] = values`` where every index is new: nothing is written twice."""
+    assert len(np.unique(index)) == len(index) and (image[:, index] == -1).all(), f"{what} written twice"
+    image[:, index] = values
+
+
+def _replay_epilogue(block_m, block_n, fuse, quant, *, staged):
+    """[3, elements]: per C element (flat index in the C tensor, or in the partial region) the source
+    register, the A and B scale indices (ptpc; -1 elsewhere), and -1 for an element never written:
+    the direct stores (``staged=False``: C[row, col] = bf16(acc[i, j][e] * sa * sb), one
+    buffer_store_short per value) or the LDS stage and its 16-byte stores (``byte_layout.CStage`` and
+    the scale offsets, composed as ``stages.CEpilogue`` / ``RowScales`` compose them). A register is
+    numbered by (workgroup, wave, lane, quarter, i, j, e)."""
     n_a, n_b, half_m, half_n = block_m // 64, block_n // 128, block_m // 2, block_n // 2
     lane = np.arange(L.WAVE)
     stage = L.CStage(n_a=n_a, n_b=n_b)
-    out = {}
-    for wg, (c_row_base, row0, b_row0, c_col0, ldc, c_rows) in enumerate(_workgroups(block_m, block_n, fuse)):
-        lds = {}  # the workgroup's LDS bytes -> the register staged there
+    wgs = _workgroups(block_m, block_n, fuse, quant)
+    size = max((c_row_base + c_rows) * ldc for c_row_base, _, _, _, ldc, c_rows in wgs) + 2 * block_n
+    out = np.full((3, size), -1, dtype=np.int64)
+    for wg, (c_row_base, row0, b_row0, c_col0, ldc, _) in enumerate(wgs):
+        lds = np.full((3, L.N_WAVES * stage.wave_bytes // L.C_BYTES), -1, dtype=np.int64)  # the stage, per bf16
         for wave in range(L.N_WAVES):
             wave_m, wave_n = wave // 4, wave % 4
             a_row0, b_wave_row0 = row0 + wave_m * 16 * n_a, b_row0 + wave_n * 16 * n_b
             for q, (rh, ch) in enumerate(((0, 0), (0, 1), (1, 0), (1, 1))):
-                for i in range(n_a):
-                    for j in range(n_b):
-                        for e in range(4):
-                            regs = [(wg, wave, int(l), q, i, j, e) for l in lane]
-                            if staged:  # the scales' per-lane bases plus the half and tile immediates
-                                sa = (L.row_scale_base(lane=lane, row0=a_row0)
-                                      + L.tile_scale_imm(half=rh, half_rows=half_m, tile=i)) // L.F32_BYTES + e
-                                sb = (L.col_scale_base(lane=lane, col0=b_wave_row0)
-                                      + L.tile_scale_imm(half=ch, half_rows=half_n, tile=j)) // L.F32_BYTES
-                                b, imm = stage.write_imm(q, i, j, e)
-                                for r, addr, x, y in zip(regs, stage.write_bases(lane, wave)[b] + imm, sa, sb):
-                                    assert addr not in lds, f"two values staged at LDS byte {addr}"
-                                    lds[addr] = (r, int(x), int(y))
-                            else:  # the replaced epilogue: Bf16Store.tile and the scale reads of kernel._stages
-                                row = a_row0 + rh * half_m + 16 * i
-                                sa = row + (lane // 16) * 4 + e
-                                sb = b_wave_row0 + ch * half_n + 16 * j + lane % 16
-                                col = c_col0 + ch * half_n + wave_n * 16 * n_b + 16 * j + lane % 16
-                                flat = (c_row_base + row + (lane // 16) * 4 + e) * ldc + col
-                                for r, f, x, y in zip(regs, flat, sa, sb):
-                                    assert int(f) not in out, f"element {f} written twice"
-                                    out[int(f)] = (r, int(x), int(y))
-                if staged:  # the read-back, 16 bytes per lane, and the global store of quarter q
+                for i, j, e in itertools.product(range(n_a), range(n_b), range(4)):
+                    reg = (((((wg * L.N_WAVES + wave) * L.WAVE + lane) * 4 + q) * n_a + i) * n_b + j) * 4 + e
+                    if staged:  # the scales' per-lane bases plus the half and tile immediates
+                        sa = (L.row_scale_base(lane=lane, row0=a_row0)
+                              + L.tile_scale_imm(half=rh, half_rows=half_m, tile=i)) // L.F32_BYTES + e
+                        sb = (L.col_scale_base(lane=lane, col0=b_wave_row0)
+                              + L.tile_scale_imm(half=ch, half_rows=half_n, tile=j)) // L.F32_BYTES
+                        b, imm = stage.write_imm(q, i, j, e)
+                        addr = stage.write_bases(lane, wave)[b] + imm
+                        assert (addr % L.C_BYTES == 0).all()
+                        _put(lds, addr // L.C_BYTES, np.stack([reg, sa, sb]), "an LDS stage value")
+                    else:  # the replaced epilogue: Bf16Store.tile and the scale reads of kernel._stages
+                        row = a_row0 + rh * half_m + 16 * i
+                        sa = row + (lane // 16) * 4 + e
+                        sb = b_wave_row0 + ch * half_n + 16 * j + lane % 16
+                        col = c_col0 + ch * half_n + wave_n * 16 * n_b + 16 * j + lane % 16
+                        _put(out, (c_row_base + row + (lane // 16) * 4 + e) * ldc + col, np.stack([reg, sa, sb]),
+                             "a C element")
+                if staged:  # the read-back, 16 bytes per lane, and the global stores of quarter q
                     voff0 = stage.store_lane_offset(lane, row0=c_row_base + a_row0,
                                                     col0=c_col0 + wave_n * 16 * n_b, ldc=ldc)
                     for n in range(stage.stores):
-                        src = stage.read_base(lane, wave) + stage.read_imm(q, n)
+                        src = (stage.read_base(lane, wave) + stage.read_imm(q, n)) // L.C_BYTES
                         voff = voff0 + stage.store_step_offset(n, row_offset=rh * half_m, col_offset=ch * half_n,
                                                                ldc=ldc)
+                        # 16-byte aligned, and one store never straddles a row: bounds drop rows whole
                         assert (voff % L.C_GRANULE == 0).all() and ((voff // 2) % ldc + L.C_VECTOR <= ldc).all()
-                        for a, f in zip(src, voff // L.C_BYTES):
-                            for k in range(L.C_VECTOR):  # one store never straddles a row (bounds drop rows whole)
-                                assert int(f) + k not in out, f"element {int(f) + k} stored twice"
-                                out[int(f) + k] = lds.pop(int(a) + L.C_BYTES * k)
-        assert not lds, f"{len(lds)} staged values were never stored"
+                        for k in range(L.C_VECTOR):
+                            _put(out, voff // L.C_BYTES + k, lds[:, src + k], "a C element")
+                            lds[:, src + k] = -2  # read back
+        assert not staged or (lds == -2).all(), "staged values never stored, or stage slots never written"
+    if quant != "ptpc":
+        out[1:, out[0] >= 0] = -1  # blockscale and mxfp8 store the accumulators unscaled
     return out
 
 
+@pytest.mark.parametrize("quant", ["ptpc", "blockscale", "mxfp8"])
 @pytest.mark.parametrize("fuse", [False, True], ids=["gemm", "fused"])
 @pytest.mark.parametrize("block_m,block_n", [(256, 256), (128, 256), (256, 128)], ids=lambda v: str(v))
-def test_staged_epilogue_writes_the_bytes_of_the_direct_one(block_m, block_n, fuse):
+def test_staged_epilogue_writes_the_bytes_of_the_direct_one(block_m, block_n, fuse, quant):
     """Guards the epilogue's address arithmetic: through the LDS stage and its 16-byte stores every C
     element of every workgroup (gemm-only, and fused with cco.layout's tile table: dest planes,
     column slices) gets exactly the register, and (ptpc) the A and B scale indices, the direct
-    per-value stores gave it, and nothing else is written. blockscale and mxfp8 store the
-    accumulators unscaled through the same path, so the register map is their whole proof; the
-    value is bf16(acc * (sa * sb)) in the same fp32 order in both (kernel._stages.stage)."""
-    old = _replay_epilogue(block_m, block_n, fuse, staged=False)
-    new = _replay_epilogue(block_m, block_n, fuse, staged=True)
-    assert len(new) == len(old) == len(_workgroups(block_m, block_n, fuse)) * block_m * block_n
-    assert new == old
+    per-value stores gave it, and nothing else is written. The value is bf16(acc * (sa * sb)) in the
+    same fp32 order in both (kernel._stages.stage); blockscale and mxfp8 store bf16(acc)."""
+    old = _replay_epilogue(block_m, block_n, fuse, quant, staged=False)
+    new = _replay_epilogue(block_m, block_n, fuse, quant, staged=True)
+    assert (new[0] >= 0).sum() == len(_workgroups(block_m, block_n, fuse, quant)) * block_m * block_n
+    assert np.array_equal(new, old)
 
 
 def test_the_stage_fits_the_operand_buffers_and_its_accesses_are_bank_conflict_free():
