@@ -63,7 +63,8 @@ WORKGROUP = 512
 WAVES_PER_EU = 2  # 8 waves per workgroup, one workgroup per CU: 256 VGPRs per lane
 # quants whose DMA offsets are re-added next to each load (one VALU each) rather than held in 2A+2B
 # registers: their per-K-tile scales need those registers (blockscale 256x256 K=2048 held them and
-# spilled 16 VGPRs, re-adding them spills none; python -m kernels_fused.gfx950.budget --sweep)
+# spilled 16 VGPRs, re-adding them spills none; ptpc holds them spill-free, with no VALU in its loop:
+# python -m kernels_fused.gfx950.budget, 2026-12-02)
 RECOMPUTED_DMA_OFFSETS = ("blockscale", "mxfp8")
 
 
@@ -313,7 +314,7 @@ def _stages(cfg, P, fx, *, A, B, C, A_scale, B_scale, tiles, c_m, c_n, c_ld, c_r
         scales = P.MxScales(A_scale=A_scale, B_scale=B_scale, lane=lane, a_row0=a_row0, b_row0=b_wave_row0,
                             n_b=N_TILES_B, K=cfg.K, **geometry)
     else:  # the epilogue's lane, re-derived there (see epilogue_lane)
-        scales = P.RowScales(A_scale=A_scale, B_scale=B_scale, lane=lambda: epilogue_lane(), a_row0=a_row0,
+        scales = P.RowScales(A_scale=A_scale, B_scale=B_scale, lane=epilogue_lane, a_row0=a_row0,
                              b_row0=b_wave_row0, n_b=N_TILES_B, **geometry)
 
     # fuse=True: C is the window's partial region [world, c_rows, n_slice]; partial[dest] starts

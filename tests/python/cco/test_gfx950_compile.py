@@ -191,6 +191,38 @@ def test_the_stage_fits_the_operand_buffers_and_its_accesses_are_bank_conflict_f
                 assert len({(int(w) + d) % 32 for w in words[g:g + 8] for d in range(4)}) == 32
 
 
+@pytest.mark.parametrize("block_m,block_n", [(256, 256), (128, 256), (256, 128)], ids=lambda v: str(v))
+def test_kernel_offsets_are_the_replayed_ones(block_m, block_n):
+    """The kernel forms its DMA offsets as one per-lane base plus a constant per half and step, and its
+    fragment reads as two per-lane bases plus a constant per tile; these equal the offsets the
+    fragment test above replays on data, for every lane, wave, half, step, tile and K."""
+    lane = np.arange(L.WAVE)
+    half_m, half_n = block_m // 2, block_n // 2
+    steps_a, steps_b, n_a, n_b = half_m // 64, half_n // 64, block_m // 64, block_n // 128
+    row0, b_row0 = 3 * block_m, 5 * block_n
+    for K in (256, 384, 2048):
+        for wave in range(L.N_WAVES):
+            a_base = L.a_dma_offsets(lane=lane, wave=wave, row0=row0, K=K, steps=1)[0]
+            b_base = L.b_dma_offsets(lane=lane, wave=wave, group0=b_row0 // 16, K=K, steps=1)[0]
+            for h in (0, 1):
+                want_a = L.a_dma_offsets(lane=lane, wave=wave, row0=row0 + h * half_m, K=K, steps=steps_a)
+                want_b = L.b_dma_offsets(lane=lane, wave=wave, group0=(b_row0 + h * half_n) // 16, K=K, steps=steps_b)
+                for s, want in enumerate(want_a):
+                    assert (a_base + L.a_dma_step(half=h, half_rows=half_m, step=s, K=K) == want).all()
+                for s, want in enumerate(want_b):
+                    assert (b_base + L.b_dma_step(half=h, half_rows=half_n, step=s, K=K) == want).all()
+    for wave in range(L.N_WAVES):
+        first_row, first_group = (wave // 4) * n_a * 16, (wave % 4) * n_b
+        a_lo, a_hi = L.a_read_bases(lane=lane, first_row=first_row)
+        b_lo, b_hi = L.b_read_bases(lane=lane, first_group=first_group)
+        for i in range(n_a):
+            lo, hi = L.a_read_offsets(lane=lane, row=first_row + 16 * i + lane % 16)
+            assert (a_lo + i * L.MFMA_TILE_BYTES == lo).all() and (a_hi + i * L.MFMA_TILE_BYTES == hi).all()
+        for j in range(n_b):
+            lo, hi = L.b_read_offsets(lane=lane, group=first_group + j)
+            assert (b_lo + j * L.MFMA_TILE_BYTES == lo).all() and (b_hi + j * L.MFMA_TILE_BYTES == hi).all()
+
+
 def test_a_swizzle_is_an_involution_within_a_row():
     for row in range(32):
         cols = [L.swizzle_col(row, c) for c in range(0, 128, 16)]
