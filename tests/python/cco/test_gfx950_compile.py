@@ -223,6 +223,36 @@ def test_kernel_offsets_are_the_replayed_ones(block_m, block_n):
             assert (b_lo + j * L.MFMA_TILE_BYTES == lo).all() and (b_hi + j * L.MFMA_TILE_BYTES == hi).all()
 
 
+@pytest.mark.parametrize("block_m,block_n", [(256, 256), (128, 256), (256, 128)], ids=lambda v: str(v))
+def test_main_loop_scale_offsets_are_the_indices_of_the_direct_reads(block_m, block_n):
+    """blockscale's A scales and mxfp8's A and B scales are read from a per-lane base plus a constant
+    per half, tile and K tile (``stages.BlockScales`` / ``MxScales``); for every lane, wave, half, tile
+    and K tile these are the elements the kernel read before, index by index: blockscale A
+    ``k * M + row + 4 (l // 16)`` (column-major [M, K/128]), mxfp8 ``(row + l % 16) * K/32 + 4 k + l // 16``."""
+    lane = np.arange(L.WAVE)
+    half_m, half_n, n_a, n_b = block_m // 2, block_n // 2, block_m // 64, block_n // 128
+    m, row0, b_row0 = 4 * block_m + 100, block_m, 2 * block_n
+    for K in (256, 1024, 8192):
+        groups = K // L.MX_GROUP
+        for wave in range(L.N_WAVES):
+            a_row0 = row0 + (wave // 4) * 16 * n_a
+            b_wave_row0 = b_row0 + (wave % 4) * 16 * n_b
+            for k, h in itertools.product(range(0, K // L.BLOCK_K, 3), (0, 1)):
+                for i in range(n_a):
+                    row = a_row0 + h * half_m + 16 * i  # the tile's first row, as the kernel had it
+                    got = (L.row_scale_base(lane=lane, row0=a_row0) + m * k * L.F32_BYTES
+                           + L.tile_scale_imm(half=h, half_rows=half_m, tile=i))
+                    assert (got == (k * m + row + (lane // 16) * 4) * L.F32_BYTES).all()
+                    got = (L.mx_scale_base(lane=lane, row0=a_row0, groups=groups) + L.mx_scale_k_imm(k)
+                           + L.tile_scale_imm(half=h, half_rows=half_m, tile=i, bytes_per_row=groups))
+                    assert (got == (row + lane % 16) * groups + k * 4 + lane // 16).all()
+                for j in range(n_b):
+                    row = b_wave_row0 + h * half_n + 16 * j
+                    got = (L.mx_scale_base(lane=lane, row0=b_wave_row0, groups=groups) + L.mx_scale_k_imm(k)
+                           + L.tile_scale_imm(half=h, half_rows=half_n, tile=j, bytes_per_row=groups))
+                    assert (got == (row + lane % 16) * groups + k * 4 + lane // 16).all()
+
+
 def test_a_swizzle_is_an_involution_within_a_row():
     for row in range(32):
         cols = [L.swizzle_col(row, c) for c in range(0, 128, 16)]
