@@ -303,6 +303,15 @@ def _stages(cfg, P, fx, *, A, B, C, A_scale, B_scale, tiles, c_m, c_n, c_ld, c_r
                                      bases=L.a_read_bases(lane=lane, first_row=wave_m * (N_TILES_A * 16))),
                "b": P.FragmentReader(anchor=smem.b0_0, n_tiles=N_TILES_B,
                                      bases=L.b_read_bases(lane=lane, first_group=wave_n * N_TILES_B))}
+    built = {}  # the epilogue's pieces, made where the epilogue starts
+
+    def epilogue_lane():
+        """The lane id, counted afresh where the epilogue starts: values the epilogue computes from it
+        cannot be merged with the prologue's and kept live (or spilled) across the main loop."""
+        if "lane" not in built:
+            built["lane"] = P.lane_id()
+        return built["lane"]
+
     # this wave's first output row (A row) and column (B row) of quarter c00; the halves are offsets
     a_row0 = row0 + wave_m * (N_TILES_A * 16)
     b_wave_row0 = b_row0 + wave_n * (N_TILES_B * 16)
@@ -313,7 +322,7 @@ def _stages(cfg, P, fx, *, A, B, C, A_scale, B_scale, tiles, c_m, c_n, c_ld, c_r
     elif cfg.quant == "mxfp8":
         scales = P.MxScales(A_scale=A_scale, B_scale=B_scale, lane=lane, a_row0=a_row0, b_row0=b_wave_row0,
                             n_b=N_TILES_B, K=cfg.K, **geometry)
-    else:  # the epilogue's lane, re-derived there (see epilogue_lane)
+    else:
         scales = P.RowScales(A_scale=A_scale, B_scale=B_scale, lane=epilogue_lane, a_row0=a_row0,
                              b_row0=b_wave_row0, n_b=N_TILES_B, **geometry)
 
@@ -321,14 +330,6 @@ def _stages(cfg, P, fx, *, A, B, C, A_scale, B_scale, tiles, c_m, c_n, c_ld, c_r
     # dest * c_rows rows in. fuse=False: C is [M, N].
     c_row_base = counter[0] * c_rows if cfg.fuse else 0
     quarter_index = {q: n for n, q in enumerate(QUARTER_HALVES)}
-    built = {}
-
-    def epilogue_lane():
-        """The lane id, counted afresh where the epilogue starts: values the epilogue computes from it
-        cannot be merged with the prologue's and kept live (or spilled) across the main loop."""
-        if "lane" not in built:
-            built["lane"] = P.lane_id()
-        return built["lane"]
 
     def epilogue():
         if "epilogue" not in built:
