@@ -23,10 +23,14 @@ The schedule takes its memory operations as a ``memops`` object (``cco.cuda.memo
 :class:`HipMemOps` here), so the transfers, their submission order and their graph safety are one
 piece of code for both vendors.
 
-Tile: the layout's tile is the kernel's, 256 x 128: 128 divides N/world for N = 7168 up to 8 ranks,
-and 256x128 is the tile every quant compiles without spills (docs/GFX950.md, resources table). The
-plain GEMM uses 256 x 256 for ptpc where N allows it (no spills at any K there; blockscale and mxfp8
-spill at 256 x 256, so they keep 256 x 128). Both choices are untimed until MI355X runs exist.
+Tile: the plain GEMM uses 256 x 256 for every quant where N allows it, else 256 x 128. Every tile
+runs one workgroup per CU (its LDS, 96 or 128 KiB of MI355X's 160, and the kernel's two waves per
+SIMD fix that), and since no quant spills at 256 x 256 any more (``python -m kernels_fused.gfx950.budget``,
+docs/GFX950.md), the wider tile moves 1 byte of A and B per output element per K byte instead of 1.5
+and pays its prologue and epilogue once per twice the work. The fused layout's tile stays 256 x 128:
+its block_n must divide N/world, and 7168 / 8 = 896 is not a multiple of 256 (``tile`` does not see
+the world). Both choices are untimed until MI355X runs exist; at an M whose 256 x 256 grid leaves CUs
+idle (M = 256 at N = 7168: 28 tiles) the narrower tile may win.
 
 Safety, as on CUDA (``cco.backends.cuda``): the schedule marks every call for the same watchdog
 (``cco.cuda.watchdog``), which releases a call past its deadline through :class:`HipMemOps`; a
@@ -48,8 +52,8 @@ from cco.backends.base import Backend
 from cco.backends.cuda import CudaBackend
 
 GEMM_BLOCK_M = 256  # the 8-wave kernel's rows per workgroup; also the layout's m-tile
-GEMM_BLOCK_N = 128  # divides N/world for N = 7168 up to 8 ranks; the tile mxfp8 compiles without spills
-WIDE_BLOCK_N = 256  # plain ptpc GEMM (no slices) when N allows it
+GEMM_BLOCK_N = 128  # the fused layout's: divides N/world for N = 7168 up to 8 ranks (7168 / 8 = 896)
+WIDE_BLOCK_N = 256  # the plain GEMM's (no slices) when N allows it, every quant
 HIP_PACKAGE = "hip-python"
 
 
@@ -97,9 +101,14 @@ def fused_launch_args(cfg: layout.OpConfig, plan: layout.CallPlan) -> FusedLaunc
 
 
 def gemm_tile(*, n: int, quant: str) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) of the plain GEMM: 256x256 for ptpc when N allows, else 256x128 (blockscale
-    256x256 spills up to 45 VGPRs at K >= 512, mxfp8 up to 9 at K >= 384: docs/GFX950.md)."""
-    if quant == "ptpc" and n % WIDE_BLOCK_N == 0:
+    """(BLOCK_M, BLOCK_N) of the plain GEMM: 256x256 when N allows, else 256x128, for every quant (no
+    variant spills at 256x256 since the budget sweep of docs/GFX950.md; ``quant`` is kept for callers
+    and for a format that would need another tile)."""
+    from kernels_fused.gfx950.kernel import QUANTS  # pure module: imports no flydsl
+
+    if quant not in QUANTS:
+        raise ValueError(f"gemm_tile: quant={quant!r} is not supported; pass one of {', '.join(QUANTS)}")
+    if n % WIDE_BLOCK_N == 0:
         return GEMM_BLOCK_M, WIDE_BLOCK_N
     return GEMM_BLOCK_M, GEMM_BLOCK_N
 

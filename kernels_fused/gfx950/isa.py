@@ -29,6 +29,7 @@ CLI::
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import sys
 import tempfile
@@ -167,6 +168,13 @@ def _reads_per_event(schedule, half: str) -> int:
     return 2 * (g.n_tiles_a if half[0] == "A" else g.n_tiles_b)  # two ds_read_b128 per MFMA tile
 
 
+def _stage_reads_per_store(schedule) -> int:
+    from .byte_layout import CStage
+
+    g = schedule.geometry
+    return CStage(n_a=g.n_tiles_a, n_b=g.n_tiles_b).stores
+
+
 def _mfmas_per_event(schedule) -> int:
     g = schedule.geometry
     return g.n_tiles_a * g.n_tiles_b
@@ -208,6 +216,8 @@ def schedule_intervals(schedule, *, wave: int | None = None) -> list[Interval]:
             cur.ds_reads += _reads_per_event(schedule, ev.half)
         elif isinstance(ev, S.Mfma):
             cur.mfmas += _mfmas_per_event(schedule)
+        elif isinstance(ev, S.StoreC):  # the staged quarter read back, 16 bytes per lane per store
+            cur.ds_reads += _stage_reads_per_store(schedule)
         elif ev.is_barrier:
             if isinstance(ev, S.WaitBarrier):
                 vm.wait(ev.vmcnt)
@@ -395,6 +405,12 @@ def compile_variant(*, quant: str, tile: str, K: int, fuse: bool, variant: str =
     return cfg, compile_to_isa(cfg, dump_dir=dump_dir)
 
 
+@functools.lru_cache(maxsize=None)
+def compiled(quant: str, tile: str, K: int, fuse: bool, variant: str = "shipped", mfma_barriers: bool = True):
+    """:func:`compile_variant`, memoized per process: the test tiers check the same variants several ways."""
+    return compile_variant(quant=quant, tile=tile, K=K, fuse=fuse, variant=variant, mfma_barriers=mfma_barriers)
+
+
 def check_variant(*, quant: str, tile: str, K: int, fuse: bool, variant: str = "shipped",
                   reference: str = "shipped") -> tuple[Report, Resources]:
     from kernels_fused.pipeline.schedule import build_schedule
@@ -433,12 +449,10 @@ def main(argv=None) -> int:
     ap.add_argument("--markdown", action="store_true", help="with --check-all: print the results as a markdown table")
     args = ap.parse_args(argv)
 
-    from .toolchain import flydsl_available
+    from .toolchain import cli_unavailable
 
-    why = flydsl_available()
-    if why:
-        print(f"kernels_fused.gfx950.isa: cannot compile for gfx950 here: {why}", file=sys.stderr)
-        return 2
+    if (status := cli_unavailable("kernels_fused.gfx950.isa")) is not None:
+        return status
 
     if args.check_all:
         failed = 0

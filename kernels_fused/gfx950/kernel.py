@@ -19,7 +19,14 @@ How the kernel works:
    B (128x128) scales, ``acc += part * sa * sb`` (four temporaries, no second accumulator set).
    ``mxfp8`` feeds the e8m0 scales to ``v_mfma_scale_f32_16x16x128_f8f6f4`` as operands (one per
    lane = row x 32-wide K group). Scale loads follow the schedule's per-half ``ScaleLoad`` events.
-5. Epilogue: bf16 C stores. With ``fuse=True`` the tile goes to the op's window region
+   Addresses are per-lane registers formed once plus immediates (``stages``), the tile origin a
+   2-D grid position (``fuse=False``) or a scalar load of the tile table (``fuse=True``): the
+   prologue divides nothing at run time.
+5. Epilogue: ptpc's row scales are loaded once per tile, ahead of the close barrier; each wave
+   writes its accumulators as bf16 into its own region of LDS (the A/B buffers: the close barrier
+   pairs with the lagging group's last MFMA barrier, so no wave reads them any more) and stores
+   them back as 16-byte row vectors (``byte_layout.CStage``: 16 ``buffer_store_dwordx4`` per wave
+   at 256x256), waiting on none of them. With ``fuse=True`` the tile goes to the op's window region
    ``partial[dest, row, col]`` (``cco.layout``), then ``s_waitcnt vmcnt(0); s_barrier`` and one
    thread adds 1 to ``counters[dest, chunk]`` with acq_rel ordering at system scope. Counters are
    monotonic and never reset (graph replay safe: targets grow by a known amount per call,
@@ -44,6 +51,8 @@ import contextlib
 import io
 from dataclasses import dataclass
 
+from kernels_fused.pipeline import schedule as sched
+
 from . import byte_layout as L
 
 QUANTS = ("ptpc", "blockscale", "mxfp8")
@@ -52,6 +61,11 @@ BLOCK_K = L.BLOCK_K
 K_MIN = 256
 WORKGROUP = 512
 WAVES_PER_EU = 2  # 8 waves per workgroup, one workgroup per CU: 256 VGPRs per lane
+# quants whose DMA offsets are re-added next to each load (one VALU each) rather than held in 2A+2B
+# registers: their per-K-tile scales need those registers (blockscale 256x256 K=2048 held them and
+# spilled 16 VGPRs, re-adding them spills none; ptpc holds them spill-free, with no VALU in its loop:
+# python -m kernels_fused.gfx950.budget, 2026-12-02)
+RECOMPUTED_DMA_OFFSETS = ("blockscale", "mxfp8")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,8 +105,6 @@ class KernelConfig:
 
     def schedule(self):
         """The schedule the kernel is emitted from (and the ISA is checked against)."""
-        from kernels_fused.pipeline import schedule as sched
-
         return sched.build_schedule(block_m=self.BLOCK_M, block_n=self.BLOCK_N, k=self.K, quant=self.quant,
                                     variant=self.variant, loop_count=self.loop_count,
                                     mfma_barriers=self.mfma_barriers)
@@ -102,8 +114,6 @@ def kernel_config(*, K: int, BLOCK_M: int = 256, BLOCK_N: int = 256, quant: str 
                   variant: str = "shipped", loop_count: str | int | None = None, mfma_barriers: bool = True,
                   fn: str = "compile_fused_gemm_scatter") -> KernelConfig:
     """Validate and freeze a variant. Raises ValueError naming the argument and the fix."""
-    from kernels_fused.pipeline import schedule as sched
-
     if quant not in QUANTS:
         raise ValueError(f"{fn}: quant={quant!r} is not supported; pass one of {', '.join(QUANTS)}")
     if (BLOCK_M, BLOCK_N) not in TILES:
@@ -155,10 +165,11 @@ class PipelineEmitter:
     tile, and the four accumulator sets.
     """
 
-    def __init__(self, *, cfg, parts, lds, dma, readers, mfma, scales, store):
+    def __init__(self, *, cfg, parts, lds, dma, readers, mfma, scales, stage, store, flush):
         self.cfg, self.P = cfg, parts
         self.lds, self.dma, self.readers, self.mfma = lds, dma, readers, mfma
-        self.scales, self.store = scales, store
+        self.scales, self.stage, self.store, self.flush = scales, stage, store, flush
+        self.staged = []  # quarters written to the LDS stage and not yet flushed
         self.frags = {}  # fragment name -> (ktile, registers)
         self.scale_regs = {}  # ("a0" | "a1" | "b0" | "b1", ktile) -> scale registers
         zero = parts.zero_acc()
@@ -188,10 +199,19 @@ class PipelineEmitter:
     def _WaitVm(self, ev):
         assert not ev.emitted, "an emitted WaitVm has no emitter yet"  # compiler-inserted: nothing to write
 
+    def _StageC(self, ev):
+        a_half, b_half = f"a{ev.row_half}", f"b{ev.col_half}"
+        assert QUARTER_HALVES[ev.acc] == (a_half, b_half)
+        self.stage(ev.acc, self.acc[ev.acc], a_half, b_half, self.scale_regs)
+        self.staged.append(ev.acc)
+
     def _StoreC(self, ev):
         a_half, b_half = f"a{ev.row_half}", f"b{ev.col_half}"
         assert QUARTER_HALVES[ev.acc] == (a_half, b_half)
-        self.store(ev.acc, self.acc[ev.acc], a_half, b_half)
+        if ev.acc in self.staged:  # the wave's own stage writes land before any lane reads them back
+            self.flush()
+            self.staged = []
+        self.store(ev.acc, a_half, b_half)
 
     # -- waits and barriers (inline asm: LLVM keeps LDS reads on their side)
     def _WaitBarrier(self, ev):
@@ -237,20 +257,19 @@ class PipelineEmitter:
 # --------------------------------------------------------------------------------------------------
 # the kernel
 # --------------------------------------------------------------------------------------------------
-def _tile_origin(cfg, P, fx, *, tiles, c_n, c_ld):
+def _tile_origin(cfg, P, fx, *, tiles, c_ld):
     """(row0, b_row0, c_col0, counter) of this workgroup's output tile.
 
-    fuse=False: row-major over the [M, N] grid of tiles. fuse=True: row ``block_idx`` of the
+    fuse=False: the launch grid is [N / BLOCK_N, M tiles], dispatched x first, so the tiles run
+    row-major with no division by the runtime tile count. fuse=True: row ``block_idx`` of the
     ``cco.layout.tile_table_rows`` table, [chunk, dest, row0, col0], col0 within dest's slice.
     """
     if not cfg.fuse:
-        n_blocks = c_n // cfg.BLOCK_N
-        row0 = (fx.block_idx.x // n_blocks) * cfg.BLOCK_M
-        col0 = (fx.block_idx.x % n_blocks) * cfg.BLOCK_N
+        row0, col0 = fx.block_idx.y * cfg.BLOCK_M, fx.block_idx.x * cfg.BLOCK_N
         return row0, col0, col0, None
     from cco import layout as cco_layout
 
-    entry = P.ScalarReader(tiles, dtype=fx.Int32, bits=32).four(fx.block_idx.x * 4)
+    entry = P.tile_table_entry(tiles, fx.block_idx.x)  # wave-uniform: one scalar load into SGPRs
     chunk, dest, row0, col0 = entry[0], entry[1], entry[2], entry[3]
     # B rows are global output columns: dest's slice starts at dest * n_slice (= c_ld)
     return row0, dest * c_ld + col0, col0, (dest, chunk, cco_layout.MAX_CHUNKS)
@@ -261,59 +280,79 @@ def _stages(cfg, P, fx, *, A, B, C, A_scale, B_scale, tiles, c_m, c_n, c_ld, c_r
     HALF_M, HALF_N = cfg.BLOCK_M // 2, cfg.BLOCK_N // 2
     N_TILES_A, N_TILES_B = cfg.BLOCK_M // 64, cfg.BLOCK_N // 128  # 16-row MFMA tiles per wave per half
     tid = fx.thread_idx.x
-    lane, wave_id = tid % 64, tid // 64
+    lane, wave_id = tid % 64, P.wave_uniform(tid // 64)
     wave_m, wave_n = wave_id // 4, wave_id % 4
-    row0, b_row0, c_col0, counter = _tile_origin(cfg, P, fx, tiles=tiles, c_n=c_n, c_ld=c_ld)
+    row0, b_row0, c_col0, counter = _tile_origin(cfg, P, fx, tiles=tiles, c_ld=c_ld)
 
     smem = fx.SharedAllocator().allocate(_shared_storage(cfg, fx)).peek()
     lds = {"a0": (smem.a0_0, smem.a0_1), "a1": (smem.a1_0, smem.a1_1),
            "b0": (smem.b0_0, smem.b0_1), "b1": (smem.b1_0, smem.b1_1)}
-    gA, gB = P.fp8_buffer(A), P.fp8_buffer(B)
+    gA, gB = P.buffer_resource(A), P.buffer_resource(B)
+    a_base = L.a_dma_offsets(lane=lane, wave=wave_id, row0=row0, K=cfg.K, steps=1)[0]
+    b_base = L.b_dma_offsets(lane=lane, wave=wave_id, group0=b_row0 // L.MFMA_ROWS, K=cfg.K, steps=1)[0]
     dma = {}
+    recompute = cfg.quant in RECOMPUTED_DMA_OFFSETS
     for h in (0, 1):
-        dma[f"a{h}"] = P.HalfTileDMA(src=gA, k_tile_bytes=BLOCK_K, wave_id=wave_id, lane_offsets=L.a_dma_offsets(
-            lane=lane, wave=wave_id, row0=row0 + h * HALF_M, K=cfg.K, steps=cfg.steps_a))
-        dma[f"b{h}"] = P.HalfTileDMA(src=gB, k_tile_bytes=L.B_GROUP_BYTES, wave_id=wave_id,
-                                     lane_offsets=L.b_dma_offsets(lane=lane, wave=wave_id,
-                                                                   group0=(b_row0 + h * HALF_N) // 16, K=cfg.K,
-                                                                   steps=cfg.steps_b))
-    readers = {"a": P.AReader(lane=lane, first_row=wave_m * (N_TILES_A * 16), n_tiles=N_TILES_A),
-               "b": P.BReader(lane=lane, first_group=wave_n * N_TILES_B, n_tiles=N_TILES_B)}
-    # first row of each of this wave's 16-row MFMA tiles, per half (A: output rows; B: output columns)
-    a_rows = {f"a{h}": [row0 + h * HALF_M + wave_m * (N_TILES_A * 16) + 16 * i for i in range(N_TILES_A)]
-              for h in (0, 1)}
-    b_rows = {f"b{h}": [b_row0 + h * HALF_N + wave_n * (N_TILES_B * 16) + 16 * j for j in range(N_TILES_B)]
-              for h in (0, 1)}
-    if cfg.quant == "blockscale":
-        scales = P.BlockScales(A_scale=A_scale, B_scale=B_scale, lane=lane, a_rows=a_rows,
-                               b_rows={f"b{h}": b_row0 + h * HALF_N for h in (0, 1)}, m=c_m, k_tiles=cfg.k_tiles)
-    elif cfg.quant == "mxfp8":
-        scales = P.MxScales(A_scale=A_scale, B_scale=B_scale, lane=lane, a_rows=a_rows, b_rows=b_rows, K=cfg.K)
-    else:
-        scales = P.NoMainLoopScales()
+        dma[f"a{h}"] = P.HalfTileDMA(rsrc=gA, base=a_base, k_tile_bytes=BLOCK_K, wave_id=wave_id, recompute=recompute,
+                                     steps=[L.a_dma_step(half=h, half_rows=HALF_M, step=s, K=cfg.K)
+                                            for s in range(cfg.steps_a)])
+        dma[f"b{h}"] = P.HalfTileDMA(rsrc=gB, base=b_base, k_tile_bytes=L.B_GROUP_BYTES, wave_id=wave_id,
+                                     recompute=recompute, steps=[L.b_dma_step(half=h, half_rows=HALF_N, step=s, K=cfg.K)
+                                                                 for s in range(cfg.steps_b)])
+    readers = {"a": P.FragmentReader(anchor=smem.a0_0, n_tiles=N_TILES_A,
+                                     bases=L.a_read_bases(lane=lane, first_row=wave_m * (N_TILES_A * 16))),
+               "b": P.FragmentReader(anchor=smem.b0_0, n_tiles=N_TILES_B,
+                                     bases=L.b_read_bases(lane=lane, first_group=wave_n * N_TILES_B))}
+    built = {}  # the epilogue's pieces, made where the epilogue starts
 
-    out = P.Bf16Store(C, lane=lane, ldc=c_ld)
+    def epilogue_lane():
+        """The lane id, counted afresh where the epilogue starts: values the epilogue computes from it
+        cannot be merged with the prologue's and kept live (or spilled) across the main loop."""
+        if "lane" not in built:
+            built["lane"] = P.lane_id()
+        return built["lane"]
+
+    # this wave's first output row (A row) and column (B row) of quarter c00; the halves are offsets
+    a_row0 = row0 + wave_m * (N_TILES_A * 16)
+    b_wave_row0 = b_row0 + wave_n * (N_TILES_B * 16)
+    geometry = dict(half_m=HALF_M, half_n=HALF_N, n_a=N_TILES_A)
+    if cfg.quant == "blockscale":
+        scales = P.BlockScales(A_scale=A_scale, B_scale=B_scale, lane=lane, a_row0=a_row0, b_row0=b_row0, m=c_m,
+                               k_tiles=cfg.k_tiles, **geometry)
+    elif cfg.quant == "mxfp8":
+        scales = P.MxScales(A_scale=A_scale, B_scale=B_scale, lane=lane, a_row0=a_row0, b_row0=b_wave_row0,
+                            n_b=N_TILES_B, K=cfg.K, **geometry)
+    else:
+        scales = P.RowScales(A_scale=A_scale, B_scale=B_scale, lane=epilogue_lane, a_row0=a_row0,
+                             b_row0=b_wave_row0, n_b=N_TILES_B, **geometry)
+
     # fuse=True: C is the window's partial region [world, c_rows, n_slice]; partial[dest] starts
     # dest * c_rows rows in. fuse=False: C is [M, N].
     c_row_base = counter[0] * c_rows if cfg.fuse else 0
-    if cfg.quant == "ptpc":
-        sa_reader = P.ScalarReader(A_scale, dtype=fx.Float32, bits=32)
-        sb_reader = P.ScalarReader(B_scale, dtype=fx.Float32, bits=32)
+    quarter_index = {q: n for n, q in enumerate(QUARTER_HALVES)}
 
-    def store(acc_name, acc, a_half, b_half):
-        for i in range(N_TILES_A):
-            row = a_rows[a_half][i]
-            if cfg.quant == "ptpc":
-                sa = sa_reader.four(row + (lane // 16) * 4)  # rows of this lane's 4 accumulator values
-            for j in range(N_TILES_B):
-                vals = fx.Vector(acc[i * N_TILES_B + j])
-                if cfg.quant == "ptpc":
-                    vals = vals * (sa * sb_reader.one(b_rows[b_half][j] + lane % 16))
-                col = c_col0 + int(b_half[1]) * HALF_N + wave_n * (N_TILES_B * 16) + 16 * j
-                out.tile(vals, c_row_base + row, col)
+    def epilogue():
+        if "epilogue" not in built:
+            built["epilogue"] = P.CEpilogue(
+                C=C, lds_base=P.lds_address(smem.a0_0), layout=L.CStage(n_a=N_TILES_A, n_b=N_TILES_B),
+                lane=epilogue_lane(), wave_id=wave_id, ldc=c_ld, row0=c_row_base + a_row0,
+                col0=c_col0 + wave_n * (N_TILES_B * 16))
+        return built["epilogue"]
+
+    def stage(acc_name, acc, a_half, b_half, scale_regs):
+        tiles = acc
+        if cfg.quant == "ptpc":  # acc * (sa * sb), per value: the fp32 order of the reference epilogue
+            sa, sb = scale_regs[(a_half, sched.EPILOGUE)], scale_regs[(b_half, sched.EPILOGUE)]
+            tiles = [fx.Vector(acc[i * N_TILES_B + j]) * (sa[i] * sb[j])
+                     for i in range(N_TILES_A) for j in range(N_TILES_B)]
+        epilogue().stage(quarter_index[acc_name], tiles)
+
+    def store(acc_name, a_half, b_half):
+        epilogue().store(quarter_index[acc_name], row_offset=int(a_half[1]) * HALF_M,
+                         col_offset=int(b_half[1]) * HALF_N)
 
     emitter = PipelineEmitter(cfg=cfg, parts=P, lds=lds, dma=dma, readers=readers, mfma=P.Mfma(n_a=N_TILES_A, n_b=N_TILES_B),
-                              scales=scales, store=store)
+                              scales=scales, stage=stage, store=store, flush=P.CEpilogue.flush)
     counter_index = None if counter is None else counter[0] * counter[2] + counter[1]
     return emitter, wave_m, tid, counter_index
 
@@ -378,13 +417,13 @@ def build_kernel(cfg: KernelConfig):
         c_rows: fx.Int32, n_tiles: fx.Int32, stream: fx.Stream,
     ):
         if const_expr(fuse):
-            grid_x = n_tiles
+            grid = (n_tiles, 1, 1)
         else:
-            grid_x = ((c_m + (cfg.BLOCK_M - 1)) // cfg.BLOCK_M) * (c_n // cfg.BLOCK_N)
+            grid = (c_n // cfg.BLOCK_N, (c_m + (cfg.BLOCK_M - 1)) // cfg.BLOCK_M, 1)
         fused_gemm_scatter(
             A, B, C, A_scale, B_scale, tiles, counters, c_m, c_n, c_ld, c_rows,
             value_attrs={"rocdl.waves_per_eu": WAVES_PER_EU, "rocdl.flat_work_group_size": f"{WORKGROUP},{WORKGROUP}"},
-        ).launch(grid=(grid_x, 1, 1), block=(WORKGROUP, 1, 1), stream=stream)
+        ).launch(grid=grid, block=(WORKGROUP, 1, 1), stream=stream)
 
     return launch
 

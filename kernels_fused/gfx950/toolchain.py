@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 ARCH = "gfx950"
@@ -97,6 +98,15 @@ def flydsl_available() -> str | None:
     except ToolchainError as exc:
         return str(exc)
     return None
+
+
+def cli_unavailable(prog: str) -> int | None:
+    """For a command line tool: None when it can compile here, else exit status 2 after saying why."""
+    why = flydsl_available()
+    if why is None:
+        return None
+    print(f"{prog}: cannot compile for gfx950 here: {why}", file=sys.stderr)
+    return 2
 
 
 @contextlib.contextmanager

@@ -29,6 +29,11 @@ Verdicts:
   rows has retired before a barrier the loader passed before issuing; else *timing-only* if
   declared, else *unordered*. The slack printed is the generations between the read's issue and
   the load's issue (an LDS read needs a few cycles, a DMA far more).
+* Per epilogue stage write (:class:`~kernels_fused.pipeline.schedule.StageC`: C, as bf16, into
+  the A/B buffers): *ordered* when every LDS read of every wave has retired and every DMA load of
+  every wave has completed before it (same rules: the wave's own program order, or a barrier the
+  writer passed), else *unordered*: the stage would overwrite operands still being read, or a late
+  DMA would overwrite the stage.
 
 ``check(schedule) -> Report``; ``Report.ok`` is False on any unguarded read or unordered
 overwrite. ``Report.explain(item)`` prints the event trace behind one verdict.
@@ -41,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .schedule import (HALVES, WAVES, WAVES_PER_GROUP, LdsRead, LoadTile, Mfma, ReadDoneBarrier,
-                       ScaleLoad, Schedule, WaitBarrier, WaitVm)
+                       ScaleLoad, Schedule, StageC, WaitBarrier, WaitVm)
 
 INF = 10 ** 9
 
@@ -85,10 +90,11 @@ class _Wave:
     barrier_label: list
     barrier_text: list
     loads: dict  # (half, ktile, step) -> _Vm
+    stage_writes: list = field(default_factory=list)  # (position, barriers passed, label) per StageC
 
 
 def _trace_wave(schedule: Schedule, wave: int, fifo: bool) -> _Wave:
-    vms, reads, bpos, blabel, btext, loads = [], [], [], [], [], {}
+    vms, reads, bpos, blabel, btext, loads, stage_writes = [], [], [], [], [], {}, []
     waits = []  # (pos, vmcnt, VM instructions issued before it, label, text)
     pending = {}  # fragment register -> its newest read not yet retired
     bars = 0
@@ -111,6 +117,8 @@ def _trace_wave(schedule: Schedule, wave: int, fifo: bool) -> _Wave:
             old = pending.get(op.frag)
             assert old is None, f"fragment {op.frag} overwritten before an MFMA consumed it"
             pending[op.frag] = rd
+        elif isinstance(op, StageC):
+            stage_writes.append((pos, bars, f"{phase.label} {op.text()}"))
         if isinstance(op, (WaitBarrier, WaitVm)):
             waits.append((pos, op.vmcnt, len(vms), phase.label, op.text()))
         if isinstance(op, ReadDoneBarrier):
@@ -143,7 +151,7 @@ def _trace_wave(schedule: Schedule, wave: int, fifo: bool) -> _Wave:
     for r in reads:
         r.retire_bar = first_barrier_at_or_after(r.retire_pos) if r.retire_pos < INF else INF
     return _Wave(wave=wave, vms=vms, reads=reads, barrier_pos=bpos, barrier_label=blabel,
-                 barrier_text=btext, loads=loads)
+                 barrier_text=btext, loads=loads, stage_writes=stage_writes)
 
 
 # --------------------------------------------------------------------------- verdicts
@@ -199,6 +207,22 @@ class OverwriteVerdict(_Site):
         return f"wave {self.wave} {self.label} load {self.half}({self.ktile}) step {self.step}"
 
 
+@dataclass(frozen=True)
+class StageVerdict:
+    """One wave's epilogue stage write into the A/B buffers, and what is not ordered before it."""
+
+    wave: int
+    label: str
+    status: str  # ordered | unordered
+    unordered: tuple  # (what, wave, label): an LDS read not retired or a DMA load not completed
+    section: str = "epilogue"
+    stage: str = "epilogue"
+    half: str = "C"
+
+    def key(self) -> str:
+        return f"wave {self.wave} {self.label}"
+
+
 @dataclass
 class Report:
     schedule: Schedule
@@ -206,6 +230,7 @@ class Report:
     reads: list
     overwrites: list
     _waves: list = field(repr=False)
+    stages: list = field(default_factory=list)  # StageVerdict per epilogue stage write
 
     @property
     def unguarded(self) -> list:
@@ -217,7 +242,8 @@ class Report:
 
     @property
     def unordered(self) -> list:
-        return [o for o in self.overwrites if o.status == "unordered"]
+        return ([o for o in self.overwrites if o.status == "unordered"]
+                + [st for st in self.stages if st.status == "unordered"])
 
     @property
     def ok(self) -> bool:
@@ -312,7 +338,27 @@ def check(schedule: Schedule, *, fifo: bool = True) -> Report:
             overwrites.append(OverwriteVerdict(
                 wave=u.wave, label=vm.label, section=phase.section, stage=phase.stage, half=half,
                 ktile=ktile, step=s, status=status, unordered=tuple(unordered)))
-    return Report(schedule=schedule, fifo=fifo, reads=reads, overwrites=overwrites, _waves=waves)
+    return Report(schedule=schedule, fifo=fifo, reads=reads, overwrites=overwrites, _waves=waves,
+                  stages=_stage_verdicts(waves))
+
+
+def _stage_verdicts(waves: list) -> list:
+    """Every LDS read retired and every DMA load completed before each wave's stage writes."""
+    out = []
+    for u in waves:
+        for pos, bar, label in u.stage_writes:
+            late = []
+            for v in waves:
+                mine = v.wave == u.wave
+                for r in v.reads:
+                    if not (r.retire_pos < pos if mine else r.retire_bar <= bar):
+                        late.append((f"read {r.op.half}({r.op.ktile})", v.wave, r.label))
+                for vm in v.vms:
+                    if isinstance(vm.op, LoadTile) and not (vm.done_pos < pos if mine else vm.done_bar <= bar):
+                        late.append((f"load {vm.op.half}({vm.op.ktile})", v.wave, vm.label))
+            out.append(StageVerdict(wave=u.wave, label=label, status="unordered" if late else "ordered",
+                                    unordered=tuple(late)))
+    return out
 
 
 # --------------------------------------------------------------------------- explanation
@@ -375,7 +421,17 @@ def _explain(report: Report, item) -> str:
                          f"{rd.retired_by}, before its barrier #{rd.retire_bar}: "
                          f"{_barrier_line(report, rw, rd.retire_bar)}; issue slack {sl}")
         return "\n".join(lines)
-    raise TypeError(f"explain: item must be a ReadVerdict or OverwriteVerdict, got {type(item)}")
+    if isinstance(item, StageVerdict):
+        lines.append(f"{item.key()}: {item.status}; the writer has passed "
+                     f"{_barrier_line(report, item.wave, _stage_bar(report, item))}")
+        for what, w, label in item.unordered:
+            lines.append(f"  {what} by wave {w} at {label} is not ordered before it")
+        return "\n".join(lines)
+    raise TypeError(f"explain: item must be a ReadVerdict, OverwriteVerdict or StageVerdict, got {type(item)}")
+
+
+def _stage_bar(report: Report, item) -> int:
+    return next(bar for _, bar, label in report._waves[item.wave].stage_writes if label == item.label)
 
 
 def _waits_after(report: Report, wave: int, pos: int):
@@ -388,4 +444,4 @@ def _waits_after(report: Report, wave: int, pos: int):
             yield f"{op.text()} at {phase.label} (barrier #{bars if op.is_barrier else '-'})"
 
 
-__all__ = ["check", "Report", "ReadVerdict", "OverwriteVerdict", "SourceVerdict"]
+__all__ = ["check", "Report", "ReadVerdict", "OverwriteVerdict", "SourceVerdict", "StageVerdict"]

@@ -61,12 +61,23 @@ Event vocabulary (frozen dataclasses; every event has ``group``: None = both wav
 * :class:`WaitBarrier` ``vmcnt``: ``s_waitcnt vmcnt(n); s_barrier``.
 * :class:`ReadDoneBarrier`: ``s_waitcnt lgkmcnt(0); s_barrier``.
 * :class:`Barrier` ``kind``: ``bare`` (stage barrier), ``mfma`` (ends an MFMA call), ``lag``
-  (prologue, group 1 only), ``close`` (epilogue, group 0 only: re-balances the counts).
+  (prologue, group 1 only), ``close`` (epilogue, group 0 only: re-balances the counts),
+  ``epilogue`` (both groups; in place of ``close`` when the policy has no ``close_lag``).
 * :class:`LdsRead` ``half``, ``ktile``, ``buf``, ``frag`` (register fragment a0/a1/b0/b1),
   ``lds_name``. Which rows a wave reads: :meth:`Schedule.rows_read`.
 * :class:`Mfma` ``acc`` (c00/c01/c10/c11), ``a``, ``b`` (fragments), ``ktile``. An MFMA call ends
   at the next :class:`Barrier` ``kind="mfma"`` (present only with ``mfma_barriers``).
-* :class:`StoreC` ``acc``, ``row_half``, ``col_half``: epilogue store of one accumulator set.
+* :class:`StageC` ``acc``, ``row_half``, ``col_half``: the epilogue writes one accumulator set, as
+  bf16, into the wave's private region of LDS (the A/B buffers, free once every wave's last MFMA
+  has consumed its reads: the checker verifies that every LDS read and DMA write of every wave is
+  ordered before it).
+* :class:`StoreC` ``acc``, ``row_half``, ``col_half``: reads a staged set back, 16 bytes per lane,
+  and stores it to global memory (``buffer_store_dwordx4``).
+
+Epilogue: the ptpc row and column scales (:class:`ScaleLoad` with ``ktile=-1``), the leading
+group's close barrier (or, without ``close_lag``, a barrier of both groups: the stage must not
+overwrite A/B rows the lagging group is still reading), then every :class:`StageC`, then every
+:class:`StoreC`.
 
 Declared timing covers (:class:`TimingCover`, ``Schedule.timing_covers``) list the LDS reads and
 overwrites the schedule accepts as ordered only by elapsed time, each with its minimum slack in
@@ -92,7 +103,8 @@ TAILS = ("drained", "bare")
 # (A <= B); the 256x128 tile (A=2 > B=1) raced on A1 under ptpc, so the shipped count is capped.
 LOOP_COUNTS = ("min(2A+B,A+2B)", "2A+B", "A+B-1")
 HALVES = ("A0", "A1", "B0", "B1")
-BARRIER_KINDS = ("bare", "mfma", "lag", "close")
+BARRIER_KINDS = ("bare", "mfma", "lag", "close", "epilogue")
+EPILOGUE = -1  # the ktile of the epilogue's scale loads (ptpc)
 
 
 # --------------------------------------------------------------------------- events
@@ -147,7 +159,8 @@ class ScaleLoad(Event):
     half: str = ""  # "A0" | "A1" | "B0" | "B1": the half-tile whose MFMAs use these scales
 
     def text(self) -> str:
-        return f"scale_load {self.half or self.operand}({self.ktile}) x{self.n_vm}"
+        when = "epilogue" if self.ktile == EPILOGUE else self.ktile
+        return f"scale_load {self.half or self.operand}({when}) x{self.n_vm}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -192,7 +205,7 @@ class Barrier(Event):
 
     def text(self) -> str:
         return {"bare": "s_barrier", "mfma": "s_barrier (mfma)", "lag": "s_barrier (lag)",
-                "close": "s_barrier (close)"}[self.kind]
+                "close": "s_barrier (close)", "epilogue": "s_barrier (epilogue)"}[self.kind]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -225,16 +238,25 @@ class Mfma(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
-class StoreC(Event):
+class _Quarter(Event):
+    """An epilogue event on one accumulator set (quarter ``acc`` = A half ``row_half`` x B half ``col_half``)."""
+
     acc: str
     row_half: int
     col_half: int
 
+
+class StageC(_Quarter):
+    def text(self) -> str:
+        return f"stage {self.acc} -> LDS"
+
+
+class StoreC(_Quarter):
     def text(self) -> str:
         return f"store {self.acc}"
 
 
-Op = Union[LoadTile, ScaleLoad, WaitVm, WaitBarrier, ReadDoneBarrier, Barrier, LdsRead, Mfma, StoreC]
+Op = Union[LoadTile, ScaleLoad, WaitVm, WaitBarrier, ReadDoneBarrier, Barrier, LdsRead, Mfma, StageC, StoreC]
 
 
 # --------------------------------------------------------------------------- structure
@@ -359,6 +381,13 @@ class Geometry:
         # blockscale: one scalar per 128-column block, and a B half never spans two;
         # mxfp8: one dword per 16-column MFMA tile
         return 1 if self.quant == "blockscale" else self.n_tiles_b
+
+    def epilogue_scale_vm(self, half: str) -> int:
+        """VM instructions each wave issues for the epilogue's scales of ``half`` (ptpc only): one
+        16-byte load of four row scales per A tile, one column scale per B tile."""
+        if self.quant != "ptpc":
+            return 0
+        return self.n_tiles_a if half[0] == "A" else self.n_tiles_b
 
     def label(self) -> str:
         return f"{self.block_m}x{self.block_n}"
@@ -579,9 +608,13 @@ def _build_phases(g: Geometry, p: Policy, count: int) -> tuple:
         scale_ops(t, "A1") + [rd("A1", t, "a1"), Barrier(kind="bare")] + scale_wait(t, 0, "A1")
         + mfma("c10", "a1", "b0", t, barrier=False) + mfma("c11", "a1", "b1", t))))
 
-    epi = [Barrier(kind="close", group=0)] if p.close_lag else []
-    epi += [StoreC(acc="c00", row_half=0, col_half=0), StoreC(acc="c01", row_half=0, col_half=1),
-            StoreC(acc="c10", row_half=1, col_half=0), StoreC(acc="c11", row_half=1, col_half=1)]
+    # the scales first, so that their latency overlaps the leading group's wait at the close barrier
+    epi = [ScaleLoad(operand=h[0], ktile=EPILOGUE, n_vm=g.epilogue_scale_vm(h), half=h)
+           for h in HALVES if g.epilogue_scale_vm(h)]
+    epi += [Barrier(kind="close", group=0) if p.close_lag else Barrier(kind="epilogue")]
+    quarters = (("c00", 0, 0), ("c01", 0, 1), ("c10", 1, 0), ("c11", 1, 1))
+    epi += [StageC(acc=acc, row_half=r, col_half=c) for acc, r, c in quarters]
+    epi += [StoreC(acc=acc, row_half=r, col_half=c) for acc, r, c in quarters]
     phases.append(Phase(section="epilogue", stage="epilogue", step=None, ops=tuple(epi)))
     return tuple(phases)
 
@@ -612,6 +645,6 @@ def _timing_covers(g: Geometry, p: Policy, count: int) -> tuple:
 __all__ = [
     "BLOCK_K", "QUANTS", "TAILS", "LOOP_COUNTS", "HALVES", "VARIANTS",
     "Event", "LoadTile", "ScaleLoad", "WaitVm", "WaitBarrier", "ReadDoneBarrier", "Barrier",
-    "LdsRead", "Mfma", "StoreC", "Op", "Phase", "TimingCover", "Policy", "Geometry", "Schedule",
+    "LdsRead", "Mfma", "StageC", "StoreC", "Op", "EPILOGUE", "Phase", "TimingCover", "Policy", "Geometry", "Schedule",
     "build_schedule", "resolve_loop_count", "loader_of_row",
 ]
