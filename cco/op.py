@@ -266,6 +266,17 @@ class GemmAllReduceOp:
         self._backend.raise_deferred()
         return out
 
+    def reject(self, error: Exception) -> None:
+        """Take part in this rank's next collective call as a rejected one: for a caller (a layer)
+        whose own checks failed before it could call the op, so that its peers fail that call with
+        :class:`PeerRejectedError` naming this rank and ``error`` instead of waiting it out or pairing
+        it with this rank's next call. Nothing to do where no call is collective (``gemm-only``, one
+        rank). The caller raises ``error`` itself afterwards."""
+        if self._closed:
+            raise RuntimeError(f"{_FN}.reject: the op is closed; build a new GemmAllReduceOp")
+        if not self._plain:
+            self._reject(error)
+
     def _reject(self, err: Exception) -> None:
         """This rank's inputs to the next call failed validation with ``err``: take part in the call
         all the same (it consumes a seq on every rank), so every peer fails it with

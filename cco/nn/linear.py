@@ -253,8 +253,11 @@ class RowParallelLinear(torch.nn.Module):
         slice ``x [..., in_features_per_rank]`` (any float dtype). Collective: every rank calls it
         with the same leading shape."""
         if x.shape[-1] != self.in_features_per_rank:
-            raise ValueError(f"{_FN}: x has {x.shape[-1]} features in its last dimension but the layer takes "
+            err = ValueError(f"{_FN}: x has {x.shape[-1]} features in its last dimension but the layer takes "
                              f"in_features_per_rank={self.in_features_per_rank}; pass this rank's slice of the input")
+            if self.op is not None:  # still this rank's share of the collective call: the peers fail it too
+                self.op.reject(err)
+            raise err
         qweight, scale = self.quantized_weight()
         return torch.ops.cco.row_parallel_linear(x, qweight, scale, self.bias, self.weight, self._handle,
                                                  self.out_features)

@@ -313,3 +313,39 @@ def test_layers_of_one_shape_share_one_window():
         assert f["users_after"] == 1 and f["open_after_one"] and f["closed_after_both"]
         assert "closed" in f["closed_call"]
         assert e.shape == (0, 512)
+
+
+# --------------------------------------------------------------------------------------------------
+def _one_rank_passes_a_bad_input(comm):
+    from cco.transport.protocol import PeerRejectedError
+
+    w, x, bias = problem(256, 512, lead=(4,))
+    layer = _layer(comm, "ptpc", 256, 512, bias=False)
+    layer.load_weight(shard(w, comm.rank, comm.world))
+    xs = shard(x, comm.rank, comm.world)
+    first = xs[:, :-1] if comm.rank == 1 else xs  # rank 1 passes one feature too few
+    try:
+        with torch.no_grad():
+            layer(first)
+        verdict = "returned"
+    except PeerRejectedError as err:
+        verdict = f"PeerRejectedError: {err}"
+    except ValueError as err:
+        verdict = f"ValueError: {err}"
+    with torch.no_grad():
+        second = layer(xs)  # the ranks are still in step: the next call is good everywhere
+    return verdict, second
+
+
+def test_a_rank_whose_input_the_layer_rejects_fails_the_call_on_every_rank():
+    """Guards: a layer whose own input check raises on one rank before it reaches the op. Without
+    taking part in the call, the peer waits out its deadline and the ranks' calls fall out of
+    step (the next call pairs different calls or fails too); with the rejection the peer raises
+    PeerRejectedError naming rank 1 at once and the next call is correct on both ranks."""
+    outs = check_outcomes(spawn(_one_rank_passes_a_bad_input, world=2, timeout_s=120))
+    w, x, _ = problem(256, 512, lead=(4,))
+    ref = reference(w, x, None, 2, "ptpc", 256, 256)
+    (verdict0, second0), (verdict1, second1) = outs
+    assert verdict1.startswith("ValueError") and "features" in verdict1
+    assert verdict0.startswith("PeerRejectedError") and "rank 1" in verdict0, verdict0
+    assert Q.count_mismatches(second0, ref) == 0 and torch.equal(second0, second1)
