@@ -35,7 +35,7 @@ parameters, each solved so the model passes exactly through measured points of t
 small M, the rate large M); ``nccl_alpha_us`` and ``nccl_busbw_gbs`` through ``scaled_mm+nccl -
 scaled_mm`` at M = 4096 and 16384. Taken as measured: the GEMM times, the reduce (41 us) and
 assemble (37 us) kernels of the profile, and blockscale's GEMM times as ratios to ptpc's measured on
-one H200 in one session: the Triton kernels (578.7 / 411.3 us) and cuBLAS (391.0 / 318.7 us).
+one H200 in one run: the Triton kernels (578.7 / 411.3 us) and cuBLAS (391.0 / 318.7 us).
 Every other 2-GPU figure is held out (``check_2gpu``): split at every M, the fp8 gather at every M,
 fused at 4096, 8192, 32768, NCCL at 2048, 8192, 32768; and the fitted copy rate must fall in the
 range the profile's copies ran at (341-381 GB/s).
@@ -510,7 +510,7 @@ HELD_OUT_TOLERANCE = 0.12
 
 # AMD's published 8x MI355X figures at [16384, 7168] K=2048 ptpc (mori gemm_ar; DESIGN.md)
 MI355X_W8 = {"baseline_us": 1419.5, "fused_us": 1114.5, "fused_fp8_us": 979.3}
-TARGET_W8_RATIO = 0.70  # issue 7: fused <= 0.70x of scaled_mm + NCCL at W = 8, [16384, 7168] ptpc
+TARGET_W8_RATIO = 0.70  # the target: fused <= 0.70x of scaled_mm + NCCL at W = 8, [16384, 7168] ptpc
 
 
 def sensitivity(m: int = 16384, world: int = 8, *, quant: str = "ptpc", cal: Calibration) -> dict:
