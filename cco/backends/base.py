@@ -81,6 +81,15 @@ if TYPE_CHECKING:  # keep this module importable without torch-heavy or device i
     from cco.window import Window
 
 
+def row_major_readings(partial: "torch.Tensor", cfg: "OpConfig") -> tuple["torch.Tensor", "torch.Tensor"]:
+    """How a producer of whole rows (the vendor GEMM per chunk, and the CPU model of it) reads the
+    partial region ``partial`` (``[W, rows, n_slice]``): ``[m_max_padded, N]`` row-major, which it
+    writes, and the ``[W, rows, n_slice]`` planes of that reading the transfers take
+    (``cco.layout.partial_strides``)."""
+    return (partial.view(cfg.m_max_padded, cfg.n),
+            partial.as_strided(partial.shape, layout.partial_strides(cfg, by_rows=True)))
+
+
 class Backend(abc.ABC):
     """One device's executor of the op's calls. Constructed by the op, once per op.
 

@@ -12,12 +12,12 @@ import os
 import torch
 
 from cco import layout
-from cco.backends.base import Backend
+from cco.backends.base import Backend, row_major_readings
 from cco.quant import dequantize_gather, quantize_gather
 from cco.transport import transport_class
 from cco.transport.base import REJECTED_M, stamp_rejected, unstamp_seq_m
-from cco.transport.protocol import (CommTimeoutError, Deadline, PeerMismatchError, PeerRejectedError, release,
-                                    wait_at_least)
+from cco.transport.protocol import CommTimeoutError, Deadline, PeerMismatchError, release, wait_at_least
+from cco.transport.reasons import post_rejection, rejected_error
 from kernels_fused.cpu.tiles import dequantized_operands, run_chunks, run_tiles
 
 # A call waits this many deadlines for a peer to leave the previous call: the peer entered that call
@@ -71,9 +71,7 @@ class CpuBackend(Backend):
         self._peer_scatter_flags = [win.words(w.scatter_flags, rank=r) for r in range(self.world)]
         self._gather_flags = [win.words(w.gather_flags, rank=r) for r in range(self.world)]
         self._partial = self._dest_major = win.tensor(w.partial, rank=rank)
-        self._rows = self._dest_major.view(cfg.m_max_padded, cfg.n)  # the chunk producer's reading
-        self._by_rows = torch.as_strided(self._dest_major, self._dest_major.shape,
-                                         layout.partial_strides(cfg, by_rows=True))
+        self._rows, self._by_rows = row_major_readings(self._dest_major, cfg)  # chunk producer
         self._recv = win.tensor(w.recv, rank=rank)
         self._gather = [win.tensor(w.gather, rank=r) for r in range(self.world)]
         self._gather_scale = [win.tensor(w.gather_scale, rank=r) for r in range(self.world)]
@@ -146,10 +144,7 @@ class CpuBackend(Backend):
             error.add_note(f"{late}; the peers were not told of the rejection and time out this call")
             self._leave_failed(seq, error)
             return
-        problem = self.notes.post(seq=seq, rank=self.rank, reason=f"{type(error).__name__}: {error}") \
-            if self.notes is not None else None
-        if problem is not None:
-            error.add_note(f"rank {self.rank}: the reason could not be passed to the peers: {problem}")
+        post_rejection(self.notes, seq=seq, rank=self.rank, error=error)
         flag = layout.counter_index(self.rank, 0)
         for peer in layout.dest_order(self.rank, self.world)[:-1]:
             release(self._peer_scatter_m[peer], self.rank, stamp_rejected(seq))
@@ -245,9 +240,7 @@ class CpuBackend(Backend):
             raise PeerMismatchError(f"rank {self.rank}: rank {src}'s chunk-0 stamp is for seq {seq}, not {plan.seq}; "
                                     f"the ranks are out of step; rebuild the op on every rank")
         if m == REJECTED_M:
-            reason = self.notes.fetch(seq=seq, rank=src) if self.notes is not None else "(the op has no store)"
-            raise PeerRejectedError(f"rank {self.rank}: rank {src} rejected its inputs to call seq {seq}, so the "
-                                    f"call fails on every rank (the next call works); rank {src}: {reason}")
+            raise rejected_error(self.notes, rank=self.rank, src=src, seq=seq)
         if m != plan.m:
             raise PeerMismatchError(
                 f"rank {self.rank}: called with M={plan.m} but rank {src} called with M={m} (call seq "

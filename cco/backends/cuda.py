@@ -70,12 +70,13 @@ import time
 import torch
 
 from cco import layout
-from cco.backends.base import Backend
+from cco.backends.base import Backend, row_major_readings
 from cco.preshuffle import unshuffle_b
 from cco.transport.base import REJECTED_M, unstamp_seq_m
+from cco.transport.protocol import PeerMismatchError
+from cco.transport.reasons import post_rejection
 from kernels_fused.hopper import gemm as hopper_gemm
 from kernels_fused.hopper import vendor
-from cco.transport.protocol import PeerMismatchError
 
 GEMM_BLOCK_M = 128  # wgmma-friendly tile rows; also the layout's m-tile (chunk granularity), but
 # blockscale's, whose fused kernel runs 64-row programs (CudaBackend.tile)
@@ -236,14 +237,10 @@ class CudaBackend(Backend):
         self.producer = None  # DMA_PRODUCER's pick per call; "kernel" / "vendor" force one
         w = cfg.window
         self.partial = self.window.tensor(w.partial, rank=self.rank)
-        # the vendor producer's reading of the same bytes: [m_max_padded, N] row-major, and the
-        # [W, rows, n_slice] planes of it the transfers take (cco.layout.partial_strides)
-        self.partial_rows = self.partial.view(cfg.m_max_padded, cfg.n)
-        self.partial_by_rows = torch.as_strided(self.partial, self.partial.shape,
-                                                layout.partial_strides(cfg, by_rows=True))
+        self.partial_rows, self.partial_by_rows = row_major_readings(self.partial, cfg)  # vendor producer
         self.counters = self.window.words(w.counters, rank=self.rank)
         self._tables: dict[int, torch.Tensor] = {}
-        self._plain: dict[int, object] = {}  # M -> PLAIN_RULE's config
+        self._plain_configs: dict[int, object] = {}  # M -> PLAIN_RULE's config
         self._weight_key = self._vendor_key = None
         self._weight = self._vendor_weight = None
         self.lsa_max_elements = 0 if drops is not None else lsa_max_elements(cfg)
@@ -307,9 +304,9 @@ class CudaBackend(Backend):
 
     def _plain_config(self, m: int):
         """The plain GEMM's config for ``m`` rows: ``gemm_config``, else ``PLAIN_RULE``'s (kept per M)."""
-        cfg = self.gemm_config or self._plain.get(m)
+        cfg = self.gemm_config or self._plain_configs.get(m)
         if cfg is None:
-            cfg = self._plain[m] = hopper_gemm.default_config(self.config.quant, plain=True, m=m)
+            cfg = self._plain_configs[m] = hopper_gemm.default_config(self.config.quant, plain=True, m=m)
         return cfg
 
     def _table(self, plan) -> torch.Tensor:
@@ -399,7 +396,7 @@ class CudaBackend(Backend):
     def gemm_out(self, a, b_pre, a_scale, b_scale, *, plan):
         """The eager plain call's path: the vendor GEMM allocates its output (in C++: a Python
         ``torch.empty`` cost an eager call ~4 us of host time on an H200 host)."""
-        cfg = self.gemm_config or self._plain.get(plan.m) or self._plain_config(plan.m)
+        cfg = self._plain_config(plan.m)
         if cfg.launch == "cublas":
             return vendor.vendor_gemm(a, a_scale, self._vendor(b_pre, b_scale), fast_accum=not cfg.precise_acc)
         return super().gemm_out(a, b_pre, a_scale, b_scale, plan=plan)
@@ -444,10 +441,7 @@ class CudaBackend(Backend):
             error.add_note(f"rank {self.rank}: rejected while a CUDA graph was being captured: the peers' call seq "
                            f"{seq} is not released; they fail it when their deadline passes")
             return
-        problem = self.notes.post(seq=seq, rank=self.rank, reason=f"{type(error).__name__}: {error}") \
-            if self.notes is not None else None
-        if problem is not None:
-            error.add_note(f"rank {self.rank}: the reason could not be passed to the peers: {problem}")
+        post_rejection(self.notes, seq=seq, rank=self.rank, error=error)
         m = self._peer_m(seq)
         if m is None:
             error.add_note(f"rank {self.rank}: no peer's stamp of call seq {seq} arrived within deadline_s="

@@ -90,7 +90,7 @@ def fused_launch_args(cfg: layout.OpConfig, plan: layout.CallPlan) -> FusedLaunc
     """The fused launch of ``plan``. Counters are zeroed at each call's start (as on CUDA: a stream
     wait's value is baked into a captured graph), so a chunk completes at its per-call tile count."""
     w = cfg.window
-    targets = tuple(tuple(plan.counter_targets[d][c] - plan.counter_base[d][c] for c in range(plan.chunks))
+    targets = tuple(tuple(plan.slot_tiles(d, c) for c in range(plan.chunks))
                     for d in range(cfg.world))
     return FusedLaunchArgs(
         block_m=cfg.block_m, block_n=cfg.block_n,

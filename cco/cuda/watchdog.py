@@ -58,7 +58,8 @@ import torch
 from cco import layout
 from cco.cuda.kernels import STATUS_WORDS
 from cco.transport.base import REJECTED_M, stamp_seq_m, unstamp_seq_m
-from cco.transport.protocol import CommTimeoutError, PeerMismatchError, PeerRejectedError
+from cco.transport.protocol import CommTimeoutError, PeerMismatchError
+from cco.transport.reasons import rejected_error
 
 IN_CALL, PROGRESS = 0, 1  # words of CallMarks
 # A header word of a GPU window (its SEQ/M/LEFT words are the CPU backend's; GPU peers never read
@@ -272,10 +273,7 @@ class Watchdog:
         src = status - 1
         seq, m = unstamp_seq_m(stamp)
         if m == REJECTED_M:
-            reason = self.notes.fetch(seq=seq, rank=src) if self.notes is not None else "(the op has no store)"
-            return PeerRejectedError(f"rank {self.rank}: rank {src} rejected its inputs to call seq {seq}, so the "
-                                     f"call fails on every rank and its output is NaN (the next call works); rank "
-                                     f"{src}: {reason}")
+            return rejected_error(self.notes, rank=self.rank, src=src, seq=seq, output=" and its output is NaN")
         plan = self.plan
         own = f"M={plan.m}" if plan is not None and plan.seq == seq else "another M"
         return PeerMismatchError(

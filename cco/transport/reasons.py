@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import datetime
 
+from cco.transport.protocol import PeerRejectedError
+
 REASON_CHARS = 400  # of the rejecting rank's error message, enough for its first sentences
 _FETCH_S = 5.0  # a peer's wait for the reason; it was written before the stamp the peer just read
 
@@ -55,3 +57,20 @@ class RejectionNotes:
         except Exception as err:
             return f"(its reason could not be read from the store: {type(err).__name__}: {err})"
         return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def post_rejection(notes: RejectionNotes | None, *, seq: int, rank: int, error: BaseException) -> None:
+    """Publish ``error`` as ``rank``'s reason for rejecting call ``seq`` (before its rejected stamp);
+    where it cannot be published, say so on ``error`` (the stamp alone still fails the call)."""
+    problem = notes.post(seq=seq, rank=rank, reason=f"{type(error).__name__}: {error}") if notes is not None else None
+    if problem is not None:
+        error.add_note(f"rank {rank}: the reason could not be passed to the peers: {problem}")
+
+
+def rejected_error(notes: RejectionNotes | None, *, rank: int, src: int, seq: int,
+                   output: str = "") -> PeerRejectedError:
+    """The error ``rank`` raises for call ``seq``, which rank ``src`` rejected, with ``src``'s
+    reason; ``output`` says what became of this rank's output, where that needs saying."""
+    reason = notes.fetch(seq=seq, rank=src) if notes is not None else "(the op has no store)"
+    return PeerRejectedError(f"rank {rank}: rank {src} rejected its inputs to call seq {seq}, so the call fails on "
+                             f"every rank{output} (the next call works); rank {src}: {reason}")
