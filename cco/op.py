@@ -157,9 +157,9 @@ class GemmAllReduceOp:
                 weight_layout=weight_layout)
         except ValueError as err:
             raise ValueError(f"{_FN}: {err}") from None
-        if weight_layout not in backend_cls.weight_layouts:
-            raise ValueError(f"{_FN}: weight_layout={weight_layout!r} is not read by the {backend_cls.name} backend; "
-                             f"pass one of {', '.join(backend_cls.weight_layouts)}")
+        refused = backend_cls.config_error(self.config)  # before a window is opened for it
+        if refused is not None:
+            raise type(refused)(f"{_FN}: {refused}")
         if not deadline_s > 0:
             raise ValueError(f"{_FN}: deadline_s={deadline_s!r} must be > 0 seconds")
         self.deadline_s = float(deadline_s)

@@ -2,9 +2,9 @@
 
 ``cco.supports`` answers for the backend that will run the call: it asks that backend for its tiles
 (``Backend.tile``), builds the op's configuration with them (``cco.layout.build_config``, the single
-place that decides what is expressible), then adds what the backend refuses at construction. So a
-``None`` here means ``GemmAllReduceOp`` builds, and a reason is the error it would raise, with the
-fix::
+place that decides what is expressible), then asks the backend what it refuses at construction
+(``Backend.config_error``, which its own ``__init__`` raises). So a ``None`` here means
+``GemmAllReduceOp`` builds, and a reason is the error it would raise, with the fix::
 
     cco.supports(4096, 3584, 2432, 8, backend="cuda")
     # "cuda: block_n=128 (the backend's tile width) must divide the per-rank slice N/world =
@@ -50,25 +50,6 @@ def default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _backend_reason(backend_cls, cfg: layout.OpConfig) -> str | None:
-    """What a backend refuses at construction for an expressible configuration (kept beside the
-    backends' own checks: ``tests/python/cco/test_shapes.py`` holds them to the same verdicts)."""
-    if cfg.weight_layout not in backend_cls.weight_layouts:
-        return (f"weight_layout={cfg.weight_layout!r} is not read by the {backend_cls.name} backend; pass one of "
-                f"{', '.join(backend_cls.weight_layouts)}")
-    if backend_cls.name == "cuda" and cfg.mode == "split" and cfg.transport == "lsa":
-        return ("mode 'split' with transport 'lsa' is not implemented on CUDA (the lsa transport lives in the "
-                "fused kernel's epilogue); pass transport='dma' for split")
-    if backend_cls.name == "gfx950":
-        if cfg.transport not in ("dma", "auto"):
-            return (f"transport={cfg.transport!r} needs the FlyDSL epilogue to store into the owner's window, "
-                    f"which it does not have; pass transport='dma'")
-        from cco.backends.gfx950 import kernel_tile_reason
-
-        return kernel_tile_reason(block_m=cfg.block_m, block_n=cfg.block_n)
-    return None
-
-
 def build_for(backend_cls, *, n: int, k: int, m_max: int, world: int, **options) -> layout.OpConfig:
     """``layout.build_config`` with the backend's tiles and defaults, as ``GemmAllReduceOp`` builds it.
     Raises ValueError with the backend's reason, prefixed by its name."""
@@ -80,9 +61,9 @@ def build_for(backend_cls, *, n: int, k: int, m_max: int, world: int, **options)
         cfg = layout.build_config(n=n, k=k, m_max=m_max, world=world, block_m=block_m, block_n=block_n, **options)
     except (ValueError, TypeError) as err:
         raise ValueError(f"{backend_cls.name}: {err}") from None
-    why = _backend_reason(backend_cls, cfg)
-    if why is not None:
-        raise ValueError(f"{backend_cls.name}: {why}")
+    refused = backend_cls.config_error(cfg)
+    if refused is not None:
+        raise ValueError(f"{backend_cls.name}: {refused}")
     return cfg
 
 

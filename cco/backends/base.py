@@ -131,6 +131,23 @@ class Backend(abc.ABC):
         None: the layout's default): the tile the backend's fused kernel walks."""
         return cls.block_m, cls.block_n
 
+    @classmethod
+    def config_error(cls, cfg: "OpConfig") -> Exception | None:
+        """None when this backend runs ``cfg`` (a configuration ``layout.build_config`` accepted),
+        else the error (message without a prefix) its construction raises, with the fix. The one
+        place a backend's own refusals live: its ``__init__``, ``GemmAllReduceOp`` (before it opens a
+        window) and ``cco.supports`` all ask it."""
+        if cfg.weight_layout not in cls.weight_layouts:
+            return ValueError(f"weight_layout={cfg.weight_layout!r} is not read by the {cls.name} backend; pass "
+                              f"one of {', '.join(cls.weight_layouts)}")
+        return None
+
+    def _refuse_config(self) -> None:
+        """Raise :meth:`config_error`, prefixed by the backend's class name."""
+        err = self.config_error(self.config)
+        if err is not None:
+            raise type(err)(f"{type(self).__name__}: {err}")
+
     # whether close() leaves the window mapped (a failed GPU op: a late peer may still write into it)
     retains_window: bool = False
 

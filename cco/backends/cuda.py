@@ -175,6 +175,14 @@ class CudaBackend(Backend):
         return (default_config(quant).block_m if quant in QUANT_ID else cls.block_m), cls.block_n
 
     @classmethod
+    def config_error(cls, cfg):
+        err = super().config_error(cfg)
+        if err is None and cfg.transport == "lsa" and cfg.mode == "split":
+            err = ValueError("mode 'split' with transport 'lsa' is not implemented on CUDA (the lsa transport lives in "
+                             "the fused kernel's epilogue); pass transport='dma' for split")
+        return err
+
+    @classmethod
     def supports_device(cls, device):
         device = torch.device(device)
         if device.type != "cuda" or getattr(torch.version, "hip", None):
@@ -218,9 +226,7 @@ class CudaBackend(Backend):
     def __init__(self, **kw):
         super().__init__(**kw)
         cfg = self.config
-        if cfg.transport == "lsa" and cfg.mode == "split":
-            raise ValueError("CudaBackend: mode 'split' with transport 'lsa' is not implemented on CUDA (the lsa "
-                             "transport lives in the fused kernel's epilogue); pass transport='dma' for split")
+        self._refuse_config()
         drops = self._lost_puts()
         faults = self.faults
         from cco.cuda import memops

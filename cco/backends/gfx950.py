@@ -304,6 +304,18 @@ class Gfx950Backend(CudaBackend):
                 return f"Gfx950Backend needs {package} (pip install {package})"
         return None
 
+    @classmethod
+    def config_error(cls, cfg):
+        err = super(CudaBackend, cls).config_error(cfg)  # Backend's: CudaBackend's refusals are the Triton kernels'
+        if err is not None:
+            return err
+        if cfg.transport not in ("dma", "auto"):
+            return NotImplementedError(
+                f"transport={cfg.transport!r} needs the FlyDSL epilogue to store into the owner's window (a peer "
+                f"base pointer per destination), which it does not have; pass transport='dma'")
+        why = kernel_tile_reason(block_m=cfg.block_m, block_n=cfg.block_n)
+        return None if why is None else ValueError(f"the layout's {why}")
+
     def __init__(self, **kw):
         Backend.__init__(self, **kw)  # CudaBackend.__init__ builds the Triton GEMM configs: not ours
         self.schedule = None
@@ -311,13 +323,7 @@ class Gfx950Backend(CudaBackend):
         if why is not None:
             raise RuntimeError(f"Gfx950Backend: {why}; nothing was compiled or launched")
         cfg = self.config
-        if cfg.transport not in ("dma", "auto"):
-            raise NotImplementedError(
-                f"Gfx950Backend: transport={cfg.transport!r} needs the FlyDSL epilogue to store into the "
-                f"owner's window (a peer base pointer per destination), which it does not have; pass transport='dma'")
-        why = kernel_tile_reason(block_m=cfg.block_m, block_n=cfg.block_n)
-        if why is not None:
-            raise ValueError(f"Gfx950Backend: the layout's {why}")
+        self._refuse_config()
         drops = self._lost_puts()
         faults = self.faults
         self.device = self.window.device
