@@ -11,6 +11,8 @@ Interface changes (kept backward compatible once published):
   the GPU backends' peers check the (seq, M) stamp of step 3 only. No method changed.
 - v1.4 (2026-12-02): ``gemm_out`` (the op's eager plain calls; default: ``gemm`` into a new tensor),
   which a backend may override to let its GEMM allocate the output.
+- v1.6 (2026-12-02): ``plain_launcher()`` (the plain GEMM with the weight bound, for the op's eager
+  plain calls; default None: ``gemm_out``).
 - v1.5 (2026-12-02): ``reject()`` (a rank whose inputs failed validation still takes part in the
   call: step 7), ``raise_failed()`` / ``raise_deferred()`` (asynchronous backends raise a failure
   the device recorded from the next call too), ``retains_window`` (a failed GPU op keeps its window
@@ -88,6 +90,39 @@ def row_major_readings(partial: "torch.Tensor", cfg: "OpConfig") -> tuple["torch
     (``cco.layout.partial_strides``)."""
     return (partial.view(cfg.m_max_padded, cfg.n),
             partial.as_strided(partial.shape, layout.partial_strides(cfg, by_rows=True)))
+
+
+class TensorDerived:
+    """One value derived from some tensors (a weight laid out for a kernel), reused while the same
+    tensors come back unchanged. The key is each tensor's address, version counter and strides
+    (the callers validated the shapes); an in-place write, or a call with other tensors, derives
+    anew. It holds aliases of the tensors it was derived from: a key of addresses alone would take
+    a new tensor that the allocator placed where a freed one was (its version 0 again) for the
+    freed one, and hand back the freed one's value. Holding them keeps those addresses taken (an
+    alias, not the caller's object: ``t.data = other`` would free the bytes under that one)."""
+
+    def __init__(self):
+        self._aliases: tuple = ()
+        self._key = None
+        self._value = None
+
+    @staticmethod
+    def _key_of(sources) -> tuple:
+        key = ()
+        for t in sources:  # (flat and short: an eager call pays for this key)
+            key += (t.data_ptr(), t._version, t.stride())
+        return key
+
+    def get(self, sources, derive, *, keep=lambda: True):
+        """``derive()``'s value for ``sources`` (a sequence of tensors): the kept one if they are the
+        kept value's tensors, unchanged; else a new one, kept if ``keep()`` (asked on a miss only)."""
+        key = self._key_of(sources)
+        if self._aliases and key == self._key:
+            return self._value
+        value = derive()
+        if keep():
+            self._aliases, self._key, self._value = tuple(t.detach() for t in sources), key, value
+        return value
 
 
 class Backend(abc.ABC):
@@ -175,6 +210,16 @@ class Backend(abc.ABC):
     def gemm(self, a, b_pre, a_scale, b_scale, *, out: "torch.Tensor", plan: "CallPlan") -> None:
         """Plain local GEMM (mode ``gemm-only``): ``out = dequant(a) @ dequant(unshuffle(b_pre)).T``
         in bf16; no window, no communication, not collective."""
+
+    # bumped by a setting that changes what plain_launcher returns: the op's kept launches retire
+    plain_epoch = 0
+
+    def plain_launcher(self, b_pre, b_scale, m: int):
+        """``fn(a, a_scale) -> bf16 [M, N]``: the plain GEMM of ``m`` rows with this weight bound,
+        which the op calls instead of :meth:`gemm_out` while the weight's tensors come back
+        unchanged and ``plain_epoch`` stays (it checks both); None (the default): the op calls
+        :meth:`gemm_out`."""
+        return None
 
     def gemm_out(self, a, b_pre, a_scale, b_scale, *, plan: "CallPlan") -> "torch.Tensor":
         """:meth:`gemm` into a new bf16 ``[M, N]`` tensor on ``a``'s device, returned."""

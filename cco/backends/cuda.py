@@ -70,7 +70,7 @@ import time
 import torch
 
 from cco import layout
-from cco.backends.base import Backend, row_major_readings
+from cco.backends.base import Backend, TensorDerived, row_major_readings
 from cco.preshuffle import unshuffle_b
 from cco.transport.base import REJECTED_M, unstamp_seq_m
 from cco.transport.protocol import PeerMismatchError
@@ -113,6 +113,10 @@ LSA_LAUNCH = "ticket"  # GemmConfig.launch of the lsa kernel (docs/experiments.m
 # gather lsa/dma 149/219 us at M=2048, 269/304 at 4096, 479/484 at 8192, 921/842 at 16384; fp8 gather
 # 157/206 at 2048, 286/282 at 4096.
 LSA_AUTO_MAX_ELEMENTS = {"bf16": 8192 * 7168, "fp8": 2048 * 7168}
+
+
+def _not_capturing() -> bool:
+    return not torch.cuda.is_current_stream_capturing()
 
 
 def dma_producer(quant: str, m: int) -> str:
@@ -159,12 +163,24 @@ class CudaBackend(Backend):
     lsa_max_elements: int | None = 0  # uses_lsa: None always, 0 never, else up to M * N elements
     dma_peers_first = DMA_PEERS_FIRST  # the fused dma launch's tile order (False: the layout's chunk-major)
     dma_reduce_in_gemm = DMA_REDUCE_IN_GEMM  # the fused dma launch reduces its own tiles (kernel producer)
-    gemm_config = None  # GemmConfig forcing the plain GEMM (own kernel or launch="cublas"); None: PLAIN_RULE
     producer = "kernel"  # who fills the partial region on the dma path (PRODUCERS); None: DMA_PRODUCER per call
     weight_layouts = ("row-major", "bpreshuffle")  # the Triton kernels read row-major: taken as is
     # calls marked and watched (cco.cuda.watchdog); False only for the cost measurement's "before"
     # arm (tests/python/cco/test_cuda_faults.py --bench), whose waits have no deadline
     watched = True
+
+    _gemm_config = None
+
+    @property
+    def gemm_config(self):
+        """A GemmConfig forcing the plain GEMM (the own kernel, or ``launch="cublas"``); None:
+        ``PLAIN_RULE`` per M. Setting it retires the op's kept plain launches (``plain_epoch``)."""
+        return self._gemm_config
+
+    @gemm_config.setter
+    def gemm_config(self, cfg) -> None:
+        self._gemm_config = cfg
+        self.plain_epoch += 1
 
     @classmethod
     def tile(cls, quant: str) -> tuple[int, int]:
@@ -247,8 +263,8 @@ class CudaBackend(Backend):
         self.counters = self.window.words(w.counters, rank=self.rank)
         self._tables: dict[int, torch.Tensor] = {}
         self._plain_configs: dict[int, object] = {}  # M -> PLAIN_RULE's config
-        self._weight_key = self._vendor_key = None
-        self._weight = self._vendor_weight = None
+        self._weight = TensorDerived()  # the preshuffled weight unshuffled for the Triton kernels
+        self._vendor_weight = TensorDerived()  # ... and as the vendor GEMM takes it
         self.lsa_max_elements = 0 if drops is not None else lsa_max_elements(cfg)
         if self.lsa_max_elements != 0:
             self._init_lsa(base)
@@ -288,25 +304,16 @@ class CudaBackend(Backend):
     def _unshuffled(self, b_pre: torch.Tensor) -> torch.Tensor:
         if self.config.weight_layout == "row-major":  # laid out once by its owner (cco.nn)
             return b_pre
-        key = (b_pre.data_ptr(), b_pre._version, b_pre.shape)
-        if key != self._weight_key:
-            weight = unshuffle_b(b_pre)
-            if torch.cuda.is_current_stream_capturing():
-                return weight  # a capture only records the work: the copy holds its bytes after a replay
-            self._weight, self._weight_key = weight, key
-        return self._weight
+        # (a copy made while capturing holds its bytes only once the graph replays: not kept)
+        return self._weight.get((b_pre,), lambda: unshuffle_b(b_pre), keep=_not_capturing)
 
     def _vendor(self, b_pre: torch.Tensor, b_scale: torch.Tensor) -> "vendor.VendorWeight":
         """The weight as the vendor GEMM takes it (``kernels_fused.hopper.vendor.prepare_weight``:
         views, or mxfp8's bf16 copy), kept while the weight and its scales are unchanged (the op
         checked their shapes: the same for every call)."""
-        key = (b_pre.data_ptr(), b_pre._version, b_scale.data_ptr(), b_scale._version)
-        if key != self._vendor_key:
-            weight = vendor.prepare_weight(self._unshuffled(b_pre), b_scale, self.config.quant)
-            if torch.cuda.is_current_stream_capturing():
-                return weight  # as in _unshuffled
-            self._vendor_weight, self._vendor_key = weight, key
-        return self._vendor_weight
+        return self._vendor_weight.get(
+            (b_pre, b_scale), lambda: vendor.prepare_weight(self._unshuffled(b_pre), b_scale, self.config.quant),
+            keep=_not_capturing)
 
     def _plain_config(self, m: int):
         """The plain GEMM's config for ``m`` rows: ``gemm_config``, else ``PLAIN_RULE``'s (kept per M)."""
@@ -399,13 +406,14 @@ class CudaBackend(Backend):
         hopper_gemm.fp8_gemm(a, self._unshuffled(b_pre), a_scale, b_scale, quant=self.config.quant, out=out,
                              config=cfg, validated=True)
 
-    def gemm_out(self, a, b_pre, a_scale, b_scale, *, plan):
-        """The eager plain call's path: the vendor GEMM allocates its output (in C++: a Python
-        ``torch.empty`` cost an eager call ~4 us of host time on an H200 host)."""
-        cfg = self._plain_config(plan.m)
-        if cfg.launch == "cublas":
-            return vendor.vendor_gemm(a, a_scale, self._vendor(b_pre, b_scale), fast_accum=not cfg.precise_acc)
-        return super().gemm_out(a, b_pre, a_scale, b_scale, plan=plan)
+    def plain_launcher(self, b_pre, b_scale, m):
+        """The eager plain call's path where ``PLAIN_RULE`` takes the vendor GEMM: cuBLAS with the
+        prepared weight bound, allocating its output (in C++: a Python ``torch.empty`` cost an eager
+        call ~4 us of host time on an H200 host)."""
+        cfg = self._plain_config(m)
+        if cfg.launch != "cublas":
+            return None
+        return vendor.bound_gemm(self._vendor(b_pre, b_scale), fast_accum=not cfg.precise_acc)
 
     def fused(self, a, b_pre, a_scale, b_scale, *, out, plan):
         if self.uses_lsa(plan.m):

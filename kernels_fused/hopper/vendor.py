@@ -90,13 +90,26 @@ def vendor_gemm(a: torch.Tensor, a_scale: torch.Tensor, weight: VendorWeight, *,
     """``out[M, N] = dequant(a) @ dequant(b).T`` in bf16 through cuBLAS, on the current stream; returns
     ``out`` (contiguous bf16 [M, N]; None: cuBLAS's call allocates it). ``fast_accum``: ptpc's
     accumulation (the others ignore it). blockscale needs :func:`takes_rows`."""
+    return bound_gemm(weight, fast_accum=fast_accum)(a, a_scale, out)
+
+
+def bound_gemm(weight: VendorWeight, *, fast_accum: bool = True) -> Callable:
+    """``fn(a, a_scale, out=None)``: :func:`vendor_gemm` with ``weight`` and ``fast_accum`` bound, so a
+    caller that keeps it pays no per-call lookups (an eager call's host time)."""
+    b_t, scale_b = weight.b_t, weight.scale_b
     if weight.quant == "mxfp8":
-        return torch.matmul(mx_to_bf16(a, a_scale), weight.b_t, out=out)
+        def mxfp8(a, a_scale, out=None):
+            return torch.matmul(mx_to_bf16(a, a_scale), b_t, out=out)
+        return mxfp8
     if weight.quant == "ptpc":
-        return torch._scaled_mm(a, weight.b_t, scale_a=a_scale.reshape(-1, 1), scale_b=weight.scale_b,
-                                out_dtype=torch.bfloat16, use_fast_accum=fast_accum, out=out)
-    return torch._scaled_mm(a, weight.b_t, scale_a=a_scale, scale_b=weight.scale_b, out_dtype=torch.bfloat16,
-                            out=out)
+        def ptpc(a, a_scale, out=None):
+            return torch._scaled_mm(a, b_t, scale_a=a_scale.reshape(-1, 1), scale_b=scale_b, out_dtype=torch.bfloat16,
+                                    use_fast_accum=fast_accum, out=out)
+        return ptpc
+
+    def blockscale(a, a_scale, out=None):
+        return torch._scaled_mm(a, b_t, scale_a=a_scale, scale_b=scale_b, out_dtype=torch.bfloat16, out=out)
+    return blockscale
 
 
 def row_chunks(a: torch.Tensor, a_scale: torch.Tensor, weight: VendorWeight, *, out: torch.Tensor,

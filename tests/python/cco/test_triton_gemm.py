@@ -111,7 +111,7 @@ def test_mxfp8_operands_dequantize_exactly_to_bf16():
         mx_to_bf16(p.a, p.a_scale[:, :4])
 
 
-def _blockwise_scaled_mm(a, b_t, *, scale_a, scale_b, out_dtype, out, use_fast_accum=False):
+def _blockwise_scaled_mm(a, b_t, *, scale_a, scale_b, out_dtype, out=None, use_fast_accum=False):
     """torch._scaled_mm's blockwise recipe (A 1x128, B 128x128) as the CPU build lacks it: the
     layout torch checks on CUDA (A scale [M, K/128] with strides (1, M); B scale given as the
     [K/128, N/128] transpose of an [N/128, K/128] row-major tensor) and the row counts cuBLAS
@@ -124,7 +124,8 @@ def _blockwise_scaled_mm(a, b_t, *, scale_a, scale_b, out_dtype, out, use_fast_a
     assert scale_b.shape == (kb, n // 128) and scale_b.t().stride() == (kb, 1), (scale_b.shape, scale_b.stride())
     a_f = a.float() * scale_a.repeat_interleave(128, dim=1)
     b_f = b_t.t().float() * scale_b.t().repeat_interleave(128, dim=0).repeat_interleave(128, dim=1)
-    return out.copy_((a_f @ b_f.t()).to(out_dtype))
+    product = (a_f @ b_f.t()).to(out_dtype)
+    return product if out is None else out.copy_(product)
 
 
 @pytest.mark.parametrize("quant", Q.QUANTS)
@@ -145,6 +146,9 @@ def test_vendor_gemm_whole_and_by_row_chunks(quant, monkeypatch):
     out = torch.full((M, N), float("nan"), dtype=torch.bfloat16)
     whole = fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant=quant, out=out, config=VENDOR)
     _assert_close(whole, p.reference(), quant, f"{quant} vendor")
+    # the launch an eager plain call keeps (the weight bound once; the output allocated by the call)
+    bound = vendor.bound_gemm(vendor.prepare_weight(p.b, p.b_scale, quant))(p.a, p.a_scale)
+    assert torch.equal(bound, whole), quant
     cfg = layout.build_config(n=N, k=K, m_max=M, world=2, quant=quant, block_m=32, chunks=(1, 2))
     rows = layout.chunk_rows(cfg, M)
     assert len(rows) == 2 and rows[0][1] < M  # two calls, the second on rows that do not start at 0

@@ -1,0 +1,78 @@
+"""The op's kept plain launches (``cco.op._PlainLaunches``): an eager plain call (gemm-only, or one
+rank) whose weight tensors and activation shapes passed the checks before skips them and calls the
+launch the backend bound to the weight. Guards that nothing stale or unchecked gets through: a
+weight changed in place, swapped under the same object (``.data =``) or replaced, a setting that
+changes the launch (``plain_epoch``), and inputs the checks reject all take the full path."""
+
+import torch
+
+from cco import quant as q
+from cco.comm import check_outcomes, spawn
+from cco.op import GemmAllReduceOp
+from cco.preshuffle import preshuffle_b
+
+M, N, K = 32, 256, 256
+
+
+def _scenario(comm):
+    p = q.random_problem(M, N, K, "ptpc", seed=3)
+    b_pre, b_scale = preshuffle_b(p.b), p.b_scale.clone()
+    seen = []  # one entry per launch the backend made
+    with GemmAllReduceOp(comm, n=N, k=K, m_max=M) as op:
+        backend = op._backend
+
+        def plain_launcher(b, bs, m):  # the CPU backend has none: one that binds what it was given
+            seen.append(m)
+            bound_b, bound_bs = b.clone(), bs.clone()  # a launch computes from the weight it bound
+
+            def launch(a, a_scale):
+                return q.reference_gemm(a, _unshuffled(bound_b), a_scale, bound_bs, "ptpc")
+            return launch
+
+        backend.plain_launcher = plain_launcher
+
+        def want(a=p.a, a_scale=p.a_scale, b=None, bs=None):
+            return q.reference_gemm(a, p.b if b is None else b, a_scale, b_scale if bs is None else bs, "ptpc")
+
+        results = {}
+        out = [op(p.a, b_pre, p.a_scale, b_scale) for _ in range(3)]
+        results["same weight: one launch made"] = (len(seen) == 1 and all(torch.equal(o, want()) for o in out))
+        op(p.a[:16], b_pre, p.a_scale[:16], b_scale)
+        results["another M: its own launch"] = seen[-1] == 16 and len(seen) == 2
+        b_scale.mul_(2)  # in place: the version counter moves
+        results["weight changed in place: a new launch"] = (torch.equal(op(p.a, b_pre, p.a_scale, b_scale),
+                                                                        want(bs=b_scale)) and len(seen) == 3)
+        b2 = p.b.clone()
+        b2[0].zero_()
+        b_pre.data = preshuffle_b(b2)  # same object, new bytes, no version bump
+        results["weight swapped under the object: a new launch"] = (
+            torch.equal(op(p.a, b_pre, p.a_scale, b_scale), want(b=b2, bs=b_scale)) and len(seen) == 4)
+        other = preshuffle_b(p.b)
+        results["another weight object: a new launch"] = (
+            torch.equal(op(p.a, other, p.a_scale, b_scale), want(bs=b_scale)) and len(seen) == 5)
+        backend.plain_epoch += 1
+        op(p.a, other, p.a_scale, b_scale)
+        results["plain_epoch moved: a new launch"] = len(seen) == 6
+        errors = []
+        for bad in (lambda: op(p.a.view(torch.uint8), other, p.a_scale, b_scale),  # a wrong dtype
+                    lambda: op(torch.cat([p.a, p.a]), other, torch.cat([p.a_scale, p.a_scale]), b_scale),  # M > m_max
+                    lambda: op(p.a, other, p.a_scale.to(torch.bfloat16), b_scale)):
+            try:
+                bad()
+                errors.append("returned")
+            except (TypeError, ValueError) as err:
+                errors.append(type(err).__name__)
+        results["rejected inputs still rejected"] = errors == ["TypeError", "ValueError", "TypeError"]
+        results["calls counted"] = op.calls == 3 + 1 + 1 + 1 + 1 + 1
+    return results
+
+
+def _unshuffled(b_pre):
+    from cco.preshuffle import unshuffle_b
+    return unshuffle_b(b_pre)
+
+
+def test_kept_plain_launches_never_serve_a_stale_weight_or_unchecked_inputs():
+    (got,) = check_outcomes(spawn(_scenario, world=1, timeout_s=120))
+    failed = [what for what, ok in got.items() if not ok]
+    assert not failed, failed
