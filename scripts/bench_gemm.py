@@ -17,7 +17,8 @@ chunk) counter of the call is released, on one GPU with the window local (the la
 2, ``cco.backends.cuda``): ``kernel`` (the fused Triton launch, stores and release adds of every
 tile), ``vendor xC`` (the vendor GEMM per row chunk into the row-major partial, each chunk's
 counters released by stream write-values: ``cco.cuda.dma.CopyEngineSchedule.produce_by_chunks``,
-C from ``--chunks``; the call's preamble included: counters zeroed, the (seq, M) stamp written),
+C from ``--chunks``; the call's preamble included: counters zeroed, the (seq, M) stamp written;
+``vendor xC 2 streams``: the chunk GEMMs dealt to two streams in turn, ``--producer-streams``),
 ``vendor xC GEMMs alone`` (the same calls without preamble or releases: what chunking costs) and
 ``vendor whole`` (the same GEMM in one call, the baseline). ``kernel`` is the launch alone. Ratios are
 throughput against the baseline arm (``baseline`` in the JSON): cuBLAS fast accumulation for ptpc,
@@ -94,6 +95,9 @@ def parse_args(argv=None):
     p.add_argument("--producer", action="store_true", help="time the fused path's producers (see above) instead "
                    "of the plain GEMM")
     p.add_argument("--chunks", type=_ints, default=[4, 8], help="--producer: row chunks of the vendor arms")
+    p.add_argument("--producer-streams", type=_ints, default=[1, 2],
+                   help="--producer: streams the vendor arms deal their chunk GEMMs to (CopyEngineSchedule."
+                        "producer_streams), an arm each")
     p.add_argument("--json", help="write every (quant, M) result to this file")
     p.add_argument("--plot", help="write the ratios against the baseline per M to this PNG")
     p.add_argument("--from", dest="from_json", help="plot these --json files (comma list) instead of measuring")
@@ -222,24 +226,26 @@ def producer_arms(args, sets, dev):
         cfg = layout.build_config(n=args.n, k=args.k, m_max=args.m, world=2, quant=args.quant, block_m=block_m,
                                   block_n=block_n, chunks=chunks)
         window = local_window(cfg, dev)
-        sched = CopyEngineSchedule(config=cfg, window=window, device=dev)
         rows = window.tensor(cfg.window.partial, rank=0).view(cfg.m_max_padded, cfg.n)
         plan = layout.plan_call(cfg, m=args.m, seq=1, rank=0, counter_base=layout.zero_counters(2))
+        for streams in args.producer_streams:
+            sched = CopyEngineSchedule(config=cfg, window=window, device=dev)
+            sched.producer_streams = streams
 
-        def call(i, sched=sched, rows=rows, plan=plan):
-            sched.counters.zero_()  # as the backend does at each call's start
-            sched.begin(plan)
-            sched.produce_by_chunks(plan, vendor.row_chunks(sets[i].a, sets[i].a_scale, weight, out=rows,
-                                                            rows=plan.rows))
-            return rows
+            def call(i, sched=sched, rows=rows, plan=plan):
+                sched.counters.zero_()  # as the backend does at each call's start
+                sched.begin(plan)
+                sched.produce_by_chunks(plan, vendor.row_chunks(sets[i].a, sets[i].a_scale, weight, out=rows,
+                                                                rows=plan.rows))
+                return rows
 
-        def check(out, ref, dot_abs, sched=sched, plan=plan):
-            torch.cuda.synchronize()
-            counted = sched.counters.view(2, layout.MAX_CHUNKS).tolist()
-            wrong = sum(counted[d][c] != plan.target(d, c) for d in range(2) for c in range(layout.MAX_CHUNKS))
-            return gemm_mismatches(out[:args.m], ref, dot_abs) + wrong
+            def check(out, ref, dot_abs, sched=sched, plan=plan):
+                torch.cuda.synchronize()
+                counted = sched.counters.view(2, layout.MAX_CHUNKS).tolist()
+                wrong = sum(counted[d][c] != plan.target(d, c) for d in range(2) for c in range(layout.MAX_CHUNKS))
+                return gemm_mismatches(out[:args.m], ref, dot_abs) + wrong
 
-        arms[f"vendor x{plan.chunks}"] = (call, check)
+            arms[f"vendor x{plan.chunks}" + ("" if streams == 1 else f" {streams} streams")] = (call, check)
         if chunks == args.chunks[0]:  # what the chunking alone costs: the same calls, nothing released
 
             def gemms(i, rows=rows, plan=plan):

@@ -8,6 +8,8 @@ One call on rank r (W ranks, C chunks; ``p`` ranges over peers, ``c`` over chunk
                 order; counters[d, c] += 1 per layout tile) | join
                 or, a producer of whole chunks (the vendor GEMM per chunk): for c: GEMM rows c
                 (every column) ; counters[d, c] = T_c for every d (stream write-values) | join
+                (``PRODUCER_STREAMS`` S > 1: chunk c and its releases on stream c % S, the
+                others forked from and joined into this one)
     put[p][l] : copies in the order S0 S1 G0 S2 G1 ... G(C-1), or S0 .. S(C-1) G0 .. G(C-1) behind a
                 GEMM that computes every peer's tiles first (see submission_order), dealt in turn to
                 the peer's ``lanes`` streams l (one by default), where
@@ -96,6 +98,13 @@ LANES_MADE = 2  # put streams per rank a schedule makes (a call may use fewer: t
 # GEMM more multiprocessors but put a slower reduce on the critical path: 32 measured 1103 us
 # against 833 us at 16384x7168 (docs/experiments.md).
 SIDE_PROGRAMS: int | None = None
+# Streams the producer of whole chunks (the vendor GEMM per chunk) deals its chunk GEMMs to in turn,
+# each followed on its stream by the chunk's counter releases: with 2, chunk c + 1's GEMM fills the
+# multiprocessors chunk c's last wave leaves idle instead of starting after it (module note). 2
+# measured 1.04-1.11x of the whole vendor GEMM at [8192..32768, 7168] K=2048 where 1 stream took
+# 1.03-1.27x (docs/hopper_gemm.md)
+PRODUCER_STREAMS = 2
+MAX_PRODUCER_STREAMS = 4  # streams a schedule makes for it (a call may use fewer: the benchmark's arms)
 
 
 def put_lanes(world: int, lanes: int | None = None) -> int:
@@ -247,6 +256,11 @@ class CopyEngineSchedule:
             self.capture = torch.cuda.Stream(device=device)
             self.launched = torch.cuda.Event()
             self.fork = torch.cuda.Event()
+            self.producer_streams = PRODUCER_STREAMS
+            # produce_by_chunks' streams beside the call's, each joined back by its event
+            self.produce_sides = [torch.cuda.Stream(device=device) for _ in range(MAX_PRODUCER_STREAMS - 1)]
+            self.produced = [torch.cuda.Event() for _ in self.produce_sides]
+            self.produce_fork = torch.cuda.Event()
 
     def _side_streams(self, every: bool = False):
         """The streams a call uses (``every``: also the put streams beyond ``lanes``)."""
@@ -296,26 +310,50 @@ class CopyEngineSchedule:
             self.release_chunk(plan, c)
         self.begin_event.record(self.main)
 
-    def release_chunk(self, plan: layout.CallPlan, chunk: int) -> None:
-        """Raise every dest's counter of ``chunk`` to its target (own dest last), on the call's
-        stream: a stream write-value runs once the stream's earlier work is done and fences it, so a
-        wait that sees the value sees the chunk's rows written by that work."""
-        main = self.main
+    def release_chunk(self, plan: layout.CallPlan, chunk: int, stream=None) -> None:
+        """Raise every dest's counter of ``chunk`` to its target (own dest last), on ``stream`` (the
+        call's by default): a stream write-value runs once the stream's earlier work is done and
+        fences it, so a wait that sees the value sees the chunk's rows written by that work."""
+        stream = self.main if stream is None else stream
         for d in layout.dest_order(self.rank, self.world):
-            self._write(main, self._addr(self.counters, layout.counter_index(d, chunk)), self._tiles(plan, d, chunk))
+            self._write(stream, self._addr(self.counters, layout.counter_index(d, chunk)), self._tiles(plan, d, chunk))
 
     def produce_by_chunks(self, plan: layout.CallPlan, chunk_gemm) -> None:
         """The producer of whole chunks (``cco.backends.cuda``, producer ``"vendor"``):
-        ``chunk_gemm(c)`` enqueues chunk c's rows of the GEMM, every column, on the call's stream,
-        then :meth:`release_chunk` releases its counters, so the puts of chunk c start while chunk
-        c + 1 is computed. Same counters and targets as a producer of tiles. (The releases on a
-        stream of their own, so that no write-value sits between two GEMMs, measured no faster and
-        cost each eager call two more host calls per chunk: docs/hopper_gemm.md.)"""
-        if self.main is None:
+        ``chunk_gemm(c)`` enqueues chunk c's rows of the GEMM, every column, on the current stream,
+        then :meth:`release_chunk` releases its counters on that stream, so the puts of chunk c
+        start while later chunks are computed. Same counters and targets as a producer of tiles.
+
+        ``producer_streams`` (``PRODUCER_STREAMS``) S > 1: chunk c goes to stream c % S, stream 0
+        being the call's and the others ``produce_sides``, which start after everything the call's
+        stream holds so far (the stamp, and what ``chunk_gemm`` prepared for all chunks) and are
+        joined back before this returns. One stream runs the chunk GEMMs back to back, each starting
+        after the previous one's last wave. (The releases on a stream of their own, the GEMMs on one,
+        measured no faster and cost each eager call two more host calls per chunk:
+        docs/hopper_gemm.md.)"""
+        main = self.main
+        if main is None:
             raise RuntimeError("CopyEngineSchedule.produce_by_chunks: call begin() first")
+        if not (isinstance(self.producer_streams, int) and 1 <= self.producer_streams <= MAX_PRODUCER_STREAMS):
+            raise ValueError(f"CopyEngineSchedule: producer_streams={self.producer_streams!r}; pick 1 .. "
+                             f"{MAX_PRODUCER_STREAMS}")
+        sides = self.produce_sides[:min(self.producer_streams, plan.chunks) - 1]
+        if sides:
+            self.produce_fork.record(main)
+            for s in sides:
+                s.wait_event(self.produce_fork)
+        streams = [main, *sides]
         for c in range(plan.chunks):
-            chunk_gemm(c)
-            self.release_chunk(plan, c)
+            s = streams[c % len(streams)]
+            if s is main:
+                chunk_gemm(c)
+            else:
+                with torch.cuda.stream(s):
+                    chunk_gemm(c)
+            self.release_chunk(plan, c, s)
+        for s, done in zip(sides, self.produced):
+            done.record(s)
+            main.wait_event(done)
 
     def run(self, plan: layout.CallPlan, out: torch.Tensor, *, after_gemm: bool, scatters_first: bool = False,
             reduced_in_gemm: bool = False, partial: torch.Tensor | None = None) -> None:

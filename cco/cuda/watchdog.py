@@ -75,6 +75,7 @@ RELEASED = -1  # an lsa tile flag set by a release: never a (seq, M) stamp
 # at most 500 times a second (each poll is a few plain loads and, while idle, one small async read)
 POLL_MIN_S, POLL_MAX_S = 0.002, 0.05
 READ_WAIT_S = 1.0  # how long a diagnostic read may take before the release goes ahead without it
+SYNC_POLL_S = 0.0002  # sync()'s look at the marks while a replayed call is still in
 _WORD = 8
 
 _fill_buffer: torch.Tensor | None = None  # one per process, shared by every op's watchdog
@@ -461,9 +462,15 @@ class Watchdog:
     def sync(self) -> None:
         """Wait for the op's calls (joined into the stream they were issued on) and the local
         release work. Never the whole device: a "failed" record written into a dead peer's window
-        need never complete."""
+        need never complete. A replay of a captured call runs on whatever stream the caller
+        replays it on, which the op never sees (the stream of the last call issued is the
+        capture's): so also wait until the marks the call's device work writes show it left,
+        which the thread's release bounds by the deadline (then the wait gives up, bounded too)."""
         main = getattr(self.schedule, "main", None) or torch.cuda.current_stream(self.device)
         main.synchronize()
+        until = time.monotonic() + self.deadline_s + LEFT_WAIT_S + poll_interval(self.deadline_s)
+        while self.marks.in_call() and time.monotonic() < until:
+            time.sleep(SYNC_POLL_S)
         for s in self._streams:
             self._external(s).synchronize()
 

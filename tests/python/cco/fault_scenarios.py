@@ -23,6 +23,10 @@ call. Promises, per scenario:
   Every other rank raises ``CommTimeoutError`` naming the victim and seq 2; then a fresh op is
   correct on every rank.
 - ``late``: the victim makes call 2 half a deadline late. Every rank's call 2 is correct.
+- ``stalled-graph`` (CUDA only): every rank captures one call into a CUDA graph and replays it
+  once (correct); then the victim stops replaying. The other ranks' next replay is released at the
+  deadline: ``op.check()`` raises ``CommTimeoutError`` and the replay's output is NaN; the victim,
+  back, finds its op failed too; then a fresh op is correct on every rank.
 - ``killed``: the victim's process exits in the middle of call 2. Every other rank raises
   ``CommTimeoutError`` naming the victim; then the survivors build a new communicator and op,
   which compute correctly.
@@ -53,6 +57,7 @@ from cco.transport import Drop, FaultPlan
 RAISE_SLACK_S = 2.0  # the issue's bound: every live rank raises within deadline + 2 s
 SCENARIOS = ("bad-input", "m-mismatch", "m-mismatch-chunks", "stalled", "late", "dropped", "killed")  # killed last:
 # it replaces the communicator
+GPU_SCENARIOS = SCENARIOS[:-1] + ("stalled-graph", "killed")  # a CUDA graph's replay: GPU backends only
 # on CUDA a call that passed its deadline leaves the op failed (its words may no longer be in step
 # with the peers'): the next call raises at once and a fresh op takes over
 RECOVERS_IN_PLACE = {"cpu": {"bad-input", "m-mismatch", "m-mismatch-chunks", "dropped"},
@@ -229,6 +234,11 @@ def run(comm, name: str, victim: int, setup: Setup, backend: str) -> dict:
                 _expect_raise(report, attempt(op, setup.operands(rank, 2)), setup,
                               f"call 2, rank {victim} never calls", ("CommTimeoutError",), (f"rank {victim}", "seq 2"))
         _fresh_op_is_correct(comm, setup, report)
+    elif name == "stalled-graph":
+        if backend == "cpu":
+            raise ValueError("scenario 'stalled-graph' replays a CUDA graph: GPU backends only")
+        _stalled_graph(comm, setup, report, victim)
+        _fresh_op_is_correct(comm, setup, report)
     elif name == "killed":
         rendezvous = comm.broadcast_object(secrets.token_hex(8) if rank == 0 else None)
         with setup.op(comm) as op:
@@ -260,6 +270,48 @@ def run(comm, name: str, victim: int, setup: Setup, backend: str) -> dict:
     else:
         raise ValueError(f"scenario {name!r}: pass one of {', '.join(SCENARIOS)}")
     return report.as_dict()
+
+
+def _stalled_graph(comm, setup, report, victim):
+    rank, d = comm.rank, setup.deadline_s
+    with setup.op(comm) as op:
+        static = setup.operands(rank, 1)
+        op(*static)  # warm: the capture must not be a first call
+        op.check()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = op(*static)
+        comm.barrier()
+        graph.replay()
+        outcome = attempt_check(op, out)
+        _expect_correct(report, outcome, setup.reference(range(comm.world), 1), "replay 1")
+        comm.barrier()
+        what = f"replay 2, rank {victim} never replays"
+        if rank == victim:
+            time.sleep(d + RAISE_SLACK_S + 0.5)
+            outcome = attempt_check(op, out)
+            report.seen.append(f"{what}: back, its check(): {outcome[0]}")
+            report.expect(outcome[0] == "CommTimeoutError", f"{what}: the victim's op is not failed: {outcome[0]}")
+        else:
+            t0 = time.monotonic()
+            graph.replay()
+            kind, value, _ = outcome = attempt_check(op, out)
+            _expect_raise(report, (kind, value, time.monotonic() - t0), setup, what, ("CommTimeoutError",))
+            nan = int(torch.isnan(out.float()).sum())
+            report.expect(nan == out.numel(), f"{what}: the released replay's output has {out.numel() - nan} "
+                                              f"elements that are not NaN")
+        del graph
+        comm.barrier()
+
+
+def attempt_check(op, out):
+    """``op.check()`` after a replay: ("result", ``out`` on the host, s) or (error type, message, s)."""
+    t0 = time.monotonic()
+    try:
+        op.check()
+        return "result", out.cpu(), time.monotonic() - t0
+    except Exception as err:
+        return type(err).__name__, str(err), time.monotonic() - t0
 
 
 DEVICE_BUSY_CYCLES = 20_000_000_000  # ~10 s of a ~2 GHz GPU clock: longer than any deadline here

@@ -1,7 +1,8 @@
 """The op's fault handling on NVIDIA GPUs, and what it costs the fused call.
 
 Every scenario of ``fault_scenarios`` (bad input on each rank in turn, a one-sided M mismatch with
-as many and with fewer chunks, a stalled, a late and a killed rank, a lost put) runs on two ranks,
+as many and with fewer chunks, a stalled, a late and a killed rank, a lost put, and a rank that
+stops replaying a captured CUDA graph: ``GPU_SCENARIOS``) runs on two ranks,
 once with the copy engines (``transport="dma"``) and once with the lsa kernel (``"lsa"``; the lost
 put is a copy-engine fault, so that scenario takes the copy engines in both runs). The same promises
 as on the CPU: every live rank raises within deadline + 2 s (here after ``op.check()``, the
@@ -15,6 +16,11 @@ one GPU both ranks share it (a CUDA IPC window). By hand::
 
     python3 -m tests.python.cco.test_cuda_faults --launch --transport dma
     python3 -m tests.python.cco.test_cuda_faults --launch --bench --json cost.json
+    python3 -m tests.python.cco.test_cuda_faults --launch --scenario stalled-graph --timeout 60
+
+The launcher prints only when its ranks are done: a rank still running at ``--timeout`` is killed,
+after dumping every thread's stack 10 s earlier, and those stacks are printed with the failure (an
+outer ``timeout`` shorter than ``--timeout`` kills the launcher and loses all of it).
 
 ``--bench`` measures the cost of the deadline machinery (``cco.cuda.watchdog``: the marks every call
 writes, the watchdog thread): CUDA-graph replays of the fused call, the watched op against the same
@@ -132,7 +138,7 @@ def test_every_live_rank_raises_in_time_and_a_fresh_op_computes_on_cuda(transpor
     from tests.python.cco import fault_scenarios
 
     results = launch(["--transport", transport])
-    problems = job_problems(results, fault_scenarios.SCENARIOS)
+    problems = job_problems(results, fault_scenarios.GPU_SCENARIOS)
     assert not problems, "\n".join(problems)
 
 
@@ -276,13 +282,13 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="the CUDA fault scenarios (or the cost measurement) on two ranks")
     ap.add_argument("--launch", action="store_true", help="start the ranks (else: be one, started by --launch)")
     ap.add_argument("--transport", choices=TRANSPORTS, default="dma")
-    ap.add_argument("--scenario", action="append", choices=fault_scenarios.SCENARIOS,
+    ap.add_argument("--scenario", action="append", choices=fault_scenarios.GPU_SCENARIOS,
                     help="run only this scenario (repeatable; default: all, 'killed' last)")
     ap.add_argument("--bench", action="store_true", help="measure the watched against the unwatched fused call")
     ap.add_argument("--json", help="--bench: write the results here")
     ap.add_argument("--timeout", type=float, default=JOB_TIMEOUT_S, help="--launch: kill the ranks after this long")
     opts = ap.parse_args()
-    chosen = [s for s in fault_scenarios.SCENARIOS if s in (opts.scenario or fault_scenarios.SCENARIOS)]
+    chosen = [s for s in fault_scenarios.GPU_SCENARIOS if s in (opts.scenario or fault_scenarios.GPU_SCENARIOS)]
     if opts.launch:
         args = ["--bench"] + (["--json", os.path.abspath(opts.json)] if opts.json else []) if opts.bench else \
             ["--transport", opts.transport] + [a for s in chosen for a in ("--scenario", s)]

@@ -40,6 +40,7 @@ import pytest
 import torch
 
 from cco import layout
+from cco.cuda.dma import PRODUCER_STREAMS
 from tests.python.cco.torchrun_checks import nvidia_gpus, run_rank_checks
 
 M, N, K = 1000, 2048, 512  # M not a multiple of the 128-row tile on purpose
@@ -213,13 +214,15 @@ ARMS = (("gemm-only", "bf16", None), ("gemm-only", "bf16", "own"), ("split", "bf
 # with that producer whatever DMA_PRODUCER picks; "dma-alt": the copy engines with the other setting
 # of each knob of cco.backends.cuda / cco.cuda.dma (the kernel producer, which alone can reduce in its
 # epilogue), and chunks of unequal sizes; "dma-taper": the default knobs with two put lanes and the
-# benchmark's taper (8 chunks)
+# benchmark's taper (8 chunks), and the vendor producer on the other number of streams than the default
 ALTERNATIVES = {"own": (None, {"gemm_config": "own"}, {}),
                 "dma-vendor": ("dma", {"producer": "vendor"}, {}),
                 "dma-kernel": ("dma", {"producer": "kernel"}, {}),
                 "dma-alt": ("dma", {"producer": "kernel", "dma_reduce_in_gemm": True, "schedule.flag_by_copy": False,
                                     "schedule.lanes": 2}, {"chunks": (1, 2, 2, 1)}),
-                "dma-taper": ("dma", {"schedule.lanes": 2}, {"chunks": layout.TAPERED_CHUNKS})}
+                "dma-taper": ("dma", {"schedule.lanes": 2, "producer": "vendor",
+                                      "schedule.producer_streams": 1 if PRODUCER_STREAMS > 1 else 2},
+                              {"chunks": layout.TAPERED_CHUNKS})}
 
 
 def arm_name(mode, gather, transport) -> str:

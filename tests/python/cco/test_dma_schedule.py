@@ -216,28 +216,51 @@ def test_lanes_per_peer_and_their_bounds(monkeypatch):
         _schedule(monkeypatch, _Log(), gather="bf16", lanes=0)
 
 
+@pytest.mark.parametrize("streams", [1, 2, 3], ids=["1-stream", "2-streams", "3-streams"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_chunk_producer_releases_after_each_gemm_and_puts_pitched_blocks(monkeypatch, world):
+def test_chunk_producer_releases_after_each_gemm_and_puts_pitched_blocks(monkeypatch, world, streams):
     """The vendor producer (``produce_by_chunks``) and the transfers of its row-major partial."""
     log = _Log()
     sched, plan, window = _schedule(monkeypatch, log, gather="bf16", world=world)
+    sched.producer_streams = streams
     cfg = sched.cfg
     by_rows = torch.as_strided(sched.partial, sched.partial.shape, layout.partial_strides(cfg, by_rows=True))
     sched.begin(plan)
-    sched.produce_by_chunks(plan, lambda c: log.ops.append(("main", "gemm", plan.rows[c])))
+    log.ops.append(("main", "prepare"))  # what chunk_gemm's maker enqueues for every chunk (scales)
+    sched.produce_by_chunks(plan, lambda c: log.ops.append((log.current.name, "gemm", plan.rows[c])))
+    joined = len(log.ops)
     sched.run(plan, torch.zeros(M, cfg.n, dtype=torch.bfloat16), after_gemm=False, partial=by_rows)
     assert plan.chunks == 4
-    main = [op[1:] for op in log.ops if op[0] == "main" and op[1] in ("gemm", "write")]
     counters = {_addr(sched.counters, layout.counter_index(d, c)): (d, c) for d in range(world) for c in range(8)}
-    main = [op for op in main if op[0] == "gemm" or op[1] in counters]  # not the stamp word
-    # per chunk: its GEMM, then one write per dest (own last) of exactly the slot's tiles
-    expect = []
-    for c in range(plan.chunks):
-        expect.append(("gemm", plan.rows[c]))
-        expect += [("write", _addr(sched.counters, layout.counter_index(d, c)), plan.slot_tiles(d, c))
-                   for d in layout.dest_order(RANK, world)]
-    assert main == expect
+    sides = sched.produce_sides[:streams - 1]
+    names = ["main"] + [s.name for s in sides]
+    gemm_stream = {}
+    for name in names:
+        ops = [op[1:] for op in log.ops if op[0] == name and (op[1] == "gemm" or op[1] == "write" and op[2] in counters)]
+        mine = [c for c in range(plan.chunks) if c % streams == names.index(name)]
+        # per chunk of this stream: its GEMM, then one write per dest (own last) of exactly the slot's tiles
+        expect = []
+        for c in mine:
+            gemm_stream[c] = name
+            expect.append(("gemm", plan.rows[c]))
+            expect += [("write", _addr(sched.counters, layout.counter_index(d, c)), plan.slot_tiles(d, c))
+                       for d in layout.dest_order(RANK, world)]
+        assert ops == expect, name
+    assert sorted(gemm_stream) == list(range(plan.chunks))
     assert all(plan.slot_tiles(d, c) == plan.target(d, c) for d in range(world) for c in range(plan.chunks))
+    # every other stream starts after what main holds so far (the prepared scales), and main joins
+    # each before the side streams fork from it
+    fork = ("main", "record", sched.produce_fork.name)
+    assert (fork in log.ops) == bool(sides)
+    for side, done in zip(sides, sched.produced):
+        f = log.ops.index(fork)
+        assert log.ops.index(("main", "prepare")) < f < log.ops.index((side.name, "wait_event", sched.produce_fork.name))
+        assert f < min(i for i, op in enumerate(log.ops) if op[0] == side.name and op[1] != "wait_event")
+        d = log.ops.index((side.name, "record", done.name))
+        assert d < log.ops.index(("main", "wait_event", done.name)) < joined
+        assert all(op[0] != side.name for op in log.ops[d + 1:])
+    unused = {s.name for s in sched.produce_sides[streams - 1:]}
+    assert not any(op[0] in unused for op in log.ops)
     ns, row_bytes = cfg.n_slice, cfg.n * 2
     for p in (d for d in layout.dest_order(RANK, world) if d != RANK):
         puts = [op[1:] for op in log.ops if op[0] == sched.put[p][0].name]

@@ -1,0 +1,42 @@
+"""``Watchdog.sync`` (what ``op.check()`` and ``close()`` wait for on CUDA) waits for a replayed
+CUDA graph too: the op sees only the stream of the last call it issued (for a captured call, the
+capture's, idle once the capture ended), so the wait also watches the marks the call's device work
+writes, until they show it left, bounded by the deadline the watchdog's release keeps. Host logic,
+with the marks and streams as stand-ins (no GPU)."""
+
+import threading
+import time
+import types
+
+from cco.cuda import watchdog as wd
+
+
+class _Marks:
+    def __init__(self, leave_after_s):
+        self.until = None if leave_after_s is None else time.monotonic() + leave_after_s
+
+    def in_call(self):
+        return self.until is None or time.monotonic() < self.until
+
+
+def _watchdog(marks, deadline_s):
+    w = object.__new__(wd.Watchdog)
+    w.marks, w.deadline_s, w._streams = marks, deadline_s, []
+    w.schedule = types.SimpleNamespace(main=types.SimpleNamespace(synchronize=lambda: None))  # idle
+    return w
+
+
+def test_sync_waits_for_a_replay_to_leave():
+    w = _watchdog(_Marks(leave_after_s=0.3), deadline_s=5.0)
+    t0 = time.monotonic()
+    w.sync()
+    waited = time.monotonic() - t0
+    assert not w.marks.in_call() and waited >= 0.3, waited
+
+
+def test_sync_gives_up_a_deadline_after_a_call_that_never_leaves():
+    w = _watchdog(_Marks(leave_after_s=None), deadline_s=0.2)
+    done = threading.Event()
+    threading.Thread(target=lambda: (w.sync(), done.set()), daemon=True).start()
+    bound = 0.2 + wd.LEFT_WAIT_S + wd.poll_interval(0.2)
+    assert done.wait(bound + 2.0), "sync() did not return within its bound"
