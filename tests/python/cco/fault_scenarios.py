@@ -27,6 +27,10 @@ call. Promises, per scenario:
   once (correct); then the victim stops replaying. The other ranks' next replay is released at the
   deadline: ``op.check()`` raises ``CommTimeoutError`` and the replay's output is NaN; the victim,
   back, finds its op failed too; then a fresh op is correct on every rank.
+- ``stalled-read`` (GPU only): as ``stalled``, but the other ranks read call 2's output on the host
+  (``.item()``, a synchronising copy) before any ``check()``: the read must return within the
+  deadline + 2 s with NaN, and ``check()`` then raises ``CommTimeoutError`` (the release must not
+  wait for the host thread blocked in that copy).
 - ``killed``: the victim's process exits in the middle of call 2. Every other rank raises
   ``CommTimeoutError`` naming the victim; then the survivors build a new communicator and op,
   which compute correctly.
@@ -57,7 +61,8 @@ from cco.transport import Drop, FaultPlan
 RAISE_SLACK_S = 2.0  # the issue's bound: every live rank raises within deadline + 2 s
 SCENARIOS = ("bad-input", "m-mismatch", "m-mismatch-chunks", "stalled", "late", "dropped", "killed")  # killed last:
 # it replaces the communicator
-GPU_SCENARIOS = SCENARIOS[:-1] + ("stalled-graph", "killed")  # a CUDA graph's replay: GPU backends only
+GPU_ONLY = ("stalled-graph", "stalled-read")  # a CUDA graph's replay, a device read: GPU backends only
+GPU_SCENARIOS = SCENARIOS[:-1] + GPU_ONLY + ("killed",)
 # on CUDA a call that passed its deadline leaves the op failed (its words may no longer be in step
 # with the peers'): the next call raises at once and a fresh op takes over
 RECOVERS_IN_PLACE = {"cpu": {"bad-input", "m-mismatch", "m-mismatch-chunks", "dropped"},
@@ -234,10 +239,10 @@ def run(comm, name: str, victim: int, setup: Setup, backend: str) -> dict:
                 _expect_raise(report, attempt(op, setup.operands(rank, 2)), setup,
                               f"call 2, rank {victim} never calls", ("CommTimeoutError",), (f"rank {victim}", "seq 2"))
         _fresh_op_is_correct(comm, setup, report)
-    elif name == "stalled-graph":
+    elif name in GPU_ONLY:
         if backend == "cpu":
-            raise ValueError("scenario 'stalled-graph' replays a CUDA graph: GPU backends only")
-        _stalled_graph(comm, setup, report, victim)
+            raise ValueError(f"scenario {name!r}: GPU backends only")
+        (_stalled_graph if name == "stalled-graph" else _stalled_read)(comm, setup, report, victim)
         _fresh_op_is_correct(comm, setup, report)
     elif name == "killed":
         rendezvous = comm.broadcast_object(secrets.token_hex(8) if rank == 0 else None)
@@ -301,6 +306,25 @@ def _stalled_graph(comm, setup, report, victim):
             report.expect(nan == out.numel(), f"{what}: the released replay's output has {out.numel() - nan} "
                                               f"elements that are not NaN")
         del graph
+        comm.barrier()
+
+
+def _stalled_read(comm, setup, report, victim):
+    rank, d = comm.rank, setup.deadline_s
+    with setup.op(comm) as op:
+        _expect_correct(report, attempt(op, setup.operands(rank, 1)), setup.reference(range(comm.world), 1), "call 1")
+        what = f"call 2, rank {victim} never calls, its output read before check()"
+        if rank == victim:
+            time.sleep(d + RAISE_SLACK_S + 0.5)
+        else:
+            t0 = time.monotonic()
+            out = op(*setup.operands(rank, 2))
+            total = out.float().sum().item()  # blocks the host in the driver until the call ends
+            seconds = time.monotonic() - t0
+            report.seen.append(f"{what}: the read returned after {seconds:.2f} s ({total})")
+            report.expect(seconds <= d + RAISE_SLACK_S, f"{what}: the read took {seconds:.2f} s")
+            report.expect(total != total, f"{what}: the released call's output summed to {total}, not NaN")
+            _expect_raise(report, attempt_check(op, out), setup, what, ("CommTimeoutError",), (f"rank {victim}",))
         comm.barrier()
 
 
