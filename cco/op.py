@@ -91,7 +91,7 @@ _FN = "GemmAllReduceOp"
 # still write into them); they are released when the process exits
 _RETAINED_WINDOWS: list = []
 _CALL = f"{_FN}.__call__"
-# operand signatures (types, dtypes, shapes, strides, devices) an op remembers as accepted, and plain
+# operand signatures (dtypes, shapes, strides, devices) an op remembers as accepted, and plain
 # calls' plans it keeps (one per M): an eager call must not pay the full checks and a plan every time
 # (docs/hopper_gemm.md: the host time of an eager call)
 ACCEPTED_SIGNATURES = 16
@@ -99,9 +99,9 @@ PLAIN_PLANS = 64
 
 
 def _activation_signature(a, a_scale) -> tuple:
-    """The half of :func:`_signature` that changes from call to call (AttributeError: not a tensor)."""
-    return (type(a), a.dtype, a.shape, a.stride(), a.device, type(a_scale), a_scale.dtype, a_scale.shape,
-            a_scale.stride(), a_scale.device)
+    """The half of :func:`_signature` that changes from call to call (AttributeError: not a tensor;
+    no types: the checks take any torch.Tensor subclass alike, and an eager call pays for each item)."""
+    return (a.dtype, a.shape, a.stride(), a.device, a_scale.dtype, a_scale.shape, a_scale.stride(), a_scale.device)
 
 
 class _PlainLaunches:
@@ -142,9 +142,8 @@ class _PlainLaunches:
 
 def _signature(a, b_pre, a_scale, b_scale) -> tuple:
     """What ``_check``'s verdict depends on, for each operand (AttributeError: not a tensor)."""
-    return _activation_signature(a, a_scale) + (type(b_pre), b_pre.dtype, b_pre.shape, b_pre.stride(), b_pre.device,
-                                                type(b_scale), b_scale.dtype, b_scale.shape, b_scale.stride(),
-                                                b_scale.device)
+    return _activation_signature(a, a_scale) + (b_pre.dtype, b_pre.shape, b_pre.stride(), b_pre.device,
+                                                b_scale.dtype, b_scale.shape, b_scale.stride(), b_scale.device)
 
 
 def select_backend(device: torch.device):
