@@ -118,11 +118,15 @@ class _PlainLaunches:
         self.weight: tuple = ()  # (b_pre, b_scale, marks, aliases, the backend's plain_epoch)
         self.by_signature: dict = {}
 
+    @staticmethod
+    def _marks(b_pre, b_scale) -> tuple:
+        return b_pre._version, b_scale._version, b_pre.data_ptr(), b_scale.data_ptr()
+
     def find(self, a, b_pre, a_scale, b_scale):
         """(m, launch) of an accepted call like this one, or None."""
         w = self.weight
         if not w or b_pre is not w[0] or b_scale is not w[1] or w[4] != self.backend.plain_epoch or \
-                (b_pre._version, b_scale._version, b_pre.data_ptr(), b_scale.data_ptr()) != w[2]:
+                self._marks(b_pre, b_scale) != w[2]:
             return None
         try:
             return self.by_signature.get(_activation_signature(a, a_scale))
@@ -133,8 +137,8 @@ class _PlainLaunches:
         w = self.weight
         if not (w and b_pre is w[0] and b_scale is w[1] and w[4] == self.backend.plain_epoch):
             self.by_signature = {}
-        self.weight = (b_pre, b_scale, (b_pre._version, b_scale._version, b_pre.data_ptr(), b_scale.data_ptr()),
-                       (b_pre.detach(), b_scale.detach()), self.backend.plain_epoch)
+        self.weight = (b_pre, b_scale, self._marks(b_pre, b_scale), (b_pre.detach(), b_scale.detach()),
+                       self.backend.plain_epoch)
         if len(self.by_signature) >= ACCEPTED_SIGNATURES:
             self.by_signature.clear()
         self.by_signature[_activation_signature(a, a_scale)] = (m, launch)

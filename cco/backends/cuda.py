@@ -211,6 +211,19 @@ class CudaBackend(Backend):
 
         return supports_mem_ops(device.index or 0)
 
+    def _take_window(self):
+        """How both device backends' ``__init__`` start (gfx950's subclasses this one): refuse a
+        config this backend cannot run, bind the window's device, rank, partial region and counters;
+        returns the fault plan's lost puts (``_lost_puts``)."""
+        self._refuse_config()
+        drops = self._lost_puts()
+        self.device = self.window.device
+        self.rank, self.world = self.window.rank, self.window.world
+        w = self.config.window
+        self.partial = self.window.tensor(w.partial, rank=self.rank)
+        self.counters = self.window.words(w.counters, rank=self.rank)
+        return drops
+
     def _lost_puts(self):
         """``FaultPlan.dropped`` when lost puts are to be injected (on the copy engines), else None."""
         if self.faults is None or not self.faults.drops:
@@ -242,25 +255,19 @@ class CudaBackend(Backend):
     def __init__(self, **kw):
         super().__init__(**kw)
         cfg = self.config
-        self._refuse_config()
-        drops = self._lost_puts()
+        drops = self._take_window()
         faults = self.faults
         from cco.cuda import memops
         from cco.cuda.dma import FLAG_BY_COPY, CopyEngineSchedule
         from kernels_fused.hopper.gemm import default_config
 
-        self.device = self.window.device
-        self.rank, self.world = self.window.rank, self.window.world
         self.schedule = CopyEngineSchedule(config=cfg, window=self.window, device=self.device,
                                            silent=bool(faults is not None and faults.silent), replay=drops is None,
                                            flag_by_copy=FLAG_BY_COPY, marks=self._marks(), drops=drops)
         base = default_config(cfg.quant)
         self.fused_config, self.tile_weight = fused_config(cfg)
         self.producer = None  # DMA_PRODUCER's pick per call; "kernel" / "vendor" force one
-        w = cfg.window
-        self.partial = self.window.tensor(w.partial, rank=self.rank)
         self.partial_rows, self.partial_by_rows = row_major_readings(self.partial, cfg)  # vendor producer
-        self.counters = self.window.words(w.counters, rank=self.rank)
         self._tables: dict[int, torch.Tensor] = {}
         self._plain_configs: dict[int, object] = {}  # M -> PLAIN_RULE's config
         self._weight = TensorDerived()  # the preshuffled weight unshuffled for the Triton kernels

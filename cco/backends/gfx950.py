@@ -323,14 +323,8 @@ class Gfx950Backend(CudaBackend):
         if why is not None:
             raise RuntimeError(f"Gfx950Backend: {why}; nothing was compiled or launched")
         cfg = self.config
-        self._refuse_config()
-        drops = self._lost_puts()
+        drops = self._take_window()
         faults = self.faults
-        self.device = self.window.device
-        self.rank, self.world = self.window.rank, self.window.world
-        w = cfg.window
-        self.partial = self.window.tensor(w.partial, rank=self.rank)
-        self.counters = self.window.words(w.counters, rank=self.rank)
         self._launchers = {}
         self._args: dict[int, FusedLaunchArgs] = {}
         if cfg.mode != "gemm-only":

@@ -121,11 +121,25 @@ def attempt(op, operands):
     t0 = time.monotonic()
     try:
         out = op(*operands)
+    except Exception as err:
+        return _failed(err, t0)
+    return attempt_check(op, out, t0)
+
+
+def attempt_check(op, out, t0=None):
+    """``op.check()`` after a call or a replay that wrote ``out``: as :func:`attempt`, the seconds
+    counted from ``t0`` (default: now)."""
+    t0 = time.monotonic() if t0 is None else t0
+    try:
         op.check()
         return "result", out.cpu(), time.monotonic() - t0
     except Exception as err:
-        return type(err).__name__, f"{err}" + "".join(f"\n{n}" for n in getattr(err, "__notes__", ())), \
-            time.monotonic() - t0
+        return _failed(err, t0)
+
+
+def _failed(err, t0):
+    return type(err).__name__, f"{err}" + "".join(f"\n{n}" for n in getattr(err, "__notes__", ())), \
+        time.monotonic() - t0
 
 
 def _wrong(out, ref) -> int:
@@ -300,8 +314,7 @@ def _stalled_graph(comm, setup, report, victim):
         else:
             t0 = time.monotonic()
             graph.replay()
-            kind, value, _ = outcome = attempt_check(op, out)
-            _expect_raise(report, (kind, value, time.monotonic() - t0), setup, what, ("CommTimeoutError",))
+            _expect_raise(report, attempt_check(op, out, t0), setup, what, ("CommTimeoutError",))
             nan = int(torch.isnan(out.float()).sum())
             report.expect(nan == out.numel(), f"{what}: the released replay's output has {out.numel() - nan} "
                                               f"elements that are not NaN")
@@ -326,16 +339,6 @@ def _stalled_read(comm, setup, report, victim):
             report.expect(total != total, f"{what}: the released call's output summed to {total}, not NaN")
             _expect_raise(report, attempt_check(op, out), setup, what, ("CommTimeoutError",), (f"rank {victim}",))
         comm.barrier()
-
-
-def attempt_check(op, out):
-    """``op.check()`` after a replay: ("result", ``out`` on the host, s) or (error type, message, s)."""
-    t0 = time.monotonic()
-    try:
-        op.check()
-        return "result", out.cpu(), time.monotonic() - t0
-    except Exception as err:
-        return type(err).__name__, str(err), time.monotonic() - t0
 
 
 DEVICE_BUSY_CYCLES = 20_000_000_000  # ~10 s of a ~2 GHz GPU clock: longer than any deadline here
