@@ -268,6 +268,7 @@ class CudaBackend(Backend):
         self.fused_config, self.tile_weight = fused_config(cfg)
         self.producer = None  # DMA_PRODUCER's pick per call; "kernel" / "vendor" force one
         self.partial_rows, self.partial_by_rows = row_major_readings(self.partial, cfg)  # vendor producer
+        self.schedule.load_kernels((self.partial, self.partial_by_rows))
         self._tables: dict[int, torch.Tensor] = {}
         self._plain_configs: dict[int, object] = {}  # M -> PLAIN_RULE's config
         self._weight = TensorDerived()  # the preshuffled weight unshuffled for the Triton kernels

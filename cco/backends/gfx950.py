@@ -146,6 +146,8 @@ class MemOps(Protocol):
     def copy_2d(self, stream: int, *, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int,
                 height: int) -> None: ...
 
+    def fill(self, stream: int, dst: int, byte: int, nbytes: int) -> None: ...
+
     def capture_supported(self, device_index: int) -> bool: ...
 
     def wait_geq_kernel(self, stream, addr: int, value: int) -> None: ...
@@ -184,6 +186,7 @@ class HipMemOps:
       blit kernel that would take CUs from the GEMM.
     - ``copy_2d``: ``hipMemcpy2DAsync`` device to device (local pitched assemble copy; the runtime
       may use a blit kernel, as the CUDA driver does).
+    - ``fill``: ``hipMemsetD8Async`` (the watchdog's NaN fills: no copy from host memory).
     - the spin/store kernel fallbacks are the Triton kernels of ``cco.cuda.memops`` (device-neutral).
 
     Nothing is imported until the first call.
@@ -209,6 +212,10 @@ class HipMemOps:
             hip = _hip()
             _check(hip.hipMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, height,
                                         hip.hipMemcpyKind.hipMemcpyDeviceToDevice, stream), "hipMemcpy2DAsync")
+
+    def fill(self, stream: int, dst: int, byte: int, nbytes: int) -> None:
+        if nbytes:
+            _check(_hip().hipMemsetD8Async(dst, byte, nbytes, stream), "hipMemsetD8Async")
 
     def copy_host(self, stream: int, dst: int, src: int, nbytes: int) -> None:
         """A copy between pinned host and device memory (the watchdog's reads and NaN fills)."""
@@ -336,6 +343,7 @@ class Gfx950Backend(CudaBackend):
             self.schedule = schedule_cls(
                 config=cfg, window=self.window, device=self.device,
                 silent=bool(faults is not None and faults.silent), memops=memops, marks=self._marks(), drops=drops)
+            self.schedule.load_kernels((self.partial,))  # the FlyDSL kernel writes the window's planes
         self._watch(memops if self.schedule is not None else None)
 
     # ---- the FlyDSL launches -------------------------------------------------------------------------

@@ -262,6 +262,18 @@ class CopyEngineSchedule:
             self.produced = [torch.cuda.Event() for _ in self.produce_sides]
             self.produce_fork = torch.cuda.Event()
 
+    def load_kernels(self, partials) -> None:
+        """Compile and load the reduce and dequant kernels a call launches behind its waits on peers,
+        for each layout of ``partials`` the producers write (``cco.cuda.kernels``: a kernel loaded
+        in the middle of a call can deadlock the ranks). Once, before any call."""
+        out = torch.empty(1, self.cfg.n, dtype=torch.bfloat16, device=self.status.device)  # a call's out, 1 row
+        for partial in partials:
+            kernels.reduce_chunk(partial=partial, recv=self.recv, gather=self.gather, gather_scale=self.gather_scale,
+                                 out=out, scatter_m=self.scatter_m, status=self.status, rank=self.rank, rows=(0, 1),
+                                 stamp=self.stamp, programs=self.side_programs, load_only=True)
+        kernels.dequant_chunk(gather=self.gather, gather_scale=self.gather_scale, out=out, rank=self.rank, rows=(0, 1),
+                              programs=self.side_programs, load_only=True)
+
     def _side_streams(self, every: bool = False):
         """The streams a call uses (``every``: also the put streams beyond ``lanes``)."""
         used = self.lanes_made if every else self.lanes

@@ -17,6 +17,13 @@ error later, the output must not look good before that) and program 0 records th
 
 ``dequant_chunk`` (fp8 gather only): rows [r0, r1) of every peer owner's ``gather[owner]`` ->
 ``out[:, owner * n_slice ...]``. With the bf16 gather that step is a pitched copy-engine copy instead.
+
+Both are launched after stream waits on peers' flags, so neither should be compiled or loaded then:
+loading a module may make the driver wait for the context's work to drain (CUDA's guide warns of it
+under lazy loading), and that work waits on a peer that may wait on this rank's later submissions.
+So the arguments that change per chunk and per M are not specialized (``CHUNK_ARGS``): one
+compiled kernel per op serves every call, and the op loads it when it is built
+(``load_only=True``), before any call can wait.
 """
 
 from __future__ import annotations
@@ -35,12 +42,17 @@ def _pow2(x: int) -> int:
     return 1 << (max(1, x) - 1).bit_length()
 
 
+# the per-chunk and per-M arguments (module note): a value Triton specializes on (divisible by 16,
+# equal to 1) would select another compiled kernel, loaded in the middle of a call
+CHUNK_ARGS = ("row0", "rows", "programs")
+
+
 @functools.cache
 def _kernels():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=CHUNK_ARGS)
     def _reduce(
         partial_ptr, recv_ptr, gather_ptr, gscale_ptr, out_ptr, scatter_m_ptr, status_ptr,
         stamp_ptr, rank, row0, rows, n_slice, partial_stride, region_stride, out_stride, out_col0, scale_cols,
@@ -83,7 +95,7 @@ def _kernels():
                 tl.store(gather_ptr + offs, value, mask=mask)
             tl.store(out_ptr + row * out_stride + out_col0 + cols, value, mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=CHUNK_ARGS)
     def _dequant(
         gather_ptr, gscale_ptr, out_ptr, rank, row0, rows, n_slice, region_stride, scale_stride, out_stride,
         scale_cols, programs,
@@ -118,10 +130,18 @@ def _programs(rows: int, programs: int | None) -> int:
     return rows if programs is None else max(1, min(rows, programs))
 
 
+def _launch(kernel, grid: tuple, args: tuple, kwargs: dict, load_only: bool) -> None:
+    """Launch, or (``load_only``) compile and load the kernel these arguments select, launching nothing."""
+    if not load_only:
+        kernel[grid](*args, **kwargs)
+        return
+    kernel.warmup(*args, grid=grid, **kwargs)._init_handles()
+
+
 def reduce_chunk(*, partial: torch.Tensor, recv: torch.Tensor, gather: torch.Tensor,
                  gather_scale: torch.Tensor | None, out: torch.Tensor, scatter_m: torch.Tensor,
                  status: torch.Tensor, rank: int, rows: tuple[int, int], stamp: torch.Tensor,
-                 programs: int | None = None) -> None:
+                 programs: int | None = None, load_only: bool = False) -> None:
     """Reduce rows ``rows`` of this rank's slice (see module doc). ``partial``, ``recv``, ``gather``
     are the window's [W, rows_max, n_slice] regions (``partial`` as the producer wrote it: its rows
     may lie further apart, ``cco.layout.partial_strides``); ``out`` is the caller's bf16 [M, N]; ``stamp``
@@ -135,16 +155,15 @@ def reduce_chunk(*, partial: torch.Tensor, recv: torch.Tensor, gather: torch.Ten
     block_c = _block_c(n_slice)
     reduce, _ = _kernels()
     grid = _programs(r1 - r0, programs)
-    reduce[(grid,)](
+    _launch(reduce, (grid,), (
         partial[rank], recv, gather[rank], gather_scale[rank] if fp8 else gather, out, scatter_m, status,
         stamp, rank, r0, r1 - r0, n_slice, partial.stride(1), recv.stride(0), out.stride(0), rank * n_slice,
         gather_scale_cols(n_slice), grid,
-        WORLD=world, FP8_GATHER=fp8, BLOCK_C=block_c, GROUP=GATHER_GROUP, num_warps=_warps(block_c),
-    )
+    ), dict(WORLD=world, FP8_GATHER=fp8, BLOCK_C=block_c, GROUP=GATHER_GROUP, num_warps=_warps(block_c)), load_only)
 
 
 def dequant_chunk(*, gather: torch.Tensor, gather_scale: torch.Tensor | None, out: torch.Tensor, rank: int,
-                  rows: tuple[int, int], programs: int | None = None) -> None:
+                  rows: tuple[int, int], programs: int | None = None, load_only: bool = False) -> None:
     """Rows ``rows`` of every peer owner's gathered slice -> ``out`` (bf16): dequantized for the fp8
     gather (``gather_scale`` given), copied for the bf16 one."""
     world, _, n_slice = gather.shape
@@ -154,9 +173,8 @@ def dequant_chunk(*, gather: torch.Tensor, gather_scale: torch.Tensor | None, ou
     block_c = _block_c(n_slice)
     _, dequant = _kernels()
     grid = _programs(r1 - r0, programs)
-    dequant[(grid, world - 1)](
+    _launch(dequant, (grid, world - 1), (
         gather, gather if gather_scale is None else gather_scale, out, rank, r0, r1 - r0, n_slice, gather.stride(0),
         0 if gather_scale is None else gather_scale.stride(0), out.stride(0), gather_scale_cols(n_slice), grid,
-        WORLD=world, BLOCK_C=block_c, FP8_GATHER=gather_scale is not None, GROUP=GATHER_GROUP,
-        num_warps=_warps(block_c),
-    )
+    ), dict(WORLD=world, BLOCK_C=block_c, FP8_GATHER=gather_scale is not None, GROUP=GATHER_GROUP,
+            num_warps=_warps(block_c)), load_only)

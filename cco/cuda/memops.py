@@ -57,6 +57,14 @@ def copy(stream: int, dst: int, src: int, nbytes: int) -> None:
         _check(d.cuMemcpyAsync(d.CUdeviceptr(dst), d.CUdeviceptr(src), nbytes, d.CUstream(stream)), "cuMemcpyAsync")
 
 
+def fill(stream: int, dst: int, byte: int, nbytes: int) -> None:
+    """Set ``nbytes`` bytes at ``dst`` to ``byte`` (a memset: no copy, so nothing it waits for
+    behind another thread's copy to pageable host memory, which holds the driver's copies)."""
+    if nbytes:
+        d = _driver()
+        _check(d.cuMemsetD8Async(d.CUdeviceptr(dst), byte, nbytes, d.CUstream(stream)), "cuMemsetD8Async")
+
+
 def copy_2d(stream: int, *, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int) -> None:
     """Copy ``height`` rows of ``width`` bytes between pitched buffers on the copy engines."""
     if not (width and height):

@@ -23,19 +23,23 @@ blocked work is released and the context stays usable::
    below can see the record first, and goes on without it when the peer is gone); then, in stream
    order: this rank's outgoing flags muted (``flag_set = 0``: later flag copies carry 0, so no peer
    takes this call's data as good); the own ``recv``, ``gather`` (and ``gather_scale``) regions
-   filled with NaN (0xFF bytes, NaN in bf16 and e4m3) from a pinned host buffer, so whatever is
-   computed from a released wait is NaN, never a stale earlier call's bytes; then every scatter and
-   gather flag set (stream waits pass, the epilogue-reduce spin exits) and every lsa tile flag set
-   to -1 (not a stamp: the lsa kernel's waits pass and record a mismatch). Copies go host to device
-   on the copy engines, so they run even while spinning programs hold every multiprocessor.
+   filled with NaN (0xFF bytes, NaN in bf16 and e4m3), so whatever is computed from a released
+   wait is NaN, never a stale earlier call's bytes; then every scatter and gather flag set (stream
+   waits pass, the epilogue-reduce spin exits) and every lsa tile flag set to -1 (not a stamp: the
+   lsa kernel's waits pass and record a mismatch). The sequence is issued twice, on streams of its
+   own each: with memsets, then with copies from a pinned host buffer. A copy runs on the copy
+   engines even while spinning programs hold every multiprocessor (a memset may need one); a
+   memset is issued even while another host thread copies to pageable memory (``out.cpu()``,
+   ``.item()`` behind the stuck call), which holds this thread's copies in the driver.
 3. Errors: the op is *failed* from then on (its words are no longer in step with the peers'). The
    next call on it, ``check()`` and every later call raise :class:`CommTimeoutError` (or
    :class:`PeerMismatchError` when a peer's stamp shows another M for the call) naming the rank,
    the call's seq and M, and what each peer had sent. Close the op and build a new one (and a new
    communicator if a rank died): the CUDA context is untouched.
 
-The thread also reads, every poll, this rank's header records and the reduce kernels' status words
-(device to host copies on its own stream): a peer's "failed" record fails this op (and releases a
+Threads. The deadline's thread reads only the pinned marks and issues the release; a second
+thread reads, every poll, this rank's header records and the reduce kernels' status words (device
+to host copies on its own stream; a read the driver holds stalls only that thread): a peer's "failed" record fails this op (and releases a
 call in flight); a status set by a reduce (``1 + src`` and the stamp rank src sent: another M, or
 the rejected stamp) becomes the error the next call raises after it has taken part in the
 collective (``raise_deferred``), and ``check()`` raises it after a synchronisation.
@@ -68,17 +72,19 @@ FAILED_WORD = layout.HEADER_LEFT + 1
 RELEASE_STREAMS = 8  # the default CUDA_DEVICE_MAX_CONNECTIONS: one stream per hardware queue
 RECORD_WAIT_S = 0.25  # the release's wait for a "failed" record to land in a peer (a live one: us)
 LEFT_WAIT_S = 1.0  # a released call still in its waits this long after the release is logged
-FILL_BYTES = 16 << 20  # the pinned 0xFF buffer the NaN fills copy from, piece by piece
 RELEASED = -1  # an lsa tile flag set by a release: never a (seq, M) stamp
 # The thread polls every deadline_s / 50 within these bounds: a stuck call is released at most 2 %
 # (and 50 ms) past its deadline, well inside the 2 s the op promises, and the thread takes the GIL
 # at most 500 times a second (each poll is a few plain loads and, while idle, one small async read)
 POLL_MIN_S, POLL_MAX_S = 0.002, 0.05
 READ_WAIT_S = 1.0  # how long a diagnostic read may take before the release goes ahead without it
+DIAGNOSIS_WAIT_S = 1.5  # ... and all of them (the release stays within the 2 s past the deadline promised)
 SYNC_POLL_S = 0.0002  # sync()'s look at the marks while a replayed call is still in
 _WORD = 8
+FILL_BYTES = 16 << 20  # the pinned 0xFF buffer the copied NaN fills read, piece by piece
 
 _fill_buffer: torch.Tensor | None = None  # one per process, shared by every op's watchdog
+
 _log = logging.getLogger(__name__)
 
 
@@ -154,7 +160,8 @@ class Watchdog:
         # Everything the release and the reads use is made now: a pinned allocation while a call is
         # stuck could be ordered behind the stuck work
         self._fill = _fill_source()
-        self._streams = self._make_streams()
+        self._streams = self._make_streams()  # the copied release, the reads
+        self._set_streams = self._make_streams()  # the memset release (module note, step 2)
         self._remote = self._make_streams()  # the peer records: a write to a dead peer may never land
         self._remote_events = [torch.cuda.Event() for _ in self._remote]
         words = max(self.world * layout.MAX_CHUNKS, layout.HEADER_WORDS, STATUS_WORDS, self._tile_flags.numel())
@@ -178,8 +185,13 @@ class Watchdog:
         self.releases = 0  # release rounds so far (a graph of a failed op replayed again gets one too)
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        # two threads: the deadline's makes no call that can wait on the device or on another thread's
+        # copy (module note, "Threads"); the reader's reads may, and it only reads
         self._thread = threading.Thread(target=self._run, name=f"cco-watchdog-rank{self.rank}", daemon=True)
+        self._reader = threading.Thread(target=self._read_loop, name=f"cco-watchdog-reads-rank{self.rank}",
+                                        daemon=True)
         self._thread.start()
+        self._reader.start()
 
     def _make_streams(self) -> list[int]:
         create = getattr(self.memops, "stream_create", None)
@@ -199,12 +211,24 @@ class Watchdog:
         """The last call issued (its seq and M name the call in errors)."""
         return getattr(self.schedule, "plan", None)
 
-    # ---- the thread ---------------------------------------------------------------------------------
-    def _run(self) -> None:
+    # ---- the threads --------------------------------------------------------------------------------
+    def _enter_thread(self) -> None:
         torch.cuda.set_device(self.device)  # the driver calls below need the device's context here
         relax = getattr(self.memops, "relax_capture_mode", None)
         if relax is not None:  # the op's thread may be capturing a graph while this one polls
             relax()
+
+    def _read_loop(self) -> None:
+        self._enter_thread()
+        poll = poll_interval(self.deadline_s)
+        while not self._stop.wait(poll):
+            try:
+                self._monitor()
+            except Exception as err:  # log and keep reading
+                _log.warning("rank %d: the op's watchdog reads: %s: %s", self.rank, type(err).__name__, err)
+
+    def _run(self) -> None:
+        self._enter_thread()
         poll = poll_interval(self.deadline_s)
         quiet_since = time.monotonic()  # last time the device was seen outside a call or leaving one
         released_at = None  # a release whose call has not been seen leaving yet
@@ -214,7 +238,6 @@ class Watchdog:
                 if self.marks.take_progress() or not self.marks.in_call():
                     quiet_since = now
                     released_at = None
-                self._monitor()
                 if released_at is not None and now - released_at > LEFT_WAIT_S:
                     _log.warning("rank %d: the call released %.1f s ago is still in its waits: %s", self.rank,
                                  now - released_at, self._progress())
@@ -282,13 +305,26 @@ class Watchdog:
             f"must call with the same M, in the same order; the call's output is NaN (the next call works)")
 
     def _diagnosed(self, waited: float) -> Exception:
-        """:meth:`_timeout_error`, or a plain one if the diagnosis itself fails (the release must go on)."""
-        try:
-            return self._timeout_error(waited)
-        except Exception as err:
-            return CommTimeoutError(f"rank {self.rank}: {self._call_name()} did not finish within deadline_s="
-                                    f"{self.deadline_s:g} s (waited {waited:.1f} s; no diagnosis: "
-                                    f"{type(err).__name__}: {err})")
+        """:meth:`_timeout_error`, or a plain one if the diagnosis fails or does not end within
+        DIAGNOSIS_WAIT_S (its reads are copies, which another thread's copy to pageable host memory
+        can hold in the driver: the release must go on without them)."""
+        found: list = []
+
+        def diagnose():
+            try:
+                self._enter_thread()  # its copies need the device's context current in this thread
+                found.append(self._timeout_error(waited))
+            except Exception as err:
+                found.append(f"{type(err).__name__}: {err}")
+
+        worker = threading.Thread(target=diagnose, name=f"cco-watchdog-diagnosis-rank{self.rank}", daemon=True)
+        worker.start()
+        worker.join(DIAGNOSIS_WAIT_S)
+        if found and isinstance(found[0], Exception):
+            return found[0]
+        why = found[0] if found else f"its reads did not return within {DIAGNOSIS_WAIT_S:g} s"
+        return CommTimeoutError(f"rank {self.rank}: {self._call_name()} did not finish within deadline_s="
+                                f"{self.deadline_s:g} s (waited {waited:.1f} s; no diagnosis: {why})")
 
     def _timeout_error(self, waited: float) -> Exception:
         """Diagnose the stuck call from what the peers sent (read before the release): their (seq, M)
@@ -399,17 +435,26 @@ class Watchdog:
             until = time.monotonic() + RECORD_WAIT_S
             while time.monotonic() < until and not any(e.query() for e in self._remote_events):
                 time.sleep(0.001)
-            for s in self._streams:  # the same idempotent writes on every stream (module note, "Limits")
-                self.memops.write(s, self.schedule.flag_set.data_ptr(), 0)
-                for region in self._poison:
-                    self._fill_region(s, region)
-                for flags in self._flags:
-                    for i in range(flags.numel()):
-                        self.memops.write(s, flags.data_ptr() + i * _WORD, 1)
-                self._fill_region(s, self._tile_flags)  # 0xFF bytes: RELEASED in every int64 word
+            # the same idempotent writes on every stream (module note, "Limits"), NaN-filled by memset
+            # first (a copy's issue can wait on another thread's pageable copy), then by copies
+            for streams, by_copy in ((self._set_streams, False), (self._streams, True)):
+                try:
+                    for s in streams:
+                        self.memops.write(s, self.schedule.flag_set.data_ptr(), 0)
+                        for region in self._poison:
+                            self._fill_region(s, region, by_copy)
+                        for flags in self._flags:
+                            for i in range(flags.numel()):
+                                self.memops.write(s, flags.data_ptr() + i * _WORD, 1)
+                        self._fill_region(s, self._tile_flags, by_copy)  # 0xFF bytes: RELEASED in every word
+                except RuntimeError as err:  # one way refused: the other still goes out
+                    _log.warning("rank %d: the release by %s: %s", self.rank, "copies" if by_copy else "memsets", err)
 
-    def _fill_region(self, stream: int, region: torch.Tensor) -> None:
+    def _fill_region(self, stream: int, region: torch.Tensor, by_copy: bool) -> None:
         start, nbytes = region.data_ptr(), region.numel() * region.element_size()
+        if not by_copy:
+            self.memops.fill(stream, start, 0xFF, nbytes)
+            return
         for off in range(0, nbytes, FILL_BYTES):
             self._copy_host(stream, start + off, self._fill.data_ptr(), min(FILL_BYTES, nbytes - off))
 
@@ -471,14 +516,15 @@ class Watchdog:
         until = time.monotonic() + self.deadline_s + LEFT_WAIT_S + poll_interval(self.deadline_s)
         while self.marks.in_call() and time.monotonic() < until:
             time.sleep(SYNC_POLL_S)
-        for s in self._streams:
+        for s in self._set_streams + self._streams:
             self._external(s).synchronize()
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
+        self._reader.join(READ_WAIT_S)  # a read held in the driver must not hold close() too
         destroy = getattr(self.memops, "stream_destroy", None)
         if destroy is not None:
-            for s in self._streams + self._remote:
+            for s in self._streams + self._set_streams + self._remote:
                 destroy(s)
-        self._streams = self._remote = []
+        self._streams = self._set_streams = self._remote = []

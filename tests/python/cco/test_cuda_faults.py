@@ -175,7 +175,7 @@ def _warm_up(comm, transport):
     from tests.python.cco import fault_scenarios
 
     setup = fault_scenarios.Setup(n=N, k=K, m=M, deadline_s=300.0, device=comm.device)
-    for t in {transport, "dma"}:
+    for t in dict.fromkeys((transport, "dma")):  # one order on every rank (a set's is per process)
         with GemmAllReduceOp(comm, n=N, k=K, m_max=M, transport=t, chunks=2, deadline_s=300.0) as op:
             for m in (M, M - M // 4, M // 2):
                 op(*setup.operands(comm.rank, 0, m))

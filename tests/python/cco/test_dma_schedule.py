@@ -9,6 +9,8 @@ a run ended right):
   the next call); without it, it waits for each flag before the reduce kernel;
 - a peer's flag is set after the data it announces, by an 8-byte copy of the word holding
   ``FLAG_SET`` (``flag_by_copy``) or by a write-value of it;
+- every reduce and dequant kernel a call launches behind its waits is one the schedule loaded when
+  it was built (a kernel compiled or loaded in the middle of a call can deadlock the ranks);
 - the producer of whole chunks (the vendor GEMM per chunk): each chunk's counters are released
   on the call's stream after that chunk's GEMM and before the next one, each to exactly its
   target; the puts then move a pitched block per destination (2-D copies of the row-major partial)
@@ -119,11 +121,14 @@ def _schedule(monkeypatch, log, *, gather, lanes=1, world=WORLD):
 
     def kernel(name):
         def launch(**kw):
+            if kw.get("load_only"):  # loaded when the schedule is built: no launch
+                return
             planes = (kw["partial"].data_ptr(), kw["partial"].stride()) if "partial" in kw else ()
             log.ops.append((log.current.name, name, kw["rows"]) + planes)
         return launch
 
-    monkeypatch.setattr(dma, "torch", types.SimpleNamespace(zeros=torch.zeros, full=torch.full, int64=torch.int64,
+    monkeypatch.setattr(dma, "torch", types.SimpleNamespace(zeros=torch.zeros, full=torch.full, empty=torch.empty,
+                                                            int64=torch.int64, bfloat16=torch.bfloat16,
                                                             cuda=_fake_cuda(log)))
     monkeypatch.setattr(dma, "kernels", types.SimpleNamespace(reduce_chunk=kernel("reduce_kernel"),
                                                               dequant_chunk=kernel("dequant_kernel")))
@@ -348,3 +353,66 @@ def test_cuda_backend_takes_the_kernel_producer_where_cublas_refuses_the_rows(mo
     assert Q.count_mismatches(got, p.reference()) == 0
     reduce = [op[2:] for op in log.ops if op[1] == "reduce_kernel"]
     assert reduce == [(rows, planes.data_ptr(), planes.stride()) for rows in plan.rows]
+
+
+def _specialization(fn, args, kwargs) -> tuple:
+    """Which compiled kernel Triton picks for these arguments of the JIT function ``fn``: the
+    constexprs' values, each tensor's dtype and 16-byte alignment, each specialized int's "is 1" and
+    "divisible by 16" (``do_not_specialize``: none), and the launch options."""
+    import inspect
+
+    params = list(inspect.signature(fn.fn).parameters.values())  # a JITFunction or the interpreter's
+    names = [p.name for p in params]
+    free = getattr(fn, "do_not_specialize", None) or getattr(fn, "kwargs", {}).get("do_not_specialize", ())
+    key = []
+    for param, value in zip(params, args + tuple(kwargs[name] for name in names[len(args):])):
+        if "constexpr" in str(param.annotation):
+            key.append((param.name, value))
+        elif isinstance(value, torch.Tensor):
+            key.append((param.name, value.dtype, value.data_ptr() % 16 == 0))
+        elif param.name in free:
+            key.append((param.name, "int"))
+        else:
+            key.append((param.name, value == 1, value % 16 == 0))
+    return tuple(key) + tuple(sorted((k, v) for k, v in kwargs.items() if k not in names))
+
+
+@pytest.mark.parametrize("gather", ["bf16", "fp8"])
+def test_side_kernels_are_loaded_before_any_call_launches_them(monkeypatch, gather):
+    """A call's reduce and dequant kernels run behind waits on peers: each launch must pick a kernel
+    ``load_kernels()`` loaded when the schedule was built, for every M, chunk, producer layout and
+    programs setting (a launch that needs another one loads it mid-call: the ranks can deadlock)."""
+    from cco.backends.base import row_major_readings
+    from cco.cuda import dma, kernels
+
+    log = _Log()
+    sched, _, _ = _schedule(monkeypatch, log, gather=gather)
+    monkeypatch.setattr(dma, "kernels", kernels)
+    loaded, launched = set(), []
+
+    class Recorder:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def warmup(self, *args, grid, **kwargs):
+            loaded.add((self.fn.__name__, _specialization(self.fn, args, kwargs)))
+            return types.SimpleNamespace(_init_handles=lambda: None)
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append((self.fn.__name__, _specialization(self.fn, args, kwargs)))
+
+    real = kernels._kernels()
+    monkeypatch.setattr(kernels, "_kernels", lambda: tuple(Recorder(fn) for fn in real))
+    by_rows = row_major_readings(sched.partial, sched.cfg)[1]
+    sched.load_kernels((sched.partial, by_rows))
+    assert {name for name, _ in loaded} == {"_reduce", "_dequant"}
+    for programs in (None, 7):
+        sched.side_programs = programs
+        for m in (1, 17, 128, 300, M):
+            plan = layout.plan_call(sched.cfg, m=m, seq=1, rank=RANK, counter_base=layout.zero_counters(WORLD))
+            for partial in (sched.partial, by_rows):
+                sched.begin(plan)
+                sched.run(plan, torch.zeros(m, sched.cfg.n, dtype=torch.bfloat16), after_gemm=False, partial=partial)
+    assert {name for name, _ in launched} == {"_reduce", "_dequant"}  # bf16: dequant with programs set
+    missing = [launch for launch in launched if launch not in loaded]
+    assert not missing, f"{len(missing)} of {len(launched)} launches need a kernel not loaded: {missing[0]}"

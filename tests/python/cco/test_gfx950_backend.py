@@ -255,6 +255,10 @@ class _RecordingSchedule:
         self.kw = dict(config=config, device=device, silent=silent, memops=memops, drops=drops)
         self.marks = marks
         self.begun = []
+        self.loaded = []
+
+    def load_kernels(self, partials):
+        self.loaded.append(tuple(p.data_ptr() for p in partials))
 
     def _tiles(self, plan, dest, chunk):
         return plan.counter_targets[dest][chunk] - plan.counter_base[dest][chunk]
@@ -287,6 +291,7 @@ def test_fused_reaches_the_launchers_device_check(no_compile, pretend_device, re
     backend = _backend(cfg, rank=1, faults=FaultPlan(silent=True))
     schedule = backend.schedule
     assert isinstance(schedule.kw["memops"], gb.HipMemOps) and schedule.kw["silent"]
+    assert schedule.loaded == [(backend.partial.data_ptr(),)]  # the side kernels, before any call
     backend.counters.fill_(7)  # stale counts from an earlier call
     m = 300
     plan = layout.plan_call(cfg, m=m, seq=1, rank=1, counter_base=layout.zero_counters(2))

@@ -21,7 +21,7 @@ class _Marks:
 
 def _watchdog(marks, deadline_s):
     w = object.__new__(wd.Watchdog)
-    w.marks, w.deadline_s, w._streams = marks, deadline_s, []
+    w.marks, w.deadline_s, w._streams, w._set_streams = marks, deadline_s, [], []
     w.schedule = types.SimpleNamespace(main=types.SimpleNamespace(synchronize=lambda: None))  # idle
     return w
 
