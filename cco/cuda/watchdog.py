@@ -39,10 +39,11 @@ blocked work is released and the context stays usable::
 
 Threads. The deadline's thread reads only the pinned marks and issues the release; a second
 thread reads, every poll, this rank's header records and the reduce kernels' status words (device
-to host copies on its own stream; a read the driver holds stalls only that thread): a peer's "failed" record fails this op (and releases a
-call in flight); a status set by a reduce (``1 + src`` and the stamp rank src sent: another M, or
-the rejected stamp) becomes the error the next call raises after it has taken part in the
-collective (``raise_deferred``), and ``check()`` raises it after a synchronisation.
+to host copies on its own stream; a read the driver holds stalls only that thread): a peer's
+"failed" record fails this op (and releases a call in flight); a status set by a reduce
+(``1 + src`` and the stamp rank src sent: another M, or the rejected stamp) becomes the error the
+next call raises after it has taken part in the collective (``raise_deferred``), and ``check()``
+raises it after a synchronisation.
 
 Limits. A blocked stream wait holds the hardware queue its stream is mapped to; the release is
 issued on ``RELEASE_STREAMS`` streams of their own (at least one lands on a queue no stuck wait

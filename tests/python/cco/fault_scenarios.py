@@ -32,6 +32,8 @@ call. Promises, per scenario:
   must return within the deadline + 2 s, all NaN, and ``check()`` then raises
   ``CommTimeoutError`` (the release must not need a copy of its own while the driver holds the
   process's copies behind that one).
+- ``stalled-sync`` (GPU only): the same with ``torch.cuda.synchronize()`` (the whole device) before
+  the read: it must return within the deadline + 2 s too.
 - ``killed``: the victim's process exits in the middle of call 2. Every other rank raises
   ``CommTimeoutError`` naming the victim; then the survivors build a new communicator and op,
   which compute correctly.
@@ -62,7 +64,7 @@ from cco.transport import Drop, FaultPlan
 RAISE_SLACK_S = 2.0  # the issue's bound: every live rank raises within deadline + 2 s
 SCENARIOS = ("bad-input", "m-mismatch", "m-mismatch-chunks", "stalled", "late", "dropped", "killed")  # killed last:
 # it replaces the communicator
-GPU_ONLY = ("stalled-graph", "stalled-read")  # a CUDA graph's replay, a device read: GPU backends only
+GPU_ONLY = ("stalled-graph", "stalled-read", "stalled-sync")  # a graph's replay, host waits: GPU backends only
 GPU_SCENARIOS = SCENARIOS[:-1] + GPU_ONLY + ("killed",)
 # on CUDA a call that passed its deadline leaves the op failed (its words may no longer be in step
 # with the peers'): the next call raises at once and a fresh op takes over
@@ -257,7 +259,10 @@ def run(comm, name: str, victim: int, setup: Setup, backend: str) -> dict:
     elif name in GPU_ONLY:
         if backend == "cpu":
             raise ValueError(f"scenario {name!r}: GPU backends only")
-        (_stalled_graph if name == "stalled-graph" else _stalled_read)(comm, setup, report, victim)
+        if name == "stalled-graph":
+            _stalled_graph(comm, setup, report, victim)
+        else:
+            _stalled_host_wait(comm, setup, report, victim, name)
         _fresh_op_is_correct(comm, setup, report)
     elif name == "killed":
         rendezvous = comm.broadcast_object(secrets.token_hex(8) if rank == 0 else None)
@@ -324,23 +329,29 @@ def _stalled_graph(comm, setup, report, victim):
         comm.barrier()
 
 
-def _stalled_read(comm, setup, report, victim):
+# the host waits a caller makes on a stuck call's output before op.check(): a copy to pageable host
+# memory (the host waits in the driver until the call ends), the whole device's synchronize
+HOST_WAITS = {"stalled-read": ("its output read before check()", lambda out: out.cpu()),
+              "stalled-sync": ("torch.cuda.synchronize() before check()",
+                               lambda out: (torch.cuda.synchronize(out.device), out.cpu())[1])}
+
+
+def _stalled_host_wait(comm, setup, report, victim, name):
     rank, d = comm.rank, setup.deadline_s
+    wait_is, host_wait = HOST_WAITS[name]
     with setup.op(comm) as op:
         _expect_correct(report, attempt(op, setup.operands(rank, 1)), setup.reference(range(comm.world), 1), "call 1")
-        what = f"call 2, rank {victim} never calls, its output read before check()"
+        what = f"call 2, rank {victim} never calls, {wait_is}"
         if rank == victim:
             time.sleep(d + RAISE_SLACK_S + 0.5)
         else:
             t0 = time.monotonic()
             out = op(*setup.operands(rank, 2))
-            # a copy to pageable host memory: the host waits in the driver until the call ends (a
-            # read through a kernel this process never ran may not end: docs/BENCHMARKS.md, "Faults")
-            host = out.cpu()
+            host = host_wait(out)
             seconds = time.monotonic() - t0
             nan = int(torch.isnan(host.float()).sum())
-            report.seen.append(f"{what}: the read returned after {seconds:.2f} s, {nan} of {host.numel()} NaN")
-            report.expect(seconds <= d + RAISE_SLACK_S, f"{what}: the read took {seconds:.2f} s")
+            report.seen.append(f"{what}: it returned after {seconds:.2f} s, {nan} of {host.numel()} NaN")
+            report.expect(seconds <= d + RAISE_SLACK_S, f"{what}: it took {seconds:.2f} s")
             report.expect(nan == host.numel(), f"{what}: the released call's output has {host.numel() - nan} "
                                                f"elements that are not NaN")
             _expect_raise(report, attempt_check(op, out), setup, what, ("CommTimeoutError",), (f"rank {victim}",))

@@ -2,8 +2,8 @@
 
 Every scenario of ``fault_scenarios`` (bad input on each rank in turn, a one-sided M mismatch with
 as many and with fewer chunks, a stalled, a late and a killed rank, a lost put; and on the GPU only
-a rank that stops replaying a captured CUDA graph, and a stalled rank whose peer reads its output
-before ``check()``: ``GPU_ONLY``) runs on two ranks,
+a rank that stops replaying a captured CUDA graph, and a stalled rank whose peer reads its output,
+or synchronizes the device, before ``check()``: ``GPU_ONLY``) runs on two ranks,
 once with the copy engines (``transport="dma"``) and once with the lsa kernel (``"lsa"``; the lost
 put is a copy-engine fault, so that scenario takes the copy engines in both runs). The same promises
 as on the CPU: every live rank raises within deadline + 2 s (here after ``op.check()``, the
@@ -17,7 +17,8 @@ one GPU both ranks share it (a CUDA IPC window). By hand::
 
     python3 -m tests.python.cco.test_cuda_faults --launch --transport dma
     python3 -m tests.python.cco.test_cuda_faults --launch --bench --json cost.json
-    python3 -m tests.python.cco.test_cuda_faults --launch --scenario stalled-graph --scenario stalled-read --timeout 90
+    python3 -m tests.python.cco.test_cuda_faults --launch --scenario stalled-graph --scenario stalled-read \
+        --scenario stalled-sync --timeout 120
 
 The launcher prints only when its ranks are done: a rank still running at ``--timeout`` is killed,
 after dumping every thread's stack 10 s earlier, and those stacks are printed with the failure (an
