@@ -73,6 +73,7 @@ FAILED_WORD = layout.HEADER_LEFT + 1
 RELEASE_STREAMS = 8  # the default CUDA_DEVICE_MAX_CONNECTIONS: one stream per hardware queue
 RECORD_WAIT_S = 0.25  # the release's wait for a "failed" record to land in a peer (a live one: us)
 LEFT_WAIT_S = 1.0  # a released call still in its waits this long after the release is logged
+FILL_BYTES = 16 << 20  # the pinned 0xFF buffer the copied NaN fills read, piece by piece
 RELEASED = -1  # an lsa tile flag set by a release: never a (seq, M) stamp
 # The thread polls every deadline_s / 50 within these bounds: a stuck call is released at most 2 %
 # (and 50 ms) past its deadline, well inside the 2 s the op promises, and the thread takes the GIL
@@ -82,10 +83,8 @@ READ_WAIT_S = 1.0  # how long a diagnostic read may take before the release goes
 DIAGNOSIS_WAIT_S = 1.5  # ... and all of them (the release stays within the 2 s past the deadline promised)
 SYNC_POLL_S = 0.0002  # sync()'s look at the marks while a replayed call is still in
 _WORD = 8
-FILL_BYTES = 16 << 20  # the pinned 0xFF buffer the copied NaN fills read, piece by piece
 
 _fill_buffer: torch.Tensor | None = None  # one per process, shared by every op's watchdog
-
 _log = logging.getLogger(__name__)
 
 

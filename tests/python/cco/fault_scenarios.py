@@ -329,11 +329,15 @@ def _stalled_graph(comm, setup, report, victim):
         comm.barrier()
 
 
+def _synchronize_then_read(out):
+    torch.cuda.synchronize(out.device)
+    return out.cpu()
+
+
 # the host waits a caller makes on a stuck call's output before op.check(): a copy to pageable host
 # memory (the host waits in the driver until the call ends), the whole device's synchronize
 HOST_WAITS = {"stalled-read": ("its output read before check()", lambda out: out.cpu()),
-              "stalled-sync": ("torch.cuda.synchronize() before check()",
-                               lambda out: (torch.cuda.synchronize(out.device), out.cpu())[1])}
+              "stalled-sync": ("torch.cuda.synchronize() before check()", _synchronize_then_read)}
 
 
 def _stalled_host_wait(comm, setup, report, victim, name):
