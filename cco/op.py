@@ -36,12 +36,14 @@ Contracts:
   (never an earlier call's numbers), the op is failed from then on, and the error is raised by
   ``check()`` (which synchronizes) and by every later call. A call captured in a CUDA graph is
   watched at every replay alike (its device work writes the watchdog's marks): after a replay,
-  ``check()`` waits until the replayed call has left (bounded by the deadline) and raises what it
-  recorded; nothing else on the host sees a replay. A peer's watchdog tells this rank's, so a rank
-  whose own waits were fine fails its next call too. Read an output on the host (``.cpu()``,
-  ``.item()``) after ``check()``: a copy to pageable memory waiting behind a stuck call holds the
-  process's other copies in the driver, and the release of it by memsets alone has not yet run on
-  a GPU (docs/BENCHMARKS.md, "Faults and deadlines on the GPU"). Close a failed op and build a new one
+  ``check()`` synchronizes the caller's current stream and waits until the replayed call has left
+  (bounded by the deadline), then raises what it recorded; nothing else on the host sees a replay
+  (replayed on another stream: synchronize that one first). A peer's watchdog tells this rank's, so
+  a rank whose own waits were fine fails its next call too. Read an output on the host (``.cpu()``)
+  after ``check()``: a read before it returns by the deadline too, but while it waits in the driver
+  the release's NaN fill cannot land, so on the copy-engine path only this rank's own columns of
+  the released output are NaN (the rest may hold stale bytes); ``check()`` raises either way
+  (docs/BENCHMARKS.md, "Faults and deadlines on the GPU"). Close a failed op and build a new one
   (and a new communicator if a rank died); its window stays mapped until the process exits (a peer
   late for the failed call may still write into it).
 - Rejected inputs: a call whose inputs fail validation (TypeError / ValueError naming the argument)

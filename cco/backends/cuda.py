@@ -355,7 +355,7 @@ class CudaBackend(Backend):
 
         sch = self.schedule
         sch.begin(plan)
-        sch.path = "lsa"
+        sch.path, sch.lsa_rows = "lsa", max(sch.lsa_rows, plan.m)
         silent = self.faults is not None and self.faults.silent
         if sch.marks is not None:
             sch.marks.enter(sch._write, sch.main)

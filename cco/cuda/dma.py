@@ -198,6 +198,8 @@ class CopyEngineSchedule:
         self.drops = drops  # fault injection: FaultPlan.dropped(phase=, seq=, src=, dest=, chunk=), or None
         self.rejected_seq = None  # the call this rank rejected (its stamp says so): cco.backends.cuda
         self.plan, self.path = None, None  # the last call begun, and "dma" or "lsa" (the backend says)
+        self.chunk_events = False  # the reduced events show the call in flight (the watchdog's diagnosis)
+        self.lsa_rows = 0  # the most rows of a call the lsa kernel ran (the watchdog releases their tile flags)
         w = config.window
         r = self.rank
         self.peers = [d for d in layout.dest_order(r, self.world) if d != r]
@@ -392,6 +394,8 @@ class CopyEngineSchedule:
         partial = self.partial if partial is None else partial
         variant = (scatters_first, reduced_in_gemm, self.lanes, partial.data_ptr(), partial.stride())
         graph = self._graph(plan, out, variant, partial)
+        # the reduced events a replayed call records are the graph's own: the host's stay as they were
+        self.chunk_events = graph is None and not torch.cuda.is_current_stream_capturing()
         if graph is None:
             self._fork_join(main, gate, plan, out, variant, partial)
             return

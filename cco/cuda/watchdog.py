@@ -16,28 +16,42 @@ blocked work is released and the context stays usable::
    captured CUDA graph replays them and graph replays are watched like eager calls; the thread
    reads them with plain loads (no CUDA call, no sync). ``PROGRESS`` is cleared by the thread, so
    back-to-back calls that keep ``IN_CALL`` set most of the time still show progress.
-2. Release (:meth:`Watchdog.fire`), on streams of its own: first a "failed" record into every
-   peer's header (``FAILED_WORD``: the peers' watchdogs release their own calls at once instead of
-   waiting out their deadlines, and their ops fail too; the release waits up to
-   ``RECORD_WAIT_S`` for one of these writes to land, so a peer that consumes this call's data
-   below can see the record first, and goes on without it when the peer is gone); then, in stream
-   order: this rank's outgoing flags muted (``flag_set = 0``: later flag copies carry 0, so no peer
-   takes this call's data as good); the own ``recv``, ``gather`` (and ``gather_scale``) regions
-   filled with NaN (0xFF bytes, NaN in bf16 and e4m3), so whatever is computed from a released
-   wait is NaN, never a stale earlier call's bytes; then every scatter and gather flag set (stream
-   waits pass, the epilogue-reduce spin exits) and every lsa tile flag set to -1 (not a stamp: the
-   lsa kernel's waits pass and record a mismatch). The sequence is issued twice, on streams of its
-   own each: with memsets, then with copies from a pinned host buffer. A copy runs on the copy
-   engines even while spinning programs hold every multiprocessor (a memset may need one); a
-   memset is issued even while another host thread copies to pageable memory (``out.cpu()``,
-   ``.item()`` behind the stuck call), which holds this thread's copies in the driver.
+2. Release (:meth:`Watchdog.fire`), on streams of its own, in three steps; the first two are
+   waited for through a pinned host word that a stream write-value sets once their work ran
+   (``LANDED_*``: no event, whose record the driver can hold):
+   a. a "failed" record into every peer's header (``FAILED_WORD``: the peers' watchdogs release
+      their own calls at once instead of waiting out their deadlines, and their ops fail too),
+      waited for up to ``RECORD_WAIT_S`` (a peer that consumes this call's data can see the record
+      first; a dead peer's never lands);
+   b. the NaN fill, by a worker thread, waited for up to ``POISON_WAIT_S``: the own ``recv``,
+      ``gather`` (and ``gather_scale``) regions and the lsa tile flags filled with 0xFF bytes (NaN
+      in bf16 and e4m3; -1 in a flag), so whatever is computed from a released wait is NaN, never a
+      stale earlier call's bytes; with memsets, then the same with copies from a pinned host buffer
+      (a copy runs on the copy engines while spinning programs hold every multiprocessor, which a
+      memset may need);
+   c. the release proper, by stream write-values only: this rank's outgoing flags muted
+      (``flag_set = 0``: later flag copies carry 0, so no peer takes this call's data as good), the
+      peers' stamps in ``scatter_m`` set to ``RELEASED`` (the reduce kernels find them unlike the
+      call's and write NaN), every scatter and gather flag set (stream waits pass, the
+      epilogue-reduce spin exits) and the lsa tile flags of the rows the op's lsa calls used set to
+      ``RELEASED`` (not a stamp: the lsa kernel's waits pass, and it writes NaN).
+   Why write-values: while another host thread copies a stuck call's output to pageable memory
+   (``out.cpu()`` before ``check()``), the driver holds every other thread's copies, memsets,
+   kernel launches and event records until that copy is done, which is never before the release;
+   a stream write-value and an event query still go through (measured on an H200,
+   docs/BENCHMARKS.md, "Faults and deadlines on the GPU"). The fill then goes out late, and the
+   host read sees the call's own columns NaN (its reduce) and stale bytes in the peers' columns of
+   the dma path: the error, raised by ``check()``, is what marks the output bad.
 3. Errors: the op is *failed* from then on (its words are no longer in step with the peers'). The
    next call on it, ``check()`` and every later call raise :class:`CommTimeoutError` (or
    :class:`PeerMismatchError` when a peer's stamp shows another M for the call) naming the rank,
    the call's seq and M, and what each peer had sent. Close the op and build a new one (and a new
    communicator if a rank died): the CUDA context is untouched.
 
-Threads. The deadline's thread reads only the pinned marks and issues the release; a second
+Threads. The deadline's thread reads only the pinned marks and issues the release; its diagnosis
+reads (the peers' stamps and flags, for the error) run in a worker bounded by ``DIAGNOSIS_WAIT_S``,
+and without them the error names the peers the call waits for and says it could not tell which. A
+second
 thread reads, every poll, this rank's header records and the reduce kernels' status words (device
 to host copies on its own stream; a read the driver holds stalls only that thread): a peer's
 "failed" record fails this op (and releases a call in flight); a status set by a reduce
@@ -72,15 +86,19 @@ IN_CALL, PROGRESS = 0, 1  # words of CallMarks
 FAILED_WORD = layout.HEADER_LEFT + 1
 RELEASE_STREAMS = 8  # the default CUDA_DEVICE_MAX_CONNECTIONS: one stream per hardware queue
 RECORD_WAIT_S = 0.25  # the release's wait for a "failed" record to land in a peer (a live one: us)
+POISON_WAIT_S = 0.2  # ... and for the NaN fill to land (it cannot while the driver holds fills)
+LANDED_RECORD, LANDED_POISON = 0, 1  # the pinned words the release's steps set once they ran
 LEFT_WAIT_S = 1.0  # a released call still in its waits this long after the release is logged
 FILL_BYTES = 16 << 20  # the pinned 0xFF buffer the copied NaN fills read, piece by piece
-RELEASED = -1  # an lsa tile flag set by a release: never a (seq, M) stamp
+RELEASED = -1  # an lsa tile flag or a peer's stamp set by a release: never a (seq, M) stamp
+RELEASED_WORD = RELEASED & ((1 << 64) - 1)  # ... as the unsigned word a stream write-value takes
 # The thread polls every deadline_s / 50 within these bounds: a stuck call is released at most 2 %
 # (and 50 ms) past its deadline, well inside the 2 s the op promises, and the thread takes the GIL
 # at most 500 times a second (each poll is a few plain loads and, while idle, one small async read)
 POLL_MIN_S, POLL_MAX_S = 0.002, 0.05
 READ_WAIT_S = 1.0  # how long a diagnostic read may take before the release goes ahead without it
-DIAGNOSIS_WAIT_S = 1.5  # ... and all of them (the release stays within the 2 s past the deadline promised)
+DIAGNOSIS_WAIT_S = 1.0  # ... and all of them (with the two waits above the release stays within
+# the 2 s past the deadline promised)
 SYNC_POLL_S = 0.0002  # sync()'s look at the marks while a replayed call is still in
 _WORD = 8
 
@@ -95,6 +113,14 @@ def _fill_source() -> torch.Tensor:
     if _fill_buffer is None:
         _fill_buffer = torch.full((FILL_BYTES,), 0xFF, dtype=torch.uint8, pin_memory=True)
     return _fill_buffer
+
+
+def _word_addresses(t: torch.Tensor) -> list[int]:
+    """The address of every element of the view ``t`` (no device work: plain arithmetic)."""
+    addrs = [t.data_ptr()]
+    for size, stride in zip(t.shape, t.stride()):
+        addrs = [a + i * stride * t.element_size() for a in addrs for i in range(size)]
+    return addrs
 
 
 class CallMarks:
@@ -161,9 +187,11 @@ class Watchdog:
         # stuck could be ordered behind the stuck work
         self._fill = _fill_source()
         self._streams = self._make_streams()  # the copied release, the reads
-        self._set_streams = self._make_streams()  # the memset release (module note, step 2)
+        self._set_streams = self._make_streams()  # the NaN fill by memsets (module note, step 2b)
+        self._write_streams = self._make_streams()  # the release proper (step 2c)
         self._remote = self._make_streams()  # the peer records: a write to a dead peer may never land
-        self._remote_events = [torch.cuda.Event() for _ in self._remote]
+        self._landed = torch.zeros(2, dtype=torch.int64, pin_memory=True)  # LANDED_*: the round seen to run
+        self._poisoner: threading.Thread | None = None  # the NaN fill of the last release
         words = max(self.world * layout.MAX_CHUNKS, layout.HEADER_WORDS, STATUS_WORDS, self._tile_flags.numel())
         self._scratch = [torch.zeros(words, dtype=torch.int64, pin_memory=True) for _ in self._streams]
         self._scratch_events = [torch.cuda.Event() for _ in self._streams]
@@ -322,9 +350,14 @@ class Watchdog:
         worker.join(DIAGNOSIS_WAIT_S)
         if found and isinstance(found[0], Exception):
             return found[0]
-        why = found[0] if found else f"its reads did not return within {DIAGNOSIS_WAIT_S:g} s"
+        why = found[0] if found else (f"its reads did not return within {DIAGNOSIS_WAIT_S:g} s: another thread's "
+                                      f"copy to pageable host memory, such as out.cpu(), holds them")
+        senders = ", ".join(f"rank {p}" for p in self.peers)
         return CommTimeoutError(f"rank {self.rank}: {self._call_name()} did not finish within deadline_s="
-                                f"{self.deadline_s:g} s (waited {waited:.1f} s; no diagnosis: {why})")
+                                f"{self.deadline_s:g} s (waited {waited:.1f} s): it waits for what {senders} "
+                                f"send{'s' if len(self.peers) == 1 else ''}{self._stuck_chunk()}; one that has "
+                                f"not sent it has not started the call, stalled, died or lost a put (not read "
+                                f"which: {why})")
 
     def _timeout_error(self, waited: float) -> Exception:
         """Diagnose the stuck call from what the peers sent (read before the release): their (seq, M)
@@ -392,8 +425,9 @@ class Watchdog:
 
     def _stuck_chunk(self) -> str:
         plan = self.plan
-        if plan is None or getattr(self.schedule, "path", None) != "dma":
-            return ""
+        sch = self.schedule
+        if plan is None or getattr(sch, "path", None) != "dma" or not getattr(sch, "chunk_events", False):
+            return ""  # an lsa call, or a replayed one (its events are not the host's)
         for c in range(len(plan.rows)):
             if not self.schedule.reduced[c].query():
                 return f"; this rank's reduce waits at chunk {c}"
@@ -423,32 +457,71 @@ class Watchdog:
             if self.error is None:
                 self.error = error
             self.releases += 1
+            mark = self.releases
             seq = self.plan.seq if self.plan is not None else 0
             record = stamp_seq_m(seq, self.rank + 1)
-            for s, event in zip(self._remote, self._remote_events):  # the same writes on every stream
+            for s in self._remote:  # a: the same writes on every stream
                 for p in self.peers:
                     try:  # the driver refuses a write into the window of a peer whose process is gone
                         self.memops.write(s, self._peer_header[p].data_ptr() + FAILED_WORD * _WORD, record)
                     except RuntimeError as err:
                         _log.warning("rank %d: no failed record for rank %d: %s", self.rank, p, err)
-                event.record(self._external(s))
-            until = time.monotonic() + RECORD_WAIT_S
-            while time.monotonic() < until and not any(e.query() for e in self._remote_events):
-                time.sleep(0.001)
-            # the same idempotent writes on every stream (module note, "Limits"), NaN-filled by memset
-            # first (a copy's issue can wait on another thread's pageable copy), then by copies
-            for streams, by_copy in ((self._set_streams, False), (self._streams, True)):
+                self._land(s, LANDED_RECORD, mark)
+            self._await_landed(LANDED_RECORD, mark, RECORD_WAIT_S)
+            if self._poisoner is None or not self._poisoner.is_alive():  # b (one held by the driver still goes)
+                self._poisoner = threading.Thread(target=self._fill_nan, args=(mark,), daemon=True,
+                                                  name=f"cco-watchdog-fill-rank{self.rank}")
+                self._poisoner.start()
+            if not self._await_landed(LANDED_POISON, mark, POISON_WAIT_S):
+                _log.warning("rank %d: the NaN fill did not land within %g s: released without it", self.rank,
+                             POISON_WAIT_S)
+            words = self._release_words()  # c
+            for s in self._write_streams:
                 try:
-                    for s in streams:
-                        self.memops.write(s, self.schedule.flag_set.data_ptr(), 0)
-                        for region in self._poison:
-                            self._fill_region(s, region, by_copy)
-                        for flags in self._flags:
-                            for i in range(flags.numel()):
-                                self.memops.write(s, flags.data_ptr() + i * _WORD, 1)
-                        self._fill_region(s, self._tile_flags, by_copy)  # 0xFF bytes: RELEASED in every word
-                except RuntimeError as err:  # one way refused: the other still goes out
-                    _log.warning("rank %d: the release by %s: %s", self.rank, "copies" if by_copy else "memsets", err)
+                    for addr, value in words:
+                        self.memops.write(s, addr, value)
+                except RuntimeError as err:  # a stream the driver refuses: the others still go
+                    _log.warning("rank %d: the release: %s", self.rank, err)
+
+    def _release_words(self) -> list[tuple[int, int]]:
+        """(address, value) of step 2c's write-values, in their order."""
+        words = [(self.schedule.flag_set.data_ptr(), 0)]
+        words += [(self._scatter_m.data_ptr() + p * _WORD, RELEASED_WORD) for p in self.peers]
+        words += [(flags.data_ptr() + i * _WORD, 1) for flags in self._flags for i in range(flags.numel())]
+        tiles = self._tile_flags
+        if tiles.numel():  # the m-tiles of the most rows an lsa call of the op had
+            used = tiles[:, :, :-(-getattr(self.schedule, "lsa_rows", 0) // self.config.block_m)]
+            words += [(addr, RELEASED_WORD) for addr in _word_addresses(used)]
+        return words
+
+    def _land(self, stream: int, word: int, mark: int) -> None:
+        self.memops.write(stream, self._landed.data_ptr() + word * _WORD, mark)
+
+    def _await_landed(self, word: int, mark: int, wait_s: float) -> bool:
+        """Whether a stream's write of ``mark`` into the pinned word ``word`` showed within ``wait_s``
+        (plain loads: no driver call)."""
+        until = time.monotonic() + wait_s
+        while int(self._landed[word]) < mark:
+            if time.monotonic() >= until:
+                return False
+            time.sleep(0.001)
+        return True
+
+    def _fill_nan(self, mark: int) -> None:
+        """Step 2b, on a thread of its own (the driver may hold its fills until the release is done)."""
+        try:
+            self._enter_thread()
+        except Exception as err:
+            _log.warning("rank %d: the NaN fill: %s: %s", self.rank, type(err).__name__, err)
+            return
+        for streams, by_copy in ((self._set_streams, False), (self._streams, True)):
+            try:
+                for s in streams:
+                    for region in self._poison + [self._tile_flags]:
+                        self._fill_region(s, region, by_copy)
+                    self._land(s, LANDED_POISON, mark)
+            except RuntimeError as err:  # one way refused: the other still goes out
+                _log.warning("rank %d: the NaN fill by %s: %s", self.rank, "copies" if by_copy else "memsets", err)
 
     def _fill_region(self, stream: int, region: torch.Tensor, by_copy: bool) -> None:
         start, nbytes = region.data_ptr(), region.numel() * region.element_size()
@@ -509,22 +582,32 @@ class Watchdog:
         release work. Never the whole device: a "failed" record written into a dead peer's window
         need never complete. A replay of a captured call runs on whatever stream the caller
         replays it on, which the op never sees (the stream of the last call issued is the
-        capture's): so also wait until the marks the call's device work writes show it left,
-        which the thread's release bounds by the deadline (then the wait gives up, bounded too)."""
-        main = getattr(self.schedule, "main", None) or torch.cuda.current_stream(self.device)
+        capture's): so also wait for the caller's current stream (a replay on it may not have
+        entered yet, and its marks would say no call is in), then until the marks show the call
+        left, which the thread's release bounds by the deadline (then the wait gives up, bounded
+        too). A replay on another stream: synchronize that stream before ``check()``."""
+        main = getattr(self.schedule, "main", None) or self._caller_stream()
         main.synchronize()
+        self._caller_stream().synchronize()
         until = time.monotonic() + self.deadline_s + LEFT_WAIT_S + poll_interval(self.deadline_s)
         while self.marks.in_call() and time.monotonic() < until:
             time.sleep(SYNC_POLL_S)
-        for s in self._set_streams + self._streams:
+        for s in self._write_streams + self._set_streams + self._streams:
             self._external(s).synchronize()
+
+    def _caller_stream(self):
+        return torch.cuda.current_stream(self.device)
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
         self._reader.join(READ_WAIT_S)  # a read held in the driver must not hold close() too
+        if self._poisoner is not None:  # its fills write the window: done before the window goes
+            self._poisoner.join(READ_WAIT_S)
+            if self._poisoner.is_alive():
+                _log.error("rank %d: the NaN fill of the op's last release is still held by the driver", self.rank)
         destroy = getattr(self.memops, "stream_destroy", None)
         if destroy is not None:
-            for s in self._streams + self._set_streams + self._remote:
+            for s in self._streams + self._set_streams + self._write_streams + self._remote:
                 destroy(s)
-        self._streams = self._set_streams = self._remote = []
+        self._streams = self._set_streams = self._write_streams = self._remote = []
