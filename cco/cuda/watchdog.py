@@ -495,7 +495,10 @@ class Watchdog:
         return words
 
     def _land(self, stream: int, word: int, mark: int) -> None:
-        self.memops.write(stream, self._landed.data_ptr() + word * _WORD, mark)
+        try:  # a refusal must not stop the release: its wait then just runs out
+            self.memops.write(stream, self._landed.data_ptr() + word * _WORD, mark)
+        except RuntimeError as err:
+            _log.warning("rank %d: the release's landing mark: %s", self.rank, err)
 
     def _await_landed(self, word: int, mark: int, wait_s: float) -> bool:
         """Whether a stream's write of ``mark`` into the pinned word ``word`` showed within ``wait_s``
