@@ -63,7 +63,9 @@ Limits. A blocked stream wait holds the hardware queue its stream is mapped to; 
 issued on ``RELEASE_STREAMS`` streams of their own (at least one lands on a queue no stuck wait
 holds, unless work queued behind the stuck call holds every queue of the device:
 ``CUDA_DEVICE_MAX_CONNECTIONS``). The deadline counts from the device's entry into the call, so a
-peer that compiles kernels on its first call for longer than ``deadline_s`` fails the call.
+peer that compiles kernels on its first call for longer than ``deadline_s`` fails the call. While
+another thread's pageable copy holds the driver, the diagnosis cannot read the peers' words: with
+more than one peer the error names them all, not the one that stalled.
 """
 
 from __future__ import annotations
@@ -186,7 +188,7 @@ class Watchdog:
         # Everything the release and the reads use is made now: a pinned allocation while a call is
         # stuck could be ordered behind the stuck work
         self._fill = _fill_source()
-        self._streams = self._make_streams()  # the copied release, the reads
+        self._streams = self._make_streams()  # the NaN fill by copies (step 2b), the reads
         self._set_streams = self._make_streams()  # the NaN fill by memsets (module note, step 2b)
         self._write_streams = self._make_streams()  # the release proper (step 2c)
         self._remote = self._make_streams()  # the peer records: a write to a dead peer may never land
