@@ -127,11 +127,16 @@ class _PlainLaunches:
     def _marks(b_pre, b_scale) -> tuple:
         return b_pre._version, b_scale._version, b_pre.data_ptr(), b_scale.data_ptr()
 
+    def _holds(self, b_pre, b_scale) -> bool:
+        """Whether the kept launches were bound to these weight tensors, unchanged since, under the
+        backend's current ``plain_epoch``."""
+        w = self.weight
+        return bool(w) and b_pre is w[0] and b_scale is w[1] and w[4] == self.backend.plain_epoch and \
+            self._marks(b_pre, b_scale) == w[2]
+
     def find(self, a, b_pre, a_scale, b_scale):
         """(m, launch) of an accepted call like this one, or None."""
-        w = self.weight
-        if not w or b_pre is not w[0] or b_scale is not w[1] or w[4] != self.backend.plain_epoch or \
-                self._marks(b_pre, b_scale) != w[2]:
+        if not self._holds(b_pre, b_scale):
             return None
         try:
             return self.by_signature.get(_activation_signature(a, a_scale))
@@ -139,8 +144,7 @@ class _PlainLaunches:
             return None
 
     def keep(self, a, b_pre, a_scale, b_scale, m, launch) -> None:
-        w = self.weight
-        if not (w and b_pre is w[0] and b_scale is w[1] and w[4] == self.backend.plain_epoch):
+        if not self._holds(b_pre, b_scale):  # every other M's launch is bound to the old weight
             self.by_signature = {}
         self.weight = (b_pre, b_scale, self._marks(b_pre, b_scale), (b_pre.detach(), b_scale.detach()),
                        self.backend.plain_epoch)

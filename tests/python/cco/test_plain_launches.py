@@ -42,17 +42,20 @@ def _scenario(comm):
         b_scale.mul_(2)  # in place: the version counter moves
         results["weight changed in place: a new launch"] = (torch.equal(op(p.a, b_pre, p.a_scale, b_scale),
                                                                         want(bs=b_scale)) and len(seen) == 3)
+        results["weight changed in place: the other M's launch retired too"] = (
+            torch.equal(op(p.a[:16], b_pre, p.a_scale[:16], b_scale), want(a=p.a[:16], a_scale=p.a_scale[:16],
+                                                                            bs=b_scale)) and len(seen) == 4)
         b2 = p.b.clone()
         b2[0].zero_()
         b_pre.data = preshuffle_b(b2)  # same object, new bytes, no version bump
         results["weight swapped under the object: a new launch"] = (
-            torch.equal(op(p.a, b_pre, p.a_scale, b_scale), want(b=b2, bs=b_scale)) and len(seen) == 4)
+            torch.equal(op(p.a, b_pre, p.a_scale, b_scale), want(b=b2, bs=b_scale)) and len(seen) == 5)
         other = preshuffle_b(p.b)
         results["another weight object: a new launch"] = (
-            torch.equal(op(p.a, other, p.a_scale, b_scale), want(bs=b_scale)) and len(seen) == 5)
+            torch.equal(op(p.a, other, p.a_scale, b_scale), want(bs=b_scale)) and len(seen) == 6)
         backend.plain_epoch += 1
         op(p.a, other, p.a_scale, b_scale)
-        results["plain_epoch moved: a new launch"] = len(seen) == 6
+        results["plain_epoch moved: a new launch"] = len(seen) == 7
         errors = []
         for bad in (lambda: op(p.a.view(torch.uint8), other, p.a_scale, b_scale),  # a wrong dtype
                     lambda: op(torch.cat([p.a, p.a]), other, torch.cat([p.a_scale, p.a_scale]), b_scale),  # M > m_max
@@ -63,7 +66,7 @@ def _scenario(comm):
             except (TypeError, ValueError) as err:
                 errors.append(type(err).__name__)
         results["rejected inputs still rejected"] = errors == ["TypeError", "ValueError", "TypeError"]
-        results["calls counted"] = op.calls == 3 + 1 + 1 + 1 + 1 + 1
+        results["calls counted"] = op.calls == 3 + 1 + 1 + 1 + 1 + 1 + 1
     return results
 
 
