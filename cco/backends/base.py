@@ -11,12 +11,12 @@ Interface changes (kept backward compatible once published):
   the GPU backends' peers check the (seq, M) stamp of step 3 only. No method changed.
 - v1.4 (2026-12-02): ``gemm_out`` (the op's eager plain calls; default: ``gemm`` into a new tensor),
   which a backend may override to let its GEMM allocate the output.
-- v1.6 (2026-12-02): ``plain_launcher()`` (the plain GEMM with the weight bound, for the op's eager
-  plain calls; default None: ``gemm_out``).
 - v1.5 (2026-12-02): ``reject()`` (a rank whose inputs failed validation still takes part in the
   call: step 7), ``raise_failed()`` / ``raise_deferred()`` (asynchronous backends raise a failure
   the device recorded from the next call too), ``retains_window`` (a failed GPU op keeps its window
   mapped after ``close()``), the ``notes`` constructor argument (rejection reasons).
+- v1.6 (2026-12-02): ``plain_launcher()`` (the plain GEMM with the weight bound, for the op's eager
+  plain calls; default None: ``gemm_out``).
 
 Division of work. The op owns everything that is the same on every device: public validation
 (``cco.validate``), the layout (``cco.layout``: config, window regions, chunk rows, tile table,

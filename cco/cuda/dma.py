@@ -393,9 +393,10 @@ class CopyEngineSchedule:
                              f"streams per peer")
         partial = self.partial if partial is None else partial
         variant = (scatters_first, reduced_in_gemm, self.lanes, partial.data_ptr(), partial.stride())
-        graph = self._graph(plan, out, variant, partial)
+        capturing = torch.cuda.is_current_stream_capturing()  # the caller's capture takes the work as is
+        graph = None if capturing else self._graph(plan, out, variant, partial)
         # the reduced events a replayed call records are the graph's own: the host's stay as they were
-        self.chunk_events = graph is None and not torch.cuda.is_current_stream_capturing()
+        self.chunk_events = graph is None and not capturing
         if graph is None:
             self._fork_join(main, gate, plan, out, variant, partial)
             return
@@ -425,8 +426,9 @@ class CopyEngineSchedule:
             origin.wait_event(self.done[s])
 
     def _graph(self, plan, out, variant, partial):
-        """The captured side work of this call, captured now if its key was seen before; None: enqueue it."""
-        if not self.replay or torch.cuda.is_current_stream_capturing():
+        """The captured side work of this call, captured now if its key was seen before; None: enqueue it.
+        Not while the caller captures (``run``)."""
+        if not self.replay:
             return None
         key = (plan.m, out.data_ptr(), out.stride(0), variant)
         graph, capture = self.graphs.lookup(key)

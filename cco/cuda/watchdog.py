@@ -50,9 +50,8 @@ blocked work is released and the context stays usable::
 
 Threads. The deadline's thread reads only the pinned marks and issues the release; its diagnosis
 reads (the peers' stamps and flags, for the error) run in a worker bounded by ``DIAGNOSIS_WAIT_S``,
-and without them the error names the peers the call waits for and says it could not tell which. A
-second
-thread reads, every poll, this rank's header records and the reduce kernels' status words (device
+and without them the error names the peers the call waits for and says it could not tell which.
+A second thread reads, every poll, this rank's header records and the reduce kernels' status words (device
 to host copies on its own stream; a read the driver holds stalls only that thread): a peer's
 "failed" record fails this op (and releases a call in flight); a status set by a reduce
 (``1 + src`` and the stamp rank src sent: another M, or the rejected stamp) becomes the error the
@@ -431,7 +430,7 @@ class Watchdog:
         if plan is None or getattr(sch, "path", None) != "dma" or not getattr(sch, "chunk_events", False):
             return ""  # an lsa call, or a replayed one (its events are not the host's)
         for c in range(len(plan.rows)):
-            if not self.schedule.reduced[c].query():
+            if not sch.reduced[c].query():
                 return f"; this rank's reduce waits at chunk {c}"
         return "; this rank's reduces are done: its assemble waits for gathers"
 
@@ -591,8 +590,9 @@ class Watchdog:
         entered yet, and its marks would say no call is in), then until the marks show the call
         left, which the thread's release bounds by the deadline (then the wait gives up, bounded
         too). A replay on another stream: synchronize that stream before ``check()``."""
-        main = getattr(self.schedule, "main", None) or self._caller_stream()
-        main.synchronize()
+        main = getattr(self.schedule, "main", None)
+        if main is not None:
+            main.synchronize()
         self._caller_stream().synchronize()
         until = time.monotonic() + self.deadline_s + LEFT_WAIT_S + poll_interval(self.deadline_s)
         while self.marks.in_call() and time.monotonic() < until:
