@@ -18,7 +18,9 @@ because their link timings say nothing).
 
 Timing is ``cco.bench.timing.time_back_to_back``: ``--calls`` calls back to back per arm, the wall
 time per call (CUDA events: whichever of host and device is behind) and the host's issue time per
-call, median over passes, max over ranks. Every output is checked against the fp32 reference first.
+call, median over passes, max over ranks; at world 1 also each arm's wall time over ``_scaled_mm``'s
+pass by pass (median and range over passes: the host's speed drifts between passes). Every output
+is checked against the fp32 reference first.
 Each M ends in ``RESULT_JSON {...}``; ``--json`` writes them all.
 """
 
@@ -36,7 +38,7 @@ import torch
 from cco import layout
 from cco import quant as Q
 from cco.bench.timing import allreduce_mismatches, allreduce_terms, budget_terms, cublas_gemm, gemm_mismatches
-from cco.bench.timing import time_back_to_back
+from cco.bench.timing import per_pass_ratio, time_back_to_back
 
 # world W: above this many output elements the eager call's output is checked against its graph replay's
 # (bit for bit) instead of the fp32 reference summed over the ranks on the host
@@ -112,12 +114,19 @@ def world_one(args, comm) -> list[dict]:
         for o in ops.values():
             o.close()
         base = timed.get("_scaled_mm")
+        # per arm, its wall time over _scaled_mm's pass by pass (the arms of a pass run back to back;
+        # the host's speed drifts between passes by more than the arms differ): median, min, max
+        ratios = {}
+        for name, t in timed.items():
+            if base and name != "_scaled_mm":
+                ratios[name] = [round(x, 3) for x in per_pass_ratio(t["wall_pass_us"], base["wall_pass_us"])]
         record = {"m": m, "world": 1, "arms": timed, "bad_elements": bad, "host_steps_us": host,
-                  "gemm_only_config": str(backend._plain_config(m)), "baseline_missing": why}
+                  "vs_scaled_mm_per_pass": ratios, "gemm_only_config": str(backend._plain_config(m)),
+                  "baseline_missing": why}
         print(f"M={m}: " + " | ".join(f"{n} {t['wall_us']:.1f} us/call (host {t['host_us']:.1f})"
-                                      for n, t in timed.items())
-              + (f" | op gemm-only / _scaled_mm {timed['op gemm-only']['wall_us'] / base['wall_us']:.3f}x"
-                 if base and "op gemm-only" in timed else ""))
+                                      for n, t in timed.items()))
+        for name, (med, lo, hi) in ratios.items():
+            print(f"  {name} / _scaled_mm, pass by pass: {med:.3f}x ({lo:.3f}-{hi:.3f})")
         print("  host steps (us): " + ", ".join(f"{k} {v}" for k, v in host.items()))
         print("RESULT_JSON " + json.dumps(record), flush=True)
         runs.append(record)

@@ -41,7 +41,8 @@ Baseline arms: ``scaled_mm`` (cuBLAS: ptpc with default accumulation, blockscale
 costs the GEMM; "cublas": the vendor GEMM); ``--configs default`` is the own kernel's plain config
 (``TRITON_PLAIN``), launch included. Every arm's output is checked against the fp32 reference first
 (``cco.bench.timing.gemm_mismatches``); a wrong arm posts no time. Timing is ``cco.bench.timing.time_arms``
-(arms alternate inside each pass, median over iterations, spread over passes); each (quant, M)
+(arms alternate inside each pass, median over iterations, spread over passes; the ratio also pass by
+pass, ``vs_baseline_paired``: its median and range over passes); each (quant, M)
 ends in a line ``RESULT_JSON {...}``; ``--json`` writes them all in one file.
 """
 
@@ -57,7 +58,7 @@ import torch
 
 from cco import quant as Q
 from cco.bench.timing import (allreduce_mismatches, budget_terms, cublas_gemm, gemm_mismatches, graphed, idle_check,
-                           tflops, time_arms)
+                              per_pass_ratio, tflops, time_arms)
 
 
 def _ints(text: str) -> list[int]:
@@ -332,10 +333,17 @@ def run_one(args, dev) -> dict:
     for name, t in timings.items():
         row = t.as_dict()
         row["tflops"] = round(tflops(args.m, args.n, args.k, t.median_us), 1)
+        ratio = ""
         if base:
             row["vs_baseline"] = round(base.median_us / t.median_us, 3)
+            # the same ratio pass by pass (the arms of a pass run back to back): the card's clocks
+            # drift between passes by more than the arms differ, and a pass's ratio cancels the drift
+            med, lo, hi = per_pass_ratio(base.pass_us, t.pass_us)
+            row["vs_baseline_paired"] = round(med, 3)
+            row["vs_baseline_paired_range"] = [round(lo, 3), round(hi, 3)]
+            ratio = (f" | {row['vs_baseline']:.3f}x {baseline}, pass by pass {row['vs_baseline_paired']:.3f}x "
+                     f"({row['vs_baseline_paired_range'][0]:.3f}-{row['vs_baseline_paired_range'][1]:.3f})")
         rows[name] = row
-        ratio = f" | {row['vs_baseline']:.3f}x {baseline}" if base else ""
         print(f"  {name:32s} {t.median_us:8.1f} us (spread {100 * t.spread:4.1f}%) | {row['tflops']:7.1f} TFLOP/s{ratio}")
     payload = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
                "m": args.m, "n": args.n, "k": args.k, "quant": args.quant, "graph": args.graph,
@@ -347,7 +355,7 @@ def run_one(args, dev) -> dict:
 
 def plot(runs: list[dict], path: str) -> None:
     """A row of panels per kind of run (plain, producer, ...), a column per quant: each arm's throughput
-    against the run's baseline over M."""
+    against the run's baseline over M (pass by pass where the run has it: median and range)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -363,9 +371,12 @@ def plot(runs: list[dict], path: str) -> None:
                 ax.set_visible(False)
                 continue
             names = [n for n in mine[0]["arms"] if all("vs_baseline" in r["arms"].get(n, {}) for r in mine)]
-            for name in names:
-                ax.plot([r["m"] for r in mine], [r["arms"][name]["vs_baseline"] for r in mine], marker="o",
-                        label=name)
+            for name in names:  # the pass-by-pass ratio and its range where the run has it
+                rows = [r["arms"][name] for r in mine]
+                y = [a.get("vs_baseline_paired", a["vs_baseline"]) for a in rows]
+                lo = [v - a.get("vs_baseline_paired_range", [v, v])[0] for v, a in zip(y, rows)]
+                hi = [a.get("vs_baseline_paired_range", [v, v])[1] - v for v, a in zip(y, rows)]
+                ax.errorbar([r["m"] for r in mine], y, yerr=[lo, hi], marker="o", capsize=2, label=name)
             ax.axhline(1.0, color="black", linewidth=0.8)
             ax.set_xscale("log", base=2)
             ax.set_xlabel("M (N=%d, K=%d)" % (mine[0]["n"], mine[0]["k"]))

@@ -92,18 +92,23 @@ DMA_PEERS_FIRST = True
 DMA_REDUCE_IN_GEMM = False
 # fused / split on the copy engines: who fills the partial region (module note), per quant as
 # ((largest M, producer), ...), the last row taking every larger M. Measured on one H200 with the window
-# local, N=7168, K=2048, the layout of 2 ranks (4 chunks), CUDA-graph replays, same run: the time until
-# every (dest, chunk) counter of the call is released, kernel / vendor in us (scripts/bench_gemm.py
-# --producer; docs/hopper_gemm.md, docs/results/2026-12-02_producer_h200.json):
+# local, N=7168, K=2048, the layout of 2 ranks (4 chunks; the vendor GEMMs dealt to PRODUCER_STREAMS=2
+# streams), CUDA-graph replays, same run: the time until every (dest, chunk) counter of the call is
+# released, kernel / vendor in us (scripts/bench_gemm.py --producer; docs/hopper_gemm.md,
+# docs/results/2026-12-02_producer_streams2_h200.json; that run's vendor arm zeroed the counters
+# and wrote the stamp on a stream beside the first GEMM, a variant measured 0-2% slower than on the
+# call's stream and not kept):
 #   M            2048          4096           8192           16384          32768
-#   ptpc         61.9 / 79.8   106.5 / 124.9  203.8 / 195.7  428.5 / 369.6  946.8 / 738.8
-#   blockscale   85.9 / 98.8   158.9 / 158.2  305.3 / 247.6  620.2 / 471.8  1363.1 / 968.1
-#   mxfp8        116.7 / 111.0 190.6 / 211.2  364.0 / 329.7  748.8 / 696.2  1490.0 / 1433.6
-# (a second run agreed on every pick; blockscale at 4096 was a tie both times, 159.3 / 164.0 there).
-# Below 2048 rows nothing was measured and the kernel stays (transport="auto" runs the lsa kernel there).
+#   ptpc         61.7 / 65.2   107.3 / 105.7  206.7 / 183.0  492.1 / 368.9  1002.1 / 746.5
+#   blockscale   86.4 / 83.0   161.2 / 139.6  319.9 / 244.3  678.1 / 481.9  1392.6 / 944.1
+#   mxfp8        117.0 / 109.5 197.6 / 204.5  376.9 / 325.1  775.1 / 734.9  1547.8 / 1430.1
+# ptpc at 4096 is a tie (1.5%); the kernel keeps it, since it releases every tile as it is stored
+# and the puts start sooner. The vendor arm on one stream, an earlier run, lost at 2048 and 4096
+# for every quant (docs/results/2026-12-02_producer_h200.json). Below 2048 rows nothing was
+# measured and the kernel stays (transport="auto" runs the lsa kernel there).
 DMA_PRODUCER = {
     "ptpc": ((4096, "kernel"), (None, "vendor")),
-    "blockscale": ((4096, "kernel"), (None, "vendor")),
+    "blockscale": ((1024, "kernel"), (None, "vendor")),
     "mxfp8": ((1024, "kernel"), (2048, "vendor"), (4096, "kernel"), (None, "vendor")),
 }
 PRODUCERS = ("kernel", "vendor")

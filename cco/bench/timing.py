@@ -11,7 +11,9 @@ Method (CUDA; see docs/BENCHMARKS.md for the figures):
 3. A pass runs every arm back to back (order rotated per pass, so no arm always runs first or
    after the same neighbour); ``passes >= 3``. Per arm and pass: the median over iterations, then
    the max over ranks (the op is as slow as its slowest rank). Reported: the median over passes and
-   the spread (min..max of the pass medians).
+   the spread (min..max of the pass medians). A ratio of two arms is also taken pass by pass
+   (:func:`per_pass_ratio`): the card's clocks and the host's speed drift between passes by more
+   than two arms differ, and the arms of one pass run back to back.
 4. The device must be idle: :func:`idle_check` reads utilization and foreign processes through NVML
    before and after; a busy device is reported, never silently timed.
 
@@ -50,6 +52,15 @@ class ArmTiming:
         d = asdict(self)
         d["spread"] = round(self.spread, 4)
         return d
+
+
+def per_pass_ratio(numerator, denominator) -> tuple[float, float, float]:
+    """``(median, min, max)`` over passes of ``numerator[p] / denominator[p]`` (two arms' per-pass
+    figures, e.g. ``ArmTiming.pass_us``, in pass order)."""
+    if len(numerator) != len(denominator) or not numerator:
+        raise ValueError(f"per_pass_ratio: {len(numerator)} and {len(denominator)} passes; need the same, >= 1")
+    ratios = [a / b for a, b in zip(numerator, denominator)]
+    return statistics.median(ratios), min(ratios), max(ratios)
 
 
 IDLE_SETTLE_S = 1.0  # NVML utilization is averaged over the last sample period (up to 1 s)

@@ -33,8 +33,11 @@ blocked work is released and the context stays usable::
       (``flag_set = 0``: later flag copies carry 0, so no peer takes this call's data as good), the
       peers' stamps in ``scatter_m`` set to ``RELEASED`` (the reduce kernels find them unlike the
       call's and write NaN), every scatter and gather flag set (stream waits pass, the
-      epilogue-reduce spin exits) and the lsa tile flags of the rows the op's lsa calls used set to
-      ``RELEASED`` (not a stamp: the lsa kernel's waits pass, and it writes NaN).
+      epilogue-reduce spin exits), every counter of this rank raised past any target
+      (``COUNTER_RELEASED``: a put or reduce that waits for a counter the producer never
+      released passes too; its data goes out under a muted flag) and the lsa tile flags of the
+      rows the op's lsa calls used set to ``RELEASED`` (not a stamp: the lsa kernel's waits pass,
+      and it writes NaN).
    Why write-values: while another host thread copies a stuck call's output to pageable memory
    (``out.cpu()`` before ``check()``), the driver holds every other thread's copies, memsets,
    kernel launches and event records until that copy is done, which is never before the release;
@@ -93,6 +96,7 @@ LEFT_WAIT_S = 1.0  # a released call still in its waits this long after the rele
 FILL_BYTES = 16 << 20  # the pinned 0xFF buffer the copied NaN fills read, piece by piece
 RELEASED = -1  # an lsa tile flag or a peer's stamp set by a release: never a (seq, M) stamp
 RELEASED_WORD = RELEASED & ((1 << 64) - 1)  # ... as the unsigned word a stream write-value takes
+COUNTER_RELEASED = 1 << 62  # a released counter: past every target (consumed words, zeroed per call)
 # The thread polls every deadline_s / 50 within these bounds: a stuck call is released at most 2 %
 # (and 50 ms) past its deadline, well inside the 2 s the op promises, and the thread takes the GIL
 # at most 500 times a second (each poll is a few plain loads and, while idle, one small async read)
@@ -181,6 +185,7 @@ class Watchdog:
         self._peer_header = {p: window.words(w.header, rank=p) for p in self.peers}
         self._scatter_m = window.words(w.scatter_m, rank=self.rank)
         self._flags = [window.words(w.scatter_flags, rank=self.rank), window.words(w.gather_flags, rank=self.rank)]
+        self._counters = window.words(w.counters, rank=self.rank)
         self._poison = [window.tensor(r, rank=self.rank) for r in (w.recv, w.gather, w.gather_scale)]
         self._tile_flags = window.tensor(w.tile_flags, rank=self.rank)
         self._copy_host = getattr(memops, "copy_host", memops.copy)  # HIP names its host copies apart
@@ -489,6 +494,7 @@ class Watchdog:
         words = [(self.schedule.flag_set.data_ptr(), 0)]
         words += [(self._scatter_m.data_ptr() + p * _WORD, RELEASED_WORD) for p in self.peers]
         words += [(flags.data_ptr() + i * _WORD, 1) for flags in self._flags for i in range(flags.numel())]
+        words += [(self._counters.data_ptr() + i * _WORD, COUNTER_RELEASED) for i in range(self._counters.numel())]
         tiles = self._tile_flags
         if tiles.numel():  # the m-tiles of the most rows an lsa call of the op had
             used = tiles[:, :, :-(-getattr(self.schedule, "lsa_rows", 0) // self.config.block_m)]

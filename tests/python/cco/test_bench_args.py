@@ -125,3 +125,15 @@ def test_cublas_baseline_is_the_quants_gemm_or_names_why_not():
         assert "blockwise" in why and torch.__version__ in why
     else:
         assert gemm_mismatches(fn(p.a, p.a_scale), *budget_terms(p)) == 0
+
+
+def test_per_pass_ratio_pairs_the_arms_of_each_pass():
+    """Two arms' ratio taken pass by pass: a pass in which the card ran slow for both arms moves it
+    less than the ratio of the arms' medians over passes would move."""
+    from cco.bench.timing import per_pass_ratio
+
+    base, arm = [100.0, 100.0, 300.0], [110.0, 330.0, 330.0]  # pass 2: only the arm was slow
+    assert per_pass_ratio(arm, base) == pytest.approx((1.1, 1.1, 3.3))
+    assert per_pass_ratio([200.0, 220.0, 660.0], [100.0, 200.0, 300.0]) == pytest.approx((2.0, 1.1, 2.2))
+    with pytest.raises(ValueError, match="passes"):
+        per_pass_ratio([1.0, 2.0], [1.0])

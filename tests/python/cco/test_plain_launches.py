@@ -59,13 +59,14 @@ def _scenario(comm):
         errors = []
         for bad in (lambda: op(p.a.view(torch.uint8), other, p.a_scale, b_scale),  # a wrong dtype
                     lambda: op(torch.cat([p.a, p.a]), other, torch.cat([p.a_scale, p.a_scale]), b_scale),  # M > m_max
-                    lambda: op(p.a, other, p.a_scale.to(torch.bfloat16), b_scale)):
+                    lambda: op(p.a, other, p.a_scale.to(torch.bfloat16), b_scale),
+                    lambda: op(p.a.to("meta"), other, p.a_scale.to("meta"), b_scale)):  # another device
             try:
                 bad()
                 errors.append("returned")
             except (TypeError, ValueError) as err:
                 errors.append(type(err).__name__)
-        results["rejected inputs still rejected"] = errors == ["TypeError", "ValueError", "TypeError"]
+        results["rejected inputs still rejected"] = errors == ["TypeError", "ValueError", "TypeError", "ValueError"]
         results["calls counted"] = op.calls == 3 + 1 + 1 + 1 + 1 + 1 + 1
     return results
 

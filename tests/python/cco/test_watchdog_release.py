@@ -77,6 +77,7 @@ def _watchdog(memops, *, lsa_rows=3):
     w._scatter_m = torch.zeros(2, dtype=torch.int64)
     w._poison = [torch.zeros(64, dtype=torch.bfloat16) for _ in range(3)]
     w._flags = [torch.zeros(4, dtype=torch.int64) for _ in range(2)]
+    w._counters = torch.zeros(2 * 4, dtype=torch.int64)  # [dest, chunk]
     w._tile_flags = torch.zeros(2, 2, 4, 3, dtype=torch.int64)  # [plane, src, m-tile, n-tile]
     w._fill = torch.full((64,), 0xFF, dtype=torch.uint8)
     w._streams, w._set_streams, w._write_streams, w._remote = ["copy-stream"], ["set-stream"], ["write-stream"], \
@@ -100,6 +101,7 @@ def _expected_release(w) -> set:
     used_m_tiles = -(-w.schedule.lsa_rows // BLOCK_M)
     words = {(w.schedule.flag_set.data_ptr(), 0), (w._scatter_m[1].data_ptr(), wd.RELEASED_WORD)}
     words |= {(f[i].data_ptr(), 1) for f in w._flags for i in range(f.numel())}
+    words |= {(w._counters[i].data_ptr(), wd.COUNTER_RELEASED) for i in range(w._counters.numel())}
     words |= {(tiles[p, s, m, n].data_ptr(), wd.RELEASED_WORD) for p in range(2) for s in range(2)
               for m in range(used_m_tiles) for n in range(tiles.shape[3])}
     return words
