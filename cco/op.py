@@ -116,8 +116,8 @@ class _PlainLaunches:
     bound). The weight is "the same" while the caller passes the same two tensor objects with the
     same version counters (every in-place change of data or metadata bumps them) and addresses
     (``t.data = other`` bumps no counter but moves the bytes: the aliases held here keep the old
-    ones taken). So an eager call at decode sizes pays one small
-    tuple's lookup, not the full checks, the rule and the weight's key (docs/hopper_gemm.md).
+    ones taken). So an eager call at decode sizes pays one small tuple's lookup, not the full
+    checks, the rule and the weight's key (docs/hopper_gemm.md).
 
     The lookup is keyed by the activations' shapes and strides only, and the entry holds the dtypes
     and the device that passed the checks, compared by identity and equality: hashing a dtype or a
