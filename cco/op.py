@@ -103,12 +103,6 @@ ACCEPTED_SIGNATURES = 16
 PLAIN_PLANS = 64
 
 
-def _activation_signature(a, a_scale) -> tuple:
-    """The half of :func:`_signature` that changes from call to call (AttributeError: not a tensor;
-    no types: the checks take any torch.Tensor subclass alike, and an eager call pays for each item)."""
-    return (a.dtype, a.shape, a.stride(), a.device, a_scale.dtype, a_scale.shape, a_scale.stride(), a_scale.device)
-
-
 class _PlainLaunches:
     """What a plain call (gemm-only, or one rank) needs beyond its GEMM, kept while the weight is
     the same: per activation layout, the backend's launch with the weight bound
@@ -174,9 +168,12 @@ def _activation_layout(a, a_scale) -> tuple:
 
 
 def _signature(a, b_pre, a_scale, b_scale) -> tuple:
-    """What ``_check``'s verdict depends on, for each operand (AttributeError: not a tensor)."""
-    return _activation_signature(a, a_scale) + (b_pre.dtype, b_pre.shape, b_pre.stride(), b_pre.device,
-                                                b_scale.dtype, b_scale.shape, b_scale.stride(), b_scale.device)
+    """What ``_check``'s verdict depends on, for each operand (AttributeError: not a tensor; no
+    types: the checks take any torch.Tensor subclass alike, and an eager collective call pays for
+    each item)."""
+    return (a.dtype, a.shape, a.stride(), a.device, a_scale.dtype, a_scale.shape, a_scale.stride(), a_scale.device,
+            b_pre.dtype, b_pre.shape, b_pre.stride(), b_pre.device,
+            b_scale.dtype, b_scale.shape, b_scale.stride(), b_scale.device)
 
 
 def select_backend(device: torch.device):
