@@ -111,6 +111,11 @@ def _released(memops, stream="write-stream"):
     return [op for op in memops.ops if op[0] == stream and op[1] == "write"]
 
 
+def _released_words(memops) -> set:
+    """(address, value) of the release's write-values so far."""
+    return {(op[2], op[3]) for op in _released(memops)}
+
+
 def test_release_is_issued_while_fills_and_copies_are_held():
     memops = _Driver(held=True)
     w = _watchdog(memops)
@@ -128,10 +133,10 @@ def test_release_is_issued_while_fills_and_copies_are_held():
         assert released[0][4] - t0 <= bound, f"the release began {released[0][4] - t0:.2f} s after the call"
         expected = _expected_release(w)
         until = time.monotonic() + 2.0  # the rest of the round; a loaded host may need more than a few ms
-        while {(op[2], op[3]) for op in _released(memops)} != expected and time.monotonic() < until:
+        while _released_words(memops) != expected and time.monotonic() < until:
             time.sleep(0.01)
+        assert _released_words(memops) == expected
         released = _released(memops)
-        assert {(op[2], op[3]) for op in released} == expected
         assert released[0][2:4] == (w.schedule.flag_set.data_ptr(), 0)  # muted before any flag is set
         record = w._peer_header[1].data_ptr() + wd.FAILED_WORD * 8
         assert [op[2] for op in memops.ops if op[0] == "remote-stream"][0] == record
@@ -155,7 +160,7 @@ def test_the_nan_fill_lands_before_the_release_when_nothing_holds_it():
     first_release = ops.index(_released(memops)[0])
     regions = {t.data_ptr() for t in w._poison} | {w._tile_flags.data_ptr()}
     assert {op[2] for op in ops[:first_release] if op[1] == "fill"} == regions
-    assert {(op[2], op[3]) for op in _released(memops)} == _expected_release(w)
+    assert _released_words(memops) == _expected_release(w)
     assert str(w.error) == "stuck" and w.releases == 1
 
 
@@ -170,7 +175,7 @@ def test_a_refused_memset_leaves_the_copied_fill():
     first_release = memops.ops.index(_released(memops)[0])
     copied = {op[2] for op in memops.ops[:first_release] if op[0] == "copy-stream" and op[1] == "copy"}
     assert copied >= {t.data_ptr() for t in w._poison} | {w._tile_flags.data_ptr()}
-    assert {(op[2], op[3]) for op in _released(memops)} == _expected_release(w)
+    assert _released_words(memops) == _expected_release(w)
 
 
 @pytest.mark.parametrize("lsa_rows, m_tiles", [(0, 0), (1, 1), (2, 1), (3, 2), (8, 4)])
