@@ -32,6 +32,7 @@ _EXPORTS = {
     "CommTimeoutError": "cco.transport.protocol",
     "PeerMismatchError": "cco.transport.protocol",
     "PeerRejectedError": "cco.transport.protocol",
+    "ArgumentMismatchError": "cco.transport.protocol",
     "SelfTestError": "cco.transport.protocol",
     "preshuffle_b": "cco.preshuffle",
     "unshuffle_b": "cco.preshuffle",

@@ -187,6 +187,36 @@ class Communicator:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def agree(self, fn: str, arguments: dict, *, error: BaseException | None = None) -> None:
+        """Construction of a collective object (an op, a layer) is collective: every rank calls this
+        with the same ``fn`` and the arguments that must match on every rank, before anything is
+        mapped or built for them, and every rank reaches the same verdict in one exchange:
+
+        - arguments that differ: :class:`ArgumentMismatchError` on every rank, naming each such
+          argument and every rank's value (before this check a rank with another ``m_max`` failed
+          to map its peers' windows while they waited for it);
+        - ``error``, this rank's own rejection of its arguments (None: accepted): raised on this
+          rank, and :class:`PeerRejectedError` naming this rank and its reason on every peer.
+
+        Values are compared by ``repr`` (a list and a tuple of the same items are equal)."""
+        from cco.transport.protocol import ArgumentMismatchError, PeerRejectedError
+
+        mine = ({name: repr(tuple(v) if isinstance(v, list) else v) for name, v in arguments.items()},
+                None if error is None else f"{type(error).__name__}: {error}")
+        every = [mine] if self.world == 1 else self.all_gather_object(mine)
+        differ = [name for name in arguments if len({args.get(name) for args, _ in every}) > 1]
+        if differ:
+            raise ArgumentMismatchError(
+                f"{fn}: construction is collective and the ranks passed different arguments: " + "; ".join(
+                    f"{name} = " + ", ".join(f"{args.get(name)} on rank {r}" for r, (args, _) in enumerate(every))
+                    for name in differ) + "; build it with the same arguments on every rank")
+        if error is not None:
+            raise error
+        rejected = [f"rank {r}: {why}" for r, (_, why) in enumerate(every) if why is not None]
+        if rejected:
+            raise PeerRejectedError(f"{fn}: a peer rejected its construction arguments ({'; '.join(rejected)}); "
+                                    f"rank {self.rank} raises too, so that no rank is left waiting")
+
     # ---- lifetime -----------------------------------------------------------------------------------
     def close(self) -> None:
         """Destroy the process group this communicator created (not one it found). Idempotent."""

@@ -85,6 +85,7 @@ import secrets
 import torch
 
 from cco import layout
+from cco.preshuffle import LAYOUT_MARK
 from cco.transport.protocol import SelfTestError
 from cco.transport.reasons import RejectionNotes
 from cco.validate import check_operands
@@ -194,6 +195,27 @@ def select_backend(device: torch.device):
     raise ValueError(f"{_FN}: device {device} is not supported; use a CPU, NVIDIA or gfx950 device")
 
 
+def _configure(comm, *, n, k, m_max, quant, mode, transport, gather_dtype, chunks, weight_layout, deadline_s):
+    """(backend class, :class:`cco.layout.OpConfig`) for these arguments on ``comm``'s device, or the
+    error (ValueError / TypeError) that names the argument at fault."""
+    backend_cls = select_backend(comm.device)
+    block_m, block_n = backend_cls.tile(quant)
+    try:
+        config = layout.build_config(
+            n=n, k=k, m_max=m_max, world=comm.world, quant=quant, mode=mode, transport=transport,
+            gather_dtype=gather_dtype, chunks=backend_cls.default_chunks if chunks is None else chunks,
+            block_m=block_m, block_n=block_n, default_transport=backend_cls.default_transport,
+            weight_layout=weight_layout)
+    except ValueError as err:
+        raise ValueError(f"{_FN}: {err}") from None
+    refused = backend_cls.config_error(config)  # before a window is opened for it
+    if refused is not None:
+        raise type(refused)(f"{_FN}: {refused}")
+    if not deadline_s > 0:
+        raise ValueError(f"{_FN}: deadline_s={deadline_s!r} must be > 0 seconds")
+    return backend_cls, config
+
+
 class GemmAllReduceOp:
     """Fused fp8 GEMM + all-reduce over the ranks of ``comm``.
 
@@ -221,21 +243,18 @@ class GemmAllReduceOp:
                  deadline_s: float = DEFAULT_DEADLINE_S, faults=None, weight_layout: str = "bpreshuffle"):
         self.comm = comm
         self._closed = True
-        backend_cls = select_backend(comm.device)
-        block_m, block_n = backend_cls.tile(quant)
+        error = None
         try:
-            self.config = layout.build_config(
-                n=n, k=k, m_max=m_max, world=comm.world, quant=quant, mode=mode, transport=transport,
-                gather_dtype=gather_dtype, chunks=backend_cls.default_chunks if chunks is None else chunks,
-                block_m=block_m, block_n=block_n, default_transport=backend_cls.default_transport,
-                weight_layout=weight_layout)
-        except ValueError as err:
-            raise ValueError(f"{_FN}: {err}") from None
-        refused = backend_cls.config_error(self.config)  # before a window is opened for it
-        if refused is not None:
-            raise type(refused)(f"{_FN}: {refused}")
-        if not deadline_s > 0:
-            raise ValueError(f"{_FN}: deadline_s={deadline_s!r} must be > 0 seconds")
+            backend_cls, self.config = _configure(comm, n=n, k=k, m_max=m_max, quant=quant, mode=mode,
+                                                  transport=transport, gather_dtype=gather_dtype, chunks=chunks,
+                                                  weight_layout=weight_layout, deadline_s=deadline_s)
+        except (TypeError, ValueError) as err:
+            error = err
+        # construction is collective: every rank agrees on the arguments before any window is mapped
+        # (faults is a test's per-rank injection, not an argument of the collective)
+        comm.agree(_FN, dict(n=n, k=k, m_max=m_max, quant=quant, mode=mode, transport=transport,
+                             gather_dtype=gather_dtype, chunks=chunks, weight_layout=weight_layout,
+                             deadline_s=deadline_s), error=error)
         self.deadline_s = float(deadline_s)
         self.rank, self.world = comm.rank, comm.world
         self._seq = 0
@@ -282,6 +301,13 @@ class GemmAllReduceOp:
 
     # ---- the op -------------------------------------------------------------------------------------
     def _check(self, a, b_pre, a_scale, b_scale, fn: str) -> int:
+        marked = getattr(b_pre, LAYOUT_MARK, None)  # (not part of the signature: kept per tensor object)
+        if marked is not None and marked != self.config.weight_layout:
+            raise ValueError(f"{fn}: b_pre is a {marked} weight (made by "
+                             f"{'preshuffle_b' if marked == 'bpreshuffle' else 'quantize_b or unshuffle_b'}) but the "
+                             f"op was built with weight_layout={self.config.weight_layout!r}; pass "
+                             f"{'preshuffle_b(w)' if self.config.weight_layout == 'bpreshuffle' else 'the row-major weight'}"
+                             f" or build the op with weight_layout={marked!r}")
         try:
             signature = _signature(a, b_pre, a_scale, b_scale)
         except AttributeError:  # not a tensor: the checks below say which argument

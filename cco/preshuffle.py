@@ -18,6 +18,17 @@ import torch
 ROWS = 16  # rows of one block (the MFMA's N)
 BYTES = 16  # bytes of one row in one block (one dwordx4)
 K_CHUNK = 2 * BYTES  # two blocks per 32-wide K chunk
+# The bytes of the two layouts cannot be told apart, so the functions that make a weight in one
+# layout leave its name on the tensor object (``preshuffle_b``: "bpreshuffle"; ``unshuffle_b`` and
+# ``cco.quant.quantize_b``: "row-major"), and the op refuses a marked weight of the other layout. A
+# tensor made any other way (``.to(device)``, loaded from disk) carries no mark and cannot be checked.
+LAYOUT_MARK = "_cco_weight_layout"
+
+
+def mark_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """``t``, marked as a weight in ``layout`` ("bpreshuffle" or "row-major")."""
+    setattr(t, LAYOUT_MARK, layout)
+    return t
 
 
 def _check(b: torch.Tensor, fn: str) -> None:
@@ -38,7 +49,7 @@ def preshuffle_b(b: torch.Tensor) -> torch.Tensor:
     _check(b, "preshuffle_b")
     n, k = b.shape
     blocks = b.reshape(n // ROWS, ROWS, k // K_CHUNK, 2, BYTES)
-    return blocks.permute(0, 2, 3, 1, 4).contiguous().view(n, k)
+    return mark_layout(blocks.permute(0, 2, 3, 1, 4).contiguous().view(n, k), "bpreshuffle")
 
 
 def unshuffle_b(b_pre: torch.Tensor) -> torch.Tensor:
@@ -46,4 +57,4 @@ def unshuffle_b(b_pre: torch.Tensor) -> torch.Tensor:
     _check(b_pre, "unshuffle_b")
     n, k = b_pre.shape
     blocks = b_pre.contiguous().view(n // ROWS, k // K_CHUNK, 2, ROWS, BYTES)
-    return blocks.permute(0, 3, 1, 2, 4).contiguous().view(n, k)
+    return mark_layout(blocks.permute(0, 3, 1, 2, 4).contiguous().view(n, k), "row-major")

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from cco.layout import QUANTS
+from cco.preshuffle import mark_layout
 
 FP8 = torch.float8_e4m3fn
 E8M0 = torch.float8_e8m0fnu
@@ -101,8 +102,7 @@ def quantize_a(x: torch.Tensor, quant: str) -> tuple[torch.Tensor, torch.Tensor]
     return q.view(m, k), s.t().contiguous().t()  # column-major [M, K/128]
 
 
-def quantize_b(w: torch.Tensor, quant: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weight [N, K] (any float dtype) -> (e4m3 [N, K], scale) in the layout of ``quant``."""
+def _quantize_b(w: torch.Tensor, quant: str) -> tuple[torch.Tensor, torch.Tensor]:
     check_quant(quant, fn="quantize_b")
     w = w.float()
     if quant == "ptpc":
@@ -124,6 +124,13 @@ def quantize_b(w: torch.Tensor, quant: str) -> tuple[torch.Tensor, torch.Tensor]
 # --------------------------------------------------------------------------------------------------
 # dequantize
 # --------------------------------------------------------------------------------------------------
+def quantize_b(w: torch.Tensor, quant: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight [N, K] (any float dtype) -> (e4m3 [N, K] row-major, scale) in the layout of ``quant``;
+    the weight is marked row-major (``cco.preshuffle.LAYOUT_MARK``)."""
+    q, scale = _quantize_b(w, quant)
+    return mark_layout(q, "row-major"), scale
+
+
 def dequantize_a(q: torch.Tensor, scale: torch.Tensor, quant: str) -> torch.Tensor:
     """Inverse of :func:`quantize_a`, in fp32."""
     check_quant(quant, fn="dequantize_a")

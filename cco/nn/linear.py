@@ -63,6 +63,16 @@ def quantize_activation(x: torch.Tensor, quant: str, *, k_padded: int):
     return on_cpu(x, quant, k_padded=k_padded)
 
 
+def _check_arguments(*, in_features_per_rank, out_features, m_max, mode, quant) -> None:
+    for name, value in (("in_features_per_rank", in_features_per_rank), ("out_features", out_features),
+                        ("m_max", m_max)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{_FN}: {name}={value!r} must be a positive int")
+    if mode not in MODES:
+        raise ValueError(f"{_FN}: mode={mode!r} is not supported; pass one of {', '.join(MODES)}")
+    Q.check_quant(quant, fn=_FN)
+
+
 def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB"
 
@@ -84,7 +94,8 @@ class RowParallelLinear(torch.nn.Module):
       trainable:     keep a bf16 master weight (a Parameter) and compute its gradient.
       pool:          the :class:`cco.nn.WindowPool` whose ops this layer shares (default: the process's).
 
-    The weight is zero until :meth:`load_weight` or :meth:`load_fp8`.
+    The weight is blank until :meth:`load_weight`, :meth:`load_fp8` or ``load_state_dict``: a call
+    before that raises on every rank (it would return zeros).
     """
 
     def __init__(self, in_features_per_rank: int, out_features: int, *, group=None, quant: str = "ptpc",
@@ -92,17 +103,20 @@ class RowParallelLinear(torch.nn.Module):
                  gather_dtype: str = "bf16", chunks=None, deadline_s: float = DEFAULT_DEADLINE_S,
                  trainable: bool = False, pool: WindowPool | None = None):
         super().__init__()
-        for name, value in (("in_features_per_rank", in_features_per_rank), ("out_features", out_features),
-                            ("m_max", m_max)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{_FN}: {name}={value!r} must be a positive int")
-        if mode not in MODES:
-            raise ValueError(f"{_FN}: mode={mode!r} is not supported; pass one of {', '.join(MODES)}")
-        Q.check_quant(quant, fn=_FN)
-        self.in_features_per_rank, self.out_features = in_features_per_rank, out_features
-        self.quant, self.m_max, self.mode = quant, m_max, mode
         self._pool = pool or DEFAULT_POOL
         self.comm = self._pool.communicator(group)
+        error = None
+        try:
+            _check_arguments(in_features_per_rank=in_features_per_rank, out_features=out_features, m_max=m_max,
+                             mode=mode, quant=quant)
+        except (TypeError, ValueError) as err:
+            error = err
+        # construction is collective: every rank of the group agrees on the arguments first
+        self.comm.agree(_FN, dict(in_features_per_rank=in_features_per_rank, out_features=out_features, quant=quant,
+                                  bias=bias, m_max=m_max, mode=mode, transport=transport, gather_dtype=gather_dtype,
+                                  chunks=chunks, deadline_s=deadline_s, trainable=trainable), error=error)
+        self.in_features_per_rank, self.out_features = in_features_per_rank, out_features
+        self.quant, self.m_max, self.mode = quant, m_max, mode
         self.device = self.comm.device
         # the group the unfused path all-reduces on: the caller's, whose backend carries the device's
         # tensors (NCCL on NVIDIA); the communicator's bootstrap group where a Communicator was given
@@ -143,6 +157,10 @@ class RowParallelLinear(torch.nn.Module):
         if trainable:
             self.weight = torch.nn.Parameter(torch.zeros(out_features, in_features_per_rank, dtype=torch.bfloat16,
                                                          device=self.device))
+        # versions of the blank weight: any write (load_weight, load_fp8, load_state_dict, an in-place
+        # init of the master weight) moves one, so "loaded" costs no flag that a loader could forget
+        self._blank = (self.qweight._version, None if self.weight is None else self.weight._version)
+        self._loaded = False
         self._handle = library.register(self)
         self._closed = False
 
@@ -282,8 +300,34 @@ class RowParallelLinear(torch.nn.Module):
             out += bias
         return out.view(*lead, n)
 
+    def _weight_written(self) -> bool:
+        return self.qweight._version != self._blank[0] or (
+            self.weight is not None and self.weight._version != self._blank[1])
+
+    def _require_loaded(self) -> None:
+        """Raise on every rank of the group if any rank's weight was never written (a blank layer
+        would return zeros). Fused: the blank rank rejects its share of the call, so its peers fail
+        it with PeerRejectedError; unfused: the ranks agree first, since their next step is an
+        all_reduce that a raising rank would leave its peers waiting in."""
+        written = self._weight_written()
+        if self.op is None and self.comm.world > 1:
+            blank = [r for r, ok in enumerate(self.comm.all_gather_object(written)) if not ok]
+        else:
+            blank = [] if written else [self.comm.rank]
+        if not blank:
+            self._loaded = True
+            return
+        err = RuntimeError(f"{self._name()}: called before its weight was loaded (rank(s) {blank} hold the blank "
+                           f"weight, which would return zeros); call load_weight(w_shard) or load_fp8(w_q, w_scale) "
+                           f"(or load_state_dict) on every rank before the first forward")
+        if not written and self.op is not None:
+            self.op.reject(err)
+        raise err
+
     def _rows(self, x2, qweight, scale) -> torch.Tensor:
         """bf16 [rows, n_padded]: one collective call."""
+        if not self._loaded:
+            self._require_loaded()
         a, a_scale = quantize_activation(x2, self.quant, k_padded=self.k_padded)
         if self.op is not None:
             return self.op(a, qweight, a_scale, scale)

@@ -32,6 +32,11 @@ class PeerRejectedError(PeerMismatchError):
     the ranks stay in step, so the next call works."""
 
 
+class ArgumentMismatchError(PeerMismatchError):
+    """Ranks built a collective object (an op, a layer) with different arguments. Construction is
+    collective, so every rank raises it, naming each differing argument and each rank's value."""
+
+
 class TransferError(RuntimeError):
     """A transport failed while moving a chunk (raised on the rank that owns the transport)."""
 

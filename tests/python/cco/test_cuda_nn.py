@@ -118,11 +118,19 @@ def check_layers(comm, log):
     if a.op is not b.op:
         raise AssertionError("two layers of one shape did not share their op")
     x = _inputs(comm.rank, 1)[0].to(comm.device)
-    for layer in (a, b, a, b):
-        if _bad(layer(x), _budget(comm, layer, 1)):
-            raise AssertionError("shared op: a layer's output used the other layer's weight")
-    if a.op._backend._weight is not None:
-        raise AssertionError("the backend unshuffled a row-major weight")
+    import cco.backends.cuda as cuda_backend
+
+    unshuffled = []  # every weight the backend unshuffles passes through its module's unshuffle_b
+    real = cuda_backend.unshuffle_b
+    cuda_backend.unshuffle_b = lambda b: unshuffled.append(tuple(b.shape)) or real(b)
+    try:
+        for layer in (a, b, a, b):
+            if _bad(layer(x), _budget(comm, layer, 1)):
+                raise AssertionError("shared op: a layer's output used the other layer's weight")
+    finally:
+        cuda_backend.unshuffle_b = real
+    if unshuffled:
+        raise AssertionError(f"the backend unshuffled a row-major weight {len(unshuffled)} time(s): {unshuffled}")
     log("ok two layers on one op, called in turn: each its own weight, no unshuffled copy kept")
     a.close()
     b.close()

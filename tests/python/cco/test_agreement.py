@@ -1,0 +1,159 @@
+"""Construction is collective, a blank layer raises, a weight of the other layout is refused.
+
+Guards, per test (each was seen failing before its fix; the docstrings say how):
+- ranks that build the op or the layer with different arguments: before the agreement, another
+  ``n`` or ``m_max`` on one rank failed the window mapping there ("mmap length is greater than file
+  size") and left its peer with a closed gloo connection, and another ``quant`` built and ran with
+  nothing said; now every rank raises ``ArgumentMismatchError`` naming the argument and each value;
+- a ``RowParallelLinear`` called before its weight was loaded returned zeros with no word; now the
+  blank rank raises naming the loaders and its peers fail the same call (fused: PeerRejectedError;
+  unfused: the same RuntimeError), and the ranks stay in step;
+- ``quantize_b``'s row-major weight passed to an op that reads bpreshuffle was read wrong silently.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cco import quant as Q
+from cco.comm import spawn
+
+pytestmark = pytest.mark.multirank
+
+DEADLINE_S = 20.0
+OP_ARGS = dict(n=256, k=256, m_max=32, quant="ptpc", mode="fused", deadline_s=DEADLINE_S)
+
+
+def _build_op(comm, overrides):
+    from cco.op import GemmAllReduceOp
+
+    args = {**OP_ARGS, **overrides.get(comm.rank, {})}
+    with GemmAllReduceOp(comm, **args):
+        return "built"
+
+
+@pytest.mark.parametrize("argument,other", [("n", 512), ("m_max", 64), ("quant", "blockscale"),
+                                             ("chunks", 2), ("gather_dtype", "fp8")])
+def test_op_arguments_that_differ_raise_on_every_rank(argument, other):
+    outcomes = spawn(_build_op, world=2, args=({1: {argument: other}},), timeout_s=120)
+    for o in outcomes:
+        assert o.error_type == "ArgumentMismatchError", (o.rank, o.error_type, o.error)
+        head = o.error.splitlines()[0]
+        assert f"{argument} = " in head and "on rank 0" in head and "on rank 1" in head, head
+        mine = {"chunks": None, "gather_dtype": "bf16", **OP_ARGS}[argument]  # the constructor's defaults
+        assert f"{mine!r} on rank 0" in head and f"{other!r} on rank 1" in head, head
+
+
+def test_op_arguments_rejected_alike_raise_their_own_error_on_every_rank():
+    outcomes = spawn(_build_op, world=2, args=({0: {"k": 100}, 1: {"k": 100}},), timeout_s=120)
+    for o in outcomes:
+        assert o.error_type == "ValueError" and "K" in o.error, (o.rank, o.error_type, o.error)
+
+
+def _build_layer(comm, overrides):
+    from cco.nn import RowParallelLinear, WindowPool
+
+    pool = WindowPool()
+    args = dict(group=comm, quant="ptpc", m_max=8, deadline_s=DEADLINE_S, pool=pool)
+    args.update(overrides.get(comm.rank, {}))
+    layer = RowParallelLinear(128, 256, **args)
+    layer.close()
+    return "built"
+
+
+@pytest.mark.parametrize("argument,other", [("m_max", 16), ("quant", "mxfp8"), ("mode", "unfused")])
+def test_layer_arguments_that_differ_raise_on_every_rank(argument, other):
+    outcomes = spawn(_build_layer, world=2, args=({1: {argument: other}},), timeout_s=120)
+    for o in outcomes:
+        assert o.error_type == "ArgumentMismatchError", (o.rank, o.error_type, o.error)
+        assert f"{argument} = " in o.error.splitlines()[0], o.error
+
+
+def _blank_then_loaded(comm, mode, blank_ranks):
+    """Forward with ``blank_ranks`` never loaded, then load everywhere and forward again."""
+    from cco.nn import RowParallelLinear, WindowPool
+
+    n, k = 256, 128
+    layer = RowParallelLinear(k, n, group=comm, quant="ptpc", m_max=8, mode=mode, deadline_s=DEADLINE_S,
+                              pool=WindowPool())
+    g = torch.Generator().manual_seed(comm.rank)
+    w, x = torch.randn(n, k, generator=g), torch.randn(4, k, generator=g).to(torch.bfloat16)
+    if comm.rank not in blank_ranks:
+        layer.load_weight(w)
+    first = None
+    try:
+        out = layer(x)
+        first = ("returned", float(out.float().abs().sum()))
+    except Exception as err:  # noqa: BLE001 (the test reads the type)
+        first = (type(err).__name__, str(err))
+    layer.load_weight(w)
+    second = float(layer(x).float().abs().sum())  # in step: the next call works on every rank
+    layer.close()
+    return first, second
+
+
+@pytest.mark.parametrize("mode", ["fused", "unfused"])
+def test_a_blank_rank_fails_the_call_on_every_rank(mode):
+    """Before the fix rank 1 returned zeros for its own weight's share and rank 0 a wrong sum."""
+    outcomes = spawn(_blank_then_loaded, world=2, args=(mode, (1,)), timeout_s=120)
+    assert all(o.ok for o in outcomes), [(o.rank, o.error_type, o.error) for o in outcomes]
+    (kind0, msg0), second0 = outcomes[0].value
+    (kind1, msg1), second1 = outcomes[1].value
+    assert kind1 == "RuntimeError" and "load_weight" in msg1 and "load_fp8" in msg1, (kind1, msg1)
+    expected_peer = "PeerRejectedError" if mode == "fused" else "RuntimeError"
+    assert kind0 == expected_peer and "load_weight" in msg0, (kind0, msg0)
+    assert second0 == second1 and second0 > 0
+
+
+def test_a_blank_layer_alone_raises():
+    outcomes = spawn(_blank_then_loaded, world=1, args=("fused", (0,)), timeout_s=120)
+    (kind, msg), second = outcomes[0].value
+    assert kind == "RuntimeError" and "load_fp8" in msg and second > 0
+
+
+def _state_dict_counts_as_loaded(comm):
+    from cco.nn import RowParallelLinear, WindowPool
+
+    pool = WindowPool()
+    src = RowParallelLinear(128, 256, group=comm, quant="ptpc", m_max=8, pool=pool)
+    src.load_weight(torch.randn(256, 128))
+    dst = RowParallelLinear(128, 256, group=comm, quant="ptpc", m_max=8, pool=pool)
+    dst.load_state_dict(src.state_dict())
+    x = torch.randn(2, 128).to(torch.bfloat16)
+    same = torch.equal(dst(x), src(x))
+    src.close()
+    dst.close()
+    return same
+
+
+@pytest.mark.host
+def test_a_state_dict_load_counts_as_loaded():
+    outcomes = spawn(_state_dict_counts_as_loaded, world=1, timeout_s=120)
+    assert outcomes[0].ok and outcomes[0].value is True, (outcomes[0].error_type, outcomes[0].error)
+
+
+def _wrong_layout(comm):
+    from cco.op import GemmAllReduceOp
+    from cco.preshuffle import preshuffle_b
+
+    p = Q.random_problem(32, 256, 256, "ptpc", seed=0)
+    results = {}
+    with GemmAllReduceOp(comm, **OP_ARGS) as op:
+        try:
+            op(p.a, p.b, p.a_scale, p.b_scale)  # quantize_b's row-major weight: refused
+            results["row-major"] = "accepted"
+        except ValueError as err:
+            results["row-major"] = str(err)
+        out = op(p.a, preshuffle_b(p.b), p.a_scale, p.b_scale)
+        results["bpreshuffle_ok"] = bool(torch.equal(out, p.reference()))
+    return results
+
+
+def test_a_marked_weight_of_the_other_layout_is_refused():
+    """Before the mark, the row-major weight was read as bpreshuffle: a wrong product, no error."""
+    outcomes = spawn(_wrong_layout, world=1, timeout_s=120)
+    assert outcomes[0].ok, (outcomes[0].error_type, outcomes[0].error)
+    res = outcomes[0].value
+    assert "weight_layout='bpreshuffle'" in res["row-major"] and "preshuffle_b(w)" in res["row-major"], res
+    assert res["bpreshuffle_ok"], res
