@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The whole NVIDIA GPU suite in one go (it cannot run in CI): every GPU test module on two ranks
+# (two ranks share one GPU where there is only one: a CUDA IPC window), each bounded in time, then
+# one summary line per module and the total. Exit status: the number of modules that failed.
+#
+#   bash scripts/gpu_suite.sh [LOG_DIR]          # logs per module under LOG_DIR (default: gpu-suite-logs)
+#
+# Add a module to MODULES when it joins the suite. NVLink multicast stays off.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+log_dir="${1:-gpu-suite-logs}"
+mkdir -p "$log_dir"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+PY=${PYTHON:-python3}
+
+# name | bound in seconds | command
+MODULES=(
+  "cuda_op|420|$PY -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.python.cco.test_cuda_op"
+  "cuda_nn|420|$PY -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.python.cco.test_cuda_nn"
+  "cuda_faults_dma|480|$PY -m tests.python.cco.test_cuda_faults --launch --transport dma --timeout 450"
+  "cuda_faults_lsa|480|$PY -m tests.python.cco.test_cuda_faults --launch --transport lsa --timeout 450"
+)
+for extra in ${CCO_GPU_SUITE_EXTRA:-}; do  # more modules: "name|bound|command" words, ';' for spaces
+  MODULES+=("${extra//;/ }")
+done
+
+failed=0
+summary=()
+start_all=$(date +%s)
+for entry in "${MODULES[@]}"; do
+  IFS='|' read -r name bound cmd <<<"$entry"
+  start=$(date +%s)
+  timeout --signal=TERM --kill-after=15 "$bound" bash -c "$cmd" >"$log_dir/$name.log" 2>&1
+  rc=$?
+  took=$(( $(date +%s) - start ))
+  if [ $rc -eq 0 ]; then verdict="passed"; else verdict="FAILED (exit $rc$([ $rc -eq 124 ] && echo ', timed out'))"; failed=$((failed + 1)); fi
+  summary+=("$(printf '%-18s %-30s %5d s' "$name" "$verdict" "$took")")
+  echo "[gpu-suite] $name: $verdict in ${took}s"
+  [ $rc -eq 0 ] || tail -n 40 "$log_dir/$name.log"
+done
+echo "[gpu-suite] ---- summary ($(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), $(date -u +%Y-%m-%dT%H:%MZ))"
+printf '%s\n' "${summary[@]}"
+echo "[gpu-suite] $(( ${#MODULES[@]} - failed )) passed, $failed failed in $(( $(date +%s) - start_all )) s"
+exit $failed
