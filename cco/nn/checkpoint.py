@@ -114,8 +114,9 @@ def block_of(quant: str, dim: int) -> int:
 # --------------------------------------------------------------------------------------------------
 # read
 # --------------------------------------------------------------------------------------------------
-def _keys(tensors) -> list[str]:
-    return list(tensors.keys())
+def _keys(tensors):
+    # a mapping's own key view (O(1) lookups), or the key set of a safe_open handle
+    return tensors.keys() if isinstance(tensors, Mapping) else set(tensors.keys())
 
 
 def _get(tensors, key: str) -> torch.Tensor:
@@ -165,8 +166,8 @@ def _config_expectation(config: dict | None, fn: str, name: str) -> tuple[str | 
                 raise ValueError(f"{fn}: {name}: compressed-tensors group_size={w.get('group_size')} is not served; "
                                  f"cco's group scales are mxfp8's (group_size={Q.MX_GROUP}, power-of-two scales)")
             return "group", "MXFP8"
-        raise ValueError(f"{fn}: {name}: compressed-tensors weight strategy={strategy!r} is not served; "
-                         f"served: tensor, channel, block ({Q.SCALE_BLOCK}x{Q.SCALE_BLOCK}), group ({Q.MX_GROUP}, mxfp8)")
+        raise ValueError(f"{fn}: {name}: compressed-tensors weight strategy={strategy!r} is not served; served: "
+                         f"tensor, channel, block ({Q.SCALE_BLOCK}x{Q.SCALE_BLOCK}), group ({Q.MX_GROUP}, mxfp8)")
     return None, None
 
 
@@ -215,10 +216,12 @@ def read_fp8_weight(tensors: Mapping[str, torch.Tensor], name: str, *, config: d
                          f"same bits decode to half the value); cco serves float8_e4m3fn. Use the checkpoint's OCP "
                          f"(float8_e4m3fn) release, or dequantize it and load the float weight with load_weight")
     if w.dtype != Q.FP8:
-        what = ("a float weight: load it with RowParallelLinear.load_weight" if w.dtype.is_floating_point
-                and w.element_size() > 1 else
-                "packed 4-bit values (MXFP4 / NVFP4) or an int8 weight, not served" if w.dtype in (torch.uint8, torch.int8)
-                else "not OCP e4m3")
+        if w.dtype.is_floating_point and w.element_size() > 1:
+            what = "a float weight: load it with RowParallelLinear.load_weight"
+        elif w.dtype in (torch.uint8, torch.int8):
+            what = "packed 4-bit values (MXFP4 / NVFP4) or an int8 weight, not served"
+        else:
+            what = "not OCP e4m3"
         raise ValueError(f"{fn}: {name} is {_describe(w)}, {what}; {_SUPPORTED}")
     if w.dim() != 2:
         raise ValueError(f"{fn}: {name} is {_describe(w)}; a linear's weight is 2-D [N, K]")

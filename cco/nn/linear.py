@@ -85,7 +85,19 @@ class RowParallelLinear(torch.nn.Module):
       trainable:     keep a bf16 master weight (a Parameter) and compute its gradient.
       pool:          the :class:`cco.nn.WindowPool` whose ops this layer shares (default: the process's).
 
-    The weight is zero until :meth:`load_weight` or :meth:`load_fp8`.
+    The weight is zero until :meth:`load_weight`, :meth:`load_fp8` or :meth:`load_checkpoint`.
+
+    fp8 checkpoints (:meth:`load_checkpoint`, ``cco.nn.checkpoint``): the whole weight as it ships,
+    ``<prefix>.weight`` e4m3 ``[out_features, K]`` with its scale beside it: DeepSeek-V3
+    ``weight_scale_inv`` (fp32 128x128 blocks, power-of-two ones too) and V4 ``scale`` (e8m0) load
+    into a ``quant="blockscale"`` layer; compressed-tensors ``weight_scale`` per tensor or per row
+    (FP8, FP8_DYNAMIC) into ``"ptpc"``, 128x128 (FP8_BLOCK) into ``"blockscale"``, uint8 ``[N, K/32]``
+    (MXFP8) into ``"mxfp8"``. Another quant only where the scales convert exactly (power-of-two block
+    scales into mxfp8, a per-tensor scale into blockscale); anything else raises, naming the quant to build
+    (or ``requantize=True``, lossy). Each rank takes whole scale blocks of K: build the layer with
+    ``in_features_per_rank = cco.nn.shard_width(w, world=world, dim=1)``, ``ceil(K / world)``
+    wherever that is whole blocks; the last rank's shard may be shorter, padded with zeros (its
+    input's missing columns must be zeros too). ``float8_e4m3fnuz`` is refused.
     """
 
     def __init__(self, in_features_per_rank: int, out_features: int, *, group=None, quant: str = "ptpc",

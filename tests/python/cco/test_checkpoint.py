@@ -53,6 +53,12 @@ def _e4m3(w, scale_full):
     return (w / scale_full).clamp(-Q.FP8_MAX, Q.FP8_MAX).to(Q.FP8)
 
 
+def ct_config(**weights):
+    """A compressed-tensors quantization_config with one scheme for every Linear."""
+    scheme = {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", **weights}}
+    return {"quant_method": "compressed-tensors", "config_groups": {"group_0": scheme}}
+
+
 def write(fmt: str, n: int, k: int, seed: int = 0, prefix: str = "model.layers.0.mlp.down_proj"):
     """(tensors, config, expected fp32 weight) of one linear in format ``fmt``, quantized here from a
     float weight; the expected weight is the format's definition of the stored bytes."""
@@ -70,8 +76,7 @@ def write(fmt: str, n: int, k: int, seed: int = 0, prefix: str = "model.layers.0
             config = {"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"}
         elif fmt == "compressed-tensors:FP8_BLOCK":
             t[f"{prefix}.weight_scale"] = s
-            config = {"quant_method": "compressed-tensors", "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                "num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]}}}}
+            config = ct_config(strategy="block", block_structure=[128, 128])
         else:
             t[f"{prefix}.weight_scale_inv"] = s
             config = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
@@ -82,8 +87,7 @@ def write(fmt: str, n: int, k: int, seed: int = 0, prefix: str = "model.layers.0
         q = _e4m3(w, s.float())
         full = q.float() * s.float()
         t[f"{prefix}.weight_scale"] = s
-        config = {"quant_method": "compressed-tensors", "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-            "num_bits": 8, "type": "float", "strategy": "channel"}}}}
+        config = ct_config(strategy="channel")
     elif fmt == "compressed-tensors:FP8":
         s = (w.abs().amax() / Q.FP8_MAX).reshape(())
         q = _e4m3(w, s)
@@ -96,8 +100,7 @@ def write(fmt: str, n: int, k: int, seed: int = 0, prefix: str = "model.layers.0
         q = _e4m3(w, _expand(torch.exp2(e), n, k, 1, 32))
         full = q.float() * _expand(torch.exp2(e), n, k, 1, 32)
         t[f"{prefix}.weight_scale"] = (e + 127).to(torch.uint8)
-        config = {"quant_method": "compressed-tensors", "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-            "num_bits": 8, "type": "float", "strategy": "group", "group_size": 32}}}}
+        config = ct_config(strategy="group", group_size=32)
     else:
         raise AssertionError(fmt)
     t[f"{prefix}.weight"] = q
@@ -161,8 +164,9 @@ def test_exact_conversions_are_made_and_lossy_ones_refused(tmp_path):
     """Power-of-two block scales serve an mxfp8 layer and a per-tensor scale a blockscale one, with
     the same weight; fp32 (non power-of-two) block scales have no mxfp8 form and per-row scales no
     block form: an error, not a requantization."""
-    for fmt, quant in (("deepseek-v3:ue8m0", "mxfp8"), ("deepseek-v4", "mxfp8"), ("compressed-tensors:FP8", "blockscale"),
-                       ("compressed-tensors:FP8", "mxfp8"), ("deepseek-v3", "ptpc")):
+    for fmt, quant in (("deepseek-v3:ue8m0", "mxfp8"), ("deepseek-v4", "mxfp8"),
+                       ("compressed-tensors:FP8", "blockscale"), ("compressed-tensors:FP8", "mxfp8"),
+                       ("deepseek-v3", "ptpc")):
         t, config, full = write(fmt, N, K)
         w = C.read_fp8_weight(t, NAME, config=config)
         if (fmt, quant) in (("compressed-tensors:FP8", "mxfp8"), ("deepseek-v3", "ptpc")):
@@ -203,17 +207,15 @@ def test_formats_that_cannot_be_served_raise_naming_the_key_and_what_is_supporte
         "scale-shape": lambda: C.read_fp8_weight(other(**{scale_key: torch.ones(N, 7)}), NAME),
         "scale-e4m3": lambda: C.read_fp8_weight(other(**{scale_key: t[scale_key].to(Q.FP8)}), NAME),
         "block-64": lambda: C.read_fp8_weight(t, NAME, config={**config, "weight_block_size": [64, 64]}),
-        "config-says-rows": lambda: C.read_fp8_weight(t, NAME, config={"quant_method": "compressed-tensors",
-                                                                      "config_groups": {"g": {"weights": {
-                                                                          "num_bits": 8, "type": "float",
-                                                                          "strategy": "channel"}}}}),
+        "config-says-rows": lambda: C.read_fp8_weight(t, NAME, config=ct_config(strategy="channel")),
         "float-groups": lambda: C.read_fp8_weight({NAME: q, NAME.replace(".weight", ".weight_scale"):
                                                    torch.full((N, K // 32), 0.3)}, NAME),
         "e8m0-nan": lambda: C.read_fp8_weight({NAME: q, NAME.replace(".weight", ".scale"):
                                                torch.full((2, 3), 255, dtype=torch.uint8).view(Q.E8M0)}, NAME),
         "two-scales": lambda: C.read_fp8_weight(other(**{NAME.replace(".weight", ".scale"): t[scale_key]}), NAME),
     })
-    expect = {"fnuz": ["float8_e4m3fnuz", "not OCP e4m3", "half the value", "float8_e4m3fn"], "e5m2": ["float8_e5m2", "supported:"],
+    expect = {"fnuz": ["float8_e4m3fnuz", "not OCP e4m3", "half the value", "float8_e4m3fn"],
+              "e5m2": ["float8_e5m2", "supported:"],
               "packed-4bit": ["uint8", "4-bit"], "float": ["float32", "load_weight"],
               "no-scale": ["weight_scale_inv", "weight_scale", ".scale"], "missing-key": ["layers.1", "no tensor"],
               "scale-shape": ["[200, 7]", "[2, 3] (128x128 blocks)", "supported:"],
@@ -344,10 +346,11 @@ def test_two_ranks_each_load_their_own_shard_and_reduce_to_the_whole_product(tmp
     outs = check_outcomes(spawn(_tp2_layer, world=2, args=(path, config), timeout_s=120))
     (y0, w0, x), (y1, w1, _) = outs
     assert torch.equal(y0, y1)
-    assert torch.equal(torch.cat([w0, w1[:, :K_SHARDED - 256]], dim=1), full) and w1[:, K_SHARDED - 256:].abs().sum() == 0
-    xp = torch.nn.functional.pad(x, (0, 2 * 256 - K_SHARDED))
-    wp = torch.nn.functional.pad(full, (0, 2 * 256 - K_SHARDED))
-    ref = sum(_quantized_reference(xp[:, r * 256:(r + 1) * 256], wp[:, r * 256:(r + 1) * 256], "blockscale", 256).float()
-              for r in range(2)).to(torch.bfloat16)
+    real = K_SHARDED - 256  # rank 1's columns of the checkpoint; the rest of its 256 is padding
+    assert torch.equal(torch.cat([w0, w1[:, :real]], dim=1), full) and w1[:, real:].abs().sum() == 0
+    xp = torch.nn.functional.pad(x, (0, 2 * 256 - K_SHARDED)).view(7, 2, 256)
+    wp = torch.nn.functional.pad(full, (0, 2 * 256 - K_SHARDED)).view(N, 2, 256)
+    ref = sum(_quantized_reference(xp[:, r], wp[:, r], "blockscale", 256).float() for r in range(2))
+    ref = ref.to(torch.bfloat16)
     assert Q.count_mismatches(y0, ref) == 0 and Q.rel_l2(y0, ref) < Q.REL_L2_TOL["blockscale"]
     assert Q.rel_l2(y0, x.float() @ full.t()) < FP8_ACTIVATION_BUDGET
