@@ -135,8 +135,8 @@ def _config_expectation(config: dict | None, fn: str, name: str) -> tuple[str | 
         return None, None
     method = config.get("quant_method")
     if method == "fp8":  # transformers' FineGrainedFP8Config: DeepSeek's checkpoints
-        block = config.get("weight_block_size")
-        if block is None:
+        block = config.get("weight_block_size", [Q.SCALE_BLOCK, Q.SCALE_BLOCK])  # transformers' default
+        if block is None:  # written out as null: one scale per tensor
             return "tensor", None
         if [int(b) for b in block] != [Q.SCALE_BLOCK, Q.SCALE_BLOCK]:
             raise ValueError(f"{fn}: {name}: quantization_config weight_block_size={list(block)} is not served; cco's "
@@ -238,6 +238,13 @@ def read_fp8_weight(tensors: Mapping[str, torch.Tensor], name: str, *, config: d
     n, k = w.shape
     layout = _layout(scale, n, k)
     expected, scheme = _config_expectation(config, fn, name)
+    if scale.dtype in (Q.E8M0, torch.uint8) and layout in ("tensor", "channel"):
+        # a one-block weight's e8m0 scale [1, 1] (or a one-row one's [1, G]) is block or group scales:
+        # the config's, else the key's convention (compressed-tensors' uint8 scales are MXFP8 groups)
+        shapes = {"block": (_cdiv(n, Q.SCALE_BLOCK), _cdiv(k, Q.SCALE_BLOCK)), "group": (n, _cdiv(k, Q.MX_GROUP))}
+        order = [expected] if expected in shapes else []
+        order += ["group", "block"] if key.endswith(".weight_scale") else ["block", "group"]
+        layout = next((o for o in order if tuple(scale.shape) == shapes[o]), layout)
     seen = f"{name} {_describe(w)} with {key} {_describe(scale)}"
     if layout is None:
         raise ValueError(f"{fn}: {seen}: the scale's shape is none of [] (per tensor), [{n}, 1] (per row), "
@@ -259,8 +266,7 @@ def read_fp8_weight(tensors: Mapping[str, torch.Tensor], name: str, *, config: d
             s = s.expand(n)
         s = s.contiguous()
         source = _source(key, layout, scheme)
-        if key.endswith(".weight_scale_inv") and layout == "block" and (
-                (config or {}).get("scale_fmt") == "ue8m0" or _e8m0_bits(s) is not None):
+        if key.endswith(".weight_scale_inv") and layout == "block" and _e8m0_bits(s) is not None:
             source = "deepseek-v3:ue8m0"
         return Fp8Weight(qweight=w.contiguous(), scale=s.clone(), quant="ptpc" if layout in ("tensor", "channel")
                          else "blockscale", source=source)

@@ -255,7 +255,7 @@ class RowParallelLinear(torch.nn.Module):
         except ValueError as err:
             if not requantize:
                 raise ValueError(f"{fn}: {name} is a {w.source} checkpoint ({w.quant} scales) and the layer was built "
-                                 f"with quant={self.quant!r}: {str(err).split(': ', 1)[1]}. Build the layer with "
+                                 f"with quant={self.quant!r} ({err}). Build the layer with "
                                  f"quant={w.quant!r} (RowParallelLinear(..., quant={w.quant!r})), or pass "
                                  f"requantize=True to quantize the dequantized weight again as {self.quant} "
                                  f"(lossy: a second fp8 rounding)") from None

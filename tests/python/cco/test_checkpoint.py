@@ -137,6 +137,19 @@ def test_each_format_reads_as_its_quant_with_the_stored_weight(tmp_path, fmt, wi
     assert torch.equal(lazy.scale.float(), w.scale.float()) and torch.equal(C.dequantize(lazy), full)
 
 
+@pytest.mark.parametrize("fmt", ["deepseek-v3", "deepseek-v4", "compressed-tensors:FP8_BLOCK",
+                                 "compressed-tensors:MXFP8"])
+def test_a_weight_of_one_block_keeps_its_format(fmt):
+    """N=1, K=32: one 128x128 block and one 32-group, so the scale is [1, 1] like a per-tensor scale;
+    an e8m0 or uint8 one is still read as block or group scales, a float one serves as either."""
+    t, config, full = write(fmt, 1, 32)
+    w = C.read_fp8_weight(t, NAME, config=config)
+    assert torch.equal(C.dequantize(w), full)
+    assert w.quant == {"compressed-tensors:MXFP8": "mxfp8", "deepseek-v4": "blockscale"}.get(fmt, w.quant)
+    for quant in ("ptpc", "blockscale"):
+        assert torch.equal(C.dequantize(C.convert_fp8_weight(w, quant)), full)
+
+
 @pytest.mark.parametrize("dim, world", [(1, 2), (1, 4), (0, 2)], ids=["K-world2", "K-world4", "N-world2"])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_shards_are_whole_blocks_and_equal_the_slice_of_the_whole(tmp_path, fmt, dim, world):
@@ -228,6 +241,10 @@ def test_formats_that_cannot_be_served_raise_naming_the_key_and_what_is_supporte
             assert NAME in errors[label], errors[label]
         for word in words:
             assert word in errors[label], (label, word, errors[label])
+    # transformers' FineGrainedFP8Config: weight_block_size left out means 128x128, null one scale per tensor
+    assert C.read_fp8_weight(t, NAME, config={"quant_method": "fp8"}).quant == "blockscale"
+    with pytest.raises(ValueError, match="promises tensor scales but the tensor's shape is block scales"):
+        C.read_fp8_weight(t, NAME, config={"quant_method": "fp8", "weight_block_size": None})
 
 
 def test_a_split_that_leaves_a_rank_without_a_block_is_refused():
