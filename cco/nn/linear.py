@@ -43,6 +43,7 @@ import torch.distributed as dist
 from cco import library, shapes
 from cco import quant as Q
 from cco.comm import Communicator
+from cco.nn import checkpoint as C
 from cco.nn.pool import DEFAULT_POOL, WindowPool
 from cco.op import DEFAULT_DEADLINE_S
 from cco.preshuffle import preshuffle_b, unshuffle_b
@@ -94,8 +95,20 @@ class RowParallelLinear(torch.nn.Module):
       trainable:     keep a bf16 master weight (a Parameter) and compute its gradient.
       pool:          the :class:`cco.nn.WindowPool` whose ops this layer shares (default: the process's).
 
-    The weight is blank until :meth:`load_weight`, :meth:`load_fp8` or ``load_state_dict``: a call
-    before that raises on every rank (it would return zeros).
+    The weight is blank until :meth:`load_weight`, :meth:`load_fp8`, :meth:`load_checkpoint` or
+    ``load_state_dict``: a call before that raises on every rank (it would return zeros).
+
+    fp8 checkpoints (:meth:`load_checkpoint`, ``cco.nn.checkpoint``): the whole weight as it ships,
+    ``<prefix>.weight`` e4m3 ``[out_features, K]`` with its scale beside it: DeepSeek-V3
+    ``weight_scale_inv`` (fp32 128x128 blocks, power-of-two ones too) and V4 ``scale`` (e8m0) load
+    into a ``quant="blockscale"`` layer; compressed-tensors ``weight_scale`` per tensor or per row
+    (FP8, FP8_DYNAMIC) into ``"ptpc"``, 128x128 (FP8_BLOCK) into ``"blockscale"``, uint8 ``[N, K/32]``
+    (MXFP8) into ``"mxfp8"``. Another quant only where the scales convert exactly (power-of-two block
+    scales into mxfp8, a per-tensor scale into blockscale); anything else raises, naming the quant to build
+    (or ``requantize=True``, lossy). Each rank takes whole scale blocks of K: build the layer with
+    ``in_features_per_rank = cco.nn.shard_width(w, world=world, dim=1)``, ``ceil(K / world)``
+    wherever that is whole blocks; the last rank's shard may be shorter, padded with zeros (its
+    input's missing columns must be zeros too). ``float8_e4m3fnuz`` is refused.
     """
 
     def __init__(self, in_features_per_rank: int, out_features: int, *, group=None, quant: str = "ptpc",
@@ -233,6 +246,54 @@ class RowParallelLinear(torch.nn.Module):
         self.weight_scale.copy_(s)
         if self.weight is not None:
             self.weight.copy_(self.dequantized_weight().to(self.weight.dtype))
+
+    @torch.no_grad()
+    def load_checkpoint(self, tensors, name: str, *, rank: int | None = None, world: int | None = None,
+                        config: dict | None = None, requantize: bool = False) -> None:
+        """Load this rank's K shard of the fp8 checkpoint weight ``tensors[name]`` (the whole
+        ``[out_features, K]`` weight, its scale beside it): read (:func:`cco.nn.checkpoint.read_fp8_weight`),
+        converted to the layer's ``quant`` where that is exact, sharded on K over ``rank``/``world``
+        (default: the layer's group) in whole scale blocks, padded, :meth:`load_fp8`. Not collective.
+
+        The layer must be built with ``in_features_per_rank`` = the shard width
+        (:func:`cco.nn.checkpoint.shard_width`: ``ceil(K / world)`` wherever that is whole blocks) and
+        the checkpoint's quant, or one its scales convert to exactly. Otherwise ValueError says what to
+        build; ``requantize=True`` instead dequantizes the weight and quantizes it again in the layer's
+        quant (lossy: a second fp8 rounding), rank ``r`` taking columns ``[r * in_features_per_rank,
+        ...)``."""
+        fn = f"{_FN}.load_checkpoint"
+        rank = self.comm.rank if rank is None else rank
+        world = self.comm.world if world is None else world
+        n, k = self.out_features, self.in_features_per_rank
+        w = C.read_fp8_weight(tensors, name, config=config)
+        if w.shape[0] != n:
+            raise ValueError(f"{fn}: {name} has {w.shape[0]} output features but the layer has out_features={n}")
+        try:
+            w = C.convert_fp8_weight(w, self.quant)
+        except ValueError as err:
+            if not requantize:
+                raise ValueError(f"{fn}: {name} is a {w.source} checkpoint ({w.quant} scales) and the layer was built "
+                                 f"with quant={self.quant!r} ({err}). Build the layer with "
+                                 f"quant={w.quant!r} (RowParallelLinear(..., quant={w.quant!r})), or pass "
+                                 f"requantize=True to quantize the dequantized weight again as {self.quant} "
+                                 f"(lossy: a second fp8 rounding)") from None
+            k_total = w.shape[1]
+            start, stop = rank * k, min((rank + 1) * k, k_total)
+            if not 0 <= rank < world or k_total > world * k or start >= stop:
+                raise ValueError(f"{fn}: K={k_total} over world={world} does not fit in_features_per_rank={k} on "
+                                 f"rank {rank}; build the layer with in_features_per_rank={-(-k_total // world)}")
+            part = C.dequantize(w)[:, start:stop]
+            self.load_weight(torch.nn.functional.pad(part, (0, k - (stop - start))))
+            return
+        width = C.shard_width(w, world=world, dim=1)
+        if width != k:
+            block = C.block_of(w.quant, 1)
+            raise ValueError(f"{fn}: {name}'s K={w.shape[1]} over world={world} in whole {w.quant} blocks of {block} "
+                             f"gives shards {width} wide, but the layer has in_features_per_rank={k}; build it with "
+                             f"in_features_per_rank={width} (the last rank's shard is padded with zeros"
+                             f"{', and so is its input' if width * world > w.shape[1] else ''})")
+        shard = C.pad_fp8_weight(C.shard_fp8_weight(w, rank=rank, world=world, dim=1), n=n, k=k)
+        self.load_fp8(shard.qweight, shard.scale)
 
     def _check_shape(self, t, arg: str, shape, verb: str) -> None:
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
