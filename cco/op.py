@@ -43,7 +43,7 @@ Contracts:
   after ``check()``: a read before it returns by the deadline too, but while it waits in the driver
   the release's NaN fill cannot land, so on the copy-engine path only this rank's own columns of
   the released output are NaN (the rest may hold stale bytes); ``check()`` raises either way
-  (docs/BENCHMARKS.md, "Faults and deadlines on the GPU"). Close a failed op and build a new one
+  (docs/experiments.md, "Faults and deadlines on the GPU"). Close a failed op and build a new one
   (and a new communicator if a rank died); its window stays mapped until the process exits (a peer
   late for the failed call may still write into it).
 - Rejected inputs: a call whose inputs fail validation (TypeError / ValueError naming the argument)

@@ -42,7 +42,7 @@ blocked work is released and the context stays usable::
    (``out.cpu()`` before ``check()``), the driver holds every other thread's copies, memsets,
    kernel launches and event records until that copy is done, which is never before the release;
    a stream write-value and an event query still go through (measured on an H200,
-   docs/BENCHMARKS.md, "Faults and deadlines on the GPU"). The fill then goes out late, and the
+   docs/experiments.md, "Faults and deadlines on the GPU"). The fill then goes out late, and the
    host read sees the call's own columns NaN (its reduce) and stale bytes in the peers' columns of
    the dma path: the error, raised by ``check()``, is what marks the output bad.
 3. Errors: the op is *failed* from then on (its words are no longer in step with the peers'). The

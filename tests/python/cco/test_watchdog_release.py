@@ -3,7 +3,7 @@
 On an H200, while one host thread copies a stuck call's output to pageable memory (``out.cpu()``
 before ``op.check()``), the driver holds every other thread's copies, memsets, kernel launches and
 event records until that copy is done, which it never is before the release; stream write-values
-and event queries still go through (docs/BENCHMARKS.md, "Faults and deadlines on the GPU"). So the
+and event queries still go through (docs/experiments.md, "Faults and deadlines on the GPU"). So the
 deadline's thread makes no copy before its release (its diagnosis reads are bounded,
 ``DIAGNOSIS_WAIT_S``; the monitor's reads run on a thread of their own), the NaN fill runs on a
 worker whose landing the release waits for only ``POISON_WAIT_S``, and the release proper is made
