@@ -8,7 +8,7 @@ Loading a checkpoint (transformers reads each rank's shard; every rank runs thes
     plan = cco_hf.tp_plan(path, quant="ptpc", m_max=4096)        # the model's plan, "rowwise" -> cco
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
                                                  distributed_config=DistributedConfig(tp_plan=plan))
-    cco_hf.fuse(model)     # optional: swap in the fused layers now (before torch.compile); else the first forward does
+    cco_hf.fuse(model)     # optional: swap in the fused layers now; else the first forward does
 
 A model already loaded whole on every rank, parallelized in place::
 
@@ -42,8 +42,9 @@ other entry stays transformers' own. Families (transformers 5.17 plans):
   they go (a style name and the class that builds the layer).
 
 The fused layers are built once the shards are loaded: by :func:`fuse` (``parallelize`` calls it), or
-by each module's first forward. Building is collective over the tensor-parallel group; every rank
-swaps the same modules in the same order. The bf16 shard is dropped after the swap (the fp8 copy in
+by each module's first forward (outside any torch.compile graph: ``torch.compiler.disable``; calling
+``fuse`` first keeps that first compiled call free of graph breaks). Building is collective over the
+tensor-parallel group; every rank swaps the same modules in the same order. The bf16 shard is dropped after the swap (the fp8 copy in
 the layer is the weight): save checkpoints before fusing. The style names and hooks are those of
 transformers 5.17 (pinned in the ``hf`` extra).
 """
@@ -68,7 +69,8 @@ from transformers.distributed.tensor_parallel import (
 from cco.integrations.fused import FusedOptions, check_row_parallel, fuse_linear, fused_layer, run_fused
 
 TRANSFORMERS_VERSION = "5.17.0"  # the version whose style names and TensorParallelLayer hooks this module uses
-_PENDING = "_cco_pending"  # set on a module by a cco style: (style, mesh, name) until its layer is built
+_PENDING = "_cco_pending"  # set on a module by a cco style: (style, mesh) until its layer is built
+_NAME = "_cco_name"  # the module's name in the model, for messages
 
 
 def _hf_forward(style, module, mesh, *args, **kwargs):
@@ -76,19 +78,17 @@ def _hf_forward(style, module, mesh, *args, **kwargs):
     args, kwargs = style.transform_inputs_pre_forward(module, args, kwargs, mesh)  # this rank's Shard(-1) slice
     x = args[0].to_local() if isinstance(args[0], DTensor) else args[0]
     layer = fused_layer(module)
-    if layer is None:
-        if torch.compiler.is_compiling():
-            raise RuntimeError(f"FusedRowwise: {module.__dict__[_PENDING][2]!r} has no fused layer yet and it cannot be "
-                               f"built inside torch.compile (building is collective); call "
-                               f"cco.integrations.hf.fuse(model) before compiling")
+    if layer is None:  # the first forward after loading: build it (under torch.compile, a graph break)
         layer = _build(module)
     y = run_fused(layer, x)
     return y if style.use_local_output else DTensor.from_local(y, mesh, [Replicate()], run_check=False)
 
 
+@torch.compiler.disable  # collective host work (the group agrees on a verdict): never traced
 def _build(module):
-    style, mesh, name = module.__dict__[_PENDING]
-    layer = fuse_linear(module, group=mesh.get_group(), world=mesh.size(), options=style.options, name=name,
+    style, mesh = module.__dict__[_PENDING]
+    layer = fuse_linear(module, group=mesh.get_group(), world=mesh.size(), options=style.options,
+                        name=module.__dict__.get(_NAME, type(module).__name__),
                         fn="FusedRowwise")
     del module.__dict__[_PENDING]
     return layer
@@ -110,7 +110,8 @@ class FusedRowwise(RowwiseParallel):
     def validate_param(self, module, param, mesh, parameter_name=None):
         name = (parameter_name or param).rpartition(".")[0] or type(module).__name__
         check_row_parallel(module, name=name, world=mesh.size(), fn="FusedRowwise")
-        module.__dict__[_PENDING] = (self, mesh, name)
+        module.__dict__[_PENDING] = (self, mesh)
+        module.__dict__[_NAME] = name
 
     def install_forward(self, module, mesh):
         if _PENDING not in module.__dict__:  # a module without parameters never went through validate_param
@@ -193,8 +194,8 @@ def tp_plan(source, *, quant: str = "ptpc", m_max: int = 4096, auto_class=AutoMo
 
 def fuse(model: torch.nn.Module) -> list[str]:
     """Build the fused layer of every module under a cco style whose shards are loaded, now rather
-    than at its first forward (do it before ``torch.compile``). Collective over the tensor-parallel
-    group. Returns the names of the modules swapped by this call."""
+    than at its first forward. Collective over the tensor-parallel group. Returns the names of the
+    modules swapped by this call."""
     pending = [(name, m) for name, m in model.named_modules() if _PENDING in m.__dict__]
     if not pending and not any(fused_layer(m) is not None for m in model.modules()):
         raise ValueError("fuse: no module of this model is under a cco style; load it with "

@@ -23,39 +23,19 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from cco import layout
 from cco import quant as Q
 
 transformers = pytest.importorskip("transformers")
 from cco.integrations import hf as cco_hf  # noqa: E402
 from cco.integrations.fused import FusedOptions  # noqa: E402
-from examples.hf_generate import FP8_TOL, save_random_model, tiny_llama_config  # noqa: E402
+from examples.hf_generate import FP8_TOL, save_random_model  # noqa: E402
+from tests.python.cco.hf_models import emulate_fused, emulated_row_parallel, family_config  # noqa: E402
 
 EXACT_TOL = 1e-2  # rel. L2 against the emulated fused model: bf16 rounding of activations across 2 layers
 WORLD = 2
 M_MAX = 64
 SPAWN_TIMEOUT_S = 240
-
-_SMALL = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
-
-
-def family_config(family: str):
-    if family == "llama":
-        return tiny_llama_config()
-    if family in ("deepseek_v2", "deepseek_v3"):  # MLA attention; layer 0 dense, layer 1 MoE with a shared expert
-        cls = transformers.DeepseekV2Config if family == "deepseek_v2" else transformers.DeepseekV3Config
-        return cls(**{**_SMALL, "num_key_value_heads": 4}, moe_intermediate_size=128, q_lora_rank=None,
-                   kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=4,
-                   n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1)
-    cls = {"qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
-           "mistral": transformers.MistralConfig, "phi3": transformers.Phi3Config}[family]
-    if family == "phi3":  # its defaults name tokens of a 32k vocabulary
-        return cls(**_SMALL, pad_token_id=0, eos_token_id=1, bos_token_id=1)
-    return cls(**_SMALL)
-
 
 # ---- host -----------------------------------------------------------------------------------------
 ATTN, MLP = "model.layers.*.self_attn.o_proj", "model.layers.*.mlp.down_proj"
@@ -124,33 +104,6 @@ def test_cco_imports_without_transformers():
     assert proc.stdout.strip() == "hf needs transformers"
 
 
-# ---- the unfused references ---------------------------------------------------------------------
-def emulated_row_parallel(x, w, b, *, world: int, quant: str):
-    """``all_reduce(x_r @ W_r.T) + b`` with each rank's operands quantized as RowParallelLinear
-    quantizes them (K padded to whole 128 tiles), partials in fp32 rounded to bf16, summed in fp32."""
-    n, k = w.shape[0], w.shape[1] // world
-    kp = layout.padded_k(k)
-    x2 = x.reshape(-1, w.shape[1]).float()
-    total = 0
-    for r in range(world):
-        cols = slice(r * k, (r + 1) * k)
-        a, a_s = Q.quantize_a(F.pad(x2[:, cols], (0, kp - k)), quant)
-        q, q_s = Q.quantize_b(F.pad(w[:, cols].float(), (0, kp - k)), quant)
-        total = total + Q.reference_gemm(a, q, a_s, q_s, quant).float()
-    y = total.to(torch.bfloat16)
-    if b is not None:
-        y = y + b.to(torch.bfloat16)
-    return y.reshape(*x.shape[:-1], n).to(x.dtype)
-
-
-def emulate_fused(model, names, *, world: int, quant: str):
-    """``model`` (whole, one rank) with the modules ``names`` computing as the fused layers do."""
-    for name in names:
-        mod = model.get_submodule(name)
-        mod.forward = lambda x, mod=mod: emulated_row_parallel(x, mod.weight, mod.bias, world=world, quant=quant)
-    return model
-
-
 # ---- two ranks ------------------------------------------------------------------------------------
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "deepseek_v2")
 QUANT_OF = {"llama": "ptpc", "qwen2": "blockscale", "qwen3": "ptpc", "mistral": "mxfp8", "deepseek_v2": "ptpc"}
@@ -177,15 +130,21 @@ def _loaded_model_checks(comm, ckpts):
         plan = cco_hf.tp_plan(path, quant=quant, m_max=M_MAX)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
                                                      distributed_config=DistributedConfig(tp_size=WORLD, tp_plan=plan))
-        # qwen2 builds its fused layers in the first forward, the others through fuse()
-        names = [] if family == "qwen2" else cco_hf.fuse(model)
+        # qwen2 builds its fused layers in its first forward, compiled (dynamo only: inductor is slow
+        # here); the others through fuse()
+        compiled_equal = None
+        if family == "qwen2":
+            first = torch.compile(model.forward, backend="eager")(input_ids=ids).logits.float()
+            names = [n for n, m in model.named_modules() if "fused" in m._modules]
+        else:
+            names = cco_hf.fuse(model)
         logits = model(ids).logits.float()
         if family == "qwen2":
-            names = [n for n, m in model.named_modules() if "fused" in m._modules]
+            compiled_equal = torch.equal(first, logits)
         emu_logits = emulate_fused(ref, names, world=WORLD, quant=quant)(ids).logits.float()
         tokens = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
         out[family] = {"fused": names, "vs_bf16": Q.rel_l2(logits, ref_logits), "vs_emulated": Q.rel_l2(logits, emu_logits),
-                       "tokens": tokens.tolist(), "weights_left": [n for n in names
+                       "tokens": tokens.tolist(), "compiled_equal": compiled_equal, "weights_left": [n for n in names
                                                                    if model.get_submodule(n).weight is not None]}
     # an already-loaded model, parallelized in place
     path = ckpts["llama"]
@@ -291,6 +250,7 @@ def test_from_pretrained_with_the_cco_plan(ranks, family):
         assert got["weights_left"] == []  # the bf16 shard is dropped once the fp8 layer holds it
         assert got["vs_bf16"] <= FP8_TOL, got
         assert got["vs_emulated"] <= EXACT_TOL, got
+        assert got["compiled_equal"] is (True if family == "qwen2" else None)  # built lazily inside torch.compile
     assert ranks[0]["hf"][family]["tokens"] == ranks[1]["hf"][family]["tokens"]
 
 
