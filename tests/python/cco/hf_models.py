@@ -23,11 +23,16 @@ def family_config(family: str):
         return cls(**{**_SMALL, "num_key_value_heads": 4}, moe_intermediate_size=128, q_lora_rank=None,
                    kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=4,
                    n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1)
-    cls = {"qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
-           "mistral": transformers.MistralConfig, "phi3": transformers.Phi3Config}[family]
-    if family == "phi3":  # its defaults name tokens of a 32k vocabulary
-        return cls(**_SMALL, pad_token_id=0, eos_token_id=1, bos_token_id=1)
-    return cls(**_SMALL)
+    cls, extra = {"qwen2": (transformers.Qwen2Config, {}), "qwen3": (transformers.Qwen3Config, {}),
+                  "mistral": (transformers.MistralConfig, {}), "gemma3": (transformers.Gemma3TextConfig, {}),
+                  "olmo": (transformers.OlmoConfig, {}), "starcoder2": (transformers.Starcoder2Config, {}),
+                  "mixtral": (transformers.MixtralConfig, {"num_local_experts": 4}),
+                  "qwen3_moe": (transformers.Qwen3MoeConfig, {"num_experts": 4, "moe_intermediate_size": 128,
+                                                              "mlp_only_layers": [0]}),
+                  # its defaults name tokens of a 32k vocabulary
+                  "phi3": (transformers.Phi3Config, {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 1}),
+                  }[family]
+    return cls(**_SMALL, **extra)
 
 
 def emulated_row_parallel(x, w, b, *, world: int, quant: str):

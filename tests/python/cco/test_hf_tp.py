@@ -47,6 +47,9 @@ SHARED = "model.layers.*.mlp.shared_experts.down_proj"
     ("llama", {ATTN, MLP}), ("qwen2", {ATTN, MLP}), ("qwen3", {ATTN, MLP}), ("mistral", {ATTN, MLP}),
     ("deepseek_v2", {ATTN, MLP, SHARED}),
     ("deepseek_v3", {MLP, SHARED}),  # transformers 5.17 shards no DeepSeek-V3 attention
+    ("gemma3", {ATTN, MLP}), ("olmo", {ATTN, MLP}), ("starcoder2", {ATTN, "model.layers.*.mlp.c_proj"}),
+    ("mixtral", {ATTN}),  # every MLP is routed experts
+    ("qwen3_moe", {ATTN, MLP}),  # the dense layers' down_proj (mlp_only_layers)
 ])
 def test_plan_fuses_the_row_parallel_linears_and_keeps_the_rest(family, fused):
     config = family_config(family)
