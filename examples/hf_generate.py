@@ -16,7 +16,8 @@ the model's own tensor-parallel plan with the row-parallel layers fused (the thr
    model's tokens is printed, not checked: an fp8 rounding may flip a near tie.
 
 PASS when both hold. ``--compile`` compiles the model's forward (``torch.compile``) after the fused
-layers are built.
+layers are built. With ``--device cuda``, ranks may share a GPU (more ranks than GPUs); NCCL refuses
+two ranks on one device, so there ``lm_head`` stays whole on every rank instead of all-gathering.
 """
 
 from __future__ import annotations
@@ -67,13 +68,15 @@ def load_reference(path: str, device):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
 
 
-def load_tensor_parallel(path: str, *, quant: str, m_max: int):
+def load_tensor_parallel(path: str, *, quant: str, m_max: int, shared_gpu: bool = False):
     """The user's three lines: cco's plan, transformers' loader, the fused layers built."""
     from transformers import AutoModelForCausalLM, DistributedConfig
 
     from cco.integrations import hf as cco_hf
 
     plan = cco_hf.tp_plan(path, quant=quant, m_max=m_max)
+    if shared_gpu:  # NCCL refuses two ranks on one GPU: keep lm_head whole (its sharded form all-gathers)
+        plan.pop("lm_head", None)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
                                                  distributed_config=DistributedConfig(tp_plan=plan))
     return model, cco_hf.fuse(model)
@@ -100,7 +103,8 @@ def prompt(opts, model, path: str, device):
 def run(opts, path: str, device) -> dict:
     """One rank: the reference, the tensor-parallel model, both checks. Returns this rank's numbers."""
     ref = load_reference(path, device)
-    model, fused = load_tensor_parallel(path, quant=opts.quant, m_max=opts.m_max)
+    shared_gpu = device.type == "cuda" and torch.cuda.device_count() < dist.get_world_size()
+    model, fused = load_tensor_parallel(path, quant=opts.quant, m_max=opts.m_max, shared_gpu=shared_gpu)
     if opts.compile:
         model.forward = torch.compile(model.forward, dynamic=True)
     ids, mask = prompt(opts, model, path, device)

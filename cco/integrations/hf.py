@@ -51,11 +51,13 @@ transformers 5.17 (pinned in the ``hf`` extra).
 
 from __future__ import annotations
 
+import logging
 import os
 from functools import partial
 
 import torch
 import torch.distributed as dist
+import transformers
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers import AutoConfig, AutoModelForCausalLM, DistributedConfig, PretrainedConfig, PreTrainedModel
 from transformers.distributed.tensor_parallel import (
@@ -71,6 +73,11 @@ from cco.integrations.fused import FusedOptions, check_row_parallel, fuse_linear
 TRANSFORMERS_VERSION = "5.17.0"  # the version whose style names and TensorParallelLayer hooks this module uses
 _PENDING = "_cco_pending"  # set on a module by a cco style: (style, mesh) until its layer is built
 _NAME = "_cco_name"  # the module's name in the model, for messages
+log = logging.getLogger("cco.integrations")
+if transformers.__version__ != TRANSFORMERS_VERSION:
+    log.warning("cco.integrations.hf is tested with transformers %s, this is %s: its tensor-parallel style "
+                "names and hooks may differ (pip install cco[hf] pins it)", TRANSFORMERS_VERSION,
+                transformers.__version__)
 
 
 def _hf_forward(style, module, mesh, *args, **kwargs):
@@ -114,7 +121,7 @@ class FusedRowwise(RowwiseParallel):
         module.__dict__[_NAME] = name
 
     def install_forward(self, module, mesh):
-        if _PENDING not in module.__dict__:  # a module without parameters never went through validate_param
+        if _PENDING not in module.__dict__:  # no parameter went through validate_param: not a Linear, refused here
             check_row_parallel(module, name=type(module).__name__, world=mesh.size(), fn="FusedRowwise")
         module.forward = partial(_hf_forward, self, module, mesh)
         return module

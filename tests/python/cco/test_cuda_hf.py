@@ -45,7 +45,10 @@ PROMPT = (2, 64)  # batch x tokens of the prefill
 NEW_TOKENS = 8
 M_MAX = 512
 EMULATED_TOL = 2e-2  # vs the emulated fused model: two layers of bf16 GEMMs (cuBLAS on column slices vs whole)
-COMPILED_TOL = 1e-2  # compiled vs eager: inductor fuses the norms and the rotary embedding (other bf16 rounding)
+# compiled vs eager: inductor computes the norms and the rotary embedding in other bf16 roundings, and
+# an activation that rounds differently may land on another e4m3 value (1/16 apart) in the next fused
+# layer; 8e-3 measured on CPU ranks at the small dims. The fp8 budget vs bf16 holds both either way.
+COMPILED_TOL = 3e-2
 
 
 @pytest.mark.cuda
@@ -83,28 +86,15 @@ def _close(model) -> None:
             m.close()
 
 
-def _load_tp(path, quant, shared_gpu):
-    from transformers import AutoModelForCausalLM, DistributedConfig
-
-    from cco.integrations import hf as cco_hf
-
-    plan = cco_hf.tp_plan(path, quant=quant, m_max=M_MAX)
-    if shared_gpu:
-        plan.pop("lm_head")  # see the module's docstring: no NCCL all-gather between ranks on one device
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
-                                                 distributed_config=DistributedConfig(tp_plan=plan))
-    return model, cco_hf.fuse(model)
-
-
 @torch.no_grad()
 def check_quant(ctx, quant, log):
     from cco import quant as Q
-    from examples.hf_generate import FP8_TOL
+    from examples.hf_generate import FP8_TOL, load_tensor_parallel
     from tests.python.cco.hf_models import emulate_fused
 
     ref, ids = ctx["ref"](), ctx["ids"]
     ref_logits = ref(input_ids=ids, use_cache=False).logits.float()
-    model, names = _load_tp(ctx["path"], quant, ctx["shared_gpu"])
+    model, names = load_tensor_parallel(ctx["path"], quant=quant, m_max=M_MAX, shared_gpu=ctx["shared_gpu"])
     if len(names) != 2 * LAYERS:
         raise AssertionError(f"{quant}: fused {names}, expected o_proj and down_proj of {LAYERS} layers")
     eager = model(input_ids=ids, use_cache=False).logits.float()
@@ -158,6 +148,7 @@ def check_dtensor_style(ctx, log):
 
     from cco import quant as Q
     from cco.integrations.dtensor import FusedRowwiseParallel
+    from examples.hf_generate import FP8_TOL
     from tests.python.cco.hf_models import emulated_row_parallel
 
     dims, dev, world = ctx["dims"], ctx["device"], dist.get_world_size()
@@ -185,7 +176,7 @@ def check_dtensor_style(ctx, log):
     errs = {"eager vs emulated": (Q.rel_l2(y, emu), EMULATED_TOL), "compiled vs eager": (Q.rel_l2(yc, y), COMPILED_TOL)}
     if not ctx["shared_gpu"]:
         with torch.no_grad():
-            errs["eager vs torch RowwiseParallel"] = (Q.rel_l2(y, block(RowwiseParallel())(x)), 0.08)
+            errs["eager vs torch RowwiseParallel"] = (Q.rel_l2(y, block(RowwiseParallel())(x)), FP8_TOL)
     _agree(f"FusedRowwiseParallel [{inter} -> {hidden}]", errs)
     log(f"ok FusedRowwiseParallel {inter} -> {hidden}: " + ", ".join(f"{k} {v[0]:.1e}" for k, v in errs.items()))
     _close(fused)
