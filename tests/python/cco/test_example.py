@@ -29,3 +29,18 @@ def test_tp_mlp_under_torchrun():
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "PASS" in proc.stdout and "padded" in proc.stdout, proc.stdout  # 500 columns per rank: K padded
+
+
+def test_hf_generate_under_torchrun():
+    """``examples/hf_generate.py`` with no argument: a random Llama saved, loaded back through the cco
+    plan on 2 CPU ranks, prefill within the fp8 budget and greedy tokens identical on both ranks."""
+    pytest.importorskip("transformers")
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "examples.hf_generate"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert out.rstrip().endswith("PASS"), out
+    assert "fused: 4 layers (model.layers.*.mlp.down_proj, model.layers.*.self_attn.o_proj)" in out, out
+    assert "identical on every rank -> ok" in out and "bias=True" in out, out

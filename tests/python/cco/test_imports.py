@@ -181,7 +181,17 @@ def test_backends_do_not_import_the_op(graph):
 
 def test_runtime_never_imports_the_layers(graph):
     """``cco.nn`` builds on the runtime (op, communicator, torch.library ops); the runtime, the
-    kernels and the tools stay usable without it."""
-    bad = [f"{m} -> {d}" for m in sorted(graph) if not within(m, "cco.nn")
+    kernels and the tools stay usable without it. Its one user inside the package is
+    ``cco.integrations`` (the frameworks' styles that build the layers)."""
+    bad = [f"{m} -> {d}" for m in sorted(graph) if not within(m, "cco.nn") and not within(m, "cco.integrations")
            for d in sorted(graph[m]) if within(d, "cco.nn")]
+    assert bad == [], "\n".join(bad)
+
+
+def test_nothing_imports_the_integrations(graph):
+    """``cco.integrations`` sits on top (transformers and torch's parallel styles around the layers):
+    nothing else in the package imports it, so ``cco`` imports without transformers."""
+    assert "cco.integrations.hf" in graph and "cco.nn" in graph["cco.integrations.fused"]
+    bad = [f"{m} -> {d}" for m in sorted(graph) if not within(m, "cco.integrations")
+           for d in sorted(graph[m]) if within(d, "cco.integrations")]
     assert bad == [], "\n".join(bad)

@@ -1,0 +1,148 @@
+"""The swap both integrations share: a row-parallel ``nn.Linear`` whose weight a framework has sharded
+(a DTensor ``Shard(-1)`` on a 1-D mesh) becomes a :class:`cco.nn.RowParallelLinear`.
+
+Unfused equivalent, what the framework's own row-wise style computes on every rank ``r``::
+
+    y = all_reduce(x_r @ W_r.T) + b          # x_r: this rank's K slice; b, replicated, added once
+
+The fused layer computes the same with ``x_r`` and ``W_r`` in fp8 (``FusedOptions.quant``) and the GEMM
+fused with the all-reduce; its output is already reduced, so the framework's own reduce must not run
+again. The framework has already loaded this rank's shard into ``weight`` (transformers from the
+checkpoint, torch by ``distribute_tensor``); the swap quantizes that shard once, keeps the bias for
+after the reduce, and drops the bf16 weight (the fp8 copy in the fused layer is the one the forward
+reads; save a checkpoint before fusing, not after).
+
+Contracts: building the fused layer is collective over the mesh's group (``RowParallelLinear``'s
+constructor agrees on one verdict), so every rank swaps the same modules in the same order. The checks
+here read only the module's global shape and the mesh size, the same on every rank: a refused module
+is refused by every rank before any collective starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+from cco import quant as Q
+from cco.nn import RowParallelLinear
+from cco.nn.linear import MODES
+from cco.op import DEFAULT_DEADLINE_S
+
+FUSED_CHILD = "fused"  # the child of a swapped nn.Linear that holds its RowParallelLinear
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedOptions:
+    """How the fused layers of a plan are built (``cco.nn.RowParallelLinear``'s options).
+
+    quant: "ptpc" | "blockscale" | "mxfp8". m_max: tokens one fused call takes (sizes the window the
+    layers of one shape share; longer calls run in pieces). mode: "fused" | "split" | "unfused".
+    transport, gather_dtype, chunks, deadline_s: the op's (``cco.op.GemmAllReduceOp``).
+    """
+
+    quant: str = "ptpc"
+    m_max: int = 4096
+    mode: str = "fused"
+    transport: str | None = None
+    gather_dtype: str = "bf16"
+    chunks: int | tuple | None = None
+    deadline_s: float = DEFAULT_DEADLINE_S
+
+    def __post_init__(self):
+        fn = "FusedOptions"
+        Q.check_quant(self.quant, fn=fn)
+        if not isinstance(self.m_max, int) or isinstance(self.m_max, bool) or self.m_max < 1:
+            raise ValueError(f"{fn}: m_max={self.m_max!r} must be a positive int (tokens one fused call takes)")
+        if self.mode not in MODES:
+            raise ValueError(f"{fn}: mode={self.mode!r} is not supported; pass one of {', '.join(MODES)}")
+        if isinstance(self.chunks, list):  # a plan's options must hash: relative chunk sizes as a tuple
+            object.__setattr__(self, "chunks", tuple(self.chunks))
+
+    def layer_kwargs(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def tag(self) -> str:
+        """A stable text of the options that differ from the defaults, quant and m_max always: the
+        suffix of a registered style's name, the same on every rank for the same options."""
+        default = FusedOptions()
+        items = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+                 if f.name in ("quant", "m_max") or getattr(self, f.name) != getattr(default, f.name)]
+        return ",".join(items).replace(" ", "")
+
+
+def check_row_parallel(module, *, name: str, world: int, fn: str) -> None:
+    """Refuse a module the fused row-parallel layer cannot stand in for, naming it and the fix.
+    Reads only global shapes and ``world``: every rank reaches the same verdict."""
+    if not isinstance(module, torch.nn.Linear):
+        raise TypeError(f"{fn}: {name!r} is a {type(module).__name__}, not a torch.nn.Linear; the fused row-parallel "
+                        f"style replaces a Linear's GEMM + all-reduce. Keep the framework's own style for this "
+                        f"module (e.g. 'rowwise'), or name a Linear in the plan")
+    if module.in_features % world:
+        raise ValueError(f"{fn}: {name!r} has in_features={module.in_features}, which does not split evenly over "
+                         f"{world} ranks (every rank's K slice must be the same size); use a tensor-parallel size "
+                         f"that divides {module.in_features}, or keep the framework's own style for this module")
+
+
+def fused_layer(module) -> RowParallelLinear | None:
+    """The fused layer a swapped module holds, or None."""
+    layer = module._modules.get(FUSED_CHILD)
+    return layer if isinstance(layer, RowParallelLinear) else None
+
+
+def _local_weight(weight, *, name: str, world: int, fn: str) -> torch.Tensor:
+    if not isinstance(weight, DTensor):
+        raise TypeError(f"{fn}: {name}.weight is a plain {type(weight).__name__}; the framework's tensor-parallel "
+                        f"style must shard it first (a DTensor Shard(-1)): apply the style through "
+                        f"parallelize_module or a transformers tp_plan rather than calling this directly")
+    placements = tuple(weight.placements)
+    if len(placements) != 1 or not isinstance(placements[0], Shard) or placements[0].dim not in (1, -1):
+        raise ValueError(f"{fn}: {name}.weight has placements {placements}; the fused row-parallel layer takes a "
+                         f"weight sharded along its input features (Shard(-1)) on a 1-D mesh")
+    local = weight.to_local()
+    if tuple(local.shape) != (weight.shape[0], weight.shape[1] // world):
+        raise ValueError(f"{fn}: {name}.weight's local shard is {list(local.shape)}, expected "
+                         f"[{weight.shape[0]}, {weight.shape[1] // world}] for {world} ranks")
+    return local
+
+
+def _local_bias(bias, *, name: str, fn: str):
+    if bias is None:
+        return None
+    if isinstance(bias, DTensor):
+        if not all(p.is_replicate() for p in bias.placements):
+            raise ValueError(f"{fn}: {name}.bias has placements {tuple(bias.placements)}; a row-parallel bias is "
+                             f"replicated (added once, after the reduce)")
+        return bias.to_local()
+    return bias
+
+
+@torch.no_grad()
+def fuse_linear(module: torch.nn.Linear, *, group, world: int, options: FusedOptions, name: str,
+                fn: str = "fuse_linear") -> RowParallelLinear:
+    """Swap ``module``'s sharded GEMM + all-reduce for a fused :class:`RowParallelLinear` (held as the
+    child ``fused``); idempotent. Collective over ``group`` (every rank, same modules, same order)."""
+    done = fused_layer(module)
+    if done is not None:
+        return done
+    check_row_parallel(module, name=name, world=world, fn=fn)
+    w = _local_weight(module.weight, name=name, world=world, fn=fn)
+    b = _local_bias(module.bias, name=name, fn=fn)
+    layer = RowParallelLinear(w.shape[1], module.out_features, group=group, bias=b is not None,
+                              **options.layer_kwargs())
+    layer.load_weight(w)
+    if b is not None:
+        layer.bias.copy_(b)
+    module.add_module(FUSED_CHILD, layer)
+    # the fp8 copy in the layer is the weight from now on; the bf16 shard and bias would only hold memory
+    module.weight = None
+    module.bias = None
+    return layer
+
+
+def run_fused(layer: RowParallelLinear, x_local: torch.Tensor) -> torch.Tensor:
+    """The fused layer on this rank's K slice; the output (reduced, the same on every rank) in the
+    input's dtype, as the Linear it stands in for returns it."""
+    y = layer(x_local)
+    return y if y.dtype == x_local.dtype else y.to(x_local.dtype)
