@@ -17,6 +17,7 @@ PY=${PYTHON:-python3}
 MODULES=(
   "cuda_op|420|$PY -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.python.cco.test_cuda_op"
   "cuda_nn|420|$PY -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.python.cco.test_cuda_nn"
+  "cuda_hf|420|$PY -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.python.cco.test_cuda_hf"
   "cuda_faults_dma|480|$PY -m tests.python.cco.test_cuda_faults --launch --transport dma --timeout 450"
   "cuda_faults_lsa|480|$PY -m tests.python.cco.test_cuda_faults --launch --transport lsa --timeout 450"
 )
