@@ -53,14 +53,27 @@ _FN = "RowParallelLinear"
 _E8M0_ONE = 127  # e8m0 bits of 2**0: the scale of the zero padding of an mxfp8 weight
 
 
-def quantize_activation(x: torch.Tensor, quant: str, *, k_padded: int):
+def quantize_activation(x: torch.Tensor, quant: str, *, k_padded: int, m_padded: int | None = None):
     """The layer's activation quantizer on ``x``'s device: Triton on GPUs (NVIDIA and ROCm), torch on
-    the CPU; ``(e4m3 [M, k_padded], scale)`` in the layout of ``quant``."""
+    the CPU; ``(e4m3 [m_padded, k_padded], scale)`` in the layout of ``quant``, rows past M zero."""
     if x.device.type == "cuda":
         from kernels_fused.hopper.quantize import quantize_activation as on_gpu
-        return on_gpu(x, quant, k_padded=k_padded)
+        return on_gpu(x, quant, k_padded=k_padded, m_padded=m_padded)
     from kernels_fused.cpu.quantize import quantize_activation as on_cpu
+    if m_padded is not None and m_padded != x.shape[0]:
+        x = torch.nn.functional.pad(x, (0, 0, 0, m_padded - x.shape[0]))
     return on_cpu(x, quant, k_padded=k_padded)
+
+
+def untraced(x: torch.Tensor) -> bool:
+    """Whether nothing records a call on ``x``: a plain tensor (not a FakeTensor, a functional or
+    proxy tensor, a DTensor or another subclass), outside torch.compile / torch.export, with no
+    dispatch mode on the stack (make_fx, FakeTensorMode), no functorch transform, no
+    ``torch.jit.trace``. There the layer's forward calls its body directly instead of
+    ``torch.ops.cco.row_parallel_linear``: the dispatcher and the op's autograd wrapper cost an
+    eager decode-sized call tens of microseconds of host time (docs/decode.md)."""
+    return (type(x) is torch.Tensor and not torch.compiler.is_compiling() and not torch._C._len_torch_dispatch_stack()
+            and torch._C._functorch.maybe_current_level() is None and torch._C._get_tracing_state() is None)
 
 
 def _mib(nbytes: int) -> str:
@@ -123,8 +136,12 @@ class RowParallelLinear(torch.nn.Module):
         self.shape = plan
         self.n_padded, self.k_padded = plan.n_padded, plan.k_padded
         self.op = None
+        self._row_multiple = 1  # rows a call is padded to a multiple of (zero rows, see _rows)
         if self.fallback_reason is None:
             self.weight_layout = weight_layout
+            if quant == "blockscale" and self.device.type == "cuda" and not getattr(torch.version, "hip", None):
+                from kernels_fused.hopper.vendor import BLOCKWISE_ROW_MULTIPLE
+                self._row_multiple = BLOCKWISE_ROW_MULTIPLE
             self.op = self._pool.acquire(self.comm, n=self.n_padded, k=self.k_padded, m_max=m_max,
                                          deadline_s=deadline_s, weight_layout=weight_layout, **op_options)
         else:
@@ -259,6 +276,12 @@ class RowParallelLinear(torch.nn.Module):
                 self.op.reject(err)
             raise err
         qweight, scale = self.quantized_weight()
+        # an eager inference call (no gradient to record, nothing tracing it) skips the registered op,
+        # whose result it is, bit for bit; compile, export and autograd go through the op
+        if not (torch.is_grad_enabled() and (x.requires_grad or (self.bias is not None and self.bias.requires_grad)
+                                             or (self.weight is not None and self.weight.requires_grad))) \
+                and untraced(x):
+            return self._cco_forward(x, qweight, scale, self.bias)
         return torch.ops.cco.row_parallel_linear(x, qweight, scale, self.bias, self.weight, self._handle,
                                                  self.out_features)
 
@@ -284,9 +307,16 @@ class RowParallelLinear(torch.nn.Module):
 
     def _rows(self, x2, qweight, scale) -> torch.Tensor:
         """bf16 [rows, n_padded]: one collective call."""
-        a, a_scale = quantize_activation(x2, self.quant, k_padded=self.k_padded)
+        m = x2.shape[0]
         if self.op is not None:
-            return self.op(a, qweight, a_scale, scale)
+            # cuBLAS's blockwise GEMM takes a multiple of 4 rows only: quantize into zero rows up to one
+            # (no copy; every rank pads alike) rather than fall back to the own kernel at decode sizes
+            rows = -(-m // self._row_multiple) * self._row_multiple
+            rows = rows if rows <= self.m_max else m
+            a, a_scale = quantize_activation(x2, self.quant, k_padded=self.k_padded, m_padded=rows)
+            out = self.op(a, qweight, a_scale, scale)
+            return out if rows == m else out[:m]
+        a, a_scale = quantize_activation(x2, self.quant, k_padded=self.k_padded)
         partial = Q.reference_gemm(a, self._row_major(qweight), a_scale, scale, self.quant).float()
         dist.all_reduce(partial, group=self._reduce_group)
         return partial.to(torch.bfloat16)
