@@ -311,8 +311,7 @@ class RowParallelLinear(torch.nn.Module):
         if self.op is not None:
             # cuBLAS's blockwise GEMM takes a multiple of 4 rows only: quantize into zero rows up to one
             # (no copy; every rank pads alike) rather than fall back to the own kernel at decode sizes
-            rows = -(-m // self._row_multiple) * self._row_multiple
-            rows = rows if rows <= self.m_max else m
+            rows = self._rows_for(m)
             a, a_scale = quantize_activation(x2, self.quant, k_padded=self.k_padded, m_padded=rows)
             out = self.op(a, qweight, a_scale, scale)
             return out if rows == m else out[:m]
@@ -320,6 +319,12 @@ class RowParallelLinear(torch.nn.Module):
         partial = Q.reference_gemm(a, self._row_major(qweight), a_scale, scale, self.quant).float()
         dist.all_reduce(partial, group=self._reduce_group)
         return partial.to(torch.bfloat16)
+
+    def _rows_for(self, m: int) -> int:
+        """Rows the op runs for a call of ``m`` rows: ``m`` padded with zero rows to a multiple of
+        ``_row_multiple`` while that stays within ``m_max``."""
+        rows = -(-m // self._row_multiple) * self._row_multiple
+        return rows if rows <= self.m_max else m
 
     def _cco_backward(self, grad, x, qweight, scale, *, input_grad: bool, weight_grad: bool, bias_grad: bool):
         """(grad_x, grad_master_weight, grad_bias) for ``grad`` of the output: no communication."""
