@@ -257,11 +257,15 @@ def time_decode(dec, args, time_back_to_back) -> dict:
             dec.step()
 
     dec.prefill()
+    # transformers' static cache counts its own length (a device tensor per layer): reset it too
+    lengths = [(layer.cumulative_length, layer.cumulative_length.clone()) for layer in dec.cache.layers]
     snapshot = (dec.ids.clone(), dec.pos.clone())
 
     def reset():
         dec.ids.copy_(snapshot[0])
         dec.pos.copy_(snapshot[1])
+        for length, start in lengths:
+            length.copy_(start)
 
     dec.prefill_state = reset
     t = time_back_to_back({"eager": eager}, calls=1, passes=args.repeats, warmup=1)["eager"]
@@ -271,6 +275,7 @@ def time_decode(dec, args, time_back_to_back) -> dict:
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
+            reset()
             for _ in range(3):
                 dec.step()
         torch.cuda.current_stream().wait_stream(s)

@@ -31,7 +31,7 @@ from cco.bench.timing import graphed, idle_check, time_arms
 
 DEFAULT_M = (1, 16, 128, 1024, 4096, 16384)
 DEFAULT_K = (2048, 2368)  # 2368: Qwen2.5-7B's MLP at TP 8, padded to 2432
-SPLIT_COMPARE_MAX_M = 256  # ptpc: up to here the split-row and the two-pass kernels are timed beside the rule's
+SPLIT_COMPARE_MAX_M = 4096  # ptpc: up to here the split-row and the two-pass kernels are timed beside the rule's
 
 
 def parse_args(argv=None):

@@ -42,13 +42,16 @@ from cco.quant import _TINY, E8M0, FP8, FP8_MAX, MX_GROUP, QUANTS, SCALE_BLOCK
 PTPC_BLOCK_M, PTPC_BLOCK_K = 4, 1024
 GROUP_BLOCK_M, GROUP_BLOCK_K = 8, 512
 NUM_WARPS = 4
-# Decode-sized ptpc calls (at most PTPC_SPLIT_MAX_M rows) split each row over programs
-# (quantize_ptpc_split_kernel): the two-pass kernel ran one program per 4 rows, ~70 us of GPU time at
-# M = 1, K = 14336 on an H200 (2026-12-02), one SM walking the row twice in 1024-wide steps. A row's
+# Calls of at most PTPC_SPLIT_MAX_M rows split each row over programs (quantize_ptpc_split_kernel):
+# the two-pass kernel runs one program per 4 rows, one SM walking them twice in 1024-wide steps.
+# Measured on one H100 (2026-12-02, scripts/bench_quantize.py --graph, one call per replay, so ~10 us
+# of each figure is the replay's own cost), split / two-pass us: M=1 K=14336 13.1 / 72.0, K=16384
+# 20.4 / 82.0; M=64 17.6 / 28.4, 18.3 / 31.3; M=256 16.7 / 29.5, 16.2 / 33.9; at K=4096 equal from
+# M=8 on (docs/decode.md). Above 256 rows the two-pass kernel stays, as timed before. A row's
 # amax is read in one load of up to SPLIT_ROW_BLOCK columns; each program quantizes SLICE_K >=
 # SPLIT_SLICE_MIN columns, with about SPLIT_PROGRAMS programs in all (every program re-reads its
 # row's amax from L2, so more programs than SMs only adds L2 reads). docs/decode.md times it.
-PTPC_SPLIT_MAX_M = 64
+PTPC_SPLIT_MAX_M = 256
 SPLIT_ROW_BLOCK = 16384
 SPLIT_SLICE_MIN = 1024
 SPLIT_PROGRAMS = 256
