@@ -317,11 +317,11 @@ def summary(pass_us, tokens: int) -> dict:
 # --------------------------------------------------------------------------------------------------
 # per call
 # --------------------------------------------------------------------------------------------------
-def per_call_runs(args, comm, device) -> list[dict]:
+def per_call_runs(args, comm, device, *, into: list, after_shape=lambda: None) -> list[dict]:
     from cco.bench.timing import time_arms, time_back_to_back
     from cco.nn.linear import quantize_activation
 
-    rows = []
+    rows = into
     world = comm.world
     for name, (n, k) in shapes(args.shapes).items():
         g = torch.Generator(device="cpu").manual_seed(0)
@@ -368,6 +368,7 @@ def per_call_runs(args, comm, device) -> list[dict]:
                 print(line, flush=True)
         for layer in layers.values():
             layer.close()
+        after_shape()
     return rows
 
 
@@ -467,6 +468,12 @@ def main(argv=None):
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "command": "python3 -m scripts.bench_decode " + " ".join(sys.argv[1:] if argv is None else argv),
               "world": comm.world}
+
+    def save():  # after every section and shape: a run cut short keeps what it measured
+        if comm.rank == 0 and args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+
     with comm:
         if not args.smoke:
             from cco.window import ranks_share_a_device
@@ -475,16 +482,16 @@ def main(argv=None):
         if comm.world == 1 and not args.per_call_only:
             result["model"] = {"layers": args.layers, "hidden": args.hidden, "intermediate": args.intermediate,
                                "prompt": args.prompt, "tokens": args.tokens, "runs": model_runs(args, comm, device)}
-        if not args.model_only and not args.smoke:
-            result["per_call"] = per_call_runs(args, comm, device)
+            save()
+            if args.plot and comm.rank == 0:
+                plot(result["model"]["runs"], args.plot)
         if args.profile and comm.rank == 0 and comm.world == 1 and args.json:
             profile_calls(args, comm, device, os.path.splitext(args.json)[0] + "_profile.txt")
+        if not args.model_only and not args.smoke:
+            result["per_call"] = []
+            per_call_runs(args, comm, device, into=result["per_call"], after_shape=save)
+        save()
         if comm.rank == 0:
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump(result, f, indent=1)
-            if args.plot and "model" in result:
-                plot(result["model"]["runs"], args.plot)
             print("RESULT_JSON " + json.dumps(result), flush=True)
 
 
