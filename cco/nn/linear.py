@@ -15,7 +15,10 @@ tiles), quantizes it, and lays it out in the order the backend's kernel reads (`
 gfx950 kernel and the CPU reference, row-major for the Triton kernels). Per call: flattens the
 leading dimensions, quantizes the activations on their device in one kernel that also writes the
 zero K padding (Triton on GPUs, torch on the CPU), runs the op (calls of more than ``m_max`` rows in
-pieces of ``m_max``), drops the padded output columns, adds the bias.
+pieces of ``m_max``), drops the padded output columns, adds the bias. blockscale calls on NVIDIA are
+quantized into zero rows up to a multiple of 4 (what cuBLAS's blockwise GEMM takes; the output keeps
+the caller's rows). An eager inference call that nothing traces (:func:`untraced`, no gradient to
+record) runs this body directly; everything else goes through ``torch.ops.cco.row_parallel_linear``.
 
 Where the fused op cannot run (a backend that refuses the shape even padded, a device it does not
 run on, ``mode="unfused"``), the layer runs the unfused equivalent above (a GEMM of the same
