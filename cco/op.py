@@ -81,6 +81,7 @@ Contracts:
 from __future__ import annotations
 
 import secrets
+import weakref
 
 import torch
 
@@ -102,11 +103,12 @@ _CALL = f"{_FN}.__call__"
 # (docs/hopper_gemm.md: the host time of an eager call)
 ACCEPTED_SIGNATURES = 16
 PLAIN_PLANS = 64
+KEPT_WEIGHTS = 512  # weights whose plain launches an op keeps: every layer of its shape in a large model
 
 
 class _PlainLaunches:
-    """What a plain call (gemm-only, or one rank) needs beyond its GEMM, kept while the weight is
-    the same: per activation layout, the backend's launch with the weight bound
+    """What a plain call (gemm-only, or one rank) needs beyond its GEMM, kept per weight while the
+    weight is the same: per activation layout, the backend's launch with the weight bound
     (``Backend.plain_launcher``; where it has none, ``gemm_out`` with the plan of the call's M
     bound). The weight is "the same" while the caller passes the same two tensor objects with the
     same version counters (every in-place change of data or metadata bumps them) and addresses
@@ -114,37 +116,47 @@ class _PlainLaunches:
     ones taken). So an eager call at decode sizes pays one small tuple's lookup, not the full
     checks, the rule and the weight's key (docs/hopper_gemm.md).
 
+    One entry per weight (up to ``KEPT_WEIGHTS``): the layers of one shape share one op
+    (``cco.nn.WindowPool``), and a model calls them in turn, so an op that kept only the last weight
+    would miss on every call of a decode step (docs/decode.md). An entry lives as long as its weight
+    tensor objects: it holds them weakly and is dropped when either dies (a trainable layer's
+    weight, quantized afresh every step, leaves no entries behind), so an ``id`` in the key always
+    names the live tensor it was taken from. It holds what its launches bound (mxfp8 on Hopper: the
+    weight's bf16 copy, ``kernels_fused.hopper.vendor.prepare_weight``).
+
     The lookup is keyed by the activations' shapes and strides only, and the entry holds the dtypes
     and the device that passed the checks, compared by identity and equality: hashing a dtype or a
     device costs more than the rest of the lookup (~0.3 us of ~1 us on a CPU host)."""
 
     def __init__(self, backend, device: torch.device):
         self.backend, self.device = backend, device
-        # (b_pre, b_scale, their versions and addresses, aliases, the backend's plain_epoch); () none
-        self.weight: tuple = ()
-        self.by_layout: dict = {}  # _activation_layout -> (a dtype, a_scale dtype, launch)
+        # (id(b_pre), id(b_scale)) -> (weight, by_layout): weight = (weak references to b_pre and
+        # b_scale, their versions and addresses, aliases, the backend's plain_epoch); by_layout:
+        # _activation_layout -> (a dtype, a_scale dtype, launch)
+        self.weights: dict = {}
 
     def clear(self) -> None:
-        self.weight, self.by_layout = (), {}
+        self.weights = {}
 
-    def _holds(self, b_pre, b_scale) -> bool:
-        """Whether the kept launches were bound to these weight tensors, unchanged since, under the
-        backend's current ``plain_epoch``."""
-        w = self.weight
-        return bool(w) and b_pre is w[0] and b_scale is w[1] and b_pre._version == w[2] and \
-            b_scale._version == w[3] and b_pre.data_ptr() == w[4] and b_scale.data_ptr() == w[5] and \
-            w[7] == self.backend.plain_epoch
+    def _holds(self, w, b_pre, b_scale) -> bool:
+        """Whether the kept weight ``w`` is these weight tensors, unchanged since, under the backend's
+        current ``plain_epoch``."""
+        return w[0]() is b_pre and w[1]() is b_scale and b_pre._version == w[2] and b_scale._version == w[3] and \
+            b_pre.data_ptr() == w[4] and b_scale.data_ptr() == w[5] and w[7] == self.backend.plain_epoch
 
     def launch_for(self, a, b_pre, a_scale, b_scale):
         """The kept launch of an accepted call like this one, or None. (``_holds`` and
         ``_activation_layout`` written out: each frame costs an eager call ~0.2 us on an H200 host;
         tests/python/cco/test_plain_launches.py holds both copies to the same cases.)"""
-        w = self.weight
-        if not (w and b_pre is w[0] and b_scale is w[1] and b_pre._version == w[2] and b_scale._version == w[3]
+        entry = self.weights.get((id(b_pre), id(b_scale)))
+        if entry is None:
+            return None
+        w = entry[0]
+        if not (w[0]() is b_pre and w[1]() is b_scale and b_pre._version == w[2] and b_scale._version == w[3]
                 and b_pre.data_ptr() == w[4] and b_scale.data_ptr() == w[5] and w[7] == self.backend.plain_epoch):
             return None
         try:
-            kept = self.by_layout.get((a.shape, a.stride(), a_scale.shape, a_scale.stride()))
+            kept = entry[1].get((a.shape, a.stride(), a_scale.shape, a_scale.stride()))
             if kept is None or a.dtype is not kept[0] or a_scale.dtype is not kept[1] or \
                     a.device != self.device or a_scale.device != self.device:
                 return None
@@ -154,13 +166,23 @@ class _PlainLaunches:
 
     def keep(self, a, b_pre, a_scale, b_scale, launch) -> None:
         """Keep ``launch(a, a_scale)`` for calls like this accepted one (its operands passed ``_check``)."""
-        if not self._holds(b_pre, b_scale):  # every other M's launch is bound to the old weight
-            self.by_layout = {}
-        self.weight = (b_pre, b_scale, b_pre._version, b_scale._version, b_pre.data_ptr(), b_scale.data_ptr(),
-                       (b_pre.detach(), b_scale.detach()), self.backend.plain_epoch)
-        if len(self.by_layout) >= ACCEPTED_SIGNATURES:
-            self.by_layout.clear()
-        self.by_layout[_activation_layout(a, a_scale)] = (a.dtype, a_scale.dtype, launch)
+        key = (id(b_pre), id(b_scale))
+        entry = self.weights.get(key)
+        if entry is None or not self._holds(entry[0], b_pre, b_scale):  # its other Ms' launches: the old weight's
+            if entry is None and len(self.weights) >= KEPT_WEIGHTS:
+                self.weights.pop(next(iter(self.weights)))
+            weights = self.weights
+
+            def drop(_, key=key):  # either weight tensor died: its entry (and what it bound) goes
+                weights.pop(key, None)
+            weight = (weakref.ref(b_pre, drop), weakref.ref(b_scale, drop), b_pre._version, b_scale._version,
+                      b_pre.data_ptr(), b_scale.data_ptr(), (b_pre.detach(), b_scale.detach()),
+                      self.backend.plain_epoch)
+            entry = weights[key] = (weight, {})
+        by_layout = entry[1]
+        if len(by_layout) >= ACCEPTED_SIGNATURES:
+            by_layout.clear()
+        by_layout[_activation_layout(a, a_scale)] = (a.dtype, a_scale.dtype, launch)
 
 
 def _activation_layout(a, a_scale) -> tuple:
@@ -346,10 +368,10 @@ class GemmAllReduceOp:
         ``out`` (a call all the same). ``m``: the checked operands' rows."""
         launch = self._backend.plain_launcher(b_pre, b_scale, m)
         if launch is None:
-            backend, plan = self._backend, self._plain_plan(m)
+            backend, plan, weight = self._backend, self._plain_plan(m), weakref.ref(b_pre)
 
-            def launch(a, a_scale):  # kept only while b_pre and b_scale are these very tensors
-                return backend.gemm_out(a, b_pre, a_scale, b_scale, plan=plan)
+            def launch(a, a_scale):  # kept only while b_pre and b_scale are these very tensors (held
+                return backend.gemm_out(a, weight(), a_scale, b_scale, plan=plan)  # weakly: see _PlainLaunches)
         self._launches.keep(a, b_pre, a_scale, b_scale, launch)
         self._seq += self._alone
         return launch(a, a_scale)

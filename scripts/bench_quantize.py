@@ -12,7 +12,9 @@ host (they must be equal; on a CUDA tensor ``quantize_a`` divides by 448 as a mu
 reciprocal, which can move a scale by one ulp); a wrong arm posts no time. Timing is
 ``cco.bench.timing.time_arms`` (arms alternate inside each pass, median over iterations, spread over
 passes); eager calls by default (host launch cost included, as an eager model pays it), CUDA-graph
-replays with ``--graph``. One line per shape, then ``RESULT_JSON {...}``.
+replays with ``--graph``. For ptpc up to ``SPLIT_COMPARE_MAX_M`` rows, the split-row kernel and the
+two-pass kernel are timed beside the rule's pick (``kernels_fused.hopper.quantize.PTPC_SPLIT_MAX_M``).
+``--json`` writes the rows. One line per shape, then ``RESULT_JSON {...}``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from cco.bench.timing import graphed, idle_check, time_arms
 
 DEFAULT_M = (1, 16, 128, 1024, 4096, 16384)
 DEFAULT_K = (2048, 2368)  # 2368: Qwen2.5-7B's MLP at TP 8, padded to 2432
+SPLIT_COMPARE_MAX_M = 4096  # ptpc: up to here the split-row and the two-pass kernels are timed beside the rule's
 
 
 def parse_args(argv=None):
@@ -40,6 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--rotate", type=int, default=3)
     p.add_argument("--graph", action="store_true", help="time CUDA-graph replays instead of eager calls")
+    p.add_argument("--json", help="write the rows to this file")
     return p.parse_args(argv)
 
 
@@ -73,10 +77,15 @@ def main(argv=None) -> int:
                     return quantize_activation(xs[i], quant, k_padded=k_pad)
 
                 arms = {"quantize_a": torch_arm, "triton": triton_arm}
+                if quant == "ptpc" and m <= SPLIT_COMPARE_MAX_M:  # the rule's two kernels side by side
+                    for split in (True, False):
+                        arms[f"triton {'split' if split else 'two-pass'}"] = (
+                            lambda i, xs=xs, k_pad=k_pad, split=split: quantize_activation(
+                                xs[i], "ptpc", k_padded=k_pad, ptpc_split=split))
                 # checked against quantize_a on the host: on a CUDA tensor its division by 448 is a
                 # multiply by the reciprocal (torch's kernel for a scalar divisor), a scale one ulp off
                 host = Q.quantize_a(torch.nn.functional.pad(xs[0].cpu().float(), (0, k_pad - k)), quant)
-                if not same_bytes(tuple(t.cpu() for t in triton_arm(0)), host):
+                if not all(same_bytes(tuple(t.cpu() for t in fn(0)), host) for n, fn in arms.items() if n != "quantize_a"):
                     print(f"{quant} M={m} K={k}: triton's bytes differ from quantize_a's; not timed", flush=True)
                     ok = False
                     continue
@@ -88,11 +97,17 @@ def main(argv=None) -> int:
                 print(f"{quant:10s} M={m:6d} K={k:5d}->{k_pad:5d} | triton {tri.median_us:8.1f} us "
                       f"({tri.min_us:.1f}..{tri.max_us:.1f}) {gbps:7.1f} GB/s | quantize_a {ref.median_us:8.1f} us "
                       f"({ref.min_us:.1f}..{ref.max_us:.1f}) | {ref.median_us / tri.median_us:5.2f}x", flush=True)
+                for name in [n for n in t if n.startswith("triton ")]:
+                    print(f"{'':10s} {name}: {t[name].median_us:8.1f} us ({t[name].min_us:.1f}..{t[name].max_us:.1f})")
                 rows.append({"quant": quant, "m": m, "k": k, "k_padded": k_pad, "triton": tri.as_dict(),
-                             "quantize_a": ref.as_dict(), "speedup": ref.median_us / tri.median_us})
+                             "quantize_a": ref.as_dict(), "speedup": ref.median_us / tri.median_us,
+                             **{n: t[n].as_dict() for n in t if n.startswith("triton ")}})
     meta = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
             "graph": opts.graph, "passes": opts.passes, "iters": opts.iters, "idle": idle}
     print("RESULT_JSON " + json.dumps({"meta": meta, "rows": rows}))
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
     return 0 if ok else 1
 
 

@@ -15,7 +15,10 @@ tiles), quantizes it, and lays it out in the order the backend's kernel reads (`
 gfx950 kernel and the CPU reference, row-major for the Triton kernels). Per call: flattens the
 leading dimensions, quantizes the activations on their device in one kernel that also writes the
 zero K padding (Triton on GPUs, torch on the CPU), runs the op (calls of more than ``m_max`` rows in
-pieces of ``m_max``), drops the padded output columns, adds the bias.
+pieces of ``m_max``), drops the padded output columns, adds the bias. blockscale calls on NVIDIA are
+quantized into zero rows up to a multiple of 4 (what cuBLAS's blockwise GEMM takes; the output keeps
+the caller's rows). An eager inference call that nothing traces (:func:`untraced`, no gradient to
+record) runs this body directly; everything else goes through ``torch.ops.cco.row_parallel_linear``.
 
 Where the fused op cannot run (a backend that refuses the shape even padded, a device it does not
 run on, ``mode="unfused"``), the layer runs the unfused equivalent above (a GEMM of the same
@@ -54,13 +57,15 @@ _FN = "RowParallelLinear"
 _E8M0_ONE = 127  # e8m0 bits of 2**0: the scale of the zero padding of an mxfp8 weight
 
 
-def quantize_activation(x: torch.Tensor, quant: str, *, k_padded: int):
+def quantize_activation(x: torch.Tensor, quant: str, *, k_padded: int, m_padded: int | None = None):
     """The layer's activation quantizer on ``x``'s device: Triton on GPUs (NVIDIA and ROCm), torch on
-    the CPU; ``(e4m3 [M, k_padded], scale)`` in the layout of ``quant``."""
+    the CPU; ``(e4m3 [m_padded, k_padded], scale)`` in the layout of ``quant``, rows past M zero."""
     if x.device.type == "cuda":
         from kernels_fused.hopper.quantize import quantize_activation as on_gpu
-        return on_gpu(x, quant, k_padded=k_padded)
+        return on_gpu(x, quant, k_padded=k_padded, m_padded=m_padded)
     from kernels_fused.cpu.quantize import quantize_activation as on_cpu
+    if m_padded is not None and m_padded != x.shape[0]:
+        x = torch.nn.functional.pad(x, (0, 0, 0, m_padded - x.shape[0]))
     return on_cpu(x, quant, k_padded=k_padded)
 
 
@@ -72,6 +77,17 @@ def _check_arguments(*, in_features_per_rank, out_features, m_max, mode, quant) 
     if mode not in MODES:
         raise ValueError(f"{_FN}: mode={mode!r} is not supported; pass one of {', '.join(MODES)}")
     Q.check_quant(quant, fn=_FN)
+
+
+def untraced(x: torch.Tensor) -> bool:
+    """Whether nothing records a call on ``x``: a plain tensor (not a FakeTensor, a functional or
+    proxy tensor, a DTensor or another subclass), outside torch.compile / torch.export, with no
+    dispatch mode on the stack (make_fx, FakeTensorMode), no functorch transform, no
+    ``torch.jit.trace``. There the layer's forward calls its body directly instead of
+    ``torch.ops.cco.row_parallel_linear``: the dispatcher and the op's autograd wrapper cost an
+    eager decode-sized call tens of microseconds of host time (docs/decode.md)."""
+    return (type(x) is torch.Tensor and not torch.compiler.is_compiling() and not torch._C._len_torch_dispatch_stack()
+            and torch._C._functorch.maybe_current_level() is None and torch._C._get_tracing_state() is None)
 
 
 def _mib(nbytes: int) -> str:
@@ -150,8 +166,12 @@ class RowParallelLinear(torch.nn.Module):
         self.shape = plan
         self.n_padded, self.k_padded = plan.n_padded, plan.k_padded
         self.op = None
+        self._row_multiple = 1  # rows a call is padded to a multiple of (zero rows, see _rows)
         if self.fallback_reason is None:
             self.weight_layout = weight_layout
+            if quant == "blockscale" and self.device.type == "cuda" and not getattr(torch.version, "hip", None):
+                from kernels_fused.hopper.vendor import BLOCKWISE_ROW_MULTIPLE
+                self._row_multiple = BLOCKWISE_ROW_MULTIPLE
             self.op = self._pool.acquire(self.comm, n=self.n_padded, k=self.k_padded, m_max=m_max,
                                          deadline_s=deadline_s, weight_layout=weight_layout, **op_options)
         else:
@@ -338,6 +358,12 @@ class RowParallelLinear(torch.nn.Module):
                 self.op.reject(err)
             raise err
         qweight, scale = self.quantized_weight()
+        # an eager inference call (no gradient to record, nothing tracing it) skips the registered op,
+        # whose result it is, bit for bit; compile, export and autograd go through the op
+        if not (torch.is_grad_enabled() and (x.requires_grad or (self.bias is not None and self.bias.requires_grad)
+                                             or (self.weight is not None and self.weight.requires_grad))) \
+                and untraced(x):
+            return self._cco_forward(x, qweight, scale, self.bias)
         return torch.ops.cco.row_parallel_linear(x, qweight, scale, self.bias, self.weight, self._handle,
                                                  self.out_features)
 
@@ -389,12 +415,24 @@ class RowParallelLinear(torch.nn.Module):
         """bf16 [rows, n_padded]: one collective call."""
         if not self._loaded:
             self._require_loaded()
-        a, a_scale = quantize_activation(x2, self.quant, k_padded=self.k_padded)
+        m = x2.shape[0]
         if self.op is not None:
-            return self.op(a, qweight, a_scale, scale)
+            # cuBLAS's blockwise GEMM takes a multiple of 4 rows only: quantize into zero rows up to one
+            # (no copy; every rank pads alike) rather than fall back to the own kernel at decode sizes
+            rows = self._rows_for(m)
+            a, a_scale = quantize_activation(x2, self.quant, k_padded=self.k_padded, m_padded=rows)
+            out = self.op(a, qweight, a_scale, scale)
+            return out if rows == m else out[:m]
+        a, a_scale = quantize_activation(x2, self.quant, k_padded=self.k_padded)
         partial = Q.reference_gemm(a, self._row_major(qweight), a_scale, scale, self.quant).float()
         dist.all_reduce(partial, group=self._reduce_group)
         return partial.to(torch.bfloat16)
+
+    def _rows_for(self, m: int) -> int:
+        """Rows the op runs for a call of ``m`` rows: ``m`` padded with zero rows to a multiple of
+        ``_row_multiple`` while that stays within ``m_max``."""
+        rows = -(-m // self._row_multiple) * self._row_multiple
+        return rows if rows <= self.m_max else m
 
     def _cco_backward(self, grad, x, qweight, scale, *, input_grad: bool, weight_grad: bool, bias_grad: bool):
         """(grad_x, grad_master_weight, grad_bias) for ``grad`` of the output: no communication."""

@@ -9,6 +9,8 @@ What it computes, per format (the same formulas as ``cco.quant.quantize_a``)::
     mxfp8       scale[m, g] = 2**ceil(log2(max(amax(x[m, 32g:32g+32]), tiny) / 448))   e8m0 [M, K/32]
     q = e4m3(clamp(x / scale, -448, 448))
 
+Rows ``M <= m < M_pad`` (``m_padded``: cuBLAS's blockwise GEMM takes row counts that are a multiple
+of 4 only) are written as zero rows, so a caller pads the rows without a copy.
 Columns ``K <= k < K_pad`` are written as zeros (their scales, for the group formats, are those of
 an all-zero group): a weight padded with zero columns to ``K_pad`` at load then multiplies them to
 nothing, so a K that is not a whole number of the GEMM's 128-wide K tiles costs no extra pass.
@@ -40,6 +42,20 @@ from cco.quant import _TINY, E8M0, FP8, FP8_MAX, MX_GROUP, QUANTS, SCALE_BLOCK
 PTPC_BLOCK_M, PTPC_BLOCK_K = 4, 1024
 GROUP_BLOCK_M, GROUP_BLOCK_K = 8, 512
 NUM_WARPS = 4
+# Calls of at most PTPC_SPLIT_MAX_M rows split each row over programs (quantize_ptpc_split_kernel):
+# the two-pass kernel runs one program per 4 rows, one SM walking them twice in 1024-wide steps.
+# Measured on one H100 (2026-12-02, scripts/bench_quantize.py --graph, one call per replay, so ~10 us
+# of each figure is the replay's own cost), split / two-pass us: M=1 K=14336 13.1 / 72.0, K=16384
+# 20.4 / 82.0; M=64 17.6 / 28.4, 18.3 / 31.3; M=256 16.7 / 29.5, 16.2 / 33.9; at K=4096 equal from
+# M=8 on (docs/decode.md). Above 256 rows the two-pass kernel stays, as timed before. A row's
+# amax is read in one load of up to SPLIT_ROW_BLOCK columns; each program quantizes SLICE_K >=
+# SPLIT_SLICE_MIN columns, with about SPLIT_PROGRAMS programs in all (every program re-reads its
+# row's amax from L2, so more programs than SMs only adds L2 reads). docs/decode.md times it.
+PTPC_SPLIT_MAX_M = 256
+SPLIT_ROW_BLOCK = 16384
+SPLIT_SLICE_MIN = 1024
+SPLIT_PROGRAMS = 256
+SPLIT_NUM_WARPS = 8
 
 
 def _interpreting() -> bool:
@@ -50,14 +66,27 @@ def _interpreting() -> bool:
 def _kernels():
     from kernels_fused.hopper import quantize_kernels as qk
 
-    return qk.quantize_ptpc_kernel, qk.quantize_groups_kernel
+    return qk.quantize_ptpc_kernel, qk.quantize_groups_kernel, qk.quantize_ptpc_split_kernel
 
 
-def quantize_activation(x: torch.Tensor, quant: str, *,
-                        k_padded: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` (row stride any, unit column stride) -> ``(q e4m3 [M, k_padded], scale)`` in the
-    layout of ``quant`` (``cco.quant``), columns past K zero. ``k_padded`` defaults to K and must be
-    a multiple of 128 (the GEMM's K tile) when it differs from K."""
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def split_launch(m: int, k: int, k_padded: int) -> tuple[tuple[int, int], int, int]:
+    """``(grid, ROW_BLOCK, SLICE_K)`` of :func:`quantize_ptpc_split_kernel` for ``m`` rows."""
+    slices = max(1, min(k_padded // SPLIT_SLICE_MIN, SPLIT_PROGRAMS // max(m, 1)))
+    slice_k = _pow2(-(-k_padded // slices))
+    return (m, -(-k_padded // slice_k)), min(_pow2(k), SPLIT_ROW_BLOCK), slice_k
+
+
+def quantize_activation(x: torch.Tensor, quant: str, *, k_padded: int | None = None, m_padded: int | None = None,
+                        ptpc_split: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` (row stride any, unit column stride) -> ``(q e4m3 [m_padded, k_padded], scale)``
+    in the layout of ``quant`` (``cco.quant``) for ``m_padded`` rows, rows past M and columns past K
+    zero. ``k_padded`` defaults to K and must be a multiple of 128 (the GEMM's K tile) when it
+    differs from K; ``m_padded`` defaults to M. ``ptpc_split``: force (True) or forbid (False) the
+    split-row ptpc kernel; None: ``PTPC_SPLIT_MAX_M`` decides."""
     fn = "quantize_activation"
     if quant not in QUANTS:
         raise ValueError(f"{fn}: quant={quant!r} is not supported; pass one of {', '.join(QUANTS)}")
@@ -66,25 +95,35 @@ def quantize_activation(x: torch.Tensor, quant: str, *,
                          f"{list(x.shape)} stride {x.stride()}; pass x.reshape(-1, K).contiguous()")
     m, k = x.shape
     k_padded = k if k_padded is None else k_padded
+    m_out = m if m_padded is None else m_padded
+    if m_out < m:
+        raise ValueError(f"{fn}: m_padded={m_padded} must be >= M={m}")
     group = {"ptpc": 1, "blockscale": SCALE_BLOCK, "mxfp8": MX_GROUP}[quant]
     if k_padded < k or k_padded % group or (k_padded != k and k_padded % SCALE_BLOCK):
         raise ValueError(f"{fn}: k_padded={k_padded} must be >= K={k}, a multiple of {group} for {quant}, and of "
                          f"{SCALE_BLOCK} when it pads")
-    q = torch.empty(m, k_padded, dtype=FP8, device=x.device)
-    ptpc, groups = _kernels()
+    q = torch.empty(m_out, k_padded, dtype=FP8, device=x.device)
+    ptpc, groups, split = _kernels()
     if quant == "ptpc":
-        scale = torch.empty(m, dtype=torch.float32, device=x.device)
-        if m:
-            ptpc[(-(-m // PTPC_BLOCK_M),)](x, q, scale, m, k, k_padded, x.stride(0), _TINY, FP8_MAX,
-                                           BLOCK_M=PTPC_BLOCK_M, BLOCK_K=PTPC_BLOCK_K, ROUND_IN_FP32=_interpreting(),
-                                           num_warps=NUM_WARPS)
+        scale = torch.empty(m_out, dtype=torch.float32, device=x.device)
+        if not m_out:
+            return q, scale
+        if (m_out <= PTPC_SPLIT_MAX_M) if ptpc_split is None else ptpc_split:
+            grid, row_block, slice_k = split_launch(m_out, k, k_padded)
+            split[grid](x, q, scale, m, m_out, k, k_padded, x.stride(0), _TINY, FP8_MAX, ROW_BLOCK=row_block,
+                        SLICE_K=slice_k, ROUND_IN_FP32=_interpreting(), num_warps=SPLIT_NUM_WARPS)
+        else:
+            ptpc[(-(-m_out // PTPC_BLOCK_M),)](x, q, scale, m, m_out, k, k_padded, x.stride(0), _TINY, FP8_MAX,
+                                               BLOCK_M=PTPC_BLOCK_M, BLOCK_K=PTPC_BLOCK_K,
+                                               ROUND_IN_FP32=_interpreting(), num_warps=NUM_WARPS)
         return q, scale
     if quant == "blockscale":
-        scale = torch.empty(k_padded // group, m, dtype=torch.float32, device=x.device).t()  # column-major
+        scale = torch.empty(k_padded // group, m_out, dtype=torch.float32, device=x.device).t()  # column-major
     else:
-        scale = torch.empty(m, k_padded // group, dtype=torch.uint8, device=x.device)
-    if m:  # GROUP_BLOCK_K is a whole number of groups of either format: tiles never split a group
-        grid = (-(-m // GROUP_BLOCK_M), -(-k_padded // GROUP_BLOCK_K))
-        groups[grid](x, q, scale, m, k, k_padded, x.stride(0), _TINY, FP8_MAX, MX=quant == "mxfp8", GROUP=group,
-                     BLOCK_M=GROUP_BLOCK_M, BLOCK_K=GROUP_BLOCK_K, ROUND_IN_FP32=_interpreting(), num_warps=NUM_WARPS)
+        scale = torch.empty(m_out, k_padded // group, dtype=torch.uint8, device=x.device)
+    if m_out:  # GROUP_BLOCK_K is a whole number of groups of either format: tiles never split a group
+        grid = (-(-m_out // GROUP_BLOCK_M), -(-k_padded // GROUP_BLOCK_K))
+        groups[grid](x, q, scale, m, m_out, k, k_padded, x.stride(0), _TINY, FP8_MAX, MX=quant == "mxfp8",
+                     GROUP=group, BLOCK_M=GROUP_BLOCK_M, BLOCK_K=GROUP_BLOCK_K, ROUND_IN_FP32=_interpreting(),
+                     num_warps=NUM_WARPS)
     return q, scale.view(E8M0) if quant == "mxfp8" else scale

@@ -38,11 +38,12 @@ def _to_e4m3(v, ROUND_IN_FP32: tl.constexpr):
 
 
 @triton.jit
-def quantize_ptpc_kernel(x_ptr, q_ptr, s_ptr, M, K, K_PAD, stride_x, tiny, fp8_max,
+def quantize_ptpc_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, K_PAD, stride_x, tiny, fp8_max,
                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
     """Per-token: one fp32 scale ``max(amax(row), tiny) / fp8_max`` per row, then the row divided by
     it (IEEE division, as torch divides), clamped and rounded to e4m3. Two passes over the row: the
-    amax, then the quantization (the second pass reads from L2 at the row lengths of a layer)."""
+    amax, then the quantization (the second pass reads from L2 at the row lengths of a layer).
+    Rows ``M <= m < M_OUT`` read as zeros (the zero rows a caller pads to)."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # M * K may pass 2**31
     cols = tl.arange(0, BLOCK_K)
     amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -53,13 +54,38 @@ def quantize_ptpc_kernel(x_ptr, q_ptr, s_ptr, M, K, K_PAD, stride_x, tiny, fp8_m
     for k0 in range(0, K_PAD, BLOCK_K):
         x = _load_rows(x_ptr, rows, k0 + cols, M, K, stride_x)
         q = tl.clamp(_div_rn(x, scale[:, None]), -fp8_max, fp8_max)
-        mask = (rows[:, None] < M) & ((k0 + cols)[None, :] < K_PAD)
+        mask = (rows[:, None] < M_OUT) & ((k0 + cols)[None, :] < K_PAD)
         tl.store(q_ptr + rows[:, None] * K_PAD + (k0 + cols)[None, :], _to_e4m3(q, ROUND_IN_FP32), mask=mask)
-    tl.store(s_ptr + rows, scale, mask=rows < M)
+    tl.store(s_ptr + rows, scale, mask=rows < M_OUT)
 
 
 @triton.jit
-def quantize_groups_kernel(x_ptr, q_ptr, s_ptr, M, K, K_PAD, stride_x, tiny, fp8_max,
+def quantize_ptpc_split_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, K_PAD, stride_x, tiny, fp8_max,
+                               ROW_BLOCK: tl.constexpr, SLICE_K: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+    """Per-token as :func:`quantize_ptpc_kernel` (the same bytes), each row split over programs:
+    program ``(m, s)`` takes the amax of the whole row ``m`` (one ``ROW_BLOCK``-wide load when the
+    row fits, the row's other programs read it from L2) and quantizes only columns
+    ``[s * SLICE_K, (s + 1) * SLICE_K)``; program ``(m, 0)`` stores the scale. So a decode-sized
+    call (a few rows of up to 16384 columns) runs on ``M * K_PAD / SLICE_K`` SMs with one round trip
+    to memory per load, instead of one program walking its rows twice in ``BLOCK_K`` steps."""
+    rows = (tl.program_id(0) + tl.arange(0, 1)).to(tl.int64)  # [1]: the shapes of the kernel above
+    cols = tl.arange(0, ROW_BLOCK)
+    amax = tl.zeros((1,), dtype=tl.float32)
+    for k0 in range(0, K, ROW_BLOCK):
+        x = _load_rows(x_ptr, rows, k0 + cols, M, K, stride_x)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+    scale = _div_rn(tl.maximum(amax, tiny), tl.zeros_like(amax) + fp8_max)
+    mine = tl.program_id(1) * SLICE_K + tl.arange(0, SLICE_K)
+    x = _load_rows(x_ptr, rows, mine, M, K, stride_x)
+    q = tl.clamp(_div_rn(x, scale[:, None]), -fp8_max, fp8_max)
+    mask = (rows[:, None] < M_OUT) & (mine[None, :] < K_PAD)
+    tl.store(q_ptr + rows[:, None] * K_PAD + mine[None, :], _to_e4m3(q, ROUND_IN_FP32), mask=mask)
+    if tl.program_id(1) == 0:
+        tl.store(s_ptr + rows, scale, mask=rows < M_OUT)
+
+
+@triton.jit
+def quantize_groups_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, K_PAD, stride_x, tiny, fp8_max,
                            MX: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_K: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
     """One scale per row and ``GROUP`` columns, one pass: a [BLOCK_M, BLOCK_K] tile seen as
@@ -69,7 +95,7 @@ def quantize_groups_kernel(x_ptr, q_ptr, s_ptr, M, K, K_PAD, stride_x, tiny, fp8
     stride (1, M)), the layout the GEMM reads. mxfp8 (GROUP 32): the smallest power of two ``2**e``
     with ``amax / 2**e <= fp8_max``, ``e`` taken exactly from the bits of ``amax / fp8_max`` (no
     log2 approximation), stored as e8m0 bits ``e + 127`` row-major [M, K/32]; the values are
-    multiplied by ``2**-e``, which is exact."""
+    multiplied by ``2**-e``, which is exact. Rows ``M <= m < M_OUT`` read as zeros."""
     G: tl.constexpr = BLOCK_K // GROUP
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     k0 = tl.program_id(1) * BLOCK_K
@@ -78,10 +104,10 @@ def quantize_groups_kernel(x_ptr, q_ptr, s_ptr, M, K, K_PAD, stride_x, tiny, fp8
     amax = tl.max(tl.abs(x), axis=2)  # [BLOCK_M, G]
     ratio = _div_rn(tl.maximum(amax, tiny), tl.zeros_like(amax) + fp8_max)
     groups = k0 // GROUP + tl.arange(0, G)
-    s_mask = (rows[:, None] < M) & (groups[None, :] < K_PAD // GROUP)
+    s_mask = (rows[:, None] < M_OUT) & (groups[None, :] < K_PAD // GROUP)
     if not MX:
         q = _div_rn(x, ratio[:, :, None])
-        tl.store(s_ptr + groups[None, :] * M + rows[:, None], ratio, mask=s_mask)
+        tl.store(s_ptr + groups[None, :] * M_OUT + rows[:, None], ratio, mask=s_mask)
     else:
         bits = ratio.to(tl.int32, bitcast=True)
         # ceil(log2(ratio)) for a normal fp32 ratio (tiny / fp8_max keeps it normal)
@@ -91,5 +117,5 @@ def quantize_groups_kernel(x_ptr, q_ptr, s_ptr, M, K, K_PAD, stride_x, tiny, fp8
         e8m0 = tl.minimum(tl.maximum(exp + 127, 0), 254).to(tl.uint8)
         tl.store(s_ptr + rows[:, None] * (K_PAD // GROUP) + groups[None, :], e8m0, mask=s_mask)
     q = _to_e4m3(tl.reshape(tl.clamp(q, -fp8_max, fp8_max), (BLOCK_M, BLOCK_K)), ROUND_IN_FP32)
-    mask = (rows[:, None] < M) & (cols[None, :] < K_PAD)
+    mask = (rows[:, None] < M_OUT) & (cols[None, :] < K_PAD)
     tl.store(q_ptr + rows[:, None] * K_PAD + cols[None, :], q, mask=mask)

@@ -114,3 +114,46 @@ def test_quantizer_rejects_a_padding_that_is_not_a_k_tile():
         quantize_activation(torch.zeros(2, 256), "ptpc", k_padded=300)
     with pytest.raises(ValueError, match="unit column stride"):
         quantize_activation(torch.zeros(4, 256).t(), "ptpc")
+
+
+# (M, K, K_padded) for the split-row ptpc kernel: one slice per row, several, a row longer than one
+# amax load (SPLIT_ROW_BLOCK lowered to 256 below), and a padded K whose last slice is partial
+SPLIT_SHAPES = [(1, 256, 256), (3, 1000, 1024), (2, 2368, 2432), (8, 4096, 4096)]
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="interpreted Triton only (see above)")
+@pytest.mark.parametrize("m, k, k_padded", SPLIT_SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("row_block", [None, 256], ids=["row-in-one-load", "row-in-steps"])
+def test_split_row_ptpc_kernel_gives_quantize_a_bytes(m, k, k_padded, row_block, monkeypatch):
+    """The decode-sized ptpc kernel (each row over several programs): the same bytes as the two-pass
+    kernel and quantize_a, whether a row's amax takes one load or several, and the scale stored once."""
+    from kernels_fused.hopper import quantize as hq
+
+    monkeypatch.setattr(hq, "SPLIT_SLICE_MIN", 256)  # several programs per row at these small K
+    if row_block is not None:
+        monkeypatch.setattr(hq, "SPLIT_ROW_BLOCK", row_block)
+    grid, _, slice_k = hq.split_launch(m, k, k_padded)
+    assert grid[1] > 1 or k_padded <= 256, f"the case must split its rows, got grid {grid}"
+    x = activations(m, k, seed=4)
+    want = reference(x, "ptpc", k_padded)
+    assert_same_bytes(hq.quantize_activation(x, "ptpc", k_padded=k_padded, ptpc_split=True), want, "ptpc")
+    assert_same_bytes(hq.quantize_activation(x, "ptpc", k_padded=k_padded, ptpc_split=False), want, "ptpc")
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="interpreted Triton only (see above)")
+@pytest.mark.parametrize("quant", Q.QUANTS)
+@pytest.mark.parametrize("split", [True, False], ids=["split-rows", "row-blocks"])
+def test_padded_rows_are_zero_rows(quant, split):
+    """``m_padded``: the rows past M are what quantize_a gives for zero rows (cuBLAS's blockwise GEMM
+    takes row counts that are a multiple of 4; the layer pads decode calls so), in the scale layout
+    of m_padded rows (blockscale's column stride is m_padded)."""
+    from kernels_fused.hopper.quantize import quantize_activation
+
+    if split and quant != "ptpc":
+        pytest.skip("the split-row kernel is ptpc's")
+    x = activations(5, 300, seed=5)
+    padded = torch.cat([x, torch.zeros(3, 300, dtype=x.dtype)])
+    got = quantize_activation(x, quant, k_padded=384, m_padded=8, ptpc_split=split if quant == "ptpc" else None)
+    assert_same_bytes(got, reference(padded, quant, 384), quant)
+    with pytest.raises(ValueError, match="m_padded=4"):
+        quantize_activation(x, quant, k_padded=384, m_padded=4)

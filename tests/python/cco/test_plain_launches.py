@@ -2,7 +2,10 @@
 rank) whose weight tensors and activation shapes passed the checks before skips them and calls the
 launch the backend bound to the weight. Guards that nothing stale or unchecked gets through: a
 weight changed in place, swapped under the same object (``.data =``) or replaced, a setting that
-changes the launch (``plain_epoch``), and inputs the checks reject all take the full path."""
+changes the launch (``plain_epoch``), and inputs the checks reject all take the full path. And the
+kept launches are per weight: layers of one shape share an op and a model calls them in turn, so
+each weight keeps its own launch (an op that kept only the last one missed on every call), and a
+weight that dies takes its entry with it (a trainable layer quantizes a new weight every step)."""
 
 import torch
 
@@ -69,6 +72,46 @@ def _scenario(comm):
         results["rejected inputs still rejected"] = errors == ["TypeError", "ValueError", "TypeError", "ValueError"]
         results["calls counted"] = op.calls == 3 + 1 + 1 + 1 + 1 + 1 + 1
     return results
+
+
+def _per_weight(comm):
+    import gc
+
+    p = q.random_problem(M, N, K, "ptpc", seed=4)
+    seen = []
+    with GemmAllReduceOp(comm, n=N, k=K, m_max=M) as op:
+        backend = op._backend
+
+        def plain_launcher(b, bs, m):
+            seen.append(m)
+            bound_b, bound_bs = b.clone(), bs.clone()
+
+            def launch(a, a_scale):
+                return q.reference_gemm(a, _unshuffled(bound_b), a_scale, bound_bs, "ptpc")
+            return launch
+
+        backend.plain_launcher = plain_launcher
+        layers = [(preshuffle_b(p.b), p.b_scale * (i + 1)) for i in range(3)]  # three weights of one shape
+        outs = [[op(p.a, b, p.a_scale, bs) for b, bs in layers] for _ in range(4)]  # a decode step's order, 4 times
+        want = [q.reference_gemm(p.a, p.b, p.a_scale, p.b_scale * (i + 1), "ptpc") for i in range(3)]
+        results = {"each weight keeps its launch": len(seen) == 3,
+                   "each call its own weight's result": all(torch.equal(o[i], want[i]) for o in outs for i in range(3))}
+        for _ in range(5):  # weights made and dropped, as a trainable layer's every step
+            b, bs = preshuffle_b(p.b), p.b_scale.clone()
+            op(p.a, b, p.a_scale, bs)
+            del b, bs
+        gc.collect()
+        results["a dead weight's entry is dropped"] = len(op._launches.weights) == 3
+        del layers
+        gc.collect()
+        results["every dead weight's entry is dropped"] = len(op._launches.weights) == 0
+    return results
+
+
+def test_each_weight_keeps_its_launch_while_it_lives():
+    (got,) = check_outcomes(spawn(_per_weight, world=1, timeout_s=120))
+    failed = [what for what, ok in got.items() if not ok]
+    assert not failed, failed
 
 
 def _unshuffled(b_pre):

@@ -1,0 +1,499 @@
+"""Decode speed: a Llama model's greedy decode with cco layers against bf16 ``nn.Linear``, and the
+per-call table of the row-parallel shapes at decode sizes.
+
+    python3 -m scripts.bench_decode --json decode.json --plot decode.png          # one GPU, world 1
+    torchrun --nproc-per-node 2 -m scripts.bench_decode --per-call-only --json w2.json   # host cost, world W
+
+World 1, the model (``--layers``, ``--hidden``, ``--intermediate``; default Llama-3-8B's dims, 8
+layers, random weights): transformers' ``LlamaForCausalLM`` in bf16 with a static KV cache, a prompt
+of ``--prompt`` tokens per sequence, then ``--tokens`` greedy decode steps, batch 1 and 8. One decode
+step is ``model(ids, cache_position)`` -> argmax -> the next ids, written in place, so the same step
+runs eager (``eager``) and as a replay of a CUDA graph captured from it (``graph``). Arms: ``bf16``
+(the model as built), ``cco <quant>`` (every ``o_proj`` and ``down_proj`` replaced by
+``cco.nn.RowParallelLinear`` at world 1, the layers transformers marks "rowwise"), and ``fp8 unfused
+<quant>`` (the same layers as a model runs fp8 today without cco: ``cco.quant.quantize_a`` in torch,
+then ``torch._scaled_mm``; cuBLAS's blockwise recipe refuses M % 4 != 0, so blockscale at batch 1
+has no such arm). Per arm and mode: ms/token over ``--repeats`` decodes of ``--tokens`` tokens from
+the same prefilled cache (``cco.bench.timing.time_back_to_back``, one decode per pass): median and
+min..max; and the first decode step's logits against the bf16 arm's (relative L2).
+
+Per call (``--shapes``, M in ``-m``): the ``o_proj`` and ``down_proj`` shapes of Llama-3-8B and -70B
+at TP 1, 2 and 8 (N = hidden, K = the rank's slice). Arms: ``nn.Linear`` bf16 ``[N, K]``, and per
+quant the layer, its activation quantizer alone and its op alone (on pre-quantized operands). Eager:
+``time_back_to_back`` (host us/call and wall us/call); device: CUDA-graph replays of ``--graph-calls``
+calls per graph (``time_arms``), divided by the calls. World W (torchrun; ranks may share a GPU:
+then the host times are real and the device times are time-sliced) runs the per-call table eager only.
+
+``--profile``: a cProfile of ``--profile-calls`` eager calls of the layer (ptpc, the first shape, M=1)
+through its eager path and through ``torch.ops.cco.row_parallel_linear``, the top functions by own
+time, written beside the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+from cco import quant as Q
+
+# (model, hidden, intermediate): the two models whose row-parallel shapes the per-call table takes
+MODELS = {"8b": (4096, 14336), "70b": (8192, 28672)}
+TPS = (1, 2, 8)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--intermediate", type=int, default=14336)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--batch", default="1,8")
+    p.add_argument("--prompt", type=int, default=16)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--quant", default=",".join(Q.QUANTS))
+    p.add_argument("-m", default="1,8,64,256", help="per-call table: row counts")
+    p.add_argument("--shapes", default="all", help="per-call table: all, or a comma list such as 8b-down-tp1")
+    p.add_argument("--graph-calls", type=int, default=10)
+    p.add_argument("--calls", type=int, default=50)
+    p.add_argument("--passes", type=int, default=3)
+    p.add_argument("--per-call-only", action="store_true")
+    p.add_argument("--model-only", action="store_true")
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--profile-calls", type=int, default=200)
+    p.add_argument("--json")
+    p.add_argument("--plot")
+    p.add_argument("--smoke", action="store_true", help="CPU: run every arm's decode step once, tiny model, no timing")
+    args = p.parse_args(argv)
+    args.batch = [int(v) for v in args.batch.split(",")]
+    args.m = [int(v) for v in args.m.split(",")]
+    args.quant = [q for q in args.quant.split(",") if q]
+    return args
+
+
+def shapes(selection: str) -> dict[str, tuple[int, int]]:
+    """``{name: (N, K)}``: o_proj (K = hidden / TP) and down_proj (K = intermediate / TP) per model and TP."""
+    out = {}
+    for model, (hidden, inter) in MODELS.items():
+        for tp in TPS:
+            out[f"{model}-o-tp{tp}"] = (hidden, hidden // tp)
+            out[f"{model}-down-tp{tp}"] = (hidden, inter // tp)
+    if selection == "all":
+        return out
+    names = selection.split(",")
+    missing = [n for n in names if n not in out]
+    if missing:
+        raise SystemExit(f"bench_decode: --shapes {missing} unknown; pick from {', '.join(out)}")
+    return {n: out[n] for n in names}
+
+
+# --------------------------------------------------------------------------------------------------
+# arms
+# --------------------------------------------------------------------------------------------------
+class UnfusedFp8Linear(torch.nn.Module):
+    """An fp8 linear as a model runs it without cco: ``quantize_a`` (torch) then ``torch._scaled_mm``."""
+
+    def __init__(self, linear: torch.nn.Linear, quant: str):
+        super().__init__()
+        from cco.bench.timing import cublas_gemm
+
+        self.quant, self.k = quant, linear.in_features
+        b, b_scale = Q.quantize_b(linear.weight.detach().float(), quant)
+        self.gemm, why = cublas_gemm(quant, b, b_scale)
+        if self.gemm is None:
+            raise ValueError(why)
+
+    def forward(self, x):
+        a, a_scale = Q.quantize_a(x.reshape(-1, self.k), quant=self.quant)
+        return self.gemm(a, a_scale).view(*x.shape[:-1], -1)
+
+
+def cco_layer(linear: torch.nn.Linear, quant: str, comm, m_max: int):
+    from cco.nn import RowParallelLinear
+
+    layer = RowParallelLinear(linear.in_features, linear.out_features, group=comm, quant=quant, m_max=m_max)
+    layer.load_weight(linear.weight.detach())
+    return layer
+
+
+def rowwise(model):
+    """``[(parent, attribute, nn.Linear)]``: the o_proj and down_proj of every decoder layer."""
+    out = []
+    for block in model.model.layers:
+        out.append((block.self_attn, "o_proj", block.self_attn.o_proj))
+        out.append((block.mlp, "down_proj", block.mlp.down_proj))
+    return out
+
+
+def swapped(model, make):
+    """Replace every row-wise linear by ``make(linear)`` (None: put the originals back); returns the
+    replacement modules."""
+    made = []
+    for parent, name, linear in model._cco_rowwise:
+        module = linear if make is None else make(linear)
+        setattr(parent, name, module)
+        made.append(module)
+    return made
+
+
+# --------------------------------------------------------------------------------------------------
+# the model
+# --------------------------------------------------------------------------------------------------
+def build_model(args, device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+                         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, vocab_size=args.vocab,
+                         max_position_embeddings=4096, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    model._cco_rowwise = rowwise(model)
+    return model
+
+
+class Decoder:
+    """One batch's decode state: a static cache prefilled with a prompt, and the in-place step."""
+
+    def __init__(self, model, batch: int, prompt: int, tokens: int, device):
+        from transformers import StaticCache
+
+        self.model, self.batch, self.prompt = model, batch, prompt
+        self.cache = StaticCache(config=model.config, max_cache_len=prompt + tokens + 8)
+        g = torch.Generator().manual_seed(batch)
+        self.prompt_ids = torch.randint(0, model.config.vocab_size, (batch, prompt), generator=g).to(device)
+        self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(1, dtype=torch.long, device=device)
+        self.first_logits = None
+
+    @torch.no_grad()
+    def prefill(self):
+        """Fill the cache with the prompt (eager); the step state at the first decode position."""
+        self.cache.reset()
+        cache_position = torch.arange(self.prompt, device=self.ids.device)
+        out = self.model(input_ids=self.prompt_ids, cache_position=cache_position, past_key_values=self.cache,
+                         use_cache=True)
+        self.ids.copy_(out.logits[:, -1].argmax(-1, keepdim=True))
+        self.pos.fill_(self.prompt)
+
+    @torch.no_grad()
+    def step(self):
+        out = self.model(input_ids=self.ids, position_ids=self.pos.view(1, 1).expand(self.batch, 1),
+                         cache_position=self.pos, past_key_values=self.cache, use_cache=True)
+        self.last_logits = out.logits[:, -1]
+        self.ids.copy_(self.last_logits.argmax(-1, keepdim=True))
+        self.pos.add_(1)
+
+
+def model_runs(args, comm, device) -> list[dict]:
+    from cco.bench.timing import time_back_to_back
+
+    model = build_model(args, device)
+    arms = {"bf16": None}
+    for q in args.quant:
+        arms[f"cco {q}"] = ("cco", q)
+    for q in ("ptpc", "blockscale"):
+        if q in args.quant:
+            arms[f"fp8 unfused {q}"] = ("unfused", q)
+    runs = []
+    for batch in args.batch:
+        dec = Decoder(model, batch, args.prompt, args.tokens, device)
+        base_logits = None
+        for arm, how in arms.items():
+            record = {"batch": batch, "arm": arm}
+            made = []
+            try:
+                if how is None:
+                    swapped(model, None)
+                elif how[0] == "cco":
+                    made = swapped(model, lambda lin, q=how[1]: cco_layer(lin, q, comm,
+                                                                          m_max=max(256, batch * args.prompt)))
+                else:
+                    swapped(model, lambda lin, q=how[1]: UnfusedFp8Linear(lin, q))
+                dec.prefill()
+                dec.step()
+                logits = dec.last_logits.float()
+                if base_logits is None:
+                    base_logits = logits
+                record["logits_rel_l2_vs_bf16"] = float((logits - base_logits).norm() / base_logits.norm())
+                if args.smoke:
+                    record["ok"] = bool(torch.isfinite(logits).all())
+                    runs.append(record)
+                    print(json.dumps(record), flush=True)
+                    continue
+                record.update(time_decode(dec, args, time_back_to_back))
+            except Exception as err:  # one arm's failure (a refused shape, a capture) is recorded, not fatal
+                record["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            finally:
+                swapped(model, None)
+                for module in made:
+                    if hasattr(module, "close"):
+                        module.close()
+            print(f"batch {batch} {arm:22s} " + " | ".join(
+                f"{mode} {r['ms_per_token']:.2f} ms/token ({r['min']:.2f}..{r['max']:.2f})"
+                for mode, r in record.get("modes", {}).items()) + (f" ERROR {record['error']}" if "error" in record
+                                                                     else ""), flush=True)
+            runs.append(record)
+        del dec
+    return runs
+
+
+def time_decode(dec, args, time_back_to_back) -> dict:
+    """ms/token of ``args.tokens`` decode steps, eager and replayed from a captured step."""
+    modes = {}
+
+    def eager():
+        dec.prefill_state()
+        for _ in range(args.tokens):
+            dec.step()
+
+    dec.prefill()
+    # transformers' static cache counts its own length (a device tensor per layer): reset it too
+    lengths = [(layer.cumulative_length, layer.cumulative_length.clone()) for layer in dec.cache.layers]
+    snapshot = (dec.ids.clone(), dec.pos.clone())
+
+    def reset():
+        dec.ids.copy_(snapshot[0])
+        dec.pos.copy_(snapshot[1])
+        for length, start in lengths:
+            length.copy_(start)
+
+    dec.prefill_state = reset
+    t = time_back_to_back({"eager": eager}, calls=1, passes=args.repeats, warmup=1)["eager"]
+    modes["eager"] = summary(t["wall_pass_us"], args.tokens)
+    modes["eager"]["host_ms_per_token"] = statistics.median(t["host_pass_us"]) / 1e3 / args.tokens
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            reset()
+            for _ in range(3):
+                dec.step()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            dec.step()
+        torch.cuda.synchronize()
+
+        def replays():
+            reset()
+            for _ in range(args.tokens):
+                graph.replay()
+
+        t = time_back_to_back({"graph": replays}, calls=1, passes=args.repeats, warmup=1)["graph"]
+        modes["graph"] = summary(t["wall_pass_us"], args.tokens)
+        # the graph decodes what eager decodes: same tokens from the same state
+        reset()
+        for _ in range(4):
+            graph.replay()
+        ids_graph = dec.ids.clone()
+        reset()
+        for _ in range(4):
+            dec.step()
+        modes["graph"]["same_tokens_as_eager"] = bool(torch.equal(ids_graph, dec.ids))
+        del graph
+    except Exception as err:
+        torch.cuda.synchronize()
+        modes["graph"] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
+    return {"modes": {k: v for k, v in modes.items() if "error" not in v},
+            **({"graph_error": modes["graph"]["error"]} if "error" in modes.get("graph", {}) else {})}
+
+
+def summary(pass_us, tokens: int) -> dict:
+    per = [u / 1e3 / tokens for u in pass_us]
+    return {"ms_per_token": statistics.median(per), "min": min(per), "max": max(per), "passes": per}
+
+
+# --------------------------------------------------------------------------------------------------
+# per call
+# --------------------------------------------------------------------------------------------------
+def per_call_runs(args, comm, device, *, into: list, after_shape=lambda: None) -> list[dict]:
+    from cco.bench.timing import time_arms, time_back_to_back
+    from cco.nn.linear import quantize_activation
+
+    rows = into
+    world = comm.world
+    for name, (n, k) in shapes(args.shapes).items():
+        g = torch.Generator(device="cpu").manual_seed(0)
+        w = (torch.randn(n, k, generator=g) / k ** 0.5).to(device=device, dtype=torch.bfloat16)
+        linear = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
+        with torch.no_grad():
+            linear.weight.copy_(w)
+        layers = {q: cco_layer(linear, q, comm, m_max=max(args.m)) for q in args.quant}
+        for m in args.m:
+            x = torch.randn(m, k, device=device).to(torch.bfloat16)
+            arms = {}
+            if world == 1:
+                arms["nn.Linear bf16"] = lambda: linear(x)
+            for q, layer in layers.items():
+                a, a_scale = quantize_activation(x, q, k_padded=layer.k_padded, m_padded=layer._rows_for(m))
+                arms[f"cco {q}"] = lambda layer=layer: layer(x)
+                arms[f"cco {q}: quantizer"] = (lambda layer=layer, q=q: quantize_activation(
+                    x, q, k_padded=layer.k_padded, m_padded=layer._rows_for(m)))
+                arms[f"cco {q}: op"] = (lambda layer=layer, a=a, s=a_scale: layer.op(a, layer.qweight, s,
+                                                                                    layer.weight_scale))
+            record = {"shape": name, "n": n, "k": k, "m": m, "world": world}
+            with torch.no_grad():
+                if world == 1:  # the layer's output against the bf16 linear's
+                    ref = linear(x).float()
+                    record["rel_l2_vs_bf16"] = {q: float((layer(x).float() - ref).norm() / ref.norm())
+                                                for q, layer in layers.items()}
+                gather = comm.all_gather_object if world > 1 else None
+                barrier = comm.barrier if world > 1 else None
+                eager = time_back_to_back(arms, calls=args.calls, passes=args.passes, barrier=barrier, gather=gather)
+                record["eager"] = {a: {"host_us": t["host_us"], "wall_us": t["wall_us"]} for a, t in eager.items()}
+                if world == 1:
+                    record["graph_us"] = graph_device_us(arms, args, time_arms)
+            rows.append(record)
+            if comm.rank == 0:
+                base = record["eager"].get("nn.Linear bf16")
+                line = f"{name:14s} M={m:4d} |"
+                for a, t in record["eager"].items():
+                    if ":" in a:
+                        continue
+                    dev = record.get("graph_us", {}).get(a)
+                    rel = f" {t['host_us'] / base['host_us']:.2f}x host" if base and a != "nn.Linear bf16" else ""
+                    line += f" {a}: host {t['host_us']:.1f}{rel}, wall {t['wall_us']:.1f}" + (
+                        f", graph {dev:.1f}" if dev else "") + " |"
+                print(line, flush=True)
+        for layer in layers.values():
+            layer.close()
+        after_shape()
+    return rows
+
+
+def graph_device_us(arms, args, time_arms) -> dict:
+    """Per arm, device us/call: a CUDA graph of ``--graph-calls`` calls, replayed (``time_arms``)."""
+    graphs = {}
+    for name, fn in arms.items():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(args.graph_calls):
+                fn()
+        graphs[name] = g
+    timed = time_arms({name: (lambda i, g=g: g.replay()) for name, g in graphs.items()}, passes=args.passes,
+                      iters=10, rotate=1)
+    return {name: t.median_us / args.graph_calls for name, t in timed.items()}
+
+
+def profile_calls(args, comm, device, path: str) -> None:
+    """cProfile of eager layer calls (ptpc, the first shape, M=1): its eager path and the registered op."""
+    import cProfile
+    import io
+    import pstats
+
+    n, k = next(iter(shapes(args.shapes).values()))
+    linear = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
+    layer = cco_layer(linear, "ptpc", comm, m_max=256)
+    x = torch.randn(1, k, device=device).to(torch.bfloat16)
+    calls = {
+        "layer, eager path": lambda: layer(x),
+        "torch.ops.cco.row_parallel_linear": lambda: torch.ops.cco.row_parallel_linear(
+            x, layer.qweight, layer.weight_scale, None, None, layer._handle, n),
+        "nn.Linear bf16": lambda: linear(x),
+    }
+    with open(path, "w") as f, torch.no_grad():
+        for name, fn in calls.items():
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+            prof = cProfile.Profile()
+            t0 = time.perf_counter()
+            prof.enable()
+            for _ in range(args.profile_calls):
+                fn()
+            prof.disable()
+            spent = (time.perf_counter() - t0) / args.profile_calls * 1e6
+            torch.cuda.synchronize()
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+            f.write(f"==== {name}: {spent:.1f} us/call under the profiler, {args.profile_calls} calls\n{s.getvalue()}\n")
+    layer.close()
+
+
+# --------------------------------------------------------------------------------------------------
+def plot(model_rows, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["batch"] for r in model_rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.5), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        rows = [r for r in model_rows if r["batch"] == batch and "modes" in r]
+        names = [r["arm"] for r in rows]
+        for i, mode in enumerate(("eager", "graph")):
+            med = [r["modes"].get(mode, {}).get("ms_per_token", float("nan")) for r in rows]
+            lo = [m - r["modes"].get(mode, {}).get("min", m) for m, r in zip(med, rows)]
+            hi = [r["modes"].get(mode, {}).get("max", m) - m for m, r in zip(med, rows)]
+            ax.bar([j + 0.4 * i for j in range(len(rows))], med, width=0.4, yerr=[lo, hi], label=mode)
+        ax.set_xticks([j + 0.2 for j in range(len(rows))], names, rotation=30, ha="right")
+        ax.set_ylabel("ms / token")
+        ax.set_title(f"greedy decode, batch {batch}")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from cco.comm import Communicator
+
+    if args.smoke:
+        args.hidden, args.intermediate, args.heads, args.kv_heads, args.vocab, args.layers = 256, 512, 4, 2, 512, 2
+    device = torch.device("cpu") if args.smoke else torch.device("cuda", torch.cuda.current_device())
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        comm = Communicator.from_env()
+    else:
+        rendezvous = os.path.join(tempfile.mkdtemp(), "rendezvous")
+        comm = Communicator(rank=0, world=1, init_method=f"file://{rendezvous}", device=device)
+    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "command": "python3 -m scripts.bench_decode " + " ".join(sys.argv[1:] if argv is None else argv),
+              "world": comm.world}
+
+    def save():  # after every section and shape: a run cut short keeps what it measured
+        if comm.rank == 0 and args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+
+    with comm:
+        if not args.smoke:
+            from cco.window import ranks_share_a_device
+            result.update(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                          shared_gpu=ranks_share_a_device(comm) if comm.world > 1 else False)
+        if comm.world == 1 and not args.per_call_only:
+            result["model"] = {"layers": args.layers, "hidden": args.hidden, "intermediate": args.intermediate,
+                               "prompt": args.prompt, "tokens": args.tokens, "runs": model_runs(args, comm, device)}
+            save()
+            if args.plot and comm.rank == 0:
+                plot(result["model"]["runs"], args.plot)
+        if args.profile and comm.rank == 0 and comm.world == 1 and args.json:
+            profile_calls(args, comm, device, os.path.splitext(args.json)[0] + "_profile.txt")
+        if not args.model_only and not args.smoke:
+            result["per_call"] = []
+            per_call_runs(args, comm, device, into=result["per_call"], after_shape=save)
+        save()
+        if comm.rank == 0:
+            print("RESULT_JSON " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
