@@ -141,16 +141,14 @@ def test_split_row_ptpc_kernel_gives_quantize_a_bytes(m, k, k_padded, row_block,
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="interpreted Triton only (see above)")
-@pytest.mark.parametrize("quant", Q.QUANTS)
-@pytest.mark.parametrize("split", [True, False], ids=["split-rows", "row-blocks"])
+@pytest.mark.parametrize("quant,split", [("ptpc", True)] + [(q, False) for q in Q.QUANTS],
+                         ids=["ptpc-split-rows"] + [f"{q}-row-blocks" for q in Q.QUANTS])
 def test_padded_rows_are_zero_rows(quant, split):
     """``m_padded``: the rows past M are what quantize_a gives for zero rows (cuBLAS's blockwise GEMM
     takes row counts that are a multiple of 4; the layer pads decode calls so), in the scale layout
     of m_padded rows (blockscale's column stride is m_padded)."""
     from kernels_fused.hopper.quantize import quantize_activation
 
-    if split and quant != "ptpc":
-        pytest.skip("the split-row kernel is ptpc's")
     x = activations(5, 300, seed=5)
     padded = torch.cat([x, torch.zeros(3, 300, dtype=x.dtype)])
     got = quantize_activation(x, quant, k_padded=384, m_padded=8, ptpc_split=split if quant == "ptpc" else None)
