@@ -41,6 +41,13 @@ other entry stays transformers' own. Families (transformers 5.17 plans):
 - Sequence-parallel styles (reduce-scatter / all-gather along tokens): not yet; ``FUSED_STYLES`` is where
   they go (a style name and the class that builds the layer).
 
+fp8 checkpoints: ``tp_plan(path)`` of a local folder whose config has an fp8 ``quantization_config``
+(transformers' ``fp8``, compressed-tensors 8-bit float) takes the checkpoint's quant, and its fused
+layers load their K shard's e4m3 bytes and scales from the files as stored
+(:class:`cco.integrations.fp8.Fp8Checkpoint`), not the bf16 shard transformers dequantized (on CPU
+ranks transformers 5.17 dequantizes the whole checkpoint). ``fuse(model, checkpoint=path)`` does the
+same for a plan built without the folder. Limits: docs/frameworks.md, "fp8 checkpoints".
+
 The fused layers are built once the shards are loaded: by :func:`fuse` (``parallelize`` calls it), or
 by each module's first forward (outside any torch.compile graph: ``torch.compiler.disable``; calling
 ``fuse`` first keeps that first compiled call free of graph breaks). Building is collective over the
