@@ -6,6 +6,8 @@
   Needs ``transformers`` (pinned in the ``hf`` extra) and ``accelerate``.
 - ``cco.integrations.dtensor``: a ``torch.distributed.tensor.parallel`` style for
   ``parallelize_module`` (``FusedRowwiseParallel``), for models parallelized the torchtitan way.
+- ``cco.integrations.fp8``: fp8 checkpoints as they ship (``Fp8Checkpoint``): the fused layers read their
+  K shard's e4m3 bytes and scales from the safetensors files instead of the shard a framework dequantized.
 - ``cco.integrations.fused``: what both share: the fused-layer options and the swap of a sharded
   ``nn.Linear`` for ``cco.nn.RowParallelLinear``.
 

@@ -26,7 +26,8 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from cco import quant as Q
-from cco.nn import RowParallelLinear
+from cco.nn import DEFAULT_POOL, RowParallelLinear
+from cco.nn import checkpoint as C
 from cco.nn.linear import MODES
 from cco.op import DEFAULT_DEADLINE_S
 
@@ -120,18 +121,42 @@ def _local_bias(bias, *, name: str, fn: str):
 
 @torch.no_grad()
 def fuse_linear(module: torch.nn.Linear, *, group, world: int, options: FusedOptions, name: str,
-                fn: str = "fuse_linear") -> RowParallelLinear:
+                fn: str = "fuse_linear", fp8_shard=None) -> RowParallelLinear:
     """Swap ``module``'s sharded GEMM + all-reduce for a fused :class:`RowParallelLinear` (held as the
-    child ``fused``); idempotent. Collective over ``group`` (every rank, same modules, same order)."""
+    child ``fused``); idempotent. Collective over ``group`` (every rank, same modules, same order).
+
+    ``fp8_shard``: None (quantize the framework's float shard), or a callable taking this rank's K
+    width and returning this rank's shard of the checkpoint's fp8 weight (``Fp8Weight``, in the
+    options' quant) or None where the checkpoint stores this weight as floats. The fp8 shard is
+    loaded as stored (``load_fp8``) after it is checked against the float shard the framework
+    dequantized from the same checkpoint; the group agrees on the verdict first, so a rank that
+    cannot read its shard makes every rank raise."""
     done = fused_layer(module)
     if done is not None:
         return done
-    check_row_parallel(module, name=name, world=world, fn=fn)
-    w = _local_weight(module.weight, name=name, world=world, fn=fn)
+    fp8 = None
+    if fp8_shard is None:
+        check_row_parallel(module, name=name, world=world, fn=fn)
+        w = _local_weight(module.weight, name=name, world=world, fn=fn)
+    else:  # every rank reads its shard, then the group agrees on one verdict before anything collective
+        error = None
+        try:
+            check_row_parallel(module, name=name, world=world, fn=fn)
+            w = _local_weight(module.weight, name=name, world=world, fn=fn)
+            fp8 = fp8_shard(w.shape[1])
+            if fp8 is not None:
+                check_fp8_shard(fp8, w, name=name, fn=fn)
+        except (TypeError, ValueError, OSError) as err:
+            error = err
+        DEFAULT_POOL.communicator(group).agree(fn, {"module": name, "fp8": None if fp8 is None else fp8.source},
+                                               error=error)
     b = _local_bias(module.bias, name=name, fn=fn)
     layer = RowParallelLinear(w.shape[1], module.out_features, group=group, bias=b is not None,
                               **options.layer_kwargs())
-    layer.load_weight(w)
+    if fp8 is not None:
+        layer.load_fp8(fp8.qweight, fp8.scale)  # the checkpoint's bytes and scales, as stored
+    else:
+        layer.load_weight(w)
     if b is not None:
         layer.bias.copy_(b)
     module.add_module(FUSED_CHILD, layer)
@@ -139,6 +164,29 @@ def fuse_linear(module: torch.nn.Linear, *, group, world: int, options: FusedOpt
     module.weight = None
     module.bias = None
     return layer
+
+
+# the framework's dequantized bf16 shard against the checkpoint's fp8 shard: equal up to one bf16 rounding
+# (2**-9 relative per element) wherever both read the same columns of the same key
+FP8_SHARD_MATCH_TOL = 1e-2
+
+
+def check_fp8_shard(fp8: C.Fp8Weight, local: torch.Tensor, *, name: str, fn: str) -> None:
+    """Refuse an fp8 shard that is not the weight the framework loaded for ``name`` (another key,
+    other columns, a scale from the wrong block): the framework's float shard is its dequantization."""
+    if tuple(fp8.shape) != tuple(local.shape):
+        raise ValueError(f"{fn}: {name}: the checkpoint's fp8 shard is {list(fp8.shape)} but the framework's shard "
+                         f"is {list(local.shape)}")
+    if local.dtype.is_floating_point and local.element_size() > 1:
+        ours, theirs = C.dequantize(fp8), local.float().cpu()
+        err = ((ours - theirs).norm() / theirs.norm().clamp_min(1e-30)).item()
+        if not err <= FP8_SHARD_MATCH_TOL:
+            raise ValueError(f"{fn}: {name}: this rank's shard of the checkpoint's fp8 weight differs from the weight "
+                             f"the framework loaded (rel. L2 {err:.2e} > {FP8_SHARD_MATCH_TOL}): not the same key or "
+                             f"not the same columns; load the checkpoint the model was loaded from")
+    elif local.dtype == Q.FP8 and not torch.equal(local.view(torch.uint8).cpu(), fp8.qweight.view(torch.uint8)):
+        raise ValueError(f"{fn}: {name}: this rank's shard of the checkpoint's fp8 weight differs from the fp8 weight "
+                         f"the framework loaded; load the checkpoint the model was loaded from")
 
 
 def run_fused(layer: RowParallelLinear, x_local: torch.Tensor) -> torch.Tensor:

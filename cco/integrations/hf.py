@@ -41,6 +41,13 @@ other entry stays transformers' own. Families (transformers 5.17 plans):
 - Sequence-parallel styles (reduce-scatter / all-gather along tokens): not yet; ``FUSED_STYLES`` is where
   they go (a style name and the class that builds the layer).
 
+fp8 checkpoints: ``tp_plan(path)`` of a local folder whose config has an fp8 ``quantization_config``
+(transformers' ``fp8``, compressed-tensors 8-bit float) takes the checkpoint's quant, and its fused
+layers load their K shard's e4m3 bytes and scales from the files as stored
+(:class:`cco.integrations.fp8.Fp8Checkpoint`), not the bf16 shard transformers dequantized (on CPU
+ranks transformers 5.17 dequantizes the whole checkpoint). ``fuse(model, checkpoint=path)`` does the
+same for a plan built without the folder. Limits: docs/frameworks.md, "fp8 checkpoints".
+
 The fused layers are built once the shards are loaded: by :func:`fuse` (``parallelize`` calls it), or
 by each module's first forward (outside any torch.compile graph: ``torch.compiler.disable``; calling
 ``fuse`` first keeps that first compiled call free of graph breaks). Building is collective over the
@@ -68,6 +75,7 @@ from transformers.distributed.tensor_parallel import (
     replace_layer_number_by_wildcard,
 )
 
+from cco.integrations.fp8 import Fp8Checkpoint
 from cco.integrations.fused import FusedOptions, check_row_parallel, fuse_linear, fused_layer, run_fused
 
 TRANSFORMERS_VERSION = "5.17.0"  # the version whose style names and TensorParallelLayer hooks this module uses
@@ -92,11 +100,19 @@ def _hf_forward(style, module, mesh, *args, **kwargs):
 
 
 @torch.compiler.disable  # collective host work (the group agrees on a verdict): never traced
-def _build(module):
+def _build(module, checkpoint: Fp8Checkpoint | None = None):
     style, mesh = module.__dict__[_PENDING]
-    layer = fuse_linear(module, group=mesh.get_group(), world=mesh.size(), options=style.options,
-                        name=module.__dict__.get(_NAME, type(module).__name__),
-                        fn="FusedRowwise")
+    name = module.__dict__.get(_NAME, type(module).__name__)
+    checkpoint = checkpoint or style.checkpoint
+    fp8_shard = None
+    if checkpoint is not None:  # this rank's K shard of the fp8 weight as stored, not the dequantized one
+        rank, world = mesh.get_local_rank(), mesh.size()
+
+        def fp8_shard(width):
+            return checkpoint.row_parallel_shard(f"{name}.weight", quant=style.options.quant, rank=rank, world=world,
+                                                 in_features_per_rank=width)
+    layer = fuse_linear(module, group=mesh.get_group(), world=mesh.size(), options=style.options, name=name,
+                        fn="FusedRowwise", fp8_shard=fp8_shard)
     del module.__dict__[_PENDING]
     return layer
 
@@ -108,11 +124,13 @@ class FusedRowwise(RowwiseParallel):
     Sharding and loading are transformers' (``shard_param`` is inherited: weight ``Shard(-1)``, bias
     ``Replicate``; the loader fills this rank's shard). ``validate_param`` refuses what the fused layer
     cannot stand in for, on every rank alike, before anything is loaded. ``install_forward`` replaces
-    the module's forward with the fused one."""
+    the module's forward with the fused one. ``checkpoint``: the fp8 checkpoint the fused layers read
+    their weights from as stored (:class:`cco.integrations.fp8.Fp8Checkpoint`), or None."""
 
-    def __init__(self, options: FusedOptions):
+    def __init__(self, options: FusedOptions, checkpoint: Fp8Checkpoint | None = None):
         super().__init__(input_layouts=Shard(-1), output_layouts=Replicate(), use_local_output=True)
         self.options = options
+        self.checkpoint = checkpoint
 
     def validate_param(self, module, param, mesh, parameter_name=None):
         name = (parameter_name or param).rpartition(".")[0] or type(module).__name__
@@ -127,7 +145,8 @@ class FusedRowwise(RowwiseParallel):
         return module
 
     def __repr__(self):
-        return f"FusedRowwise({self.options.tag()})"
+        fp8 = "" if self.checkpoint is None else f", {self.checkpoint!r}"
+        return f"FusedRowwise({self.options.tag()}{fp8})"
 
 
 # A style of a model's plan -> (the cco style kind it becomes, the class that builds it). The sequence-
@@ -136,20 +155,22 @@ class FusedRowwise(RowwiseParallel):
 FUSED_STYLES = {"rowwise": ("rowwise", FusedRowwise)}
 
 
-def style_name(kind: str, options: FusedOptions) -> str:
-    """The registry name of cco's ``kind`` style with ``options`` (the same on every rank)."""
-    return f"cco_{kind}[{options.tag()}]"
+def style_name(kind: str, options: FusedOptions, checkpoint: Fp8Checkpoint | None = None) -> str:
+    """The registry name of cco's ``kind`` style with ``options`` (and the fp8 checkpoint its layers
+    read, by folder): the same on every rank for the same arguments."""
+    fp8 = "" if checkpoint is None else f"<fp8:{checkpoint.folder}>"
+    return f"cco_{kind}[{options.tag()}]{fp8}"
 
 
-def register_style(kind: str, options: FusedOptions) -> str:
+def register_style(kind: str, options: FusedOptions, checkpoint: Fp8Checkpoint | None = None) -> str:
     """Register cco's ``kind`` style with ``options`` in transformers' ``ALL_PARALLEL_STYLES`` (the
     class-wide mapping, seen by every model); idempotent. Returns its name for a tp_plan."""
     classes = {k: cls for k, cls in FUSED_STYLES.values()}
     if kind not in classes:
         raise ValueError(f"register_style: kind={kind!r} is not one of cco's styles {sorted(classes)}")
-    name = style_name(kind, options)
+    name = style_name(kind, options, checkpoint)
     if name not in ALL_PARALLEL_STYLES:
-        ParallelInterface.register(name, classes[kind](options))
+        ParallelInterface.register(name, classes[kind](options, checkpoint))
     return name
 
 
@@ -167,15 +188,25 @@ def _skeleton(source, auto_class) -> PreTrainedModel:
         return auto_class.from_config(source)
 
 
-def tp_plan(source, *, quant: str = "ptpc", m_max: int = 4096, auto_class=AutoModelForCausalLM,
+def tp_plan(source, *, quant: str | None = None, m_max: int = 4096, auto_class=AutoModelForCausalLM,
             **options) -> dict[str, str]:
     """The model's own tensor-parallel plan with its row-parallel Linears on cco's fused style.
 
     ``source``: a checkpoint path, a config (``auto_class`` builds a meta-device skeleton to read its
     plan and module types) or a model. ``quant``, ``m_max`` and ``options``: the fused layers'
-    (:class:`cco.integrations.fused.FusedOptions`). Registers the style it names. Pass the result as
-    ``DistributedConfig(tp_plan=...)`` to ``from_pretrained``, or use :func:`parallelize`. Every entry
-    whose style has no fused counterpart, or that names no Linear, is kept as the model declares it."""
+    (:class:`cco.integrations.fused.FusedOptions`); ``quant`` defaults to the checkpoint's fp8 format
+    (DeepSeek block scales: "blockscale") where ``source`` is an fp8 checkpoint folder, else "ptpc".
+    Registers the style it names. Pass the result as ``DistributedConfig(tp_plan=...)`` to
+    ``from_pretrained``, or use :func:`parallelize`. Every entry whose style has no fused counterpart,
+    or that names no Linear, is kept as the model declares it.
+
+    fp8 checkpoints: where ``source`` is a local folder whose config has an fp8 ``quantization_config``
+    (transformers' ``fp8``, compressed-tensors 8-bit float), the fused layers read their weights from
+    its safetensors files as stored (:class:`cco.integrations.fp8.Fp8Checkpoint`) instead of
+    quantizing the shard transformers dequantized; every other module is transformers' to load."""
+    checkpoint = Fp8Checkpoint.of(source) if isinstance(source, (str, os.PathLike)) else None
+    if quant is None:
+        quant = checkpoint.quant if checkpoint is not None else "ptpc"
     fused = FusedOptions(quant=quant, m_max=m_max, **options)
     model = _skeleton(source, auto_class)
     plan = dict(model.tp_plan or {})
@@ -190,7 +221,7 @@ def tp_plan(source, *, quant: str = "ptpc", m_max: int = 4096, auto_class=AutoMo
         counterpart = FUSED_STYLES.get(style)
         modules = kinds.get(pattern, [])
         if counterpart is not None and modules and all(isinstance(m, torch.nn.Linear) for m in modules):
-            style = register_style(counterpart[0], fused)
+            style = register_style(counterpart[0], fused, checkpoint)
             swapped += 1
         out[pattern] = style
     if not swapped:
@@ -199,26 +230,34 @@ def tp_plan(source, *, quant: str = "ptpc", m_max: int = 4096, auto_class=AutoMo
     return out
 
 
-def fuse(model: torch.nn.Module) -> list[str]:
+def fuse(model: torch.nn.Module, *, checkpoint=None) -> list[str]:
     """Build the fused layer of every module under a cco style whose shards are loaded, now rather
     than at its first forward. Collective over the tensor-parallel group. Returns the names of the
-    modules swapped by this call."""
+    modules swapped by this call.
+
+    ``checkpoint``: a local fp8 checkpoint folder (or :class:`cco.integrations.fp8.Fp8Checkpoint`) the
+    fused layers read their fp8 weights from as stored, for a plan built without one (from a config,
+    or :func:`parallelize`); default: the one ``tp_plan(path)`` found, else quantize the float shards."""
+    if checkpoint is not None and not isinstance(checkpoint, Fp8Checkpoint):
+        checkpoint = Fp8Checkpoint(checkpoint)
     pending = [(name, m) for name, m in model.named_modules() if _PENDING in m.__dict__]
     if not pending and not any(fused_layer(m) is not None for m in model.modules()):
         raise ValueError("fuse: no module of this model is under a cco style; load it with "
                          "distributed_config=DistributedConfig(tp_plan=cco.integrations.hf.tp_plan(...)) or call "
                          "cco.integrations.hf.parallelize(model, ...)")
     for _, module in pending:
-        _build(module)
+        _build(module, checkpoint)
     return [name for name, _ in pending]
 
 
-def parallelize(model: PreTrainedModel, *, quant: str = "ptpc", m_max: int = 4096, mesh=None, **options):
+def parallelize(model: PreTrainedModel, *, quant: str | None = None, m_max: int = 4096, mesh=None,
+                checkpoint=None, **options):
     """Tensor-parallelize a model loaded whole on every rank, in place, with the fused row-parallel
     layers; returns ``model``. Every rank must hold the same weights (the same checkpoint): each keeps
     its own shard of them, no bytes move (transformers' ``apply_tensor_parallelism`` with
     ``distribute_tensor(src_data_rank=None)``). ``mesh``: a 1-D tensor-parallel ``DeviceMesh``
-    (default: the whole world, on the model's device type). Collective."""
+    (default: the whole world, on the model's device type). ``checkpoint``: as :func:`fuse`'s (an fp8
+    checkpoint folder the fused layers read their weights from as stored). Collective."""
     fn = "parallelize"
     if not dist.is_initialized():
         raise RuntimeError(f"{fn}: torch.distributed is not initialized; call dist.init_process_group first "
@@ -226,6 +265,10 @@ def parallelize(model: PreTrainedModel, *, quant: str = "ptpc", m_max: int = 409
     if getattr(model, "_device_mesh", None) is not None:
         raise ValueError(f"{fn}: the model is already distributed (it was loaded with a distributed_config); its "
                          f"plan decides: pass cco_hf.tp_plan(...) to from_pretrained instead")
+    if checkpoint is not None and not isinstance(checkpoint, Fp8Checkpoint):
+        checkpoint = Fp8Checkpoint(checkpoint)
+    if quant is None:  # the checkpoint's fp8 format where it has one, as tp_plan(path) does
+        quant = checkpoint.quant if checkpoint is not None and checkpoint.quant else "ptpc"
     plan = tp_plan(model, quant=quant, m_max=m_max, **options)
     if mesh is None:
         device_type = next(model.parameters()).device.type
@@ -237,22 +280,5 @@ def parallelize(model: PreTrainedModel, *, quant: str = "ptpc", m_max: int = 409
     # what from_pretrained records for a distributed model (generate sizes a static cache by _tp_size)
     model._device_mesh, model._tp_size = mesh, mesh.size()
     model.config.distributed_config = DistributedConfig(tp_size=mesh.size(), tp_plan=plan)
-    fuse(model)
+    fuse(model, checkpoint=checkpoint)
     return model
-
-
-# ---- fp8 checkpoints (hook) -------------------------------------------------------------------------
-def load_fp8_row_parallel(layer, tensors, name: str, *, rank: int, world: int, config=None) -> None:
-    """HOOK for fp8 checkpoints: load a fused layer from the raw checkpoint tensors of its full
-    row-parallel weight (``tensors``: a mapping of checkpoint names, e.g. ``{name}.weight`` e4m3 and
-    ``{name}.weight_scale_inv``), reading the format with ``cco.nn.checkpoint.read_fp8_weight`` and
-    keeping this rank's K slice with ``shard_fp8_weight(dim=1)``, then ``layer.load_fp8``. Not wired
-    into ``from_pretrained`` yet (see docs/frameworks.md, "fp8 checkpoints")."""
-    from cco.nn.checkpoint import read_fp8_weight, shard_fp8_weight
-
-    weight = read_fp8_weight(tensors, name, config=config)
-    if weight.quant != layer.quant:
-        raise ValueError(f"load_fp8_row_parallel: {name!r} is stored as {weight.quant!r} ({weight.source}) but the "
-                         f"layer was built for quant={layer.quant!r}; build the plan with quant={weight.quant!r}")
-    shard = shard_fp8_weight(weight, rank=rank, world=world, dim=1)
-    layer.load_fp8(shard.qweight, shard.scale)

@@ -171,6 +171,24 @@ def _config_expectation(config: dict | None, fn: str, name: str) -> tuple[str | 
     return None, None
 
 
+def config_quant(config: dict | None) -> str | None:
+    """The cco quant a checkpoint's ``quantization_config`` stores its fp8 weights in: transformers'
+    ``fp8`` (block scales: blockscale; ``weight_block_size`` null: ptpc) or compressed-tensors with
+    one 8-bit float weight scheme. None for any other config (or several schemes: the tensors tell).
+    Raises ValueError for an fp8 scheme cco cannot serve (another block or group size)."""
+    if not config:
+        return None
+    if config.get("quant_method") == "compressed-tensors":
+        specs = [g.get("weights") or {} for g in (config.get("config_groups") or {}).values()]
+        if not specs or any(w.get("num_bits") != 8 or w.get("type") != "float" for w in specs):
+            return None  # int4/int8 or mixed schemes: not fp8 as cco reads it
+    layout, _ = _config_expectation(config, "config_quant", "quantization_config")
+    return _LAYOUT_QUANT.get(layout)
+
+
+_LAYOUT_QUANT = {"tensor": "ptpc", "channel": "ptpc", "block": "blockscale", "group": "mxfp8"}
+
+
 def _layout(scale: torch.Tensor, n: int, k: int) -> str | None:
     shape = tuple(scale.shape)
     if scale.numel() == 1 and len(shape) <= 2:
