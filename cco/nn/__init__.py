@@ -1,4 +1,5 @@
-"""Tensor-parallel layers on the fused op: ``RowParallelLinear`` (``linear``), and the pool of ops
+"""Tensor-parallel layers on the fused ops: ``RowParallelLinear`` (``linear``), ``ColumnParallelLinear``
+(``column``), their sequence-parallel paths (``sequence``, ``collectives``), and the pool of ops
 (and their windows) that layers of one shape family share (``pool``).
 
 May import: the runtime (``cco.op``, ``cco.comm``, ``cco.library``, ``cco.shapes``), the kernels
@@ -6,7 +7,8 @@ May import: the runtime (``cco.op``, ``cco.comm``, ``cco.library``, ``cco.shapes
 contracts. Nothing in the runtime imports this package.
 """
 
+from cco.nn.column import ColumnParallelLinear
 from cco.nn.linear import RowParallelLinear
 from cco.nn.pool import DEFAULT_POOL, WindowPool
 
-__all__ = ["DEFAULT_POOL", "RowParallelLinear", "WindowPool"]
+__all__ = ["DEFAULT_POOL", "ColumnParallelLinear", "RowParallelLinear", "WindowPool"]

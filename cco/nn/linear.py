@@ -43,8 +43,9 @@ import torch.distributed as dist
 from cco import library, shapes
 from cco import quant as Q
 from cco.comm import Communicator
+from cco.nn import sequence
 from cco.nn.pool import DEFAULT_POOL, WindowPool
-from cco.op import DEFAULT_DEADLINE_S
+from cco.op import DEFAULT_DEADLINE_S, GemmAllReduceOp
 from cco.preshuffle import preshuffle_b, unshuffle_b
 
 log = logging.getLogger("cco.nn")
@@ -83,6 +84,9 @@ class RowParallelLinear(torch.nn.Module):
       transport, gather_dtype, chunks, deadline_s: the op's (``cco.op.GemmAllReduceOp``).
       trainable:     keep a bf16 master weight (a Parameter) and compute its gradient.
       pool:          the :class:`cco.nn.WindowPool` whose ops this layer shares (default: the process's).
+      sequence_parallel: return this rank's rows ``r*M/W..(r+1)*M/W`` of the output (``[M/W, ...,
+                     out_features]``, the first input dimension the tokens) through the fused
+                     reduce-scatter (``cco.reduce_scatter``) instead of every row; ``cco.nn.sequence``.
 
     The weight is zero until :meth:`load_weight` or :meth:`load_fp8`.
     """
@@ -90,8 +94,9 @@ class RowParallelLinear(torch.nn.Module):
     def __init__(self, in_features_per_rank: int, out_features: int, *, group=None, quant: str = "ptpc",
                  bias: bool = False, m_max: int = 4096, mode: str = "fused", transport: str | None = None,
                  gather_dtype: str = "bf16", chunks=None, deadline_s: float = DEFAULT_DEADLINE_S,
-                 trainable: bool = False, pool: WindowPool | None = None):
+                 trainable: bool = False, pool: WindowPool | None = None, sequence_parallel: bool = False):
         super().__init__()
+        self.sequence_parallel = bool(sequence_parallel)  # the reduce-scatter along tokens: cco.nn.sequence
         for name, value in (("in_features_per_rank", in_features_per_rank), ("out_features", out_features),
                             ("m_max", m_max)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -113,8 +118,11 @@ class RowParallelLinear(torch.nn.Module):
             weight_layout = shapes.backend_class(device=self.device).weight_layouts[0]
         except ValueError:  # no backend runs on this device: layer_shape says why, the layer falls back
             weight_layout = "row-major"
+        op_class, shape_options = GemmAllReduceOp, op_options
+        if self.sequence_parallel:
+            op_class, op_options, shape_options = sequence.reduce_scatter_options(op_options)
         plan = shapes.layer_shape(out_features, in_features_per_rank, self.comm.world, m_max=m_max,
-                                  device=self.device, weight_layout=weight_layout, **op_options)
+                                  device=self.device, weight_layout=weight_layout, **shape_options)
         reason = "mode='unfused' was asked for" if mode == "unfused" else plan.reason
         # one verdict for the whole group: a rank whose backend refuses makes every rank fall back
         verdicts = self.comm.all_gather_object(reason)
@@ -125,7 +133,7 @@ class RowParallelLinear(torch.nn.Module):
         self.op = None
         if self.fallback_reason is None:
             self.weight_layout = weight_layout
-            self.op = self._pool.acquire(self.comm, n=self.n_padded, k=self.k_padded, m_max=m_max,
+            self.op = self._pool.acquire(self.comm, op_class=op_class, n=self.n_padded, k=self.k_padded, m_max=m_max,
                                          deadline_s=deadline_s, weight_layout=weight_layout, **op_options)
         else:
             self.weight_layout = "row-major"  # no kernel reads it: the unfused GEMM's own layout
@@ -259,6 +267,8 @@ class RowParallelLinear(torch.nn.Module):
                 self.op.reject(err)
             raise err
         qweight, scale = self.quantized_weight()
+        if self.sequence_parallel:
+            return sequence.row_parallel_forward(self, x, qweight, scale)
         return torch.ops.cco.row_parallel_linear(x, qweight, scale, self.bias, self.weight, self._handle,
                                                  self.out_features)
 
@@ -266,6 +276,8 @@ class RowParallelLinear(torch.nn.Module):
         """The body of ``torch.ops.cco.row_parallel_linear`` (real tensors, outside the compiler)."""
         if self._closed:
             raise RuntimeError(f"{self._name()}: the layer is closed; build a new one")
+        if self.sequence_parallel:
+            return sequence.row_parallel_body(self, x, qweight, scale, bias, quantize_activation)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features_per_rank)
         if x2.stride(1) != 1:
@@ -292,7 +304,10 @@ class RowParallelLinear(torch.nn.Module):
         return partial.to(torch.bfloat16)
 
     def _cco_backward(self, grad, x, qweight, scale, *, input_grad: bool, weight_grad: bool, bias_grad: bool):
-        """(grad_x, grad_master_weight, grad_bias) for ``grad`` of the output: no communication."""
+        """(grad_x, grad_master_weight, grad_bias) for ``grad`` of the output: no communication
+        (sequence parallel: the all-gather of ``grad`` along tokens first, ``cco.nn.sequence``)."""
+        if self.sequence_parallel:
+            grad = sequence.gather_output_grad(self, grad)
         g = grad.reshape(-1, self.out_features).to(torch.bfloat16)
         grad_x = grad_w = grad_b = None
         if input_grad:
