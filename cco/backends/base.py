@@ -21,7 +21,9 @@ Interface changes (kept backward compatible once published):
   a backend runs, ``config_error`` refuses the rest). Reduce-scatter: ``fused`` / ``split`` /
   ``all_reduce_window`` run steps 1-4 and write the reduced own slice into ``out`` (no step 5);
   slices follow ``plan.origins`` / ``plan.slice_m`` (by rows for scatter_dim 0). All-gather:
-  ``all_gather_gemm``, ``gather_inputs_window``.
+  ``all_gather_gemm``, ``gather_inputs_window``. A pattern without a gather phase ends each call
+  with ``gather_flags[src, 0] = seq`` put into every peer and a wait for every peer's: a rank whose
+  own share was complete must not return while a peer fails the call (its put to that peer lost).
 
 Division of work. The op owns everything that is the same on every device: public validation
 (``cco.validate``), the layout (``cco.layout``: config, window regions, chunk rows, tile table,

@@ -170,7 +170,7 @@ class CpuBackend(Backend):
             if not fused:
                 self._wait_inputs(plan, deadline)
             run_arriving_tiles(lambda src, chunk: rows_of(src, chunk, deadline), b_f, config=cfg, plan=plan, out=out)
-            self.transport.finish()
+            self._finish_together(plan, deadline)
             if gathered is not None:
                 self._assemble_inputs(plan, *gathered)
 
@@ -181,7 +181,7 @@ class CpuBackend(Backend):
             self.transport.begin(plan, deadline)
             self._put_inputs(plan)
             self._wait_inputs(plan, deadline)
-            self.transport.finish()
+            self._finish_together(plan, deadline)
 
         self._run_call(plan, steps)
 
@@ -345,7 +345,21 @@ class CpuBackend(Backend):
         for chunk in range(plan.chunks):
             r0, r1 = plan.rows[chunk]
             out[r0:r1] = self._reduced_chunk(plan, chunk, deadline).to(torch.bfloat16)
+        self._finish_together(plan, deadline)
+
+    def _finish_together(self, plan, deadline) -> None:
+        """The end of a call of a pattern without a gather phase (reduce-scatter, all-gather): tell
+        every peer this rank completed call ``seq`` (``gather_flags[rank, 0] = seq`` in its window),
+        wait for every peer's word. Without it a rank whose own slice was complete returned while a
+        peer failed the same call (its put to that peer lost): the ranks' verdicts differed."""
+        rank, flag = self.rank, layout.counter_index(self.rank, 0)
+        for dest in layout.dest_order(rank, self.world)[:-1]:
+            self.transport.put(dest=dest, copies=[], flag_words=self._gather_flags[dest], flag_index=flag,
+                               seq=plan.seq, phase="gather", chunk=0)
         self.transport.finish()
+        for src in layout.reduce_order(rank, self.world):
+            self._wait_flag(self._gather_flags[rank], layout.counter_index(src, 0), plan, deadline,
+                            what=f"rank {rank}: rank {src} completing call seq {plan.seq}")
 
     def _wait_flag(self, words, index, plan, deadline, what) -> None:
         value = wait_at_least(words, index, plan.seq, deadline=deadline, what=what)
