@@ -19,7 +19,8 @@ checkpoint shard; zero padding to the backend's shape, laid out once). Where the
 the layer quantizes the same way and runs ``all_gather_into_tensor`` of the fp8 rows and scales on
 the group, then the same GEMM.
 
-Autograd (straight-through quantization; ``cco.nn.sequence`` says why the collectives are bf16)::
+Autograd (straight-through quantization; ``backward="bf16"`` runs the collectives unfused in bf16,
+``"fp8"`` the fused GEMM + reduce-scatter on e4m3 gradients: ``cco.nn.sequence``)::
 
     grad_x_r = reduce_scatter(grad_y @ W_r, dim=0)      # sequence parallel; else grad_y @ W_r, no comm
     grad_W_r = grad_y.T @ all_gather(x_r, dim=0)         # trainable=True: a bf16 master weight
@@ -38,7 +39,7 @@ from cco.comm import Communicator
 from cco.nn.collectives import all_gather_rows, reduce_scatter_rows
 from cco.nn.linear import RowParallelLinear, quantize_activation
 from cco.nn.pool import DEFAULT_POOL, WindowPool
-from cco.nn.sequence import check_token_rows
+from cco.nn.sequence import check_token_rows, make_dual
 from cco.op import DEFAULT_DEADLINE_S, GemmAllReduceOp
 
 log = logging.getLogger("cco.nn")
@@ -59,6 +60,8 @@ class ColumnParallelLinear(torch.nn.Module):
       sequence_parallel: the input is this rank's tokens (first dimension) and the output every
                      rank's, through the fused all-gather + GEMM (``cco.all_gather.AllGatherGemmOp``).
                      Without it the input is replicated and the GEMM local (the op's ``gemm-only``).
+      backward:      with sequence_parallel: "bf16" (the reduce-scatter of grad_x unfused, in bf16) or
+                     "fp8" (``GemmReduceScatterOp`` fuses it with grad_y @ W_r, e4m3 gradients).
 
     The weight is zero until :meth:`load_weight` or :meth:`load_fp8`.
     """
@@ -66,7 +69,7 @@ class ColumnParallelLinear(torch.nn.Module):
     def __init__(self, in_features: int, out_features_per_rank: int, *, group=None, quant: str = "ptpc",
                  bias: bool = False, m_max: int = 4096, mode: str = "fused", sequence_parallel: bool = False,
                  transport: str | None = None, chunks=None, deadline_s: float = DEFAULT_DEADLINE_S,
-                 trainable: bool = False, pool: WindowPool | None = None):
+                 trainable: bool = False, pool: WindowPool | None = None, backward: str = "bf16"):
         super().__init__()
         for name, value in (("in_features", in_features), ("out_features_per_rank", out_features_per_rank),
                             ("m_max", m_max)):
@@ -124,6 +127,10 @@ class ColumnParallelLinear(torch.nn.Module):
         if trainable:
             self.weight = torch.nn.Parameter(torch.zeros(out_features_per_rank, in_features, dtype=torch.bfloat16,
                                                          device=self.device))
+        # sequence parallel, backward="fp8": grad_y @ W_r fused with the reduce-scatter of grad_x
+        self._dual = make_dual(self, backward, gathers=False, n=in_features, k=out_features_per_rank,
+                               mode="fused" if mode == "unfused" else mode, transport=transport, chunks=chunks,
+                               deadline_s=deadline_s, fn=_FN)
         self._handle = library.register(self)
         self._closed = False
 
@@ -209,7 +216,10 @@ class ColumnParallelLinear(torch.nn.Module):
         world = self.comm.world if self.sequence_parallel else 1
         g = grad.reshape(-1, self.out_features_per_rank).to(torch.bfloat16)
         grad_x = grad_w = grad_b = None
-        if input_grad:
+        if input_grad and self._dual is not None:  # the GEMM + reduce-scatter, fused, e4m3 operands
+            out = self._dual(g, self.dequantized_weight(qweight, scale), quantize_activation)
+            grad_x = out[:, :self.in_features].reshape(x.shape).to(x.dtype)
+        elif input_grad:
             w = self.dequantized_weight(qweight, scale).to(torch.bfloat16)
             full = g @ w  # [M, in_features]
             if self.sequence_parallel:
@@ -233,6 +243,8 @@ class ColumnParallelLinear(torch.nn.Module):
         """Release the shared op (the last layer of a family frees its window). Idempotent; local."""
         self._closed = True
         library.unregister(self._handle)
+        if self._dual is not None:
+            self._dual.close()
         if self.op is not None:
             self._pool.release(self.op)
             self.op = None

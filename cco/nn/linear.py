@@ -84,6 +84,8 @@ class RowParallelLinear(torch.nn.Module):
       transport, gather_dtype, chunks, deadline_s: the op's (``cco.op.GemmAllReduceOp``).
       trainable:     keep a bf16 master weight (a Parameter) and compute its gradient.
       pool:          the :class:`cco.nn.WindowPool` whose ops this layer shares (default: the process's).
+      backward:      with sequence_parallel: "bf16" (the all-gather of grad_y unfused, in bf16) or "fp8"
+                     (fused into grad_y @ W_r by ``AllGatherGemmOp``, e4m3 gradients); ``cco.nn.sequence``.
       sequence_parallel: return this rank's rows ``r*M/W..(r+1)*M/W`` of the output (``[M/W, ...,
                      out_features]``, the first input dimension the tokens) through the fused
                      reduce-scatter (``cco.reduce_scatter``) instead of every row; ``cco.nn.sequence``.
@@ -94,7 +96,8 @@ class RowParallelLinear(torch.nn.Module):
     def __init__(self, in_features_per_rank: int, out_features: int, *, group=None, quant: str = "ptpc",
                  bias: bool = False, m_max: int = 4096, mode: str = "fused", transport: str | None = None,
                  gather_dtype: str = "bf16", chunks=None, deadline_s: float = DEFAULT_DEADLINE_S,
-                 trainable: bool = False, pool: WindowPool | None = None, sequence_parallel: bool = False):
+                 trainable: bool = False, pool: WindowPool | None = None, sequence_parallel: bool = False,
+                 backward: str = "bf16"):
         super().__init__()
         self.sequence_parallel = bool(sequence_parallel)  # the reduce-scatter along tokens: cco.nn.sequence
         for name, value in (("in_features_per_rank", in_features_per_rank), ("out_features", out_features),
@@ -151,6 +154,10 @@ class RowParallelLinear(torch.nn.Module):
         if trainable:
             self.weight = torch.nn.Parameter(torch.zeros(out_features, in_features_per_rank, dtype=torch.bfloat16,
                                                          device=self.device))
+        # sequence parallel, backward="fp8": the all-gather of grad_y fused into grad_y @ W_r (cco.nn.sequence)
+        self._dual = sequence.make_dual(self, backward, gathers=True, n=in_features_per_rank, k=out_features,
+                                        mode=op_options["mode"], transport=transport, chunks=chunks,
+                                        deadline_s=deadline_s, fn=_FN)
         self._handle = library.register(self)
         self._closed = False
 
@@ -306,6 +313,10 @@ class RowParallelLinear(torch.nn.Module):
     def _cco_backward(self, grad, x, qweight, scale, *, input_grad: bool, weight_grad: bool, bias_grad: bool):
         """(grad_x, grad_master_weight, grad_bias) for ``grad`` of the output: no communication
         (sequence parallel: the all-gather of ``grad`` along tokens first, ``cco.nn.sequence``)."""
+        if self._dual is not None:
+            return sequence.row_parallel_fp8_backward(self, grad, x, qweight, scale, input_grad=input_grad,
+                                                      weight_grad=weight_grad, bias_grad=bias_grad,
+                                                      quantize=quantize_activation)
         if self.sequence_parallel:
             grad = sequence.gather_output_grad(self, grad)
         g = grad.reshape(-1, self.out_features).to(torch.bfloat16)
@@ -329,6 +340,8 @@ class RowParallelLinear(torch.nn.Module):
         """Release the shared op (the last layer of a family frees its window). Idempotent; local."""
         self._closed = True
         library.unregister(self._handle)
+        if self._dual is not None:
+            self._dual.close()
         if self.op is not None:
             self._pool.release(self.op)
             self.op = None
