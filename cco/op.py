@@ -1,4 +1,8 @@
-"""GemmAllReduceOp: fp8 GEMM + all-reduce of the partial products of tensor-parallel ranks.
+"""GemmAllReduceOp: fp8 GEMM + all-reduce of the partial products of tensor-parallel ranks; and the
+call machinery every collective pattern shares (:class:`CollectiveGemmOp`: construction, seq,
+checks, rejected calls, the collective call, ``check``, the self test, ``close``), on which
+``cco.reduce_scatter.GemmReduceScatterOp`` and ``cco.all_gather.AllGatherGemmOp`` run too. The
+contracts below hold for every pattern (``cco.layout.PATTERNS``); each op states its output.
 
 Unfused equivalent, on every rank::
 

@@ -179,3 +179,41 @@ def test_a_rank_whose_tokens_do_not_split_fails_the_call_on_every_rank():
     assert kind0 == "ValueError" and "not a multiple of the world" in msg0, msg0
     assert kind1 == "PeerRejectedError" and "rank 0 rejected" in msg1, msg1
     assert shape0 == shape1 == (2, 256)
+
+
+def _one_rank_refuses_the_pattern(comm):
+    """Rank 1's backend does not run the all-gather / reduce-scatter patterns (as the GPU backends
+    today); rank 0's does."""
+    from cco.backends.cpu import CpuBackend
+    from cco.nn import ColumnParallelLinear, RowParallelLinear
+
+    if comm.rank == 1:
+        CpuBackend.patterns = ("all-reduce",)
+    x_r, w1_r, w2_r, _ = shards(comm.rank, comm.world)
+    col = ColumnParallelLinear(H, I // 2, group=comm, m_max=S * B, sequence_parallel=True, deadline_s=DEADLINE_S)
+    row = RowParallelLinear(I // 2, H, group=comm, m_max=S * B, sequence_parallel=True, deadline_s=DEADLINE_S)
+    col.load_weight(w1_r)
+    row.load_weight(w2_r)
+    with torch.no_grad():
+        h = col(x_r)
+        y = row(h)
+    paths = (repr(col), repr(row))
+    col.close()
+    row.close()
+    return h, y, paths
+
+
+def test_a_rank_whose_backend_refuses_the_pattern_sends_every_rank_unfused():
+    """Guards: ranks that take different paths (one fused, one unfused) wait on each other's
+    collectives forever or pair wrong data."""
+    per_rank = check_outcomes(spawn(_one_rank_refuses_the_pattern, world=2, timeout_s=120))
+    x, _, _, _ = problem()
+    hs = [r[0] for r in per_rank]
+    y_full = sum(quantized_gemm(h.reshape(-1, I // 2), shards(r, 2)[2], "ptpc").float()
+                 for r, h in enumerate(hs)).to(torch.bfloat16).view(S, B, H)
+    for rank, (h, y, paths) in enumerate(per_rank):
+        for text in paths:
+            assert "path=unfused (rank 1: cpu: the cpu backend does not run the" in text, text
+        h_ref = quantized_gemm(x.reshape(-1, H), shards(rank, 2)[1], "ptpc").view(S, B, I // 2)
+        assert Q.count_mismatches(h, h_ref) == 0
+        assert Q.count_mismatches(y, y_full[rank * S // 2:(rank + 1) * S // 2]) == 0
