@@ -140,6 +140,7 @@ class ColumnParallelLinear(torch.nn.Module):
                 f"{self.comm.rank}/{self.comm.world})")
 
     # ---- weights: RowParallelLinear's (a [N, K] shard, padded, quantized and laid out once) -----------
+    _SHARD = "[out_features_per_rank, in_features]"
     _zero_weight = RowParallelLinear._zero_weight
     _laid_out = RowParallelLinear._laid_out
     _arrange = RowParallelLinear._arrange

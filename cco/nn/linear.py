@@ -93,6 +93,8 @@ class RowParallelLinear(torch.nn.Module):
     The weight is zero until :meth:`load_weight` or :meth:`load_fp8`.
     """
 
+    _SHARD = "[out_features, in_features_per_rank]"  # the weight shard's dimensions, for errors
+
     def __init__(self, in_features_per_rank: int, out_features: int, *, group=None, quant: str = "ptpc",
                  bias: bool = False, m_max: int = 4096, mode: str = "fused", transport: str | None = None,
                  gather_dtype: str = "bf16", chunks=None, deadline_s: float = DEFAULT_DEADLINE_S,
@@ -188,8 +190,8 @@ class RowParallelLinear(torch.nn.Module):
         or fp32): padded, quantized (``cco.quant.quantize_b``) and laid out once. Not collective."""
         self._check_shape(w, "w", (self.out_features, self.in_features_per_rank), "load_weight")
         if not w.dtype.is_floating_point or w.element_size() == 1:
-            raise TypeError(f"{_FN}.load_weight: w must be a bf16, fp16 or fp32 shard, got {w.dtype}; load an fp8 "
-                            f"checkpoint shard with load_fp8(w_q, w_scale)")
+            raise TypeError(f"{type(self).__name__}.load_weight: w must be a bf16, fp16 or fp32 shard, got {w.dtype}; "
+                            f"load an fp8 checkpoint shard with load_fp8(w_q, w_scale)")
         q, s = self._laid_out(w.to(self.device))
         self.qweight.copy_(q)
         self.weight_scale.copy_(s)
@@ -202,7 +204,7 @@ class RowParallelLinear(torch.nn.Module):
         and its scales in ``quant``'s layout (``cco.quant``; blockscale and mxfp8 scales may cover a
         last partial block: ``[ceil(N/128), ceil(K/128)]``, ``[N, ceil(K/32)]``). Padded with zero
         weights whose scales are one, laid out once. Not collective."""
-        fn = f"{_FN}.load_fp8"
+        fn = f"{type(self).__name__}.load_fp8"  # ColumnParallelLinear shares the weight methods
         n, k = self.out_features, self.in_features_per_rank
         self._check_shape(w_q, "w_q", (n, k), "load_fp8")
         if w_q.dtype != Q.FP8:
@@ -234,8 +236,8 @@ class RowParallelLinear(torch.nn.Module):
     def _check_shape(self, t, arg: str, shape, verb: str) -> None:
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
             got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{_FN}.{verb}: {arg} must be this rank's shard {list(shape)} "
-                             f"([out_features, in_features_per_rank]), got {got}")
+            raise ValueError(f"{type(self).__name__}.{verb}: {arg} must be this rank's shard {list(shape)} "
+                             f"({self._SHARD}), got {got}")
 
     def dequantized_weight(self, qweight: torch.Tensor | None = None,
                            scale: torch.Tensor | None = None) -> torch.Tensor:

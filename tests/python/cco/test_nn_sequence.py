@@ -217,3 +217,26 @@ def test_a_rank_whose_backend_refuses_the_pattern_sends_every_rank_unfused():
         h_ref = quantized_gemm(x.reshape(-1, H), shards(rank, 2)[1], "ptpc").view(S, B, I // 2)
         assert Q.count_mismatches(h, h_ref) == 0
         assert Q.count_mismatches(y, y_full[rank * S // 2:(rank + 1) * S // 2]) == 0
+
+
+def _load_errors(comm):
+    from cco.nn import ColumnParallelLinear
+
+    col = ColumnParallelLinear(H, 64, group=comm, m_max=16, deadline_s=DEADLINE_S)
+    errors = []
+    for call in (lambda: col.load_weight(torch.zeros(H, 64)), lambda: col.load_weight(torch.zeros(64, H).to(Q.FP8)),
+                 lambda: col.load_fp8(torch.zeros(64, H).to(Q.FP8), torch.ones(3))):
+        try:
+            call()
+            errors.append("accepted")
+        except (TypeError, ValueError) as err:
+            errors.append(str(err))
+    col.close()
+    return errors
+
+
+def test_column_weight_errors_name_the_column_layer_and_its_shard():
+    (errors,) = check_outcomes(spawn(_load_errors, world=1, timeout_s=60))
+    assert "ColumnParallelLinear.load_weight" in errors[0] and "[out_features_per_rank, in_features]" in errors[0]
+    assert "ColumnParallelLinear.load_weight" in errors[1] and "load_fp8" in errors[1]
+    assert "ColumnParallelLinear.load_fp8: w_scale" in errors[2], errors
