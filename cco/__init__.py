@@ -9,8 +9,9 @@ What lives where:
   reference), ``preshuffle`` (the weight layout), ``validate`` (input checks);
 - the runtime: ``op`` (``GemmAllReduceOp`` and the call machinery of every pattern),
   ``reduce_scatter`` (``GemmReduceScatterOp``), ``all_gather`` (``AllGatherGemmOp``), ``comm``,
-  ``window``, ``backends/`` (one executor per device), ``transport/`` (protocol words, deadlines, the CPU transports), ``cuda/`` (stream memory
-  operations, the copy-engine schedule, reduce and gather kernels on CUDA and HIP), ``shapes``
+  ``window``, ``backends/`` (one executor per device), ``transport/`` (protocol words, deadlines,
+  the CPU transports), ``cuda/`` (stream memory operations, the copy-engine schedule, reduce and
+  gather kernels on CUDA and HIP), ``shapes``
   (what each backend runs fused: ``cco.supports``, a layer's padding), ``library`` (the ops in
   torch.library, for torch.compile and CUDA graphs);
 - layers on the runtime: ``nn/`` (``RowParallelLinear``, ``ColumnParallelLinear``; nothing in the

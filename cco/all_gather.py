@@ -90,7 +90,8 @@ class AllGatherGemmOp(CollectiveGemmOp):
         out = torch.empty(total, self.config.n, dtype=torch.bfloat16, device=self.comm.device)
         gathered = None
         if with_a:
-            gathered = (torch.empty(total, self.config.k, dtype=a.dtype, device=a.device), self._scale_like(a_scale, total))
+            gathered = (torch.empty(total, self.config.k, dtype=a.dtype, device=a.device),
+                        self._scale_like(a_scale, total))
         self._collective(lambda plan: self._backend.all_gather_gemm(a, b_pre, a_scale, b_scale, out=out, plan=plan,
                                                                    gathered=gathered), m)
         return out if not with_a else (out, *gathered)

@@ -485,10 +485,11 @@ class CollectiveGemmOp:
             expect = probe_pattern(src, self.rank, rows, cfg.n_slice, seq, out.device)
             if not torch.equal(recv[src][:rows], expect):
                 bad = int((recv[src][:rows] != expect).sum())  # NaN poison compares unequal
-                problems.append(f"rank {self.rank}: {bad} of {rows * cfg.n_slice} elements from rank {src} did not arrive")
+                problems.append(f"rank {self.rank}: {bad} of {rows * cfg.n_slice} elements from rank {src} "
+                                f"did not arrive")
         owners = range(self.world) if cfg.pattern_spec.gather else (self.rank,)
-        expect = torch.cat([sum(probe_pattern(s, d, rows, cfg.n_slice, seq, out.device).float() for s in range(self.world))
-                            for d in owners], dim=1)
+        expect = torch.cat([sum(probe_pattern(s, d, rows, cfg.n_slice, seq, out.device).float()
+                                for s in range(self.world)) for d in owners], dim=1)
         err = (out.float() - expect).abs()
         tol = expect.abs() / 8 if cfg.pattern_spec.gather and cfg.gather_dtype == "fp8" else torch.zeros_like(expect)
         if not bool((err <= tol).all()):  # NaN compares False: missing bytes fail here too

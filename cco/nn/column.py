@@ -255,4 +255,5 @@ class ColumnParallelLinear(torch.nn.Module):
         return (f"in_features={self.in_features}, out_features_per_rank={self.out_features_per_rank}, "
                 f"quant={self.quant!r}, sequence_parallel={self.sequence_parallel}, rank={self.comm.rank}/"
                 f"{self.comm.world}, backend={self.shape.backend}, path={path}, bias={self.bias is not None}, "
-                f"trainable={self.weight is not None}" + (f", padded {self.shape.padding}" if self.shape.padding else ""))
+                f"trainable={self.weight is not None}"
+                + (f", padded {self.shape.padding}" if self.shape.padding else ""))

@@ -194,7 +194,8 @@ def make_dual(layer, backward: str, *, gathers: bool, n: int, k: int, mode: str,
 
     dual = DualGemm(layer, op_class=AllGatherGemmOp if gathers else GemmReduceScatterOp,
                     pattern="all-gather" if gathers else "reduce-scatter-rows", n=n, k=k,
-                    options=dict(mode=mode, transport=transport, chunks=chunks), pool=layer._pool, deadline_s=deadline_s)
+                    options=dict(mode=mode, transport=transport, chunks=chunks), pool=layer._pool,
+                    deadline_s=deadline_s)
     if dual.reason is not None:
         import logging
 

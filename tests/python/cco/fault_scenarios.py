@@ -94,7 +94,8 @@ class Setup:
 
     @property
     def op_name(self) -> str:
-        return {"all-gather": "AllGatherGemmOp", "all-reduce": "GemmAllReduceOp"}.get(self.pattern, "GemmReduceScatterOp")
+        names = {"all-gather": "AllGatherGemmOp", "all-reduce": "GemmAllReduceOp"}
+        return names.get(self.pattern, "GemmReduceScatterOp")
 
     def op(self, comm, faults=None, transport=None):
         kw = dict(n=self.n, k=self.k, m_max=self.m, transport=transport or self.transport, chunks=self.chunks,
@@ -118,8 +119,8 @@ class Setup:
         the fp32 sum of the partials, of their absolute values, and of |A| @ |B|.T."""
         if self.pattern == "all-gather":  # every rank's rows times this rank's weight, rows in rank order
             mine = self.problem(self.rank, seed, m)
-            terms = [budget_terms(q.Problem("ptpc", self.problem(r, seed, m).a, mine.b, self.problem(r, seed, m).a_scale,
-                                            mine.b_scale)) for r in ranks]
+            rows = [self.problem(r, seed, m) for r in ranks]
+            terms = [budget_terms(q.Problem("ptpc", p.a, mine.b, p.a_scale, mine.b_scale)) for p in rows]
             return (torch.cat([t[0] for t in terms]), torch.cat([t[0].abs() for t in terms]),
                     torch.cat([t[1] for t in terms]))
         terms = [budget_terms(self.problem(r, seed, m)) for r in ranks]

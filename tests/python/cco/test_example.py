@@ -38,5 +38,6 @@ def test_tp_mlp_sequence_parallel_eager_and_compiled_with_gradients(capsys):
     assert tp_mlp.main(["--world", "2", "--sequence-parallel", "--train", "--compile", "both", "--seq", "12"]) == 0
     out = capsys.readouterr().out
     assert "sequence parallel" in out and "PASS" in out, out
-    for line in ("eager    y vs unfused bf16 model", "compiled down grad vs unfused", "compiled gate/up grad vs unfused"):
+    for line in ("eager    y vs unfused bf16 model", "compiled down grad vs unfused",
+                 "compiled gate/up grad vs unfused"):
         assert line in out, out
