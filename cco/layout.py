@@ -33,6 +33,23 @@ Window regions (one symmetric window per rank, same offsets on every rank)::
     gather        bf16 | e4m3 [W, m_max_padded, n_slice]
     gather_scale  fp32  [W, m_max_padded, ceil(n_slice / GATHER_GROUP)]   (fp8 gather only)
 
+Patterns (:data:`PATTERNS`): the same regions, counters and flags serve the three collectives of a
+tensor-parallel block; a pattern says who owns an output slice and which phases run::
+
+    all-reduce           slices by columns (N/W each); scatter, reduce, gather  -> out [M, N]
+    reduce-scatter dim 1 slices by columns; scatter, reduce (no gather)       -> out [M, N/W]
+    reduce-scatter dim 0 slices by rows (M/W each, Megatron's token split);
+                         scatter, reduce                                        -> out [M/W, N]
+    all-gather           each rank's input rows (M/W) go to every rank first; the GEMM consumes
+                         them as they land                                      -> out [M, N]
+
+A "slice" is one owner's block: ``slice rows x n_slice`` at ``slice_origin`` of the ``[M, N]``
+product; ``partial[dest]`` and ``recv[src]`` hold one slice each (``m_max_padded`` rows: the most rows
+a slice has, padded). The all-gather moves inputs instead: ``a_rows[src]`` (e4m3 ``[rows, K]``) and
+``a_scales[src]`` (the rows' scales, :func:`input_scale_shape`), released by ``scatter_flags[src, c]``
+with the (seq, M) stamp in ``scatter_m[src]``, exactly where a scatter puts its own, so rejected calls
+and mismatched M read the same words in every pattern.
+
 Completion protocol: a tile bumps ``counters[dest, chunk]`` by one; chunk (dest, c) of call ``seq``
 is complete when the counter reaches the cumulative target ``CallPlan.counter_targets``. Flags carry
 the call's ``seq`` and a waiter waits for ``flag >= seq``, so a flag left by an earlier (even failed)
@@ -81,7 +98,54 @@ MODE_ALIASES = {
     "fused-lsa": ("fused", "lsa"),
 }
 
-ITEMSIZE = {"int64": 8, "bfloat16": 2, "float8_e4m3fn": 1, "float32": 4}
+ITEMSIZE = {"int64": 8, "bfloat16": 2, "float8_e4m3fn": 1, "float32": 4, "float8_e8m0fnu": 1}
+SCALE_BLOCK_K = 128  # blockscale A scales: one per row and 128 columns of K (cco.quant)
+MX_GROUP_K = 32  # mxfp8 A scales: one e8m0 per row and 32 columns of K (cco.quant)
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """Which collective a call runs around its GEMM: data the op, the layout and the backends read
+    instead of a copy of the op per pattern."""
+
+    name: str  # the key in PATTERNS
+    owner_by: str  # "cols": owner d's slice is columns d*N/W..; "rows": rows d*M/W.. (Megatron's token split)
+    scatter: bool  # the GEMM's tiles go to their slice's owner (counters, scatter puts)
+    reduce: bool  # the owner sums its own and the received slices in fp32
+    gather: bool  # the reduced slices go to every rank (the all-reduce's last phase)
+    gathers_input: bool  # each rank's input rows go to every rank; the GEMM consumes them as they land
+    unfused: str  # the unfused equivalent, for docstrings and errors
+
+
+PATTERNS = {
+    "all-reduce": Pattern("all-reduce", "cols", True, True, True, False,
+                          "all_reduce(a @ b.T) -> [M, N]"),
+    "reduce-scatter-cols": Pattern("reduce-scatter-cols", "cols", True, True, False, False,
+                                   "reduce_scatter(a @ b.T, dim=1) -> [M, N/W]"),
+    "reduce-scatter-rows": Pattern("reduce-scatter-rows", "rows", True, True, False, False,
+                                   "reduce_scatter(a @ b.T, dim=0) -> [M/W, N]"),
+    "all-gather": Pattern("all-gather", "rows", False, False, False, True,
+                          "all_gather(a, dim=0) @ b.T -> [M, N]"),
+}
+
+
+def reduce_scatter_pattern(scatter_dim) -> str:
+    """The pattern of a reduce-scatter along ``scatter_dim`` (0: rows/tokens, 1: columns)."""
+    if scatter_dim not in (0, 1) or isinstance(scatter_dim, bool):
+        raise ValueError(f"scatter_dim={scatter_dim!r} is not supported; pass 0 (tokens: rank r keeps rows "
+                         f"r*M/W..(r+1)*M/W) or 1 (rank r keeps its N/W columns)")
+    return "reduce-scatter-rows" if scatter_dim == 0 else "reduce-scatter-cols"
+
+
+def input_scale_shape(quant: str, rows: int, k: int) -> tuple[tuple[int, ...], str]:
+    """(shape, dtype) of one rank's slot of all-gathered A scales with ``rows`` rows: ptpc ``[rows]``
+    fp32; blockscale ``[K/128, rows]`` fp32 (the column-major ``[rows, K/128]`` A scale, transposed,
+    so a chunk of rows is a block of every scale column); mxfp8 ``[rows, K/32]`` e8m0."""
+    if quant == "ptpc":
+        return (rows,), "float32"
+    if quant == "blockscale":
+        return (k // SCALE_BLOCK_K, rows), "float32"
+    return (rows, k // MX_GROUP_K), "float8_e8m0fnu"
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -146,11 +210,14 @@ class WindowLayout:
     recv: Region
     gather: Region
     gather_scale: Region
+    a_rows: Region  # all-gather only: e4m3 [W, m_max_padded, K] (empty otherwise)
+    a_scales: Region  # all-gather only: [W, *input_scale_shape] (empty otherwise)
     nbytes: int
 
     def regions(self) -> tuple[Region, ...]:
         return (self.header, self.counters, self.scatter_flags, self.scatter_m, self.gather_flags,
-                self.tile_flags, self.partial, self.recv, self.gather, self.gather_scale)
+                self.tile_flags, self.partial, self.recv, self.gather, self.gather_scale, self.a_rows,
+                self.a_scales)
 
 
 def gather_scale_cols(n_slice: int) -> int:
@@ -159,7 +226,14 @@ def gather_scale_cols(n_slice: int) -> int:
 
 
 def window_layout(*, world: int, m_max_padded: int, n_slice: int, gather_dtype: str,
-                  m_tiles: int = 0, n_tiles: int = 0) -> WindowLayout:
+                  m_tiles: int = 0, n_tiles: int = 0, pattern: str = "all-reduce", k: int = 0,
+                  quant: str = "ptpc") -> WindowLayout:
+    """The regions of one rank's window; those a pattern does not use are empty (zero rows)."""
+    pat = PATTERNS[pattern]
+    rows = m_max_padded if pat.scatter else 0  # partial / recv
+    g_rows = m_max_padded if pat.gather else 0
+    a_rows = m_max_padded if pat.gathers_input else 0
+    scale_shape, scale_dtype = input_scale_shape(quant, a_rows, k if a_rows else 0)
     specs = [
         ("header", (HEADER_WORDS,), "int64"),
         ("counters", (world, MAX_CHUNKS), "int64"),
@@ -167,11 +241,13 @@ def window_layout(*, world: int, m_max_padded: int, n_slice: int, gather_dtype: 
         ("scatter_m", (world,), "int64"),
         ("gather_flags", (world, MAX_CHUNKS), "int64"),
         ("tile_flags", (2, world, m_tiles, n_tiles), "int64"),
-        ("partial", (world, m_max_padded, n_slice), "bfloat16"),
-        ("recv", (world, m_max_padded, n_slice), "bfloat16"),
-        ("gather", (world, m_max_padded, n_slice), "float8_e4m3fn" if gather_dtype == "fp8" else "bfloat16"),
-        ("gather_scale", (world, m_max_padded, gather_scale_cols(n_slice)) if gather_dtype == "fp8" else (world, 0, 0),
+        ("partial", (world, rows, n_slice), "bfloat16"),
+        ("recv", (world, rows, n_slice), "bfloat16"),
+        ("gather", (world, g_rows, n_slice), "float8_e4m3fn" if gather_dtype == "fp8" else "bfloat16"),
+        ("gather_scale", (world, g_rows, gather_scale_cols(n_slice)) if gather_dtype == "fp8" else (world, 0, 0),
          "float32"),
+        ("a_rows", (world, a_rows, k if a_rows else 0), "float8_e4m3fn"),
+        ("a_scales", (world, *scale_shape), scale_dtype),
     ]
     offset, regions = 0, {}
     for name, shape, dtype in specs:
@@ -200,8 +276,10 @@ class OpConfig:
     block_m: int
     block_n: int
     weight_layout: str = "bpreshuffle"  # WEIGHT_LAYOUTS
-    n_slice: int = field(init=False)
-    m_max_padded: int = field(init=False)
+    pattern: str = "all-reduce"  # a key of PATTERNS
+    n_slice: int = field(init=False)  # columns of one owner's slice: N/W (by columns) or N (by rows)
+    slice_m_max: int = field(init=False)  # rows of one slice at most: m_max (by columns) or m_max // W
+    m_max_padded: int = field(init=False)  # slice_m_max in whole m-tiles: the rows of a window plane
     n_tiles_per_dest: int = field(init=False)
     window: WindowLayout = field(init=False)
     # a config keys the per-call caches (tile tables, call shapes) that every call looks up: hashing
@@ -214,13 +292,20 @@ class OpConfig:
     def __post_init__(self):
         set_ = object.__setattr__.__get__(self)
         set_("_hash", hash((self.n, self.k, self.m_max, self.world, self.quant, self.mode, self.transport,
-                            self.gather_dtype, self.chunks, self.block_m, self.block_n)))
-        set_("n_slice", self.n // self.world)
-        set_("m_max_padded", padded_m(self.m_max, self.block_m))
+                            self.gather_dtype, self.chunks, self.block_m, self.block_n, self.pattern)))
+        by_rows = PATTERNS[self.pattern].owner_by == "rows"
+        set_("n_slice", self.n if by_rows else self.n // self.world)
+        set_("slice_m_max", self.m_max // self.world if by_rows else self.m_max)
+        set_("m_max_padded", padded_m(self.slice_m_max, self.block_m))
         set_("n_tiles_per_dest", self.n_slice // self.block_n)
         set_("window", window_layout(world=self.world, m_max_padded=self.m_max_padded,
                                      n_slice=self.n_slice, gather_dtype=self.gather_dtype,
-                                     m_tiles=self.m_max_padded // self.block_m, n_tiles=self.n_tiles_per_dest))
+                                     m_tiles=self.m_max_padded // self.block_m, n_tiles=self.n_tiles_per_dest,
+                                     pattern=self.pattern, k=self.k, quant=self.quant))
+
+    @property
+    def pattern_spec(self) -> Pattern:
+        return PATTERNS[self.pattern]
 
 
 def _pick_block_n(n_slice: int) -> int | None:
@@ -230,11 +315,18 @@ def _pick_block_n(n_slice: int) -> int | None:
 def build_config(*, n: int, k: int, m_max: int, world: int, quant: str = "ptpc", mode: str = "fused",
                  transport: str | None = None, gather_dtype: str = "bf16", chunks: int | None = None,
                  block_m: int | None = None, block_n: int | None = None,
-                 default_transport: str = "dma", weight_layout: str = "bpreshuffle") -> OpConfig:
+                 default_transport: str = "dma", weight_layout: str = "bpreshuffle",
+                 pattern: str = "all-reduce") -> OpConfig:
     """The single place that decides whether a configuration is expressible.
 
     Raises ValueError whose message names the argument, its value, what is allowed and the fix."""
     mode, transport = normalize_mode(mode, transport, default_transport)
+    if pattern not in PATTERNS:
+        raise ValueError(f"pattern={pattern!r} is not supported; pass one of {', '.join(PATTERNS)}")
+    by_rows = PATTERNS[pattern].owner_by == "rows"
+    if pattern != "all-reduce" and mode == "gemm-only":
+        raise ValueError(f"mode='gemm-only' is the all-reduce op's plain GEMM; the {pattern} op runs 'fused' or "
+                         f"'split' (build a GemmAllReduceOp with mode='gemm-only' for the GEMM alone)")
     if weight_layout not in WEIGHT_LAYOUTS:
         raise ValueError(f"weight_layout={weight_layout!r} is not supported; pass one of {', '.join(WEIGHT_LAYOUTS)}")
     for name, value in (("n", n), ("k", k), ("m_max", m_max), ("world", world)):
@@ -253,18 +345,21 @@ def build_config(*, n: int, k: int, m_max: int, world: int, quant: str = "ptpc",
     if quant == "blockscale" and n % BLOCKSCALE_N:
         raise ValueError(f"n={n} is not supported with quant='blockscale'; N must be a multiple of {BLOCKSCALE_N}: "
                          f"{pad_n}")
-    if n % world:
+    if by_rows and m_max < world:
+        raise ValueError(f"m_max={m_max} is smaller than world={world}; the {pattern} op splits the rows (tokens) "
+                         f"over the ranks, so build it with m_max >= {world}")
+    if not by_rows and n % world:
         raise ValueError(f"n={n} is not divisible by world={world}; every rank owns N/world output "
                          f"columns, so {pad_n}")
-    n_slice = n // world
+    n_slice = n if by_rows else n // world
     if block_n is None:
         block_n = _pick_block_n(n_slice)
         if block_n is None:
             raise ValueError(f"n={n} with world={world} gives a {n_slice}-column slice per rank, which no "
                              f"tile width in {BLOCK_N_CHOICES} divides; {pad_n}")
     elif block_n < 1 or n_slice % block_n:
-        raise ValueError(f"block_n={block_n} (the backend's tile width) must divide the per-rank slice "
-                         f"N/world = {n}/{world} = {n_slice}; {pad_n}")
+        slice_is = f"N = {n}" if by_rows else f"the per-rank slice N/world = {n}/{world} = {n_slice}"
+        raise ValueError(f"block_n={block_n} (the backend's tile width) must divide {slice_is}; {pad_n}")
     block_m = DEFAULT_BLOCK_M if block_m is None else block_m
     if block_m < 1:
         raise ValueError(f"block_m={block_m} must be a positive int")
@@ -282,7 +377,7 @@ def build_config(*, n: int, k: int, m_max: int, world: int, quant: str = "ptpc",
                          f"chunk sizes or None")
     return OpConfig(n=n, k=k, m_max=m_max, world=world, quant=quant, mode=mode, transport=transport,
                     gather_dtype=gather_dtype, chunks=chunks, block_m=block_m, block_n=block_n,
-                    weight_layout=weight_layout)
+                    weight_layout=weight_layout, pattern=pattern)
 
 
 def padded_k(k: int) -> int:
@@ -329,14 +424,66 @@ def padded_m(m: int, block_m: int) -> int:
     return _ceil_div(m, block_m) * block_m
 
 
+def slice_rows(cfg: OpConfig, m: int) -> int:
+    """Rows of one slice in a call with ``m`` rows: ``m`` where slices are cut by columns; ``m / W``
+    for the reduce-scatter along rows (``m`` is the call's whole M); ``m`` for the all-gather (``m`` is
+    the call's rows per rank)."""
+    return m // cfg.world if cfg.pattern == "reduce-scatter-rows" else m
+
+
+def call_rows_error(cfg: OpConfig, m: int) -> str | None:
+    """None when a call may pass ``m`` rows, else why not (with the fix): at most ``m_max`` rows (the
+    all-gather: ``m_max / W`` per rank), and for the reduce-scatter along rows a multiple of W."""
+    if cfg.pattern == "all-gather":
+        if m > cfg.slice_m_max:
+            return (f"a has M={m} rows but the op was built with m_max={cfg.m_max} gathered rows, at most "
+                    f"{cfg.slice_m_max} per rank over world={cfg.world}; split the batch or build the op with "
+                    f"m_max >= {m * cfg.world}")
+        return None
+    if m > cfg.m_max:
+        return (f"a has M={m} rows but the op was built with m_max={cfg.m_max}; split the batch or build the op "
+                f"with m_max >= {m}")
+    if cfg.pattern == "reduce-scatter-rows" and m % cfg.world:
+        return (f"a has M={m} rows, not a multiple of world={cfg.world}; every rank keeps M/world rows "
+                f"(tokens): pad the batch with zero rows to M={-(-m // cfg.world) * cfg.world}")
+    return None
+
+
+def slice_origin(cfg: OpConfig, dest: int, rows: int) -> tuple[int, int]:
+    """(row, column) of the ``[M, N]`` product where slice ``dest`` starts, for slices of ``rows``
+    rows: column ``dest * N/W`` where slices are cut by columns, row ``dest * rows`` by rows."""
+    if cfg.pattern_spec.owner_by == "rows":
+        return dest * rows, 0
+    return 0, dest * cfg.n_slice
+
+
+def out_shape(cfg: OpConfig, m: int, rank: int = 0) -> tuple[int, int]:
+    """The shape of a call's output for ``m`` rows (the call's ``a`` rows)."""
+    name = cfg.pattern
+    if name == "all-reduce":
+        return m, cfg.n
+    if name == "reduce-scatter-cols":
+        return m, cfg.n_slice
+    if name == "reduce-scatter-rows":
+        return m // cfg.world, cfg.n
+    return m * cfg.world, cfg.n
+
+
+def input_order(rank: int, world: int) -> tuple[int, ...]:
+    """All-gather: the sources whose rows a rank's GEMM consumes, in order: its own (already there),
+    then ``(rank - j) % world`` for j = 1..world-1, the order the peers' puts reach it (each peer
+    puts to ``dest_order``: its next rank first)."""
+    return tuple((rank - j) % world for j in range(world))
+
+
 def chunk_weights(cfg: OpConfig) -> tuple[int, ...]:
     """Relative sizes of a call's chunks: ``cfg.chunks`` equal ones, or the sizes it names."""
     return cfg.chunks if isinstance(cfg.chunks, tuple) else (1,) * cfg.chunks
 
 
 def call_chunks(cfg: OpConfig, m: int) -> int:
-    """Row chunks of a call: those of cfg.chunks, or one per m-tile when M has fewer tiles than that."""
-    return min(len(chunk_weights(cfg)), padded_m(m, cfg.block_m) // cfg.block_m)
+    """Row chunks of a call: those of cfg.chunks, or one per m-tile when a slice has fewer tiles than that."""
+    return min(len(chunk_weights(cfg)), padded_m(slice_rows(cfg, m), cfg.block_m) // cfg.block_m)
 
 
 def chunk_tiles(cfg: OpConfig, m: int) -> tuple[tuple[int, int], ...]:
@@ -344,7 +491,7 @@ def chunk_tiles(cfg: OpConfig, m: int) -> tuple[tuple[int, int], ...]:
     the weights (equal weights: as even as possible), each chunk at least one tile; one chunk per
     tile when M has fewer tiles than chunks. Smaller first and last chunks (``(1, 2, ..., 2, 1)``)
     start the first put sooner and shorten what follows the GEMM's last tile."""
-    tiles = padded_m(m, cfg.block_m) // cfg.block_m
+    tiles = padded_m(slice_rows(cfg, m), cfg.block_m) // cfg.block_m
     c = call_chunks(cfg, m)
     weights = chunk_weights(cfg)
     if c < len(weights):  # fewer m-tiles than chunks: one chunk per tile
@@ -358,8 +505,10 @@ def chunk_tiles(cfg: OpConfig, m: int) -> tuple[tuple[int, int], ...]:
 
 
 def chunk_rows(cfg: OpConfig, m: int) -> tuple[tuple[int, int], ...]:
-    """Per chunk, the real rows [r0, r1) it carries (pad rows beyond M are never moved)."""
-    return tuple((t0 * cfg.block_m, min(t1 * cfg.block_m, m)) for t0, t1 in chunk_tiles(cfg, m))
+    """Per chunk, the real rows [r0, r1) of a slice it carries (pad rows beyond the slice's are never
+    moved)."""
+    rows = slice_rows(cfg, m)
+    return tuple((t0 * cfg.block_m, min(t1 * cfg.block_m, rows)) for t0, t1 in chunk_tiles(cfg, m))
 
 
 def dest_order(rank: int, world: int) -> tuple[int, ...]:
@@ -376,11 +525,12 @@ def reduce_order(rank: int, world: int) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class Tile:
     chunk: int
-    dest: int
+    dest: int  # the slice's owner (all-gather: the rank whose input rows the tile reads)
     m_tile: int
     n_tile: int  # within dest's slice
-    row0: int
-    col0: int  # within dest's slice; the global column is dest * n_slice + col0
+    row0: int  # within dest's slice; the product's row is slice_origin's row + row0
+    col0: int  # within dest's slice; the product's column is slice_origin's column + col0 (all-reduce:
+    # dest * n_slice + col0)
 
 
 def tile_table(cfg: OpConfig, *, m: int, rank: int, dest_major: bool = False) -> tuple[Tile, ...]:
@@ -398,8 +548,12 @@ def tile_table(cfg: OpConfig, *, m: int, rank: int, dest_major: bool = False) ->
 @functools.lru_cache(maxsize=TILE_TABLE_CACHE)
 def _tile_table(cfg: OpConfig, m: int, rank: int, dest_major: bool) -> tuple[Tile, ...]:
     chunks = list(enumerate(chunk_tiles(cfg, m)))
-    dests = dest_order(rank, cfg.world)
-    walk = [(c, d) for d in dests for c in chunks] if dest_major else [(c, d) for c in chunks for d in dests]
+    if cfg.pattern_spec.gathers_input:  # the own rows first (already there), then the peers' as they land
+        own, *peers = input_order(rank, cfg.world)
+        walk = [(c, own) for c in chunks] + [(c, d) for c in chunks for d in peers]
+    else:
+        dests = dest_order(rank, cfg.world)
+        walk = [(c, d) for d in dests for c in chunks] if dest_major else [(c, d) for c in chunks for d in dests]
     return tuple(Tile(c, dest, mt, nt, mt * cfg.block_m, nt * cfg.block_n)
                  for (c, (t0, t1)), dest in walk for mt in range(t0, t1) for nt in range(cfg.n_tiles_per_dest))
 
@@ -410,8 +564,10 @@ def tile_table_rows(table: tuple[Tile, ...]) -> list[list[int]]:
 
 
 def tiles_per_slot(cfg: OpConfig, m: int) -> tuple[int, ...]:
-    """Tiles one (dest, chunk) slot receives per call, per chunk (the same for every dest)."""
-    return tuple((t1 - t0) * cfg.n_tiles_per_dest for t0, t1 in chunk_tiles(cfg, m))
+    """Tiles one (dest, chunk) slot receives per call, per chunk (the same for every dest); zero for
+    a pattern whose GEMM publishes nothing (the all-gather: its transfers precede the GEMM)."""
+    scale = 1 if cfg.pattern_spec.scatter else 0
+    return tuple(scale * (t1 - t0) * cfg.n_tiles_per_dest for t0, t1 in chunk_tiles(cfg, m))
 
 
 def counter_index(dest: int, chunk: int) -> int:
@@ -426,14 +582,16 @@ class CallPlan:
     walk order. ``counter_targets[dest][chunk]`` is cumulative over all calls of the op."""
 
     seq: int  # 1, 2, 3, ... : flags of this call carry it
-    m: int
-    padded_m: int
+    m: int  # the call's rows (``a``'s; all-gather: this rank's share)
+    padded_m: int  # slice_m in whole m-tiles
     rank: int
     chunks: int
     rows: tuple[tuple[int, int], ...]  # per chunk, [r0, r1) real rows
     counter_base: tuple[tuple[int, ...], ...]  # [world][MAX_CHUNKS] counters before this call
     counter_targets: tuple[tuple[int, ...], ...]  # [world][MAX_CHUNKS] counters after this call
     tiles: tuple[Tile, ...]
+    slice_m: int = 0  # rows of one slice (layout.slice_rows); plan_call sets it
+    origins: tuple[tuple[int, int], ...] = ()  # per dest, slice_origin
 
     def target(self, dest: int, chunk: int) -> int:
         return self.counter_targets[dest][chunk]
@@ -466,11 +624,12 @@ def plan_call(cfg: OpConfig, *, m: int, seq: int, rank: int,
               counter_base: tuple[tuple[int, ...], ...]) -> CallPlan:
     """The plan of call ``seq`` with ``m`` rows; ``counter_base`` is the previous plan's
     ``counter_targets`` (``zero_counters(world)`` for the first call)."""
-    assert 1 <= m <= cfg.m_max and seq >= 1 and 0 <= rank < cfg.world
-    per_chunk, rows, tiles = _call_shape(cfg, m, rank)
+    assert 1 <= m <= cfg.m_max and seq >= 1 and 0 <= rank < cfg.world and call_rows_error(cfg, m) is None
+    per_chunk, rows, tiles, slice_m, origins = _call_shape(cfg, m, rank)
     targets = tuple(tuple(map(operator.add, base, per_chunk)) for base in counter_base)
-    return CallPlan(seq=seq, m=m, padded_m=padded_m(m, cfg.block_m), rank=rank, chunks=len(rows),
-                    rows=rows, counter_base=counter_base, counter_targets=targets, tiles=tiles)
+    return CallPlan(seq=seq, m=m, padded_m=padded_m(slice_m, cfg.block_m), rank=rank, chunks=len(rows),
+                    rows=rows, counter_base=counter_base, counter_targets=targets, tiles=tiles,
+                    slice_m=slice_m, origins=origins)
 
 
 @functools.lru_cache(maxsize=TILE_TABLE_CACHE)
@@ -478,4 +637,6 @@ def _call_shape(cfg: OpConfig, m: int, rank: int):
     """What a call's plan takes from (config, M, rank) alone, built once: an eager call pays its
     host time. The tiles per slot come padded to MAX_CHUNKS (zero past the call's chunks)."""
     per_chunk = tiles_per_slot(cfg, m)
-    return per_chunk + (0,) * (MAX_CHUNKS - len(per_chunk)), chunk_rows(cfg, m), tile_table(cfg, m=m, rank=rank)
+    rows = slice_rows(cfg, m)
+    return (per_chunk + (0,) * (MAX_CHUNKS - len(per_chunk)), chunk_rows(cfg, m), tile_table(cfg, m=m, rank=rank),
+            rows, tuple(slice_origin(cfg, d, rows) for d in range(cfg.world)))

@@ -1,7 +1,7 @@
 """cco's ops in torch.library, so a model that calls them traces under ``torch.compile(fullgraph=True)``
 (inductor included) and CUDA graph capture, as vLLM's and SGLang's custom collectives do.
 
-Two ops; each is opaque to the compiler (it sees the fake kernel: output shape and dtype only) and
+Four ops; each is opaque to the compiler (it sees the fake kernel: output shape and dtype only) and
 finds its Python object (a :class:`cco.op.GemmAllReduceOp`, a ``cco.nn`` layer) through an integer
 handle, which the graph keeps as a constant::
 
@@ -10,6 +10,14 @@ handle, which the graph keeps as a constant::
     torch.ops.cco.row_parallel_linear(x, weight, weight_scale, bias, master_weight, handle, out_features)
         -> bf16 [..., out_features]: a ``cco.nn.RowParallelLinear`` forward (quantize x, the op, bias),
         differentiable (the backward is the layer's and needs no communication)
+    torch.ops.cco.sp_row_parallel_linear(x, weight, weight_scale, bias, master_weight, handle, out_features,
+                                         world) -> bf16 [x.shape[0] / world, ..., out_features]
+        ``RowParallelLinear(sequence_parallel=True)``: reduce_scatter(x_r @ W_r.T, dim=0) + bias;
+        its backward all-gathers grad_y
+    torch.ops.cco.column_parallel_linear(x, weight, weight_scale, bias, master_weight, handle, out_features,
+                                         rows_factor) -> bf16 [x.shape[0] * rows_factor, ..., out_features]
+        ``ColumnParallelLinear``: all_gather(x_r, dim=0) @ W_r.T + bias (rows_factor = world), or the
+        local x @ W_r.T + bias (rows_factor = 1); its backward reduce-scatters grad_x
 
 Use :func:`gemm_all_reduce` for the first (it registers the op on first use); layers call the
 second themselves. Contracts of the compiled form:
@@ -121,3 +129,79 @@ def _backward(ctx, grad):
 
 
 torch.library.register_autograd("cco::row_parallel_linear", _backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------------------
+# sequence parallelism: torch.ops.cco.sp_row_parallel_linear, torch.ops.cco.column_parallel_linear
+# (cco.nn layers: ``_cco_forward`` / ``_cco_backward``; the backward runs the dual collective)
+# --------------------------------------------------------------------------------------------------
+@torch.library.custom_op("cco::sp_row_parallel_linear", mutates_args=())
+def _sp_row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                            bias: Optional[torch.Tensor], master_weight: Optional[torch.Tensor], handle: int,
+                            out_features: int, world: int) -> torch.Tensor:
+    """``cco.nn.RowParallelLinear(sequence_parallel=True)``: this rank's ``[x.shape[0] / world, ...,
+    out_features]`` rows of ``reduce_scatter(x_r @ W_r.T, dim=0) + bias``."""
+    return lookup(handle)._cco_forward(x, weight, weight_scale, bias)
+
+
+@_sp_row_parallel_linear.register_fake
+def _(x, weight, weight_scale, bias, master_weight, handle, out_features, world):
+    return x.new_empty((x.shape[0] // world, *x.shape[1:-1], out_features), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("cco::column_parallel_linear", mutates_args=())
+def _column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                            bias: Optional[torch.Tensor], master_weight: Optional[torch.Tensor], handle: int,
+                            out_features: int, rows_factor: int) -> torch.Tensor:
+    """``cco.nn.ColumnParallelLinear``: ``[x.shape[0] * rows_factor, ..., out_features]``, ``rows_factor``
+    the world with sequence parallelism (the input rows are all-gathered), else 1."""
+    return lookup(handle)._cco_forward(x, weight, weight_scale, bias)
+
+
+@_column_parallel_linear.register_fake
+def _(x, weight, weight_scale, bias, master_weight, handle, out_features, rows_factor):
+    return x.new_empty((x.shape[0] * rows_factor, *x.shape[1:-1], out_features), dtype=torch.bfloat16)
+
+
+def _setup_sp_context(ctx, inputs, output):
+    x, weight, weight_scale, bias, master_weight, handle = inputs[:6]
+    ctx.save_for_backward(x, weight, weight_scale)
+    ctx.handle = handle
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+@torch.library.custom_op("cco::layer_backward", mutates_args=())
+def _layer_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    handle: int, input_grad: bool, weight_grad: bool,
+                    bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A sequence-parallel layer's ``_cco_backward`` as one opaque op: its collectives (on a process
+    group) stay out of the compiled backward graph. Gradients not asked for come back empty."""
+    grads = lookup(handle)._cco_backward(grad, x, weight, weight_scale, input_grad=input_grad,
+                                         weight_grad=weight_grad, bias_grad=bias_grad)
+    return tuple(x.new_empty(0) if g is None else g.contiguous() for g in grads)
+
+
+@_layer_backward.register_fake
+def _(grad, x, weight, weight_scale, handle, input_grad, weight_grad, bias_grad):
+    layer = lookup(handle)
+    return (x.new_empty(x.shape if input_grad else (0,)),
+            x.new_empty((layer.out_features, layer.in_features_per_rank) if weight_grad else (0,),
+                        dtype=torch.bfloat16),
+            x.new_empty((layer.out_features,) if bias_grad else (0,), dtype=torch.float32))
+
+
+def _sp_backward(ctx, grad):
+    """The layer's ``_cco_backward`` (collective where the layer is sequence parallel: every rank
+    runs the same backward graph, so its collectives run in the same order everywhere)."""
+    x, weight, weight_scale = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    grad_x, grad_master, grad_bias = torch.ops.cco.layer_backward(grad, x, weight, weight_scale, ctx.handle,
+                                                                  needs[0], needs[4], needs[3])
+    grad_x = grad_x if needs[0] else None
+    grad_master = grad_master if needs[4] else None
+    grad_bias = grad_bias.to(ctx.bias_dtype) if needs[3] else None
+    return grad_x, None, None, grad_bias, grad_master, None, None, None
+
+
+torch.library.register_autograd("cco::sp_row_parallel_linear", _sp_backward, setup_context=_setup_sp_context)
+torch.library.register_autograd("cco::column_parallel_linear", _sp_backward, setup_context=_setup_sp_context)

@@ -1,4 +1,8 @@
-"""GemmAllReduceOp: fp8 GEMM + all-reduce of the partial products of tensor-parallel ranks.
+"""GemmAllReduceOp: fp8 GEMM + all-reduce of the partial products of tensor-parallel ranks; and the
+call machinery every collective pattern shares (:class:`CollectiveGemmOp`: construction, seq,
+checks, rejected calls, the collective call, ``check``, the self test, ``close``), on which
+``cco.reduce_scatter.GemmReduceScatterOp`` and ``cco.all_gather.AllGatherGemmOp`` run too. The
+contracts below hold for every pattern (``cco.layout.PATTERNS``); each op states its output.
 
 Unfused equivalent, on every rank::
 
@@ -97,7 +101,6 @@ _FN = "GemmAllReduceOp"
 # windows of closed ops whose backend must keep them mapped (a failed GPU call: a late peer may
 # still write into them); they are released when the process exits
 _RETAINED_WINDOWS: list = []
-_CALL = f"{_FN}.__call__"
 # operand signatures (dtypes, shapes, strides, devices) an op remembers as accepted, and plain
 # calls' plans it keeps (one per M): an eager call must not pay the full checks and a plan every time
 # (docs/hopper_gemm.md: the host time of an eager call)
@@ -217,66 +220,59 @@ def select_backend(device: torch.device):
     raise ValueError(f"{_FN}: device {device} is not supported; use a CPU, NVIDIA or gfx950 device")
 
 
-def _configure(comm, *, n, k, m_max, quant, mode, transport, gather_dtype, chunks, weight_layout, deadline_s):
-    """(backend class, :class:`cco.layout.OpConfig`) for these arguments on ``comm``'s device, or the
-    error (ValueError / TypeError) that names the argument at fault."""
+def _configure(comm, fn: str, pattern: str, a: dict):
+    """(backend class, :class:`cco.layout.OpConfig`) for the constructor's arguments ``a`` on
+    ``comm``'s device, or the error (ValueError / TypeError / NotImplementedError: a backend that
+    does not run the pattern) that names the argument at fault."""
     backend_cls = select_backend(comm.device)
-    block_m, block_n = backend_cls.tile(quant)
+    block_m, block_n = backend_cls.tile(a["quant"])
+    chunks = a["chunks"]
     try:
         config = layout.build_config(
-            n=n, k=k, m_max=m_max, world=comm.world, quant=quant, mode=mode, transport=transport,
-            gather_dtype=gather_dtype, chunks=backend_cls.default_chunks if chunks is None else chunks,
-            block_m=block_m, block_n=block_n, default_transport=backend_cls.default_transport,
-            weight_layout=weight_layout)
+            n=a["n"], k=a["k"], m_max=a["m_max"], world=comm.world, quant=a["quant"], mode=a["mode"],
+            transport=a["transport"], gather_dtype=a["gather_dtype"],
+            chunks=backend_cls.default_chunks if chunks is None else chunks, block_m=block_m, block_n=block_n,
+            default_transport=backend_cls.default_transport, weight_layout=a["weight_layout"], pattern=pattern)
     except ValueError as err:
-        raise ValueError(f"{_FN}: {err}") from None
+        raise ValueError(f"{fn}: {err}") from None
     refused = backend_cls.config_error(config)  # before a window is opened for it
     if refused is not None:
-        raise type(refused)(f"{_FN}: {refused}")
-    if not deadline_s > 0:
-        raise ValueError(f"{_FN}: deadline_s={deadline_s!r} must be > 0 seconds")
+        raise type(refused)(f"{fn}: {refused}")
+    if not a["deadline_s"] > 0:
+        raise ValueError(f"{fn}: deadline_s={a['deadline_s']!r} must be > 0 seconds")
     return backend_cls, config
 
 
-class GemmAllReduceOp:
-    """Fused fp8 GEMM + all-reduce over the ranks of ``comm``.
+class CollectiveGemmOp:
+    """The call machinery every pattern shares (``cco.layout.PATTERNS``): construction (config,
+    backend, window), the call sequence, operand checks, rejected calls, the collective call with
+    its counter bookkeeping, ``check``, the self test's scaffolding, ``close``. A pattern's op
+    (:class:`GemmAllReduceOp`, ``cco.reduce_scatter.GemmReduceScatterOp``,
+    ``cco.all_gather.AllGatherGemmOp``) adds its public constructor, its output and its self-test
+    probe; the layout and the backend read the pattern from ``config.pattern``.
 
-    Arguments (all but ``comm`` keyword-only):
-      comm:         a :class:`cco.comm.Communicator`; the op runs on ``comm.device``.
-      n, k:         weight shape per rank: ``b_pre`` is ``[n, k]`` (k is this rank's K slice).
-      m_max:        the most rows a call may pass; sizes the window.
-      quant:        "ptpc" | "blockscale" | "mxfp8" (scale layouts in ``cco.quant``).
-      mode:         "fused" | "split" | "gemm-only", or a mori arm name ("fused-sdma", ...).
-      transport:    "dma" (copier / copy engines) | "lsa" (producer stores into the peer) | "auto" (the
-                    backend picks per call: on CUDA lsa at small M, dma above; elsewhere dma).
-                    Default: auto on CUDA, dma elsewhere.
-      gather_dtype: "bf16", or "fp8" (e4m3 + one fp32 scale per row and 128 columns; half the gather
-                    bytes, ~10x the error).
-      chunks:       row chunks per call (1..8), or their relative sizes (a tuple such as
-                    ``(1, 2, 2, 1)``: small first and last chunks); None: the backend's default.
-      weight_layout: "bpreshuffle" (``b_pre`` from ``preshuffle_b``), or "row-major" where the backend
-                    reads that as is (``Backend.weight_layouts``; CUDA): no unshuffle per call.
-      deadline_s:   seconds one call may wait on peers in total before raising.
-      faults:       a :class:`cco.transport.FaultPlan` to inject lost puts or a silent transport (tests).
-    """
+    Contracts (collective order, rejected calls, mismatched M, recovery, graph safety, cleanup):
+    the module docstring's, for every pattern alike."""
 
-    def __init__(self, comm, *, n: int, k: int, m_max: int, quant: str = "ptpc", mode: str = "fused",
-                 transport: str | None = None, gather_dtype: str = "bf16", chunks: int | None = None,
-                 deadline_s: float = DEFAULT_DEADLINE_S, faults=None, weight_layout: str = "bpreshuffle"):
+    _FN: str = "CollectiveGemmOp"  # the public class's name, which prefixes every error
+
+    def __init__(self, comm, *, pattern: str, arguments: dict, faults=None):
+        """``arguments``: the public constructor's arguments by name (n, k, m_max, quant, mode,
+        transport, gather_dtype, chunks, deadline_s, weight_layout, and the pattern's own): the one
+        place they are together, before any window is mapped (where the ranks agree on them)."""
+        fn = self._FN
         self.comm = comm
         self._closed = True
+        self.arguments = dict(arguments)
         error = None
         try:
-            backend_cls, self.config = _configure(comm, n=n, k=k, m_max=m_max, quant=quant, mode=mode,
-                                                  transport=transport, gather_dtype=gather_dtype, chunks=chunks,
-                                                  weight_layout=weight_layout, deadline_s=deadline_s)
-        except (TypeError, ValueError) as err:
+            backend_cls, self.config = _configure(comm, fn, pattern, self.arguments)
+        except (TypeError, ValueError, NotImplementedError) as err:
             error = err
         # construction is collective: every rank agrees on the arguments before any window is mapped
         # (faults is a test's per-rank injection, not an argument of the collective)
-        comm.agree(_FN, dict(n=n, k=k, m_max=m_max, quant=quant, mode=mode, transport=transport,
-                             gather_dtype=gather_dtype, chunks=chunks, weight_layout=weight_layout,
-                             deadline_s=deadline_s), error=error)
+        comm.agree(fn, {**self.arguments, "pattern": pattern}, error=error)
+        deadline_s = self.arguments["deadline_s"]
         self.deadline_s = float(deadline_s)
         self.rank, self.world = comm.rank, comm.world
         self._seq = 0
@@ -285,7 +281,7 @@ class GemmAllReduceOp:
         if self.world > 1 and self.config.mode != "gemm-only":  # the same key prefix on every rank
             notes = RejectionNotes(comm, comm.broadcast_object(secrets.token_hex(8) if self.rank == 0 else None))
         self._accepted: set = set()  # operand signatures that passed _check
-        # gemm-only, or one rank (the all-reduce is the identity): the plain GEMM writes ``out``
+        # gemm-only, or one rank (the collective is the identity): the plain GEMM writes ``out``
         self._plain = self.config.mode == "gemm-only" or self.world == 1
         self._alone = self.world == 1 and self.config.mode != "gemm-only"  # a plain call that counts as a call
         self._plain_plans: dict = {}
@@ -317,6 +313,10 @@ class GemmAllReduceOp:
         return self.config.transport
 
     @property
+    def pattern(self) -> str:
+        return self.config.pattern
+
+    @property
     def calls(self) -> int:
         """Collective calls so far (the seq of the last one)."""
         return self._seq
@@ -341,9 +341,9 @@ class GemmAllReduceOp:
         if (shape.n, shape.k) != (cfg.n, cfg.k):
             raise ValueError(f"{fn}: b_pre is [N={shape.n}, K={shape.k}] but the op was built for "
                              f"n={cfg.n}, k={cfg.k}; build an op per weight shape")
-        if shape.m > cfg.m_max:
-            raise ValueError(f"{fn}: a has M={shape.m} rows but the op was built with m_max={cfg.m_max}; "
-                             f"split the batch or build the op with m_max >= {shape.m}")
+        rows_error = layout.call_rows_error(cfg, shape.m)
+        if rows_error is not None:
+            raise ValueError(f"{fn}: {rows_error}")
         if a.device != self.comm.device:
             raise ValueError(f"{fn}: a is on {a.device} but the op runs on {self.comm.device}; move the operands")
         if signature is not None:
@@ -364,7 +364,7 @@ class GemmAllReduceOp:
         return plan
 
     def _plain_call(self, a, b_pre, a_scale, b_scale, m: int) -> torch.Tensor:
-        """Nothing is published. One rank: the all-reduce is the identity, so the plain GEMM writes
+        """Nothing is published. One rank: the collective is the identity, so the plain GEMM writes
         ``out`` (a call all the same). ``m``: the checked operands' rows."""
         launch = self._backend.plain_launcher(b_pre, b_scale, m)
         if launch is None:
@@ -376,29 +376,26 @@ class GemmAllReduceOp:
         self._seq += self._alone
         return launch(a, a_scale)
 
-    def __call__(self, a, b_pre, a_scale, b_scale) -> torch.Tensor:
-        """All-reduced bf16 ``[M, N]`` of this rank's ``a [M, K] @ unshuffle(b_pre) [N, K].T``."""
-        # a plain call like an accepted one: its kept launch (none is kept for a collective or a closed op)
-        launch = self._launches.launch_for(a, b_pre, a_scale, b_scale)
-        if launch is not None:
-            self._seq += self._alone
-            return launch(a, a_scale)
+    def _call(self, a, b_pre, a_scale, b_scale, run):
+        """One call without a kept plain launch (a pattern's ``__call__`` looks that up first, inline:
+        an eager call pays for every frame): the plain GEMM (gemm-only, one rank), or
+        ``run(a, b_pre, a_scale, b_scale, m)`` (the pattern's collective body, which calls
+        :meth:`_collective`) once the operands passed the checks; a rank whose operands fail them
+        still takes part (:meth:`_reject`) and raises its error."""
         if self._closed:
-            raise RuntimeError(f"{_CALL}: the op is closed; build a new GemmAllReduceOp")
+            raise RuntimeError(f"{self._FN}.__call__: the op is closed; build a new {self._FN}")
         collective = not self._plain
         if collective:
             self._backend.raise_failed()
         try:
-            m = self._check(a, b_pre, a_scale, b_scale, _CALL)
+            m = self._check(a, b_pre, a_scale, b_scale, f"{self._FN}.__call__")
         except (TypeError, ValueError) as err:
             if collective:  # still a collective call: the peers fail it too and stay in step
                 self._reject(err)
             raise
         if self._plain:
             return self._plain_call(a, b_pre, a_scale, b_scale, m)
-        out = torch.empty(m, self.config.n, dtype=torch.bfloat16, device=self.comm.device)
-        run = self._backend.fused if self.config.mode == "fused" else self._backend.split
-        self._collective(lambda plan: run(a, b_pre, a_scale, b_scale, out=out, plan=plan), m)
+        out = run(a, b_pre, a_scale, b_scale, m)
         self._backend.raise_deferred()
         return out
 
@@ -409,7 +406,7 @@ class GemmAllReduceOp:
         it with this rank's next call. Nothing to do where no call is collective (``gemm-only``, one
         rank). The caller raises ``error`` itself afterwards."""
         if self._closed:
-            raise RuntimeError(f"{_FN}.reject: the op is closed; build a new GemmAllReduceOp")
+            raise RuntimeError(f"{self._FN}.reject: the op is closed; build a new {self._FN}")
         if not self._plain:
             self._reject(error)
 
@@ -427,7 +424,7 @@ class GemmAllReduceOp:
         try:
             self._backend.reject(seq=seq, error=err, plan_for=plan_for)
         except Exception as problem:  # the caller's own error stays the one raised
-            err.add_note(f"{_FN}: rank {self.rank} could not take part in call seq {seq} it rejected: "
+            err.add_note(f"{self._FN}: rank {self.rank} could not take part in call seq {seq} it rejected: "
                          f"{type(problem).__name__}: {problem}")
 
     def _collective(self, body, m: int):
@@ -456,74 +453,101 @@ class GemmAllReduceOp:
     def self_test(self, *, m: int | None = None) -> dict:
         """Prove bytes really move between ranks (collective).
 
-        Every rank fills its ``partial`` with a pattern that names (source, row, column, seq), poisons
-        its ``recv`` with NaN, then runs the op's transfers alone (``all_reduce_window``). It checks
-        that every peer's slice arrived bit-exact in ``recv`` and that the all-reduced output equals
-        the pattern's exact sum (fp8 gather: within one e4m3 rounding). A transport that signals
-        without moving data leaves NaN and fails; every rank raises :class:`SelfTestError` if any
-        rank failed. Returns what was checked.
+        Every rank fills what its transfers send with a pattern that names (source, row, column,
+        seq), poisons what it receives with NaN, then runs the op's transfers alone. It checks that
+        every peer's data arrived bit-exact and (where the pattern reduces) that the output equals
+        the pattern's exact sum. A transport that signals without moving data leaves NaN and fails;
+        every rank raises :class:`SelfTestError` if any rank failed. Returns what was checked.
 
         ``m`` given: the path calls with ``m`` rows take. ``m=None``: every path the op can take
-        (``m_max`` rows, and under ``transport="auto"`` on CUDA also the most rows the lsa kernel
-        takes), one collective run each; the result lists them under ``"runs"``.
+        (the most rows a call may pass, and under ``transport="auto"`` on CUDA also the most rows
+        the lsa kernel takes), one collective run each; the result lists them under ``"runs"``.
         """
-        fn = f"{_FN}.self_test"
+        fn = f"{self._FN}.self_test"
         if self._closed:
             raise RuntimeError(f"{fn}: the op is closed")
         if self.config.mode == "gemm-only":
             raise RuntimeError(f"{fn}: mode 'gemm-only' moves no data; there is nothing to test")
-        if m is not None and not 1 <= m <= self.config.m_max:
-            raise ValueError(f"{fn}: m={m} must be in 1..m_max={self.config.m_max}")
-        runs = [self._self_test_rows(rows, fn) for rows in ([m] if m is not None else self._backend.path_rows())]
+        if m is not None and (not 1 <= m <= self.config.m_max or layout.call_rows_error(self.config, m)):
+            raise ValueError(f"{fn}: m={m} must be rows a call may pass: "
+                             f"{layout.call_rows_error(self.config, m) or f'1..m_max={self.config.m_max}'}")
+        rows = [m] if m is not None else [self._probe_rows(r) for r in self._backend.path_rows()]
+        runs = [self._self_test_rows(r, fn) for r in rows]
         return {**runs[0], "runs": runs}
+
+    def _probe_rows(self, rows: int) -> int:
+        """The most rows a call may pass up to ``rows`` (a backend's path rows are the op's m_max)."""
+        return rows
 
     def _self_test_rows(self, m: int, fn: str) -> dict:
         self._backend.raise_failed()
-        cfg, w = self.config, self.config.window
         seq = self._seq + 1
-        partial = self.window.tensor(w.partial, rank=self.rank)
-        recv = self.window.tensor(w.recv, rank=self.rank)
-        for dest in range(self.world):
-            partial[dest][:m] = probe_pattern(self.rank, dest, m, cfg.n_slice, seq, partial.device)
-        recv.fill_(float("nan"))
-        if recv.device.type == "cuda":
-            torch.cuda.synchronize(recv.device)  # the poison must be in memory before peers may copy in
-        self.comm.barrier()  # no peer writes into recv before it is poisoned
-        out = torch.empty(m, cfg.n, dtype=torch.bfloat16, device=self.comm.device)
+        self._probe_prepare(m, seq)
+        self.comm.barrier()  # no peer writes into a received region before it is poisoned
         problems = []
+        result = None
         try:
-            self._collective(lambda plan: self._backend.all_reduce_window(out=out, plan=plan), m)
+            result = self._collective(lambda plan: self._probe_run(plan), m)
             self._backend.check()
         except Exception as err:  # still reach the verdict exchange below, or peers would block in it
             problems.append(f"rank {self.rank}: transfers raised {type(err).__name__}: {err}")
         if not problems:
-            problems += self._probe_problems(recv, out, m, seq)
+            problems += self._probe_problems(m, seq, result)
         verdicts = self.comm.all_gather_object(problems)  # every rank raises if any rank failed
         failed = [p for v in verdicts for p in v]
         if failed:
-            raise SelfTestError(f"{fn}: transport {cfg.transport!r} did not move the bytes:\n" + "\n".join(failed))
-        moved = (self.world - 1) * m * cfg.n_slice * 2  # scatter bytes received by this rank
-        return {"seq": seq, "m": m, "world": self.world, "transport": cfg.transport, "mode": cfg.mode,
-                "gather_dtype": cfg.gather_dtype, "scatter_bytes_received": moved,
-                "checked": "recv slots bit-exact from every peer; all-reduced output equals the exact sum"}
+            raise SelfTestError(f"{fn}: transport {self.config.transport!r} did not move the bytes:\n"
+                                + "\n".join(failed))
+        return {"seq": seq, "m": m, "world": self.world, "transport": self.config.transport, "mode": self.config.mode,
+                "pattern": self.config.pattern, **self._probe_report(m)}
 
-    def _probe_problems(self, recv, out, m: int, seq: int) -> list[str]:
+    def _probe_prepare(self, m: int, seq: int) -> None:
+        """Fill what this rank's transfers send with ``probe_pattern``, poison what it receives."""
+        cfg, w = self.config, self.config.window
+        rows = layout.slice_rows(cfg, m)
+        partial = self.window.tensor(w.partial, rank=self.rank)
+        recv = self.window.tensor(w.recv, rank=self.rank)
+        for dest in range(self.world):
+            partial[dest][:rows] = probe_pattern(self.rank, dest, rows, cfg.n_slice, seq, partial.device)
+        recv.fill_(float("nan"))
+        if recv.device.type == "cuda":
+            torch.cuda.synchronize(recv.device)  # the poison must be in memory before peers may copy in
+
+    def _probe_run(self, plan: layout.CallPlan):
+        """The transfers alone, on what ``_probe_prepare`` wrote; returns the call's output."""
+        out = torch.empty(*layout.out_shape(self.config, plan.m), dtype=torch.bfloat16, device=self.comm.device)
+        self._backend.all_reduce_window(out=out, plan=plan)
+        return out
+
+    def _probe_problems(self, m: int, seq: int, out) -> list[str]:
         cfg, problems = self.config, []
+        rows = layout.slice_rows(cfg, m)
+        recv = self.window.tensor(cfg.window.recv, rank=self.rank)
         for src in range(self.world):
             if src == self.rank:
                 continue
-            expect = probe_pattern(src, self.rank, m, cfg.n_slice, seq, out.device)
-            if not torch.equal(recv[src][:m], expect):
-                bad = int((recv[src][:m] != expect).sum())  # NaN poison compares unequal
-                problems.append(f"rank {self.rank}: {bad} of {m * cfg.n_slice} elements from rank {src} did not arrive")
-        expect = torch.cat([sum(probe_pattern(s, d, m, cfg.n_slice, seq, out.device).float() for s in range(self.world))
-                            for d in range(self.world)], dim=1)
+            expect = probe_pattern(src, self.rank, rows, cfg.n_slice, seq, out.device)
+            if not torch.equal(recv[src][:rows], expect):
+                bad = int((recv[src][:rows] != expect).sum())  # NaN poison compares unequal
+                problems.append(f"rank {self.rank}: {bad} of {rows * cfg.n_slice} elements from rank {src} "
+                                f"did not arrive")
+        owners = range(self.world) if cfg.pattern_spec.gather else (self.rank,)
+        expect = torch.cat([sum(probe_pattern(s, d, rows, cfg.n_slice, seq, out.device).float()
+                                for s in range(self.world)) for d in owners], dim=1)
         err = (out.float() - expect).abs()
-        tol = expect.abs() / 8 if cfg.gather_dtype == "fp8" else torch.zeros_like(expect)
+        tol = expect.abs() / 8 if cfg.pattern_spec.gather and cfg.gather_dtype == "fp8" else torch.zeros_like(expect)
         if not bool((err <= tol).all()):  # NaN compares False: missing bytes fail here too
-            problems.append(f"rank {self.rank}: all-reduced output differs from the exact sum in "
+            problems.append(f"rank {self.rank}: the reduced output differs from the exact sum in "
                             f"{int((~(err <= tol)).sum())} of {out.numel()} elements")
         return problems
+
+    def _probe_report(self, m: int) -> dict:
+        cfg = self.config
+        moved = (self.world - 1) * layout.slice_rows(cfg, m) * cfg.n_slice * 2  # scatter bytes received here
+        what = "all-reduced output equals the exact sum" if cfg.pattern_spec.gather else \
+            "reduced slice equals the exact sum"
+        return {"gather_dtype": cfg.gather_dtype, "scatter_bytes_received": moved,
+                "checked": f"recv slots bit-exact from every peer; {what}"}
 
     # ---- lifetime -----------------------------------------------------------------------------------
     def close(self) -> None:
@@ -546,8 +570,68 @@ class GemmAllReduceOp:
 
     def __repr__(self):
         c = self.config
-        return (f"GemmAllReduceOp(rank={self.rank}/{self.world}, n={c.n}, k={c.k}, m_max={c.m_max}, quant={c.quant!r}, "
-                f"mode={c.mode!r}, transport={c.transport!r}, gather_dtype={c.gather_dtype!r}, chunks={c.chunks})")
+        return (f"{self._FN}(rank={self.rank}/{self.world}, n={c.n}, k={c.k}, m_max={c.m_max}, quant={c.quant!r}, "
+                f"mode={c.mode!r}, transport={c.transport!r}, gather_dtype={c.gather_dtype!r}, chunks={c.chunks}"
+                f"{self._repr_extra()})")
+
+    def _repr_extra(self) -> str:
+        return ""
+
+
+class ScatterGemmOp(CollectiveGemmOp):
+    """The patterns whose GEMM tiles are scattered to the owner of their output slice and reduced
+    there (all-reduce, reduce-scatter): one call body, the pattern's output shape."""
+
+    def __call__(self, a, b_pre, a_scale, b_scale) -> torch.Tensor:
+        """bf16 output of this rank's ``a [M, K] @ unshuffle(b_pre) [N, K].T`` summed over the ranks: the
+        whole ``[M, N]`` (all-reduce) or this rank's share (reduce-scatter, ``layout.out_shape``)."""
+        # a plain call like an accepted one: its kept launch (none is kept for a collective or a closed op)
+        launch = self._launches.launch_for(a, b_pre, a_scale, b_scale)
+        if launch is not None:
+            self._seq += self._alone
+            return launch(a, a_scale)
+        return self._call(a, b_pre, a_scale, b_scale, self._reduce_call)
+
+    def _reduce_call(self, a, b_pre, a_scale, b_scale, m: int) -> torch.Tensor:
+        """The collective body of the scatter patterns (all-reduce, reduce-scatter): the backend's
+        fused or split call into a new output of the pattern's shape."""
+        out = torch.empty(*layout.out_shape(self.config, m), dtype=torch.bfloat16, device=self.comm.device)
+        run = self._backend.fused if self.config.mode == "fused" else self._backend.split
+        self._collective(lambda plan: run(a, b_pre, a_scale, b_scale, out=out, plan=plan), m)
+        return out
+
+
+class GemmAllReduceOp(ScatterGemmOp):
+    """Fused fp8 GEMM + all-reduce over the ranks of ``comm``.
+
+    Arguments (all but ``comm`` keyword-only):
+      comm:         a :class:`cco.comm.Communicator`; the op runs on ``comm.device``.
+      n, k:         weight shape per rank: ``b_pre`` is ``[n, k]`` (k is this rank's K slice).
+      m_max:        the most rows a call may pass; sizes the window.
+      quant:        "ptpc" | "blockscale" | "mxfp8" (scale layouts in ``cco.quant``).
+      mode:         "fused" | "split" | "gemm-only", or a mori arm name ("fused-sdma", ...).
+      transport:    "dma" (copier / copy engines) | "lsa" (producer stores into the peer) | "auto" (the
+                    backend picks per call: on CUDA lsa at small M, dma above; elsewhere dma).
+                    Default: auto on CUDA, dma elsewhere.
+      gather_dtype: "bf16", or "fp8" (e4m3 + one fp32 scale per row and 128 columns; half the gather
+                    bytes, ~10x the error).
+      chunks:       row chunks per call (1..8), or their relative sizes (a tuple such as
+                    ``(1, 2, 2, 1)``: small first and last chunks); None: the backend's default.
+      weight_layout: "bpreshuffle" (``b_pre`` from ``preshuffle_b``), or "row-major" where the backend
+                    reads that as is (``Backend.weight_layouts``; CUDA): no unshuffle per call.
+      deadline_s:   seconds one call may wait on peers in total before raising.
+      faults:       a :class:`cco.transport.FaultPlan` to inject lost puts or a silent transport (tests).
+    """
+
+    _FN = _FN
+
+    def __init__(self, comm, *, n: int, k: int, m_max: int, quant: str = "ptpc", mode: str = "fused",
+                 transport: str | None = None, gather_dtype: str = "bf16", chunks: int | None = None,
+                 deadline_s: float = DEFAULT_DEADLINE_S, faults=None, weight_layout: str = "bpreshuffle"):
+        super().__init__(comm, pattern="all-reduce", faults=faults, arguments=dict(
+            n=n, k=k, m_max=m_max, quant=quant, mode=mode, transport=transport, gather_dtype=gather_dtype,
+            chunks=chunks, deadline_s=deadline_s, weight_layout=weight_layout))
+
 
 
 def probe_pattern(src: int, dest: int, rows: int, cols: int, seq: int, device="cpu") -> torch.Tensor:

@@ -130,7 +130,10 @@ def layer_shape(n: int, k: int, world: int, *, m_max: int, device=None, backend:
         return LayerShape(backend="none", n=n, k=k, n_padded=n, k_padded=k, reason=str(err))
     quant = options.get("quant", "ptpc")
     block_n = backend_cls.tile(quant)[1] if quant in layout.QUANTS else None
-    n_padded = layout.padded_n(n, world, quant=quant, block_n=block_n) if quant in layout.QUANTS else n
+    # a pattern whose slices are rows (reduce-scatter along tokens, all-gather) tiles all N columns
+    pattern = layout.PATTERNS.get(options.get("pattern", "all-reduce"))
+    slices = 1 if pattern is not None and pattern.owner_by == "rows" else world
+    n_padded = layout.padded_n(n, slices, quant=quant, block_n=block_n) if quant in layout.QUANTS else n
     k_padded = layout.padded_k(k)
     reason = supports(m_max, n_padded, k_padded, world, device=device, backend=backend, m_max=m_max, **options)
     return LayerShape(backend=backend_cls.name, n=n, k=k, n_padded=n_padded, k_padded=k_padded, reason=reason)

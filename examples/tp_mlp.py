@@ -5,6 +5,7 @@
     torchrun --nproc-per-node 2 -m examples.tp_mlp --device cuda      # one GPU per rank (or shared)
     torchrun --nproc-per-node 4 -m examples.tp_mlp --tp 2             # TP 2 x DP 2
     python -m examples.tp_mlp --compile on --train                    # compiled, with a backward
+    python -m examples.tp_mlp --sequence-parallel --train             # tokens split over the TP ranks
 
 The block, hidden size H, intermediate size I, tensor parallel over TP ranks::
 
@@ -13,6 +14,15 @@ The block, hidden size H, intermediate size I, tensor parallel over TP ranks::
     y = all_reduce(h_r @ W_down_r.T)          # row parallel: each rank holds the matching I/TP
                                               # columns of W_down; cco.nn.RowParallelLinear fuses
                                               # the fp8 GEMM with the all-reduce
+
+With ``--sequence-parallel`` (Megatron's sequence parallelism) each TP rank keeps only its block
+of tokens between the layers, rank r rows r*M/W..(r+1)*M/W of the flattened ``[M, H]`` activations::
+
+    h = silu(all_gather(x_r) @ W_gate.T) * (...)   # cco.nn.ColumnParallelLinear(sequence_parallel=True):
+                                                  # the fp8 rows gathered into the GEMM as they land
+    y_r = reduce_scatter(h_r @ W_down_r.T)        # cco.nn.RowParallelLinear(sequence_parallel=True)
+
+and the backward runs the dual collectives (reduce-scatter of grad_x, all-gather of grad_y).
 
 Every rank builds the full weights from one seed (a real job loads its shard), keeps its shard,
 and checks ``y`` against the unfused model: the same block with full bf16 matrices on one rank.
@@ -36,9 +46,13 @@ import torch.nn.functional as F
 
 from cco import layout
 from cco import quant as Q
-from cco.nn import RowParallelLinear
+from cco.nn import ColumnParallelLinear, RowParallelLinear
 
 FP8_TOL = 0.08  # rel. L2 against the bf16 model: fp8 operands (e4m3: 3 mantissa bits)
+# --sequence-parallel: gate/up run in fp8 too, two fp8 GEMMs in series; measured at the defaults
+# (ptpc, world 2): y 6.4e-2, down grad 8.2e-2, gate/up grad 6.9e-2. A rank that computed on another
+# rank's tokens, or a gradient missing a rank's share, is off by ~1
+FP8_TOL_SP = 0.12
 EXACT_TOL = 1e-2  # rel. L2 against the same quantized operands: bf16 rounding of h and y
 
 
@@ -46,16 +60,25 @@ class TPMLP(torch.nn.Module):
     """The MLP block of one rank: column-parallel gate/up in bf16, row-parallel down through cco."""
 
     def __init__(self, hidden: int, intermediate: int, *, tp_group, tp: int, quant: str, m_max: int, device,
-                 trainable: bool = False):
+                 trainable: bool = False, sequence_parallel: bool = False):
         super().__init__()
         self.shard = intermediate // tp
-        self.gate_up = torch.nn.Linear(hidden, 2 * self.shard, bias=False, dtype=torch.bfloat16, device=device)
-        self.down = RowParallelLinear(self.shard, hidden, group=tp_group, quant=quant, m_max=m_max, trainable=trainable)
+        if sequence_parallel:  # the input is this rank's tokens: the gather is fused into the fp8 GEMM
+            self.gate_up = ColumnParallelLinear(hidden, 2 * self.shard, group=tp_group, quant=quant, m_max=m_max,
+                                                sequence_parallel=True, trainable=trainable)
+        else:
+            self.gate_up = torch.nn.Linear(hidden, 2 * self.shard, bias=False, dtype=torch.bfloat16, device=device)
+        self.down = RowParallelLinear(self.shard, hidden, group=tp_group, quant=quant, m_max=m_max, trainable=trainable,
+                                      sequence_parallel=sequence_parallel)
 
     def load(self, w_gate, w_up, w_down, tp_rank: int) -> None:
         cols = slice(tp_rank * self.shard, (tp_rank + 1) * self.shard)
-        with torch.no_grad():
-            self.gate_up.weight.copy_(torch.cat([w_gate[cols], w_up[cols]]))
+        gate_up = torch.cat([w_gate[cols], w_up[cols]])
+        if isinstance(self.gate_up, ColumnParallelLinear):
+            self.gate_up.load_weight(gate_up)
+        else:
+            with torch.no_grad():
+                self.gate_up.weight.copy_(gate_up)
         self.down.load_weight(w_down[:, cols])
 
     def forward(self, x):
@@ -115,44 +138,59 @@ def run(opts, device) -> dict:
     groups = [dist.new_group(list(range(s, s + tp))) for s in range(0, world, tp)]  # every rank makes every group
     tp_group, tp_rank, replica = groups[rank // tp], rank % tp, rank // tp
     w_gate, w_up, w_down = full_weights(opts.hidden, opts.intermediate)
+    sp = opts.sequence_parallel
     block = TPMLP(opts.hidden, opts.intermediate, tp_group=tp_group, tp=tp, quant=opts.quant, m_max=opts.m_max,
-                  device=device, trainable=opts.train)
+                  device=device, trainable=opts.train, sequence_parallel=sp)
     block.load(w_gate.to(device), w_up.to(device), w_down.to(device), tp_rank)
     g = torch.Generator().manual_seed(100 + replica)  # each DP replica its own batch
     x = torch.randn(opts.batch, opts.seq, opts.hidden, generator=g).to(torch.bfloat16)
     ref = unfused_model(x, w_gate, w_up, w_down)
     ref_q = quantized_down(x, w_gate, w_up, w_down, tp=tp, quant=opts.quant)
+    tokens = x.numel() // opts.hidden
+    grads = unfused_grads(x, w_gate, w_up, w_down, tp_rank=tp_rank, tp=tp) if opts.train else None
+    if sp:  # this rank's block of the flattened tokens, in and out
+        if tokens % tp:
+            raise SystemExit(f"--sequence-parallel: batch x seq = {tokens} tokens must be a multiple of TP={tp}")
+        mine = slice(tp_rank * tokens // tp, (tp_rank + 1) * tokens // tp)
+        x, ref = x.reshape(tokens, -1)[mine], ref.reshape(tokens, -1)[mine]
     arms = {"eager": block, "compiled": torch.compile(block, fullgraph=True, mode=opts.compile_mode)}
     arms = {name: fn for name, fn in arms.items() if opts.compile in ("both", "on" if name == "compiled" else "off")}
     result = {"repr": repr(block.down), "tp": tp, "arms": {}}
-    grads = unfused_grads(x, w_gate, w_up, w_down, tp_rank=tp_rank, tp=tp) if opts.train else None
     for name, fn in arms.items():
         block.zero_grad(set_to_none=True)
         with torch.set_grad_enabled(opts.train):
             fn(x.to(device))
             y = fn(x.to(device))  # a compiled function's second call runs the compiled code
         errors = {"y vs unfused bf16 model": Q.rel_l2(y.detach().cpu(), ref)}
-        if name == "eager":  # inductor computes silu(g) * u in fp32 in one kernel: h rounds differently
+        if name == "eager" and not sp:  # inductor computes silu(g) * u in fp32 in one kernel: h rounds
+            # differently; sequence parallel: gate/up run in fp8 too, which quantized_down does not model
             errors["y vs quantized unfused"] = Q.rel_l2(y.detach().cpu(), ref_q)
         if opts.train:
-            y.float().square().mean().backward()
+            # mean(y**2) over every token: with sequence parallelism each rank holds its tokens' share
+            # of the sum, and the backward's collectives add up the ranks' contributions
+            (y.float().square().sum() / (tokens * opts.hidden)).backward()
             errors["down grad vs unfused"] = Q.rel_l2(block.down.weight.grad.cpu(), grads[0])
             errors["gate/up grad vs unfused"] = Q.rel_l2(block.gate_up.weight.grad.cpu(), grads[1])
         result["arms"][name] = errors
     block.down.close()
+    if sp:
+        block.gate_up.close()
+        result["sequence_parallel"] = True
     return result
 
 
 def report(results: list[dict], opts) -> bool:
     r0 = results[0]
     print(f"tp_mlp: hidden {opts.hidden}, intermediate {opts.intermediate}, tokens {opts.batch}x{opts.seq}, "
-          f"quant={opts.quant}, world {len(results)}, TP {r0['tp']}")
+          f"quant={opts.quant}, world {len(results)}, TP {r0['tp']}"
+          + (", sequence parallel" if r0.get("sequence_parallel") else ""))
     print(f"  rank 0 down projection: {r0['repr']}")
     ok = True
     for name in r0["arms"]:
         for what in r0["arms"][name]:
             worst = max(r["arms"][name][what] for r in results)
-            tol = EXACT_TOL if what == "y vs quantized unfused" else FP8_TOL
+            tol = EXACT_TOL if what == "y vs quantized unfused" else FP8_TOL_SP if r0.get("sequence_parallel") \
+                else FP8_TOL
             good = worst <= tol
             ok &= good
             print(f"  {name:8s} {what:24s} rel L2 {worst:.2e} (worst rank, tol {tol:.0e}) -> {'ok' if good else 'FAIL'}")
@@ -175,6 +213,9 @@ def parse_args(argv=None):
     p.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. reduce-overhead (CUDA graphs)")
     p.add_argument("--train", action="store_true", help="a trainable down projection; also run a backward and check "
                    "this rank's weight gradients (no communication: the row-parallel backward needs none)")
+    p.add_argument("--sequence-parallel", action="store_true", help="keep each TP rank's block of tokens between "
+                   "the layers: ColumnParallelLinear(sequence_parallel=True) fuses the all-gather into gate/up, "
+                   "RowParallelLinear(sequence_parallel=True) ends in a reduce-scatter")
     return p.parse_args(argv)
 
 

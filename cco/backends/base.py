@@ -17,6 +17,13 @@ Interface changes (kept backward compatible once published):
   mapped after ``close()``), the ``notes`` constructor argument (rejection reasons).
 - v1.6 (2026-12-02): ``plain_launcher()`` (the plain GEMM with the weight bound, for the op's eager
   plain calls; default None: ``gemm_out``).
+- v1.7 (2026-12-02): patterns (``cco.layout.PATTERNS``, ``config.pattern``; ``patterns`` lists those
+  a backend runs, ``config_error`` refuses the rest). Reduce-scatter: ``fused`` / ``split`` /
+  ``all_reduce_window`` run steps 1-4 and write the reduced own slice into ``out`` (no step 5);
+  slices follow ``plan.origins`` / ``plan.slice_m`` (by rows for scatter_dim 0). All-gather:
+  ``all_gather_gemm``, ``gather_inputs_window``. A pattern without a gather phase ends each call
+  with ``gather_flags[src, 0] = seq`` put into every peer and a wait for every peer's: a rank whose
+  own share was complete must not return while a peer fails the call (its put to that peer lost).
 
 Division of work. The op owns everything that is the same on every device: public validation
 (``cco.validate``), the layout (``cco.layout``: config, window regions, chunk rows, tile table,
@@ -159,6 +166,9 @@ class Backend(abc.ABC):
     # weight layouts (layout.WEIGHT_LAYOUTS) the backend takes as ``b_pre``; the first is the one its
     # kernel reads as is (a layer lays its weight out in it once, at load)
     weight_layouts: ClassVar[tuple[str, ...]] = ("bpreshuffle",)
+    # the collective patterns (layout.PATTERNS) this backend runs; the op refuses the others at
+    # construction (config_error), so a layer falls back to its unfused path on every rank alike
+    patterns: ClassVar[tuple[str, ...]] = ("all-reduce",)
 
     @classmethod
     def tile(cls, quant: str) -> tuple[int | None, int | None]:
@@ -172,6 +182,11 @@ class Backend(abc.ABC):
         else the error (message without a prefix) its construction raises, with the fix. The one
         place a backend's own refusals live: its ``__init__``, ``GemmAllReduceOp`` (before it opens a
         window) and ``cco.supports`` all ask it."""
+        if cfg.pattern not in cls.patterns:
+            return NotImplementedError(
+                f"the {cls.name} backend does not run the {cfg.pattern} pattern yet (it runs "
+                f"{', '.join(cls.patterns)}); run it on the CPU reference backend, or unfused "
+                f"({layout.PATTERNS[cfg.pattern].unfused} with torch.distributed)")
         if cfg.weight_layout not in cls.weight_layouts:
             return ValueError(f"weight_layout={cfg.weight_layout!r} is not read by the {cls.name} backend; pass "
                               f"one of {', '.join(cls.weight_layouts)}")
@@ -245,6 +260,21 @@ class Backend(abc.ABC):
         counters brought to ``plan.counter_targets``. Used by ``split`` and by the op's
         ``self_test()``, which fills ``partial`` with a known pattern and checks what arrived in
         every rank's ``recv`` and ``out``. Collective."""
+
+    def all_gather_gemm(self, a, b_pre, a_scale, b_scale, *, out: "torch.Tensor", plan: "CallPlan",
+                        gathered=None) -> None:
+        """Pattern ``all-gather``: put this rank's input rows ``a`` (and ``a_scale``) into
+        ``a_rows[rank]`` / ``a_scales[rank]`` of every rank (chunk by chunk, each released by
+        ``scatter_flags[rank, c] = seq``, chunk 0 after the (seq, M) stamp in ``scatter_m[rank]``),
+        and compute ``out[src rows] = rows_src @ B.T`` for every source as its rows land, the own
+        rows first (``plan.tiles``). Mode ``split`` waits for every rank's rows before the GEMM.
+        ``gathered`` = (a_all, a_scale_all): also assemble the gathered input there. Collective."""
+        raise NotImplementedError(f"{type(self).__name__} does not run the all-gather pattern")
+
+    def gather_inputs_window(self, *, plan: "CallPlan") -> None:
+        """The all-gather's transfers alone, on what ``a_rows[rank]`` / ``a_scales[rank]`` hold
+        (rows ``< plan.m``): the self test's run. Collective."""
+        raise NotImplementedError(f"{type(self).__name__} does not run the all-gather pattern")
 
     @abc.abstractmethod
     def reject(self, *, seq: int, error: Exception, plan_for) -> None:

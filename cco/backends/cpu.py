@@ -13,12 +13,13 @@ import torch
 
 from cco import layout
 from cco.backends.base import Backend, row_major_readings
-from cco.quant import dequantize_gather, quantize_gather
+from cco.preshuffle import unshuffle_b
+from cco.quant import dequantize_a, dequantize_b, dequantize_gather, quantize_gather
 from cco.transport import transport_class
-from cco.transport.base import REJECTED_M, stamp_rejected, unstamp_seq_m
+from cco.transport.base import REJECTED_M, stamp_rejected, stamp_seq_m, unstamp_seq_m
 from cco.transport.protocol import CommTimeoutError, Deadline, PeerMismatchError, release, wait_at_least
 from cco.transport.reasons import post_rejection, rejected_error
-from kernels_fused.cpu.tiles import dequantized_operands, run_chunks, run_tiles
+from kernels_fused.cpu.tiles import dequantized_operands, run_arriving_tiles, run_chunks, run_tiles
 
 # A call waits this many deadlines for a peer to leave the previous call: the peer entered that call
 # before this rank finished it, so it leaves within its own deadline plus its error-path wait.
@@ -50,6 +51,7 @@ class CpuBackend(Backend):
     # fused / split calls on the dma transport produce whole chunks of rows into the partial region
     # read row-major (kernels_fused.cpu.tiles.run_chunks): the CUDA backend's vendor producer, modelled
     chunk_producer = False
+    patterns = tuple(layout.PATTERNS)
 
     @classmethod
     def supports_device(cls, device):
@@ -71,7 +73,11 @@ class CpuBackend(Backend):
         self._peer_scatter_flags = [win.words(w.scatter_flags, rank=r) for r in range(self.world)]
         self._gather_flags = [win.words(w.gather_flags, rank=r) for r in range(self.world)]
         self._partial = self._dest_major = win.tensor(w.partial, rank=rank)
-        self._rows, self._by_rows = row_major_readings(self._dest_major, cfg)  # chunk producer
+        self._rows = self._by_rows = None
+        if cfg.pattern == "all-reduce":  # the chunk producer's reading: whole rows of [M, N]
+            self._rows, self._by_rows = row_major_readings(self._dest_major, cfg)
+        self._a_rows = [win.tensor(w.a_rows, rank=r) for r in range(self.world)]
+        self._a_scales = [win.tensor(w.a_scales, rank=r) for r in range(self.world)]
         self._recv = win.tensor(w.recv, rank=rank)
         self._gather = [win.tensor(w.gather, rank=r) for r in range(self.world)]
         self._gather_scale = [win.tensor(w.gather_scale, rank=r) for r in range(self.world)]
@@ -81,12 +87,16 @@ class CpuBackend(Backend):
     def gemm(self, a, b_pre, a_scale, b_scale, *, out, plan):
         a_f, b_f = dequantized_operands(a, b_pre, a_scale, b_scale, self.config.quant)
         ns = self.config.n_slice
-        run_tiles(a_f, b_f, config=self.config, plan=plan,
-                  destination=lambda dest: out[:, dest * ns:(dest + 1) * ns])
+
+        def destination(dest):  # dest's slice of the [M, N] product
+            row, col = plan.origins[dest]
+            return out[row:row + plan.slice_m, col:col + ns]
+
+        run_tiles(a_f, b_f, config=self.config, plan=plan, destination=destination)
 
     def fused(self, a, b_pre, a_scale, b_scale, *, out, plan):
         a_f, b_f = dequantized_operands(a, b_pre, a_scale, b_scale, self.config.quant)
-        by_rows = self._use_partial(by_rows=self.chunk_producer and self.config.transport != "lsa")
+        by_rows = self._use_partial(by_rows=self._chunk_producer_runs())
 
         def steps(deadline):
             self.transport.begin(plan, deadline)
@@ -97,13 +107,13 @@ class CpuBackend(Backend):
             else:
                 run_tiles(a_f, b_f, config=self.config, plan=plan, destination=self.transport.tile_destination,
                           counters=self._counters, on_chunk_complete=complete)
-            self._reduce_gather_assemble(plan, out, deadline)
+            self._after_scatter(plan, out, deadline)
 
         self._run_call(plan, steps)
 
     def split(self, a, b_pre, a_scale, b_scale, *, out, plan):
         a_f, b_f = dequantized_operands(a, b_pre, a_scale, b_scale, self.config.quant)
-        by_rows = self._use_partial(by_rows=self.chunk_producer and self.config.transport != "lsa")
+        by_rows = self._use_partial(by_rows=self._chunk_producer_runs())
 
         def steps(deadline):
             if by_rows:
@@ -114,6 +124,11 @@ class CpuBackend(Backend):
             self._communicate(plan, out, deadline)
 
         self._run_call(plan, steps)
+
+    def _chunk_producer_runs(self) -> bool:
+        """Whether this call's producer is the one of whole rows: asked for, on the dma transport, in
+        the all-reduce (its row-major reading of the partial region is [M, N])."""
+        return self.chunk_producer and self.config.transport != "lsa" and self.config.pattern == "all-reduce"
 
     def _use_partial(self, *, by_rows: bool) -> bool:
         """The partial region's planes this call's producer writes and the transfers read: the
@@ -132,6 +147,82 @@ class CpuBackend(Backend):
             self._communicate(plan, out, deadline)
 
         self._run_call(plan, steps)
+
+    # ---- all-gather ---------------------------------------------------------------------------------
+    def all_gather_gemm(self, a, b_pre, a_scale, b_scale, *, out, plan, gathered=None):
+        cfg, rank = self.config, self.rank
+        b_f = dequantize_b(unshuffle_b(b_pre), b_scale, cfg.quant)
+        fused = cfg.mode == "fused"
+
+        def rows_of(src, chunk, deadline):
+            r0, r1 = plan.rows[chunk]
+            if src != rank and fused:  # split waited for every chunk before the GEMM
+                self._arrival(plan, src, chunk, deadline)
+            return dequantize_a(self._a_rows[rank][src][r0:r1], self._scale_rows(self._a_scales[rank][src], r0, r1),
+                                cfg.quant)
+
+        def steps(deadline):
+            self.transport.begin(plan, deadline)
+            own_rows, own_scales = self._a_rows[rank][rank], self._a_scales[rank][rank]
+            own_rows[:plan.m] = a  # local memory: the slot the GEMM and the puts read
+            self._scale_rows(own_scales, 0, plan.m).copy_(a_scale)
+            self._put_inputs(plan)
+            if not fused:
+                self._wait_inputs(plan, deadline)
+            run_arriving_tiles(lambda src, chunk: rows_of(src, chunk, deadline), b_f, config=cfg, plan=plan, out=out)
+            self._finish_together(plan, deadline)
+            if gathered is not None:
+                self._assemble_inputs(plan, *gathered)
+
+        self._run_call(plan, steps)
+
+    def gather_inputs_window(self, *, plan):
+        def steps(deadline):
+            self.transport.begin(plan, deadline)
+            self._put_inputs(plan)
+            self._wait_inputs(plan, deadline)
+            self._finish_together(plan, deadline)
+
+        self._run_call(plan, steps)
+
+    def _scale_rows(self, slot, r0: int, r1: int) -> torch.Tensor:
+        """Rows [r0, r1) of an all-gathered scale slot, as ``a_scale`` holds them (blockscale: the slot
+        is the transposed ``[K/128, rows]``, so this is a column-major ``[rows, K/128]`` view)."""
+        return slot[:, r0:r1].t() if self.config.quant == "blockscale" else slot[r0:r1]
+
+    def _put_inputs(self, plan) -> None:
+        """Put the own slot's rows, chunk by chunk, into ``a_rows[rank]`` / ``a_scales[rank]`` of every
+        peer (next rank first), each chunk's flag after its data, chunk 0's (seq, M) stamp before it."""
+        rank = self.rank
+        rows, scales = self._a_rows[rank][rank], self._a_scales[rank][rank]
+        for chunk in range(plan.chunks):
+            r0, r1 = plan.rows[chunk]
+            for dest in layout.dest_order(rank, self.world)[:-1]:
+                copies = [(rows[r0:r1], self._a_rows[dest][rank][r0:r1]),
+                          (self._scale_rows(scales, r0, r1), self._scale_rows(self._a_scales[dest][rank], r0, r1))]
+                stamp = (self._peer_scatter_m[dest], rank, stamp_seq_m(plan.seq, plan.m)) if chunk == 0 else None
+                self.transport.put(dest=dest, copies=copies, flag_words=self._peer_scatter_flags[dest],
+                                   flag_index=layout.counter_index(rank, chunk), seq=plan.seq, phase="scatter",
+                                   chunk=chunk, stamp=stamp)
+
+    def _arrival(self, plan, src, chunk, deadline) -> None:
+        """Wait for chunk ``chunk`` of ``src``'s input rows; on chunk 0 check its (seq, M) stamp."""
+        self._wait_flag(self._scatter_flags, layout.counter_index(src, chunk), plan, deadline,
+                        what=f"rank {self.rank}: input rows of chunk {chunk} from rank {src}, seq {plan.seq}")
+        if chunk == 0:
+            self._check_peer_m(src, plan)
+
+    def _wait_inputs(self, plan, deadline) -> None:
+        for chunk in range(plan.chunks):
+            for src in layout.input_order(self.rank, self.world)[1:]:
+                self._arrival(plan, src, chunk, deadline)
+
+    def _assemble_inputs(self, plan, a_all, scale_all) -> None:
+        """The gathered input, ``[W * m, K]`` and its scales in ``a_scale``'s layout, from the slots."""
+        m = plan.m
+        for src in range(self.world):
+            a_all[src * m:(src + 1) * m] = self._a_rows[self.rank][src][:m]
+            scale_all[src * m:(src + 1) * m] = self._scale_rows(self._a_scales[self.rank][src], 0, m)
 
     def reject(self, *, seq, error, plan_for):
         """Take part in call ``seq`` with inputs this rank rejected: enter it like any call, publish
@@ -223,7 +314,52 @@ class CpuBackend(Backend):
         """Scatter after the whole GEMM (split mode and self-test), then reduce and gather."""
         self.transport.begin(plan, deadline)
         self.transport.publish_all(plan)
-        self._reduce_gather_assemble(plan, out, deadline)
+        self._after_scatter(plan, out, deadline)
+
+    def _after_scatter(self, plan, out, deadline):
+        """Steps 4-5 of the pattern: reduce, gather and assemble (all-reduce), or reduce into ``out``
+        (reduce-scatter: the own slice is the output)."""
+        if self.config.pattern_spec.gather:
+            self._reduce_gather_assemble(plan, out, deadline)
+        else:
+            self._reduce_into(plan, out, deadline)
+
+    def _reduced_chunk(self, plan, chunk, deadline) -> torch.Tensor:
+        """Step 4 for one chunk: wait for the own tiles and every peer's scatter, check the peers'
+        (seq, M) stamps on chunk 0, sum in fp32 in ``layout.reduce_order``."""
+        rank, seq = self.rank, plan.seq
+        r0, r1 = plan.rows[chunk]
+        wait_at_least(self._counters, layout.counter_index(rank, chunk), plan.target(rank, chunk),
+                      deadline=deadline, what=f"rank {rank}: own tiles of chunk {chunk}, seq {seq}")
+        acc = self._partial[rank][r0:r1].float()
+        for src in layout.reduce_order(rank, self.world):
+            self._wait_flag(self._scatter_flags, layout.counter_index(src, chunk), plan, deadline,
+                            what=f"rank {rank}: scatter of chunk {chunk} from rank {src}, seq {seq}")
+            if chunk == 0:
+                self._check_peer_m(src, plan)
+            acc += self._recv[src][r0:r1].float()
+        return acc
+
+    def _reduce_into(self, plan, out, deadline):
+        """Reduce-scatter: the reduced own slice, chunk by chunk, is the output (``[slice rows, n_slice]``)."""
+        for chunk in range(plan.chunks):
+            r0, r1 = plan.rows[chunk]
+            out[r0:r1] = self._reduced_chunk(plan, chunk, deadline).to(torch.bfloat16)
+        self._finish_together(plan, deadline)
+
+    def _finish_together(self, plan, deadline) -> None:
+        """The end of a call of a pattern without a gather phase (reduce-scatter, all-gather): tell
+        every peer this rank completed call ``seq`` (``gather_flags[rank, 0] = seq`` in its window),
+        wait for every peer's word. Without it a rank whose own slice was complete returned while a
+        peer failed the same call (its put to that peer lost): the ranks' verdicts differed."""
+        rank, flag = self.rank, layout.counter_index(self.rank, 0)
+        for dest in layout.dest_order(rank, self.world)[:-1]:
+            self.transport.put(dest=dest, copies=[], flag_words=self._gather_flags[dest], flag_index=flag,
+                               seq=plan.seq, phase="gather", chunk=0)
+        self.transport.finish()
+        for src in layout.reduce_order(rank, self.world):
+            self._wait_flag(self._gather_flags[rank], layout.counter_index(src, 0), plan, deadline,
+                            what=f"rank {rank}: rank {src} completing call seq {plan.seq}")
 
     def _wait_flag(self, words, index, plan, deadline, what) -> None:
         value = wait_at_least(words, index, plan.seq, deadline=deadline, what=what)
@@ -250,17 +386,7 @@ class CpuBackend(Backend):
     def _reduce_gather_assemble(self, plan, out, deadline):
         rank, seq = self.rank, plan.seq
         for chunk in range(plan.chunks):
-            r0, r1 = plan.rows[chunk]
-            wait_at_least(self._counters, layout.counter_index(rank, chunk), plan.target(rank, chunk),
-                          deadline=deadline, what=f"rank {rank}: own tiles of chunk {chunk}, seq {seq}")
-            acc = self._partial[rank][r0:r1].float()
-            for src in layout.reduce_order(rank, self.world):
-                self._wait_flag(self._scatter_flags, layout.counter_index(src, chunk), plan, deadline,
-                                what=f"rank {rank}: scatter of chunk {chunk} from rank {src}, seq {seq}")
-                if chunk == 0:
-                    self._check_peer_m(src, plan)
-                acc += self._recv[src][r0:r1].float()
-            self._gather_chunk(plan, chunk, acc)
+            self._gather_chunk(plan, chunk, self._reduced_chunk(plan, chunk, deadline))
         self.transport.finish()
         for chunk in range(plan.chunks):
             for owner in layout.dest_order(rank, self.world):

@@ -47,8 +47,9 @@ from cco import library, shapes
 from cco import quant as Q
 from cco.comm import Communicator
 from cco.nn import checkpoint as C
+from cco.nn import sequence
 from cco.nn.pool import DEFAULT_POOL, WindowPool
-from cco.op import DEFAULT_DEADLINE_S
+from cco.op import DEFAULT_DEADLINE_S, GemmAllReduceOp
 from cco.preshuffle import preshuffle_b, unshuffle_b
 
 log = logging.getLogger("cco.nn")
@@ -110,6 +111,11 @@ class RowParallelLinear(torch.nn.Module):
       transport, gather_dtype, chunks, deadline_s: the op's (``cco.op.GemmAllReduceOp``).
       trainable:     keep a bf16 master weight (a Parameter) and compute its gradient.
       pool:          the :class:`cco.nn.WindowPool` whose ops this layer shares (default: the process's).
+      backward:      with sequence_parallel: "bf16" (the all-gather of grad_y unfused, in bf16) or "fp8"
+                     (fused into grad_y @ W_r by ``AllGatherGemmOp``, e4m3 gradients); ``cco.nn.sequence``.
+      sequence_parallel: return this rank's rows ``r*M/W..(r+1)*M/W`` of the output (``[M/W, ...,
+                     out_features]``, the first input dimension the tokens) through the fused
+                     reduce-scatter (``cco.reduce_scatter``) instead of every row; ``cco.nn.sequence``.
 
     The weight is blank until :meth:`load_weight`, :meth:`load_fp8`, :meth:`load_checkpoint` or
     ``load_state_dict``: a call before that raises on every rank (it would return zeros).
@@ -127,11 +133,15 @@ class RowParallelLinear(torch.nn.Module):
     input's missing columns must be zeros too). ``float8_e4m3fnuz`` is refused.
     """
 
+    _SHARD = "[out_features, in_features_per_rank]"  # the weight shard's dimensions, for errors
+
     def __init__(self, in_features_per_rank: int, out_features: int, *, group=None, quant: str = "ptpc",
                  bias: bool = False, m_max: int = 4096, mode: str = "fused", transport: str | None = None,
                  gather_dtype: str = "bf16", chunks=None, deadline_s: float = DEFAULT_DEADLINE_S,
-                 trainable: bool = False, pool: WindowPool | None = None):
+                 trainable: bool = False, pool: WindowPool | None = None, sequence_parallel: bool = False,
+                 backward: str = "bf16"):
         super().__init__()
+        self.sequence_parallel = bool(sequence_parallel)  # the reduce-scatter along tokens: cco.nn.sequence
         self._pool = pool or DEFAULT_POOL
         self.comm = self._pool.communicator(group)
         error = None
@@ -143,7 +153,8 @@ class RowParallelLinear(torch.nn.Module):
         # construction is collective: every rank of the group agrees on the arguments first
         self.comm.agree(_FN, dict(in_features_per_rank=in_features_per_rank, out_features=out_features, quant=quant,
                                   bias=bias, m_max=m_max, mode=mode, transport=transport, gather_dtype=gather_dtype,
-                                  chunks=chunks, deadline_s=deadline_s, trainable=trainable), error=error)
+                                  chunks=chunks, deadline_s=deadline_s, trainable=trainable,
+                                  sequence_parallel=sequence_parallel, backward=backward), error=error)
         self.in_features_per_rank, self.out_features = in_features_per_rank, out_features
         self.quant, self.m_max, self.mode = quant, m_max, mode
         self.device = self.comm.device
@@ -156,8 +167,11 @@ class RowParallelLinear(torch.nn.Module):
             weight_layout = shapes.backend_class(device=self.device).weight_layouts[0]
         except ValueError:  # no backend runs on this device: layer_shape says why, the layer falls back
             weight_layout = "row-major"
+        op_class, shape_options = GemmAllReduceOp, op_options
+        if self.sequence_parallel:
+            op_class, op_options, shape_options = sequence.reduce_scatter_options(op_options)
         plan = shapes.layer_shape(out_features, in_features_per_rank, self.comm.world, m_max=m_max,
-                                  device=self.device, weight_layout=weight_layout, **op_options)
+                                  device=self.device, weight_layout=weight_layout, **shape_options)
         reason = "mode='unfused' was asked for" if mode == "unfused" else plan.reason
         # one verdict for the whole group: a rank whose backend refuses makes every rank fall back
         verdicts = self.comm.all_gather_object(reason)
@@ -169,10 +183,10 @@ class RowParallelLinear(torch.nn.Module):
         self._row_multiple = 1  # rows a call is padded to a multiple of (zero rows, see _rows)
         if self.fallback_reason is None:
             self.weight_layout = weight_layout
-            if quant == "blockscale" and self.device.type == "cuda" and not getattr(torch.version, "hip", None):
+            if quant == "blockscale" and not self.sequence_parallel and self.device.type == "cuda" and not getattr(torch.version, "hip", None):
                 from kernels_fused.hopper.vendor import BLOCKWISE_ROW_MULTIPLE
                 self._row_multiple = BLOCKWISE_ROW_MULTIPLE
-            self.op = self._pool.acquire(self.comm, n=self.n_padded, k=self.k_padded, m_max=m_max,
+            self.op = self._pool.acquire(self.comm, op_class=op_class, n=self.n_padded, k=self.k_padded, m_max=m_max,
                                          deadline_s=deadline_s, weight_layout=weight_layout, **op_options)
         else:
             self.weight_layout = "row-major"  # no kernel reads it: the unfused GEMM's own layout
@@ -194,6 +208,10 @@ class RowParallelLinear(torch.nn.Module):
         # init of the master weight) moves one, so "loaded" costs no flag that a loader could forget
         self._blank = (self.qweight._version, None if self.weight is None else self.weight._version)
         self._loaded = False
+        # sequence parallel, backward="fp8": the all-gather of grad_y fused into grad_y @ W_r (cco.nn.sequence)
+        self._dual = sequence.make_dual(self, backward, gathers=True, n=in_features_per_rank, k=out_features,
+                                        mode=op_options["mode"], transport=transport, chunks=chunks,
+                                        deadline_s=deadline_s, fn=_FN)
         self._handle = library.register(self)
         self._closed = False
 
@@ -224,8 +242,8 @@ class RowParallelLinear(torch.nn.Module):
         or fp32): padded, quantized (``cco.quant.quantize_b``) and laid out once. Not collective."""
         self._check_shape(w, "w", (self.out_features, self.in_features_per_rank), "load_weight")
         if not w.dtype.is_floating_point or w.element_size() == 1:
-            raise TypeError(f"{_FN}.load_weight: w must be a bf16, fp16 or fp32 shard, got {w.dtype}; load an fp8 "
-                            f"checkpoint shard with load_fp8(w_q, w_scale)")
+            raise TypeError(f"{type(self).__name__}.load_weight: w must be a bf16, fp16 or fp32 shard, got {w.dtype}; "
+                            f"load an fp8 checkpoint shard with load_fp8(w_q, w_scale)")
         q, s = self._laid_out(w.to(self.device))
         self.qweight.copy_(q)
         self.weight_scale.copy_(s)
@@ -238,7 +256,7 @@ class RowParallelLinear(torch.nn.Module):
         and its scales in ``quant``'s layout (``cco.quant``; blockscale and mxfp8 scales may cover a
         last partial block: ``[ceil(N/128), ceil(K/128)]``, ``[N, ceil(K/32)]``). Padded with zero
         weights whose scales are one, laid out once. Not collective."""
-        fn = f"{_FN}.load_fp8"
+        fn = f"{type(self).__name__}.load_fp8"  # ColumnParallelLinear shares the weight methods
         n, k = self.out_features, self.in_features_per_rank
         self._check_shape(w_q, "w_q", (n, k), "load_fp8")
         if w_q.dtype != Q.FP8:
@@ -318,8 +336,8 @@ class RowParallelLinear(torch.nn.Module):
     def _check_shape(self, t, arg: str, shape, verb: str) -> None:
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
             got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{_FN}.{verb}: {arg} must be this rank's shard {list(shape)} "
-                             f"([out_features, in_features_per_rank]), got {got}")
+            raise ValueError(f"{type(self).__name__}.{verb}: {arg} must be this rank's shard {list(shape)} "
+                             f"({self._SHARD}), got {got}")
 
     def dequantized_weight(self, qweight: torch.Tensor | None = None,
                            scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -358,6 +376,8 @@ class RowParallelLinear(torch.nn.Module):
                 self.op.reject(err)
             raise err
         qweight, scale = self.quantized_weight()
+        if self.sequence_parallel:
+            return sequence.row_parallel_forward(self, x, qweight, scale)
         # an eager inference call (no gradient to record, nothing tracing it) skips the registered op,
         # whose result it is, bit for bit; compile, export and autograd go through the op
         if not (torch.is_grad_enabled() and (x.requires_grad or (self.bias is not None and self.bias.requires_grad)
@@ -371,6 +391,8 @@ class RowParallelLinear(torch.nn.Module):
         """The body of ``torch.ops.cco.row_parallel_linear`` (real tensors, outside the compiler)."""
         if self._closed:
             raise RuntimeError(f"{self._name()}: the layer is closed; build a new one")
+        if self.sequence_parallel:
+            return sequence.row_parallel_body(self, x, qweight, scale, bias, quantize_activation)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features_per_rank)
         if x2.stride(1) != 1:
@@ -435,7 +457,14 @@ class RowParallelLinear(torch.nn.Module):
         return rows if rows <= self.m_max else m
 
     def _cco_backward(self, grad, x, qweight, scale, *, input_grad: bool, weight_grad: bool, bias_grad: bool):
-        """(grad_x, grad_master_weight, grad_bias) for ``grad`` of the output: no communication."""
+        """(grad_x, grad_master_weight, grad_bias) for ``grad`` of the output: no communication
+        (sequence parallel: the all-gather of ``grad`` along tokens first, ``cco.nn.sequence``)."""
+        if self._dual is not None:
+            return sequence.row_parallel_fp8_backward(self, grad, x, qweight, scale, input_grad=input_grad,
+                                                      weight_grad=weight_grad, bias_grad=bias_grad,
+                                                      quantize=quantize_activation)
+        if self.sequence_parallel:
+            grad = sequence.gather_output_grad(self, grad)
         g = grad.reshape(-1, self.out_features).to(torch.bfloat16)
         grad_x = grad_w = grad_b = None
         if input_grad:
@@ -457,6 +486,8 @@ class RowParallelLinear(torch.nn.Module):
         """Release the shared op (the last layer of a family frees its window). Idempotent; local."""
         self._closed = True
         library.unregister(self._handle)
+        if self._dual is not None:
+            self._dual.close()
         if self.op is not None:
             self._pool.release(self.op)
             self.op = None

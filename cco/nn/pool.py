@@ -3,10 +3,11 @@ shape family, and one :class:`cco.comm.Communicator` per process group.
 
 A window holds ``partial``, ``recv`` and ``gather`` of ``m_max`` rows by N columns per rank, about
 ``3 * m_max * N * 2`` bytes (bf16 gather; 672 MiB at m_max 16384, N 7168): one per layer would not
-fit a model. Calls are collective and run one at a time (a forward calls its layers in order, a
-backward needs no op), so the layers of a family (same communicator, padded ``[N, K]``, quant and
-op options) take turns on one op. A family's op is built when its first layer is, which every rank
-does in the same order (layers are built in model order), and closed when its last layer is.
+fit a model. Calls are collective and run one at a time (a forward calls its layers in order; a
+backward, where a sequence-parallel layer runs the dual pattern, calls them in the reverse order,
+the same on every rank), so the layers of a family (same communicator, op class, padded ``[N, K]``,
+quant and op options) take turns on one op. A family's op is built when its first layer is, which
+every rank does in the same order (layers are built in model order), and closed when its last layer is.
 """
 
 from __future__ import annotations
@@ -36,13 +37,15 @@ class WindowPool:
             entry = self._comms[id(group)] = (group, Communicator.from_group(group))
         return entry[1]
 
-    def acquire(self, comm: Communicator, **options) -> GemmAllReduceOp:
-        """The op of ``comm`` and ``options`` (GemmAllReduceOp's keywords), built on first use
-        (collective over ``comm``); release it with :meth:`release`."""
-        key = (id(comm), tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in options.items())))
+    def acquire(self, comm: Communicator, *, op_class=GemmAllReduceOp, **options) -> GemmAllReduceOp:
+        """The op of ``comm``, ``op_class`` (a pattern's op: GemmAllReduceOp, GemmReduceScatterOp,
+        AllGatherGemmOp) and ``options`` (its keywords), built on first use (collective over
+        ``comm``); release it with :meth:`release`."""
+        key = (id(comm), op_class.__name__,
+               tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in options.items())))
         entry = self._ops.get(key)
         if entry is None:
-            entry = self._ops[key] = [GemmAllReduceOp(comm, **options), 0]
+            entry = self._ops[key] = [op_class(comm, **options), 0]
         entry[1] += 1
         return entry[0]
 

@@ -101,9 +101,11 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def put(self, *, dest: int, copies: list[tuple[torch.Tensor, torch.Tensor]], flag_words: torch.Tensor,
-            flag_index: int, seq: int, phase: str, chunk: int) -> None:
-        """Copy each ``(src, dst)`` pair (dst in ``dest``'s window), then release
-        ``flag_words[flag_index] = seq`` (a word of ``dest``'s window)."""
+            flag_index: int, seq: int, phase: str, chunk: int, stamp=None) -> None:
+        """Copy each ``(src, dst)`` pair (dst in ``dest``'s window), then write ``stamp`` = (words,
+        index, value) if given (the all-gather's (seq, M) word of chunk 0), then release
+        ``flag_words[flag_index] = seq`` (a word of ``dest``'s window). ``phase``: "scatter" for a
+        pattern's first transfers (the GEMM's slices, or the all-gather's input rows), "gather"."""
 
     @abc.abstractmethod
     def finish(self) -> None:

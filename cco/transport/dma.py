@@ -29,7 +29,8 @@ class DmaTransport(Transport):
         assert not self._jobs, "previous call not finished or aborted"
         self._deadline = deadline
         self._cancel.clear()
-        self._jobs.append(self._engine.submit(self._watch_counters, plan))
+        if self.config.pattern_spec.scatter:  # the all-gather's GEMM publishes no tiles: only its puts queue
+            self._jobs.append(self._engine.submit(self._watch_counters, plan))
 
     def _watch_counters(self, plan: layout.CallPlan) -> None:
         """Copier loop of one call: chunks in tile-walk order, each as soon as it is complete."""

@@ -41,13 +41,13 @@ def run_tiles(a_f32: torch.Tensor, b_f32: torch.Tensor, *, config: layout.OpConf
               on_chunk_complete: Callable[[int, int], None] | None = None) -> None:
     """Compute every tile of ``plan`` in walk order and run the epilogue protocol.
 
-    ``destination(dest)`` is a ``[rows >= M, n_slice]`` bf16 view receiving dest's columns;
+    ``destination(dest)`` is a ``[rows >= slice rows, n_slice]`` bf16 view receiving dest's slice;
     ``counters`` the own window's flat int64 counter words (None: a plain GEMM, no protocol)."""
-    bm, bn, ns = config.block_m, config.block_n, config.n_slice
+    bm, bn = config.block_m, config.block_n
     for tile in plan.tiles:
-        r0, r1 = tile.row0, min(tile.row0 + bm, plan.m)
-        col = tile.dest * ns + tile.col0
-        c = a_f32[r0:r1] @ b_f32[col: col + bn].t()
+        r0, r1 = tile.row0, min(tile.row0 + bm, plan.slice_m)
+        row, col = plan.origins[tile.dest]  # where dest's slice starts in the [M, N] product
+        c = a_f32[row + r0:row + r1] @ b_f32[col + tile.col0: col + tile.col0 + bn].t()
         destination(tile.dest)[r0:r1, tile.col0: tile.col0 + bn] = c.to(torch.bfloat16)
         if counters is None:
             continue
@@ -73,3 +73,23 @@ def run_chunks(a_f32: torch.Tensor, b_f32: torch.Tensor, *, config: layout.OpCon
             counters[index] = int(counters[index]) + plan.slot_tiles(dest, chunk)  # single producer per rank
             if dest != plan.rank and on_chunk_complete is not None:
                 on_chunk_complete(dest, chunk)
+
+
+def run_arriving_tiles(rows_of: Callable[[int, int], torch.Tensor], b_f32: torch.Tensor, *, config: layout.OpConfig,
+                       plan: layout.CallPlan, out: torch.Tensor) -> None:
+    """The all-gather's GEMM: every tile of ``plan`` in walk order (the own rows first, then each
+    peer's chunk as it lands), ``out[src rows] = rows @ B.T`` (fp32, rounded to bf16).
+    ``rows_of(src, chunk)`` returns the fp32 rows ``[r0, r1)`` of that chunk of src's input once they
+    are there (it waits for their arrival flag); it is asked once per (src, chunk), when the walk
+    reaches it."""
+    bm, bn = config.block_m, config.block_n
+    current, a_f32 = None, None
+    for tile in plan.tiles:
+        if (tile.dest, tile.chunk) != current:
+            current = (tile.dest, tile.chunk)
+            a_f32 = rows_of(tile.dest, tile.chunk)
+            chunk_r0 = plan.rows[tile.chunk][0]
+        r0, r1 = tile.row0, min(tile.row0 + bm, plan.slice_m)
+        row = plan.origins[tile.dest][0]
+        c = a_f32[r0 - chunk_r0:r1 - chunk_r0] @ b_f32[tile.col0:tile.col0 + bn].t()
+        out[row + r0:row + r1, tile.col0:tile.col0 + bn] = c.to(torch.bfloat16)

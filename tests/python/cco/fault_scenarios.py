@@ -43,6 +43,11 @@ call. Promises, per scenario:
   (CUDA) is correct.
 
 "Raises" means within ``deadline_s + RAISE_SLACK_S`` of the call's start.
+
+``Setup(pattern=...)`` plays the same scenarios on the sequence-parallel ops (``test_sp_faults``):
+the reduce-scatter (its reference is this rank's share of the sum) and the all-gather (``m``: rows
+per rank; the lost put is one of the victim's input-row chunks; the killed victim dies before it
+puts its rows, which would otherwise let the peers finish the call).
 """
 
 from __future__ import annotations
@@ -77,16 +82,31 @@ class Setup:
     """Shapes, deadline and device of one run. A rank's weight is a function of the rank (an op is
     built per weight), its activations of (rank, seed)."""
 
-    def __init__(self, *, n: int, k: int, m: int, deadline_s: float, device, transport=None, chunks=2):
-        self.n, self.k, self.m = n, k, m
+    def __init__(self, *, n: int, k: int, m: int, deadline_s: float, device, transport=None, chunks=2,
+                 pattern: str = "all-reduce"):
+        self.n, self.k, self.m = n, k, m  # m: a call's rows (the all-gather: per rank)
         self.deadline_s = deadline_s
         self.device = torch.device(device)
         self.transport = transport
         self.chunks = chunks
+        self.pattern = pattern  # cco.layout.PATTERNS: which op the scenarios play on
+        self.rank = 0  # the rank whose share the reference is (run() sets it)
+
+    @property
+    def op_name(self) -> str:
+        names = {"all-gather": "AllGatherGemmOp", "all-reduce": "GemmAllReduceOp"}
+        return names.get(self.pattern, "GemmReduceScatterOp")
 
     def op(self, comm, faults=None, transport=None):
-        return GemmAllReduceOp(comm, n=self.n, k=self.k, m_max=self.m, transport=transport or self.transport,
-                               chunks=self.chunks, deadline_s=self.deadline_s, faults=faults)
+        kw = dict(n=self.n, k=self.k, m_max=self.m, transport=transport or self.transport, chunks=self.chunks,
+                  deadline_s=self.deadline_s, faults=faults)
+        if self.pattern == "all-gather":
+            from cco.all_gather import AllGatherGemmOp
+            return AllGatherGemmOp(comm, **{**kw, "m_max": self.m * comm.world})
+        if self.pattern.startswith("reduce-scatter"):
+            from cco.reduce_scatter import GemmReduceScatterOp
+            return GemmReduceScatterOp(comm, scatter_dim=0 if self.pattern.endswith("rows") else 1, **kw)
+        return GemmAllReduceOp(comm, **kw)
 
     def problem(self, rank: int, seed: int, m: int | None = None):
         m = self.m if m is None else m
@@ -97,8 +117,22 @@ class Setup:
     def reference(self, ranks, seed: int, m: int | None = None) -> tuple[torch.Tensor, ...]:
         """all_reduce(reference_gemm) over ``ranks`` on the host, as ``allreduce_mismatches`` takes it:
         the fp32 sum of the partials, of their absolute values, and of |A| @ |B|.T."""
+        if self.pattern == "all-gather":  # every rank's rows times this rank's weight, rows in rank order
+            mine = self.problem(self.rank, seed, m)
+            rows = [self.problem(r, seed, m) for r in ranks]
+            terms = [budget_terms(q.Problem("ptpc", p.a, mine.b, p.a_scale, mine.b_scale)) for p in rows]
+            return (torch.cat([t[0] for t in terms]), torch.cat([t[0].abs() for t in terms]),
+                    torch.cat([t[1] for t in terms]))
         terms = [budget_terms(self.problem(r, seed, m)) for r in ranks]
-        return (sum(t[0] for t in terms), sum(t[0].abs() for t in terms), sum(t[1] for t in terms))
+        full = (sum(t[0] for t in terms), sum(t[0].abs() for t in terms), sum(t[1] for t in terms))
+        world = len(ranks)
+        if self.pattern == "reduce-scatter-rows":  # this rank's share of the sum
+            rows = full[0].shape[0] // world
+            return tuple(t[self.rank * rows:(self.rank + 1) * rows] for t in full)
+        if self.pattern == "reduce-scatter-cols":
+            cols = self.n // world
+            return tuple(t[:, self.rank * cols:(self.rank + 1) * cols] for t in full)
+        return full
 
     def operands(self, rank: int, seed: int, m: int | None = None):
         p = self.problem(rank, seed, m)
@@ -187,6 +221,7 @@ def _next_call(comm, op, setup, report, name, backend, seed, what):
 
 
 def _fresh_op_is_correct(comm, setup, report, seed=9, what="a fresh op"):
+    setup.rank = comm.rank  # the survivors of "killed" are renumbered
     with setup.op(comm) as op:
         _expect_correct(report, attempt(op, setup.operands(comm.rank, seed)), setup.reference(range(comm.world), seed),
                         what)
@@ -211,7 +246,7 @@ def _bad_input(comm, setup, report, backend):
             what = f"call {seq}, rank {bad} passes bad input ({name})"
             if rank == bad:
                 _expect_raise(report, outcome, setup, what, ("TypeError", "ValueError"),
-                              ("GemmAllReduceOp.__call__", word))
+                              (f"{setup.op_name}.__call__", word))
             else:
                 _expect_raise(report, outcome, setup, what, ("PeerRejectedError",),
                               (f"rank {bad} rejected", f"seq {seq}", word))
@@ -237,6 +272,7 @@ def _m_mismatch(comm, setup, report, name, backend, victim, m_other):
 def run(comm, name: str, victim: int, setup: Setup, backend: str) -> dict:
     """Play scenario ``name`` (see the module doc) in this rank; ``backend``: "cpu" or "cuda"."""
     report = Report(comm.rank)
+    setup.rank = comm.rank
     rank, world, d = comm.rank, comm.world, setup.deadline_s
     peers = [r for r in range(world) if r != victim]
     if name == "bad-input":
@@ -271,7 +307,7 @@ def run(comm, name: str, victim: int, setup: Setup, backend: str) -> dict:
             _expect_correct(report, attempt(op, setup.operands(rank, 1)), setup.reference(range(world), 1), "call 1")
             if rank == victim:
                 operands = setup.operands(rank, 2)  # before the busy kernel: their host copies would queue behind it
-                die_in_call(op, backend)
+                die_in_call(op, backend, setup.pattern)
                 op(*operands)
                 os._exit(9)  # CUDA: the call is in flight on the device
             _expect_raise(report, attempt(op, setup.operands(rank, 2)), setup,
@@ -373,17 +409,23 @@ def _stalled_host_wait(comm, setup, report, victim, name):
 DEVICE_BUSY_CYCLES = 20_000_000_000  # ~10 s of a ~2 GHz GPU clock: longer than any deadline here
 
 
-def die_in_call(op, backend: str) -> None:
+# the CPU backend's step a dying rank never finishes, per pattern: after its tiles, before it
+# reduces; the all-gather's before its rows are put (put rows would let the peers finish the call)
+DIE_AT = {"all-reduce": "_reduce_gather_assemble", "reduce-scatter-rows": "_reduce_into",
+          "reduce-scatter-cols": "_reduce_into", "all-gather": "_put_inputs"}
+
+
+def die_in_call(op, backend: str, pattern: str = "all-reduce") -> None:
     """Make this rank's process exit in the middle of its next call: on the CPU once the call has
-    entered (its header says so) and before it reduces; on CUDA the caller exits right after the
-    call was issued, with its work still queued on the device (behind a busy kernel: a call whose
-    work finished before the exit would simply have succeeded)."""
+    entered (its header says so) and before it reduces (``DIE_AT``); on CUDA the caller exits right
+    after the call was issued, with its work still queued on the device (behind a busy kernel: a
+    call whose work finished before the exit would simply have succeeded)."""
     if backend != "cpu":
         torch.cuda._sleep(DEVICE_BUSY_CYCLES)
         return
     from cco.backends.cpu import CpuBackend
 
-    def exit_in_call(self, plan, out, deadline):
+    def exit_in_call(self, *args):
         os._exit(9)
 
-    op._backend._reduce_gather_assemble = exit_in_call.__get__(op._backend, CpuBackend)
+    setattr(op._backend, DIE_AT[pattern], exit_in_call.__get__(op._backend, CpuBackend))

@@ -187,3 +187,71 @@ def test_transport_auto_and_backend_defaults():
     # an explicit transport or a mori alias wins over the backend's default
     assert layout.build_config(n=256, k=256, m_max=64, world=2, mode="fused-lsa",
                                default_transport="auto").transport == "lsa"
+
+
+# --------------------------------------------------------------------------------------------------
+# patterns: the reduce-scatter (rows, columns) and the all-gather
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("pattern", ["reduce-scatter-rows", "reduce-scatter-cols", "all-gather"])
+@pytest.mark.parametrize("world, m", [(2, 130), (4, 200), (3, 9)])
+def test_pattern_tiles_cover_each_rank_slice_once(pattern, world, m):
+    """Guards: a tile computed twice or never, a slice cut at the wrong rows or columns, the
+    all-gather's GEMM not starting on the own rows (which need no wait)."""
+    c = cfg(world=world, n=384, m_max=512 * world, pattern=pattern, chunks=3)
+    m -= m % world if pattern == "reduce-scatter-rows" else 0
+    out_rows, out_cols = layout.out_shape(c, m)
+    for rank in range(world):
+        plan = layout.plan_call(c, m=m, seq=1, rank=rank, counter_base=layout.zero_counters(world))
+        covered = set()
+        for t in plan.tiles:
+            row, col = plan.origins[t.dest]
+            for r in range(t.row0, min(t.row0 + c.block_m, plan.slice_m)):
+                for j in (t.col0, t.col0 + c.block_n - 1):  # the tile's first and last column
+                    key = (row + r, col + j)
+                    assert key not in covered, (rank, t)
+                    covered.add(key)
+        rows = m * world if pattern == "all-gather" else m
+        assert covered == {(r, j) for r in range(rows) for j in range(c.n)
+                           for j in [j] if j % c.block_n in (0, c.block_n - 1)}
+        if pattern == "all-gather":
+            assert plan.tiles[0].dest == rank and plan.counter_targets == plan.counter_base  # publishes nothing
+            assert (out_rows, out_cols) == (m * world, c.n)
+        elif pattern == "reduce-scatter-rows":
+            assert plan.origins[rank] == (rank * m // world, 0) and (out_rows, out_cols) == (m // world, c.n)
+        else:
+            assert plan.origins[rank] == (0, rank * c.n // world) and (out_rows, out_cols) == (m, c.n // world)
+
+
+def test_pattern_windows_hold_only_the_regions_their_phases_use():
+    """The all-reduce's window is unchanged by the patterns (same offsets, same size); the
+    reduce-scatter has no gather region, the all-gather only its input slots."""
+    ar = cfg(world=2)
+    assert ar.window == layout.window_layout(world=2, m_max_padded=ar.m_max_padded, n_slice=ar.n_slice,
+                                             gather_dtype="bf16", m_tiles=ar.m_max_padded // ar.block_m,
+                                             n_tiles=ar.n_tiles_per_dest)
+    assert ar.window.a_rows.nbytes == 0 and ar.window.a_scales.nbytes == 0
+    rs = cfg(world=2, pattern="reduce-scatter-rows")
+    assert rs.window.gather.nbytes == 0 and rs.window.partial.shape == (2, 128, 512)  # M/W rows, all N
+    ag = cfg(world=2, pattern="all-gather", quant="blockscale")
+    assert ag.window.partial.nbytes == ag.window.recv.nbytes == ag.window.gather.nbytes == 0
+    assert ag.window.a_rows.shape == (2, 128, 256) and ag.window.a_scales.shape == (2, 2, 128)
+
+
+@pytest.mark.parametrize("pattern, m, words", [
+    ("reduce-scatter-rows", 63, ["M=63", "multiple of world=2", "M=64"]),
+    ("reduce-scatter-rows", 300, ["M=300", "m_max=256"]),
+    ("all-gather", 129, ["M=129", "m_max=256", "128 per rank"]),
+])
+def test_call_rows_errors_say_the_fix(pattern, m, words):
+    msg = layout.call_rows_error(cfg(world=2, pattern=pattern), m)
+    assert msg is not None and all(w in msg for w in words), msg
+    assert layout.call_rows_error(cfg(world=2, pattern=pattern), 64) is None
+
+
+def test_new_patterns_refuse_gemm_only_and_rows_patterns_need_m_max_of_the_world():
+    with pytest.raises(ValueError, match="mode='gemm-only'"):
+        cfg(pattern="all-gather", mode="gemm-only")
+    with pytest.raises(ValueError, match="m_max=2 is smaller than world=4"):
+        cfg(pattern="reduce-scatter-rows", m_max=2)
+    with pytest.raises(ValueError, match="scatter_dim=2"):
+        layout.reduce_scatter_pattern(2)

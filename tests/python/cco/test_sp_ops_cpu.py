@@ -1,0 +1,237 @@
+"""The sequence-parallel ops on the CPU backend (real rank processes over shared-memory windows):
+``GemmReduceScatterOp`` (both scatter dims) and ``AllGatherGemmOp``, against the unfused
+collectives of the fp32 reference.
+
+Guards: a slice walked or owned by the wrong rank (rows vs columns), chunk rows or counter targets
+computed for another M (alternating M, M not a multiple of the chunking), scales gathered in the
+wrong layout (blockscale's column-major A scale), a gathered input that is not every rank's rows in
+rank order, an M that is not a multiple of the world accepted, the self test passing a transport that
+moves nothing, a rank whose M differs returning a result.
+"""
+
+import pytest
+import torch
+
+from cco import quant as q
+from cco.all_gather import AllGatherGemmOp
+from cco.comm import check_outcomes, spawn
+from cco.preshuffle import preshuffle_b
+from cco.reduce_scatter import GemmReduceScatterOp
+from cco.transport import FaultPlan, PeerMismatchError, SelfTestError
+
+pytestmark = pytest.mark.multirank
+
+DEADLINE_S = 20.0
+K = 256
+
+
+def operands(rank, m, n, quant, seed=0):
+    p = q.random_problem(m, n, K, quant, seed=1000 * seed + rank)
+    return p, preshuffle_b(p.b)
+
+
+def partial_sum(world, m, n, quant, seed=0):
+    """sum_r reference_gemm(a_r, b_r): bf16 partials summed in fp32, rounded to bf16."""
+    return sum(operands(r, m, n, quant, seed)[0].reference().float() for r in range(world)).to(torch.bfloat16)
+
+
+def assert_close(out, ref, quant):
+    assert out.shape == ref.shape and out.dtype == torch.bfloat16
+    assert q.count_mismatches(out, ref) == 0 and q.rel_l2(out, ref) < q.REL_L2_TOL[quant]
+
+
+# --------------------------------------------------------------------------------------------------
+# GEMM + reduce-scatter
+# --------------------------------------------------------------------------------------------------
+RS_COMBOS = [("fused", "dma"), ("split", "lsa"), ("fused", "lsa")]
+RS_MS = (128, 8, 200)  # 200: 3.1 m-tiles of 64 at dim 1, 100 rows (1.6 tiles) per rank at dim 0
+
+
+def _reduce_scatter(comm, quant, n, combos):
+    outs = {}
+    for dim in (0, 1):
+        for mode, transport in combos:
+            with GemmReduceScatterOp(comm, n=n, k=K, m_max=256, scatter_dim=dim, quant=quant, mode=mode,
+                                     transport=transport, chunks=3, deadline_s=DEADLINE_S) as op:
+                for i, m in enumerate(RS_MS):  # alternating M on one op
+                    m -= m % comm.world
+                    p, b_pre = operands(comm.rank, m, n, quant, seed=i)
+                    outs[(dim, mode, transport, i)] = op(p.a, b_pre, p.a_scale, p.b_scale)
+    return outs
+
+
+RS_CASES = [pytest.param(2, quant, RS_COMBOS, id=f"w2-{quant}") for quant in q.QUANTS]
+RS_CASES += [pytest.param(4, "blockscale", RS_COMBOS[:2], id="w4-blockscale")]
+
+
+@pytest.mark.parametrize("world, quant, combos", RS_CASES)
+def test_reduce_scatter_is_the_reference_share_of_every_rank(world, quant, combos):
+    """Both scatter dims, fused and split, dma and lsa, alternating M on one op: each rank's output
+    is its share of the reference sum (rows r*M/W.. or columns r*N/W..), and the shares tile it."""
+    n = 512
+    per_rank = check_outcomes(spawn(_reduce_scatter, world=world, args=(quant, n, combos), timeout_s=240))
+    for (dim, mode, transport, i), _ in per_rank[0].items():
+        m = RS_MS[i] - RS_MS[i] % world
+        ref = partial_sum(world, m, n, quant, seed=i)
+        shares = [r[(dim, mode, transport, i)] for r in per_rank]
+        assert shares[0].shape == ((m // world, n) if dim == 0 else (m, n // world)), (dim, shares[0].shape)
+        assert_close(torch.cat(shares, dim=dim), ref, quant)
+
+
+def _rs_rejects_m_not_multiple_of_world(comm):
+    with GemmReduceScatterOp(comm, n=256, k=K, m_max=64, scatter_dim=0, deadline_s=DEADLINE_S) as op:
+        p, b_pre = operands(comm.rank, 63, 256, "ptpc")
+        try:
+            op(p.a, b_pre, p.a_scale, p.b_scale)
+            first = "returned"
+        except ValueError as err:
+            first = str(err)
+        p, b_pre = operands(comm.rank, 64, 256, "ptpc")
+        return first, op(p.a, b_pre, p.a_scale, p.b_scale), op.calls
+
+
+def test_reduce_scatter_rows_rejects_m_not_a_multiple_of_world_and_stays_usable():
+    per_rank = check_outcomes(spawn(_rs_rejects_m_not_multiple_of_world, world=2, timeout_s=60))
+    for msg, out, calls in per_rank:
+        assert "GemmReduceScatterOp.__call__" in msg and "M=63" in msg and "multiple of world=2" in msg, msg
+        assert "M=64" in msg  # the fix: the padded M
+        assert calls == 2  # the rejected call was a collective call on both ranks
+    assert_close(torch.cat([r[1] for r in per_rank]), partial_sum(2, 64, 256, "ptpc"), "ptpc")
+
+
+def test_constructor_errors_name_the_argument():
+    with _NoComm() as comm:
+        with pytest.raises(ValueError, match=r"GemmReduceScatterOp: scatter_dim=2 is not supported"):
+            GemmReduceScatterOp(comm, n=256, k=K, m_max=64, scatter_dim=2)
+        with pytest.raises(ValueError, match=r"GemmReduceScatterOp: mode='gemm-only'"):
+            GemmReduceScatterOp(comm, n=256, k=K, m_max=64, mode="gemm-only")
+        with pytest.raises(ValueError, match=r"AllGatherGemmOp: mode='gemm-only'"):
+            AllGatherGemmOp(comm, n=256, k=K, m_max=64, mode="gemm-only")
+
+
+class _NoComm:
+    """Enough of a communicator for constructions that fail before a window is opened."""
+    device, rank, world = torch.device("cpu"), 0, 2
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+@pytest.mark.parametrize("pattern", ["reduce-scatter-rows", "all-gather"])
+def test_gpu_backends_refuse_the_new_patterns_with_a_clear_error(pattern):
+    """Until their kernels run it, the CUDA and gfx950 backends refuse the pattern at construction
+    (``config_error``), so a layer falls back to its unfused path on every rank alike."""
+    from cco import layout
+    from cco.backends.cuda import CudaBackend
+    from cco.backends.gfx950 import Gfx950Backend
+
+    cfg = layout.build_config(n=1024, k=K, m_max=256, world=2, pattern=pattern, block_m=128, block_n=128)
+    for backend in (CudaBackend, Gfx950Backend):
+        err = backend.config_error(cfg)
+        assert isinstance(err, NotImplementedError) and pattern in str(err) and "unfused" in str(err), err
+
+
+# --------------------------------------------------------------------------------------------------
+# all-gather + GEMM
+# --------------------------------------------------------------------------------------------------
+AG_MS = (64, 5, 100, 1)  # rows per rank: whole tiles, fewer than a tile, 1.6 tiles, one row
+
+
+def _all_gather(comm, quant, n, combos):
+    outs = {}
+    w_problem, b_pre = operands(comm.rank, 8, n, quant, seed=99)  # this rank's weight (column shard)
+    for mode, transport in combos:
+        with AllGatherGemmOp(comm, n=n, k=K, m_max=128 * comm.world, quant=quant, mode=mode, transport=transport,
+                             chunks=3, deadline_s=DEADLINE_S) as op:
+            for i, m in enumerate(AG_MS):
+                p, _ = operands(comm.rank, m, n, quant, seed=i)
+                got = op(p.a, b_pre, p.a_scale, w_problem.b_scale, return_a=(i == 2))
+                if i == 2:  # fp8 tensors do not pickle: their bytes travel, with the scale's layout
+                    out, a_all, s_all = got
+                    got = (out, a_all.view(torch.uint8), s_all.contiguous().view(torch.uint8), s_all.shape,
+                           s_all.stride())
+                outs[(mode, transport, i)] = got
+    return outs
+
+
+AG_COMBOS = [("fused", "dma"), ("split", "dma"), ("fused", "lsa")]
+AG_CASES = [pytest.param(2, quant, AG_COMBOS, id=f"w2-{quant}") for quant in q.QUANTS]
+AG_CASES += [pytest.param(4, "blockscale", AG_COMBOS[:2], id="w4-blockscale")]
+
+
+@pytest.mark.parametrize("world, quant, combos", AG_CASES)
+def test_all_gather_gemm_is_the_gemm_of_every_ranks_rows(world, quant, combos):
+    """Each rank's output is all_gather(a_r) @ W_r.T, rows in rank order; the gathered input it
+    returns (``return_a``) is every rank's rows and scales in ``a_scale``'s layout."""
+    n = 256
+    per_rank = check_outcomes(spawn(_all_gather, world=world, args=(quant, n, combos), timeout_s=240))
+    for rank, outs in enumerate(per_rank):
+        w_problem, _ = operands(rank, 8, n, quant, seed=99)
+        for (mode, transport, i), got in outs.items():
+            m = AG_MS[i]
+            parts = [operands(r, m, n, quant, seed=i)[0] for r in range(world)]
+            a_all = torch.cat([p.a for p in parts])
+            s_all = torch.cat([p.a_scale for p in parts])
+            if quant == "blockscale":
+                s_all = s_all.t().contiguous().t()
+            ref = q.reference_gemm(a_all, w_problem.b, s_all, w_problem.b_scale, quant)
+            if i == 2:
+                got, a_bytes, s_bytes, s_shape, s_stride = got
+                assert torch.equal(a_bytes, a_all.view(torch.uint8))
+                assert s_shape == s_all.shape and s_stride == s_all.stride(), (s_stride, s_all.stride())
+                assert torch.equal(s_bytes, s_all.contiguous().view(torch.uint8))
+            assert got.shape == (world * m, n), (mode, transport, i, got.shape)
+            assert_close(got, ref, quant)
+
+
+def _ag_mismatch(comm):
+    m = 40 if comm.rank == 1 else 64
+    with AllGatherGemmOp(comm, n=256, k=K, m_max=256, chunks=2, deadline_s=DEADLINE_S) as op:
+        p, b_pre = operands(comm.rank, m, 256, "ptpc")
+        try:
+            op(p.a, b_pre, p.a_scale, p.b_scale)
+            first = ("returned", "")
+        except PeerMismatchError as err:
+            first = ("PeerMismatchError", str(err))
+        p, b_pre = operands(comm.rank, 64, 256, "ptpc", seed=3)
+        return first, op(p.a, b_pre, p.a_scale, p.b_scale)
+
+
+def test_all_gather_rank_with_other_rows_gets_a_clear_error_then_op_recovers():
+    per_rank = check_outcomes(spawn(_ag_mismatch, world=3, timeout_s=60))
+    for (kind, msg), after in per_rank:
+        assert kind == "PeerMismatchError" and "M=40" in msg and "M=64" in msg, msg
+    for rank, (_, after) in enumerate(per_rank):
+        p = operands(rank, 64, 256, "ptpc", seed=3)[0]  # this rank's weight of the second call
+        a_all = torch.cat([operands(r, 64, 256, "ptpc", seed=3)[0].a for r in range(3)])
+        s_all = torch.cat([operands(r, 64, 256, "ptpc", seed=3)[0].a_scale for r in range(3)])
+        assert_close(after, q.reference_gemm(a_all, p.b, s_all, p.b_scale, "ptpc"), "ptpc")
+
+
+# --------------------------------------------------------------------------------------------------
+# self tests: pass on a working transport, fail on a silent one
+# --------------------------------------------------------------------------------------------------
+def _self_test(comm, which, transport, silent):
+    kw = dict(n=256, k=K, m_max=128, transport=transport, deadline_s=DEADLINE_S, faults=FaultPlan(silent=silent))
+    op = (AllGatherGemmOp(comm, quant="blockscale", **kw) if which == "ag" else
+          GemmReduceScatterOp(comm, scatter_dim=0 if which == "rs0" else 1, **kw))
+    with op:
+        try:
+            return "passed", op.self_test()
+        except SelfTestError as err:
+            return "SelfTestError", str(err)
+
+
+@pytest.mark.parametrize("which, transport", [("rs0", "dma"), ("rs1", "lsa"), ("ag", "dma"), ("ag", "lsa")])
+def test_self_test_passes_on_a_working_transport_and_fails_on_a_silent_one(which, transport):
+    world = 2
+    working = check_outcomes(spawn(_self_test, world=world, args=(which, transport, False), timeout_s=60))
+    for kind, rep in working:
+        assert kind == "passed", rep
+        assert "bit-exact" in rep["checked"]
+    silent = check_outcomes(spawn(_self_test, world=world, args=(which, transport, True), timeout_s=60))
+    for kind, msg in silent:
+        assert kind == "SelfTestError" and "did not arrive" in msg, msg
