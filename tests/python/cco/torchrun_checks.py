@@ -17,9 +17,9 @@ def nvidia_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() and not torch.version.hip else 0
 
 
-def run_rank_checks(module: str, passed: str, *, nproc: int = 2, timeout_s: float = 900) -> None:
+def run_rank_checks(module: str, passed: str, *, nproc: int = 2, timeout_s: float = 900) -> str:
     """``torchrun --nproc-per-node nproc -m module`` from the repository root; asserts it exited 0
-    and printed ``passed``."""
+    and printed ``passed``; returns its stdout."""
     torchrun = shutil.which("torchrun")
     cmd = ([torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]) + [
         "--nproc-per-node", str(nproc), "-m", module]
@@ -27,3 +27,4 @@ def run_rank_checks(module: str, passed: str, *, nproc: int = 2, timeout_s: floa
                           env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert passed in proc.stdout, proc.stdout[-4000:]
+    return proc.stdout
