@@ -1,5 +1,8 @@
 """The swap both integrations share: a row-parallel ``nn.Linear`` whose weight a framework has sharded
-(a DTensor ``Shard(-1)`` on a 1-D mesh) becomes a :class:`cco.nn.RowParallelLinear`.
+(a DTensor ``Shard(-1)`` on a 1-D mesh) becomes a :class:`cco.nn.RowParallelLinear` (``fuse_linear``;
+with ``sequence_parallel=True`` its reduce ends in a reduce-scatter along tokens), and a
+column-parallel one (weight and bias ``Shard(0)``) a sequence-parallel
+:class:`cco.nn.ColumnParallelLinear` (``fuse_column_linear``: the all-gather of its tokens fused).
 
 Unfused equivalent, what the framework's own row-wise style computes on every rank ``r``::
 
