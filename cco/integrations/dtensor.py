@@ -136,7 +136,8 @@ class FusedRowwiseParallel(RowwiseParallel):
         name = f"{type(module).__name__} under {_ROW}"
         world = _check_mesh(device_mesh, _ROW)
         check_row_parallel(module, name=name, world=world, fn=_ROW)  # before torch shards anything
-        module = super()._apply(module, device_mesh)  # torch: shards W (Shard(1)) and b, installs the input/output steps
+        # torch: shards W (Shard(1)) and b, installs the input/output steps
+        module = super()._apply(module, device_mesh)
         layer = fuse_linear(module, group=device_mesh.get_group(), world=world, options=self.options, name=name,
                             fn=_ROW, sequence_parallel=self.sequence_parallel)
         if self.sequence_parallel:
@@ -178,7 +179,8 @@ class FusedColwiseParallel(ColwiseParallel):
         name = f"{type(module).__name__} under {_COL}"
         world = _check_mesh(device_mesh, _COL)
         check_column_parallel(module, name=name, world=world, fn=_COL)  # before torch shards anything
-        module = super()._apply(module, device_mesh)  # torch: shards W and b (Shard(0)), installs the input/output steps
+        # torch: shards W and b (Shard(0)), installs the input/output steps
+        module = super()._apply(module, device_mesh)
         layer = fuse_column_linear(module, group=device_mesh.get_group(), world=world, options=self.options,
                                    name=name, fn=_COL)
         module.forward = partial(_col_sp_forward, layer, device_mesh, self.input_layouts[0])

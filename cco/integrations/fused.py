@@ -101,9 +101,9 @@ def check_column_parallel(module, *, name: str, world: int, fn: str) -> None:
     """Refuse a module the fused column-parallel layer cannot stand in for (global shapes and
     ``world`` only: every rank reaches the same verdict)."""
     if not isinstance(module, torch.nn.Linear):
-        raise TypeError(f"{fn}: {name!r} is a {type(module).__name__}, not a torch.nn.Linear; the fused column-parallel "
-                        f"style replaces a Linear's all-gather + GEMM. Keep the framework's own style for this module "
-                        f"(e.g. ColwiseParallel), or name a Linear in the plan")
+        raise TypeError(f"{fn}: {name!r} is a {type(module).__name__}, not a torch.nn.Linear; the fused "
+                        f"column-parallel style replaces a Linear's all-gather + GEMM. Keep the framework's own "
+                        f"style for this module (e.g. ColwiseParallel), or name a Linear in the plan")
     if module.out_features % world:
         raise ValueError(f"{fn}: {name!r} has out_features={module.out_features}, which does not split evenly over "
                          f"{world} ranks (every rank's N slice must be the same size); use a tensor-parallel size "
