@@ -1,5 +1,8 @@
 """The swap both integrations share: a row-parallel ``nn.Linear`` whose weight a framework has sharded
-(a DTensor ``Shard(-1)`` on a 1-D mesh) becomes a :class:`cco.nn.RowParallelLinear`.
+(a DTensor ``Shard(-1)`` on a 1-D mesh) becomes a :class:`cco.nn.RowParallelLinear` (``fuse_linear``;
+with ``sequence_parallel=True`` its reduce ends in a reduce-scatter along tokens), and a
+column-parallel one (weight and bias ``Shard(0)``) a sequence-parallel
+:class:`cco.nn.ColumnParallelLinear` (``fuse_column_linear``: the all-gather of its tokens fused).
 
 Unfused equivalent, what the framework's own row-wise style computes on every rank ``r``::
 
@@ -26,9 +29,10 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from cco import quant as Q
-from cco.nn import DEFAULT_POOL, RowParallelLinear
+from cco.nn import DEFAULT_POOL, ColumnParallelLinear, RowParallelLinear
 from cco.nn import checkpoint as C
 from cco.nn.linear import MODES
+from cco.nn.sequence import check_backward
 from cco.op import DEFAULT_DEADLINE_S
 
 FUSED_CHILD = "fused"  # the child of a swapped nn.Linear that holds its RowParallelLinear
@@ -41,6 +45,7 @@ class FusedOptions:
     quant: "ptpc" | "blockscale" | "mxfp8". m_max: tokens one fused call takes (sizes the window the
     layers of one shape share; longer calls run in pieces). mode: "fused" | "split" | "unfused".
     transport, gather_dtype, chunks, deadline_s: the op's (``cco.op.GemmAllReduceOp``).
+    backward: the sequence-parallel layers' backward collective, "bf16" | "fp8" (``cco.nn.sequence``).
     """
 
     quant: str = "ptpc"
@@ -50,10 +55,12 @@ class FusedOptions:
     gather_dtype: str = "bf16"
     chunks: int | tuple | None = None
     deadline_s: float = DEFAULT_DEADLINE_S
+    backward: str = "bf16"
 
     def __post_init__(self):
         fn = "FusedOptions"
         Q.check_quant(self.quant, fn=fn)
+        check_backward(self.backward, fn)
         if not isinstance(self.m_max, int) or isinstance(self.m_max, bool) or self.m_max < 1:
             raise ValueError(f"{fn}: m_max={self.m_max!r} must be a positive int (tokens one fused call takes)")
         if self.mode not in MODES:
@@ -63,6 +70,10 @@ class FusedOptions:
 
     def layer_kwargs(self) -> dict:
         return dataclasses.asdict(self)
+
+    def column_kwargs(self) -> dict:
+        """The options ``ColumnParallelLinear`` takes (it gathers the input in fp8: no gather_dtype)."""
+        return {k: v for k, v in self.layer_kwargs().items() if k != "gather_dtype"}
 
     def tag(self) -> str:
         """A stable text of the options that differ from the defaults, quant and m_max always: the
@@ -86,10 +97,23 @@ def check_row_parallel(module, *, name: str, world: int, fn: str) -> None:
                          f"that divides {module.in_features}, or keep the framework's own style for this module")
 
 
-def fused_layer(module) -> RowParallelLinear | None:
+def check_column_parallel(module, *, name: str, world: int, fn: str) -> None:
+    """Refuse a module the fused column-parallel layer cannot stand in for (global shapes and
+    ``world`` only: every rank reaches the same verdict)."""
+    if not isinstance(module, torch.nn.Linear):
+        raise TypeError(f"{fn}: {name!r} is a {type(module).__name__}, not a torch.nn.Linear; the fused "
+                        f"column-parallel style replaces a Linear's all-gather + GEMM. Keep the framework's own "
+                        f"style for this module (e.g. ColwiseParallel), or name a Linear in the plan")
+    if module.out_features % world:
+        raise ValueError(f"{fn}: {name!r} has out_features={module.out_features}, which does not split evenly over "
+                         f"{world} ranks (every rank's N slice must be the same size); use a tensor-parallel size "
+                         f"that divides {module.out_features}, or keep the framework's own style for this module")
+
+
+def fused_layer(module) -> RowParallelLinear | ColumnParallelLinear | None:
     """The fused layer a swapped module holds, or None."""
     layer = module._modules.get(FUSED_CHILD)
-    return layer if isinstance(layer, RowParallelLinear) else None
+    return layer if isinstance(layer, (RowParallelLinear, ColumnParallelLinear)) else None
 
 
 def _local_weight(weight, *, name: str, world: int, fn: str) -> torch.Tensor:
@@ -121,9 +145,11 @@ def _local_bias(bias, *, name: str, fn: str):
 
 @torch.no_grad()
 def fuse_linear(module: torch.nn.Linear, *, group, world: int, options: FusedOptions, name: str,
-                fn: str = "fuse_linear", fp8_shard=None) -> RowParallelLinear:
+                fn: str = "fuse_linear", fp8_shard=None, sequence_parallel: bool = False) -> RowParallelLinear:
     """Swap ``module``'s sharded GEMM + all-reduce for a fused :class:`RowParallelLinear` (held as the
     child ``fused``); idempotent. Collective over ``group`` (every rank, same modules, same order).
+    ``sequence_parallel``: the layer ends in a reduce-scatter along its output's first dimension
+    instead of the all-reduce.
 
     ``fp8_shard``: None (quantize the framework's float shard), or a callable taking this rank's K
     width and returning this rank's shard of the checkpoint's fp8 weight (``Fp8Weight``, in the
@@ -152,7 +178,7 @@ def fuse_linear(module: torch.nn.Linear, *, group, world: int, options: FusedOpt
                                                error=error)
     b = _local_bias(module.bias, name=name, fn=fn)
     layer = RowParallelLinear(w.shape[1], module.out_features, group=group, bias=b is not None,
-                              **options.layer_kwargs())
+                              sequence_parallel=sequence_parallel, **options.layer_kwargs())
     if fp8 is not None:
         layer.load_fp8(fp8.qweight, fp8.scale)  # the checkpoint's bytes and scales, as stored
     else:
@@ -161,6 +187,43 @@ def fuse_linear(module: torch.nn.Linear, *, group, world: int, options: FusedOpt
         layer.bias.copy_(b)
     module.add_module(FUSED_CHILD, layer)
     # the fp8 copy in the layer is the weight from now on; the bf16 shard and bias would only hold memory
+    module.weight = None
+    module.bias = None
+    return layer
+
+
+@torch.no_grad()
+def fuse_column_linear(module: torch.nn.Linear, *, group, world: int, options: FusedOptions, name: str,
+                       fn: str = "fuse_column_linear") -> ColumnParallelLinear:
+    """Swap a column-parallel ``module`` (weight and bias sharded by the framework as ``Shard(0)``
+    DTensors on a 1-D mesh) for a :class:`ColumnParallelLinear` with ``sequence_parallel=True`` (the
+    all-gather of the input along tokens fused with the GEMM), held as the child ``fused``;
+    idempotent. Collective over ``group``. The bf16 shard is dropped as in :func:`fuse_linear`."""
+    done = fused_layer(module)
+    if done is not None:
+        return done
+    check_column_parallel(module, name=name, world=world, fn=fn)
+    weight, bias = module.weight, module.bias
+    for pname, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        if not isinstance(p, DTensor):
+            raise TypeError(f"{fn}: {name}.{pname} is a plain {type(p).__name__}; the framework's column-parallel "
+                            f"style must shard it first (a DTensor Shard(0)): apply the style through "
+                            f"parallelize_module rather than calling this directly")
+        if tuple(p.placements) != (Shard(0),):
+            raise ValueError(f"{fn}: {name}.{pname} has placements {tuple(p.placements)}; the fused column-parallel "
+                             f"layer takes it sharded along the output features (Shard(0)) on a 1-D mesh")
+    w = weight.to_local()
+    if tuple(w.shape) != (module.out_features // world, module.in_features):
+        raise ValueError(f"{fn}: {name}.weight's local shard is {list(w.shape)}, expected "
+                         f"[{module.out_features // world}, {module.in_features}] for {world} ranks")
+    layer = ColumnParallelLinear(module.in_features, w.shape[0], group=group, bias=bias is not None,
+                                 sequence_parallel=True, **options.column_kwargs())
+    layer.load_weight(w)
+    if bias is not None:
+        layer.bias.copy_(bias.to_local())
+    module.add_module(FUSED_CHILD, layer)
     module.weight = None
     module.bias = None
     return layer

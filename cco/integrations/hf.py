@@ -38,8 +38,10 @@ other entry stays transformers' own. Families (transformers 5.17 plans):
   attention, so only its MLPs are fused. Mixtral: ``o_proj`` only (all MLPs are experts).
 - Phi-3 ("rowwise_split_input" after a gathered packed qkv): not converted; its plan replicates the
   row-parallel input, so a fused all-reduce would follow an all-gather that a column-parallel plan avoids.
-- Sequence-parallel styles (reduce-scatter / all-gather along tokens): not yet; ``FUSED_STYLES`` is where
-  they go (a style name and the class that builds the layer).
+- Sequence-parallel styles (reduce-scatter / all-gather along tokens): transformers 5.17 has no
+  sequence-parallel plan for them to join (no model declares one; its registry has no sequence-sharded
+  column-wise or row-wise entry): use the torch styles of ``cco.integrations.dtensor``.
+  ``FUSED_STYLES`` is where they go once it has (docs/frameworks.md, "Sequence parallelism").
 
 fp8 checkpoints: ``tp_plan(path)`` of a local folder whose config has an fp8 ``quantization_config``
 (transformers' ``fp8``, compressed-tensors 8-bit float) takes the checkpoint's quant, and its fused
@@ -150,8 +152,9 @@ class FusedRowwise(RowwiseParallel):
 
 
 # A style of a model's plan -> (the cco style kind it becomes, the class that builds it). The sequence-
-# parallel styles join here when their layers exist (a row-parallel layer ending in a reduce-scatter,
-# a column-parallel one starting with an all-gather), one line each.
+# parallel styles join here, one line each, once transformers' plans have sequence-sharded column-wise
+# and row-wise entries (5.17 has none; the layers are built by cco.integrations.fused, as the torch
+# styles build them).
 FUSED_STYLES = {"rowwise": ("rowwise", FusedRowwise)}
 
 

@@ -222,7 +222,7 @@ def _dtensor_checks(comm):
     out["replicated_in"] = {"vs_emulated": Q.rel_l2(row(h), emu)}
     out["not_a_linear"] = _errors(lambda: parallelize_module(torch.nn.LayerNorm(128), mesh, FusedRowwiseParallel()))
     out["uneven"] = _errors(lambda: parallelize_module(torch.nn.Linear(129, 64), mesh, FusedRowwiseParallel()))
-    out["seq_parallel_output"] = _errors(lambda: FusedRowwiseParallel(output_layouts=Shard(1)))
+    out["feature_scatter_output"] = _errors(lambda: FusedRowwiseParallel(output_layouts=Shard(-1)))
     out["in_step_after_errors"] = comm.all_gather_object(comm.rank)
     return out
 
@@ -282,7 +282,7 @@ def test_refused_plans_raise_on_every_rank_and_the_ranks_stay_in_step(ranks):
         assert hf["fuse_without_plan"].startswith("ValueError: fuse: no module"), hf["fuse_without_plan"]
         assert dt["not_a_linear"].startswith("TypeError: FusedRowwiseParallel: 'LayerNorm under"), dt["not_a_linear"]
         assert "in_features=129, which does not split evenly over 2 ranks" in dt["uneven"], dt["uneven"]
-        assert dt["seq_parallel_output"].startswith("ValueError: FusedRowwiseParallel: output_layouts=Shard(dim=1)")
+        assert dt["feature_scatter_output"].startswith("ValueError: FusedRowwiseParallel: output_layouts=Shard(dim=-1)")
         assert hf["in_step_after_errors"] == dt["in_step_after_errors"] == [0, 1]
 
 
