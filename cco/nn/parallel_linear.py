@@ -27,12 +27,12 @@ import logging
 
 import torch
 
-from cco import library, shapes
+from cco import library
 from cco import quant as Q
 from cco.comm import Communicator
 from cco.nn import checkpoint as C
 from cco.nn import sequence
-from cco.nn.pool import DEFAULT_POOL, WindowPool
+from cco.nn.pool import DEFAULT_POOL, WindowPool, group_plan
 from cco.preshuffle import preshuffle_b, unshuffle_b
 
 log = logging.getLogger("cco.nn")
@@ -100,17 +100,10 @@ class _ParallelLinear(torch.nn.Module):
         # the group the unfused path's collectives run on: the caller's, whose backend carries the
         # device's tensors (NCCL on NVIDIA); the communicator's bootstrap group where a Communicator was given
         self._reduce_group = self.comm.group if group is None or isinstance(group, Communicator) else group
-        try:
-            weight_layout = shapes.backend_class(device=self.device).weight_layouts[0]
-        except ValueError:  # no backend runs on this device: layer_shape says why, the layer falls back
-            weight_layout = "row-major"
-        plan = shapes.layer_shape(n, k, self.comm.world, m_max=m_max, device=self.device,
-                                  weight_layout=weight_layout, **shape_options)
-        reason = "mode='unfused' was asked for" if mode == "unfused" else plan.reason
         # one verdict for the whole group: a rank whose backend refuses makes every rank fall back
-        verdicts = self.comm.all_gather_object(reason)
-        refused = [f"rank {r}: {why}" for r, why in enumerate(verdicts) if why is not None]
-        self.fallback_reason = None if not refused else (reason if len(set(verdicts)) == 1 else "; ".join(refused))
+        plan, weight_layout, self.fallback_reason = group_plan(
+            self.comm, n, k, m_max=m_max, unfused_reason="mode='unfused' was asked for" if mode == "unfused" else None,
+            **shape_options)
         self.shape = plan
         self.n_padded, self.k_padded = plan.n_padded, plan.k_padded
         self.op = None
