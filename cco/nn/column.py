@@ -14,10 +14,11 @@ out_features_per_rank]``; the rows travel in fp8 with their scales (``cco.all_ga
 consumes each rank's rows as they land.
 
 Weights: as ``RowParallelLinear`` (``load_weight`` from a bf16/fp32 shard, ``load_fp8`` from an fp8
-checkpoint shard; zero padding to the backend's shape, laid out once). Where the fused op cannot run
-(``mode="unfused"``, a backend that refuses the shape or the pattern: every rank of the group alike)
-the layer quantizes the same way and runs ``all_gather_into_tensor`` of the fp8 rows and scales on
-the group, then the same GEMM.
+checkpoint shard, ``load_checkpoint`` from the whole fp8 checkpoint weight, sharded along N; zero
+padding to the backend's shape, laid out once; the shared part lives in ``cco.nn.parallel_linear``).
+Where the fused op cannot run (``mode="unfused"``, a backend that refuses the shape or the pattern:
+every rank of the group alike) the layer quantizes the same way and runs ``all_gather_into_tensor``
+of the fp8 rows and scales on the group, then the same GEMM.
 
 Autograd (straight-through quantization; ``backward="bf16"`` runs the collectives unfused in bf16,
 ``"fp8"`` the fused GEMM + reduce-scatter on e4m3 gradients: ``cco.nn.sequence``)::
@@ -29,25 +30,19 @@ Autograd (straight-through quantization; ``backward="bf16"`` runs the collective
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
-from cco import library, shapes
 from cco import quant as Q
-from cco.comm import Communicator
 from cco.nn.collectives import all_gather_rows, reduce_scatter_rows
-from cco.nn.linear import RowParallelLinear, quantize_activation
-from cco.nn.pool import DEFAULT_POOL, WindowPool
-from cco.nn.sequence import check_token_rows, make_dual
+from cco.nn.parallel_linear import _ParallelLinear, quantize_activation
+from cco.nn.pool import WindowPool
+from cco.nn.sequence import check_token_rows
 from cco.op import DEFAULT_DEADLINE_S, GemmAllReduceOp
 
-log = logging.getLogger("cco.nn")
-MODES = ("fused", "split", "unfused")
 _FN = "ColumnParallelLinear"
 
 
-class ColumnParallelLinear(torch.nn.Module):
+class ColumnParallelLinear(_ParallelLinear):
     """Column-parallel linear layer: ``y_r = x @ W_r.T + b_r``, the input all-gathered along tokens
     first with ``sequence_parallel=True``.
 
@@ -63,102 +58,54 @@ class ColumnParallelLinear(torch.nn.Module):
       backward:      with sequence_parallel: "bf16" (the reduce-scatter of grad_x unfused, in bf16) or
                      "fp8" (``GemmReduceScatterOp`` fuses it with grad_y @ W_r, e4m3 gradients).
 
-    The weight is zero until :meth:`load_weight` or :meth:`load_fp8`.
+    The weight is blank until :meth:`load_weight`, :meth:`load_fp8`, :meth:`load_checkpoint` or
+    ``load_state_dict``: a call before that raises (it would return zeros); with
+    ``sequence_parallel=True`` on every rank of the group, the next call running once every rank
+    has loaded; without it (a local GEMM) on the blank rank alone. Construction is collective over
+    the group: ranks with different arguments all raise ``ArgumentMismatchError``.
+
+    fp8 checkpoints (:meth:`load_checkpoint`): as :class:`cco.nn.RowParallelLinear`'s, the whole
+    ``[N, in_features]`` weight sharded along N instead, in whole scale blocks: build the layer with
+    ``out_features_per_rank = cco.nn.shard_width(w, world=world, dim=0)`` (the last rank's shard
+    may be shorter, padded with zero rows whose outputs the layer drops).
     """
+
+    _FN = _FN
+    _SHARD = "[out_features_per_rank, in_features]"  # the weight shard's dimensions, for errors
+    _SHARD_DIM, _PER_RANK, _WHOLE = 0, "out_features_per_rank", "in_features"  # checkpoints shard N
+    _DUAL_GATHERS = False  # backward="fp8": grad_y @ W_r fused with the reduce-scatter of grad_x
+    _COLLECTIVE_WITHOUT_SP = False  # a local GEMM: no collective without sequence parallelism
+    _UNFUSED = ("GEMM", "all_gather + GEMM")
 
     def __init__(self, in_features: int, out_features_per_rank: int, *, group=None, quant: str = "ptpc",
                  bias: bool = False, m_max: int = 4096, mode: str = "fused", sequence_parallel: bool = False,
                  transport: str | None = None, chunks=None, deadline_s: float = DEFAULT_DEADLINE_S,
                  trainable: bool = False, pool: WindowPool | None = None, backward: str = "bf16"):
         super().__init__()
-        for name, value in (("in_features", in_features), ("out_features_per_rank", out_features_per_rank),
-                            ("m_max", m_max)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{_FN}: {name}={value!r} must be a positive int")
-        if mode not in MODES:
-            raise ValueError(f"{_FN}: mode={mode!r} is not supported; pass one of {', '.join(MODES)}")
-        Q.check_quant(quant, fn=_FN)
-        # the names of RowParallelLinear's weight methods, which this layer shares: N and K of the shard
-        self.out_features, self.in_features_per_rank = out_features_per_rank, in_features
-        self.in_features, self.out_features_per_rank = in_features, out_features_per_rank
-        self.quant, self.m_max, self.mode = quant, m_max, mode
-        self.sequence_parallel = bool(sequence_parallel)
-        self._pool = pool or DEFAULT_POOL
-        self.comm = self._pool.communicator(group)
-        self.device = self.comm.device
-        self._reduce_group = self.comm.group if group is None or isinstance(group, Communicator) else group
-        world = self.comm.world
-        if self.sequence_parallel:
+        if sequence_parallel:
             from cco.all_gather import AllGatherGemmOp
 
-            op_class, fused_mode = AllGatherGemmOp, "fused" if mode == "unfused" else mode
-            op_options = dict(quant=quant, mode=fused_mode, transport=transport, chunks=chunks)
+            op_class = AllGatherGemmOp
+            op_options = dict(quant=quant, mode="fused" if mode == "unfused" else mode, transport=transport,
+                              chunks=chunks)
             shape_options = {**op_options, "pattern": "all-gather"}
         else:  # a local GEMM: the all-reduce op's plain GEMM, no communication
             op_class = GemmAllReduceOp
             op_options = shape_options = dict(quant=quant, mode="gemm-only")
-        try:
-            weight_layout = shapes.backend_class(device=self.device).weight_layouts[0]
-        except ValueError:
-            weight_layout = "row-major"
-        plan = shapes.layer_shape(out_features_per_rank, in_features, world, m_max=m_max, device=self.device,
-                                  weight_layout=weight_layout, **shape_options)
-        reason = "mode='unfused' was asked for" if mode == "unfused" else plan.reason
-        verdicts = self.comm.all_gather_object(reason)  # one verdict for the whole group
-        refused = [f"rank {r}: {why}" for r, why in enumerate(verdicts) if why is not None]
-        self.fallback_reason = None if not refused else (reason if len(set(verdicts)) == 1 else "; ".join(refused))
-        self.shape = plan
-        self.n_padded, self.k_padded = plan.n_padded, plan.k_padded
-        self.op = None
-        if self.fallback_reason is None:
-            self.weight_layout = weight_layout
-            self.op = self._pool.acquire(self.comm, op_class=op_class, n=self.n_padded, k=self.k_padded, m_max=m_max,
-                                         deadline_s=deadline_s, weight_layout=weight_layout, **op_options)
-        else:
-            self.weight_layout = "row-major"
-            log.warning("%s", f"{self._name()}: runs unfused: {self.fallback_reason}")
-        w_q, w_s = self._zero_weight()
-        self.register_buffer("qweight", w_q)
-        self.register_buffer("weight_scale", w_s)
-        self.bias = None
-        if bias:
-            self.bias = torch.nn.Parameter(torch.zeros(out_features_per_rank, dtype=torch.bfloat16, device=self.device))
-        self.weight = None
-        if trainable:
-            self.weight = torch.nn.Parameter(torch.zeros(out_features_per_rank, in_features, dtype=torch.bfloat16,
-                                                         device=self.device))
-        # sequence parallel, backward="fp8": grad_y @ W_r fused with the reduce-scatter of grad_x
-        self._dual = make_dual(self, backward, gathers=False, n=in_features, k=out_features_per_rank,
-                               mode="fused" if mode == "unfused" else mode, transport=transport, chunks=chunks,
-                               deadline_s=deadline_s, fn=_FN)
-        self._handle = library.register(self)
-        self._closed = False
+        self._build(n=out_features_per_rank, k=in_features,
+                    sizes=dict(in_features=in_features, out_features_per_rank=out_features_per_rank, m_max=m_max),
+                    arguments=dict(in_features=in_features, out_features_per_rank=out_features_per_rank, quant=quant,
+                                   bias=bias, m_max=m_max, mode=mode, sequence_parallel=sequence_parallel,
+                                   transport=transport, chunks=chunks, deadline_s=deadline_s, trainable=trainable,
+                                   backward=backward),
+                    group=group, quant=quant, bias=bias, m_max=m_max, mode=mode, transport=transport, chunks=chunks,
+                    deadline_s=deadline_s, trainable=trainable, pool=pool, sequence_parallel=sequence_parallel,
+                    backward=backward, op_class=op_class, op_options=op_options, shape_options=shape_options)
+        # the layer's own names of the shard's sizes (the base's out_features / in_features_per_rank: N, K)
+        self.in_features, self.out_features_per_rank = in_features, out_features_per_rank
 
-    def _name(self) -> str:
-        sp = ", sequence parallel" if self.sequence_parallel else ""
-        return (f"{_FN}({self.in_features} -> {self.out_features_per_rank}, {self.quant}{sp}, rank "
-                f"{self.comm.rank}/{self.comm.world})")
-
-    # ---- weights: RowParallelLinear's (a [N, K] shard, padded, quantized and laid out once) -----------
-    _SHARD = "[out_features_per_rank, in_features]"
-    _zero_weight = RowParallelLinear._zero_weight
-    _laid_out = RowParallelLinear._laid_out
-    _arrange = RowParallelLinear._arrange
-    _row_major = RowParallelLinear._row_major
-    load_weight = RowParallelLinear.load_weight
-    load_fp8 = RowParallelLinear.load_fp8
-    _check_shape = RowParallelLinear._check_shape
-    dequantized_weight = RowParallelLinear.dequantized_weight
-    quantized_weight = RowParallelLinear.quantized_weight
-
-    def train(self, mode: bool = True):
-        super().train(mode)
-        if not mode and self.weight is not None:  # eval(): the stored fp8 weight follows the master
-            with torch.no_grad():
-                q, s = self._laid_out(self.weight)
-                self.qweight.copy_(q)
-                self.weight_scale.copy_(s)
-        return self
+    def _repr_sizes(self) -> str:
+        return f"in_features={self.in_features}, out_features_per_rank={self.out_features_per_rank}"
 
     # ---- forward ----------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -181,8 +128,7 @@ class ColumnParallelLinear(torch.nn.Module):
 
     def _cco_forward(self, x, qweight, scale, bias) -> torch.Tensor:
         """The body of ``torch.ops.cco.column_parallel_linear`` (real tensors, outside the compiler)."""
-        if self._closed:
-            raise RuntimeError(f"{self._name()}: the layer is closed; build a new one")
+        self._check_open()
         n = self.out_features_per_rank
         factor = self.comm.world if self.sequence_parallel else 1
         x2 = x.reshape(-1, self.in_features)
@@ -201,6 +147,8 @@ class ColumnParallelLinear(torch.nn.Module):
         return out.view(x.shape[0] * factor, *x.shape[1:-1], n)
 
     def _rows(self, x2, qweight, scale) -> torch.Tensor:
+        if not self._loaded:
+            self._require_loaded()
         a, a_scale = quantize_activation(x2, self.quant, k_padded=self.k_padded)
         if self.op is not None:
             return self.op(a, qweight, a_scale, scale)
@@ -234,26 +182,3 @@ class ColumnParallelLinear(torch.nn.Module):
         if bias_grad:
             grad_b = g.float().sum(0)
         return grad_x, grad_w, grad_b
-
-    # ---- lifetime ---------------------------------------------------------------------------------
-    @property
-    def window_bytes(self) -> int:
-        return 0 if self.op is None else self.op.config.window.nbytes
-
-    def close(self) -> None:
-        """Release the shared op (the last layer of a family frees its window). Idempotent; local."""
-        self._closed = True
-        library.unregister(self._handle)
-        if self._dual is not None:
-            self._dual.close()
-        if self.op is not None:
-            self._pool.release(self.op)
-            self.op = None
-
-    def extra_repr(self) -> str:
-        path = "fused" if self.fallback_reason is None else f"unfused ({self.fallback_reason})"
-        return (f"in_features={self.in_features}, out_features_per_rank={self.out_features_per_rank}, "
-                f"quant={self.quant!r}, sequence_parallel={self.sequence_parallel}, rank={self.comm.rank}/"
-                f"{self.comm.world}, backend={self.shape.backend}, path={path}, bias={self.bias is not None}, "
-                f"trainable={self.weight is not None}"
-                + (f", padded {self.shape.padding}" if self.shape.padding else ""))

@@ -14,8 +14,29 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from cco import shapes
 from cco.comm import Communicator
 from cco.op import GemmAllReduceOp
+
+
+def group_plan(comm: Communicator, n: int, k: int, *, m_max: int, unfused_reason: str | None = None, **options):
+    """(plan, weight layout, fallback reason) of a fused op of the padded ``[n, k]`` shape on
+    ``comm``, one verdict for the whole group: this rank's backend plans the shape
+    (``cco.shapes.layer_shape`` with ``options``; ``unfused_reason``: refuse it anyway, say why),
+    the ranks exchange their verdicts, and a rank that refuses makes every rank fall back (the reason
+    None where every rank runs the op). The weight layout is the backend's ("row-major" where no
+    backend runs on the device: the plan says why)."""
+    try:
+        weight_layout = shapes.backend_class(device=comm.device).weight_layouts[0]
+    except ValueError:  # no backend runs on this device: layer_shape says why, the layer falls back
+        weight_layout = "row-major"
+    plan = shapes.layer_shape(n, k, comm.world, m_max=m_max, device=comm.device, weight_layout=weight_layout,
+                              **options)
+    reason = unfused_reason or plan.reason
+    verdicts = comm.all_gather_object(reason)
+    refused = [f"rank {r}: {why}" for r, why in enumerate(verdicts) if why is not None]
+    fallback = None if not refused else (reason if len(set(verdicts)) == 1 else "; ".join(refused))
+    return plan, weight_layout, fallback
 
 
 class WindowPool:

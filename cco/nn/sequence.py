@@ -32,6 +32,7 @@ import torch
 
 from cco import quant as Q
 from cco.nn.collectives import all_gather_rows, reduce_scatter_rows
+from cco.nn.pool import group_plan
 
 
 def reduce_scatter_options(op_options: dict) -> tuple[type, dict, dict]:
@@ -127,20 +128,10 @@ class DualGemm:
     every rank alike."""
 
     def __init__(self, layer, *, op_class, pattern: str, n: int, k: int, options: dict, pool, deadline_s: float):
-        from cco import shapes
-
         comm = layer.comm
         self.n, self.k = n, k
-        try:
-            self.weight_layout = shapes.backend_class(device=comm.device).weight_layouts[0]
-        except ValueError:
-            self.weight_layout = "row-major"
         opts = {**options, "quant": BACKWARD_QUANT}
-        plan = shapes.layer_shape(n, k, comm.world, m_max=layer.m_max, device=comm.device,
-                                  weight_layout=self.weight_layout, pattern=pattern, **opts)
-        verdicts = comm.all_gather_object(plan.reason)
-        refused = [f"rank {r}: {why}" for r, why in enumerate(verdicts) if why is not None]
-        self.reason = "; ".join(refused) or None
+        plan, self.weight_layout, self.reason = group_plan(comm, n, k, m_max=layer.m_max, pattern=pattern, **opts)
         self.n_padded, self.k_padded = plan.n_padded, plan.k_padded
         self.op, self._pool = None, pool
         if self.reason is None:

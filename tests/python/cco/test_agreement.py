@@ -8,6 +8,9 @@ Guards, per test (each was seen failing before its fix; the docstrings say how):
 - a ``RowParallelLinear`` called before its weight was loaded returned zeros with no word; now the
   blank rank raises naming the loaders and its peers fail the same call (fused: PeerRejectedError;
   unfused: the same RuntimeError), and the ranks stay in step;
+- ``ColumnParallelLinear`` did neither: another ``mode`` or ``bias`` on one rank built with nothing
+  said, and a blank rank returned zeros; now it agrees like the row layer and its blank rank fails
+  a sequence-parallel call on every rank (a local, non-SP call: on its own rank);
 - ``quantize_b``'s row-major weight passed to an op that reads bpreshuffle was read wrong silently.
 """
 
@@ -157,3 +160,80 @@ def test_a_marked_weight_of_the_other_layout_is_refused():
     res = outcomes[0].value
     assert "weight_layout='bpreshuffle'" in res["row-major"] and "preshuffle_b(w)" in res["row-major"], res
     assert res["bpreshuffle_ok"], res
+
+
+# --------------------------------------------------------------------------------------------------
+# ColumnParallelLinear: the same agreement and blank check (the shared construction, cco.nn.parallel_linear)
+def _build_column(comm, overrides):
+    from cco.nn import ColumnParallelLinear, WindowPool
+
+    args = dict(group=comm, quant="ptpc", m_max=8, sequence_parallel=True, deadline_s=DEADLINE_S, pool=WindowPool())
+    args.update(overrides.get(comm.rank, {}))
+    layer = ColumnParallelLinear(256, 128, **args)
+    layer.close()
+    return "built"
+
+
+@pytest.mark.parametrize("argument,other", [("m_max", 16), ("mode", "unfused"), ("bias", True)])
+def test_column_layer_arguments_that_differ_raise_on_every_rank(argument, other):
+    """Before the column layer agreed, another ``mode`` or ``bias`` on one rank built and ran with
+    nothing said, and another ``m_max`` raised only where its op's own agreement caught it."""
+    outcomes = spawn(_build_column, world=2, args=({1: {argument: other}},), timeout_s=120)
+    for o in outcomes:
+        assert o.error_type == "ArgumentMismatchError", (o.rank, o.error_type, o.error)
+        head = o.error.splitlines()[0]
+        assert head.startswith("ColumnParallelLinear:") and f"{argument} = " in head, head
+
+
+def _column_blank_then_loaded(comm, mode, sequence_parallel, blank_ranks):
+    """A column layer called with ``blank_ranks`` never loaded, then loaded everywhere and called
+    again: (first outcome, the second call's relative L2 error against the unfused bf16 product)."""
+    from cco.nn import ColumnParallelLinear, WindowPool
+
+    k, n_r, rows = 256, 128, 4
+    layer = ColumnParallelLinear(k, n_r, group=comm, quant="ptpc", m_max=16, mode=mode,
+                                 sequence_parallel=sequence_parallel, deadline_s=DEADLINE_S, pool=WindowPool())
+    xs = [torch.randn(rows, k, generator=torch.Generator().manual_seed(100 + r)).to(torch.bfloat16)
+          for r in range(comm.world)]  # every rank's tokens: rank r passes xs[r] with sequence_parallel
+    w = torch.randn(n_r, k, generator=torch.Generator().manual_seed(comm.rank))
+    x = xs[comm.rank] if sequence_parallel else xs[0]
+    if comm.rank not in blank_ranks:
+        layer.load_weight(w)
+    try:
+        out = layer(x)
+        first = ("returned", float(out.float().abs().sum()))
+    except Exception as err:  # noqa: BLE001 (the test reads the type)
+        first = (type(err).__name__, str(err))
+    layer.load_weight(w)
+    with torch.no_grad():
+        second = layer(x).float()
+    full = torch.cat(xs) if sequence_parallel else x
+    ref = full.float() @ w.to(torch.bfloat16).float().t()
+    layer.close()
+    return first, float((second - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("mode", ["fused", "unfused"])
+def test_a_blank_rank_fails_the_sequence_parallel_column_call_on_every_rank(mode):
+    """Before the column layer checked, rank 1 returned zeros for its columns with no word (and its
+    peer's call succeeded)."""
+    outcomes = spawn(_column_blank_then_loaded, world=2, args=(mode, True, (1,)), timeout_s=120)
+    assert all(o.ok for o in outcomes), [(o.rank, o.error_type, o.error) for o in outcomes]
+    (kind0, msg0), err0 = outcomes[0].value
+    (kind1, msg1), err1 = outcomes[1].value
+    assert kind1 == "RuntimeError" and "load_weight" in msg1 and "load_fp8" in msg1, (kind1, msg1)
+    assert kind1 == "RuntimeError" and "ColumnParallelLinear" in msg1, msg1
+    expected_peer = "PeerRejectedError" if mode == "fused" else "RuntimeError"
+    assert kind0 == expected_peer and "load_weight" in msg0, (kind0, msg0)
+    assert err0 < 0.05 and err1 < 0.05, (err0, err1)  # in step: the next call is right on every rank
+
+
+def test_a_blank_local_column_layer_raises_on_its_own_rank():
+    """Without sequence parallelism the column layer's GEMM is local: the blank rank raises, its
+    peer (no collective to fail) returns its product."""
+    outcomes = spawn(_column_blank_then_loaded, world=2, args=("fused", False, (1,)), timeout_s=120)
+    assert all(o.ok for o in outcomes), [(o.rank, o.error_type, o.error) for o in outcomes]
+    (kind0, _), err0 = outcomes[0].value
+    (kind1, msg1), err1 = outcomes[1].value
+    assert kind0 == "returned" and kind1 == "RuntimeError" and "load_fp8" in msg1, (kind0, kind1, msg1)
+    assert err0 < 0.05 and err1 < 0.05, (err0, err1)

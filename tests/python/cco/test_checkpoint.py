@@ -371,3 +371,54 @@ def test_two_ranks_each_load_their_own_shard_and_reduce_to_the_whole_product(tmp
     ref = ref.to(torch.bfloat16)
     assert Q.count_mismatches(y0, ref) == 0 and Q.rel_l2(y0, ref) < Q.REL_L2_TOL["blockscale"]
     assert Q.rel_l2(y0, x.float() @ full.t()) < FP8_ACTIVATION_BUDGET
+
+
+# --------------------------------------------------------------------------------------------------
+def _column_loads(comm, path, config):
+    from cco.nn import ColumnParallelLinear
+
+    results = {}
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    layer = ColumnParallelLinear(K, 128, group=comm, quant="blockscale", m_max=16)
+    layer.load_checkpoint(load_file(path), NAME, rank=1, world=2, config=config)  # N rows 128..199, padded
+    with torch.no_grad():
+        results["exact"] = dict(w=layer.dequantized_weight(), y=layer(x))
+    layer = ColumnParallelLinear(K, 128, group=comm, quant="ptpc", m_max=16)
+    layer.load_checkpoint(load_file(path), NAME, rank=1, world=2, config=config, requantize=True)
+    results["requantized"] = dict(w=layer.dequantized_weight())
+    for label, n_r in (("not-whole-blocks", 100),):
+        layer = ColumnParallelLinear(K, n_r, group=comm, quant="blockscale", m_max=16)
+        try:
+            layer.load_checkpoint(load_file(path), NAME, rank=0, world=2, config=config)
+            results[label] = "loaded"
+        except ValueError as err:
+            results[label] = str(err)
+    layer = ColumnParallelLinear(K + 128, 128, group=comm, quant="blockscale", m_max=16)
+    try:
+        layer.load_checkpoint(load_file(path), NAME, rank=0, world=2, config=config)
+        results["other-k"] = "loaded"
+    except ValueError as err:
+        results["other-k"] = str(err)
+    return results, x
+
+
+@pytest.mark.multirank
+def test_a_column_layer_loads_its_n_shard(tmp_path):
+    """``ColumnParallelLinear.load_checkpoint`` shards N (dim 0): rank 1 of 2 of N=200 holds rows
+    128..199 of the checkpoint exactly, padded with zero rows, and multiplies like them within the
+    fp8 budget; requantize=True takes the same rows approximately; a per-rank N that is not the
+    whole-block shard width, and another K, raise naming what to build."""
+    path, config, full = saved(tmp_path, "deepseek-v3", N, K)
+    ((results, x),) = check_outcomes(spawn(_column_loads, world=1, args=(path, config), timeout_s=120))
+    real = N - 128
+    exact = results["exact"]
+    assert torch.equal(exact["w"][:real], full[128:]) and exact["w"][real:].abs().sum() == 0
+    assert Q.rel_l2(exact["y"][:, :real], x.float() @ full[128:].t()) < FP8_ACTIVATION_BUDGET
+    assert exact["y"][:, real:].abs().sum() == 0
+    w = results["requantized"]["w"]
+    assert not torch.equal(w[:real], full[128:]) and Q.rel_l2(w[:real], full[128:]) < 0.05
+    assert w[real:].abs().sum() == 0
+    for word in ("ColumnParallelLinear.load_checkpoint", "N=200", "out_features_per_rank=100",
+                 "out_features_per_rank=128"):
+        assert word in results["not-whole-blocks"], (word, results["not-whole-blocks"])
+    assert "320 input features" in results["other-k"] and "in_features=448" in results["other-k"], results["other-k"]

@@ -1,0 +1,348 @@
+"""What the tensor-parallel layers share: ``_ParallelLinear``, the base of ``RowParallelLinear``
+(``cco.nn.linear``) and ``ColumnParallelLinear`` (``cco.nn.column``), which add only their forward
+and backward.
+
+Both hold one rank's weight shard ``W_r [N, K]`` (row-parallel: N = out_features, K =
+in_features_per_rank; column-parallel: N = out_features_per_rank, K = in_features) and multiply by
+it through one fused op. The base holds, once for both:
+
+- construction, collective over the group: the arguments checked, then agreed on every rank
+  (``Communicator.agree``: ranks with different arguments all raise ``ArgumentMismatchError``, a
+  rank that rejects its own makes its peers raise ``PeerRejectedError``) before anything is built;
+  one verdict for the whole group on the fused path (a rank whose backend refuses makes every rank
+  run unfused); the op acquired from the pool; the fp8 weight buffers, bias and master weight;
+  the dual op of a sequence-parallel ``backward="fp8"`` (``cco.nn.sequence``);
+- the weight: ``load_weight`` (a float shard), ``load_fp8`` (an fp8 shard and its scales),
+  ``load_checkpoint`` (the whole fp8 checkpoint weight, sharded along the layer's split
+  dimension), padded to the backend's shape, quantized and laid out once; ``quantized_weight`` /
+  ``dequantized_weight``; ``train()`` (``eval()`` refreshes the fp8 weight from a master weight);
+- the blank check: a layer whose weight was never written would return zeros, so its first call
+  raises instead, on every rank of a collective call (``_require_loaded``);
+- lifetime and repr: ``close``, ``window_bytes``, ``extra_repr``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from cco import library
+from cco import quant as Q
+from cco.comm import Communicator
+from cco.nn import checkpoint as C
+from cco.nn import sequence
+from cco.nn.pool import DEFAULT_POOL, WindowPool, group_plan
+from cco.preshuffle import preshuffle_b, unshuffle_b
+
+log = logging.getLogger("cco.nn")
+MODES = ("fused", "split", "unfused")
+
+
+def quantize_activation(x: torch.Tensor, quant: str, *, k_padded: int, m_padded: int | None = None):
+    """The layers' activation quantizer on ``x``'s device: Triton on GPUs (NVIDIA and ROCm), torch on
+    the CPU; ``(e4m3 [m_padded, k_padded], scale)`` in the layout of ``quant``, rows past M zero."""
+    if x.device.type == "cuda":
+        from kernels_fused.hopper.quantize import quantize_activation as on_gpu
+        return on_gpu(x, quant, k_padded=k_padded, m_padded=m_padded)
+    from kernels_fused.cpu.quantize import quantize_activation as on_cpu
+    if m_padded is not None and m_padded != x.shape[0]:
+        x = torch.nn.functional.pad(x, (0, 0, 0, m_padded - x.shape[0]))
+    return on_cpu(x, quant, k_padded=k_padded)
+
+
+def _check_arguments(fn: str, sizes: dict, *, mode, quant, backward) -> None:
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{fn}: {name}={value!r} must be a positive int")
+    if mode not in MODES:
+        raise ValueError(f"{fn}: mode={mode!r} is not supported; pass one of {', '.join(MODES)}")
+    Q.check_quant(quant, fn=fn)
+    sequence.check_backward(backward, fn)
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+class _ParallelLinear(torch.nn.Module):
+    """The shared body of the tensor-parallel layers (see the module). A subclass sets the class
+    attributes below, builds through :meth:`_build`, and adds ``forward``, ``_cco_forward`` and
+    ``_cco_backward`` (``cco.library`` calls the last two on the layer its handle names)."""
+
+    _FN = "_ParallelLinear"
+    _SHARD = "[N, K]"            # the weight shard's dimensions in the subclass's names, for errors
+    _SHARD_DIM = 1               # the dimension of the whole weight the ranks split (1: K, 0: N)
+    _PER_RANK = "K"              # the constructor argument of the split dimension
+    _WHOLE = "N"                 # the constructor argument of the dimension every rank holds whole
+    _DUAL_GATHERS = True         # the dual pattern of the backward: all-gather (else reduce-scatter)
+    _COLLECTIVE_WITHOUT_SP = True  # a call is collective without sequence parallelism too
+    _UNFUSED = ("", "")          # what runs unfused: (without, with) sequence parallelism, for the log
+
+    def _build(self, *, n: int, k: int, sizes: dict, arguments: dict, group, quant: str, bias: bool, m_max: int,
+               mode: str, transport, chunks, deadline_s: float, trainable: bool, pool: WindowPool | None,
+               sequence_parallel: bool, backward: str, op_class, op_options: dict, shape_options: dict) -> None:
+        """Construction, collective over ``group``: ``sizes`` (name -> value) checked and ``arguments``
+        agreed on every rank before anything is built, then the verdict, the op, the buffers."""
+        self.sequence_parallel = bool(sequence_parallel)
+        self._pool = pool or DEFAULT_POOL
+        self.comm = self._pool.communicator(group)
+        error = None
+        try:
+            _check_arguments(self._FN, sizes, mode=mode, quant=quant, backward=backward)
+        except (TypeError, ValueError) as err:
+            error = err
+        # construction is collective: every rank of the group agrees on the arguments first
+        self.comm.agree(self._FN, arguments, error=error)
+        self.out_features, self.in_features_per_rank = n, k  # the shard [N, K], whatever the subclass calls them
+        self.quant, self.m_max, self.mode = quant, m_max, mode
+        self.device = self.comm.device
+        # the group the unfused path's collectives run on: the caller's, whose backend carries the
+        # device's tensors (NCCL on NVIDIA); the communicator's bootstrap group where a Communicator was given
+        self._reduce_group = self.comm.group if group is None or isinstance(group, Communicator) else group
+        # one verdict for the whole group: a rank whose backend refuses makes every rank fall back
+        plan, weight_layout, self.fallback_reason = group_plan(
+            self.comm, n, k, m_max=m_max, unfused_reason="mode='unfused' was asked for" if mode == "unfused" else None,
+            **shape_options)
+        self.shape = plan
+        self.n_padded, self.k_padded = plan.n_padded, plan.k_padded
+        self.op = None
+        if self.fallback_reason is None:
+            self.weight_layout = weight_layout
+            self.op = self._pool.acquire(self.comm, op_class=op_class, n=self.n_padded, k=self.k_padded, m_max=m_max,
+                                         deadline_s=deadline_s, weight_layout=weight_layout, **op_options)
+        else:
+            self.weight_layout = "row-major"  # no kernel reads it: the unfused GEMM's own layout
+            log.warning("%s", f"{self._name()}: runs unfused ({self._UNFUSED[self.sequence_parallel]}): "
+                              f"{self.fallback_reason}")
+        if plan.padding:
+            log.info("%s", f"{self._name()}: weight padded with zeros, {plan.padding}")
+
+        w_q, w_s = self._zero_weight()
+        self.register_buffer("qweight", w_q)
+        self.register_buffer("weight_scale", w_s)
+        self.bias = None
+        if bias:
+            self.bias = torch.nn.Parameter(torch.zeros(n, dtype=torch.bfloat16, device=self.device))
+        self.weight = None
+        if trainable:
+            self.weight = torch.nn.Parameter(torch.zeros(n, k, dtype=torch.bfloat16, device=self.device))
+        # versions of the blank weight: any write (load_weight, load_fp8, load_state_dict, an in-place
+        # init of the master weight) moves one, so "loaded" costs no flag that a loader could forget
+        self._blank = (self.qweight._version, None if self.weight is None else self.weight._version)
+        self._loaded = False
+        # sequence parallel, backward="fp8": the dual collective fused with grad_y @ W_r (cco.nn.sequence)
+        self._dual = sequence.make_dual(self, backward, gathers=self._DUAL_GATHERS, n=k, k=n,
+                                        mode="fused" if mode == "unfused" else mode, transport=transport,
+                                        chunks=chunks, deadline_s=deadline_s, fn=self._FN)
+        self._handle = library.register(self)
+        self._closed = False
+
+    def _name(self) -> str:
+        sp = ", sequence parallel" if self.sequence_parallel else ""
+        return (f"{self._FN}({self.in_features_per_rank} -> {self.out_features}, {self.quant}{sp}, rank "
+                f"{self.comm.rank}/{self.comm.world})")
+
+    # ---- weights --------------------------------------------------------------------------------
+    def _zero_weight(self):
+        return self._laid_out(torch.zeros(self.out_features, self.in_features_per_rank, device=self.device))
+
+    def _laid_out(self, w: torch.Tensor):
+        """A float shard [N, K] -> (fp8 weight, scale): padded, quantized and laid out as this
+        layer's path reads it."""
+        w = torch.nn.functional.pad(w.float(), (0, self.k_padded - w.shape[1], 0, self.n_padded - w.shape[0]))
+        q, s = Q.quantize_b(w, self.quant)
+        return self._arrange(q), s
+
+    def _arrange(self, q: torch.Tensor) -> torch.Tensor:
+        return preshuffle_b(q) if self.weight_layout == "bpreshuffle" else q
+
+    def _row_major(self, q: torch.Tensor) -> torch.Tensor:
+        return unshuffle_b(q) if self.weight_layout == "bpreshuffle" else q
+
+    @torch.no_grad()
+    def load_weight(self, w: torch.Tensor) -> None:
+        """Load this rank's float weight shard (bf16, fp16 or fp32; the shape in the layer's
+        docstring): padded, quantized (``cco.quant.quantize_b``) and laid out once. Not collective."""
+        self._check_shape(w, "w", (self.out_features, self.in_features_per_rank), "load_weight")
+        if not w.dtype.is_floating_point or w.element_size() == 1:
+            raise TypeError(f"{type(self).__name__}.load_weight: w must be a bf16, fp16 or fp32 shard, got {w.dtype}; "
+                            f"load an fp8 checkpoint shard with load_fp8(w_q, w_scale)")
+        q, s = self._laid_out(w.to(self.device))
+        self.qweight.copy_(q)
+        self.weight_scale.copy_(s)
+        if self.weight is not None:
+            self.weight.copy_(w)
+
+    @torch.no_grad()
+    def load_fp8(self, w_q: torch.Tensor, w_scale: torch.Tensor) -> None:
+        """Load an fp8 checkpoint shard: ``w_q`` e4m3 row-major (the shard's shape) and its scales in
+        ``quant``'s layout (``cco.quant``; blockscale and mxfp8 scales may cover a last partial block:
+        ``[ceil(N/128), ceil(K/128)]``, ``[N, ceil(K/32)]``). Padded with zero weights whose scales
+        are one, laid out once. Not collective."""
+        fn = f"{type(self).__name__}.load_fp8"
+        n, k = self.out_features, self.in_features_per_rank
+        self._check_shape(w_q, "w_q", (n, k), "load_fp8")
+        if w_q.dtype != Q.FP8:
+            raise TypeError(f"{fn}: w_q must be torch.float8_e4m3fn, got {w_q.dtype}; quantize a float shard with "
+                            f"load_weight(w) instead")
+        shape, dtype = C.scale_shape(n, k, self.quant)
+        if tuple(w_scale.shape) != shape or w_scale.dtype != dtype:
+            raise ValueError(f"{fn}: w_scale for quant={self.quant!r} must be {dtype} {list(shape)}, got "
+                             f"{w_scale.dtype} {list(w_scale.shape)}")
+        shard = C.Fp8Weight(qweight=w_q.to(self.device), scale=w_scale.to(self.device), quant=self.quant,
+                            source="shard")
+        padded = C.pad_fp8_weight(shard, n=self.n_padded, k=self.k_padded)
+        self.qweight.copy_(self._arrange(padded.qweight))
+        self.weight_scale.copy_(padded.scale)
+        if self.weight is not None:
+            self.weight.copy_(self.dequantized_weight().to(self.weight.dtype))
+
+    @torch.no_grad()
+    def load_checkpoint(self, tensors, name: str, *, rank: int | None = None, world: int | None = None,
+                        config: dict | None = None, requantize: bool = False) -> None:
+        """Load this rank's shard of the fp8 checkpoint weight ``tensors[name]`` (the whole ``[N, K]``
+        weight, its scale beside it): read (:func:`cco.nn.checkpoint.read_fp8_weight`), converted to
+        the layer's ``quant`` where that is exact, sharded along the layer's split dimension (K for
+        the row-parallel layer, N for the column-parallel one) over ``rank``/``world`` (default: the
+        layer's group) in whole scale blocks, padded, :meth:`load_fp8`. Not collective.
+
+        The layer's per-rank size must be the shard width (:func:`cco.nn.checkpoint.shard_width`:
+        ``ceil(size / world)`` wherever that is whole blocks) and its quant the checkpoint's, or one
+        its scales convert to exactly. Otherwise ValueError says what to build; ``requantize=True``
+        instead dequantizes the weight and quantizes it again in the layer's quant (lossy: a second
+        fp8 rounding), rank ``r`` taking ``[r * per_rank, (r + 1) * per_rank)`` of the split dimension."""
+        fn = f"{self._FN}.load_checkpoint"
+        rank = self.comm.rank if rank is None else rank
+        world = self.comm.world if world is None else world
+        n, k = self.out_features, self.in_features_per_rank
+        dim, whole_dim = self._SHARD_DIM, 1 - self._SHARD_DIM
+        size, whole = (n, k)[dim], (n, k)[whole_dim]
+        letter = "NK"[dim]
+        w = C.read_fp8_weight(tensors, name, config=config)
+        if w.shape[whole_dim] != whole:
+            raise ValueError(f"{fn}: {name} has {w.shape[whole_dim]} {('output', 'input')[whole_dim]} features but the "
+                             f"layer has {self._WHOLE}={whole}")
+        try:
+            w = C.convert_fp8_weight(w, self.quant)
+        except ValueError as err:
+            if not requantize:
+                raise ValueError(f"{fn}: {name} is a {w.source} checkpoint ({w.quant} scales) and the layer was built "
+                                 f"with quant={self.quant!r} ({err}). Build the layer with "
+                                 f"quant={w.quant!r} ({self._FN}(..., quant={w.quant!r})), or pass "
+                                 f"requantize=True to quantize the dequantized weight again as {self.quant} "
+                                 f"(lossy: a second fp8 rounding)") from None
+            total = w.shape[dim]
+            start, stop = rank * size, min((rank + 1) * size, total)
+            if not 0 <= rank < world or total > world * size or start >= stop:
+                raise ValueError(f"{fn}: {letter}={total} over world={world} does not fit {self._PER_RANK}={size} on "
+                                 f"rank {rank}; build the layer with {self._PER_RANK}={-(-total // world)}")
+            part = C.dequantize(w).narrow(dim, start, stop - start)
+            pad = [0, 0, 0, 0]
+            pad[1 if dim == 1 else 3] = size - (stop - start)
+            self.load_weight(torch.nn.functional.pad(part, pad))
+            return
+        width = C.shard_width(w, world=world, dim=dim)
+        if width != size:
+            block = C.block_of(w.quant, dim)
+            ragged = width * world > w.shape[dim]
+            raise ValueError(f"{fn}: {name}'s {letter}={w.shape[dim]} over world={world} in whole {w.quant} blocks of "
+                             f"{block} gives shards {width} wide, but the layer has {self._PER_RANK}={size}; build it "
+                             f"with {self._PER_RANK}={width} (the last rank's shard is padded with zeros"
+                             f"{', and so is its input' if ragged and dim == 1 else ''})")
+        shard = C.pad_fp8_weight(C.shard_fp8_weight(w, rank=rank, world=world, dim=dim), n=n, k=k)
+        self.load_fp8(shard.qweight, shard.scale)
+
+    def _check_shape(self, t, arg: str, shape, verb: str) -> None:
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+            got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{type(self).__name__}.{verb}: {arg} must be this rank's shard {list(shape)} "
+                             f"({self._SHARD}), got {got}")
+
+    def dequantized_weight(self, qweight: torch.Tensor | None = None,
+                           scale: torch.Tensor | None = None) -> torch.Tensor:
+        """The weight the forward multiplies by, fp32 (the shard's shape)."""
+        qweight = self.qweight if qweight is None else qweight
+        scale = self.weight_scale if scale is None else scale
+        w = Q.dequantize_b(self._row_major(qweight), scale, self.quant)
+        return w[:self.out_features, :self.in_features_per_rank]
+
+    def quantized_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fp8 weight, scale) the forward multiplies by, padded and laid out: the stored ones, or in
+        training the master weight quantized afresh (it changes every step)."""
+        if self.weight is not None and self.training:
+            with torch.no_grad():  # its gradient comes from the op's backward (straight through)
+                return self._laid_out(self.weight)
+        return self.qweight, self.weight_scale
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if not mode and self.weight is not None:  # eval(): the stored fp8 weight follows the master
+            with torch.no_grad():
+                q, s = self._laid_out(self.weight)
+                self.qweight.copy_(q)
+                self.weight_scale.copy_(s)
+        return self
+
+    # ---- the blank check ---------------------------------------------------------------------------
+    def _weight_written(self) -> bool:
+        return self.qweight._version != self._blank[0] or (
+            self.weight is not None and self.weight._version != self._blank[1])
+
+    def _require_loaded(self) -> None:
+        """Raise if this rank's weight was never written (a blank layer would return zeros); in a
+        collective call on every rank of the group if any rank's was not. Fused: the blank rank
+        rejects its share of the call, so its peers fail it with PeerRejectedError; unfused: the
+        ranks agree first, since their next step is a collective that a raising rank would leave
+        its peers waiting in. A local call (the column-parallel layer without sequence parallelism)
+        raises on its own rank only."""
+        written = self._weight_written()
+        collective = self.comm.world > 1 and (self.sequence_parallel or self._COLLECTIVE_WITHOUT_SP)
+        if collective and self.op is None:
+            blank = [r for r, ok in enumerate(self.comm.all_gather_object(written)) if not ok]
+        else:
+            blank = [] if written else [self.comm.rank]
+        if not blank:
+            self._loaded = True
+            return
+        err = RuntimeError(f"{self._name()}: called before its weight was loaded (rank(s) {blank} hold the blank "
+                           f"weight, which would return zeros); call load_weight(w_shard) or load_fp8(w_q, w_scale) "
+                           f"(or load_state_dict) on every rank before the first forward")
+        if collective and not written and self.op is not None:
+            self.op.reject(err)
+        raise err
+
+    # ---- lifetime ---------------------------------------------------------------------------------
+    @property
+    def window_bytes(self) -> int:
+        """Bytes of the window this layer's op holds (shared with its family), 0 when unfused."""
+        return 0 if self.op is None else self.op.config.window.nbytes
+
+    def close(self) -> None:
+        """Release the shared op (the last layer of a family frees its window). Idempotent; local."""
+        self._closed = True
+        library.unregister(self._handle)
+        if self._dual is not None:
+            self._dual.close()
+        if self.op is not None:
+            self._pool.release(self.op)
+            self.op = None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self._name()}: the layer is closed; build a new one")
+
+    def _repr_sizes(self) -> str:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        path = "fused" if self.fallback_reason is None else f"unfused ({self.fallback_reason})"
+        s = (f"{self._repr_sizes()}, quant={self.quant!r}, sequence_parallel={self.sequence_parallel}, "
+             f"rank={self.comm.rank}/{self.comm.world}, backend={self.shape.backend}, path={path}, "
+             f"bias={self.bias is not None}, trainable={self.weight is not None}")
+        if self.shape.padding:
+            s += f", padded {self.shape.padding}"
+        if self.op is not None:
+            s += (f", m_max={self.m_max}, window {_mib(self.window_bytes)} shared by "
+                  f"{self._pool.users(self.op)} layer(s)")
+        return s
