@@ -84,30 +84,30 @@ class FusedOptions:
         return ",".join(items).replace(" ", "")
 
 
-def check_row_parallel(module, *, name: str, world: int, fn: str) -> None:
-    """Refuse a module the fused row-parallel layer cannot stand in for, naming it and the fix.
-    Reads only global shapes and ``world``: every rank reaches the same verdict."""
+def _check_linear(module, *, name: str, world: int, fn: str, split: str, what: str, keep: str) -> None:
+    """Refuse a module the fused layer cannot stand in for, naming it and the fix: not an
+    ``nn.Linear``, or its ``split`` dimension ("in_features": K, "out_features": N) does not divide
+    over ``world``. Reads only global shapes and ``world``: every rank reaches the same verdict."""
     if not isinstance(module, torch.nn.Linear):
-        raise TypeError(f"{fn}: {name!r} is a {type(module).__name__}, not a torch.nn.Linear; the fused row-parallel "
-                        f"style replaces a Linear's GEMM + all-reduce. Keep the framework's own style for this "
-                        f"module (e.g. 'rowwise'), or name a Linear in the plan")
-    if module.in_features % world:
-        raise ValueError(f"{fn}: {name!r} has in_features={module.in_features}, which does not split evenly over "
-                         f"{world} ranks (every rank's K slice must be the same size); use a tensor-parallel size "
-                         f"that divides {module.in_features}, or keep the framework's own style for this module")
+        raise TypeError(f"{fn}: {name!r} is a {type(module).__name__}, not a torch.nn.Linear; the fused {what} style "
+                        f"replaces a Linear's GEMM and its collective. Keep the framework's own style for this "
+                        f"module (e.g. {keep}), or name a Linear in the plan")
+    size = getattr(module, split)
+    if size % world:
+        raise ValueError(f"{fn}: {name!r} has {split}={size}, which does not split evenly over {world} ranks (every "
+                         f"rank's {'K' if split == 'in_features' else 'N'} slice must be the same size); use a "
+                         f"tensor-parallel size that divides {size}, or keep the framework's own style for this module")
+
+
+def check_row_parallel(module, *, name: str, world: int, fn: str) -> None:
+    """:func:`_check_linear` for the row-parallel layer (K split over the ranks)."""
+    _check_linear(module, name=name, world=world, fn=fn, split="in_features", what="row-parallel", keep="'rowwise'")
 
 
 def check_column_parallel(module, *, name: str, world: int, fn: str) -> None:
-    """Refuse a module the fused column-parallel layer cannot stand in for (global shapes and
-    ``world`` only: every rank reaches the same verdict)."""
-    if not isinstance(module, torch.nn.Linear):
-        raise TypeError(f"{fn}: {name!r} is a {type(module).__name__}, not a torch.nn.Linear; the fused "
-                        f"column-parallel style replaces a Linear's all-gather + GEMM. Keep the framework's own "
-                        f"style for this module (e.g. ColwiseParallel), or name a Linear in the plan")
-    if module.out_features % world:
-        raise ValueError(f"{fn}: {name!r} has out_features={module.out_features}, which does not split evenly over "
-                         f"{world} ranks (every rank's N slice must be the same size); use a tensor-parallel size "
-                         f"that divides {module.out_features}, or keep the framework's own style for this module")
+    """:func:`_check_linear` for the column-parallel layer (N split over the ranks)."""
+    _check_linear(module, name=name, world=world, fn=fn, split="out_features", what="column-parallel",
+                  keep="ColwiseParallel")
 
 
 def fused_layer(module) -> RowParallelLinear | ColumnParallelLinear | None:
