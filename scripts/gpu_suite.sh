@@ -14,13 +14,13 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 PY=${PYTHON:-python3}
 
 # name | bound in seconds | command
-MODULES=(
-  "cuda_op|420|$PY -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.python.cco.test_cuda_op"
-  "cuda_nn|420|$PY -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.python.cco.test_cuda_nn"
-  "cuda_hf|420|$PY -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.python.cco.test_cuda_hf"
-  "cuda_sp|420|$PY -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.python.cco.test_cuda_sp"
-  "cuda_faults_dma|480|$PY -m tests.python.cco.test_cuda_faults --launch --transport dma --timeout 450"
-  "cuda_faults_lsa|480|$PY -m tests.python.cco.test_cuda_faults --launch --transport lsa --timeout 450"
+MODULES=(  # the long-standing modules first, so a bound on the whole run cuts the newest ones
+  "cuda_nn|180|$PY -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.python.cco.test_cuda_nn"
+  "cuda_op|240|$PY -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.python.cco.test_cuda_op"
+  "cuda_faults_dma|240|$PY -m tests.python.cco.test_cuda_faults --launch --transport dma --timeout 220"
+  "cuda_faults_lsa|240|$PY -m tests.python.cco.test_cuda_faults --launch --transport lsa --timeout 220"
+  "cuda_sp|180|$PY -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.python.cco.test_cuda_sp"
+  "cuda_hf|300|$PY -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.python.cco.test_cuda_hf"
 )
 for extra in ${CCO_GPU_SUITE_EXTRA:-}; do  # more modules: "name|bound|command" words, ';' for spaces
   MODULES+=("${extra//;/ }")
