@@ -44,11 +44,19 @@ LAYERS = 2
 PROMPT = (2, 64)  # batch x tokens of the prefill
 NEW_TOKENS = 8
 M_MAX = 512
-EMULATED_TOL = 2e-2  # vs the emulated fused model: two layers of bf16 GEMMs (cuBLAS on column slices vs whole)
-# compiled vs eager: inductor computes the norms and the rotary embedding in other bf16 roundings, and
-# an activation that rounds differently may land on another e4m3 value (1/16 apart) in the next fused
-# layer; 8e-3 measured on CPU ranks at the small dims. The fp8 budget vs bf16 holds both either way.
-COMPILED_TOL = 3e-2
+# The model-level bounds are gross-error bounds. At Llama-3-8B dims this random 2-layer model amplifies
+# bf16 rounding by itself: on an H200 (2026-12-02 19:57 UTC) its compiled logits differed from its eager
+# ones by 0.054-0.059 rel. L2 with the same fused layers, eager vs the emulated fused model by 0.037-0.041
+# and eager vs bf16 by 0.084-0.087, for every quant; the bounds first set from the small CPU dims (0.02,
+# 0.03, 0.08) failed on that noise, not on a wrong layer. What they must catch are wiring errors: a
+# wrong K shard or a bias added on every rank gave 0.28-0.96 (tests/python/cco/test_hf_tp.py's broken
+# variants). The layer's own numerics are held tightly by check_dtensor_style (one layer, no model:
+# 3.8e-3 vs the emulated layer, compiled == eager).
+EMULATED_TOL = 0.15  # vs the emulated fused model
+COMPILED_TOL = 0.15  # compiled vs eager
+MODEL_FP8_TOL = 0.15  # vs the bf16 model
+LAYER_EMULATED_TOL = 2e-2  # one fused layer vs its emulation: bf16 GEMMs on column slices vs whole
+LAYER_COMPILED_TOL = 3e-2  # one fused layer, compiled vs eager
 
 
 @pytest.mark.cuda
@@ -89,7 +97,7 @@ def _close(model) -> None:
 @torch.no_grad()
 def check_quant(ctx, quant, log):
     from cco import quant as Q
-    from examples.hf_generate import FP8_TOL, load_tensor_parallel
+    from examples.hf_generate import load_tensor_parallel
     from tests.python.cco.hf_models import emulate_fused
 
     ref, ids = ctx["ref"](), ctx["ids"]
@@ -101,9 +109,9 @@ def check_quant(ctx, quant, log):
     emulated = emulate_fused(ref, names, world=dist.get_world_size(), quant=quant)(input_ids=ids,
                                                                                    use_cache=False).logits.float()
     compiled = torch.compile(model.forward)(input_ids=ids, use_cache=False).logits.float()
-    errs = {"eager vs bf16": (Q.rel_l2(eager, ref_logits), FP8_TOL),
+    errs = {"eager vs bf16": (Q.rel_l2(eager, ref_logits), MODEL_FP8_TOL),
             "eager vs emulated": (Q.rel_l2(eager, emulated), EMULATED_TOL),
-            "compiled vs bf16": (Q.rel_l2(compiled, ref_logits), FP8_TOL),
+            "compiled vs bf16": (Q.rel_l2(compiled, ref_logits), MODEL_FP8_TOL),
             "compiled vs eager": (Q.rel_l2(compiled, eager), COMPILED_TOL)}
     _agree(quant, errs)
     greedy = dict(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
@@ -128,7 +136,6 @@ def check_quant(ctx, quant, log):
 def check_in_place(ctx, log):
     from cco import quant as Q
     from cco.integrations import hf as cco_hf
-    from examples.hf_generate import FP8_TOL
 
     ref, ids = ctx["ref"](), ctx["ids"]
     ref_logits = ref(input_ids=ids, use_cache=False).logits.float()
@@ -137,7 +144,7 @@ def check_in_place(ctx, log):
         model._tp_plan.pop("lm_head", None)
     cco_hf.parallelize(model, quant="ptpc", m_max=M_MAX)
     err = Q.rel_l2(model(input_ids=ids, use_cache=False).logits.float(), ref_logits)
-    _agree("in place", {"vs bf16": (err, FP8_TOL)})
+    _agree("in place", {"vs bf16": (err, MODEL_FP8_TOL)})
     log(f"ok hf in place (parallelize, ptpc): rel L2 {err:.1e} vs bf16")
     _close(model)
 
@@ -173,7 +180,8 @@ def check_dtensor_style(ctx, log):
         emu = emulated_row_parallel(h, w2.to(dev), None, world=world, quant="ptpc")
         y = fused(x)
         yc = torch.compile(fused)(x)
-    errs = {"eager vs emulated": (Q.rel_l2(y, emu), EMULATED_TOL), "compiled vs eager": (Q.rel_l2(yc, y), COMPILED_TOL)}
+    errs = {"eager vs emulated": (Q.rel_l2(y, emu), LAYER_EMULATED_TOL),
+            "compiled vs eager": (Q.rel_l2(yc, y), LAYER_COMPILED_TOL)}
     if not ctx["shared_gpu"]:
         with torch.no_grad():
             errs["eager vs torch RowwiseParallel"] = (Q.rel_l2(y, block(RowwiseParallel())(x)), FP8_TOL)
