@@ -10,7 +10,9 @@ of ``--prompt`` tokens per sequence, then ``--tokens`` greedy decode steps, batc
 step is ``model(ids, cache_position)`` -> argmax -> the next ids, written in place, so the same step
 runs eager (``eager``) and as a replay of a CUDA graph captured from it (``graph``). Arms: ``bf16``
 (the model as built), ``cco <quant>`` (every ``o_proj`` and ``down_proj`` replaced by
-``cco.nn.RowParallelLinear`` at world 1, the layers transformers marks "rowwise"), and ``fp8 unfused
+``cco.nn.RowParallelLinear`` at world 1, the layers transformers marks "rowwise"), ``cco <quant>,
+every linear`` (also every ``q/k/v_proj`` and ``gate/up_proj`` replaced by ``cco.nn.ColumnParallelLinear``:
+the whole decoder's weights in fp8, the lm_head bf16), and ``fp8 unfused
 <quant>`` (the same layers as a model runs fp8 today without cco: ``cco.quant.quantize_a`` in torch,
 then ``torch._scaled_mm``; cuBLAS's blockwise recipe refuses M % 4 != 0, so blockscale at batch 1
 has no such arm). Per arm and mode: ms/token over ``--repeats`` decodes of ``--tokens`` tokens from
@@ -19,7 +21,8 @@ min..max; and the first decode step's logits against the bf16 arm's (relative L2
 
 Per call (``--shapes``, M in ``-m``): the ``o_proj`` and ``down_proj`` shapes of Llama-3-8B and -70B
 at TP 1, 2 and 8 (N = hidden, K = the rank's slice). Arms: ``nn.Linear`` bf16 ``[N, K]``, and per
-quant the layer, its activation quantizer alone and its op alone (on pre-quantized operands). Eager:
+quant the layer, its activation quantizer alone, its op alone (on pre-quantized operands) and, where
+the layer runs the decode GEMM (M <= ``decode_rows``), the two launches it replaces (quantizer + op). Eager:
 ``time_back_to_back`` (host us/call and wall us/call); device: CUDA-graph replays of ``--graph-calls``
 calls per graph (``time_arms``), divided by the calls. World W (torchrun; ranks may share a GPU:
 then the host times are real and the device times are time-sliced) runs the per-call table eager only.
@@ -125,6 +128,14 @@ def cco_layer(linear: torch.nn.Linear, quant: str, comm, m_max: int):
     return layer
 
 
+def cco_column_layer(linear: torch.nn.Linear, quant: str, comm, m_max: int):
+    from cco.nn import ColumnParallelLinear
+
+    layer = ColumnParallelLinear(linear.in_features, linear.out_features, group=comm, quant=quant, m_max=m_max)
+    layer.load_weight(linear.weight.detach())
+    return layer
+
+
 def rowwise(model):
     """``[(parent, attribute, nn.Linear)]``: the o_proj and down_proj of every decoder layer."""
     out = []
@@ -134,14 +145,24 @@ def rowwise(model):
     return out
 
 
-def swapped(model, make):
-    """Replace every row-wise linear by ``make(linear)`` (None: put the originals back); returns the
-    replacement modules."""
+def colwise(model):
+    """``[(parent, attribute, nn.Linear)]``: the q/k/v_proj and gate/up_proj of every decoder layer."""
+    out = []
+    for block in model.model.layers:
+        out += [(block.self_attn, name, getattr(block.self_attn, name)) for name in ("q_proj", "k_proj", "v_proj")]
+        out += [(block.mlp, name, getattr(block.mlp, name)) for name in ("gate_proj", "up_proj")]
+    return out
+
+
+def swapped(model, make, make_column=None):
+    """Replace every row-wise linear by ``make(linear)`` and, with ``make_column``, every column-wise
+    one by ``make_column(linear)`` (``make`` None: put the originals back); returns the replacements."""
     made = []
-    for parent, name, linear in model._cco_rowwise:
-        module = linear if make is None else make(linear)
-        setattr(parent, name, module)
-        made.append(module)
+    for linears, maker in ((model._cco_rowwise, make), (model._cco_colwise, make_column)):
+        for parent, name, linear in linears:
+            module = linear if make is None or maker is None else maker(linear)
+            setattr(parent, name, module)
+            made.append(module)
     return made
 
 
@@ -157,7 +178,7 @@ def build_model(args, device):
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    model._cco_rowwise = rowwise(model)
+    model._cco_rowwise, model._cco_colwise = rowwise(model), colwise(model)
     return model
 
 
@@ -201,6 +222,8 @@ def model_runs(args, comm, device) -> list[dict]:
     arms = {"bf16": None}
     for q in args.quant:
         arms[f"cco {q}"] = ("cco", q)
+    for q in args.quant:
+        arms[f"cco {q}, every linear"] = ("cco-all", q)
     for q in ("ptpc", "blockscale"):
         if q in args.quant:
             arms[f"fp8 unfused {q}"] = ("unfused", q)
@@ -214,9 +237,11 @@ def model_runs(args, comm, device) -> list[dict]:
             try:
                 if how is None:
                     swapped(model, None)
-                elif how[0] == "cco":
-                    made = swapped(model, lambda lin, q=how[1]: cco_layer(lin, q, comm,
-                                                                          m_max=max(256, batch * args.prompt)))
+                elif how[0] in ("cco", "cco-all"):
+                    m_max = max(256, batch * args.prompt)
+                    made = swapped(model, lambda lin, q=how[1]: cco_layer(lin, q, comm, m_max=m_max),
+                                   (lambda lin, q=how[1]: cco_column_layer(lin, q, comm, m_max=m_max))
+                                   if how[0] == "cco-all" else None)
                 else:
                     swapped(model, lambda lin, q=how[1]: UnfusedFp8Linear(lin, q))
                 dec.prefill()
@@ -342,6 +367,8 @@ def per_call_runs(args, comm, device, *, into: list, after_shape=lambda: None) -
                     x, q, k_padded=layer.k_padded, m_padded=layer._rows_for(m)))
                 arms[f"cco {q}: op"] = (lambda layer=layer, a=a, s=a_scale: layer.op(a, layer.qweight, s,
                                                                                     layer.weight_scale))
+                if 0 < m <= layer.decode_rows:  # the layer runs the decode GEMM: the two launches it replaced
+                    arms[f"cco {q}: quantizer + op"] = (lambda layer=layer, q=q: _two_launches(layer, x, q))
             record = {"shape": name, "n": n, "k": k, "m": m, "world": world}
             with torch.no_grad():
                 if world == 1:  # the layer's output against the bf16 linear's
@@ -370,6 +397,14 @@ def per_call_runs(args, comm, device, *, into: list, after_shape=lambda: None) -
             layer.close()
         after_shape()
     return rows
+
+
+def _two_launches(layer, x, quant):
+    """What the layer ran before the decode GEMM at these rows: the quantizer, then the op."""
+    from cco.nn.linear import quantize_activation
+
+    a, a_scale = quantize_activation(x, quant, k_padded=layer.k_padded, m_padded=layer._rows_for(x.shape[0]))
+    return layer.op(a, layer.qweight, a_scale, layer.weight_scale)
 
 
 def graph_device_us(arms, args, time_arms) -> dict:

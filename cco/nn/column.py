@@ -123,6 +123,8 @@ class ColumnParallelLinear(_ParallelLinear):
             check_token_rows(self, x, _FN, gathers=True)
             rows_factor = self.comm.world
         qweight, scale = self.quantized_weight()
+        if self._eager(x):  # as RowParallelLinear's: an untraced inference call runs the body directly
+            return self._cco_forward(x, qweight, scale, self.bias)
         return torch.ops.cco.column_parallel_linear(x, qweight, scale, self.bias, self.weight, self._handle,
                                                     self.out_features_per_rank, rows_factor)
 
@@ -134,6 +136,8 @@ class ColumnParallelLinear(_ParallelLinear):
         x2 = x.reshape(-1, self.in_features)
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
+        if 0 < x2.shape[0] <= self.decode_rows:  # the local GEMM of a few rows: the decode GEMM, one launch
+            return self._decode(x2, qweight, scale, bias).view(*x.shape[:-1], n)
         if x2.shape[0] == 0:
             out = torch.zeros(0, n, dtype=torch.bfloat16, device=x.device)
         elif self.sequence_parallel or x2.shape[0] <= self.m_max:

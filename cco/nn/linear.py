@@ -44,23 +44,12 @@ import torch.distributed as dist
 from cco import quant as Q
 from cco import shapes  # noqa: F401  (cco.nn.linear.shapes: the planner the layers call, as before the base)
 from cco.nn import sequence
-from cco.nn.parallel_linear import MODES, _ParallelLinear, quantize_activation
+from cco.nn.parallel_linear import MODES, _ParallelLinear, quantize_activation, untraced
 from cco.nn.pool import WindowPool
 from cco.op import DEFAULT_DEADLINE_S, GemmAllReduceOp
 
 __all__ = ["MODES", "RowParallelLinear", "quantize_activation", "untraced"]
 _FN = "RowParallelLinear"
-
-
-def untraced(x: torch.Tensor) -> bool:
-    """Whether nothing records a call on ``x``: a plain tensor (not a FakeTensor, a functional or
-    proxy tensor, a DTensor or another subclass), outside torch.compile / torch.export, with no
-    dispatch mode on the stack (make_fx, FakeTensorMode), no functorch transform, no
-    ``torch.jit.trace``. There the layer's forward calls its body directly instead of
-    ``torch.ops.cco.row_parallel_linear``: the dispatcher and the op's autograd wrapper cost an
-    eager decode-sized call tens of microseconds of host time (docs/decode.md)."""
-    return (type(x) is torch.Tensor and not torch.compiler.is_compiling() and not torch._C._len_torch_dispatch_stack()
-            and torch._C._functorch.maybe_current_level() is None and torch._C._get_tracing_state() is None)
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -151,11 +140,7 @@ class RowParallelLinear(_ParallelLinear):
         qweight, scale = self.quantized_weight()
         if self.sequence_parallel:
             return sequence.row_parallel_forward(self, x, qweight, scale)
-        # an eager inference call (no gradient to record, nothing tracing it) skips the registered op,
-        # whose result it is, bit for bit; compile, export and autograd go through the op
-        if not (torch.is_grad_enabled() and (x.requires_grad or (self.bias is not None and self.bias.requires_grad)
-                                             or (self.weight is not None and self.weight.requires_grad))) \
-                and untraced(x):
+        if self._eager(x):
             return self._cco_forward(x, qweight, scale, self.bias)
         return torch.ops.cco.row_parallel_linear(x, qweight, scale, self.bias, self.weight, self._handle,
                                                  self.out_features)
@@ -170,6 +155,8 @@ class RowParallelLinear(_ParallelLinear):
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
         m, n = x2.shape[0], self.out_features
+        if 0 < m <= self.decode_rows:  # one rank, a few rows: the decode GEMM, one launch
+            return self._decode(x2, qweight, scale, bias).view(*lead, n)
         if m <= self.m_max and m > 0:
             out = self._rows(x2, qweight, scale)
             out = out if self.n_padded == n else out[:, :n].contiguous()

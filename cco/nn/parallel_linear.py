@@ -51,6 +51,30 @@ def quantize_activation(x: torch.Tensor, quant: str, *, k_padded: int, m_padded:
     return on_cpu(x, quant, k_padded=k_padded)
 
 
+def untraced(x: torch.Tensor) -> bool:
+    """Whether nothing records a call on ``x``: a plain tensor (not a FakeTensor, a functional or
+    proxy tensor, a DTensor or another subclass), outside torch.compile / torch.export, with no
+    dispatch mode on the stack (make_fx, FakeTensorMode), no functorch transform, no
+    ``torch.jit.trace``. There the layers' forward calls their body directly instead of their
+    ``torch.ops.cco`` op: the dispatcher and the op's autograd wrapper cost an eager decode-sized
+    call tens of microseconds of host time (docs/decode.md)."""
+    return (type(x) is torch.Tensor and not torch.compiler.is_compiling() and not torch._C._len_torch_dispatch_stack()
+            and torch._C._functorch.maybe_current_level() is None and torch._C._get_tracing_state() is None)
+
+
+def decode_rows(layer) -> int:
+    """The most rows a call of ``layer`` runs through the decode GEMM (``kernels_fused.hopper.decode``:
+    the activations quantized inside the GEMM's one launch), 0 for none: calls that need no
+    communication (one rank, or a column-parallel layer's local GEMM) on an NVIDIA GPU with the
+    fused path's row-major weight."""
+    local = not layer.sequence_parallel and (layer.comm.world == 1 or not layer._COLLECTIVE_WITHOUT_SP)
+    if not (local and layer.op is not None and layer.device.type == "cuda" and not getattr(torch.version, "hip", None)
+            and layer.weight_layout == "row-major"):
+        return 0
+    from kernels_fused.hopper.decode import DECODE_MAX_M
+    return min(DECODE_MAX_M[layer.quant], layer.m_max)
+
+
 def _check_arguments(fn: str, sizes: dict, *, mode, quant, backward) -> None:
     for name, value in sizes.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -137,6 +161,26 @@ class _ParallelLinear(torch.nn.Module):
                                         chunks=chunks, deadline_s=deadline_s, fn=self._FN)
         self._handle = library.register(self)
         self._closed = False
+        # calls of up to this many rows run the decode GEMM, one launch (0: none; set it to 0 to run
+        # every call through the quantizer and the op)
+        self.decode_rows = decode_rows(self)
+        if self.decode_rows:
+            from kernels_fused.hopper.decode import decode_gemm
+            self._decode_gemm = decode_gemm  # bound once: an import per call costs an eager call a microsecond
+
+    def _eager(self, x: torch.Tensor) -> bool:
+        """Whether a forward on ``x`` runs the layer's body directly (an inference call that nothing
+        traces: no gradient to record, :func:`untraced`), not through its registered op, whose
+        result it is bit for bit; compile, export and autograd go through the op."""
+        return not (torch.is_grad_enabled() and (x.requires_grad or (self.bias is not None and self.bias.requires_grad)
+                                                 or (self.weight is not None and self.weight.requires_grad))) \
+            and untraced(x)
+
+    def _decode(self, x2: torch.Tensor, qweight, scale, bias) -> torch.Tensor:
+        """bf16 ``[rows, N]`` (the bias added) for a call of at most ``decode_rows`` rows."""
+        if not self._loaded:
+            self._require_loaded()
+        return self._decode_gemm(x2, qweight, scale, self.quant, n=self.out_features, bias=bias)
 
     def _name(self) -> str:
         sp = ", sequence parallel" if self.sequence_parallel else ""

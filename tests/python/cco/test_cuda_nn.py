@@ -18,7 +18,12 @@ Guards, per check:
   compiled function captured in a CUDA graph and replayed with changing inputs into a NaN-poisoned
   output; ``mode="reduce-overhead"`` (inductor's CUDA graphs); for the lsa kernel and the copy
   engines (transports auto and dma);
-- the backward of a trainable layer, eager and compiled, gives the unfused model's gradients.
+- the backward of a trainable layer, eager and compiled, gives the unfused model's gradients;
+- the decode GEMM (``kernels_fused.hopper.decode``, calls of a few rows with no communication: a
+  column-parallel layer's local GEMM, a row-parallel layer of one rank), every quant, with a bias,
+  N and K padded: within the fp8 GEMM's error budget of the fp32 product of the quantizer's
+  operands (``cco.bench.timing.gemm_mismatches``), the bias the layer's ``out += bias``; its compiled-kernel launch gives ``JITFunction.run``'s bytes; the layer's call
+  compiled, and captured in a CUDA graph replayed on new rows, gives the eager bytes.
 """
 
 from __future__ import annotations
@@ -215,6 +220,84 @@ def check_backward(comm, log):
     layer.close()
 
 
+def check_decode(comm, log):
+    import torch.distributed as dist
+
+    from cco import quant as Q
+    from cco.bench.timing import gemm_mismatches
+    from cco.comm import Communicator
+    from cco.nn import ColumnParallelLinear, RowParallelLinear
+    from kernels_fused.hopper import decode as D
+
+    singles = [dist.new_group([r], backend="gloo") for r in range(comm.world)]  # collective: every rank makes each
+    solo = Communicator.from_group(singles[comm.rank], device=comm.device)  # a group of one: the op's plain GEMM
+    g = torch.Generator().manual_seed(11 + comm.rank)
+    w = (torch.randn(N, K_RANK, generator=g) / K_RANK ** 0.5).to(torch.bfloat16).to(comm.device)
+    bias = torch.randn(N, generator=g).to(torch.bfloat16).to(comm.device)
+    for quant in Q.QUANTS:
+        layers = {"column (local GEMM)": ColumnParallelLinear(K_RANK, N, group=comm, quant=quant, bias=True, m_max=64),
+                  "row, one rank": RowParallelLinear(K_RANK, N, group=solo, quant=quant, bias=True, m_max=64)}
+        for name, layer in layers.items():
+            layer.load_weight(w)
+            with torch.no_grad():
+                layer.bias.copy_(bias)
+            if layer.decode_rows != D.DECODE_MAX_M[quant]:
+                raise AssertionError(f"decode {quant} {name}: decode_rows={layer.decode_rows}, expected "
+                                     f"{D.DECODE_MAX_M[quant]}: {layer!r}")
+            with torch.no_grad():
+                for m in sorted({1, 2, max(1, layer.decode_rows)}):
+                    x = torch.randn(m, K_RANK, generator=g).to(torch.bfloat16).to(comm.device)
+                    with_bias = layer(x)
+                    layer.bias.zero_()  # the product alone, against the fp32 product of the quantizer's operands
+                    got = layer(x)
+                    layer.bias.copy_(bias)
+                    if not torch.equal(with_bias, got + bias):
+                        raise AssertionError(f"decode {quant} {name} M={m}: the bias is not the layer's out += bias")
+                    xq = torch.nn.functional.pad(x.cpu().float(), (0, layer.k_padded - K_RANK))
+                    a = Q.dequantize_a(*Q.quantize_a(xq, quant), quant)[:, :K_RANK]
+                    wd = layer.dequantized_weight().cpu()
+                    bad = gemm_mismatches(got.cpu(), a @ wd.t(), a.abs() @ wd.abs().t())
+                    if got.shape != (m, N) or bad:
+                        raise AssertionError(f"decode {quant} {name} M={m}: {bad} of {got.numel()} outputs outside "
+                                             f"the fp8 GEMM's budget")
+                    if not torch.equal(layer(x), with_bias):
+                        raise AssertionError(f"decode {quant} {name} M={m}: a repeated call differs")
+                # the compiled-kernel launch against JITFunction.run's
+                x = torch.randn(3, K_RANK, generator=g).to(torch.bfloat16).to(comm.device)
+                fast = layer(x)
+                D.FAST_LAUNCH = False
+                D._LAUNCHES.clear()
+                slow = layer(x)
+                D.FAST_LAUNCH = True
+                D._LAUNCHES.clear()
+                if not torch.equal(fast, slow):
+                    raise AssertionError(f"decode {quant} {name}: the compiled-kernel launch differs from JITFunction.run")
+                # compiled, and captured in a graph replayed on new rows into a NaN-poisoned output
+                compiled = torch.compile(lambda v: layer(v), fullgraph=True)
+                if not torch.equal(compiled(x), fast):
+                    raise AssertionError(f"decode {quant} {name}: compiled differs from eager")
+                static_x = x.clone()
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    layer(static_x)
+                torch.cuda.current_stream().wait_stream(s)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    static_out = layer(static_x)
+                for i in range(4):
+                    new = torch.randn(3, K_RANK, generator=g).to(torch.bfloat16).to(comm.device)
+                    static_x.copy_(new)
+                    static_out.fill_(float("nan"))
+                    graph.replay()
+                    if not torch.equal(static_out, layer(new)):
+                        raise AssertionError(f"decode {quant} {name}: graph replay {i} differs from eager")
+            log(f"ok decode {quant:10s} {name}: M 1..decode_rows within the fp8 GEMM's budget; fast launch, compiled, "
+                f"graph replays == eager")
+            layer.close()
+    solo.close()
+
+
 def rank_main():
     from cco.comm import Communicator
     from cco.window import ranks_share_a_device
@@ -224,7 +307,7 @@ def rank_main():
     log("the ranks share one GPU (IPC window)" if ranks_share_a_device(comm) else "one GPU per rank")
     checks = [lambda: check_quantizer(comm, log), lambda: check_layers(comm, log),
               lambda: check_compiled_and_graphs(comm, log, None), lambda: check_compiled_and_graphs(comm, log, "dma"),
-              lambda: check_backward(comm, log)]
+              lambda: check_backward(comm, log), lambda: check_decode(comm, log)]
     failures = []
     for check in checks:  # keep going so one run reports every failing check
         try:

@@ -1,0 +1,151 @@
+"""The decode GEMM: ``quantize(x) @ dequant(w).T`` for a few rows in one launch (device code:
+``kernels_fused.hopper.decode_kernels``).
+
+Unfused equivalent (``cco.nn`` layers at world 1, or the local GEMM of a column-parallel layer)::
+
+    a, a_scale = quantize_activation(x, quant, k_padded=K_PAD)           # one launch
+    out = vendor_gemm(a, a_scale, prepare_weight(w, w_scale, quant))[:, :N] (+ bias)   # one more (two with a bias)
+
+At decode sizes (M of a few rows) both launches are tiny and the host's time to issue them is the
+call's time in an eager model; cuBLAS's fp8 GEMMs there read the weight no faster than its bf16
+GEMV reads twice the bytes (docs/decode.md). Here one Triton program per ``BLOCK_N`` output
+features and activation row quantizes that row itself (the quantizer's bytes; ptpc first takes the
+row's amax over K, re-read from L2 by every program) and streams its weight rows through CUDA-core
+FMAs, so the call costs one launch and about the fp8 weight's read per row. Every row re-reads the
+weight (from L2, mostly) and every program re-quantizes its row, so the kernel pays only for a few
+rows: ``DECODE_MAX_M`` per quant. (A tensor-core version, 16-row tiles with the activations
+quantized per program, ran 3-9x slower than the two launches on an H200: the per-program
+quantization of 16 padded rows cost more than the weight's read; docs/decode.md.)
+
+The host side keeps, per call shape, the compiled kernel and its bound grid and calls it through
+Triton's compiled-kernel launcher, skipping ``JITFunction.run``'s argument binding and cache key
+(most of a Triton launch's host cost at these sizes). The key holds everything Triton specializes
+on (the integer arguments' values, every pointer's 16-byte alignment), so a kept launch is only
+reused where Triton would have picked the same binary.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from cco.quant import _TINY, FP8, FP8_MAX, QUANTS, SCALE_BLOCK
+
+# Calls of at most this many rows take the decode GEMM (the layers' rule, cco.nn.parallel_linear);
+# more rows go to the quantizer + vendor GEMM. Chosen with scripts/tune_decode.py (docs/decode.md).
+DECODE_MAX_M = {"ptpc": 4, "blockscale": 4, "mxfp8": 4}
+# BLOCK_N output features per program (one program per BLOCK_N and row: no split of K, so no second
+# pass); BLOCK_K columns per step, in groups of the format's scale group (GROUP); ROW_K: ptpc's amax load.
+BLOCK_N = 16
+BLOCK_K = {"ptpc": 512, "blockscale": 512, "mxfp8": 512}
+GROUP = {"ptpc": SCALE_BLOCK, "blockscale": SCALE_BLOCK, "mxfp8": 32}
+ROW_K = 4096
+NUM_WARPS = 4
+NUM_STAGES = {"ptpc": 3, "blockscale": 3, "mxfp8": 3}
+_QUANT_CODE = {"ptpc": 0, "blockscale": 1, "mxfp8": 2}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def _kernel():
+    from kernels_fused.hopper import decode_kernels
+
+    return decode_kernels.decode_gemv_kernel
+
+
+def block_k(quant: str, k_padded: int) -> int:
+    """The K step of ``quant`` for a weight of ``k_padded`` columns (a multiple of 128): the
+    format's step where it divides ``k_padded``, else the largest power of two times 128 that does."""
+    step = BLOCK_K[quant]
+    while k_padded % step:
+        step //= 2
+    return max(step, GROUP[quant])
+
+
+def check_operands(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, quant: str, n: int,
+                   bias: torch.Tensor | None) -> None:
+    """Raise ValueError naming the argument that :func:`decode_gemm` cannot take."""
+    fn = "decode_gemm"
+    if quant not in QUANTS:
+        raise ValueError(f"{fn}: quant={quant!r} is not supported; pass one of {', '.join(QUANTS)}")
+    if x.dim() != 2 or x.stride(1) != 1 or not x.dtype.is_floating_point:
+        raise ValueError(f"{fn}: x must be a float [M, K] tensor with unit column stride, got {x.dtype} "
+                         f"{list(x.shape)} stride {x.stride()}")
+    if w.dtype != FP8 or w.dim() != 2 or not w.is_contiguous() or w.shape[1] % SCALE_BLOCK or w.shape[1] < x.shape[1]:
+        raise ValueError(f"{fn}: w must be a contiguous row-major e4m3 [N_pad, K_pad] weight with K_pad a multiple of "
+                         f"{SCALE_BLOCK} and >= K={x.shape[1]}, got {w.dtype} {list(w.shape)}")
+    if not 0 < n <= w.shape[0]:
+        raise ValueError(f"{fn}: n={n} must be in 1..{w.shape[0]} (the weight's rows)")
+    if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
+        raise ValueError(f"{fn}: bias must be a contiguous [{n}] tensor, got {list(bias.shape)}")
+
+
+def decode_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, quant: str, *, n: int,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16 ``[M, n]``: ``x [M, K]`` quantized as ``quant`` (``kernels_fused.hopper.quantize``'s
+    bytes, columns ``K..K_pad`` zero) times the first ``n`` rows of the fp8 weight ``w [N_pad,
+    K_pad]`` (row-major, ``cco.quant``'s scales ``w_scale``), rounded to bf16, plus ``bias`` (rounded
+    again, as ``out += bias``). One launch; meant for ``M <= DECODE_MAX_M[quant]`` rows (more run,
+    slower than the vendor GEMM). Operands are checked by :func:`check_operands` once per call shape."""
+    m, k = x.shape
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    if not m:
+        return out
+    key = (m, k, x.dtype, x.stride(0), x.data_ptr() % 16, w.shape, w.data_ptr() % 16, w_scale.stride(0),
+           w_scale.data_ptr() % 16, n, quant, None if bias is None else bias.data_ptr() % 16)
+    launch = _LAUNCHES.get(key)
+    if launch is None:
+        check_operands(x, w, w_scale, quant, n, bias)
+        launch = _LAUNCHES[key] = _Launch(m, k, w.shape[1], n, quant, bias is not None)
+    launch(x, w, w_scale, bias, out)
+    return out
+
+
+_LAUNCHES: dict = {}
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+class _Launch:
+    """One call shape's launch: the grid and constants, and after its first launch the compiled
+    kernel's launcher (``CompiledKernel[grid]``), which takes the same arguments in order."""
+
+    __slots__ = ("grid", "consts", "ints", "fast")
+
+    def __init__(self, m: int, k: int, k_padded: int, n: int, quant: str, has_bias: bool):
+        if quant == "blockscale" and SCALE_BLOCK % BLOCK_N:  # a program's rows share one weight scale block
+            raise ValueError(f"decode_gemm: BLOCK_N={BLOCK_N} must divide {SCALE_BLOCK} for blockscale")
+        self.grid = (-(-n // BLOCK_N), m)
+        self.ints = (m, n, k, k_padded)
+        group = GROUP[quant]
+        self.consts = dict(QUANT=_QUANT_CODE[quant], HAS_BIAS=has_bias, BLOCK_N=BLOCK_N,
+                           G=block_k(quant, k_padded) // group, GS=group, ROW_K=min(ROW_K, _pow2(k)),
+                           ROUND_IN_FP32=_interpreting(), num_warps=NUM_WARPS, num_stages=NUM_STAGES[quant])
+        self.fast = None
+
+    def __call__(self, x, w, w_scale, bias, out) -> None:
+        scale = w_scale.view(torch.uint8) if w_scale.element_size() == 1 else w_scale
+        b = out if bias is None else bias  # an unused pointer where there is no bias
+        if self.fast is not None:
+            c = self.consts
+            self.fast(x, w, scale, b, out, *self.ints, x.stride(0), scale.stride(0), _TINY, FP8_MAX, c["QUANT"],
+                      c["HAS_BIAS"], c["BLOCK_N"], c["G"], c["GS"], c["ROW_K"], c["ROUND_IN_FP32"])
+            return
+        compiled = _kernel()[self.grid](x, w, scale, b, out, *self.ints, x.stride(0), scale.stride(0), _TINY, FP8_MAX,
+                                        **self.consts)
+        if compiled is not None and hasattr(compiled, "__getitem__") and FAST_LAUNCH:
+            self.fast = compiled[(*self.grid, 1)]  # the launcher takes all three grid dimensions
+
+
+# The compiled-kernel launcher (Triton >= 3.2's ``CompiledKernel.__getitem__``); False: every call
+# through ``JITFunction.run`` (tests compare the two).
+FAST_LAUNCH = os.environ.get("CCO_DECODE_FAST_LAUNCH", "1") != "0"
+
+__all__ = ["DECODE_MAX_M", "block_k", "check_operands", "decode_gemm"]

@@ -1,0 +1,211 @@
+"""Tune and check the decode GEMM (``kernels_fused.hopper.decode``) on one NVIDIA GPU.
+
+    python3 -m scripts.tune_decode --json tune.json
+
+Per shape (``--shapes``: the decode-time linears of Llama-3-8B and -70B, row- and column-parallel
+ones), M (``-m``) and quant: the device time per call under CUDA-graph replay (``--graph-calls``
+calls per graph, ``cco.bench.timing.time_arms``) of every config of ``CONFIGS`` (``BLOCK_N``,
+``BLOCK_K``, warps, stages), of bf16 ``nn.Linear`` (``F.linear``) and of the two-launch path it
+replaces (the activation quantizer, then the op's vendor GEMM); the best config per (quant, M
+range) is what ``decode.py``'s constants should hold. Before timing, every (shape, M, quant) is
+checked against the fp32 product of the quantizer's operands (``cco.bench.timing.gemm_mismatches``:
+no output outside the fp8 GEMM's error budget) and the compiled-kernel launch against
+``JITFunction.run``'s (bit for bit). ``--host`` adds the host us per eager call of ``F.linear``, the decode GEMM through
+either launch, and the layer (``RowParallelLinear``, world 1) at the first shape, M = 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+SHAPES = {  # name: (N, K)
+    "8b-down-tp1": (4096, 14336), "8b-o-tp1": (4096, 4096), "8b-gateup-tp1": (28672, 4096),
+    "8b-qkv-tp1": (6144, 4096), "8b-down-tp8": (4096, 1792), "70b-down-tp1": (8192, 28672),
+    "70b-o-tp8": (8192, 1024),
+}
+
+
+def configs(quant: str):
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) tried for ``quant``."""
+    return list(itertools.product((8, 16, 32), (512, 1024), (4, 8), (3,)))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("-m", default="1,2,4,8")
+    p.add_argument("--quant", default="ptpc,blockscale,mxfp8")
+    p.add_argument("--graph-calls", type=int, default=10)
+    p.add_argument("--passes", type=int, default=3)
+    p.add_argument("--host", action="store_true")
+    p.add_argument("--json")
+    a = p.parse_args(argv)
+    a.shapes = a.shapes.split(",")
+    a.m = [int(v) for v in a.m.split(",")]
+    a.quant = a.quant.split(",")
+    return a
+
+
+def graph_us(arms: dict, calls: int, passes: int) -> dict:
+    from cco.bench.timing import time_arms
+
+    graphs = {}
+    for name, fn in arms.items():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(calls):
+                fn()
+        graphs[name] = g
+    timed = time_arms({n: (lambda i, g=g: g.replay()) for n, g in graphs.items()}, passes=passes, iters=10, rotate=1)
+    return {n: t.median_us / calls for n, t in timed.items()}
+
+
+def with_config(cfg, quant):
+    """Set ``decode.py``'s constants to ``cfg`` for ``quant`` (new launches only)."""
+    from kernels_fused.hopper import decode as D
+
+    D.BLOCK_N, D.BLOCK_K[quant], D.NUM_WARPS, D.NUM_STAGES[quant] = cfg[0], cfg[1], cfg[2], cfg[3]
+    D._LAUNCHES.clear()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from cco import quant as Q
+    from cco.bench.timing import gemm_mismatches
+    from kernels_fused.hopper import decode as D
+    from kernels_fused.hopper import vendor
+    from kernels_fused.hopper.quantize import quantize_activation
+
+    dev = torch.device("cuda")
+    defaults = (D.BLOCK_N, dict(D.BLOCK_K), D.NUM_WARPS, dict(D.NUM_STAGES))
+    out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "gpu": torch.cuda.get_device_name(),
+           "torch": torch.__version__, "rows": [], "checks": [], "host": {}}
+    failures = 0
+    for name in args.shapes:
+        n, k = SHAPES[name]
+        g = torch.Generator(device="cpu").manual_seed(0)
+        w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dev)
+        w_bf16 = w.to(torch.bfloat16)
+        for quant in args.quant:
+            wq, ws = Q.quantize_b(w, quant)
+            vw = vendor.prepare_weight(wq, ws, quant)
+            for m in args.m:
+                x = torch.randn(m, k, device=dev).to(torch.bfloat16)
+                # restore the defaults for the checks
+                D.BLOCK_N, D.NUM_WARPS = defaults[0], defaults[2]
+                D.BLOCK_K.update(defaults[1]), D.NUM_STAGES.update(defaults[3])
+                D._LAUNCHES.clear()
+                a, s = quantize_activation(x, quant, k_padded=k)
+                ad, wd = Q.dequantize_a(a, s, quant), Q.dequantize_b(wq, ws, quant)
+                ref, dot_abs = ad @ wd.t(), ad.abs() @ wd.abs().t()
+                got = D.decode_gemm(x, wq, ws, quant, n=n)
+                got2 = D.decode_gemm(x, wq, ws, quant, n=n)  # through the compiled kernel's launcher
+                D.FAST_LAUNCH = False
+                D._LAUNCHES.clear()
+                slow = D.decode_gemm(x, wq, ws, quant, n=n)
+                D.FAST_LAUNCH = True
+                check = {"shape": name, "m": m, "quant": quant, "outside_budget": gemm_mismatches(got, ref, dot_abs),
+                         "rel_l2": float((got.float() - ref).norm() / ref.norm()),
+                         "fast_equals_jit": bool(torch.equal(got2, slow)), "repeat_equal": bool(torch.equal(got, got2))}
+                ok = check["outside_budget"] == 0 and check["fast_equals_jit"] and check["repeat_equal"]
+                failures += not ok
+                out["checks"].append(check)
+                print(("ok  " if ok else "BAD ") + json.dumps(check), flush=True)
+                arms = {"nn.Linear bf16": lambda: torch.nn.functional.linear(x, w_bf16)}
+                rows_v = -(-m // 4) * 4 if quant == "blockscale" else m
+
+                def two_launches(x=x, quant=quant, rows_v=rows_v, vw=vw):
+                    a, s = quantize_activation(x, quant, k_padded=k, m_padded=rows_v)
+                    return vendor.vendor_gemm(a, s, vw)
+                arms["quantizer + vendor GEMM"] = two_launches
+                for cfg in configs(quant):
+                    with_config(cfg, quant)
+                    try:
+                        D.decode_gemm(x, wq, ws, quant, n=n)
+                        torch.cuda.synchronize()
+                    except Exception as err:  # a config that does not compile (resources): recorded
+                        out["rows"].append({"shape": name, "m": m, "quant": quant, "config": cfg,
+                                            "error": f"{type(err).__name__}: {str(err)[:200]}"})
+                        continue
+                    launch = D._LAUNCHES[next(iter(D._LAUNCHES))]
+                    arms[f"decode {cfg}"] = (lambda launch=launch, x=x, wq=wq, ws=ws, n=n, m=m: launch(
+                        x, wq, ws, None, torch.empty(m, n, dtype=torch.bfloat16, device=dev)))
+                timed = graph_us(arms, args.graph_calls, args.passes)
+                best = min((v, a) for a, v in timed.items() if a.startswith("decode"))
+                row = {"shape": name, "n": n, "k": k, "m": m, "quant": quant, "us": timed, "best": best[1],
+                       "best_us": best[0]}
+                out["rows"].append(row)
+                base = timed["nn.Linear bf16"]
+                print(f"{name:14s} M={m:3d} {quant:10s} bf16 {base:6.1f} | two launches "
+                      f"{timed['quantizer + vendor GEMM']:6.1f} | best decode {best[0]:6.1f} ({best[0] / base:.2f}x) "
+                      f"{best[1]}", flush=True)
+    # restore
+    D.BLOCK_N, D.NUM_WARPS = defaults[0], defaults[2]
+    D.BLOCK_K.update(defaults[1]), D.NUM_STAGES.update(defaults[3])
+    D._LAUNCHES.clear()
+    if args.host:
+        out["host"] = host_costs(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    print(f"checks: {len(out['checks']) - failures} ok, {failures} bad", flush=True)
+    return 1 if failures else 0
+
+
+def host_costs(args) -> dict:
+    from cco.bench.timing import time_back_to_back
+    from cco.comm import Communicator
+    from cco.nn import RowParallelLinear
+    from kernels_fused.hopper import decode as D
+    from cco import quant as Q
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    n, k = SHAPES[args.shapes[0]]
+    w = (torch.randn(n, k, device=dev) / k ** 0.5).to(torch.bfloat16)
+    x = torch.randn(1, k, device=dev).to(torch.bfloat16)
+    res = {}
+    import os
+    import tempfile
+
+    rendezvous = os.path.join(tempfile.mkdtemp(), "rendezvous")
+    comm = Communicator(rank=0, world=1, init_method=f"file://{rendezvous}", device=dev)
+    for quant in args.quant:
+        wq, ws = Q.quantize_b(w.float(), quant)
+        layer = RowParallelLinear(k, n, group=comm, quant=quant, m_max=256)
+        layer.load_weight(w)
+
+        arms = {"F.linear bf16": lambda: torch.nn.functional.linear(x, w),
+                "decode_gemm": lambda wq=wq, ws=ws, quant=quant: D.decode_gemm(x, wq, ws, quant, n=n),
+                "layer": lambda layer=layer: layer(x)}
+        with torch.no_grad():
+            t = time_back_to_back(arms, calls=200, passes=5)
+        D._LAUNCHES.clear()
+        D.FAST_LAUNCH = False
+        with torch.no_grad():
+            t2 = time_back_to_back({"decode_gemm via JITFunction.run": lambda wq=wq, ws=ws, quant=quant:
+                                    D.decode_gemm(x, wq, ws, quant, n=n)}, calls=200, passes=5)
+        D.FAST_LAUNCH = True
+        D._LAUNCHES.clear()
+        res[quant] = {a: {"host_us": v["host_us"], "wall_us": v["wall_us"]} for a, v in {**t, **t2}.items()}
+        print(quant, json.dumps(res[quant]), flush=True)
+        layer.close()
+    comm.close()
+    return res
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""The decode GEMM (``kernels_fused.hopper.decode``: activations quantized inside the GEMM's launch)
+against the two-launch path it replaces: the activation quantizer's bytes, then
+``cco.quant.reference_gemm`` rounded to bf16, plus the bias rounded again (the layer's ``out +=
+bias``). Under Triton's interpreter here, where the fp32 reference and the kernel's fp32
+accumulation agree bit for bit at these sizes; on the GPU ``test_cuda_nn.py`` holds it to one bf16
+ulp (another accumulation order) at the decode shapes, and the compiled-kernel launch to
+``JITFunction.run``'s bit for bit.
+
+Guards: each quant's scale application (ptpc's row amax over all of K before the first step,
+blockscale's per-block partial products, mxfp8's exponents on both operands), K padding (columns
+past K read as zeros), N not a multiple of the program's block, rows past M, the bias, the launch
+cache's key (another M, another alignment of x).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cco import quant as Q
+
+triton = pytest.importorskip("triton")
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from tests.python.cco.test_activation_quant import activations  # noqa: E402
+
+INTERPRETED = isinstance(triton.language.standard.zeros, InterpretedFunction)
+pytestmark = pytest.mark.skipif(not INTERPRETED, reason="the Triton kernel runs interpreted here only without a GPU "
+                                "(test_cuda_nn.py checks it on the GPU)")
+
+# (M, N, K, K_padded): one row; a few rows; K padded by a tile; N past a program's block; K past one
+# amax load (ROW_K)
+SHAPES = [(1, 256, 256, 256), (3, 200, 300, 384), (4, 128, 1024, 1024), (2, 136, 640, 640), (1, 16, 5000, 5120)]
+
+
+def weight(n: int, k: int, k_padded: int, quant: str, seed: int = 1):
+    """A quantized [N_pad, K_pad] weight as the layers hold it: zero rows past N, zero columns past K."""
+    g = torch.Generator().manual_seed(seed)
+    n_padded = -(-n // 128) * 128
+    w = torch.zeros(n_padded, k_padded)
+    w[:n, :k] = torch.randn(n, k, generator=g) * torch.exp2(torch.randint(-4, 4, (n, 1), generator=g).float()) * 0.05
+    return Q.quantize_b(w, quant)
+
+
+def two_launches(x, wq, ws, quant, n, k_padded, bias=None):
+    from kernels_fused.hopper.quantize import quantize_activation
+
+    a, s = quantize_activation(x, quant, k_padded=k_padded)
+    out = Q.reference_gemm(a, wq, s, ws, quant)[:, :n]
+    return out if bias is None else out + bias
+
+
+@pytest.mark.parametrize("m, n, k, k_padded", SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("quant", Q.QUANTS)
+def test_decode_gemm_equals_quantizer_and_reference(quant, m, n, k, k_padded):
+    from kernels_fused.hopper.decode import decode_gemm
+
+    if quant == "mxfp8" and k == k_padded and k % Q.MX_GROUP:
+        pytest.skip("mxfp8 needs whole 32-wide groups without padding")
+    x = activations(m, k, seed=m + k).flip(1).contiguous()  # each row's outlier last: ptpc's amax must see all of K
+    wq, ws = weight(n, k, k_padded, quant)
+    got = decode_gemm(x, wq, ws, quant, n=n)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    assert_within_one_ulp(got, two_launches(x, wq, ws, quant, n, k_padded))
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    assert torch.equal(decode_gemm(x, wq, ws, quant, n=n, bias=bias), got + bias)  # the layer's out += bias
+
+
+def assert_within_one_ulp(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Every output within one bf16 ulp of the reference (its fp32 sum runs in another order: a sum
+    near a rounding boundary may round the other way), and such flips rare."""
+    ulp = (want.float().abs().clamp_min(2.0 ** -100).log2().floor() - 7).exp2()
+    off = (got.float() - want.float()).abs() / ulp
+    assert float(off.max()) <= 1.0, f"{float(off.max())} ulps off"
+    assert int((off > 0).sum()) <= max(1, got.numel() // 200), f"{int((off > 0).sum())} of {got.numel()} differ"
+
+
+def test_decode_gemm_rows_of_a_strided_view_and_the_launch_key():
+    """Rows of a wider tensor (row stride > K, an offset start) and another M after the first: each
+    call shape gets its own launch, and the product is the same as on a packed copy."""
+    from kernels_fused.hopper import decode as D
+
+    quant, n, k = "ptpc", 256, 384
+    wq, ws = weight(n, k, k, quant)
+    wide = activations(9, 2 * k, seed=3)
+    view = wide[1:9, 8:8 + k]  # row stride 2K, start 1 row + 8 columns in
+    got = D.decode_gemm(view, wq, ws, quant, n=n)
+    assert torch.equal(got, D.decode_gemm(view.contiguous(), wq, ws, quant, n=n))
+    assert torch.equal(D.decode_gemm(view[:1], wq, ws, quant, n=n), got[:1])
+    keys = [key for key in D._LAUNCHES if key[1] == k and key[5] == wq.shape]
+    assert len({(key[0], key[3], key[4]) for key in keys}) >= 3  # (M, row stride, x's alignment) apart
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(quant="int8"), "quant='int8'"),
+    (dict(n=0), "n=0"),
+    (dict(w=lambda wq: wq.float()), "contiguous row-major e4m3"),
+    (dict(w=lambda wq: wq[:, :128]), "contiguous row-major e4m3"),
+    (dict(bias=torch.zeros(3, dtype=torch.bfloat16)), "bias must be a contiguous"),
+])
+def test_decode_gemm_refuses_what_it_cannot_take(bad, match):
+    from kernels_fused.hopper.decode import decode_gemm
+
+    wq, ws = weight(128, 256, 256, "ptpc")
+    x = activations(2, 256)
+    kwargs = dict(quant="ptpc", n=128, bias=None)
+    w = wq
+    for key, value in bad.items():
+        if key == "w":
+            w = value(wq)
+        else:
+            kwargs[key] = value
+    with pytest.raises(ValueError, match=match):
+        decode_gemm(x, w, ws, kwargs.pop("quant"), **kwargs)
