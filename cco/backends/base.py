@@ -210,6 +210,12 @@ class Backend(abc.ABC):
         self.faults = faults
         self.notes = notes
 
+    def _scale_rows(self, slot, r0: int, r1: int) -> "torch.Tensor":
+        """All-gather: rows [r0, r1) of a scale slot of the window's ``a_scales`` region, as ``a_scale``
+        holds them (blockscale: the slot is the transposed ``[K/128, rows]``, so this is a column-major
+        ``[rows, K/128]`` view; ``layout.input_scale_shape``)."""
+        return slot[:, r0:r1].t() if self.config.quant == "blockscale" else slot[r0:r1]
+
     def path_rows(self) -> list[int]:
         """Row counts that together take every transfer path of this backend (the self test runs
         one call per entry): one path here, so ``[m_max]``."""

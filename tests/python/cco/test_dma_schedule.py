@@ -97,12 +97,12 @@ class _Memops:
         self.log.ops.append((stream, "copy_2d", dst, dst_pitch, src, src_pitch, width, height))
 
 
-def _schedule(monkeypatch, log, *, gather, lanes=1, world=WORLD):
+def _schedule(monkeypatch, log, *, gather, lanes=1, world=WORLD, pattern="all-reduce", quant="ptpc"):
     from cco.cuda import dma
     from cco.window import Window
 
-    cfg = layout.build_config(n=512 * world, k=256, m_max=M, world=world, quant="ptpc", transport="dma",
-                              gather_dtype=gather, block_m=128, block_n=128)
+    cfg = layout.build_config(n=512 * world, k=256, m_max=M, world=world, quant=quant, transport="dma",
+                              gather_dtype=gather, block_m=128, block_n=128, pattern=pattern)
 
     class HostWindow(Window):
         def __init__(self):
@@ -124,18 +124,24 @@ def _schedule(monkeypatch, log, *, gather, lanes=1, world=WORLD):
             if kw.get("load_only"):  # loaded when the schedule is built: no launch
                 return
             planes = (kw["partial"].data_ptr(), kw["partial"].stride()) if "partial" in kw else ()
-            log.ops.append((log.current.name, name, kw["rows"]) + planes)
+            if name == "check_stamps":
+                log.ops.append((log.current.name, name, kw["out"].data_ptr()))
+                return
+            log.ops.append((log.current.name, name, kw["rows"]) + planes + (
+                ("no gather", kw["out_col0"]) if name == "reduce_kernel" and kw["gather"] is None else ()))
         return launch
 
     monkeypatch.setattr(dma, "torch", types.SimpleNamespace(zeros=torch.zeros, full=torch.full, empty=torch.empty,
                                                             int64=torch.int64, bfloat16=torch.bfloat16,
                                                             cuda=_fake_cuda(log)))
     monkeypatch.setattr(dma, "kernels", types.SimpleNamespace(reduce_chunk=kernel("reduce_kernel"),
-                                                              dequant_chunk=kernel("dequant_kernel")))
+                                                              dequant_chunk=kernel("dequant_kernel"),
+                                                              check_stamps=kernel("check_stamps")))
     window = HostWindow()
     sched = dma.CopyEngineSchedule(config=cfg, window=window, device=torch.device("cpu"), memops=_Memops(log),
                                    lanes=lanes)
-    plan = layout.plan_call(cfg, m=M, seq=1, rank=RANK, counter_base=layout.zero_counters(world))
+    m = cfg.slice_m_max if cfg.pattern_spec.gathers_input else M  # the all-gather's M: rows per rank
+    plan = layout.plan_call(cfg, m=m, seq=1, rank=RANK, counter_base=layout.zero_counters(world))
     return sched, plan, window
 
 
@@ -355,6 +361,88 @@ def test_cuda_backend_takes_the_kernel_producer_where_cublas_refuses_the_rows(mo
     assert reduce == [(rows, planes.data_ptr(), planes.stride()) for rows in plan.rows]
 
 
+def _host_backend(monkeypatch, log, *, pattern, quant, mode="fused"):
+    """A CudaBackend of ``pattern`` over the recorders above, its vendor GEMM torch's CPU one (the
+    blockwise recipe: test_triton_gemm's model of it), its own kernel under Triton's interpreter."""
+    from cco.backends.cuda import CudaBackend
+
+    pytest.importorskip("triton")
+    from tests.python.cco.test_triton_gemm import _blockwise_scaled_mm
+
+    sched, _, window = _schedule(monkeypatch, log, gather="bf16", pattern=pattern, quant=quant)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    if quant == "blockscale":
+        monkeypatch.setattr(torch, "_scaled_mm", _blockwise_scaled_mm)  # the CPU build has no blockwise recipe
+    monkeypatch.setattr("cco.cuda.dma.CopyEngineSchedule", lambda **kw: sched)
+    monkeypatch.setattr(CudaBackend, "watched", False)  # the watchdog's pinned words need a device
+    cfg = dataclasses.replace(sched.cfg, mode=mode) if mode != sched.cfg.mode else sched.cfg
+    return CudaBackend(config=cfg, comm=None, window=window, deadline_s=1.0), sched
+
+
+@pytest.mark.parametrize("quant, m", [("ptpc", M), ("blockscale", M), ("blockscale", 260)],
+                         ids=["ptpc", "blockscale-vendor", "blockscale-own-kernel"])
+def test_cuda_backend_reduce_scatter_rows_produces_each_slice_from_its_rows_on_the_host(monkeypatch, quant, m):
+    """The reduce-scatter along rows on the CUDA backend, run on the host: slice d is rows
+    d*M/W.. of the product in ``partial[d]`` (one GEMM per (dest, chunk): the vendor GEMM, or the own
+    kernel where cuBLAS's blockwise recipe refuses the row count), every counter released once to
+    its target, the peers' slices before the own one; the reduce reads the dest-major planes."""
+    from cco import quant as Q
+    from cco.preshuffle import preshuffle_b
+
+    log = _Log()
+    backend, sched = _host_backend(monkeypatch, log, pattern="reduce-scatter-rows", quant=quant)
+    cfg = backend.config
+    plan = layout.plan_call(cfg, m=m, seq=1, rank=RANK, counter_base=layout.zero_counters(WORLD))
+    p = Q.random_problem(m, cfg.n, cfg.k, quant, seed=6)
+    backend.fused(p.a, preshuffle_b(p.b), p.a_scale, p.b_scale,
+                  out=torch.zeros(*layout.out_shape(cfg, m), dtype=torch.bfloat16), plan=plan)
+    sm, want = m // WORLD, p.reference()
+    for d in range(WORLD):
+        assert Q.count_mismatches(backend.partial[d][:sm], want[d * sm:(d + 1) * sm]) == 0, d
+    counter_words = {_addr(sched.counters, i): i for i in range(sched.counters.numel())}
+    released = [op[2:] for op in log.ops if op[1] == "write" and op[2] in counter_words and op[3]]
+    order = [(_addr(sched.counters, layout.counter_index(d, c)), plan.target(d, c))
+             for d in layout.dest_order(RANK, WORLD) for c in range(plan.chunks)]
+    assert released == order  # the peers' slices first, each (dest, chunk) once
+    reduce = [op[2:] for op in log.ops if op[1] == "reduce_kernel"]
+    assert reduce == [(rows, sched.partial.data_ptr(), sched.partial.stride(), "no gather", 0) for rows in plan.rows]
+
+
+@pytest.mark.parametrize("mode", ["fused", "split"])
+@pytest.mark.parametrize("quant", ["ptpc", "blockscale"])
+def test_cuda_backend_all_gather_gemm_on_the_host(monkeypatch, quant, mode):
+    """The all-gather on the CUDA backend, run on the host (no bytes move between the recorded
+    ranks: the peer's slot holds what the test wrote there): the own rows land in the own slot,
+    and ``out`` holds every source's rows times the weight, in rank order, the gathered input too."""
+    from cco import quant as Q
+    from cco.preshuffle import preshuffle_b
+
+    log = _Log()
+    backend, sched = _host_backend(monkeypatch, log, pattern="all-gather", quant=quant, mode=mode)
+    cfg = backend.config
+    m = cfg.slice_m_max - (0 if mode == "split" else 4)  # split at full slots: one GEMM of every row
+    plan = layout.plan_call(cfg, m=m, seq=1, rank=RANK, counter_base=layout.zero_counters(WORLD))
+    mine, theirs = (Q.random_problem(m, cfg.n, cfg.k, quant, seed=s) for s in (7, 8))
+    peer = 1 - RANK
+    rows, scales = sched.a_rows[peer], sched.a_scales[peer]
+    rows[:m] = theirs.a  # as the peer's puts would have left them
+    backend._scale_rows(scales, 0, m).copy_(theirs.a_scale.reshape(backend._scale_rows(scales, 0, m).shape))
+    out = torch.full((WORLD * m, cfg.n), float("nan"), dtype=torch.bfloat16)
+    a_all = torch.empty(WORLD * m, cfg.k, dtype=mine.a.dtype)
+    s_all = torch.empty(cfg.k // 128, WORLD * m).t() if quant == "blockscale" else torch.empty(WORLD * m)
+    backend.all_gather_gemm(mine.a, preshuffle_b(mine.b), mine.a_scale, mine.b_scale, out=out, plan=plan,
+                            gathered=(a_all, s_all))
+    assert torch.equal(sched.a_rows[RANK][:m].view(torch.uint8), mine.a.view(torch.uint8))
+    ref = {RANK: mine.reference(),
+           peer: Q.Problem(quant, theirs.a, mine.b, theirs.a_scale, mine.b_scale).reference()}
+    for src in range(WORLD):
+        assert Q.count_mismatches(out[src * m:(src + 1) * m], ref[src]) == 0, src
+    assert torch.equal(a_all[peer * m:(peer + 1) * m].view(torch.uint8), theirs.a.view(torch.uint8))
+    assert torch.equal(s_all[RANK * m:(RANK + 1) * m], mine.a_scale.reshape(s_all[:m].shape))
+    gemm_free = [op for op in log.ops if op[0] == "main" and op[1] in ("wait", "check_stamps")]
+    assert gemm_free[-1][1] == "check_stamps"
+
+
 def _specialization(fn, args, kwargs) -> tuple:
     """Which compiled kernel Triton picks for these arguments of the JIT function ``fn``: the
     constexprs' values, each tensor's dtype and 16-byte alignment, each specialized int's "is 1" and
@@ -416,3 +504,125 @@ def test_side_kernels_are_loaded_before_any_call_launches_them(monkeypatch, gath
     assert {name for name, _ in launched} == {"_reduce", "_dequant"}  # bf16: dequant with programs set
     missing = [launch for launch in launched if launch not in loaded]
     assert not missing, f"{len(missing)} of {len(launched)} launches need a kernel not loaded: {missing[0]}"
+
+
+# --------------------------------------------------------------------------------------------------
+# the sequence-parallel patterns on the same schedule
+# --------------------------------------------------------------------------------------------------
+def _peer_words(sched, window, region, peer, index):
+    return _addr(window.words(getattr(sched.cfg.window, region), rank=peer), index)
+
+
+@pytest.mark.parametrize("scatters_first", [True, False], ids=["scatters-first", "interleaved"])
+@pytest.mark.parametrize("pattern", ["reduce-scatter-cols", "reduce-scatter-rows"])
+def test_reduce_scatter_runs_the_all_reduce_steps_without_the_gathers_data(monkeypatch, pattern, scatters_first):
+    """The reduce-scatter on the copy engines: the all-reduce's scatter and reduce, its reduce
+    writing ``out`` at column 0 and no ``gather`` region; no gather data, no assemble copy. Guards
+    the end of the call: a rank tells each peer it finished (one flag into ``gather_flags[rank, 0]``)
+    only after its last chunk is reduced, and waits for every peer's word (then zeroes it) before
+    the call leaves; without that a rank whose own slice was complete returned while a peer failed
+    the same call (its put lost), and the ranks' verdicts differed."""
+    log = _Log()
+    sched, plan, window = _schedule(monkeypatch, log, gather="bf16", pattern=pattern)
+    sched.flag_by_copy = True
+    peer = 1 - RANK
+    out = torch.zeros(*layout.out_shape(sched.cfg, plan.m), dtype=torch.bfloat16)
+    sched.begin(plan)
+    sched.run(plan, out, after_gemm=False, scatters_first=scatters_first)
+    assert plan.chunks == (4 if pattern.endswith("cols") else 2)
+    reduce = [op[1:] for op in log.ops if op[0] == sched.reduce.name and op[1] == "reduce_kernel"]
+    assert reduce == [("reduce_kernel", rows, sched.partial.data_ptr(), sched.partial.stride(), "no gather", 0)
+                      for rows in plan.rows]
+    assert not any(op[1] == "dequant_kernel" for op in log.ops)
+    gather = sched.peer[peer]["gather"]
+    assert gather.numel() == 0 and sched.gather.numel() == 0  # the layout gives the pattern no gather region
+    put = [op[1:] for op in log.ops if op[0] == sched.put[peer][0].name]
+    done = ("copy", _peer_words(sched, window, "gather_flags", peer, layout.counter_index(RANK, 0)),
+            sched.flag_set.data_ptr(), 8)
+    assert put.count(done) == 1
+    last_reduced = ("wait_event", sched.reduced[plan.chunks - 1].name)
+    assert put.index(last_reduced) < put.index(done)
+    last_scatter_flag = max(i for i, op in enumerate(put) if op[0] == "copy" and op[3] == 8 and op != done)
+    assert last_scatter_flag < put.index(done)
+    assemble = [op[1:] for op in log.ops if op[0] == sched.assemble.name]
+    flag = _addr(sched.gather_flags, layout.counter_index(peer, 0))
+    assert [op for op in assemble if op[0] in ("wait", "write", "copy", "copy_2d")] == [("wait", flag, 1),
+                                                                                        ("write", flag, 0)]
+    # the reduce's own stream still consumes every scatter flag once
+    for c in range(plan.chunks):
+        word = _addr(sched.scatter_flags, layout.counter_index(peer, c))
+        reduce_ops = [op[1:] for op in log.ops if op[0] == sched.reduce.name]
+        assert reduce_ops.index(("wait", word, 1)) < reduce_ops.index(("write", word, 0))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "split"])
+@pytest.mark.parametrize("quant", ["ptpc", "blockscale", "mxfp8"])
+def test_all_gather_puts_rows_before_any_wait_and_consumes_each_chunk_after_its_flag(monkeypatch, quant, fused):
+    """The all-gather on the copy engines (``gather_inputs``). Guards: every put (data, then its flag;
+    the stamp before the first flag) is submitted before the call's first wait, and each put stream
+    starts only after the own rows are in the window (``inputs_ready``); a chunk's GEMM is enqueued
+    after the wait for its flag (fused), or every GEMM after every wait (split); each flag is zeroed
+    by its one waiter; the call ends by telling every peer and waiting for each, and the stamp
+    check runs after every wait. The scales go as a 2-D copy where the slot is column blocks
+    (blockscale)."""
+    log = _Log()
+    sched, plan, window = _schedule(monkeypatch, log, gather="bf16", pattern="all-gather", quant=quant)
+    sched.flag_by_copy = True
+    peer, cfg = 1 - RANK, sched.cfg
+    out = torch.zeros(*layout.out_shape(cfg, plan.m), dtype=torch.bfloat16)
+    sched.begin(plan)
+
+    def consume(src, c):
+        log.ops.append((log.current.name, "gemm", src, c))
+
+    sched.gather_inputs(plan, out=out, consume_own=(lambda: consume(RANK, None)) if fused else None,
+                        consume=consume if fused else None,
+                        consume_all=None if fused else (lambda: consume(None, None)))
+    assert plan.chunks == 2
+    main = [op[1:] for op in log.ops if op[0] == "main"]
+    put = [op[1:] for op in log.ops if op[0] == sched.put[peer][0].name]
+    assert put[0] == ("wait_event", sched.inputs_ready.name)
+    assert main.index(("record", sched.inputs_ready.name)) < main.index(("wait", _addr(
+        sched.scatter_flags, layout.counter_index(peer, 0)), 1))
+    first_wait = next(i for i, op in enumerate(log.ops) if op[0] == "main" and op[1] == "wait")
+    last_put = max(i for i, op in enumerate(log.ops) if op[0] == sched.put[peer][0].name and op[1] != "record")
+    assert last_put < first_wait  # submitted before any wait that (through the peer) depends on it
+    rows_slot, scale_slot = sched.peer[peer]["a_rows"][RANK], sched.peer[peer]["a_scales"][RANK]
+    stamp = ("copy", _peer_words(sched, window, "scatter_m", peer, RANK), sched.stamp.data_ptr(), 8)
+    assert put.index(stamp) < min(i for i, op in enumerate(put) if op[0] == "copy" and op[3] == 8 and op != stamp)
+    for c, (r0, r1) in enumerate(plan.rows):
+        rows = ("copy", rows_slot.data_ptr() + r0 * cfg.k, sched.a_rows[RANK].data_ptr() + r0 * cfg.k,
+                (r1 - r0) * cfg.k)
+        if quant == "blockscale":
+            pitch = scale_slot.stride(0) * 4
+            scales = ("copy_2d", scale_slot.data_ptr() + r0 * 4, pitch, sched.a_scales[RANK].data_ptr() + r0 * 4,
+                      pitch, (r1 - r0) * 4, cfg.k // 128)
+        else:
+            row = scale_slot[0].numel() * scale_slot.element_size()
+            scales = ("copy", scale_slot.data_ptr() + r0 * row, sched.a_scales[RANK].data_ptr() + r0 * row,
+                      (r1 - r0) * row)
+        flag = ("copy", _peer_words(sched, window, "scatter_flags", peer, layout.counter_index(RANK, c)),
+                sched.flag_set.data_ptr(), 8)
+        assert put.index(rows) < put.index(flag) and put.index(scales) < put.index(flag)
+        word = _addr(sched.scatter_flags, layout.counter_index(peer, c))
+        wait, zero = main.index(("wait", word, 1)), main.index(("write", word, 0))
+        assert wait < zero
+        if fused:
+            assert zero < main.index(("gemm", peer, c))
+            later = [i for i, op in enumerate(main) if op[0] == "wait" and i > wait]
+            assert not later or main.index(("gemm", peer, c)) < later[0]  # consumed as it lands
+    if fused:
+        assert main.index(("gemm", RANK, None)) < main.index(("wait", _addr(sched.scatter_flags, 0 + layout.counter_index(
+            peer, 0)), 1))  # the own rows first, while the puts fly
+    else:
+        last_wait = max(i for i, op in enumerate(main) if op[0] == "wait" and op[1] != _addr(
+            sched.gather_flags, layout.counter_index(peer, 0)))
+        assert main.index(("gemm", None, None)) > last_wait
+    done = ("copy", _peer_words(sched, window, "gather_flags", peer, layout.counter_index(RANK, 0)),
+            sched.flag_set.data_ptr(), 8)
+    finish = _addr(sched.gather_flags, layout.counter_index(peer, 0))
+    gemms = [i for i, op in enumerate(main) if op[0] == "gemm"]
+    assert max(gemms) < main.index(done) < main.index(("wait", finish, 1)) < main.index(("write", finish, 0))
+    check = main.index(("check_stamps", out.data_ptr()))
+    assert check > main.index(("write", finish, 0)) and check > main.index(("wait_event", sched.done[
+        sched.put[peer][0]].name))
