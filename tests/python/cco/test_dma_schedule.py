@@ -626,3 +626,254 @@ def test_all_gather_puts_rows_before_any_wait_and_consumes_each_chunk_after_its_
     check = main.index(("check_stamps", out.data_ptr()))
     assert check > main.index(("write", finish, 0)) and check > main.index(("wait_event", sched.done[
         sched.put[peer][0]].name))
+
+
+# --------------------------------------------------------------------------------------------------
+# the sequence-parallel schedules run by two ranks on the host: streams, events and memory
+# operations executed, not only recorded
+# --------------------------------------------------------------------------------------------------
+class _Sim:
+    """Every rank's streams as in-order queues of host closures, run until each is empty: a wait
+    (a stream wait-value, or an event's record as it was when the wait was enqueued) blocks its
+    stream only; copies and writes act on the ranks' host windows at their addresses. A pass in
+    which no stream can move is a deadlock (on a GPU: a call that hangs until its deadline)."""
+
+    def __init__(self):
+        self.queues: dict = {}  # stream -> [(ready, act)]
+        self.rank = 0  # whose current stream work is enqueued on
+        self.mains: dict = {}
+
+    def enqueue(self, stream, act, ready=lambda: True):
+        self.queues.setdefault(stream, []).append((ready, act))
+
+    def run(self) -> None:
+        while any(self.queues.values()):
+            moved = False
+            for q in self.queues.values():
+                while q and q[0][0]():
+                    q.pop(0)[1]()
+                    moved = True
+            if not moved:
+                stuck = {s.name: len(q) for s, q in self.queues.items() if q}
+                raise AssertionError(f"deadlock: streams {stuck} cannot move")
+
+    def cuda(self):
+        sim = self
+
+        class Stream:
+            def __init__(self, device=None, priority=0, name="side"):
+                self.name, self.cuda_stream = f"{name}{id(self) % 9973}", self
+
+            @staticmethod
+            def priority_range():
+                return 0, -1
+
+            def wait_event(self, event):
+                version = event.enqueued
+                sim.enqueue(self, lambda: None, lambda: event.done >= version)
+
+        class Event:
+            def __init__(self):
+                self.enqueued = self.done = 0
+
+            def record(self, stream=None):
+                stream = stream or sim.current
+                self.enqueued += 1
+                version = self.enqueued
+
+                def act():
+                    self.done = max(self.done, version)
+                sim.enqueue(stream, act)
+
+        @contextlib.contextmanager
+        def stream(s):
+            before, sim.current = sim.current, s
+            try:
+                yield
+            finally:
+                sim.current = before
+
+        self.Stream = Stream
+        return types.SimpleNamespace(Stream=Stream, Event=Event, stream=stream, current_stream=lambda: sim.current,
+                                     device=lambda device: contextlib.nullcontext(),
+                                     is_current_stream_capturing=lambda: False, synchronize=lambda device=None: None)
+
+    def memops(self):
+        import ctypes
+
+        sim = self
+
+        def word(addr):
+            return ctypes.c_int64.from_address(addr)
+
+        class Memops:
+            def capture_supported(self, index):
+                return True
+
+            def wait_geq(self, stream, addr, value):
+                sim.enqueue(stream, lambda: None, lambda: word(addr).value >= value)
+
+            def write(self, stream, addr, value):
+                sim.enqueue(stream, lambda: setattr(word(addr), "value", value))
+
+            def copy(self, stream, dst, src, nbytes):
+                sim.enqueue(stream, lambda: ctypes.memmove(dst, src, nbytes))
+
+            def copy_2d(self, stream, *, dst, dst_pitch, src, src_pitch, width, height):
+                def act():
+                    for row in range(height):
+                        ctypes.memmove(dst + row * dst_pitch, src + row * src_pitch, width)
+                sim.enqueue(stream, act)
+
+        return Memops()
+
+
+def _sim_ranks(monkeypatch, *, pattern, quant="ptpc", world=WORLD, chunks=3):
+    """Every rank's CopyEngineSchedule over shared host windows, driven by one :class:`_Sim`; the
+    reduce and stamp-check kernels are torch closures enqueued on their streams."""
+    from cco.cuda import dma
+    from cco.window import Window
+
+    sim = _Sim()
+    cfg = layout.build_config(n=256 * world, k=256, m_max=M, world=world, quant=quant, transport="dma",
+                              block_m=64, block_n=128, pattern=pattern, chunks=chunks)
+    buffers = [torch.zeros(cfg.window.nbytes, dtype=torch.uint8) for _ in range(world)]
+
+    class HostWindow(Window):
+        def __init__(self, rank):
+            super().__init__(comm=types.SimpleNamespace(rank=rank, world=world), layout=cfg.window)
+
+        @property
+        def device(self):
+            return torch.device("cpu")
+
+        def _raw(self, rank):
+            return buffers[rank]
+
+        def _release(self):
+            pass
+
+    def reduce_chunk(*, partial, recv, gather, out, scatter_m, status, rank, rows, stamp, out_col0=None, **_):
+        r0, r1 = rows
+
+        def act():
+            bad = [s for s in range(world) if s != rank and int(scatter_m[s]) != int(stamp[0])]
+            acc = partial[rank][r0:r1].float() + sum(recv[s][r0:r1].float() for s in range(world) if s != rank)
+            if bad:
+                acc.fill_(float("nan"))
+                status[0], status[1] = 1 + bad[0], scatter_m[bad[0]]
+            ns = recv.shape[2]
+            col0 = rank * ns if out_col0 is None else out_col0
+            out[r0:r1, col0:col0 + ns] = acc.to(torch.bfloat16)
+            if gather is not None:
+                gather[rank][r0:r1] = acc.to(torch.bfloat16)
+        sim.enqueue(sim.current, act)
+
+    def check_stamps(*, out, scatter_m, status, stamp, rank, world, **_):
+        def act():
+            bad = [s for s in range(world) if s != rank and int(scatter_m[s]) != int(stamp[0])]
+            if bad:
+                out.fill_(float("nan"))
+                status[0], status[1] = 1 + bad[0], scatter_m[bad[0]]
+        sim.enqueue(sim.current, act)
+
+    cuda = sim.cuda()
+    monkeypatch.setattr(dma, "torch", types.SimpleNamespace(zeros=torch.zeros, full=torch.full, empty=torch.empty,
+                                                            int64=torch.int64, bfloat16=torch.bfloat16, cuda=cuda))
+    monkeypatch.setattr(dma, "kernels", types.SimpleNamespace(reduce_chunk=reduce_chunk, check_stamps=check_stamps,
+                                                              dequant_chunk=lambda **kw: None))
+    memops = sim.memops()
+    scheds = []
+    for rank in range(world):
+        sim.current = sim.mains[rank] = cuda.Stream(name=f"main{rank}-")
+        scheds.append(dma.CopyEngineSchedule(config=cfg, window=HostWindow(rank), device=torch.device("cpu"),
+                                             memops=memops, flag_by_copy=True))
+    return sim, cfg, scheds
+
+
+def _on(sim, stream, act):
+    sim.enqueue(stream, act)
+
+
+@pytest.mark.parametrize("calls", [(M, M), (M - 70, 6, M - 70)], ids=["same-M", "alternating-M"])
+@pytest.mark.parametrize("mode", ["fused", "split"])
+@pytest.mark.parametrize("pattern", ["reduce-scatter-rows", "reduce-scatter-cols"])
+def test_reduce_scatter_schedule_delivers_every_slice_on_two_host_ranks(monkeypatch, pattern, mode, calls):
+    """Both ranks' reduce-scatter schedules executed together: every rank's output is the sum of
+    every rank's slice (bits of the fp32 sum of the bf16 partials), call after call with other Ms and
+    other data, every flag and counter consumed (zero) once the calls are done, no deadlock. The
+    producer writes its rows when its stream runs them, so a put that read too early moves stale
+    rows and the sum is wrong."""
+    sim, cfg, scheds = _sim_ranks(monkeypatch, pattern=pattern)
+    for seq, m in enumerate(calls, start=1):
+        plans = [layout.plan_call(cfg, m=m, seq=seq, rank=r, counter_base=layout.zero_counters(WORLD))
+                 for r in range(WORLD)]
+        sm, ns = plans[0].slice_m, cfg.n_slice
+        partials = [torch.randn(WORLD, sm, ns, generator=torch.Generator().manual_seed(10 * seq + r)).bfloat16()
+                    for r in range(WORLD)]  # rank r's partial of each owner d's slice
+        outs = [torch.full(layout.out_shape(cfg, m), float("nan"), dtype=torch.bfloat16) for _ in range(WORLD)]
+        for r, (sched, plan) in enumerate(zip(scheds, plans)):
+            sim.current = main = sim.mains[r]
+            _on(sim, main, lambda s=sched: s.counters.zero_())
+            sched.begin(plan)
+
+            def unit(d, c, r=r, sched=sched, plan=plan):
+                r0, r1 = plan.rows[c]
+                return lambda: _on(sim, sim.current, lambda: sched.partial[d][r0:r1].copy_(partials[r][d][r0:r1]))
+
+            sched.produce(plan, [(unit(d, c), [(d, c)]) for d in layout.dest_order(r, WORLD)
+                                 for c in range(plan.chunks)])
+            sched.run(plan, outs[r], after_gemm=mode == "split", scatters_first=True)
+        sim.run()
+        for r in range(WORLD):
+            want = sum(partials[s][r].float() for s in range(WORLD)).to(torch.bfloat16)
+            assert torch.equal(outs[r], want), (seq, r)
+            for name in ("scatter_flags", "gather_flags"):
+                assert not getattr(scheds[r], name).any(), (seq, r, name)
+
+
+@pytest.mark.parametrize("mode", ["fused", "split"])
+@pytest.mark.parametrize("quant", ["ptpc", "blockscale", "mxfp8"])
+def test_all_gather_schedule_delivers_every_rows_chunk_on_two_host_ranks(monkeypatch, quant, mode):
+    """Both ranks' all-gather schedules executed together (the "GEMM" copies the slot's rows it
+    consumes into ``out``): every rank ends with every rank's rows and scales bit-exact in rank
+    order, call after call with other Ms, every flag consumed; a rank's rows copied into its slot
+    after the puts were enqueued still reach the peers (the ``inputs_ready`` gate)."""
+    sim, cfg, scheds = _sim_ranks(monkeypatch, pattern="all-gather", quant=quant)
+    k = cfg.k
+    for seq, m in enumerate((cfg.slice_m_max, 70, 3), start=1):
+        plans = [layout.plan_call(cfg, m=m, seq=seq, rank=r, counter_base=layout.zero_counters(WORLD))
+                 for r in range(WORLD)]
+        rows = [torch.randint(0, 120, (m, k), generator=torch.Generator().manual_seed(10 * seq + r), dtype=torch.uint8)
+                for r in range(WORLD)]
+        outs = [torch.full((WORLD * m, k), 255, dtype=torch.uint8) for _ in range(WORLD)]
+        for r, (sched, plan) in enumerate(zip(scheds, plans)):
+            sim.current = main = sim.mains[r]
+            sched.begin(plan)
+            slot = sched.a_rows[r].view(torch.uint8)
+            scales = sched.a_scales[r].view(torch.uint8)
+            _on(sim, main, lambda slot=slot, r=r: slot[:m].copy_(rows[r]))
+            _on(sim, main, lambda scales=scales, r=r, seq=seq: scales.fill_(seq * 16 + r))
+
+            def consume(src, c, r=r, sched=sched, plan=plan):
+                r0, r1 = plan.rows[c] if c is not None else (0, m)
+                _on(sim, sim.current, lambda: outs[r][src * m + r0:src * m + r1].copy_(
+                    sched.a_rows[src].view(torch.uint8)[r0:r1]))
+
+            def every(r=r):
+                for src in range(WORLD):
+                    consume(src, None, r=r)
+            sched.gather_inputs(plan, out=torch.zeros(WORLD * m, 4, dtype=torch.bfloat16),
+                                consume_own=(lambda: consume(r, None)) if mode == "fused" else None,
+                                consume=consume if mode == "fused" else None,
+                                consume_all=None if mode == "fused" else every)
+        sim.run()
+        for r in range(WORLD):
+            assert torch.equal(outs[r], torch.cat(rows)), (seq, r)
+            for src in range(WORLD):
+                got = scheds[r].a_scales[src].view(torch.uint8)
+                got = got[:, :m] if quant == "blockscale" else got[:m]
+                assert (got == seq * 16 + src).all(), (seq, r, src)
+            for name in ("scatter_flags", "gather_flags"):
+                assert not getattr(scheds[r], name).any(), (seq, r, name)
+            assert int(scheds[r].status[0]) == 0
