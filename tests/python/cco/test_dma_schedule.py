@@ -635,27 +635,29 @@ def test_all_gather_puts_rows_before_any_wait_and_consumes_each_chunk_after_its_
 class _Sim:
     """Every rank's streams as in-order queues of host closures, run until each is empty: a wait
     (a stream wait-value, or an event's record as it was when the wait was enqueued) blocks its
-    stream only; copies and writes act on the ranks' host windows at their addresses. A pass in
-    which no stream can move is a deadlock (on a GPU: a call that hangs until its deadline)."""
+    stream only; copies and writes act on the ranks' host windows at their addresses. Each step
+    runs the head of one stream picked at random among those that can move (``seed``): a missing
+    wait shows as a read of bytes not yet written under some interleaving. A state in which no
+    stream can move is a deadlock (on a GPU: a call that hangs until its deadline)."""
 
     def __init__(self):
         self.queues: dict = {}  # stream -> [(ready, act)]
-        self.rank = 0  # whose current stream work is enqueued on
         self.mains: dict = {}
+        self.seed = 0
 
     def enqueue(self, stream, act, ready=lambda: True):
         self.queues.setdefault(stream, []).append((ready, act))
 
     def run(self) -> None:
+        import random
+
+        pick = random.Random(self.seed)
         while any(self.queues.values()):
-            moved = False
-            for q in self.queues.values():
-                while q and q[0][0]():
-                    q.pop(0)[1]()
-                    moved = True
-            if not moved:
+            ready = [q for q in self.queues.values() if q and q[0][0]()]
+            if not ready:
                 stuck = {s.name: len(q) for s, q in self.queues.items() if q}
                 raise AssertionError(f"deadlock: streams {stuck} cannot move")
+            pick.choice(ready).pop(0)[1]()
 
     def cuda(self):
         sim = self
@@ -726,6 +728,9 @@ class _Sim:
                 sim.enqueue(stream, act)
 
         return Memops()
+
+
+SIM_SEEDS = 12  # interleavings per case
 
 
 def _sim_ranks(monkeypatch, *, pattern, quant="ptpc", world=WORLD, chunks=3):
@@ -804,7 +809,13 @@ def test_reduce_scatter_schedule_delivers_every_slice_on_two_host_ranks(monkeypa
     other data, every flag and counter consumed (zero) once the calls are done, no deadlock. The
     producer writes its rows when its stream runs them, so a put that read too early moves stale
     rows and the sum is wrong."""
+    for seed in range(SIM_SEEDS):
+        _reduce_scatter_calls(monkeypatch, pattern, mode, calls, seed)
+
+
+def _reduce_scatter_calls(monkeypatch, pattern, mode, calls, seed):
     sim, cfg, scheds = _sim_ranks(monkeypatch, pattern=pattern)
+    sim.seed = seed
     for seq, m in enumerate(calls, start=1):
         plans = [layout.plan_call(cfg, m=m, seq=seq, rank=r, counter_base=layout.zero_counters(WORLD))
                  for r in range(WORLD)]
@@ -827,7 +838,7 @@ def test_reduce_scatter_schedule_delivers_every_slice_on_two_host_ranks(monkeypa
         sim.run()
         for r in range(WORLD):
             want = sum(partials[s][r].float() for s in range(WORLD)).to(torch.bfloat16)
-            assert torch.equal(outs[r], want), (seq, r)
+            assert torch.equal(outs[r], want), (seed, seq, r)
             for name in ("scatter_flags", "gather_flags"):
                 assert not getattr(scheds[r], name).any(), (seq, r, name)
 
@@ -839,7 +850,13 @@ def test_all_gather_schedule_delivers_every_rows_chunk_on_two_host_ranks(monkeyp
     consumes into ``out``): every rank ends with every rank's rows and scales bit-exact in rank
     order, call after call with other Ms, every flag consumed; a rank's rows copied into its slot
     after the puts were enqueued still reach the peers (the ``inputs_ready`` gate)."""
+    for seed in range(SIM_SEEDS):
+        _all_gather_calls(monkeypatch, quant, mode, seed)
+
+
+def _all_gather_calls(monkeypatch, quant, mode, seed):
     sim, cfg, scheds = _sim_ranks(monkeypatch, pattern="all-gather", quant=quant)
+    sim.seed = seed
     k = cfg.k
     for seq, m in enumerate((cfg.slice_m_max, 70, 3), start=1):
         plans = [layout.plan_call(cfg, m=m, seq=seq, rank=r, counter_base=layout.zero_counters(WORLD))
@@ -869,7 +886,7 @@ def test_all_gather_schedule_delivers_every_rows_chunk_on_two_host_ranks(monkeyp
                                 consume_all=None if mode == "fused" else every)
         sim.run()
         for r in range(WORLD):
-            assert torch.equal(outs[r], torch.cat(rows)), (seq, r)
+            assert torch.equal(outs[r], torch.cat(rows)), (seed, seq, r)
             for src in range(WORLD):
                 got = scheds[r].a_scales[src].view(torch.uint8)
                 got = got[:, :m] if quant == "blockscale" else got[:m]
