@@ -379,8 +379,8 @@ def _host_backend(monkeypatch, log, *, pattern, quant, mode="fused"):
     return CudaBackend(config=cfg, comm=None, window=window, deadline_s=1.0), sched
 
 
-@pytest.mark.parametrize("quant, m", [("ptpc", M), ("blockscale", M), ("blockscale", 260)],
-                         ids=["ptpc", "blockscale-vendor", "blockscale-own-kernel"])
+@pytest.mark.parametrize("quant, m", [("ptpc", M), ("blockscale", M), ("blockscale", 260), ("mxfp8", 130)],
+                         ids=["ptpc", "blockscale-vendor", "blockscale-own-kernel", "mxfp8"])
 def test_cuda_backend_reduce_scatter_rows_produces_each_slice_from_its_rows_on_the_host(monkeypatch, quant, m):
     """The reduce-scatter along rows on the CUDA backend, run on the host: slice d is rows
     d*M/W.. of the product in ``partial[d]`` (one GEMM per (dest, chunk): the vendor GEMM, or the own
@@ -408,8 +408,33 @@ def test_cuda_backend_reduce_scatter_rows_produces_each_slice_from_its_rows_on_t
     assert reduce == [(rows, sched.partial.data_ptr(), sched.partial.stride(), "no gather", 0) for rows in plan.rows]
 
 
+@pytest.mark.parametrize("producer", ["vendor", "kernel"])
+def test_cuda_backend_reduce_scatter_cols_runs_the_all_reduce_producers_on_the_host(monkeypatch, producer):
+    """The reduce-scatter along columns takes the all-reduce's producers as they are (the vendor GEMM
+    into the row-major reading, the tile kernel into the dest-major planes, here under Triton's
+    interpreter), and its reduce writes out from column 0 with no gather region."""
+    from cco import quant as Q
+    from cco.preshuffle import preshuffle_b
+
+    log = _Log()
+    backend, sched = _host_backend(monkeypatch, log, pattern="reduce-scatter-cols", quant="ptpc")
+    backend.producer = producer
+    backend.fused_config = dataclasses.replace(backend.fused_config, block_n=128, num_stages=1)  # interpreter-sized
+    backend.tile_weight = 1
+    cfg, m = backend.config, 200
+    plan = layout.plan_call(cfg, m=m, seq=1, rank=RANK, counter_base=layout.zero_counters(WORLD))
+    p = Q.random_problem(m, cfg.n, cfg.k, "ptpc", seed=9)
+    backend.fused(p.a, preshuffle_b(p.b), p.a_scale, p.b_scale,
+                  out=torch.zeros(*layout.out_shape(cfg, m), dtype=torch.bfloat16), plan=plan)
+    planes = backend.partial_by_rows if producer == "vendor" else backend.partial
+    got = torch.cat([planes[d][:m] for d in range(WORLD)], dim=1)
+    assert Q.count_mismatches(got, p.reference()) == 0
+    reduce = [op[2:] for op in log.ops if op[1] == "reduce_kernel"]
+    assert reduce == [(rows, planes.data_ptr(), planes.stride(), "no gather", 0) for rows in plan.rows]
+
+
 @pytest.mark.parametrize("mode", ["fused", "split"])
-@pytest.mark.parametrize("quant", ["ptpc", "blockscale"])
+@pytest.mark.parametrize("quant", ["ptpc", "blockscale", "mxfp8"])
 def test_cuda_backend_all_gather_gemm_on_the_host(monkeypatch, quant, mode):
     """The all-gather on the CUDA backend, run on the host (no bytes move between the recorded
     ranks: the peer's slot holds what the test wrote there): the own rows land in the own slot,
@@ -429,7 +454,9 @@ def test_cuda_backend_all_gather_gemm_on_the_host(monkeypatch, quant, mode):
     backend._scale_rows(scales, 0, m).copy_(theirs.a_scale.reshape(backend._scale_rows(scales, 0, m).shape))
     out = torch.full((WORLD * m, cfg.n), float("nan"), dtype=torch.bfloat16)
     a_all = torch.empty(WORLD * m, cfg.k, dtype=mine.a.dtype)
-    s_all = torch.empty(cfg.k // 128, WORLD * m).t() if quant == "blockscale" else torch.empty(WORLD * m)
+    s_all = torch.empty(WORLD * m, *mine.a_scale.shape[1:], dtype=mine.a_scale.dtype)
+    if quant == "blockscale":  # column-major, as the op's _scale_like makes it
+        s_all = torch.empty(cfg.k // 128, WORLD * m).t()
     backend.all_gather_gemm(mine.a, preshuffle_b(mine.b), mine.a_scale, mine.b_scale, out=out, plan=plan,
                             gathered=(a_all, s_all))
     assert torch.equal(sched.a_rows[RANK][:m].view(torch.uint8), mine.a.view(torch.uint8))
@@ -438,7 +465,8 @@ def test_cuda_backend_all_gather_gemm_on_the_host(monkeypatch, quant, mode):
     for src in range(WORLD):
         assert Q.count_mismatches(out[src * m:(src + 1) * m], ref[src]) == 0, src
     assert torch.equal(a_all[peer * m:(peer + 1) * m].view(torch.uint8), theirs.a.view(torch.uint8))
-    assert torch.equal(s_all[RANK * m:(RANK + 1) * m], mine.a_scale.reshape(s_all[:m].shape))
+    assert torch.equal(s_all[RANK * m:(RANK + 1) * m].contiguous().view(torch.uint8),
+                       mine.a_scale.reshape(s_all[:m].shape).contiguous().view(torch.uint8))
     gemm_free = [op for op in log.ops if op[0] == "main" and op[1] in ("wait", "check_stamps")]
     assert gemm_free[-1][1] == "check_stamps"
 
