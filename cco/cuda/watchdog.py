@@ -25,8 +25,8 @@ blocked work is released and the context stays usable::
       first; a dead peer's never lands);
    b. the NaN fill, by a worker thread, waited for up to ``POISON_WAIT_S``: the own ``recv``,
       ``gather`` (and ``gather_scale``) regions, the all-gather's input slots and the lsa tile
-      flags filled with 0xFF bytes (NaN in bf16 and e4m3; -1 in a flag), so whatever is computed from a released wait is NaN, never a
-      stale earlier call's bytes; with memsets, then the same with copies from a pinned host buffer
+      flags filled with 0xFF bytes (NaN in bf16 and e4m3; -1 in a flag), so whatever is computed
+      from a released wait is NaN, never a stale earlier call's bytes; with memsets, then the same with copies from a pinned host buffer
       (a copy runs on the copy engines while spinning programs hold every multiprocessor, which a
       memset may need);
    c. the release proper, by stream write-values only: this rank's outgoing flags muted

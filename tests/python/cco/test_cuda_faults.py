@@ -331,7 +331,8 @@ if __name__ == "__main__":
             ["--transport", opts.transport, "--pattern", opts.pattern] + [a for s in chosen for a in ("--scenario", s)]
         results = launch(args, timeout_s=opts.timeout)
         for rep in reports(results):
-            print(f"{rep.get('pattern', 'all-reduce')} {rep['transport']:4s} {rep['scenario']:18s} rank {rep['rank']}: {len(rep['problems'])} problems "
+            print(f"{rep.get('pattern', 'all-reduce')} {rep['transport']:4s} {rep['scenario']:18s} rank {rep['rank']}: "
+                  f"{len(rep['problems'])} problems "
                   f"({rep['seconds']} s); " + "; ".join(rep["seen"]))
         problems = [] if opts.bench else job_problems(results, chosen)
         for r in results:

@@ -640,8 +640,8 @@ def test_all_gather_puts_rows_before_any_wait_and_consumes_each_chunk_after_its_
             later = [i for i, op in enumerate(main) if op[0] == "wait" and i > wait]
             assert not later or main.index(("gemm", peer, c)) < later[0]  # consumed as it lands
     if fused:
-        assert main.index(("gemm", RANK, None)) < main.index(("wait", _addr(sched.scatter_flags, 0 + layout.counter_index(
-            peer, 0)), 1))  # the own rows first, while the puts fly
+        first_wait = ("wait", _addr(sched.scatter_flags, layout.counter_index(peer, 0)), 1)
+        assert main.index(("gemm", RANK, None)) < main.index(first_wait)  # the own rows first, while the puts fly
     else:
         last_wait = max(i for i, op in enumerate(main) if op[0] == "wait" and op[1] != _addr(
             sched.gather_flags, layout.counter_index(peer, 0)))
