@@ -48,6 +48,22 @@ Alternatives of the fused copy-engine path, named only in a comma list (not in `
     fused-taper-two-lanes, fused-fp8-taper-two-lanes
                       both of the above: eight steps per put stream leave more gaps to hide
 
+Patterns (``--pattern``): ``ar`` (the default) times the all-reduce arms above; ``rs`` the GEMM +
+reduce-scatter along tokens (``GemmReduceScatterOp(scatter_dim=0)``, rank r gets rows r*M/W..); ``ag``
+the all-gather + GEMM of a column-parallel layer (``AllGatherGemmOp``: each rank passes M/W rows, the
+output is [M, N]). Their arms (``all`` runs every one; split-sdma / fused-sdma are accepted)::
+
+    rs: scaled_mm+nccl      cuBLAS (mxfp8: gemm-only's GEMM) + NCCL reduce_scatter_tensor
+        symm_mem            torch symm-mem fused_scaled_matmul_reduce_scatter (ptpc)
+        split, fused        GemmReduceScatterOp(mode=...) on the copy engines
+    ag: nccl-fp8+scaled_mm  NCCL all_gather_into_tensor of the e4m3 rows and their scales + cuBLAS
+        nccl-bf16+scaled_mm NCCL all-gather of bf16 rows, quantized after it (cco.quant) + cuBLAS
+        symm_mem            torch symm-mem fused_all_gather_scaled_matmul (ptpc)
+        split, fused        AllGatherGemmOp(mode=...) on the copy engines
+
+``--check-only``: the self tests and the output checks, no timing; ranks that share a GPU may run it
+(the arms NCCL refuses there are left out, saying so): how the commands are checked on one H200.
+
 Before timing: every op runs ``self_test()`` (bytes really move), and every arm's output is checked
 against the fp32 reference sum (relative L2 and element-wise), so a wrong or silent arm cannot post a
 time. Timing is ``cco.bench.timing.time_arms`` (arms alternate inside each pass, >= 3 passes, median over
@@ -106,6 +122,11 @@ OP_ARMS = {"split": ("split", "dma", "bf16", {}), "fused": ("fused", "dma", "bf1
 ALTERNATIVES = tuple(name for name in OP_ARMS if name not in ARMS)  # named only in a comma list
 MORI_NAMES = {"gemm-only": ("gemm-only",), "split-sdma": ("split",), "fused-sdma": ("fused",),
               "fused-lsa": ("fused-lsa",)}
+# --pattern: the op's pattern (cco.layout.PATTERNS) and the arms of the sequence-parallel ones
+PATTERNS = {"ar": "all-reduce", "rs": "reduce-scatter-rows", "ag": "all-gather"}
+SP_ARMS = {"rs": ("scaled_mm+nccl", "symm_mem", "split", "fused"),
+           "ag": ("nccl-fp8+scaled_mm", "nccl-bf16+scaled_mm", "symm_mem", "split", "fused")}
+NCCL_ARMS = ("scaled_mm+nccl", "symm_mem", "nccl-fp8+scaled_mm", "nccl-bf16+scaled_mm")  # not on a shared GPU
 
 
 def parse_args(argv=None):
@@ -113,6 +134,10 @@ def parse_args(argv=None):
     p.add_argument("--mode", default="all", help="all | gemm-only | split | fused | fused-fp8 | baselines | "
                    "comma list of arms | a mori arm name (split-sdma, fused-sdma, ...)")
     p.add_argument("--quant", default="ptpc", choices=Q.QUANTS)
+    p.add_argument("--pattern", default="ar", choices=tuple(PATTERNS),
+                   help="ar: GEMM + all-reduce; rs: GEMM + reduce-scatter along tokens; ag: all-gather + GEMM")
+    p.add_argument("--check-only", action="store_true",
+                   help="self tests and output checks only, no timing (ranks may share a GPU)")
     p.add_argument("-m", type=int, default=16384)
     p.add_argument("-n", type=int, default=7168)
     p.add_argument("-k", type=int, default=2048)
@@ -129,7 +154,9 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def select_arms(mode: str, quant: str) -> list[str]:
+def select_arms(mode: str, quant: str, pattern: str = "ar") -> list[str]:
+    if pattern != "ar":
+        return _select_sp_arms(mode, quant, pattern)
     if mode == "all":
         arms = list(ARMS)
     elif mode == "baselines":
@@ -154,15 +181,38 @@ def select_arms(mode: str, quant: str) -> list[str]:
     return list(dict.fromkeys(arms))
 
 
+def _select_sp_arms(mode: str, quant: str, pattern: str) -> list[str]:
+    """The arms of ``--pattern rs | ag`` (``SP_ARMS``) that ``--mode`` names."""
+    allowed = SP_ARMS[pattern]
+    if mode == "all":
+        arms = list(allowed)
+    elif mode == "baselines":
+        arms = [a for a in allowed if a not in ("split", "fused")]
+    else:
+        arms = []
+        for part in (p.strip() for p in mode.split(",")):
+            names = {"split-sdma": "split", "fused-sdma": "fused"}
+            part = names.get(part, part)
+            if part not in allowed:
+                raise SystemExit(f"--mode {part!r} is not an arm of --pattern {pattern}; pick from all, baselines, "
+                                 f"{', '.join(allowed)}, split-sdma, fused-sdma")
+            arms.append(part)
+    if quant != "ptpc":  # symm-mem's fused scaled matmuls scale rows only
+        arms = [a for a in arms if a != "symm_mem"]
+    return list(dict.fromkeys(arms))
+
+
 class Problem:
     """Per rank: ``rotate`` activation sets and one weight, on the GPU, plus the fp32 all-reduced
     reference of set 0."""
 
-    def __init__(self, m, n, k, quant, *, rank, rotate, device):
-        self.m, self.n, self.k, self.quant = m, n, k, quant
+    def __init__(self, m, n, k, quant, *, rank, rotate, device, pattern="ar", world=1, group=None):
+        self.m, self.n, self.k, self.quant, self.pattern = m, n, k, quant, pattern
+        self.rank, self.world, self.group = rank, world, group
+        rows = m // world if pattern == "ag" else m  # the all-gather: this rank's share of the rows
         self.sets = []
         for i in range(rotate):
-            p = Q.random_problem(m, n, k, quant, seed=1000 * rank + i, device=device)
+            p = Q.random_problem(rows, n, k, quant, seed=1000 * rank + i, device=device)
             self.sets.append(p)
         from cco.preshuffle import preshuffle_b
 
@@ -170,7 +220,10 @@ class Problem:
         self.b_scale = self.sets[0].b_scale
         self.b_pre = preshuffle_b(self.b)
         self.b_t = self.b.t()  # [K, N] column-major, for symm-mem's fused scaled matmul (ptpc)
-        self.a_scale_col = [p.a_scale.reshape(m, 1).float() for p in self.sets] if quant == "ptpc" else None
+        self.a_scale_col = [p.a_scale.reshape(rows, 1).float() for p in self.sets] if quant == "ptpc" else None
+        # the all-gather's bf16 baseline gathers the rows in bf16 (the anchors' wire format)
+        self.a_bf16 = [Q.dequantize_a(p.a, p.a_scale, quant).to(torch.bfloat16) for p in self.sets] \
+            if pattern == "ag" else None
         self.b_scale_row = self.b_scale.reshape(1, n).float() if quant == "ptpc" else None
         # cuBLAS's GEMM for this quant (None where it has none: the baseline then runs gemm-only's GEMM)
         self.cublas, self.no_cublas = cublas_gemm(quant, self.b, self.b_scale, fast_accum=FAST_ACCUM)
@@ -180,10 +233,25 @@ class Problem:
 
     def reference(self) -> dict[str, torch.Tensor]:
         """For input set 0: the local fp32 partial and ``|A| @ |B|.T``, and their all-reduced
-        counterparts (sum of partials, sum of |partials|, sum of ``|A| @ |B|.T``)."""
-        local, dot_abs = budget_terms(self.sets[0])  # full fp32 (torch's default precision; TF32 stays off)
-        total, abs_sum, dot_abs_sum = allreduce_terms(local, dot_abs)
-        return {"local": local, "dot_abs": dot_abs, "total": total, "abs_sum": abs_sum, "dot_abs_sum": dot_abs_sum}
+        counterparts (sum of partials, sum of |partials|, sum of ``|A| @ |B|.T``). ``rs``: the
+        all-reduced ones of this rank's rows; ``ag``: the local ones of every rank's rows (gathered
+        on the host: gloo, so ranks sharing a GPU can check too). Reductions over the ranks run on
+        the host (gloo) for the same reason."""
+        p = self.sets[0]
+        if self.pattern == "ag":
+            a = Q.dequantize_a(p.a, p.a_scale, self.quant).cpu()
+            every = [torch.empty_like(a) for _ in range(self.world)]
+            dist.all_gather(every, a, group=self.group)
+            a, b = torch.cat(every).to(p.a.device), Q.dequantize_b(p.b, p.b_scale, self.quant)
+            return {"local": a @ b.t(), "dot_abs": a.abs() @ b.abs().t()}
+        local, dot_abs = budget_terms(p)  # full fp32 (torch's default precision; TF32 stays off)
+        sp = self.pattern != "ar"  # (the all-reduce's reference keeps its device reduction)
+        total, abs_sum, dot_abs_sum = allreduce_terms(local, dot_abs, self.group if sp else None, on_host=sp)
+        ref = {"local": local, "dot_abs": dot_abs, "total": total, "abs_sum": abs_sum, "dot_abs_sum": dot_abs_sum}
+        if self.pattern == "rs":
+            rows = slice(self.rank * self.m // self.world, (self.rank + 1) * self.m // self.world)
+            ref.update({key: ref[key][rows] for key in ("total", "abs_sum", "dot_abs_sum")})
+        return ref
 
 
 def build_arms(names, prob: Problem, comm, *, chunks, m_max):
@@ -191,6 +259,8 @@ def build_arms(names, prob: Problem, comm, *, chunks, m_max):
     from cco.op import GemmAllReduceOp
     from kernels_fused.hopper.gemm import fp8_gemm
 
+    if prob.pattern != "ar":
+        return build_sp_arms(names, prob, comm, chunks=chunks, m_max=m_max)
     arms, ops = {}, {}
     group = dist.group.WORLD
     quant = prob.quant
@@ -250,6 +320,68 @@ def build_arms(names, prob: Problem, comm, *, chunks, m_max):
     return arms, ops
 
 
+def build_sp_arms(names, prob: Problem, comm, *, chunks, m_max):
+    """``build_arms`` for ``--pattern rs | ag`` (``SP_ARMS``): the op arms build
+    ``GemmReduceScatterOp(scatter_dim=0)`` / ``AllGatherGemmOp`` on the copy engines."""
+    from cco.all_gather import AllGatherGemmOp
+    from cco.nn.collectives import all_gather_rows
+    from cco.reduce_scatter import GemmReduceScatterOp
+    from kernels_fused.hopper.gemm import fp8_gemm
+
+    arms, ops = {}, {}
+    group, world, quant, m, n = dist.group.WORLD, comm.world, prob.quant, prob.m, prob.n
+
+    def local_gemm(a, a_s):  # cuBLAS where it has the quant, else the own kernel (as scaled_mm+nccl does)
+        return prob.cublas(a, a_s) if prob.cublas is not None else fp8_gemm(a, prob.b, a_s, prob.b_scale, quant=quant)
+
+    def gather_scales(a_s):  # blockscale's column-major scale travels row-major and is laid back
+        every = all_gather_rows(a_s.contiguous(), group, world)
+        return every.t().contiguous().t() if quant == "blockscale" else every
+
+    for name in names:
+        if name == "scaled_mm+nccl":  # rs
+            def fn(i):
+                full = local_gemm(*prob.a(i))
+                out = torch.empty(m // world, n, dtype=full.dtype, device=full.device)
+                dist.reduce_scatter_tensor(out, full, group=group)
+                return out
+        elif name == "nccl-fp8+scaled_mm":
+            def fn(i):
+                a, a_s = prob.a(i)
+                return local_gemm(all_gather_rows(a, group, world), gather_scales(a_s))
+        elif name == "nccl-bf16+scaled_mm":
+            def fn(i):
+                a, a_s = Q.quantize_a(all_gather_rows(prob.a_bf16[i], group, world).float(), quant)
+                return local_gemm(a, a_s)
+        elif name == "symm_mem":
+            import torch.distributed._symmetric_memory as symm_mem
+
+            gname = group.group_name
+            if hasattr(symm_mem, "enable_symm_mem_for_group"):
+                symm_mem.enable_symm_mem_for_group(gname)
+            if prob.pattern == "rs":
+                def fn(i, gname=gname):
+                    return torch.ops.symm_mem.fused_scaled_matmul_reduce_scatter(
+                        prob.sets[i].a, prob.b_t, prob.a_scale_col[i], prob.b_scale_row, "sum", 0, 0, gname, [m, n],
+                        out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM)
+            else:
+                def fn(i, gname=gname):
+                    _, outs = torch.ops.symm_mem.fused_all_gather_scaled_matmul(
+                        prob.sets[i].a, [prob.b_t], prob.a_scale_col[i], [prob.b_scale_row], 0, gname, [None], [None],
+                        [torch.bfloat16], [FAST_ACCUM])
+                    return outs[0]
+        else:  # split, fused: the op
+            kw = dict(n=n, k=prob.k, m_max=m_max, quant=quant, mode=name, transport="dma", chunks=chunks)
+            op = GemmReduceScatterOp(comm, scatter_dim=0, **kw) if prob.pattern == "rs" else AllGatherGemmOp(comm, **kw)
+            ops[name] = op
+
+            def fn(i, op=op):
+                a, a_s = prob.a(i)
+                return op(a, prob.b_pre, a_s, prob.b_scale)
+        arms[name] = fn
+    return arms, ops
+
+
 def check_arms(arms, prob: Problem, *, rank) -> dict:
     """Each arm's output for input set 0 against the fp32 reference: element-wise (the budgets of
     :func:`cco.bench.timing.gemm_mismatches` and :func:`cco.bench.timing.allreduce_mismatches`) and
@@ -258,9 +390,12 @@ def check_arms(arms, prob: Problem, *, rank) -> dict:
     report = {}
     for name, fn in arms.items():
         out = fn(0)
-        torch.cuda.synchronize()
-        fp8 = name in OP_ARMS and OP_ARMS[name][2] == "fp8"
-        if name in ("scaled_mm", "gemm-only"):
+        if out.is_cuda:  # (CPU ranks check the op arms' wiring: tests/python/cco/test_bench_args.py)
+            torch.cuda.synchronize()
+        fp8 = prob.pattern == "ar" and name in OP_ARMS and OP_ARMS[name][2] == "fp8"
+        if name == "nccl-bf16+scaled_mm":  # requantized after the gather: other e4m3 values, 5% element-wise
+            err, bad = Q.rel_l2(out, ref["local"]), Q.count_mismatches(out, ref["local"])
+        elif name in ("scaled_mm", "gemm-only") or prob.pattern == "ag":
             err, bad = Q.rel_l2(out, ref["local"]), gemm_mismatches(out, ref["local"], ref["dot_abs"])
         else:
             err = Q.rel_l2(out, ref["total"])
@@ -273,14 +408,16 @@ def check_arms(arms, prob: Problem, *, rank) -> dict:
 
 def run_shape(args, comm, m, *, arms_wanted, m_max, progress=None) -> dict:
     rank = comm.rank
-    prob = Problem(m, args.n, args.k, args.quant, rank=rank, rotate=args.rotate, device=comm.device)
+    prob = Problem(m, args.n, args.k, args.quant, rank=rank, rotate=args.rotate, device=comm.device,
+                   pattern=args.pattern, world=comm.world, group=comm.group)
     arms, ops = build_arms(arms_wanted, prob, comm, chunks=args.chunks, m_max=m_max)
     from cco.transport.protocol import SelfTestError
 
     self_tests = {}
+    call_rows = m // comm.world if args.pattern == "ag" else m  # what one call of the op passes
     for name, op in list(ops.items()):
         try:
-            self_tests[name] = op.self_test(m=m)
+            self_tests[name] = op.self_test(m=call_rows)
         except SelfTestError as err:  # bytes did not move: this arm may not post a time
             self_tests[name] = {"error": str(err)}
             arms.pop(name)
@@ -291,6 +428,12 @@ def run_shape(args, comm, m, *, arms_wanted, m_max, progress=None) -> dict:
     if failed:
         for n in failed:
             arms.pop(n)
+    if args.check_only:
+        for op in ops.values():
+            op.close()
+        return {"m": m, "n": args.n, "k": args.k, "quant": args.quant, "pattern": args.pattern, "world": comm.world,
+                "check_only": True, "arms": {}, "correctness": correctness, "dropped_for_wrong_output": failed,
+                "self_test": self_tests}
     timed, eager_arms = graphed(arms, args.rotate) if args.graph else (arms, list(arms))
     idle_before = idle_check()
     timings = time_arms(timed, passes=args.passes, iters=args.iters, rotate=args.rotate,
@@ -317,7 +460,8 @@ def run_shape(args, comm, m, *, arms_wanted, m_max, progress=None) -> dict:
         if name in ops:
             row["chunks"] = ops[name].config.chunks
         rows[name] = row
-    return {"m": m, "n": args.n, "k": args.k, "quant": args.quant, "world": comm.world, "graph": args.graph,
+    return {"m": m, "n": args.n, "k": args.k, "quant": args.quant, "pattern": args.pattern, "world": comm.world,
+            "graph": args.graph,
             "eager_arms": eager_arms, "baseline_gemm": baseline_gemm,
             "chunks": args.chunks or "backend default", "arms": rows, "correctness": correctness,
             "dropped_for_wrong_output": failed, "self_test": self_tests,
@@ -341,8 +485,17 @@ def trace(fn, path, *, rank):
 
 
 def print_table(res, file=sys.stdout):
-    print(f"[{res['m']}, {res['n']}] K={res['k']} {res['quant']} world={res['world']} "
-          f"{'graph' if res['graph'] else 'eager'} chunks={res['chunks']}", file=file)
+    if res.get("check_only"):
+        print(f"[{res['m']}, {res['n']}] K={res['k']} {res['quant']} --pattern {res['pattern']} world={res['world']} "
+              f"check only", file=file)
+        for name, r in res["correctness"].items():
+            test = res["self_test"].get(name, {})
+            print(f"  {name:20s} {'ok' if r['ok'] else 'WRONG'}: rel L2 {r['rel_l2']:.2e}, {r['bad_elements']} "
+                  f"elements off{'; self test: ' + test.get('error', 'passed') if name in res['self_test'] else ''}",
+                  file=file)
+        return
+    print(f"[{res['m']}, {res['n']}] K={res['k']} {res['quant']} --pattern {res.get('pattern', 'ar')} "
+          f"world={res['world']} {'graph' if res['graph'] else 'eager'} chunks={res['chunks']}", file=file)
     for name, r in res["arms"].items():
         extra = f" | {r['tflops']:7.1f} TFLOP/s" if "tflops" in r else ""
         ratio = f" | {r['x_split_baseline']:.3f}x scaled_mm+nccl" if "x_split_baseline" in r else ""
@@ -378,9 +531,21 @@ def main(argv=None):
 
     comm = Communicator.from_env()
     torch.cuda.set_device(comm.device)
-    require_a_gpu_per_rank(comm, "bench_gemm_ar")
-    arms_wanted = select_arms(args.mode, args.quant)
+    arms_wanted = select_arms(args.mode, args.quant, args.pattern)
+    if not args.check_only:
+        require_a_gpu_per_rank(comm, "bench_gemm_ar")
+    else:
+        from cco.window import ranks_share_a_device
+
+        if ranks_share_a_device(comm):
+            left_out = [a for a in arms_wanted if a in NCCL_ARMS]
+            arms_wanted = [a for a in arms_wanted if a not in NCCL_ARMS]
+            if left_out and comm.rank == 0:
+                print(f"ranks share a GPU: NCCL refuses them, so {', '.join(left_out)} are left out")
     ms = SWEEP_M if args.sweep else (args.m,)
+    if args.pattern != "ar" and any(m % comm.world for m in ms):
+        raise SystemExit(f"bench_gemm_ar: --pattern {args.pattern} splits M over the ranks: pass -m a multiple of "
+                         f"world={comm.world}")
     results = []
     bar = None
     if args.sweep and comm.rank == 0:

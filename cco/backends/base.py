@@ -24,6 +24,8 @@ Interface changes (kept backward compatible once published):
   ``all_gather_gemm``, ``gather_inputs_window``. A pattern without a gather phase ends each call
   with ``gather_flags[src, 0] = seq`` put into every peer and a wait for every peer's: a rank whose
   own share was complete must not return while a peer fails the call (its put to that peer lost).
+- v1.8 (2026-12-03): no method changed: ``_scale_rows`` (rows of an all-gathered scale slot) moved
+  here from the CPU backend, which the CUDA backend's all-gather reads alike.
 
 Division of work. The op owns everything that is the same on every device: public validation
 (``cco.validate``), the layout (``cco.layout``: config, window regions, chunk rows, tile table,
@@ -209,6 +211,12 @@ class Backend(abc.ABC):
         self.deadline_s = deadline_s
         self.faults = faults
         self.notes = notes
+
+    def _scale_rows(self, slot, r0: int, r1: int) -> "torch.Tensor":
+        """All-gather: rows [r0, r1) of a scale slot of the window's ``a_scales`` region, as ``a_scale``
+        holds them (blockscale: the slot is the transposed ``[K/128, rows]``, so this is a column-major
+        ``[rows, K/128]`` view; ``layout.input_scale_shape``)."""
+        return slot[:, r0:r1].t() if self.config.quant == "blockscale" else slot[r0:r1]
 
     def path_rows(self) -> list[int]:
         """Row counts that together take every transfer path of this backend (the self test runs

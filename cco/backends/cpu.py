@@ -185,11 +185,6 @@ class CpuBackend(Backend):
 
         self._run_call(plan, steps)
 
-    def _scale_rows(self, slot, r0: int, r1: int) -> torch.Tensor:
-        """Rows [r0, r1) of an all-gathered scale slot, as ``a_scale`` holds them (blockscale: the slot
-        is the transposed ``[K/128, rows]``, so this is a column-major ``[rows, K/128]`` view)."""
-        return slot[:, r0:r1].t() if self.config.quant == "blockscale" else slot[r0:r1]
-
     def _put_inputs(self, plan) -> None:
         """Put the own slot's rows, chunk by chunk, into ``a_rows[rank]`` / ``a_scales[rank]`` of every
         peer (next rank first), each chunk's flag after its data, chunk 0's (seq, M) stamp before it."""

@@ -52,6 +52,14 @@ next call (after it took part in the collective) as well as by ``check()``. A ra
 inputs runs the call all the same, on NaN data, with its peers' M and a rejected stamp
 (:meth:`CudaBackend.reject`). Lost puts (``FaultPlan.drops``) are injected on the copy engines.
 
+Patterns (``cco.layout.PATTERNS``; ``cco.cuda.dma``'s module note has the streams): the
+reduce-scatter runs the all-reduce's dma schedule without the gather's data (fused and split; along
+columns the same producers, along rows one GEMM per (dest, chunk) of A's rows: ``_produce_rows``);
+the all-gather puts its rows and scales on the copy engines and runs the GEMM of each peer's chunk
+as it lands, its own rows first (fused), or of every row once all landed (split). Both run on the
+``dma`` transport only: ``transport="auto"`` takes it, ``"lsa"`` is refused at construction (the lsa
+kernel's epilogue knows the all-reduce only), with the same verdict on every rank.
+
 ``transport="auto"`` (the CUDA default) runs the lsa kernel for small outputs, where it is the
 fastest path measured (0.87x of ``_scaled_mm`` + NCCL at M=2048 where the copy engines take 1.27x),
 and the copy engines for large ones (``LSA_AUTO_MAX_ELEMENTS``). Both paths share the window and
@@ -133,7 +141,7 @@ def dma_producer(quant: str, m: int) -> str:
 def lsa_max_elements(cfg: layout.OpConfig) -> int | None:
     """Largest output (M * N elements) a fused call runs through the lsa kernel: None for any, 0
     for none (transport dma, and split mode), else the ``auto`` threshold of the gather dtype."""
-    if cfg.mode == "split" or cfg.transport == "dma":
+    if cfg.mode == "split" or cfg.transport == "dma" or cfg.pattern != "all-reduce":
         return 0
     return None if cfg.transport == "lsa" else LSA_AUTO_MAX_ELEMENTS[cfg.gather_dtype]
 
@@ -170,6 +178,8 @@ class CudaBackend(Backend):
     dma_reduce_in_gemm = DMA_REDUCE_IN_GEMM  # the fused dma launch reduces its own tiles (kernel producer)
     producer = "kernel"  # who fills the partial region on the dma path (PRODUCERS); None: DMA_PRODUCER per call
     weight_layouts = ("row-major", "bpreshuffle")  # the Triton kernels read row-major: taken as is
+    # every pattern, on the copy engines; the lsa kernel runs the all-reduce only (config_error)
+    patterns = tuple(layout.PATTERNS)
     # calls marked and watched (cco.cuda.watchdog); False only for the cost measurement's "before"
     # arm (tests/python/cco/test_cuda_faults.py --bench), whose waits have no deadline
     watched = True
@@ -198,6 +208,11 @@ class CudaBackend(Backend):
     @classmethod
     def config_error(cls, cfg):
         err = super().config_error(cfg)
+        if err is None and cfg.transport == "lsa" and cfg.pattern != "all-reduce":
+            err = NotImplementedError(
+                f"transport 'lsa' runs the all-reduce only on CUDA (the lsa kernel's epilogue stores, reduces and "
+                f"gathers the all-reduce's tiles); the {cfg.pattern} pattern runs on the copy engines: pass "
+                f"transport='dma' or 'auto'")
         if err is None and cfg.transport == "lsa" and cfg.mode == "split":
             err = ValueError("mode 'split' with transport 'lsa' is not implemented on CUDA (the lsa transport lives in "
                              "the fused kernel's epilogue); pass transport='dma' for split")
@@ -272,8 +287,12 @@ class CudaBackend(Backend):
         base = default_config(cfg.quant)
         self.fused_config, self.tile_weight = fused_config(cfg)
         self.producer = None  # DMA_PRODUCER's pick per call; "kernel" / "vendor" force one
-        self.partial_rows, self.partial_by_rows = row_major_readings(self.partial, cfg)  # vendor producer
-        self.schedule.load_kernels((self.partial, self.partial_by_rows))
+        # the vendor producer's reading of the partial region: whole rows of [M, N] where slices are
+        # columns (the reduce-scatter along rows produces each slice's own rows: _produce_rows)
+        self.partial_rows = self.partial_by_rows = None
+        if cfg.pattern_spec.scatter and cfg.pattern_spec.owner_by == "cols":
+            self.partial_rows, self.partial_by_rows = row_major_readings(self.partial, cfg)
+        self.schedule.load_kernels(tuple(p for p in (self.partial, self.partial_by_rows) if p is not None))
         self._tables: dict[int, torch.Tensor] = {}
         self._plain_configs: dict[int, object] = {}  # M -> PLAIN_RULE's config
         self._weight = TensorDerived()  # the preshuffled weight unshuffled for the Triton kernels
@@ -376,6 +395,8 @@ class CudaBackend(Backend):
         the call's M; module note) into the partial region; returns the [W, rows, n_slice] planes it
         wrote (the region itself: the kernel's). ``reduce_into``: the caller's ``out``, the own tiles
         reduced into it in the kernel producer's epilogue (which the rule then always takes)."""
+        if self.config.pattern_spec.owner_by == "rows":
+            return self._produce_rows(a, b_pre, a_scale, b_scale, plan)
         producer = self.producer or ("kernel" if reduce_into is not None else
                                      dma_producer(self.config.quant, plan.m))
         if producer not in PRODUCERS:
@@ -393,6 +414,48 @@ class CudaBackend(Backend):
             a, a_scale, self._vendor(b_pre, b_scale), out=self.partial_rows, rows=plan.rows,
             fast_accum=not self.fused_config.precise_acc))
         return self.partial_by_rows
+
+    def _produce_rows(self, a, b_pre, a_scale, b_scale, plan) -> torch.Tensor:
+        """The producer of the reduce-scatter along rows: slice d is rows ``d * M/W ..`` of the
+        product, every column, so chunk c of it is one GEMM of those rows of A into
+        ``partial[d][rows c]`` (the dest-major planes, which the puts and the reduce read as they
+        are), then its counter released; every peer's slices before the own one, so the puts
+        start on the first. (The tile kernel walks column slices; a GEMM of row blocks is what
+        this pattern's slices are.)"""
+        self.counters.zero_()  # see the module note: consumed words, zero at the call's start
+        self.schedule.begin(plan)
+        gemm = self._rows_gemm(b_pre, b_scale)
+        sm = plan.slice_m
+
+        def unit(d, c):
+            r0, r1 = plan.rows[c]
+            lo, hi = d * sm + r0, d * sm + r1
+            return lambda: gemm(a[lo:hi], a_scale[lo:hi], self.partial[d][r0:r1])
+
+        self.schedule.produce(plan, [(unit(d, c), [(d, c)]) for d in layout.dest_order(self.rank, self.world)
+                                     for c in range(plan.chunks)])
+        return self.partial
+
+    def _rows_gemm(self, b_pre, b_scale):
+        """``gemm(a, a_scale, out)``: ``out = a @ B.T`` for a block of rows (a view of A or of the
+        window's gathered rows) on the current stream: the vendor GEMM with the kept weight where it
+        takes the row count (blockscale's A scale repacked when its column stride is not the row
+        count, as cuBLAS's blockwise recipe wants), else the own kernel."""
+        quant, weight = self.config.quant, self._vendor(b_pre, b_scale)
+        b, fast = self._unshuffled(b_pre), not self.fused_config.precise_acc
+
+        def gemm(a, a_scale, out):
+            rows = a.shape[0]
+            if rows == 0:
+                return
+            if not vendor.takes_rows(quant, rows):
+                hopper_gemm.fp8_gemm(a, b, a_scale, b_scale, quant=quant, out=out, validated=True)
+                return
+            if quant == "blockscale" and rows > 1 and a_scale.stride() != (1, rows):
+                a_scale = a_scale.t().contiguous().t()
+            vendor.vendor_gemm(a, a_scale, weight, out=out, fast_accum=fast)
+
+        return gemm
 
     def _fused_gemm(self, a, b_pre, a_scale, b_scale, plan, *, reduce_into=None) -> None:
         """The kernel producer: the tile-table GEMM into the window's dest-major planes;
@@ -432,7 +495,7 @@ class CudaBackend(Backend):
         if self.uses_lsa(plan.m):
             self._lsa(a, b_pre, a_scale, b_scale, out, plan, from_partial=False)
             return
-        in_gemm = self.dma_reduce_in_gemm
+        in_gemm = self.dma_reduce_in_gemm and self.config.pattern_spec.gather  # its epilogue writes gather
         partial = self._produce(a, b_pre, a_scale, b_scale, plan, reduce_into=out if in_gemm else None)
         # a kernel that computes every peer's tiles first scatters all chunks back to back; a producer
         # of whole chunks completes every dest of a chunk at once (cco.cuda.dma.submission_order)
@@ -443,6 +506,60 @@ class CudaBackend(Backend):
     def split(self, a, b_pre, a_scale, b_scale, *, out, plan):
         partial = self._produce(a, b_pre, a_scale, b_scale, plan)
         self.schedule.run(plan, out, after_gemm=True, partial=partial)
+
+    # ---- all-gather ---------------------------------------------------------------------------------
+    def _slots(self, src: int):
+        """(rows, scales) slots of source ``src``'s input in this rank's window."""
+        return self.schedule.a_rows[src], self.schedule.a_scales[src]
+
+    def all_gather_gemm(self, a, b_pre, a_scale, b_scale, *, out, plan, gathered=None):
+        """The all-gather + GEMM (``cco.cuda.dma.CopyEngineSchedule.gather_inputs``): the own rows
+        into the window's own slot (the puts read them there, so the side work's addresses are the
+        same every call), the own rows' GEMM while the puts fly, each peer's chunk as it lands."""
+        m, rank, sch = plan.m, self.rank, self.schedule
+        sch.begin(plan)
+        rows, scales = self._slots(rank)
+        rows[:m].copy_(a)
+        own_scales = self._scale_rows(scales, 0, m)
+        own_scales.copy_(a_scale.reshape(own_scales.shape))
+        gemm = self._rows_gemm(b_pre, b_scale)
+
+        def chunk(src, c):
+            r0, r1 = plan.rows[c]
+            src_rows, src_scales = self._slots(src)
+            gemm(src_rows[r0:r1], self._scale_rows(src_scales, r0, r1), out[src * m + r0:src * m + r1])
+
+        def every_row():  # split: one GEMM of the whole region where the slots hold no pad rows
+            if m == self.config.m_max_padded:
+                all_rows, all_scales = sch.a_rows.view(-1, self.config.k), sch.a_scales
+                if self.config.quant == "blockscale":
+                    all_scales = all_scales.permute(1, 0, 2).reshape(all_scales.shape[1], -1).t()
+                else:
+                    all_scales = all_scales.reshape(self.world * m, *all_scales.shape[2:])
+                gemm(all_rows, all_scales, out)
+                return
+            for src in range(self.world):
+                src_rows, src_scales = self._slots(src)
+                gemm(src_rows[:m], self._scale_rows(src_scales, 0, m), out[src * m:(src + 1) * m])
+
+        def assemble():
+            a_all, scale_all = gathered
+            for src in range(self.world):
+                src_rows, src_scales = self._slots(src)
+                a_all[src * m:(src + 1) * m] = src_rows[:m]
+                into = scale_all[src * m:(src + 1) * m]  # (ptpc: [m] or [m, 1], as the caller's a_scale)
+                into.copy_(self._scale_rows(src_scales, 0, m).reshape(into.shape))
+
+        fused = self.config.mode == "fused"
+        sch.gather_inputs(plan, out=out,
+                          consume_own=(lambda: gemm(a, a_scale, out[rank * m:(rank + 1) * m])) if fused else None,
+                          consume=chunk if fused else None, consume_all=None if fused else every_row,
+                          assemble=assemble if gathered is not None else None)
+
+    def gather_inputs_window(self, *, plan):
+        """The self test's run: the puts of whatever the own slot holds, the waits, no GEMM."""
+        self.schedule.begin(plan)
+        self.schedule.gather_inputs(plan, out=None)
 
     def all_reduce_window(self, *, out, plan):
         if self.uses_lsa(plan.m):
@@ -475,11 +592,14 @@ class CudaBackend(Backend):
                            f"{self.deadline_s:g} s (a peer is not there, or every peer rejected too): a peer still "
                            f"to come fails the call when its deadline passes")
             return
-        run = self.fused if self.config.mode == "fused" else self.split
+        if self.config.pattern_spec.gathers_input:
+            run = self.all_gather_gemm
+        else:
+            run = self.fused if self.config.mode == "fused" else self.split
+        out = torch.empty(*layout.out_shape(self.config, m), dtype=torch.bfloat16, device=self.device)
         self.schedule.rejected_seq = seq
         try:
-            run(*self._null_operands(m), out=torch.empty(m, self.config.n, dtype=torch.bfloat16, device=self.device),
-                plan=plan_for(m))
+            run(*self._null_operands(m), out=out, plan=plan_for(m))
         finally:
             self.schedule.rejected_seq = None
         wd.clear_status()  # this rank's own reduce found the peers' stamps unlike its rejected one

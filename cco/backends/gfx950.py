@@ -292,6 +292,9 @@ class Gfx950Backend(CudaBackend):
     dma_peers_first = False  # the FlyDSL kernel writes the schedule's (chunk, dest) order
     dma_reduce_in_gemm = False  # and stores its own tiles for the reduce kernel
     weight_layouts = ("bpreshuffle",)  # the FlyDSL kernel reads b_pre as is
+    # the all-reduce only (not CudaBackend's list): the sequence-parallel patterns need the FlyDSL
+    # launches of their producers (row-owned slices, the all-gather's chunk GEMMs), not built yet
+    patterns = ("all-reduce",)
 
     @classmethod
     def tile(cls, quant: str) -> tuple[int, int]:

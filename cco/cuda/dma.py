@@ -61,6 +61,25 @@ the second time it sees a (M, ``out`` address) and from then on replays it on a 
 like the side streams (``GraphCache``); the GEMM stays an ordinary launch. While the caller itself
 captures a graph, the work is enqueued as usual (and lands in the caller's graph).
 
+Patterns (``cco.layout.PATTERNS``): one schedule object, the pattern decides which steps carry
+work. The reduce-scatter runs the all-reduce's steps without the gather's data: its reduce writes
+the own slice into ``out`` (column 0; nothing into ``gather``), its last G step puts only a flag
+(``gather_flags[r, 0]``, "this rank finished the call") and its last assemble step only waits for
+every peer's (module ``cco.backends.base``, v1.7: a rank whose own share was complete must not
+return while a peer fails the same call). Along rows (``scatter_dim=0``) a slice is M/W rows of
+every column, produced by one GEMM per (dest, chunk) (:meth:`CopyEngineSchedule.produce`). The
+all-gather (:meth:`CopyEngineSchedule.gather_inputs`) moves inputs instead::
+
+    main      : stamp | own rows -> a_rows[r] (+ scales) | event inputs_ready | GEMM own rows
+                | for c, for src: wait scatter_flags[src,c] >= 1 (then = 0) ; GEMM rows c of src
+                | set peer.gather_flags[r,0] (each peer) ; wait gather_flags[p,0] >= 1 (each, then = 0)
+                | join the put streams | stamp check (NaN out, status, on another (seq, M))
+    put[p][l] : wait inputs_ready ; for c: (first: copy stamp -> peer.scatter_m[r]) ; copy rows c
+                (+ scales) -> peer.a_rows[r] ; set peer.scatter_flags[r,c]
+
+Its waits sit on the call's stream (the GEMM of a chunk needs them there anyway); every put is
+submitted before the first of them (``submission_order``'s rule).
+
 Deadlines (``marks``, ``cco.cuda.watchdog``): the assemble stream writes the call's "in call" mark
 before any wait of the call and, once the reduce stream's last chunk is done and its own waits
 are, the "left" marks; a watchdog thread releases a call that stays in for ``deadline_s``.
@@ -203,6 +222,10 @@ class CopyEngineSchedule:
         w = config.window
         r = self.rank
         self.peers = [d for d in layout.dest_order(r, self.world) if d != r]
+        # the pattern's steps: a gather phase with data (all-reduce) or a flag only (reduce-scatter);
+        # the reduce's own slice at its column of an [M, N] out, or (no gather) the whole out
+        self.gathers = config.pattern_spec.gather
+        self.out_col0 = r * config.n_slice if self.gathers else 0
         self.counters = window.words(w.counters, rank=r)
         self.scatter_flags = window.words(w.scatter_flags, rank=r)
         self.gather_flags = window.words(w.gather_flags, rank=r)
@@ -211,6 +234,8 @@ class CopyEngineSchedule:
         self.recv = window.tensor(w.recv, rank=r)
         self.gather = window.tensor(w.gather, rank=r)
         self.gather_scale = window.tensor(w.gather_scale, rank=r) if config.gather_dtype == "fp8" else None
+        self.a_rows = window.tensor(w.a_rows, rank=r)  # all-gather: [W(src), rows, K] e4m3 (else empty)
+        self.a_scales = window.tensor(w.a_scales, rank=r)  # ... and their scales (layout.input_scale_shape)
         self.peer = {
             p: {
                 "recv": window.tensor(w.recv, rank=p),
@@ -219,6 +244,8 @@ class CopyEngineSchedule:
                 "scatter_flags": window.words(w.scatter_flags, rank=p),
                 "gather_flags": window.words(w.gather_flags, rank=p),
                 "scatter_m": window.words(w.scatter_m, rank=p),
+                "a_rows": window.tensor(w.a_rows, rank=p),
+                "a_scales": window.tensor(w.a_scales, rank=p),
             }
             for p in self.peers
         }
@@ -252,6 +279,7 @@ class CopyEngineSchedule:
             self.assemble = torch.cuda.Stream(device=device)
             self.begin_event = torch.cuda.Event()
             self.gemm_event = torch.cuda.Event()
+            self.inputs_ready = torch.cuda.Event()  # all-gather: the own rows are in the window's slot
             self.reduced = [torch.cuda.Event() for _ in range(layout.MAX_CHUNKS)]
             self.done = {s: torch.cuda.Event() for s in self._side_streams(every=True)}
             self.launch = torch.cuda.Stream(device=device)  # replays of the captured side work
@@ -269,12 +297,18 @@ class CopyEngineSchedule:
         for each layout of ``partials`` the producers write (``cco.cuda.kernels``: a kernel loaded
         in the middle of a call can deadlock the ranks). Once, before any call."""
         out = torch.empty(1, self.cfg.n, dtype=torch.bfloat16, device=self.status.device)  # a call's out, 1 row
+        if self.cfg.pattern_spec.gathers_input:  # no reduce: the stamp check ends the call
+            kernels.check_stamps(out=out, scatter_m=self.scatter_m, status=self.status, stamp=self.stamp,
+                                 rank=self.rank, world=self.world, load_only=True)
+            return
         for partial in partials:
-            kernels.reduce_chunk(partial=partial, recv=self.recv, gather=self.gather, gather_scale=self.gather_scale,
-                                 out=out, scatter_m=self.scatter_m, status=self.status, rank=self.rank, rows=(0, 1),
-                                 stamp=self.stamp, programs=self.side_programs, load_only=True)
-        kernels.dequant_chunk(gather=self.gather, gather_scale=self.gather_scale, out=out, rank=self.rank, rows=(0, 1),
-                              programs=self.side_programs, load_only=True)
+            kernels.reduce_chunk(partial=partial, recv=self.recv, gather=self.gather if self.gathers else None,
+                                 gather_scale=self.gather_scale, out=out, scatter_m=self.scatter_m, status=self.status,
+                                 rank=self.rank, rows=(0, 1), stamp=self.stamp, programs=self.side_programs,
+                                 load_only=True, out_col0=self.out_col0)
+        if self.gathers:
+            kernels.dequant_chunk(gather=self.gather, gather_scale=self.gather_scale, out=out, rank=self.rank,
+                                  rows=(0, 1), programs=self.side_programs, load_only=True)
 
     def _side_streams(self, every: bool = False):
         """The streams a call uses (``every``: also the put streams beyond ``lanes``)."""
@@ -345,26 +379,36 @@ class CopyEngineSchedule:
         after the previous one's last wave. (The releases on a stream of their own, the GEMMs on one,
         measured no faster and cost each eager call two more host calls per chunk:
         docs/hopper_gemm.md.)"""
+        dests = layout.dest_order(self.rank, self.world)
+        self.produce(plan, [(lambda c=c: chunk_gemm(c), [(d, c) for d in dests]) for c in range(plan.chunks)])
+
+    def produce(self, plan: layout.CallPlan, units) -> None:
+        """A producer of whole slots: ``units`` is a list of ``(gemm, slots)``, in order; ``gemm()``
+        enqueues its rows on the current stream, then each ``(dest, chunk)`` of ``slots`` gets its
+        counter raised to its target on that stream (``produce_by_chunks``: a unit per chunk, every
+        dest; the reduce-scatter along rows: a unit per (dest, chunk), the peers' first, since each
+        slice is its own rows of A). Units are dealt to ``producer_streams`` streams in turn."""
         main = self.main
         if main is None:
-            raise RuntimeError("CopyEngineSchedule.produce_by_chunks: call begin() first")
+            raise RuntimeError("CopyEngineSchedule.produce: call begin() first")
         if not (isinstance(self.producer_streams, int) and 1 <= self.producer_streams <= MAX_PRODUCER_STREAMS):
             raise ValueError(f"CopyEngineSchedule: producer_streams={self.producer_streams!r}; pick 1 .. "
                              f"{MAX_PRODUCER_STREAMS}")
-        sides = self.produce_sides[:min(self.producer_streams, plan.chunks) - 1]
+        sides = self.produce_sides[:min(self.producer_streams, len(units)) - 1]
         if sides:
             self.produce_fork.record(main)
             for s in sides:
                 s.wait_event(self.produce_fork)
         streams = [main, *sides]
-        for c in range(plan.chunks):
-            s = streams[c % len(streams)]
+        for i, (gemm, slots) in enumerate(units):
+            s = streams[i % len(streams)]
             if s is main:
-                chunk_gemm(c)
+                gemm()
             else:
                 with torch.cuda.stream(s):
-                    chunk_gemm(c)
-            self.release_chunk(plan, c, s)
+                    gemm()
+            for d, c in slots:
+                self._write(s, self._addr(self.counters, layout.counter_index(d, c)), self._tiles(plan, d, c))
         for s, done in zip(sides, self.produced):
             done.record(s)
             main.wait_event(done)
@@ -409,6 +453,76 @@ class CopyEngineSchedule:
                 graph.replay()
         self.launched.record(self.launch)
         main.wait_event(self.launched)
+
+    def gather_inputs(self, plan: layout.CallPlan, *, out, consume_own=None, consume=None, consume_all=None,
+                      assemble=None) -> None:
+        """The all-gather's call after :meth:`begin` and the own rows' copy into ``a_rows[rank]``
+        (module note): the puts of the own rows to every peer, chunk by chunk, on the put streams;
+        on the call's stream ``consume_own()`` (the own rows' GEMM), then per (chunk, source) the
+        wait for its rows and ``consume(src, chunk)`` (that chunk's GEMM); or (split mode) every
+        wait first and ``consume_all()``; then the end of the call: every peer told this rank has
+        its rows, the wait for every peer's word, ``assemble()`` (the gathered input), the stamp
+        check into ``out`` (None: the self test, which checks the bytes itself)."""
+        main = self.main
+        if main is None:
+            raise RuntimeError("CopyEngineSchedule.gather_inputs: call begin() first (it records the call's stamp)")
+        if not 1 <= self.lanes <= self.lanes_made:
+            raise ValueError(f"CopyEngineSchedule: lanes={self.lanes!r}; this schedule made {self.lanes_made} put "
+                             f"streams per peer")
+        self.chunk_events = False  # no reduce events: the watchdog's diagnosis names no chunk
+        if self.marks is not None:  # before the call's first wait (they are all on this stream)
+            self.marks.enter(self._write, main)
+        self.inputs_ready.record(main)
+        puts = [s for lanes in self.put.values() for s in lanes[:self.lanes]]
+        for s in puts:
+            s.wait_event(self.inputs_ready)
+        for c in range(plan.chunks):  # every put is submitted before the first wait (submission_order)
+            lane = c % self.lanes
+            for p in self.peers:
+                self._put(plan, p, c, lane, self._input_blocks(plan, p, c), stamp=c < self.lanes)
+        for s in puts:
+            self.done[s].record(s)
+        if consume_own is not None:
+            consume_own()
+        for c in range(plan.chunks):  # the order the peers' puts arrive in (layout.input_order)
+            for src in layout.input_order(self.rank, self.world)[1:]:
+                flag = self._addr(self.scatter_flags, layout.counter_index(src, c))
+                self._wait(main, flag, FLAG_SET)
+                self._write(main, flag, 0)
+                if consume is not None:
+                    consume(src, c)
+        if consume_all is not None:
+            consume_all()
+        for p in self.peers:  # this rank has every peer's rows: tell them, then wait for theirs
+            self._set_peer_flag(main, self._addr(self.peer[p]["gather_flags"], layout.counter_index(self.rank, 0)))
+        self._finish_wait(main)
+        for s in puts:
+            main.wait_event(self.done[s])
+        if assemble is not None:
+            assemble()
+        if out is not None:
+            kernels.check_stamps(out=out, scatter_m=self.scatter_m, status=self.status, stamp=self.stamp,
+                                 rank=self.rank, world=self.world)
+        if self.marks is not None:
+            self.marks.leave(self._write, main)
+
+    def _input_blocks(self, plan, p, c) -> list[tuple[int, int, int, int, int, int]]:
+        """The all-gather's put of chunk c to peer p (``_put``'s blocks): the own slot's rows c into
+        the peer's ``a_rows[rank]``, and their scales into its ``a_scales[rank]`` (blockscale's slot is
+        ``[K/128, rows]``: a chunk is a column block, one 2-D copy)."""
+        (r0, r1), r = plan.rows[c], self.rank
+        blocks = []
+        for src, dst, columns in ((self.a_rows[r], self.peer[p]["a_rows"][r], False),
+                                  (self.a_scales[r], self.peer[p]["a_scales"][r], self.cfg.quant == "blockscale")):
+            item = src.element_size()
+            if columns:
+                pitch = src.stride(0) * item  # [K/128, rows]: chunk c is columns r0..r1 of every row
+                blocks.append((dst.data_ptr() + r0 * item, pitch, src.data_ptr() + r0 * item, pitch, (r1 - r0) * item,
+                               src.shape[0]))
+            else:
+                row = (src.stride(0) if src.dim() == 2 else 1) * item
+                blocks.append((dst.data_ptr() + r0 * row, row, src.data_ptr() + r0 * row, row, row, r1 - r0))
+        return blocks
 
     def _fork_join(self, origin, gate, plan, out, variant, partial) -> None:
         scatters_first, reduced_in_gemm = variant[:2]
@@ -484,28 +598,46 @@ class CopyEngineSchedule:
 
     def _scatter_chunk(self, plan, p, c, lane, source, *, stamp):
         """Chunk c of ``source`` (dest p's [rows, n_slice] plane of the partial) into the peer's
-        ``recv[rank]``: one copy of a contiguous block, or a 2-D copy where the plane's rows lie
-        further apart (a producer of whole rows)."""
+        ``recv[rank]``, once the chunk's counter shows it written: one copy of a contiguous block,
+        or a 2-D copy where the plane's rows lie further apart (a producer of whole rows)."""
+        (r0, r1), width = plan.rows[c], source.shape[1] * source.element_size()
+        pitch = source.stride(0) * source.element_size()
+        block = (self.peer[p]["recv"][self.rank].data_ptr() + r0 * width, width, source.data_ptr() + r0 * pitch, pitch,
+                 width, r1 - r0)
+        self._put(plan, p, c, lane, [block], stamp=stamp,
+                  counter=(self._addr(self.counters, layout.counter_index(p, c)), self._tiles(plan, p, c)))
+
+    def _put(self, plan, p, c, lane, blocks, *, stamp, counter=None):
+        """One scatter-phase put to peer ``p`` on its lane: (wait ``counter`` = (address, target)), the
+        call's stamp into the peer's ``scatter_m[rank]`` (``stamp``: the lane's first flag of the call
+        follows), the ``blocks`` (dst, dst pitch, src, src pitch, width, height in bytes: a copy, or a
+        2-D copy where the rows lie apart), then ``scatter_flags[rank, c]`` in the peer. The
+        all-reduce's and reduce-scatter's chunks of partial products and the all-gather's input
+        rows go this way alike (``_dropped``: a lost put, neither data nor flag arrive)."""
         r, s, peer = self.rank, self.put[p][lane], self.peer[p]
         if self._dropped("scatter", plan, p, c):
-            return  # a lost put: neither data nor flag arrive
-        self._wait(s, self._addr(self.counters, layout.counter_index(p, c)), self._tiles(plan, p, c))
+            return
+        if counter is not None:
+            self._wait(s, *counter)
         if stamp:
             self.memops.copy(s.cuda_stream, self._addr(peer["scatter_m"], r), self.stamp.data_ptr(), _WORD)
         if not self.silent:
-            (r0, r1), width = plan.rows[c], source.shape[1] * source.element_size()
-            pitch = source.stride(0) * source.element_size()
-            dst, src = peer["recv"][r].data_ptr() + r0 * width, source.data_ptr() + r0 * pitch
-            if pitch == width:
-                self.memops.copy(s.cuda_stream, dst, src, (r1 - r0) * width)
-            else:
-                self.memops.copy_2d(s.cuda_stream, dst=dst, dst_pitch=width, src=src, src_pitch=pitch, width=width,
-                                    height=r1 - r0)
+            for dst, dst_pitch, src, src_pitch, width, height in blocks:
+                if height == 1 or (dst_pitch == width and src_pitch == width):
+                    self.memops.copy(s.cuda_stream, dst, src, height * width)
+                else:
+                    self.memops.copy_2d(s.cuda_stream, dst=dst, dst_pitch=dst_pitch, src=src, src_pitch=src_pitch,
+                                        width=width, height=height)
         self._set_peer_flag(s, self._addr(peer["scatter_flags"], layout.counter_index(r, c)))
 
     def _gather_chunk(self, plan, p, c, lane):
         r, s, peer = self.rank, self.put[p][lane], self.peer[p]
         if self._dropped("gather", plan, p, c):
+            return
+        if not self.gathers:  # reduce-scatter: no data; the last step tells p this rank finished the call
+            if c == plan.chunks - 1:
+                s.wait_event(self.reduced[c])  # (the reduce stream is in order: every chunk is reduced)
+                self._set_peer_flag(s, self._addr(peer["gather_flags"], layout.counter_index(r, 0)))
             return
         s.wait_event(self.reduced[c])
         off, nbytes = self._rows_bytes(self.gather, plan.rows[c])
@@ -529,14 +661,27 @@ class CopyEngineSchedule:
                     self._wait(s, flag, FLAG_SET)
                 self._write(s, flag, 0)
             if not in_gemm:
-                kernels.reduce_chunk(partial=partial, recv=self.recv, gather=self.gather,
+                kernels.reduce_chunk(partial=partial, recv=self.recv, gather=self.gather if self.gathers else None,
                                      gather_scale=self.gather_scale, out=out, scatter_m=self.scatter_m,
                                      status=self.status, rank=r, rows=plan.rows[c], stamp=self.stamp,
-                                     programs=self.side_programs)
+                                     programs=self.side_programs, out_col0=self.out_col0)
             self.reduced[c].record(s)
+
+    def _finish_wait(self, stream) -> None:
+        """Wait until every peer finished the call (its ``gather_flags[p, 0]`` here, then = 0): the
+        end of a call of a pattern without a gather phase (module note)."""
+        for o in self.peers:
+            flag = self._addr(self.gather_flags, layout.counter_index(o, 0))
+            self._wait(stream, flag, FLAG_SET)
+            self._write(stream, flag, 0)
 
     def _assemble_chunk(self, plan, out, c):
         r, s, ns = self.rank, self.assemble, self.cfg.n_slice
+        if not self.gathers:  # reduce-scatter: the reduce wrote out; the last step waits for the peers
+            if c == plan.chunks - 1:
+                with torch.cuda.stream(s):
+                    self._finish_wait(s)
+            return
         with torch.cuda.stream(s):
             for o in self.peers:
                 flag = self._addr(self.gather_flags, layout.counter_index(o, c))

@@ -15,6 +15,13 @@ inputs), the chunk's values are NaN (its rows would pair another call's data; th
 error later, the output must not look good before that) and program 0 records the source in
 ``status``.
 
+A reduce-scatter (``store_gather=False``) has no gather region: its reduce writes ``out`` only, at
+column ``out_col0`` (0: the output is the own slice).
+
+``check_stamps`` (the all-gather, which has no reduce): the same stamp check over every source, run
+once a call's waits are all done; on a mismatch the whole output is NaN (its rows were computed from
+another call's rows) and program 0 records the source in ``status``.
+
 ``dequant_chunk`` (fp8 gather only): rows [r0, r1) of every peer owner's ``gather[owner]`` ->
 ``out[:, owner * n_slice ...]``. With the bf16 gather that step is a pitched copy-engine copy instead.
 
@@ -58,6 +65,7 @@ def _kernels():
         stamp_ptr, rank, row0, rows, n_slice, partial_stride, region_stride, out_stride, out_col0, scale_cols,
         programs,
         WORLD: tl.constexpr, FP8_GATHER: tl.constexpr, BLOCK_C: tl.constexpr, GROUP: tl.constexpr,
+        STORE_GATHER: tl.constexpr,
     ):
         pid = tl.program_id(0)
         stamp = tl.load(stamp_ptr)
@@ -92,8 +100,35 @@ def _kernels():
                                    (BLOCK_C,)).to(tl.bfloat16)
             else:
                 value = acc.to(tl.bfloat16)
-                tl.store(gather_ptr + offs, value, mask=mask)
+                if STORE_GATHER:  # (a reduce-scatter has no gather region)
+                    tl.store(gather_ptr + offs, value, mask=mask)
             tl.store(out_ptr + row * out_stride + out_col0 + cols, value, mask=mask)
+
+    @triton.jit(do_not_specialize=CHUNK_ARGS)
+    def _check(
+        out_ptr, scatter_m_ptr, status_ptr, stamp_ptr, rank, rows, n, out_stride, programs,
+        WORLD: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        # the reduce's stamp check, written out (a jit helper closed over here is not resolved by
+        # every Triton this runs on)
+        stamp = tl.load(stamp_ptr)
+        mismatch = rank < 0  # False
+        for j in tl.static_range(1, WORLD):
+            src = (rank + j) % WORLD
+            other = tl.load(scatter_m_ptr + src) != stamp
+            mismatch = mismatch | other
+            if pid == 0:
+                if other:
+                    tl.store(status_ptr, 1 + src)  # STATUS_PEER_M_MISMATCH + src
+                    tl.store(status_ptr + 1, tl.load(scatter_m_ptr + src))
+        if mismatch:
+            cols = tl.arange(0, BLOCK_C)
+            nan = tl.full((BLOCK_C,), float("nan"), tl.float32).to(tl.bfloat16)
+            for i in range(pid, rows, programs):
+                row = (pid * 0 + i).to(tl.int64)  # (i is a plain int under the interpreter)
+                for c0 in range(0, n, BLOCK_C):
+                    tl.store(out_ptr + row * out_stride + c0 + cols, nan, mask=c0 + cols < n)
 
     @triton.jit(do_not_specialize=CHUNK_ARGS)
     def _dequant(
@@ -115,7 +150,7 @@ def _kernels():
                 value = q
             tl.store(out_ptr + row * out_stride + owner * n_slice + cols, value, mask=mask)
 
-    return _reduce, _dequant
+    return _reduce, _dequant, _check
 
 
 def _block_c(n_slice: int) -> int:
@@ -138,28 +173,48 @@ def _launch(kernel, grid: tuple, args: tuple, kwargs: dict, load_only: bool) -> 
     kernel.warmup(*args, grid=grid, **kwargs)._init_handles()
 
 
-def reduce_chunk(*, partial: torch.Tensor, recv: torch.Tensor, gather: torch.Tensor,
+def reduce_chunk(*, partial: torch.Tensor, recv: torch.Tensor, gather: torch.Tensor | None,
                  gather_scale: torch.Tensor | None, out: torch.Tensor, scatter_m: torch.Tensor,
                  status: torch.Tensor, rank: int, rows: tuple[int, int], stamp: torch.Tensor,
-                 programs: int | None = None, load_only: bool = False) -> None:
+                 programs: int | None = None, load_only: bool = False, out_col0: int | None = None) -> None:
     """Reduce rows ``rows`` of this rank's slice (see module doc). ``partial``, ``recv``, ``gather``
     are the window's [W, rows_max, n_slice] regions (``partial`` as the producer wrote it: its rows
     may lie further apart, ``cco.layout.partial_strides``); ``out`` is the caller's bf16 [M, N]; ``stamp``
     the int64 word holding this call's (seq, m) stamp. ``programs``: how many programs stride the rows
-    (None: one per row)."""
+    (None: one per row). ``gather=None`` (a reduce-scatter): ``out`` only, its own slice from column
+    ``out_col0`` (default: ``rank * n_slice``, the all-reduce's; 0 for a reduce-scatter)."""
     world, _, n_slice = recv.shape
     r0, r1 = rows
     if r1 <= r0:
         return
-    fp8 = gather.dtype == torch.float8_e4m3fn
+    store_gather = gather is not None
+    fp8 = store_gather and gather.dtype == torch.float8_e4m3fn
     block_c = _block_c(n_slice)
-    reduce, _ = _kernels()
+    reduce = _kernels()[0]
     grid = _programs(r1 - r0, programs)
+    gather_arg = gather[rank] if store_gather else out  # unread without STORE_GATHER
     _launch(reduce, (grid,), (
-        partial[rank], recv, gather[rank], gather_scale[rank] if fp8 else gather, out, scatter_m, status,
-        stamp, rank, r0, r1 - r0, n_slice, partial.stride(1), recv.stride(0), out.stride(0), rank * n_slice,
-        gather_scale_cols(n_slice), grid,
-    ), dict(WORLD=world, FP8_GATHER=fp8, BLOCK_C=block_c, GROUP=GATHER_GROUP, num_warps=_warps(block_c)), load_only)
+        partial[rank], recv, gather_arg, gather_scale[rank] if fp8 else gather_arg, out, scatter_m, status,
+        stamp, rank, r0, r1 - r0, n_slice, partial.stride(1), recv.stride(0), out.stride(0),
+        rank * n_slice if out_col0 is None else out_col0, gather_scale_cols(n_slice), grid,
+    ), dict(WORLD=world, FP8_GATHER=fp8, BLOCK_C=block_c, GROUP=GATHER_GROUP, STORE_GATHER=store_gather,
+            num_warps=_warps(block_c)), load_only)
+
+
+CHECK_PROGRAMS = 1024  # the stamp check's programs: each reads the stamps; on a mismatch they stride the rows
+
+
+def check_stamps(*, out: torch.Tensor, scatter_m: torch.Tensor, status: torch.Tensor, stamp: torch.Tensor,
+                 rank: int, world: int, load_only: bool = False) -> None:
+    """The all-gather's stamp check (module doc): ``out`` (bf16 [rows, N], unit column stride) all
+    NaN if any source's stamp in ``scatter_m`` differs from ``stamp``; ``status`` records it."""
+    rows, n = out.shape
+    if rows == 0 or world == 1:
+        return
+    block_c = min(_pow2(n), 4096)
+    grid = _programs(rows, CHECK_PROGRAMS)
+    _launch(_kernels()[2], (grid,), (out, scatter_m, status, stamp, rank, rows, n, out.stride(0), grid),
+            dict(WORLD=world, BLOCK_C=block_c, num_warps=4), load_only)
 
 
 def dequant_chunk(*, gather: torch.Tensor, gather_scale: torch.Tensor | None, out: torch.Tensor, rank: int,
@@ -171,7 +226,7 @@ def dequant_chunk(*, gather: torch.Tensor, gather_scale: torch.Tensor | None, ou
     if r1 <= r0 or world == 1:
         return
     block_c = _block_c(n_slice)
-    _, dequant = _kernels()
+    dequant = _kernels()[1]
     grid = _programs(r1 - r0, programs)
     _launch(dequant, (grid, world - 1), (
         gather, gather if gather_scale is None else gather_scale, out, rank, r0, r1 - r0, n_slice, gather.stride(0),

@@ -24,9 +24,9 @@ blocked work is released and the context stays usable::
       waited for up to ``RECORD_WAIT_S`` (a peer that consumes this call's data can see the record
       first; a dead peer's never lands);
    b. the NaN fill, by a worker thread, waited for up to ``POISON_WAIT_S``: the own ``recv``,
-      ``gather`` (and ``gather_scale``) regions and the lsa tile flags filled with 0xFF bytes (NaN
-      in bf16 and e4m3; -1 in a flag), so whatever is computed from a released wait is NaN, never a
-      stale earlier call's bytes; with memsets, then the same with copies from a pinned host buffer
+      ``gather`` (and ``gather_scale``) regions, the all-gather's input slots and the lsa tile
+      flags filled with 0xFF bytes (NaN in bf16 and e4m3; -1 in a flag), so whatever is computed
+      from a released wait is NaN, never a stale earlier call's bytes; with memsets, then the same with copies from a pinned host buffer
       (a copy runs on the copy engines while spinning programs hold every multiprocessor, which a
       memset may need);
    c. the release proper, by stream write-values only: this rank's outgoing flags muted
@@ -186,7 +186,10 @@ class Watchdog:
         self._scatter_m = window.words(w.scatter_m, rank=self.rank)
         self._flags = [window.words(w.scatter_flags, rank=self.rank), window.words(w.gather_flags, rank=self.rank)]
         self._counters = window.words(w.counters, rank=self.rank)
-        self._poison = [window.tensor(r, rank=self.rank) for r in (w.recv, w.gather, w.gather_scale)]
+        # what a released call may still read as data (the all-gather's input slots too; a region a
+        # pattern does not use is empty and filled with nothing)
+        self._poison = [window.tensor(r, rank=self.rank) for r in (w.recv, w.gather, w.gather_scale, w.a_rows,
+                                                                   w.a_scales)]
         self._tile_flags = window.tensor(w.tile_flags, rank=self.rank)
         self._copy_host = getattr(memops, "copy_host", memops.copy)  # HIP names its host copies apart
         # Everything the release and the reads use is made now: a pinned allocation while a call is

@@ -83,13 +83,14 @@ class Setup:
     built per weight), its activations of (rank, seed)."""
 
     def __init__(self, *, n: int, k: int, m: int, deadline_s: float, device, transport=None, chunks=2,
-                 pattern: str = "all-reduce"):
+                 pattern: str = "all-reduce", quant: str = "ptpc", mode: str = "fused"):
         self.n, self.k, self.m = n, k, m  # m: a call's rows (the all-gather: per rank)
         self.deadline_s = deadline_s
         self.device = torch.device(device)
         self.transport = transport
         self.chunks = chunks
         self.pattern = pattern  # cco.layout.PATTERNS: which op the scenarios play on
+        self.quant, self.mode = quant, mode
         self.rank = 0  # the rank whose share the reference is (run() sets it)
 
     @property
@@ -99,7 +100,7 @@ class Setup:
 
     def op(self, comm, faults=None, transport=None):
         kw = dict(n=self.n, k=self.k, m_max=self.m, transport=transport or self.transport, chunks=self.chunks,
-                  deadline_s=self.deadline_s, faults=faults)
+                  deadline_s=self.deadline_s, faults=faults, quant=self.quant, mode=self.mode)
         if self.pattern == "all-gather":
             from cco.all_gather import AllGatherGemmOp
             return AllGatherGemmOp(comm, **{**kw, "m_max": self.m * comm.world})
@@ -110,9 +111,9 @@ class Setup:
 
     def problem(self, rank: int, seed: int, m: int | None = None):
         m = self.m if m is None else m
-        act = q.random_problem(m, self.n, self.k, "ptpc", seed=100 * seed + rank)
-        weight = q.random_problem(m, self.n, self.k, "ptpc", seed=100_000 + rank)
-        return q.Problem("ptpc", act.a, weight.b, act.a_scale, weight.b_scale)
+        act = q.random_problem(m, self.n, self.k, self.quant, seed=100 * seed + rank)
+        weight = q.random_problem(m, self.n, self.k, self.quant, seed=100_000 + rank)
+        return q.Problem(self.quant, act.a, weight.b, act.a_scale, weight.b_scale)
 
     def reference(self, ranks, seed: int, m: int | None = None) -> tuple[torch.Tensor, ...]:
         """all_reduce(reference_gemm) over ``ranks`` on the host, as ``allreduce_mismatches`` takes it:
@@ -120,7 +121,7 @@ class Setup:
         if self.pattern == "all-gather":  # every rank's rows times this rank's weight, rows in rank order
             mine = self.problem(self.rank, seed, m)
             rows = [self.problem(r, seed, m) for r in ranks]
-            terms = [budget_terms(q.Problem("ptpc", p.a, mine.b, p.a_scale, mine.b_scale)) for p in rows]
+            terms = [budget_terms(q.Problem(self.quant, p.a, mine.b, p.a_scale, mine.b_scale)) for p in rows]
             return (torch.cat([t[0] for t in terms]), torch.cat([t[0].abs() for t in terms]),
                     torch.cat([t[1] for t in terms]))
         terms = [budget_terms(self.problem(r, seed, m)) for r in ranks]

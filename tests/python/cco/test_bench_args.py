@@ -137,3 +137,42 @@ def test_per_pass_ratio_pairs_the_arms_of_each_pass():
     assert per_pass_ratio([200.0, 220.0, 660.0], [100.0, 200.0, 300.0]) == pytest.approx((2.0, 1.1, 2.2))
     with pytest.raises(ValueError, match="passes"):
         per_pass_ratio([1.0, 2.0], [1.0])
+
+
+def test_sequence_parallel_patterns_select_their_own_arms():
+    """``--pattern rs | ag``: their arms (mori's split-sdma / fused-sdma names too), symm-mem only for
+    ptpc, and the all-reduce's arms refused by name rather than timed as something else."""
+    from scripts.bench_gemm_ar import SP_ARMS
+
+    for pattern in ("rs", "ag"):
+        assert select_arms("all", "ptpc", pattern) == list(SP_ARMS[pattern])
+        assert select_arms("split-sdma,fused-sdma", "blockscale", pattern) == ["split", "fused"]
+        assert "symm_mem" not in select_arms("all", "mxfp8", pattern)
+        assert "fused" not in select_arms("baselines", "ptpc", pattern)
+        for bad in ("fused-lsa", "fused-fp8", "gemm-only"):
+            with pytest.raises(SystemExit, match=f"not an arm of --pattern {pattern}"):
+                select_arms(bad, "ptpc", pattern)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("pattern", ["rs", "ag"])
+def test_sequence_parallel_op_arms_pass_their_checks_on_cpu_ranks(pattern):
+    """The benchmark's wiring of ``--pattern rs | ag`` (problem rows per rank, the reference of this
+    rank's share or of every rank's rows, the op arms' self tests and output checks) on CPU ranks,
+    where the ops run the CPU backend: a reference of the wrong rows, or an op fed the wrong rows,
+    fails the check that gates timing on the GPU."""
+    from cco.comm import check_outcomes, spawn
+
+    for report in check_outcomes(spawn(_bench_check_rank, world=2, args=(pattern,), timeout_s=180)):
+        assert report["correctness"] and all(r["ok"] for r in report["correctness"].values()), report
+        assert all("error" not in t for t in report["self_test"].values()), report["self_test"]
+
+
+def _bench_check_rank(comm, pattern):
+    import types
+
+    from scripts.bench_gemm_ar import run_shape, select_arms
+
+    args = types.SimpleNamespace(n=256, k=256, quant="ptpc", pattern=pattern, rotate=2, chunks=3, check_only=True)
+    arms = [a for a in select_arms("split-sdma,fused-sdma", "ptpc", pattern)]
+    return run_shape(args, comm, 200, arms_wanted=arms, m_max=200)

@@ -10,12 +10,17 @@ as on the CPU: every live rank raises within deadline + 2 s (here after ``op.che
 synchronisation point of asynchronous errors), no rank returns a wrong result, no process hangs,
 and a fresh op (and communicator, after a death) computes correctly in the same process.
 
+The same scenarios play on the sequence-parallel ops (``--pattern reduce-scatter-rows |
+reduce-scatter-cols | all-gather``; copy engines only: the CUDA backend refuses lsa for them), with
+the rows ``PATTERN_ROWS`` gives: two chunks per slice, so a lost put of chunk 1 exists.
+
 The ranks are started the way torchrun starts them (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``MASTER_ADDR``/``PORT``), by :func:`launch` rather than torchrun: torchrun stops every rank as soon
 as one exits, which would end the survivor of the killed-rank scenario before its checks. With
 one GPU both ranks share it (a CUDA IPC window). By hand::
 
     python3 -m tests.python.cco.test_cuda_faults --launch --transport dma
+    python3 -m tests.python.cco.test_cuda_faults --launch --pattern all-gather
     python3 -m tests.python.cco.test_cuda_faults --launch --bench --json cost.json
     python3 -m tests.python.cco.test_cuda_faults --launch --scenario stalled-graph --scenario stalled-read \
         --scenario stalled-sync --timeout 120
@@ -53,6 +58,10 @@ DEADLINE_S = 5.0
 VICTIM = 1
 JOB_TIMEOUT_S = 420  # a job that hangs is killed here, and fails
 TRANSPORTS = ("dma", "lsa")
+SP_PATTERNS = ("reduce-scatter-rows", "reduce-scatter-cols", "all-gather")
+# rows per call (the all-gather: per rank): the reduce-scatter along rows has M/W rows per slice, so
+# two 128-row chunks at world 2 need M = 512 (as test_sp_faults.py's ROWS at its tile)
+PATTERN_ROWS = {"all-reduce": M, "reduce-scatter-rows": 2 * M, "reduce-scatter-cols": M, "all-gather": M}
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
@@ -148,6 +157,24 @@ def test_every_live_rank_raises_in_time_and_a_fresh_op_computes_on_cuda(transpor
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(_gpus() < 1, reason="needs an NVIDIA GPU (two ranks share one if there is only one); the CPU "
+                    "backend's fault tests of these patterns are test_sp_faults.py")
+@pytest.mark.parametrize("which", ["shared", "gpu-only"])
+@pytest.mark.parametrize("pattern", SP_PATTERNS)
+def test_sequence_parallel_ops_raise_in_time_and_a_fresh_op_computes_on_cuda(pattern, which):
+    """The same guards for the reduce-scatter's and the all-gather's protocols on the copy engines:
+    a rank that returns while its peer fails the call (a lost put: the end-of-call words), a GEMM
+    on rows that never arrived (stale slots: the release's NaN fill and the stamp check), a
+    mismatched M returned as numbers, a wait without a deadline on the call's stream."""
+    from tests.python.cco import fault_scenarios
+
+    scenarios = fault_scenarios.SCENARIOS if which == "shared" else fault_scenarios.GPU_ONLY
+    results = launch(["--transport", "dma", "--pattern", pattern] + [a for s in scenarios for a in ("--scenario", s)])
+    problems = job_problems(results, scenarios)
+    assert not problems, "\n".join(problems)
+
+
 @pytest.mark.parametrize("quant", ["ptpc", "blockscale", "mxfp8"])
 def test_a_rejecting_rank_sends_nan(quant):
     """The operands a rejecting rank runs its part of the call on (``CudaBackend._null_operands``)
@@ -169,33 +196,35 @@ def test_a_rejecting_rank_sends_nan(quant):
 # --------------------------------------------------------------------------------------------------
 # rank side
 # --------------------------------------------------------------------------------------------------
-def _warm_up(comm, transport):
+def _warm_up(comm, transport, pattern="all-reduce"):
     """Compile every kernel the scenarios launch (a first call's compile must not count against a
     peer's deadline): both transports' paths, every M the scenarios use."""
-    from cco.op import GemmAllReduceOp
     from tests.python.cco import fault_scenarios
 
-    setup = fault_scenarios.Setup(n=N, k=K, m=M, deadline_s=300.0, device=comm.device)
+    m = PATTERN_ROWS[pattern]
     for t in dict.fromkeys((transport, "dma")):  # one order on every rank (a set's is per process)
-        with GemmAllReduceOp(comm, n=N, k=K, m_max=M, transport=t, chunks=2, deadline_s=300.0) as op:
-            for m in (M, M - M // 4, M // 2):
-                op(*setup.operands(comm.rank, 0, m))
+        setup = fault_scenarios.Setup(n=N, k=K, m=m, deadline_s=300.0, device=comm.device, transport=t,
+                                      pattern=pattern)
+        with setup.op(comm) as op:
+            for rows in (m, m - m // 4, m // 2):
+                op(*setup.operands(comm.rank, 0, rows))
                 op.check()
 
 
-def rank_main(scenarios, transport):
+def rank_main(scenarios, transport, pattern="all-reduce"):
     from cco.comm import Communicator
     from tests.python.cco import fault_scenarios
 
     faulthandler.dump_traceback_later(float(os.environ.get("CCO_STACKS_AFTER_S", JOB_TIMEOUT_S)), exit=False)
     comm = Communicator.from_env()
-    _warm_up(comm, transport)
-    setup = fault_scenarios.Setup(n=N, k=K, m=M, deadline_s=DEADLINE_S, device=comm.device, transport=transport)
+    _warm_up(comm, transport, pattern)
+    setup = fault_scenarios.Setup(n=N, k=K, m=PATTERN_ROWS[pattern], deadline_s=DEADLINE_S, device=comm.device,
+                                  transport=transport, pattern=pattern)
     for name in scenarios:  # "killed" last: it replaces the communicator
         print(f"rank {comm.rank}: scenario {name}", file=sys.stderr, flush=True)
         t0 = time.monotonic()
         report = fault_scenarios.run(comm, name, VICTIM, setup, "cuda")
-        print("REPORT " + json.dumps({"rank": comm.rank, "scenario": name, "transport": transport,
+        print("REPORT " + json.dumps({"rank": comm.rank, "scenario": name, "transport": transport, "pattern": pattern,
                                       "seconds": round(time.monotonic() - t0, 2), **report}), flush=True)
     if "killed" not in scenarios:
         comm.close()
@@ -288,6 +317,8 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="the CUDA fault scenarios (or the cost measurement) on two ranks")
     ap.add_argument("--launch", action="store_true", help="start the ranks (else: be one, started by --launch)")
     ap.add_argument("--transport", choices=TRANSPORTS, default="dma")
+    ap.add_argument("--pattern", choices=("all-reduce",) + SP_PATTERNS, default="all-reduce",
+                    help="the op the scenarios play on (cco.layout.PATTERNS)")
     ap.add_argument("--scenario", action="append", choices=fault_scenarios.GPU_SCENARIOS,
                     help="run only this scenario (repeatable; default: all, 'killed' last)")
     ap.add_argument("--bench", action="store_true", help="measure the watched against the unwatched fused call")
@@ -297,10 +328,11 @@ if __name__ == "__main__":
     chosen = [s for s in fault_scenarios.GPU_SCENARIOS if s in (opts.scenario or fault_scenarios.GPU_SCENARIOS)]
     if opts.launch:
         args = ["--bench"] + (["--json", os.path.abspath(opts.json)] if opts.json else []) if opts.bench else \
-            ["--transport", opts.transport] + [a for s in chosen for a in ("--scenario", s)]
+            ["--transport", opts.transport, "--pattern", opts.pattern] + [a for s in chosen for a in ("--scenario", s)]
         results = launch(args, timeout_s=opts.timeout)
         for rep in reports(results):
-            print(f"{rep['transport']:4s} {rep['scenario']:18s} rank {rep['rank']}: {len(rep['problems'])} problems "
+            print(f"{rep.get('pattern', 'all-reduce')} {rep['transport']:4s} {rep['scenario']:18s} rank {rep['rank']}: "
+                  f"{len(rep['problems'])} problems "
                   f"({rep['seconds']} s); " + "; ".join(rep["seen"]))
         problems = [] if opts.bench else job_problems(results, chosen)
         for r in results:
@@ -311,4 +343,4 @@ if __name__ == "__main__":
     if opts.bench:
         _bench(opts.json)
     else:
-        rank_main(chosen, opts.transport)
+        rank_main(chosen, opts.transport, opts.pattern)

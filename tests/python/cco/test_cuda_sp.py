@@ -1,18 +1,29 @@
-"""Sequence-parallel layers on NVIDIA GPUs, at the world torchrun starts: ``ColumnParallelLinear(
-sequence_parallel=True)`` -> silu -> ``RowParallelLinear(sequence_parallel=True)``.
+"""Sequence parallelism on NVIDIA GPUs, at the world torchrun starts: the fused ops
+(``GemmReduceScatterOp`` along both dims, ``AllGatherGemmOp``) on the copy engines, and the layers
+``ColumnParallelLinear(sequence_parallel=True)`` -> silu -> ``RowParallelLinear(sequence_parallel=True)``.
 
     torchrun --nproc-per-node 2 -m tests.python.cco.test_cuda_sp                              # the GPU checks
     torchrun --nproc-per-node 2 -m tests.python.cco.test_cuda_sp --device cpu --dims small    # a dry run, CPU ranks
+    torchrun --nproc-per-node 2 -m tests.python.cco.test_cuda_sp --only ops                   # the ops alone
 
-The CUDA backend runs the all-reduce pattern only: it refuses the all-gather and the reduce-scatter
-along tokens, so both layers run unfused on every rank (the fp8 rows and scales gathered with
-``all_gather_into_tensor`` on uint8, the fp32 partials summed with ``reduce_scatter_tensor``, both on
-the layer's group: NCCL). The dry run makes the CPU backend refuse the same patterns
-(``CpuBackend.patterns``), so the same unfused path runs on gloo; it has no CUDA graphs.
+The ops (``check_op``: gloo and the CUDA IPC window, so two ranks may share one GPU), per pattern
+(reduce-scatter along rows and columns, all-gather), quant (ptpc, blockscale, mxfp8) and mode
+(fused, split), against the CPU reference's formula (``fault_scenarios.Setup.reference``: every
+rank's fp32 partial, summed and sliced, in the budget of bf16 partials):
+- calls with alternating M, none a multiple of the chunking (whole and partial tiles, 3 rows: the
+  own kernel where cuBLAS's blockwise recipe refuses the row count), every slot a peer writes
+  NaN-poisoned before each call (a transfer that did not happen shows as NaN, not as the
+  previous call's bytes: the inputs change per call as well);
+- a call captured in a CUDA graph and replayed with changing inputs into a NaN-poisoned output
+  (the consumed words: a flag left set would let a replay read stale slots);
+- ``self_test()`` (bytes moved bit-exact).
+The fault scenarios of these ops are ``test_cuda_faults.py --pattern``.
 
-Guards, per quant (ptpc, blockscale, mxfp8), trainable layers, ``backward="bf16"``:
-- the verdict: each layer's ``fallback_reason`` names the backend's refusal of its pattern and is
-  the same on every rank; no op, no window (a rank that went fused would wait on its peer forever);
+The layers: the CUDA backend runs both patterns, so both layers run fused on every rank (the dry
+run's CPU backend too); their ``backward="bf16"`` uses the layer's group collectives (NCCL).
+
+Guards of the layers, per quant (ptpc, blockscale, mxfp8), trainable layers, ``backward="bf16"``:
+- the verdict: each layer runs its fused op, the same on every rank (no fallback reason);
 - forward and backward eager: ``h``, ``y`` element-wise within ``Q.count_mismatches`` of the unfused
   model that quantizes as the layers do (test_nn_sequence.py's reference, silu between), the
   gradients (input, both weights, the column bias) within ``GRAD_TOL`` of its straight-through ones;
@@ -24,9 +35,9 @@ Guards, per quant (ptpc, blockscale, mxfp8), trainable layers, ``backward="bf16"
 
 Two ranks on one GPU: NCCL refuses two ranks on one device ("Duplicate GPU detected"), and gloo
 carries no CUDA tensors for all_gather / reduce_scatter (torch.distributed's backend table), so the
-unfused path cannot run there. The module then probes one NCCL all-gather; where it fails, only the
-verdicts run and every NCCL check prints ``CUDA_SP_SKIPPED`` with the probe's error: those checks
-need one GPU per rank (two GPUs).
+layers' backward cannot run there. The module then probes one NCCL all-gather; where it fails, the
+ops and the verdicts run and every NCCL check prints ``CUDA_SP_SKIPPED`` with the probe's error:
+those checks need one GPU per rank (two GPUs).
 """
 
 from __future__ import annotations
@@ -42,6 +53,17 @@ DIMS = {  # tokens S x batch B, hidden H (K of the column, N of the row: not who
     "gpu": dict(S=64, B=4, H=1000, I=1536),
     "small": dict(S=8, B=3, H=200, I=512),
 }
+# the ops: N, K per rank, and the rows of each call per rank (the reduce-scatter's M is W times
+# these; its rows are the slices): alternating, none a multiple of the chunking (CHUNKS chunks of
+# 64- or 128-row tiles), a 3-row call that cuBLAS's blockwise recipe refuses
+OP_DIMS = {
+    "gpu": dict(n=1024, k=512, rows=(512, 260, 512, 3, 131)),
+    "small": dict(n=256, k=256, rows=(128, 65, 3)),
+}
+OP_CHUNKS = 3
+SP_PATTERNS = ("reduce-scatter-rows", "reduce-scatter-cols", "all-gather")
+OP_DEADLINE_S = 120.0  # a first call compiles its kernels
+OP_REPLAYS = 3
 REPLAYS = 6
 GRAD_TOL = 2e-2  # test_nn_sequence.py's bound for backward="bf16": bf16 rounding of the backward's products
 FP8_TOL = 0.1  # test_nn_sequence.py's fp8 budget: e4m3 operands against the plain bf16 model
@@ -73,7 +95,8 @@ def test_cuda_sp_dry_run_on_cpu_ranks():
 
 
 def _spawned_rank(comm, dims, compile_quants):
-    return run_checks(comm, DIMS[dims], lambda *a: None, compile_quants=compile_quants)
+    return run_checks(comm, DIMS[dims], lambda *a: None, compile_quants=compile_quants, op_dims=OP_DIMS[dims],
+                      op_quants=("ptpc", "blockscale"))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -104,10 +127,6 @@ def quantized_gemm(a, w, quant):
     return Q.reference_gemm(aq, bq, a_s, b_s, quant)[:, :w.shape[0]]
 
 
-def expected_reason(backend: str, pattern: str) -> str:
-    return f"{backend}: the {backend} backend does not run the {pattern} pattern"
-
-
 def _agree(comm, what: str, errors: list[str]) -> None:
     """Every rank's errors on every rank: one verdict, raised everywhere (a rank that went on alone
     would wait in the next check's collectives)."""
@@ -135,10 +154,8 @@ def build_block(ctx, quant):
         col.bias.copy_(b1[rank * i:(rank + 1) * i].to(comm.device))
     errors = []
     for layer, pattern in ((col, "all-gather"), (row, "reduce-scatter-rows")):
-        want = expected_reason(ctx["backend"], pattern)
-        reason = layer.fallback_reason or ""
-        if layer.op is not None or not reason.startswith(want) or "path=unfused" not in repr(layer):
-            errors.append(f"{type(layer).__name__} {quant}: expected the unfused path for '{want}', got op "
+        if layer.op is None or layer.fallback_reason is not None or layer.op.pattern != pattern:
+            errors.append(f"{type(layer).__name__} {quant}: expected the fused {pattern} op, got op "
                           f"{layer.op!r}, fallback_reason {layer.fallback_reason!r}")
         if layer._dual is not None:
             errors.append(f"{type(layer).__name__} {quant}: a fused backward op on an unfused layer")
@@ -159,8 +176,7 @@ def check_verdicts(ctx, log):
 
     for quant in Q.QUANTS:
         col, row = build_block(ctx, quant)
-        log(f"ok verdict {quant:10s}: both layers unfused on every rank: {col.fallback_reason.split(' (')[0]} / "
-            f"{row.fallback_reason.split(' (')[0]}")
+        log(f"ok verdict {quant:10s}: both layers fused on every rank: {col.op!r} / {row.op!r}")
         col.close()
         row.close()
 
@@ -346,16 +362,103 @@ def probe_nccl(comm) -> str | None:
     return next((w for w in every if w is not None), None)
 
 
-def run_checks(comm, dims: dict, log, *, compile_quants=None) -> tuple[list[str], list[str]]:
-    """Every check on this rank: (failures, skipped sub-checks with why), the same on every rank.
-    ``compile_quants``: the quants whose block also runs compiled (None: all)."""
-    from cco import quant as Q
-    from cco.backends.cpu import CpuBackend
+# --------------------------------------------------------------------------------------------------
+# the ops
+# --------------------------------------------------------------------------------------------------
+def _poison(op) -> None:
+    """NaN (0xFF bytes) in every region of this rank's window a peer's transfers write, once every
+    rank is between calls (collective): a call that reads a slot no transfer of its own filled
+    computes NaN, not the last call's numbers."""
+    comm, w = op.comm, op.config.window
+    comm.barrier()
+    for region in (w.recv, w.a_rows, w.a_scales):
+        op.window.tensor(region, rank=op.rank).view(torch.uint8).fill_(0xFF)
+    if comm.device.type == "cuda":
+        torch.cuda.synchronize()
+    comm.barrier()
 
-    ctx = {"comm": comm, "dims": dims, "backend": comm.device.type, "graph": check_graph}
+
+def _off(setup, out, seed, m, world) -> int:
+    """Elements of ``out`` outside the budget of the CPU reference's formula (NaN counts)."""
+    from tests.python.cco import fault_scenarios
+
+    return fault_scenarios._wrong(out.cpu(), setup.reference(range(world), seed, m))
+
+
+def check_op(ctx, pattern, quant, mode, log):
+    """One op of ``pattern`` (see the module note): calls of alternating M, a captured call replayed,
+    the self test; every rank's errors raised on every rank."""
+    from tests.python.cco import fault_scenarios
+
+    comm, d, dev = ctx["comm"], ctx["op_dims"], ctx["comm"].device
+    world, rank = comm.world, comm.rank
+    rows = [r * world if pattern == "reduce-scatter-rows" else r for r in d["rows"]]
+    setup = fault_scenarios.Setup(n=d["n"], k=d["k"], m=max(rows), deadline_s=OP_DEADLINE_S, device=dev,
+                                  transport="dma", chunks=OP_CHUNKS, pattern=pattern, quant=quant, mode=mode)
+    setup.rank = rank
+    errors, seen = [], []
+    with setup.op(comm) as op:
+        for i, m in enumerate(rows):
+            _poison(op)
+            out = op(*setup.operands(rank, i, m))
+            op.check()
+            if tuple(out.shape) != op.out_shape(m):
+                errors.append(f"call {i} (M={m}): output {list(out.shape)}, expected {list(op.out_shape(m))}")
+            elif _off(setup, out, i, m, world):
+                errors.append(f"call {i} (M={m}): {_off(setup, out, i, m, world)} of {out.numel()} elements off the "
+                              f"reference ({int(torch.isnan(out.float()).sum())} NaN)")
+        seen.append(f"{len(rows)} calls M={rows}")
+        if dev.type == "cuda":
+            errors += _op_graph(op, setup, max(rows), rank, world)
+            seen.append(f"graph of M={max(rows)}, {OP_REPLAYS} replays")
+        report = op.self_test()
+        seen.append(f"self_test ({report['checked']})")
+    _agree(comm, f"op {pattern} {quant} {mode}", errors)
+    log(f"ok op {pattern:19s} {quant:10s} {mode:5s}: " + "; ".join(seen))
+
+
+def _op_graph(op, setup, m, rank, world) -> list[str]:
+    """One call captured in a CUDA graph, replayed with the inputs changed in place and the output
+    NaN-filled before each replay."""
+    static = list(setup.operands(rank, 100, m))
+    op(*static)  # warm: the capture must not be a first call
+    op.check()
+    op.comm.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = op(*static)
+    torch.cuda.synchronize()
+    op.comm.barrier()
+    errors = []
+    for r in range(OP_REPLAYS):
+        seed = 101 + r % 2
+        for t, v in zip(static, setup.operands(rank, seed, m)):
+            t.copy_(v)
+        out.fill_(float("nan"))
+        _poison(op)
+        graph.replay()
+        op.check()
+        bad = _off(setup, out, seed, m, world)
+        if bad:
+            errors.append(f"graph replay {r} (M={m}): {bad} of {out.numel()} elements off the reference")
+    del graph
+    torch.cuda.synchronize()
+    op.comm.barrier()
+    return errors
+
+
+def run_checks(comm, dims: dict, log, *, compile_quants=None, op_dims=None, op_quants=None,
+               only=None) -> tuple[list[str], list[str]]:
+    """Every check on this rank: (failures, skipped sub-checks with why), the same on every rank.
+    ``compile_quants``: the quants whose block also runs compiled (None: all); ``op_dims``: the ops'
+    (``OP_DIMS``; None: the GPU's); ``op_quants``: the quants of the ops (None: all); ``only``:
+    "ops" or "layers" (None: both)."""
+    from cco import quant as Q
+
+    ctx = {"comm": comm, "dims": dims, "backend": comm.device.type, "graph": check_graph,
+           "op_dims": op_dims or OP_DIMS["gpu"]}
     skipped = []
-    if comm.device.type == "cpu":  # the dry run: refuse the patterns as the CUDA backend does
-        CpuBackend.patterns = ("all-reduce",)
+    if comm.device.type == "cpu":  # the dry run
         ctx["graph"] = lambda *a: None
         skipped.append("CUDA graph: no CUDA graphs on CPU ranks")
         if compile_quants is None or "mxfp8" in compile_quants:
@@ -370,15 +473,23 @@ def run_checks(comm, dims: dict, log, *, compile_quants=None) -> tuple[list[str]
         log("the ranks share one GPU" if shared else "one GPU per rank")
         if shared:
             nccl = probe_nccl(comm)
-    checks = [("verdicts", lambda: check_verdicts(ctx, log))]
-    for quant in Q.QUANTS:
-        compiled = compile_quants is None or quant in compile_quants
-        checks.append((f"block {quant}", lambda q=quant, c=compiled: check_block(ctx, q, log, compiled=c)))
+    checks = []
+    if only in (None, "ops"):
+        for pattern in SP_PATTERNS:
+            for quant in op_quants or Q.QUANTS:
+                for mode in ("fused", "split"):
+                    checks.append((f"op {pattern} {quant} {mode}",
+                                   lambda p=pattern, q=quant, m=mode: check_op(ctx, p, q, m, log)))
+    if only in (None, "layers"):
+        checks.append(("verdicts", lambda: check_verdicts(ctx, log)))
+        for quant in Q.QUANTS:
+            compiled = compile_quants is None or quant in compile_quants
+            checks.append((f"block {quant}", lambda q=quant, c=compiled: check_block(ctx, q, log, compiled=c)))
     failures = []
     for name, check in checks:  # keep going so one run reports every failing check
-        if nccl is not None and name != "verdicts":
-            skipped.append(f"{name}: the unfused collectives cannot run with two ranks on one GPU (NCCL: {nccl}; "
-                           f"gloo carries no CUDA all_gather/reduce_scatter): needs one GPU per rank")
+        if nccl is not None and name.startswith("block"):
+            skipped.append(f"{name}: the layers' bf16 backward collectives cannot run with two ranks on one GPU "
+                           f"(NCCL: {nccl}; gloo carries no CUDA all_gather/reduce_scatter): needs one GPU per rank")
             continue
         try:
             check()
@@ -397,13 +508,14 @@ def rank_main(argv=None):
     p = argparse.ArgumentParser(prog="torchrun --nproc-per-node 2 -m tests.python.cco.test_cuda_sp")
     p.add_argument("--dims", choices=sorted(DIMS), default="gpu")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--only", choices=("ops", "layers"), help="run only the ops' or the layers' checks")
     opts = p.parse_args(argv)
     comm = Communicator.from_env(device="cpu" if opts.device == "cpu" else None)
     if opts.device == "cuda" and comm.device.type != "cuda":
         raise SystemExit(f"test_cuda_sp: no CUDA device here ({comm.device}); pass --device cpu --dims small")
     log = (lambda *a: print(*a, flush=True)) if comm.rank == 0 else (lambda *a: None)
     log(f"dims {opts.dims} {DIMS[opts.dims]}, world {comm.world}, device {comm.device.type}")
-    failures, skipped = run_checks(comm, DIMS[opts.dims], log)
+    failures, skipped = run_checks(comm, DIMS[opts.dims], log, op_dims=OP_DIMS[opts.dims], only=opts.only)
     for why in skipped:
         log(f"CUDA_SP_SKIPPED {why}")
     if failures:

@@ -97,12 +97,12 @@ class _Memops:
         self.log.ops.append((stream, "copy_2d", dst, dst_pitch, src, src_pitch, width, height))
 
 
-def _schedule(monkeypatch, log, *, gather, lanes=1, world=WORLD):
+def _schedule(monkeypatch, log, *, gather, lanes=1, world=WORLD, pattern="all-reduce", quant="ptpc"):
     from cco.cuda import dma
     from cco.window import Window
 
-    cfg = layout.build_config(n=512 * world, k=256, m_max=M, world=world, quant="ptpc", transport="dma",
-                              gather_dtype=gather, block_m=128, block_n=128)
+    cfg = layout.build_config(n=512 * world, k=256, m_max=M, world=world, quant=quant, transport="dma",
+                              gather_dtype=gather, block_m=128, block_n=128, pattern=pattern)
 
     class HostWindow(Window):
         def __init__(self):
@@ -124,18 +124,24 @@ def _schedule(monkeypatch, log, *, gather, lanes=1, world=WORLD):
             if kw.get("load_only"):  # loaded when the schedule is built: no launch
                 return
             planes = (kw["partial"].data_ptr(), kw["partial"].stride()) if "partial" in kw else ()
-            log.ops.append((log.current.name, name, kw["rows"]) + planes)
+            if name == "check_stamps":
+                log.ops.append((log.current.name, name, kw["out"].data_ptr()))
+                return
+            log.ops.append((log.current.name, name, kw["rows"]) + planes + (
+                ("no gather", kw["out_col0"]) if name == "reduce_kernel" and kw["gather"] is None else ()))
         return launch
 
     monkeypatch.setattr(dma, "torch", types.SimpleNamespace(zeros=torch.zeros, full=torch.full, empty=torch.empty,
                                                             int64=torch.int64, bfloat16=torch.bfloat16,
                                                             cuda=_fake_cuda(log)))
     monkeypatch.setattr(dma, "kernels", types.SimpleNamespace(reduce_chunk=kernel("reduce_kernel"),
-                                                              dequant_chunk=kernel("dequant_kernel")))
+                                                              dequant_chunk=kernel("dequant_kernel"),
+                                                              check_stamps=kernel("check_stamps")))
     window = HostWindow()
     sched = dma.CopyEngineSchedule(config=cfg, window=window, device=torch.device("cpu"), memops=_Memops(log),
                                    lanes=lanes)
-    plan = layout.plan_call(cfg, m=M, seq=1, rank=RANK, counter_base=layout.zero_counters(world))
+    m = cfg.slice_m_max if cfg.pattern_spec.gathers_input else M  # the all-gather's M: rows per rank
+    plan = layout.plan_call(cfg, m=m, seq=1, rank=RANK, counter_base=layout.zero_counters(world))
     return sched, plan, window
 
 
@@ -355,6 +361,116 @@ def test_cuda_backend_takes_the_kernel_producer_where_cublas_refuses_the_rows(mo
     assert reduce == [(rows, planes.data_ptr(), planes.stride()) for rows in plan.rows]
 
 
+def _host_backend(monkeypatch, log, *, pattern, quant, mode="fused"):
+    """A CudaBackend of ``pattern`` over the recorders above, its vendor GEMM torch's CPU one (the
+    blockwise recipe: test_triton_gemm's model of it), its own kernel under Triton's interpreter."""
+    from cco.backends.cuda import CudaBackend
+
+    pytest.importorskip("triton")
+    from tests.python.cco.test_triton_gemm import _blockwise_scaled_mm
+
+    sched, _, window = _schedule(monkeypatch, log, gather="bf16", pattern=pattern, quant=quant)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    if quant == "blockscale":
+        monkeypatch.setattr(torch, "_scaled_mm", _blockwise_scaled_mm)  # the CPU build has no blockwise recipe
+    monkeypatch.setattr("cco.cuda.dma.CopyEngineSchedule", lambda **kw: sched)
+    monkeypatch.setattr(CudaBackend, "watched", False)  # the watchdog's pinned words need a device
+    cfg = dataclasses.replace(sched.cfg, mode=mode) if mode != sched.cfg.mode else sched.cfg
+    return CudaBackend(config=cfg, comm=None, window=window, deadline_s=1.0), sched
+
+
+@pytest.mark.parametrize("quant, m", [("ptpc", M), ("blockscale", M), ("blockscale", 260), ("mxfp8", 130)],
+                         ids=["ptpc", "blockscale-vendor", "blockscale-own-kernel", "mxfp8"])
+def test_cuda_backend_reduce_scatter_rows_produces_each_slice_from_its_rows_on_the_host(monkeypatch, quant, m):
+    """The reduce-scatter along rows on the CUDA backend, run on the host: slice d is rows
+    d*M/W.. of the product in ``partial[d]`` (one GEMM per (dest, chunk): the vendor GEMM, or the own
+    kernel where cuBLAS's blockwise recipe refuses the row count), every counter released once to
+    its target, the peers' slices before the own one; the reduce reads the dest-major planes."""
+    from cco import quant as Q
+    from cco.preshuffle import preshuffle_b
+
+    log = _Log()
+    backend, sched = _host_backend(monkeypatch, log, pattern="reduce-scatter-rows", quant=quant)
+    cfg = backend.config
+    plan = layout.plan_call(cfg, m=m, seq=1, rank=RANK, counter_base=layout.zero_counters(WORLD))
+    p = Q.random_problem(m, cfg.n, cfg.k, quant, seed=6)
+    backend.fused(p.a, preshuffle_b(p.b), p.a_scale, p.b_scale,
+                  out=torch.zeros(*layout.out_shape(cfg, m), dtype=torch.bfloat16), plan=plan)
+    sm, want = m // WORLD, p.reference()
+    for d in range(WORLD):
+        assert Q.count_mismatches(backend.partial[d][:sm], want[d * sm:(d + 1) * sm]) == 0, d
+    counter_words = {_addr(sched.counters, i): i for i in range(sched.counters.numel())}
+    released = [op[2:] for op in log.ops if op[1] == "write" and op[2] in counter_words and op[3]]
+    order = [(_addr(sched.counters, layout.counter_index(d, c)), plan.target(d, c))
+             for d in layout.dest_order(RANK, WORLD) for c in range(plan.chunks)]
+    assert released == order  # the peers' slices first, each (dest, chunk) once
+    reduce = [op[2:] for op in log.ops if op[1] == "reduce_kernel"]
+    assert reduce == [(rows, sched.partial.data_ptr(), sched.partial.stride(), "no gather", 0) for rows in plan.rows]
+
+
+@pytest.mark.parametrize("producer", ["vendor", "kernel"])
+def test_cuda_backend_reduce_scatter_cols_runs_the_all_reduce_producers_on_the_host(monkeypatch, producer):
+    """The reduce-scatter along columns takes the all-reduce's producers as they are (the vendor GEMM
+    into the row-major reading, the tile kernel into the dest-major planes, here under Triton's
+    interpreter), and its reduce writes out from column 0 with no gather region."""
+    from cco import quant as Q
+    from cco.preshuffle import preshuffle_b
+
+    log = _Log()
+    backend, sched = _host_backend(monkeypatch, log, pattern="reduce-scatter-cols", quant="ptpc")
+    backend.producer = producer
+    backend.fused_config = dataclasses.replace(backend.fused_config, block_n=128, num_stages=1)  # interpreter-sized
+    backend.tile_weight = 1
+    cfg, m = backend.config, 200
+    plan = layout.plan_call(cfg, m=m, seq=1, rank=RANK, counter_base=layout.zero_counters(WORLD))
+    p = Q.random_problem(m, cfg.n, cfg.k, "ptpc", seed=9)
+    backend.fused(p.a, preshuffle_b(p.b), p.a_scale, p.b_scale,
+                  out=torch.zeros(*layout.out_shape(cfg, m), dtype=torch.bfloat16), plan=plan)
+    planes = backend.partial_by_rows if producer == "vendor" else backend.partial
+    got = torch.cat([planes[d][:m] for d in range(WORLD)], dim=1)
+    assert Q.count_mismatches(got, p.reference()) == 0
+    reduce = [op[2:] for op in log.ops if op[1] == "reduce_kernel"]
+    assert reduce == [(rows, planes.data_ptr(), planes.stride(), "no gather", 0) for rows in plan.rows]
+
+
+@pytest.mark.parametrize("mode", ["fused", "split"])
+@pytest.mark.parametrize("quant", ["ptpc", "blockscale", "mxfp8"])
+def test_cuda_backend_all_gather_gemm_on_the_host(monkeypatch, quant, mode):
+    """The all-gather on the CUDA backend, run on the host (no bytes move between the recorded
+    ranks: the peer's slot holds what the test wrote there): the own rows land in the own slot,
+    and ``out`` holds every source's rows times the weight, in rank order, the gathered input too."""
+    from cco import quant as Q
+    from cco.preshuffle import preshuffle_b
+
+    log = _Log()
+    backend, sched = _host_backend(monkeypatch, log, pattern="all-gather", quant=quant, mode=mode)
+    cfg = backend.config
+    m = cfg.slice_m_max - (0 if mode == "split" else 4)  # split at full slots: one GEMM of every row
+    plan = layout.plan_call(cfg, m=m, seq=1, rank=RANK, counter_base=layout.zero_counters(WORLD))
+    mine, theirs = (Q.random_problem(m, cfg.n, cfg.k, quant, seed=s) for s in (7, 8))
+    peer = 1 - RANK
+    rows, scales = sched.a_rows[peer], sched.a_scales[peer]
+    rows[:m] = theirs.a  # as the peer's puts would have left them
+    backend._scale_rows(scales, 0, m).copy_(theirs.a_scale.reshape(backend._scale_rows(scales, 0, m).shape))
+    out = torch.full((WORLD * m, cfg.n), float("nan"), dtype=torch.bfloat16)
+    a_all = torch.empty(WORLD * m, cfg.k, dtype=mine.a.dtype)
+    s_all = torch.empty(WORLD * m, *mine.a_scale.shape[1:], dtype=mine.a_scale.dtype)
+    if quant == "blockscale":  # column-major, as the op's _scale_like makes it
+        s_all = torch.empty(cfg.k // 128, WORLD * m).t()
+    backend.all_gather_gemm(mine.a, preshuffle_b(mine.b), mine.a_scale, mine.b_scale, out=out, plan=plan,
+                            gathered=(a_all, s_all))
+    assert torch.equal(sched.a_rows[RANK][:m].view(torch.uint8), mine.a.view(torch.uint8))
+    ref = {RANK: mine.reference(),
+           peer: Q.Problem(quant, theirs.a, mine.b, theirs.a_scale, mine.b_scale).reference()}
+    for src in range(WORLD):
+        assert Q.count_mismatches(out[src * m:(src + 1) * m], ref[src]) == 0, src
+    assert torch.equal(a_all[peer * m:(peer + 1) * m].view(torch.uint8), theirs.a.view(torch.uint8))
+    assert torch.equal(s_all[RANK * m:(RANK + 1) * m].contiguous().view(torch.uint8),
+                       mine.a_scale.reshape(s_all[:m].shape).contiguous().view(torch.uint8))
+    gemm_free = [op for op in log.ops if op[0] == "main" and op[1] in ("wait", "check_stamps")]
+    assert gemm_free[-1][1] == "check_stamps"
+
+
 def _specialization(fn, args, kwargs) -> tuple:
     """Which compiled kernel Triton picks for these arguments of the JIT function ``fn``: the
     constexprs' values, each tensor's dtype and 16-byte alignment, each specialized int's "is 1" and
@@ -416,3 +532,393 @@ def test_side_kernels_are_loaded_before_any_call_launches_them(monkeypatch, gath
     assert {name for name, _ in launched} == {"_reduce", "_dequant"}  # bf16: dequant with programs set
     missing = [launch for launch in launched if launch not in loaded]
     assert not missing, f"{len(missing)} of {len(launched)} launches need a kernel not loaded: {missing[0]}"
+
+
+# --------------------------------------------------------------------------------------------------
+# the sequence-parallel patterns on the same schedule
+# --------------------------------------------------------------------------------------------------
+def _peer_words(sched, window, region, peer, index):
+    return _addr(window.words(getattr(sched.cfg.window, region), rank=peer), index)
+
+
+@pytest.mark.parametrize("scatters_first", [True, False], ids=["scatters-first", "interleaved"])
+@pytest.mark.parametrize("pattern", ["reduce-scatter-cols", "reduce-scatter-rows"])
+def test_reduce_scatter_runs_the_all_reduce_steps_without_the_gathers_data(monkeypatch, pattern, scatters_first):
+    """The reduce-scatter on the copy engines: the all-reduce's scatter and reduce, its reduce
+    writing ``out`` at column 0 and no ``gather`` region; no gather data, no assemble copy. Guards
+    the end of the call: a rank tells each peer it finished (one flag into ``gather_flags[rank, 0]``)
+    only after its last chunk is reduced, and waits for every peer's word (then zeroes it) before
+    the call leaves; without that a rank whose own slice was complete returned while a peer failed
+    the same call (its put lost), and the ranks' verdicts differed."""
+    log = _Log()
+    sched, plan, window = _schedule(monkeypatch, log, gather="bf16", pattern=pattern)
+    sched.flag_by_copy = True
+    peer = 1 - RANK
+    out = torch.zeros(*layout.out_shape(sched.cfg, plan.m), dtype=torch.bfloat16)
+    sched.begin(plan)
+    sched.run(plan, out, after_gemm=False, scatters_first=scatters_first)
+    assert plan.chunks == (4 if pattern.endswith("cols") else 2)
+    reduce = [op[1:] for op in log.ops if op[0] == sched.reduce.name and op[1] == "reduce_kernel"]
+    assert reduce == [("reduce_kernel", rows, sched.partial.data_ptr(), sched.partial.stride(), "no gather", 0)
+                      for rows in plan.rows]
+    assert not any(op[1] == "dequant_kernel" for op in log.ops)
+    gather = sched.peer[peer]["gather"]
+    assert gather.numel() == 0 and sched.gather.numel() == 0  # the layout gives the pattern no gather region
+    put = [op[1:] for op in log.ops if op[0] == sched.put[peer][0].name]
+    done = ("copy", _peer_words(sched, window, "gather_flags", peer, layout.counter_index(RANK, 0)),
+            sched.flag_set.data_ptr(), 8)
+    assert put.count(done) == 1
+    last_reduced = ("wait_event", sched.reduced[plan.chunks - 1].name)
+    assert put.index(last_reduced) < put.index(done)
+    last_scatter_flag = max(i for i, op in enumerate(put) if op[0] == "copy" and op[3] == 8 and op != done)
+    assert last_scatter_flag < put.index(done)
+    assemble = [op[1:] for op in log.ops if op[0] == sched.assemble.name]
+    flag = _addr(sched.gather_flags, layout.counter_index(peer, 0))
+    assert [op for op in assemble if op[0] in ("wait", "write", "copy", "copy_2d")] == [("wait", flag, 1),
+                                                                                        ("write", flag, 0)]
+    # the reduce's own stream still consumes every scatter flag once
+    for c in range(plan.chunks):
+        word = _addr(sched.scatter_flags, layout.counter_index(peer, c))
+        reduce_ops = [op[1:] for op in log.ops if op[0] == sched.reduce.name]
+        assert reduce_ops.index(("wait", word, 1)) < reduce_ops.index(("write", word, 0))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "split"])
+@pytest.mark.parametrize("quant", ["ptpc", "blockscale", "mxfp8"])
+def test_all_gather_puts_rows_before_any_wait_and_consumes_each_chunk_after_its_flag(monkeypatch, quant, fused):
+    """The all-gather on the copy engines (``gather_inputs``). Guards: every put (data, then its flag;
+    the stamp before the first flag) is submitted before the call's first wait, and each put stream
+    starts only after the own rows are in the window (``inputs_ready``); a chunk's GEMM is enqueued
+    after the wait for its flag (fused), or every GEMM after every wait (split); each flag is zeroed
+    by its one waiter; the call ends by telling every peer and waiting for each, and the stamp
+    check runs after every wait. The scales go as a 2-D copy where the slot is column blocks
+    (blockscale)."""
+    log = _Log()
+    sched, plan, window = _schedule(monkeypatch, log, gather="bf16", pattern="all-gather", quant=quant)
+    sched.flag_by_copy = True
+    peer, cfg = 1 - RANK, sched.cfg
+    out = torch.zeros(*layout.out_shape(cfg, plan.m), dtype=torch.bfloat16)
+    sched.begin(plan)
+
+    def consume(src, c):
+        log.ops.append((log.current.name, "gemm", src, c))
+
+    sched.gather_inputs(plan, out=out, consume_own=(lambda: consume(RANK, None)) if fused else None,
+                        consume=consume if fused else None,
+                        consume_all=None if fused else (lambda: consume(None, None)))
+    assert plan.chunks == 2
+    main = [op[1:] for op in log.ops if op[0] == "main"]
+    put = [op[1:] for op in log.ops if op[0] == sched.put[peer][0].name]
+    assert put[0] == ("wait_event", sched.inputs_ready.name)
+    assert main.index(("record", sched.inputs_ready.name)) < main.index(("wait", _addr(
+        sched.scatter_flags, layout.counter_index(peer, 0)), 1))
+    first_wait = next(i for i, op in enumerate(log.ops) if op[0] == "main" and op[1] == "wait")
+    last_put = max(i for i, op in enumerate(log.ops) if op[0] == sched.put[peer][0].name and op[1] != "record")
+    assert last_put < first_wait  # submitted before any wait that (through the peer) depends on it
+    rows_slot, scale_slot = sched.peer[peer]["a_rows"][RANK], sched.peer[peer]["a_scales"][RANK]
+    stamp = ("copy", _peer_words(sched, window, "scatter_m", peer, RANK), sched.stamp.data_ptr(), 8)
+    assert put.index(stamp) < min(i for i, op in enumerate(put) if op[0] == "copy" and op[3] == 8 and op != stamp)
+    for c, (r0, r1) in enumerate(plan.rows):
+        rows = ("copy", rows_slot.data_ptr() + r0 * cfg.k, sched.a_rows[RANK].data_ptr() + r0 * cfg.k,
+                (r1 - r0) * cfg.k)
+        if quant == "blockscale":
+            pitch = scale_slot.stride(0) * 4
+            scales = ("copy_2d", scale_slot.data_ptr() + r0 * 4, pitch, sched.a_scales[RANK].data_ptr() + r0 * 4,
+                      pitch, (r1 - r0) * 4, cfg.k // 128)
+        else:
+            row = scale_slot[0].numel() * scale_slot.element_size()
+            scales = ("copy", scale_slot.data_ptr() + r0 * row, sched.a_scales[RANK].data_ptr() + r0 * row,
+                      (r1 - r0) * row)
+        flag = ("copy", _peer_words(sched, window, "scatter_flags", peer, layout.counter_index(RANK, c)),
+                sched.flag_set.data_ptr(), 8)
+        assert put.index(rows) < put.index(flag) and put.index(scales) < put.index(flag)
+        word = _addr(sched.scatter_flags, layout.counter_index(peer, c))
+        wait, zero = main.index(("wait", word, 1)), main.index(("write", word, 0))
+        assert wait < zero
+        if fused:
+            assert zero < main.index(("gemm", peer, c))
+            later = [i for i, op in enumerate(main) if op[0] == "wait" and i > wait]
+            assert not later or main.index(("gemm", peer, c)) < later[0]  # consumed as it lands
+    if fused:
+        first_wait = ("wait", _addr(sched.scatter_flags, layout.counter_index(peer, 0)), 1)
+        assert main.index(("gemm", RANK, None)) < main.index(first_wait)  # the own rows first, while the puts fly
+    else:
+        last_wait = max(i for i, op in enumerate(main) if op[0] == "wait" and op[1] != _addr(
+            sched.gather_flags, layout.counter_index(peer, 0)))
+        assert main.index(("gemm", None, None)) > last_wait
+    done = ("copy", _peer_words(sched, window, "gather_flags", peer, layout.counter_index(RANK, 0)),
+            sched.flag_set.data_ptr(), 8)
+    finish = _addr(sched.gather_flags, layout.counter_index(peer, 0))
+    gemms = [i for i, op in enumerate(main) if op[0] == "gemm"]
+    assert max(gemms) < main.index(done) < main.index(("wait", finish, 1)) < main.index(("write", finish, 0))
+    check = main.index(("check_stamps", out.data_ptr()))
+    assert check > main.index(("write", finish, 0)) and check > main.index(("wait_event", sched.done[
+        sched.put[peer][0]].name))
+
+
+# --------------------------------------------------------------------------------------------------
+# the sequence-parallel schedules run by two ranks on the host: streams, events and memory
+# operations executed, not only recorded
+# --------------------------------------------------------------------------------------------------
+class _Sim:
+    """Every rank's streams as in-order queues of host closures, run until each is empty: a wait
+    (a stream wait-value, or an event's record as it was when the wait was enqueued) blocks its
+    stream only; copies and writes act on the ranks' host windows at their addresses. Each step
+    runs the head of one stream picked at random among those that can move (``seed``): a missing
+    wait shows as a read of bytes not yet written under some interleaving. A state in which no
+    stream can move is a deadlock (on a GPU: a call that hangs until its deadline)."""
+
+    def __init__(self):
+        self.queues: dict = {}  # stream -> [(ready, act)]
+        self.mains: dict = {}
+        self.seed = 0
+
+    def enqueue(self, stream, act, ready=lambda: True):
+        self.queues.setdefault(stream, []).append((ready, act))
+
+    def run(self) -> None:
+        import random
+
+        pick = random.Random(self.seed)
+        while any(self.queues.values()):
+            ready = [q for q in self.queues.values() if q and q[0][0]()]
+            if not ready:
+                stuck = {s.name: len(q) for s, q in self.queues.items() if q}
+                raise AssertionError(f"deadlock: streams {stuck} cannot move")
+            pick.choice(ready).pop(0)[1]()
+
+    def cuda(self):
+        sim = self
+
+        class Stream:
+            def __init__(self, device=None, priority=0, name="side"):
+                self.name, self.cuda_stream = f"{name}{id(self) % 9973}", self
+
+            @staticmethod
+            def priority_range():
+                return 0, -1
+
+            def wait_event(self, event):
+                version = event.enqueued
+                sim.enqueue(self, lambda: None, lambda: event.done >= version)
+
+        class Event:
+            def __init__(self):
+                self.enqueued = self.done = 0
+
+            def record(self, stream=None):
+                stream = stream or sim.current
+                self.enqueued += 1
+                version = self.enqueued
+
+                def act():
+                    self.done = max(self.done, version)
+                sim.enqueue(stream, act)
+
+        @contextlib.contextmanager
+        def stream(s):
+            before, sim.current = sim.current, s
+            try:
+                yield
+            finally:
+                sim.current = before
+
+        self.Stream = Stream
+        return types.SimpleNamespace(Stream=Stream, Event=Event, stream=stream, current_stream=lambda: sim.current,
+                                     device=lambda device: contextlib.nullcontext(),
+                                     is_current_stream_capturing=lambda: False, synchronize=lambda device=None: None)
+
+    def memops(self):
+        import ctypes
+
+        sim = self
+
+        def word(addr):
+            return ctypes.c_int64.from_address(addr)
+
+        class Memops:
+            def capture_supported(self, index):
+                return True
+
+            def wait_geq(self, stream, addr, value):
+                sim.enqueue(stream, lambda: None, lambda: word(addr).value >= value)
+
+            def write(self, stream, addr, value):
+                sim.enqueue(stream, lambda: setattr(word(addr), "value", value))
+
+            def copy(self, stream, dst, src, nbytes):
+                sim.enqueue(stream, lambda: ctypes.memmove(dst, src, nbytes))
+
+            def copy_2d(self, stream, *, dst, dst_pitch, src, src_pitch, width, height):
+                def act():
+                    for row in range(height):
+                        ctypes.memmove(dst + row * dst_pitch, src + row * src_pitch, width)
+                sim.enqueue(stream, act)
+
+        return Memops()
+
+
+SIM_SEEDS = 12  # interleavings per case
+
+
+def _sim_ranks(monkeypatch, *, pattern, quant="ptpc", world=WORLD, chunks=3):
+    """Every rank's CopyEngineSchedule over shared host windows, driven by one :class:`_Sim`; the
+    reduce and stamp-check kernels are torch closures enqueued on their streams."""
+    from cco.cuda import dma
+    from cco.window import Window
+
+    sim = _Sim()
+    cfg = layout.build_config(n=256 * world, k=256, m_max=M, world=world, quant=quant, transport="dma",
+                              block_m=64, block_n=128, pattern=pattern, chunks=chunks)
+    buffers = [torch.zeros(cfg.window.nbytes, dtype=torch.uint8) for _ in range(world)]
+
+    class HostWindow(Window):
+        def __init__(self, rank):
+            super().__init__(comm=types.SimpleNamespace(rank=rank, world=world), layout=cfg.window)
+
+        @property
+        def device(self):
+            return torch.device("cpu")
+
+        def _raw(self, rank):
+            return buffers[rank]
+
+        def _release(self):
+            pass
+
+    def reduce_chunk(*, partial, recv, gather, out, scatter_m, status, rank, rows, stamp, out_col0=None, **_):
+        r0, r1 = rows
+
+        def act():
+            bad = [s for s in range(world) if s != rank and int(scatter_m[s]) != int(stamp[0])]
+            acc = partial[rank][r0:r1].float() + sum(recv[s][r0:r1].float() for s in range(world) if s != rank)
+            if bad:
+                acc.fill_(float("nan"))
+                status[0], status[1] = 1 + bad[0], scatter_m[bad[0]]
+            ns = recv.shape[2]
+            col0 = rank * ns if out_col0 is None else out_col0
+            out[r0:r1, col0:col0 + ns] = acc.to(torch.bfloat16)
+            if gather is not None:
+                gather[rank][r0:r1] = acc.to(torch.bfloat16)
+        sim.enqueue(sim.current, act)
+
+    def check_stamps(*, out, scatter_m, status, stamp, rank, world, **_):
+        def act():
+            bad = [s for s in range(world) if s != rank and int(scatter_m[s]) != int(stamp[0])]
+            if bad:
+                out.fill_(float("nan"))
+                status[0], status[1] = 1 + bad[0], scatter_m[bad[0]]
+        sim.enqueue(sim.current, act)
+
+    cuda = sim.cuda()
+    monkeypatch.setattr(dma, "torch", types.SimpleNamespace(zeros=torch.zeros, full=torch.full, empty=torch.empty,
+                                                            int64=torch.int64, bfloat16=torch.bfloat16, cuda=cuda))
+    monkeypatch.setattr(dma, "kernels", types.SimpleNamespace(reduce_chunk=reduce_chunk, check_stamps=check_stamps,
+                                                              dequant_chunk=lambda **kw: None))
+    memops = sim.memops()
+    scheds = []
+    for rank in range(world):
+        sim.current = sim.mains[rank] = cuda.Stream(name=f"main{rank}-")
+        scheds.append(dma.CopyEngineSchedule(config=cfg, window=HostWindow(rank), device=torch.device("cpu"),
+                                             memops=memops, flag_by_copy=True))
+    return sim, cfg, scheds
+
+
+def _on(sim, stream, act):
+    sim.enqueue(stream, act)
+
+
+@pytest.mark.parametrize("calls", [(M, M), (M - 70, 6, M - 70)], ids=["same-M", "alternating-M"])
+@pytest.mark.parametrize("mode", ["fused", "split"])
+@pytest.mark.parametrize("pattern", ["reduce-scatter-rows", "reduce-scatter-cols"])
+def test_reduce_scatter_schedule_delivers_every_slice_on_two_host_ranks(monkeypatch, pattern, mode, calls):
+    """Both ranks' reduce-scatter schedules executed together: every rank's output is the sum of
+    every rank's slice (bits of the fp32 sum of the bf16 partials), call after call with other Ms and
+    other data, every flag and counter consumed (zero) once the calls are done, no deadlock. The
+    producer writes its rows when its stream runs them, so a put that read too early moves stale
+    rows and the sum is wrong."""
+    for seed in range(SIM_SEEDS):
+        _reduce_scatter_calls(monkeypatch, pattern, mode, calls, seed)
+
+
+def _reduce_scatter_calls(monkeypatch, pattern, mode, calls, seed):
+    sim, cfg, scheds = _sim_ranks(monkeypatch, pattern=pattern)
+    sim.seed = seed
+    for seq, m in enumerate(calls, start=1):
+        plans = [layout.plan_call(cfg, m=m, seq=seq, rank=r, counter_base=layout.zero_counters(WORLD))
+                 for r in range(WORLD)]
+        sm, ns = plans[0].slice_m, cfg.n_slice
+        partials = [torch.randn(WORLD, sm, ns, generator=torch.Generator().manual_seed(10 * seq + r)).bfloat16()
+                    for r in range(WORLD)]  # rank r's partial of each owner d's slice
+        outs = [torch.full(layout.out_shape(cfg, m), float("nan"), dtype=torch.bfloat16) for _ in range(WORLD)]
+        for r, (sched, plan) in enumerate(zip(scheds, plans)):
+            sim.current = main = sim.mains[r]
+            _on(sim, main, lambda s=sched: s.counters.zero_())
+            sched.begin(plan)
+
+            def unit(d, c, r=r, sched=sched, plan=plan):
+                r0, r1 = plan.rows[c]
+                return lambda: _on(sim, sim.current, lambda: sched.partial[d][r0:r1].copy_(partials[r][d][r0:r1]))
+
+            sched.produce(plan, [(unit(d, c), [(d, c)]) for d in layout.dest_order(r, WORLD)
+                                 for c in range(plan.chunks)])
+            sched.run(plan, outs[r], after_gemm=mode == "split", scatters_first=True)
+        sim.run()
+        for r in range(WORLD):
+            want = sum(partials[s][r].float() for s in range(WORLD)).to(torch.bfloat16)
+            assert torch.equal(outs[r], want), (seed, seq, r)
+            for name in ("scatter_flags", "gather_flags"):
+                assert not getattr(scheds[r], name).any(), (seq, r, name)
+
+
+@pytest.mark.parametrize("mode", ["fused", "split"])
+@pytest.mark.parametrize("quant", ["ptpc", "blockscale", "mxfp8"])
+def test_all_gather_schedule_delivers_every_rows_chunk_on_two_host_ranks(monkeypatch, quant, mode):
+    """Both ranks' all-gather schedules executed together (the "GEMM" copies the slot's rows it
+    consumes into ``out``): every rank ends with every rank's rows and scales bit-exact in rank
+    order, call after call with other Ms, every flag consumed; a rank's rows copied into its slot
+    after the puts were enqueued still reach the peers (the ``inputs_ready`` gate)."""
+    for seed in range(SIM_SEEDS):
+        _all_gather_calls(monkeypatch, quant, mode, seed)
+
+
+def _all_gather_calls(monkeypatch, quant, mode, seed):
+    sim, cfg, scheds = _sim_ranks(monkeypatch, pattern="all-gather", quant=quant)
+    sim.seed = seed
+    k = cfg.k
+    for seq, m in enumerate((cfg.slice_m_max, 70, 3), start=1):
+        plans = [layout.plan_call(cfg, m=m, seq=seq, rank=r, counter_base=layout.zero_counters(WORLD))
+                 for r in range(WORLD)]
+        rows = [torch.randint(0, 120, (m, k), generator=torch.Generator().manual_seed(10 * seq + r), dtype=torch.uint8)
+                for r in range(WORLD)]
+        outs = [torch.full((WORLD * m, k), 255, dtype=torch.uint8) for _ in range(WORLD)]
+        for r, (sched, plan) in enumerate(zip(scheds, plans)):
+            sim.current = main = sim.mains[r]
+            sched.begin(plan)
+            slot = sched.a_rows[r].view(torch.uint8)
+            scales = sched.a_scales[r].view(torch.uint8)
+            _on(sim, main, lambda slot=slot, r=r: slot[:m].copy_(rows[r]))
+            _on(sim, main, lambda scales=scales, r=r, seq=seq: scales.fill_(seq * 16 + r))
+
+            def consume(src, c, r=r, sched=sched, plan=plan):
+                r0, r1 = plan.rows[c] if c is not None else (0, m)
+                _on(sim, sim.current, lambda: outs[r][src * m + r0:src * m + r1].copy_(
+                    sched.a_rows[src].view(torch.uint8)[r0:r1]))
+
+            def every(r=r):
+                for src in range(WORLD):
+                    consume(src, None, r=r)
+            sched.gather_inputs(plan, out=torch.zeros(WORLD * m, 4, dtype=torch.bfloat16),
+                                consume_own=(lambda: consume(r, None)) if mode == "fused" else None,
+                                consume=consume if mode == "fused" else None,
+                                consume_all=None if mode == "fused" else every)
+        sim.run()
+        for r in range(WORLD):
+            assert torch.equal(outs[r], torch.cat(rows)), (seed, seq, r)
+            for src in range(WORLD):
+                got = scheds[r].a_scales[src].view(torch.uint8)
+                got = got[:, :m] if quant == "blockscale" else got[:m]
+                assert (got == seq * 16 + src).all(), (seq, r, src)
+            for name in ("scatter_flags", "gather_flags"):
+                assert not getattr(scheds[r], name).any(), (seq, r, name)
+            assert int(scheds[r].status[0]) == 0

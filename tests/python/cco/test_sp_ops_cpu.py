@@ -124,18 +124,26 @@ class _NoComm:
         pass
 
 
-@pytest.mark.parametrize("pattern", ["reduce-scatter-rows", "all-gather"])
-def test_gpu_backends_refuse_the_new_patterns_with_a_clear_error(pattern):
-    """Until their kernels run it, the CUDA and gfx950 backends refuse the pattern at construction
-    (``config_error``), so a layer falls back to its unfused path on every rank alike."""
+@pytest.mark.parametrize("pattern", ["reduce-scatter-rows", "reduce-scatter-cols", "all-gather"])
+def test_gpu_backends_run_or_refuse_the_new_patterns_with_a_clear_error(pattern):
+    """The CUDA backend runs the pattern on the copy engines (``dma``, which ``auto`` takes) and
+    refuses the ``lsa`` transport at construction (``config_error``: the same verdict on every
+    rank, naming the transport to pass); the gfx950 backend refuses the pattern until its kernels
+    run it, so a layer falls back to its unfused path on every rank alike."""
     from cco import layout
     from cco.backends.cuda import CudaBackend
     from cco.backends.gfx950 import Gfx950Backend
 
-    cfg = layout.build_config(n=1024, k=K, m_max=256, world=2, pattern=pattern, block_m=128, block_n=128)
-    for backend in (CudaBackend, Gfx950Backend):
-        err = backend.config_error(cfg)
-        assert isinstance(err, NotImplementedError) and pattern in str(err) and "unfused" in str(err), err
+    def cfg(transport):
+        return layout.build_config(n=1024, k=K, m_max=256, world=2, pattern=pattern, block_m=128, block_n=128,
+                                   transport=transport)
+
+    for transport in ("dma", "auto"):
+        assert CudaBackend.config_error(cfg(transport)) is None, transport
+    err = CudaBackend.config_error(cfg("lsa"))
+    assert isinstance(err, NotImplementedError) and pattern in str(err) and "transport='dma'" in str(err), err
+    err = Gfx950Backend.config_error(cfg("dma"))
+    assert isinstance(err, NotImplementedError) and pattern in str(err) and "unfused" in str(err), err
 
 
 # --------------------------------------------------------------------------------------------------

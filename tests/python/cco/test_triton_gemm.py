@@ -306,6 +306,63 @@ def test_reduce_chunk_sums_sources_and_flags_stamp_mismatch(world, gather, progr
                 assert torch.equal(got, gbuf[o, :m].float())  # the bf16 assemble is a copy
 
 
+@pytest.mark.parametrize("world", [2, 3], ids=lambda w: f"world{w}")
+def test_reduce_chunk_of_a_reduce_scatter_writes_out_only(world):
+    """The reduce-scatter's reduce (``gather=None``): the own slice summed into ``out`` from column 0,
+    the window's regions beyond ``recv`` untouched (the pattern has no gather region: a store there
+    would land in the next region), NaN and the source in ``status`` on another stamp."""
+    from cco.cuda.kernels import STATUS_PEER_M_MISMATCH, STATUS_WORDS, reduce_chunk
+
+    rows_max, ns, m = 40, 96, 37
+    g = torch.Generator().manual_seed(world)
+    for rank in range(world):
+        partial = (torch.randn(world, rows_max, ns, generator=g) * 4).bfloat16()
+        region = (torch.randn(2 * world, rows_max, ns, generator=g) * 4).bfloat16()
+        recv, beyond = region[:world], region[world:].clone()
+        out = torch.full((m, ns), float("nan"), dtype=torch.bfloat16)
+        stamp, status = 4321, torch.zeros(STATUS_WORDS, dtype=torch.int64)
+        scatter_m = torch.full((world,), stamp, dtype=torch.int64)
+        for rows in ((0, 20), (20, m)):
+            reduce_chunk(partial=partial, recv=recv, gather=None, gather_scale=None, out=out, scatter_m=scatter_m,
+                         status=status, rank=rank, rows=rows, stamp=torch.tensor([stamp]), out_col0=0)
+        ref = partial[rank, :m].float() + sum(recv[s, :m].float() for s in range(world) if s != rank)
+        assert Q.rel_l2(out.float(), ref) < TRUNCATION * Q.REL_L2_TOL["ptpc"] and status[0].item() == 0
+        assert torch.equal(region[world:], beyond)
+        bad_src = (rank + 1) % world
+        scatter_m[bad_src] = stamp + 1
+        reduce_chunk(partial=partial, recv=recv, gather=None, gather_scale=None, out=out, scatter_m=scatter_m,
+                     status=status, rank=rank, rows=(0, m), stamp=torch.tensor([stamp]), out_col0=0)
+        assert torch.isnan(out.float()).all()
+        assert status.tolist() == [STATUS_PEER_M_MISMATCH + bad_src, stamp + 1]
+
+
+@pytest.mark.parametrize("world", [2, 3], ids=lambda w: f"world{w}")
+def test_check_stamps_leaves_a_good_output_and_nans_a_mismatched_one(world):
+    """The all-gather's end-of-call check: every source's stamp equal to the call's leaves ``out``
+    as the GEMMs wrote it; another stamp from any source (another M, a rejected call, a released
+    wait) makes all of ``out`` NaN (rows beyond the check kernel's programs too) and records the
+    source and its stamp in ``status``."""
+    from cco.cuda.kernels import CHECK_PROGRAMS, STATUS_PEER_M_MISMATCH, STATUS_WORDS, check_stamps
+
+    n = 300  # not a power of two: the column loop's mask
+    for rank in range(world):
+        for rows in (3, CHECK_PROGRAMS + 5):
+            out = torch.randn(rows, n).bfloat16()
+            before = out.clone()
+            stamp, status = 99, torch.zeros(STATUS_WORDS, dtype=torch.int64)
+            scatter_m = torch.full((world,), stamp, dtype=torch.int64)
+            scatter_m[rank] = 0  # the own word is never read
+            check_stamps(out=out, scatter_m=scatter_m, status=status, stamp=torch.tensor([stamp]), rank=rank,
+                         world=world)
+            assert torch.equal(out, before) and status[0].item() == 0
+            bad_src = (rank + world - 1) % world
+            scatter_m[bad_src] = stamp + 7
+            check_stamps(out=out, scatter_m=scatter_m, status=status, stamp=torch.tensor([stamp]), rank=rank,
+                         world=world)
+            assert torch.isnan(out.float()).all()
+            assert status.tolist() == [STATUS_PEER_M_MISMATCH + bad_src, stamp + 7]
+
+
 def _epilogue_reduce_case(world, gather, rank, *, dest_major, bad_src=None, seed=0, block_n=128):
     """One rank's fused launch with the own tiles reduced in the epilogue, beside the same launch
     storing them into partial[rank] followed by the reduce kernel on every chunk; the peers' chunks
