@@ -62,17 +62,17 @@ def untraced(x: torch.Tensor) -> bool:
             and torch._C._functorch.maybe_current_level() is None and torch._C._get_tracing_state() is None)
 
 
-def decode_rows(layer) -> int:
-    """The most rows a call of ``layer`` runs through the decode GEMM (``kernels_fused.hopper.decode``:
-    the activations quantized inside the GEMM's one launch), 0 for none: calls that need no
+def decode_gemm_for(layer):
+    """The decode GEMM (``kernels_fused.hopper.decode.decode_gemm``: the activations quantized inside
+    the GEMM's one launch) where ``layer``'s calls can take it, else None: calls that need no
     communication (one rank, or a column-parallel layer's local GEMM) on an NVIDIA GPU with the
     fused path's row-major weight."""
     local = not layer.sequence_parallel and (layer.comm.world == 1 or not layer._COLLECTIVE_WITHOUT_SP)
     if not (local and layer.op is not None and layer.device.type == "cuda" and not getattr(torch.version, "hip", None)
             and layer.weight_layout == "row-major"):
-        return 0
-    from kernels_fused.hopper.decode import DECODE_MAX_M
-    return min(DECODE_MAX_M[layer.quant], layer.m_max)
+        return None
+    from kernels_fused.hopper.decode import decode_gemm
+    return decode_gemm
 
 
 def _check_arguments(fn: str, sizes: dict, *, mode, quant, backward) -> None:
@@ -161,12 +161,14 @@ class _ParallelLinear(torch.nn.Module):
                                         chunks=chunks, deadline_s=deadline_s, fn=self._FN)
         self._handle = library.register(self)
         self._closed = False
-        # calls of up to this many rows run the decode GEMM, one launch (0: none; set it to 0 to run
-        # every call through the quantizer and the op)
-        self.decode_rows = decode_rows(self)
-        if self.decode_rows:
-            from kernels_fused.hopper.decode import decode_gemm
-            self._decode_gemm = decode_gemm  # bound once: an import per call costs an eager call a microsecond
+        # calls of up to ``decode_rows`` rows run the decode GEMM, one launch (0: none); the rule's
+        # default per quant (kernels_fused.hopper.decode.DECODE_MAX_M), or set by the caller where
+        # decode_gemm_for offers the kernel. Bound once: an import per call costs a microsecond.
+        self._decode_gemm = decode_gemm_for(self)
+        self.decode_rows = 0
+        if self._decode_gemm is not None:
+            from kernels_fused.hopper.decode import DECODE_MAX_M
+            self.decode_rows = min(DECODE_MAX_M[quant], m_max)
 
     def _eager(self, x: torch.Tensor) -> bool:
         """Whether a forward on ``x`` runs the layer's body directly (an inference call that nothing
@@ -180,6 +182,9 @@ class _ParallelLinear(torch.nn.Module):
         """bf16 ``[rows, N]`` (the bias added) for a call of at most ``decode_rows`` rows."""
         if not self._loaded:
             self._require_loaded()
+        if self._decode_gemm is None:
+            raise RuntimeError(f"{self._name()}: decode_rows={self.decode_rows} but the decode GEMM runs only on one "
+                               f"rank's local GEMM on an NVIDIA GPU (set decode_rows = 0)")
         return self._decode_gemm(x2, qweight, scale, self.quant, n=self.out_features, bias=bias)
 
     def _name(self) -> str:

@@ -18,13 +18,15 @@ from cco.comm import check_outcomes, spawn
 pytestmark = pytest.mark.multirank
 
 
-def _paths(comm):
+def _paths(comm, column=False):
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from cco.nn import RowParallelLinear
+    from cco.nn import ColumnParallelLinear, RowParallelLinear
 
     g = torch.Generator().manual_seed(0)
-    layer = RowParallelLinear(200, 96, group=comm, quant="ptpc", bias=True, m_max=8)
+    layer = (ColumnParallelLinear if column else RowParallelLinear)(200, 96, group=comm, quant="ptpc", bias=True,
+                                                                     m_max=8)
+    op_name = "column_parallel_linear" if column else "row_parallel_linear"
     layer.load_weight(torch.randn(96, 200, generator=g))
     with torch.no_grad():
         layer.bias.copy_(torch.randn(96, generator=g))
@@ -41,7 +43,9 @@ def _paths(comm):
         with torch.no_grad():
             fast = layer(x)
         fast_entries = len(entered)
-        op = torch.ops.cco.row_parallel_linear(x, layer.qweight, layer.weight_scale, layer.bias, None, layer._handle, 96)
+        extra = (1,) if column else ()  # the column op's rows factor (1: no sequence parallelism)
+        op = getattr(torch.ops.cco, op_name)(x, layer.qweight, layer.weight_scale, layer.bias, None, layer._handle, 96,
+                                             *extra)
         op_entries = len(entered) - fast_entries
 
         seen = []
@@ -61,18 +65,36 @@ def _paths(comm):
     finally:
         library.lookup = real_lookup
     return {"same": torch.equal(fast, op) and torch.equal(recorded, op), "fast_entries": fast_entries,
-            "op_entries": op_entries, "recorded_op": any("cco.row_parallel_linear" in s for s in seen),
+            "op_entries": op_entries, "recorded_op": any(f"cco.{op_name}" in s for s in seen),
             "grad_entries": grad_entries, "grad_finite": bool(xg.grad is not None and torch.isfinite(xg.grad).all()),
-            "y_same": torch.equal(y.detach(), op)}
+            "y_same": torch.equal(y.detach(), op), "decode": _decode_refused_off_gpu(layer, x)}
 
 
-def test_an_untraced_inference_call_skips_the_dispatcher_and_gives_the_ops_result():
+def _decode_refused_off_gpu(layer, x) -> str:
+    """The decode GEMM is not offered on the CPU (decode_rows 0); a caller who sets decode_rows
+    anyway gets a RuntimeError, not a wrong path."""
+    if layer.decode_rows != 0 or layer._decode_gemm is not None:
+        return f"offered on the CPU: decode_rows={layer.decode_rows}"
+    layer.decode_rows = 4
+    try:
+        with torch.no_grad():
+            layer(x)
+    except RuntimeError as err:
+        return "refused" if "decode GEMM runs only" in str(err) else f"another error: {err}"
+    finally:
+        layer.decode_rows = 0
+    return "ran"
+
+
+@pytest.mark.parametrize("column", [False, True], ids=["RowParallelLinear", "ColumnParallelLinear"])
+def test_an_untraced_inference_call_skips_the_dispatcher_and_gives_the_ops_result(column):
     """No grad, nothing tracing: the body runs without the registered op (no handle lookup) and
     its output is the op's bit for bit; under a dispatch mode the op is what the mode sees; a call
     autograd records goes through the op (the body is entered once for the forward and once for the
     backward) and gets its gradient."""
-    (r,) = check_outcomes(spawn(_paths, world=1, timeout_s=120))
+    (r,) = check_outcomes(spawn(_paths, world=1, args=(column,), timeout_s=120))
     assert r["same"] and r["y_same"]
+    assert r["decode"] == "refused"
     assert r["fast_entries"] == 0, "the untraced inference call went through the registered op"
     assert r["op_entries"] == 1
     assert r["recorded_op"], "a dispatch mode did not see torch.ops.cco.row_parallel_linear"
