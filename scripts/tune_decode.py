@@ -78,7 +78,7 @@ def with_config(cfg, quant):
     """Set ``decode.py``'s constants to ``cfg`` for ``quant`` (new launches only)."""
     from kernels_fused.hopper import decode as D
 
-    D.BLOCK_N, D.BLOCK_K[quant], D.NUM_WARPS, D.NUM_STAGES[quant] = cfg[0], cfg[1], cfg[2], cfg[3]
+    D.BLOCK_N[quant], D.BLOCK_K[quant], D.NUM_WARPS[quant], D.NUM_STAGES[quant] = cfg[0], cfg[1], cfg[2], cfg[3]
     D._LAUNCHES.clear()
 
 
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     from kernels_fused.hopper.quantize import quantize_activation
 
     dev = torch.device("cuda")
-    defaults = (D.BLOCK_N, dict(D.BLOCK_K), D.NUM_WARPS, dict(D.NUM_STAGES))
+    defaults = (dict(D.BLOCK_N), dict(D.BLOCK_K), dict(D.NUM_WARPS), dict(D.NUM_STAGES))
     out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "gpu": torch.cuda.get_device_name(),
            "torch": torch.__version__, "rows": [], "checks": [], "host": {}}
     failures = 0
@@ -106,8 +106,8 @@ def main(argv=None) -> int:
             for m in args.m:
                 x = torch.randn(m, k, device=dev).to(torch.bfloat16)
                 # restore the defaults for the checks
-                D.BLOCK_N, D.NUM_WARPS = defaults[0], defaults[2]
-                D.BLOCK_K.update(defaults[1]), D.NUM_STAGES.update(defaults[3])
+                for table, saved in zip((D.BLOCK_N, D.BLOCK_K, D.NUM_WARPS, D.NUM_STAGES), defaults):
+                    table.update(saved)
                 D._LAUNCHES.clear()
                 a, s = quantize_activation(x, quant, k_padded=k)
                 ad, wd = Q.dequantize_a(a, s, quant), Q.dequantize_b(wq, ws, quant)
@@ -154,8 +154,8 @@ def main(argv=None) -> int:
                       f"{timed['quantizer + vendor GEMM']:6.1f} | best decode {best[0]:6.1f} ({best[0] / base:.2f}x) "
                       f"{best[1]}", flush=True)
     # restore
-    D.BLOCK_N, D.NUM_WARPS = defaults[0], defaults[2]
-    D.BLOCK_K.update(defaults[1]), D.NUM_STAGES.update(defaults[3])
+    for table, saved in zip((D.BLOCK_N, D.BLOCK_K, D.NUM_WARPS, D.NUM_STAGES), defaults):
+        table.update(saved)
     D._LAUNCHES.clear()
     if args.host:
         out["host"] = host_costs(args)

@@ -453,6 +453,8 @@ class CudaBackend(Backend):
                 return
             if quant == "blockscale" and rows > 1 and a_scale.stride() != (1, rows):
                 a_scale = a_scale.t().contiguous().t()
+            elif quant == "ptpc" and a_scale.data_ptr() % vendor.SCALE_ALIGNMENT:
+                a_scale = a_scale.clone()  # a slice's scales from a row not a multiple of 4: cuBLAS refuses them
             vendor.vendor_gemm(a, a_scale, weight, out=out, fast_accum=fast)
 
         return gemm

@@ -34,15 +34,18 @@ import torch
 from cco.quant import _TINY, FP8, FP8_MAX, QUANTS, SCALE_BLOCK
 
 # Calls of at most this many rows take the decode GEMM (the layers' rule, cco.nn.parallel_linear);
-# more rows go to the quantizer + vendor GEMM. Chosen with scripts/tune_decode.py (docs/decode.md).
-DECODE_MAX_M = {"ptpc": 4, "blockscale": 4, "mxfp8": 4}
-# BLOCK_N output features per program (one program per BLOCK_N and row: no split of K, so no second
-# pass); BLOCK_K columns per step, in groups of the format's scale group (GROUP); ROW_K: ptpc's amax load.
-BLOCK_N = 16
-BLOCK_K = {"ptpc": 512, "blockscale": 512, "mxfp8": 512}
+# more rows go to the quantizer + vendor GEMM. scripts/tune_decode.py on one H200 (2026-12-03,
+# docs/decode.md), device us per call under graph replay against bf16 nn.Linear's: at M = 1 0.66-0.85x
+# (8B down / o_proj, 70B down; every quant), at M = 4 1.8-3.2x (each row re-reads the weight), so one row.
+DECODE_MAX_M = {"ptpc": 1, "blockscale": 1, "mxfp8": 1}
+# Per quant, the best M = 1 config of that run: BLOCK_N output features per program (one program per
+# BLOCK_N and row: no split of K, so no second pass); BLOCK_K columns per step, in groups of the
+# format's scale group (GROUP); warps. ROW_K: ptpc's amax load.
+BLOCK_N = {"ptpc": 16, "blockscale": 16, "mxfp8": 8}
+BLOCK_K = {"ptpc": 1024, "blockscale": 1024, "mxfp8": 1024}
 GROUP = {"ptpc": SCALE_BLOCK, "blockscale": SCALE_BLOCK, "mxfp8": 32}
 ROW_K = 4096
-NUM_WARPS = 4
+NUM_WARPS = {"ptpc": 8, "blockscale": 8, "mxfp8": 4}
 NUM_STAGES = {"ptpc": 3, "blockscale": 3, "mxfp8": 3}
 _QUANT_CODE = {"ptpc": 0, "blockscale": 1, "mxfp8": 2}
 
@@ -120,14 +123,15 @@ class _Launch:
     __slots__ = ("grid", "consts", "ints", "fast")
 
     def __init__(self, m: int, k: int, k_padded: int, n: int, quant: str, has_bias: bool):
-        if quant == "blockscale" and SCALE_BLOCK % BLOCK_N:  # a program's rows share one weight scale block
-            raise ValueError(f"decode_gemm: BLOCK_N={BLOCK_N} must divide {SCALE_BLOCK} for blockscale")
-        self.grid = (-(-n // BLOCK_N), m)
+        block_n = BLOCK_N[quant]
+        if quant == "blockscale" and SCALE_BLOCK % block_n:  # a program's rows share one weight scale block
+            raise ValueError(f"decode_gemm: BLOCK_N={block_n} must divide {SCALE_BLOCK} for blockscale")
+        self.grid = (-(-n // block_n), m)
         self.ints = (m, n, k, k_padded)
         group = GROUP[quant]
-        self.consts = dict(QUANT=_QUANT_CODE[quant], HAS_BIAS=has_bias, BLOCK_N=BLOCK_N,
+        self.consts = dict(QUANT=_QUANT_CODE[quant], HAS_BIAS=has_bias, BLOCK_N=block_n,
                            G=block_k(quant, k_padded) // group, GS=group, ROW_K=min(ROW_K, _pow2(k)),
-                           ROUND_IN_FP32=_interpreting(), num_warps=NUM_WARPS, num_stages=NUM_STAGES[quant])
+                           ROUND_IN_FP32=_interpreting(), num_warps=NUM_WARPS[quant], num_stages=NUM_STAGES[quant])
         self.fast = None
 
     def __call__(self, x, w, w_scale, bias, out) -> None:

@@ -36,6 +36,11 @@ PACK_INDEX_CACHE = 16  # blockscale scale-packing indices kept, one per (M, chun
 # 132, 260, 1000 and 4096 correctly: it takes row counts that keep the M-major A scale's columns 16-byte
 # aligned (M % 4 == 0; tests/python/cco/test_cuda_op.py checks this on every GPU run)
 BLOCKWISE_ROW_MULTIPLE = 4
+# cuBLAS's row-wise scaled fp8 GEMM (ptpc) refused an A scale vector that starts 12 bytes into its
+# allocation (CUBLAS_STATUS_NOT_SUPPORTED; the reduce-scatter along rows at M = 6, world 2: the second
+# rank's three rows, H200, 2026-12-03): a caller passing a slice of the scales copies it when its
+# address is not a multiple of this
+SCALE_ALIGNMENT = 16
 
 
 def takes_rows(quant: str, rows) -> bool:
