@@ -408,6 +408,37 @@ def test_cuda_backend_reduce_scatter_rows_produces_each_slice_from_its_rows_on_t
     assert reduce == [(rows, sched.partial.data_ptr(), sched.partial.stride(), "no gather", 0) for rows in plan.rows]
 
 
+def test_cuda_backend_reduce_scatter_rows_passes_cublas_aligned_ptpc_scales(monkeypatch):
+    """cuBLAS's row-wise fp8 GEMM refuses an A scale vector that does not start on 16 bytes
+    (CUBLAS_STATUS_NOT_SUPPORTED on an H200 at M = 6, world 2: the second owner's 3 rows start 12
+    bytes into the scales). Here the CPU ``_scaled_mm`` refuses the same way, and the reduce-scatter
+    along rows at M = 6 still gives every slice: the backend copies such a scale slice."""
+    from cco import quant as Q
+    from cco.preshuffle import preshuffle_b
+    from kernels_fused.hopper.vendor import SCALE_ALIGNMENT
+
+    real = torch._scaled_mm
+
+    def like_cublas(a, b, *, scale_a, scale_b, **kw):
+        if scale_a.numel() > 1 and scale_a.data_ptr() % SCALE_ALIGNMENT:
+            raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED: row-wise scale_a not 16-byte aligned")
+        return real(a, b, scale_a=scale_a, scale_b=scale_b, **kw)
+
+    log = _Log()
+    backend, sched = _host_backend(monkeypatch, log, pattern="reduce-scatter-rows", quant="ptpc")
+    monkeypatch.setattr(torch, "_scaled_mm", like_cublas)
+    cfg, m = backend.config, 6
+    plan = layout.plan_call(cfg, m=m, seq=1, rank=RANK, counter_base=layout.zero_counters(WORLD))
+    p = Q.random_problem(m, cfg.n, cfg.k, "ptpc", seed=7)
+    a_scale = torch.empty(m + 1, dtype=torch.float32)[1:]  # the caller's scales may start anywhere, too
+    a_scale.copy_(p.a_scale)
+    backend.fused(p.a, preshuffle_b(p.b), a_scale, p.b_scale,
+                  out=torch.zeros(*layout.out_shape(cfg, m), dtype=torch.bfloat16), plan=plan)
+    sm, want = m // WORLD, p.reference()
+    for d in range(WORLD):
+        assert Q.count_mismatches(backend.partial[d][:sm], want[d * sm:(d + 1) * sm]) == 0, d
+
+
 @pytest.mark.parametrize("producer", ["vendor", "kernel"])
 def test_cuda_backend_reduce_scatter_cols_runs_the_all_reduce_producers_on_the_host(monkeypatch, producer):
     """The reduce-scatter along columns takes the all-reduce's producers as they are (the vendor GEMM
