@@ -54,24 +54,11 @@ def parse_args(argv=None):
 
 
 def graph_us(arms: dict, calls: int, passes: int) -> dict:
+    """Device us per call of each arm: a CUDA graph of ``calls`` calls replayed (bench_decode's)."""
     from cco.bench.timing import time_arms
+    from scripts.bench_decode import graph_device_us
 
-    graphs = {}
-    for name, fn in arms.items():
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(calls):
-                fn()
-        graphs[name] = g
-    timed = time_arms({n: (lambda i, g=g: g.replay()) for n, g in graphs.items()}, passes=passes, iters=10, rotate=1)
-    return {n: t.median_us / calls for n, t in timed.items()}
+    return graph_device_us(arms, argparse.Namespace(graph_calls=calls, passes=passes), time_arms)
 
 
 def with_config(cfg, quant):
