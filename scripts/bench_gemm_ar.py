@@ -312,12 +312,16 @@ def build_arms(names, prob: Problem, comm, *, chunks, m_max):
                                  gather_dtype=gather, chunks=overrides.pop("chunks", chunks))
             override(op._backend, overrides, what=name)
             ops[name] = op
-
-            def fn(i, op=op):
-                a, a_s = prob.a(i)
-                return op(a, prob.b_pre, a_s, prob.b_scale)
-            arms[name] = fn
+            arms[name] = _op_arm(op, prob)
     return arms, ops
+
+
+def _op_arm(op, prob):
+    """The arm that calls ``op`` on the problem's i-th activations and its weight."""
+    def fn(i):
+        a, a_s = prob.a(i)
+        return op(a, prob.b_pre, a_s, prob.b_scale)
+    return fn
 
 
 def build_sp_arms(names, prob: Problem, comm, *, chunks, m_max):
@@ -374,10 +378,7 @@ def build_sp_arms(names, prob: Problem, comm, *, chunks, m_max):
             kw = dict(n=n, k=prob.k, m_max=m_max, quant=quant, mode=name, transport="dma", chunks=chunks)
             op = GemmReduceScatterOp(comm, scatter_dim=0, **kw) if prob.pattern == "rs" else AllGatherGemmOp(comm, **kw)
             ops[name] = op
-
-            def fn(i, op=op):
-                a, a_s = prob.a(i)
-                return op(a, prob.b_pre, a_s, prob.b_scale)
+            fn = _op_arm(op, prob)
         arms[name] = fn
     return arms, ops
 

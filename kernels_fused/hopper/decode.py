@@ -32,6 +32,7 @@ import os
 import torch
 
 from cco.quant import _TINY, FP8, FP8_MAX, QUANTS, SCALE_BLOCK
+from kernels_fused.hopper.quantize import _interpreting, _pow2, check_rows
 
 # Calls of at most this many rows take the decode GEMM (the layers' rule, cco.nn.parallel_linear);
 # more rows go to the quantizer + vendor GEMM. scripts/tune_decode.py on one H200 (2026-12-03,
@@ -48,10 +49,6 @@ ROW_K = 4096
 NUM_WARPS = {"ptpc": 8, "blockscale": 8, "mxfp8": 4}
 NUM_STAGES = {"ptpc": 3, "blockscale": 3, "mxfp8": 3}
 _QUANT_CODE = {"ptpc": 0, "blockscale": 1, "mxfp8": 2}
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @functools.cache
@@ -76,9 +73,7 @@ def check_operands(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, quan
     fn = "decode_gemm"
     if quant not in QUANTS:
         raise ValueError(f"{fn}: quant={quant!r} is not supported; pass one of {', '.join(QUANTS)}")
-    if x.dim() != 2 or x.stride(1) != 1 or not x.dtype.is_floating_point:
-        raise ValueError(f"{fn}: x must be a float [M, K] tensor with unit column stride, got {x.dtype} "
-                         f"{list(x.shape)} stride {x.stride()}")
+    check_rows(x, fn)
     if w.dtype != FP8 or w.dim() != 2 or not w.is_contiguous() or w.shape[1] % SCALE_BLOCK or w.shape[1] < x.shape[1]:
         raise ValueError(f"{fn}: w must be a contiguous row-major e4m3 [N_pad, K_pad] weight with K_pad a multiple of "
                          f"{SCALE_BLOCK} and >= K={x.shape[1]}, got {w.dtype} {list(w.shape)}")
@@ -112,15 +107,12 @@ def decode_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, quant: 
 _LAUNCHES: dict = {}
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 class _Launch:
-    """One call shape's launch: the grid and constants, and after its first launch the compiled
-    kernel's launcher (``CompiledKernel[grid]``), which takes the same arguments in order."""
+    """One call shape's launch: the grid, the integer arguments and the constants, and after its
+    first launch the compiled kernel's launcher (``CompiledKernel[grid]``), which takes every
+    argument of the kernel in order, the constants included."""
 
-    __slots__ = ("grid", "consts", "ints", "fast")
+    __slots__ = ("grid", "ints", "consts", "options", "fast")
 
     def __init__(self, m: int, k: int, k_padded: int, n: int, quant: str, has_bias: bool):
         block_n = BLOCK_N[quant]
@@ -129,21 +121,20 @@ class _Launch:
         self.grid = (-(-n // block_n), m)
         self.ints = (m, n, k, k_padded)
         group = GROUP[quant]
-        self.consts = dict(QUANT=_QUANT_CODE[quant], HAS_BIAS=has_bias, BLOCK_N=block_n,
-                           G=block_k(quant, k_padded) // group, GS=group, ROW_K=min(ROW_K, _pow2(k)),
-                           ROUND_IN_FP32=_interpreting(), num_warps=NUM_WARPS[quant], num_stages=NUM_STAGES[quant])
+        # QUANT, HAS_BIAS, BLOCK_N, G, GS, ROW_K, ROUND_IN_FP32: the kernel's constexprs, in its order
+        self.consts = (_QUANT_CODE[quant], has_bias, block_n, block_k(quant, k_padded) // group, group,
+                       min(ROW_K, _pow2(k)), _interpreting())
+        self.options = dict(num_warps=NUM_WARPS[quant], num_stages=NUM_STAGES[quant])
         self.fast = None
 
     def __call__(self, x, w, w_scale, bias, out) -> None:
         scale = w_scale.view(torch.uint8) if w_scale.element_size() == 1 else w_scale
         b = out if bias is None else bias  # an unused pointer where there is no bias
+        args = (x, w, scale, b, out, *self.ints, x.stride(0), scale.stride(0), _TINY, FP8_MAX, *self.consts)
         if self.fast is not None:
-            c = self.consts
-            self.fast(x, w, scale, b, out, *self.ints, x.stride(0), scale.stride(0), _TINY, FP8_MAX, c["QUANT"],
-                      c["HAS_BIAS"], c["BLOCK_N"], c["G"], c["GS"], c["ROW_K"], c["ROUND_IN_FP32"])
+            self.fast(*args)
             return
-        compiled = _kernel()[self.grid](x, w, scale, b, out, *self.ints, x.stride(0), scale.stride(0), _TINY, FP8_MAX,
-                                        **self.consts)
+        compiled = _kernel()[self.grid](*args, **self.options)
         if compiled is not None and hasattr(compiled, "__getitem__") and FAST_LAUNCH:
             self.fast = compiled[(*self.grid, 1)]  # the launcher takes all three grid dimensions
 

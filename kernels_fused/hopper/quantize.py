@@ -73,6 +73,14 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def check_rows(x: torch.Tensor, fn: str) -> None:
+    """Raise ValueError unless ``x`` is a float ``[M, K]`` tensor with unit column stride (the rows
+    the quantizing kernels read)."""
+    if x.dim() != 2 or x.stride(1) != 1 or not x.dtype.is_floating_point:
+        raise ValueError(f"{fn}: x must be a float [M, K] tensor with unit column stride, got {x.dtype} "
+                         f"{list(x.shape)} stride {x.stride()}; pass x.reshape(-1, K).contiguous()")
+
+
 def split_launch(m: int, k: int, k_padded: int) -> tuple[tuple[int, int], int, int]:
     """``(grid, ROW_BLOCK, SLICE_K)`` of :func:`quantize_ptpc_split_kernel` for ``m`` rows."""
     slices = max(1, min(k_padded // SPLIT_SLICE_MIN, SPLIT_PROGRAMS // max(m, 1)))
@@ -90,9 +98,7 @@ def quantize_activation(x: torch.Tensor, quant: str, *, k_padded: int | None = N
     fn = "quantize_activation"
     if quant not in QUANTS:
         raise ValueError(f"{fn}: quant={quant!r} is not supported; pass one of {', '.join(QUANTS)}")
-    if x.dim() != 2 or x.stride(1) != 1 or not x.dtype.is_floating_point:
-        raise ValueError(f"{fn}: x must be a float [M, K] tensor with unit column stride, got {x.dtype} "
-                         f"{list(x.shape)} stride {x.stride()}; pass x.reshape(-1, K).contiguous()")
+    check_rows(x, fn)
     m, k = x.shape
     k_padded = k if k_padded is None else k_padded
     m_out = m if m_padded is None else m_padded
