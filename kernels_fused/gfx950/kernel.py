@@ -497,8 +497,9 @@ class GemmScatterLauncher:
     * stream: a torch stream (default: the current one).
     """
 
-    def __init__(self, *, cfg: KernelConfig, rank: int, world: int, chunks: int | tuple[int, ...] | None):
-        self.cfg, self.rank, self.world, self.chunks = cfg, rank, world, chunks
+    def __init__(self, *, cfg: KernelConfig, rank: int, world: int, chunks: int | tuple[int, ...] | None,
+                 pattern: str = "all-reduce"):
+        self.cfg, self.rank, self.world, self.chunks, self.pattern = cfg, rank, world, chunks, pattern
         self._kernel = None
         self._tiles = {}  # (m, n, m_max_padded) -> int32 tile table on the device
 
@@ -511,7 +512,7 @@ class GemmScatterLauncher:
         if key not in self._tiles:
             lay = layout.build_config(n=n, k=self.cfg.K, m_max=c_rows, world=self.world, quant=self.cfg.quant,
                                       mode="fused", chunks=self.chunks, block_m=self.cfg.BLOCK_M,
-                                      block_n=self.cfg.BLOCK_N)
+                                      block_n=self.cfg.BLOCK_N, pattern=self.pattern)
             rows = layout.tile_table_rows(layout.tile_table(lay, m=m, rank=self.rank))
             self._tiles[key] = torch.tensor(rows, dtype=torch.int32, device=device)
         return self._tiles[key]
@@ -567,10 +568,29 @@ class GemmScatterLauncher:
         return C_or_window
 
 
+def fused_pattern_reason(pattern: str) -> str | None:
+    """None when the ``fuse=True`` kernel produces ``pattern``'s slices (``cco.layout.PATTERNS``),
+    else why not. Its tile origin is by column slice: B rows ``dest * N/W + col0``, A rows ``row0``,
+    ``partial[dest]`` ``N/W`` wide. That is the all-reduce's and the column reduce-scatter's slice
+    (the same walk, counters and planes; the gather phase is the transport's). A slice by rows needs
+    A rows ``dest * M/W + row0`` and every column; the all-gather publishes no tile."""
+    from cco import layout
+
+    spec = layout.PATTERNS.get(pattern)
+    if spec is None:
+        return f"pattern={pattern!r} is unknown; pass one of {', '.join(layout.PATTERNS)}"
+    if not spec.scatter:
+        return f"the {pattern} pattern publishes no GEMM tile (its transfers precede the GEMM): use fuse=False"
+    if spec.owner_by != "cols":
+        return (f"the {pattern} pattern's slices are rows of every column; the kernel's tile origin is a column "
+                f"slice (B rows dest * N/world + col0): run fuse=False on each slice's rows")
+    return None
+
+
 def compile_fused_gemm_scatter(rank: int, world: int, *, K: int, BLOCK_M: int = 256, BLOCK_N: int = 256,
                                quant: str = "ptpc", fuse: bool = True, chunks: int | tuple[int, ...] | None = None,
                                loop_count: str | int | None = None, variant: str = "shipped",
-                               mfma_barriers: bool = True) -> GemmScatterLauncher:
+                               mfma_barriers: bool = True, pattern: str = "all-reduce") -> GemmScatterLauncher:
     """The gfx950 kernel for one (K, tile, quant, mode), emitted from the ``variant`` schedule.
 
     Unfused equivalent (fuse=False): ``C = reference_gemm(A, unshuffle_b(B_pre), A_scale, B_scale,
@@ -578,6 +598,9 @@ def compile_fused_gemm_scatter(rank: int, world: int, *, K: int, BLOCK_M: int = 
     ``counters[dest, chunk]``. ``loop_count`` overrides the variant's main-loop vmcnt ("min(2A+B,A+2B)", "2A+B",
     "A+B-1" or an int; None keeps the variant's: min(2A+B, A+2B) for ``shipped``). Compilation happens on the first launch; on a machine without gfx950 use
     :func:`compile_to_isa` instead (a launch there raises before touching the device).
+    ``pattern`` (fuse=True): the op's ``cco.layout.PATTERNS`` key, whose tile table the launcher
+    walks; "all-reduce" or "reduce-scatter-cols" (:func:`fused_pattern_reason`). It is not a
+    compile-time parameter: both patterns run the same kernel.
     """
     fn = "compile_fused_gemm_scatter"
     for arg, value in (("rank", rank), ("world", world)):
@@ -585,7 +608,12 @@ def compile_fused_gemm_scatter(rank: int, world: int, *, K: int, BLOCK_M: int = 
             raise ValueError(f"{fn}: {arg}={value!r} must be a non-negative int")
     if world < 1 or rank >= world:
         raise ValueError(f"{fn}: rank={rank} world={world}: need 0 <= rank < world")
+    from cco import layout
+
+    why = fused_pattern_reason(pattern)
+    if why is not None and (fuse or pattern not in layout.PATTERNS):  # fuse=False: any pattern's row blocks
+        raise ValueError(f"{fn}: {why}")
     cfg = kernel_config(K=K, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, quant=quant, fuse=fuse, variant=variant,
                         loop_count=loop_count, mfma_barriers=mfma_barriers, fn=fn)
-    return GemmScatterLauncher(cfg=cfg, rank=rank, world=world, chunks=chunks)
+    return GemmScatterLauncher(cfg=cfg, rank=rank, world=world, chunks=chunks, pattern=pattern)
 
