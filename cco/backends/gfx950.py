@@ -292,9 +292,9 @@ class Gfx950Backend(CudaBackend):
     dma_peers_first = False  # the FlyDSL kernel writes the schedule's (chunk, dest) order
     dma_reduce_in_gemm = False  # and stores its own tiles for the reduce kernel
     weight_layouts = ("bpreshuffle",)  # the FlyDSL kernel reads b_pre as is
-    # the all-reduce only (not CudaBackend's list): the sequence-parallel patterns need the FlyDSL
-    # launches of their producers (row-owned slices, the all-gather's chunk GEMMs), not built yet
-    patterns = ("all-reduce",)
+    # every pattern, through CudaBackend's call paths; the FlyDSL launches they reach are the two
+    # compiled variants the conformance sweep checks (module note, "Patterns")
+    patterns = tuple(layout.PATTERNS)
 
     @classmethod
     def tile(cls, quant: str) -> tuple[int, int]:
@@ -356,10 +356,11 @@ class Gfx950Backend(CudaBackend):
             from kernels_fused.gfx950.kernel import compile_fused_gemm_scatter
 
             cfg = self.config
-            # compiles on its first launch; the launcher refuses to run off gfx950
+            # compiles on its first launch; the launcher refuses to run off gfx950 (and a fused
+            # launcher refuses a pattern whose slices its tile origin does not produce)
             self._launchers[key] = compile_fused_gemm_scatter(
                 self.rank, self.world, K=cfg.k, BLOCK_M=block_m, BLOCK_N=block_n, quant=cfg.quant, fuse=fuse,
-                chunks=cfg.chunks)
+                chunks=cfg.chunks, pattern=cfg.pattern if fuse else "all-reduce")
         return self._launchers[key]
 
     def _stream(self):
@@ -371,6 +372,30 @@ class Gfx950Backend(CudaBackend):
         block_m, block_n = gemm_tile(n=cfg.n, quant=cfg.quant)
         launch = self._launcher(fuse=False, block_m=block_m, block_n=block_n)
         launch(a, b_pre, out, a_scale, b_scale, plan.m, cfg.n, stream=self._stream())
+
+    def _rows_gemm(self, b_pre, b_scale):
+        """``gemm(a, a_scale, out)``: ``out = a @ B.T`` for a block of rows (rows of A, or of a window
+        slot of gathered rows) on the current stream: the plain FlyDSL launch (``fuse=False``, the
+        plain GEMM's tile), which :meth:`CudaBackend._produce_rows` (a slice by rows, per (dest,
+        chunk)) and :meth:`CudaBackend.all_gather_gemm` (per source and chunk) call. A blockscale
+        scale block whose column stride is not its row count (rows of a longer A scale, or of the
+        ``[K/128, rows]`` slot) is repacked: the kernel reads ``[K/128, rows]`` dense (its launcher
+        checks the stride)."""
+        quant, n = self.config.quant, self.config.n
+        block_m, block_n = gemm_tile(n=n, quant=quant)
+        launch = self._launcher(fuse=False, block_m=block_m, block_n=block_n)
+
+        def gemm(a, a_scale, out):
+            rows = a.shape[0]
+            if rows == 0:
+                return
+            if quant == "blockscale" and rows > 1 and a_scale.stride() != (1, rows):
+                a_scale = a_scale.t().contiguous().t()
+            # the stream current at the call, not at this closure's making: the schedule deals the
+            # units of a producer to several streams (CopyEngineSchedule.produce)
+            launch(a, b_pre, out, a_scale, b_scale, rows, n, stream=self._stream())
+
+        return gemm
 
     def _fused_args(self, plan) -> FusedLaunchArgs:
         """Per M (tile walk and per-call targets depend on M alone), checked once against the window."""

@@ -55,13 +55,14 @@ def _config(world, quant="ptpc", n=N_MODEL, k=512, m_max=4096, chunks=None, mode
 # --------------------------------------------------------------------------------------------------
 # launch arguments against cco.layout
 # --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("pattern", ["all-reduce", "reduce-scatter-cols"])
 @pytest.mark.parametrize("world,chunks", [(2, None), (4, 3), (8, 8)], ids=["w2", "w4c3", "w8c8"])
-def test_fused_tile_table_is_the_plan_and_the_launchers(world, chunks):
-    cfg = _config(world, chunks=chunks)
+def test_fused_tile_table_is_the_plan_and_the_launchers(world, chunks, pattern):
+    cfg = _config(world, chunks=chunks, pattern=pattern)
     for rank in (0, world - 1):
         launcher = gemm_gfx950.compile_fused_gemm_scatter(rank, world, K=cfg.k, BLOCK_M=cfg.block_m,
                                                           BLOCK_N=cfg.block_n, quant=cfg.quant, fuse=True,
-                                                          chunks=cfg.chunks)
+                                                          chunks=cfg.chunks, pattern=pattern)
         for plan in _plans(cfg, (4096, 300, 1000, 4096), rank):
             args = gb.fused_launch_args(cfg, plan)
             assert [list(r) for r in args.tile_rows] == layout.tile_table_rows(plan.tiles)
@@ -69,6 +70,30 @@ def test_fused_tile_table_is_the_plan_and_the_launchers(world, chunks):
             own = launcher._tile_table(m=plan.m, n=cfg.n, c_rows=args.c_rows, device="cpu")
             assert own.tolist() == [list(r) for r in args.tile_rows]
             assert args.grid == len(plan.tiles)
+
+
+def test_column_reduce_scatter_walks_the_all_reduces_tiles():
+    """The column reduce-scatter is the all-reduce without its gather: the same slices, so the same
+    tile walk, counters and planes, and so the same fused kernel (its gather is the transport's)."""
+    for world in (2, 4, 8):
+        ar, rs = _config(world, chunks=3), _config(world, chunks=3, pattern="reduce-scatter-cols")
+        assert tuple(rs.window.partial.shape) == tuple(ar.window.partial.shape)
+        for rank in (0, world - 1):
+            for p_ar, p_rs in zip(_plans(ar, (4096, 300, 1), rank), _plans(rs, (4096, 300, 1), rank)):
+                assert gb.fused_launch_args(rs, p_rs) == gb.fused_launch_args(ar, p_ar)
+
+
+@pytest.mark.parametrize("pattern", ["reduce-scatter-rows", "all-gather", "fan-out"])
+def test_fused_launcher_refuses_slices_its_tile_origin_does_not_make(pattern):
+    """The kernel's tile origin is a column slice (B rows dest * N/W + col0): a fused launcher for
+    slices by rows would write every owner's columns of the own rows, and the all-gather publishes
+    no tile; both are refused when the launcher is made, before any call."""
+    with pytest.raises(ValueError, match="compile_fused_gemm_scatter: .*" + {
+            "reduce-scatter-rows": "rows of every column", "all-gather": "publishes no GEMM tile",
+            "fan-out": "unknown"}[pattern]):
+        gemm_gfx950.compile_fused_gemm_scatter(0, 2, K=512, BLOCK_M=256, BLOCK_N=128, fuse=True, pattern=pattern)
+    if pattern in layout.PATTERNS:  # the plain GEMM makes any pattern's row blocks
+        gemm_gfx950.compile_fused_gemm_scatter(0, 2, K=512, BLOCK_M=256, BLOCK_N=256, fuse=False, pattern=pattern)
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -362,3 +387,206 @@ def test_fused_op_construction_says_what_is_missing(pretend_device):
     for mode in ("fused", "split"):
         with pytest.raises(error, match=match):
             _backend(_config(2, n=512, k=256, m_max=512, mode=mode))
+
+
+# --------------------------------------------------------------------------------------------------
+# the sequence-parallel patterns: the backend's FlyDSL launches replayed on the host
+# --------------------------------------------------------------------------------------------------
+class _KernelModel:
+    """What a compiled launch does with the flat arguments ``GemmScatterLauncher`` hands the kernel,
+    computed on the CPU (``cco.quant.reference_gemm``): A ``[m, K]`` e4m3 bytes, B preshuffled;
+    the A scales ptpc ``[m]``, blockscale ``[K/128, m]`` (dense: the launcher flattens the
+    column-major tensor), mxfp8 ``[m, K/32]``; C ``[m, n]`` (fuse=False) or the partial planes
+    ``[W, c_rows, c_ld]`` with one tile per table row and ``counters[dest, chunk] += 1`` after it.
+    It reads every operand through the pointer-and-size the kernel gets, so a launch on a view
+    that the launcher copied, or a scale block it cannot read dense, shows as wrong bytes."""
+
+    def __init__(self):
+        self.launches = []  # (cfg name, m, stream) per launch
+
+    def build(self, cfg):
+        def kernel(A, B, C, a_s, b_s, tiles, counters, m, n, c_ld, c_rows, n_tiles, stream):
+            from cco.preshuffle import unshuffle_b
+            from cco.quant import E8M0, FP8, reference_gemm
+
+            self.launches.append((cfg.name, m, stream))
+            K, q = cfg.K, cfg.quant
+            a, b = A.view(FP8).view(m, K), unshuffle_b(B.view(FP8).view(n, K))
+            if q == "ptpc":
+                sa, sb = a_s.view(m), b_s.view(n)
+            elif q == "blockscale":
+                sa, sb = a_s.view(K // 128, m).t(), b_s.view(n // 128, K // 128)
+            else:
+                sa, sb = a_s.view(E8M0).view(m, K // 32), b_s.view(E8M0).view(n, K // 32)
+            prod = reference_gemm(a, b, sa, sb, q)
+            if not cfg.fuse:
+                C.view(m, n).copy_(prod)  # (C is the launcher's reshape(-1): a view of the caller's out)
+                return
+            planes = C.view(-1, c_rows, c_ld)
+            for chunk, dest, row0, col0 in tiles.tolist():
+                cols = slice(col0, col0 + cfg.BLOCK_N)
+                planes[dest, row0:row0 + cfg.BLOCK_M, cols] = 0  # rows past m: zero A, stored in the pad
+                planes[dest, row0:min(row0 + cfg.BLOCK_M, m), cols] = prod[row0:row0 + cfg.BLOCK_M,
+                                                                          dest * c_ld + col0:][:, :cfg.BLOCK_N]
+                counters[dest * layout.MAX_CHUNKS + chunk] += 1
+
+        return kernel
+
+
+class _HostSchedule(_RecordingSchedule):
+    """``CopyEngineSchedule``'s producer and all-gather steps as their contract states them, on the
+    host: ``produce`` runs each unit on the stream it deals it to (two, in turn) and then raises its
+    slots' counters; ``gather_inputs`` finds the peers' rows landed (the test puts them in the
+    slots), runs the own rows' GEMM, then each (chunk, source) in ``layout.input_order``, or every
+    row at once (split). ``run`` (puts, reduce: the shared transport) is recorded."""
+
+    streams = ("main", "side")
+
+    def __init__(self, *, config, window, **kw):
+        super().__init__(config=config, window=window, **kw)
+        w, r = config.window, window.rank
+        self.cfg, self.counters = config, window.words(w.counters, rank=r)
+        self.a_rows, self.a_scales = window.tensor(w.a_rows, rank=r), window.tensor(w.a_scales, rank=r)
+        self.current = "main"  # the stream the backend's launches are enqueued on (its _stream)
+        self.dealt, self.ran = [], []
+
+    def produce(self, plan, units):
+        for i, (gemm, slots) in enumerate(units):
+            self.current = self.streams[i % len(self.streams)]
+            gemm()
+            self.dealt.append(self.current)
+            for d, c in slots:
+                self.counters[layout.counter_index(d, c)] = self._tiles(plan, d, c)
+        self.current = "main"
+
+    def run(self, plan, out, **kw):
+        self.ran.append(kw)
+
+    def gather_inputs(self, plan, *, out, consume_own=None, consume=None, consume_all=None, assemble=None):
+        if consume_own is not None:
+            consume_own()
+        for c in range(plan.chunks):
+            for src in layout.input_order(plan.rank, self.cfg.world)[1:]:
+                if consume is not None:
+                    consume(src, c)
+        if consume_all is not None:
+            consume_all()
+        self.ran.append({"gather_inputs": True})
+
+
+@pytest.fixture
+def host_launches(no_compile, pretend_device, recorded_watchdog, monkeypatch):
+    """A backend whose FlyDSL launches run :class:`_KernelModel` behind the real launcher's host side
+    (validation, scale flattening, tile table), with :class:`_HostSchedule` as its transport."""
+    model = _KernelModel()
+    monkeypatch.setattr(gemm_gfx950, "build_kernel", model.build)
+    monkeypatch.setattr(gemm_gfx950, "gfx950_device_reason", lambda: None)
+    monkeypatch.setattr(gb, "copy_engine_schedule", lambda: _HostSchedule)
+    monkeypatch.setattr(gb.HipMemOps, "supported", lambda self, index: None)
+    monkeypatch.setattr(gb.Gfx950Backend, "_stream", lambda self: self.schedule.current)
+    return model
+
+
+def _sweep_kinds():
+    from kernels_fused.gfx950 import isa
+
+    return {(q, tile, fuse) for q, tile, _, fuse in isa.all_variants()}
+
+
+def _assert_conformance_checked(backend):
+    """Every variant a pattern launches is one the ISA conformance and budget sweeps compile (shipped
+    schedule, eight barriers per K step): a pattern adds no unchecked kernel."""
+    for launcher in backend._launchers.values():
+        c = launcher.cfg
+        assert (c.variant, c.loop_count, c.mfma_barriers) == ("shipped", None, True)
+        assert (c.quant, f"{c.BLOCK_M}x{c.BLOCK_N}", c.fuse) in _sweep_kinds()
+
+
+SP_QUANTS = ["ptpc", "blockscale", "mxfp8"]
+
+
+@pytest.mark.parametrize("mode", ["fused", "split"])
+@pytest.mark.parametrize("quant", SP_QUANTS)
+@pytest.mark.parametrize("pattern,world,rank", [("reduce-scatter-cols", 2, 1), ("reduce-scatter-rows", 2, 1),
+                                                ("reduce-scatter-rows", 4, 2)], ids=["cols-w2", "rows-w2", "rows-w4"])
+def test_reduce_scatter_fills_each_owners_slice(host_launches, pattern, world, rank, quant, mode):
+    """What the gfx950 producers leave for the shared transport (``cco.cuda.dma``: it moves
+    ``partial[d]``'s chunk to owner d once ``counters[d, c]`` reaches its target): every owner's slice
+    of this rank's product, columns d*N/W.. (one fused launch, the all-reduce's kernel) or rows
+    d*M/W.. (one plain launch per (dest, chunk), peers first, each on the stream the schedule
+    dealt it to), with every counter at its per-call target, call after call with changing M.
+    Poisoned planes show a slice not written; a scale block read at the wrong stride, wrong bytes."""
+    cfg = _config(world, quant=quant, n=512, k=256, m_max=1024, chunks=2, mode=mode, pattern=pattern)
+    backend = _backend(cfg, rank=rank)
+    sch = backend.schedule
+    by_rows = pattern == "reduce-scatter-rows"
+    for seq, plan in enumerate(_plans(cfg, (600, 1024, 8 * world), rank), start=1):
+        a, b_pre, a_scale, b_scale = _operands(cfg, plan.m, seed=seq)
+        backend.partial.fill_(float("nan"))
+        backend.counters.fill_(-1)
+        out = torch.empty(*layout.out_shape(cfg, plan.m), dtype=torch.bfloat16)
+        sch.dealt = []
+        backend.fused(a, b_pre, a_scale, b_scale, out=out, plan=plan) if mode == "fused" else \
+            backend.split(a, b_pre, a_scale, b_scale, out=out, plan=plan)
+        from cco.preshuffle import unshuffle_b
+        from cco.quant import count_mismatches, reference_gemm
+
+        want = reference_gemm(a, unshuffle_b(b_pre), a_scale, b_scale, quant)
+        sm = plan.slice_m
+        for d in range(world):
+            r0, c0 = layout.slice_origin(cfg, d, sm)
+            expect = want[r0:r0 + sm, c0:c0 + cfg.n_slice]
+            got = backend.partial[d][:sm]
+            assert count_mismatches(got, expect) == 0, f"seq {seq}: slice {d}"
+            for c in range(plan.chunks):
+                assert int(backend.counters[layout.counter_index(d, c)]) == plan.slot_tiles(d, c)
+        assert sch.ran[-1]["after_gemm"] == (mode == "split")
+        if by_rows:  # one plain launch per (dest, chunk), the peers' slices first, on the dealt streams
+            launches = host_launches.launches[-world * plan.chunks:]
+            assert [s for _, _, s in launches] == sch.dealt == [_HostSchedule.streams[i % 2]
+                                                                 for i in range(world * plan.chunks)]
+            assert [m for _, m, _ in launches] == [r1 - r0 for _ in range(world) for r0, r1 in plan.rows]
+    kinds = {launcher.cfg.fuse for launcher in backend._launchers.values()}
+    assert kinds == ({False} if by_rows else {True})
+    _assert_conformance_checked(backend)
+
+
+@pytest.mark.parametrize("mode", ["fused", "split"])
+@pytest.mark.parametrize("quant", SP_QUANTS)
+def test_all_gather_computes_every_ranks_rows(host_launches, quant, mode):
+    """The all-gather's GEMM on gfx950: the plain FlyDSL launch on the own rows (fused: before any
+    peer's chunk lands), then on each source's chunk in the window slot it landed in, or on every
+    row at once (split; one launch over the whole region when the slots hold no pad rows), into
+    ``out``'s rows of that source, for changing M. Checked against the GEMM of the gathered rows."""
+    world, rank = 4, 1
+    cfg = _config(world, quant=quant, n=512, k=256, m_max=world * 512, chunks=2, mode=mode, pattern="all-gather")
+    backend = _backend(cfg, rank=rank)
+    from cco.preshuffle import unshuffle_b
+    from cco.quant import count_mismatches, reference_gemm
+
+    for seq, plan in enumerate(_plans(cfg, (300, 512, 5), rank), start=1):
+        m = plan.m
+        inputs = [_operands(cfg, m, seed=10 * seq + src) for src in range(world)]
+        _, b_pre, _, b_scale = inputs[rank]
+        for src in range(world):  # the peers' puts have landed; the own rows the backend copies itself
+            rows, scales = backend.schedule.a_rows[src], backend.schedule.a_scales[src]
+            rows.view(torch.uint8).fill_(0x7F)  # e4m3 NaN: a row read from the wrong slot or past m
+            if src != rank:
+                rows[:m].copy_(inputs[src][0])
+                into = backend._scale_rows(scales, 0, m)
+                into.copy_(inputs[src][2].reshape(into.shape))
+        out = torch.full((world * m, cfg.n), float("nan"), dtype=torch.bfloat16)
+        before = len(host_launches.launches)
+        a, _, a_scale, _ = inputs[rank]
+        backend.all_gather_gemm(a, b_pre, a_scale, b_scale, out=out, plan=plan)
+        a_all = torch.cat([x[0] for x in inputs])
+        s_all = torch.cat([x[2] for x in inputs])
+        want = reference_gemm(a_all, unshuffle_b(b_pre), s_all, b_scale, quant)
+        assert count_mismatches(out, want) == 0, f"seq {seq}"
+        rows_launched = [lm for _, lm, _ in host_launches.launches[before:]]
+        if mode == "fused":  # own rows whole, then each (chunk, source) block
+            assert rows_launched == [m] + [r1 - r0 for r0, r1 in plan.rows for _ in range(world - 1)]
+        else:
+            assert rows_launched == ([world * m] if m == cfg.m_max_padded else [m] * world)
+    assert {launcher.cfg.fuse for launcher in backend._launchers.values()} == {False}
+    _assert_conformance_checked(backend)

@@ -126,24 +126,23 @@ class _NoComm:
 
 @pytest.mark.parametrize("pattern", ["reduce-scatter-rows", "reduce-scatter-cols", "all-gather"])
 def test_gpu_backends_run_or_refuse_the_new_patterns_with_a_clear_error(pattern):
-    """The CUDA backend runs the pattern on the copy engines (``dma``, which ``auto`` takes) and
-    refuses the ``lsa`` transport at construction (``config_error``: the same verdict on every
-    rank, naming the transport to pass); the gfx950 backend refuses the pattern until its kernels
-    run it, so a layer falls back to its unfused path on every rank alike."""
+    """Both GPU backends run the pattern on their DMA engines (``dma``, which ``auto`` takes: CUDA's
+    copy engines, gfx950's SDMA) and refuse the ``lsa`` transport at construction (``config_error``:
+    the same verdict on every rank, naming the transport to pass)."""
     from cco import layout
     from cco.backends.cuda import CudaBackend
     from cco.backends.gfx950 import Gfx950Backend
 
-    def cfg(transport):
-        return layout.build_config(n=1024, k=K, m_max=256, world=2, pattern=pattern, block_m=128, block_n=128,
-                                   transport=transport)
+    for backend in (CudaBackend, Gfx950Backend):
+        def cfg(transport):
+            block_m, block_n = backend.tile("ptpc")
+            return layout.build_config(n=1024, k=K, m_max=512, world=2, pattern=pattern, block_m=block_m,
+                                       block_n=block_n, transport=transport)
 
-    for transport in ("dma", "auto"):
-        assert CudaBackend.config_error(cfg(transport)) is None, transport
-    err = CudaBackend.config_error(cfg("lsa"))
-    assert isinstance(err, NotImplementedError) and pattern in str(err) and "transport='dma'" in str(err), err
-    err = Gfx950Backend.config_error(cfg("dma"))
-    assert isinstance(err, NotImplementedError) and pattern in str(err) and "unfused" in str(err), err
+        for transport in ("dma", "auto"):
+            assert backend.config_error(cfg(transport)) is None, (backend.name, transport)
+        err = backend.config_error(cfg("lsa"))
+        assert isinstance(err, NotImplementedError) and "transport='dma'" in str(err), (backend.name, err)
 
 
 # --------------------------------------------------------------------------------------------------
