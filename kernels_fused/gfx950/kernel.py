@@ -502,6 +502,9 @@ class GemmScatterLauncher:
         self.cfg, self.rank, self.world, self.chunks, self.pattern = cfg, rank, world, chunks, pattern
         self._kernel = None
         self._tiles = {}  # (m, n, m_max_padded) -> int32 tile table on the device
+        # fuse=False: the (tiles, counters) arguments the kernel never reads, per device, made once:
+        # the row-block producers launch it W x C times per call, each new pair was two fills
+        self._unused = {}
 
     def _tile_table(self, *, m: int, n: int, c_rows: int, device):
         import torch
@@ -551,8 +554,10 @@ class GemmScatterLauncher:
                 raise ValueError(f"{fn}: n={n} is not a multiple of BLOCK_N={cfg.BLOCK_N}; pad N or compile "
                                  f"with a BLOCK_N that divides it")
             c_rows, c_ld = m, n
-            tiles = torch.zeros(1, 4, dtype=torch.int32, device=A.device)
-            counters = torch.zeros(1, dtype=torch.int64, device=A.device)
+            if A.device not in self._unused:
+                self._unused[A.device] = (torch.zeros(1, 4, dtype=torch.int32, device=A.device),
+                                          torch.zeros(1, dtype=torch.int64, device=A.device))
+            tiles, counters = self._unused[A.device]
         if cfg.quant == "blockscale":
             a_s = A_scale.t().reshape(-1)  # column-major [M, K/128]: K block-major memory
         else:
