@@ -32,6 +32,23 @@ its block_n must divide N/world, and 7168 / 8 = 896 is not a multiple of 256 (``
 the world). Both choices are untimed until MI355X runs exist; at an M whose 256 x 256 grid leaves CUs
 idle (M = 256 at N = 7168: 28 tiles) the narrower tile may win.
 
+Patterns (``cco.layout.PATTERNS``): every one, on the ``dma`` transport, through the call paths
+inherited from :class:`CudaBackend` (one call machinery; the transport's steps per pattern are
+``cco.cuda.dma``'s). Which FlyDSL launch each reaches:
+
+- ``reduce-scatter-cols``: the all-reduce's fused launch, unchanged. Its slices are the all-reduce's
+  (N/W columns of every row), so the tile walk, counters, targets and partial planes are the same
+  (``layout.tile_table``); the gather phase it lacks is the transport's, not the kernel's.
+- ``reduce-scatter-rows``: a slice is M/W rows of every column, which the fused kernel's tile origin
+  (a column slice) does not make (its launcher refuses the pattern). ``_produce_rows`` runs one plain
+  launch (``fuse=False``) per (dest, chunk) of A's rows into ``partial[dest]``'s rows, the peers'
+  slices first, each released by stream write-values (:meth:`_rows_gemm`).
+- ``all-gather``: SDMA puts of the own e4m3 rows and scales into every peer's slot, then one plain
+  launch on the own rows and one per (chunk, source) as each lands (split: one over every row).
+
+No pattern compiles a kernel variant the all-reduce does not: the two (``fuse`` False / True) are
+the ones the ISA conformance and budget sweeps check (docs/GFX950.md, "Sequence-parallel patterns").
+
 Safety, as on CUDA (``cco.backends.cuda``): the schedule marks every call for the same watchdog
 (``cco.cuda.watchdog``), which releases a call past its deadline through :class:`HipMemOps`; a
 rejecting rank runs the call on NaN data (``CudaBackend.reject``); lost puts are injected on the SDMA
@@ -366,6 +383,11 @@ class Gfx950Backend(CudaBackend):
     def _stream(self):
         """The current stream of the op's device (None off a GPU: the launcher refuses before using it)."""
         return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+
+    def plain_launcher(self, b_pre, b_scale, m):
+        """None: the op's plain calls (``gemm-only``, one rank) go through :meth:`gemm_out` and the
+        FlyDSL launch; CudaBackend's is its cuBLAS path, whose per-M configs this class never builds."""
+        return None
 
     def gemm(self, a, b_pre, a_scale, b_scale, *, out, plan):
         cfg = self.config

@@ -403,6 +403,7 @@ class _KernelModel:
 
     def __init__(self):
         self.launches = []  # (cfg name, m, stream) per launch
+        self.plain_args = set()  # (tiles, counters) addresses of the fuse=False launches: never read
 
     def build(self, cfg):
         def kernel(A, B, C, a_s, b_s, tiles, counters, m, n, c_ld, c_rows, n_tiles, stream):
@@ -420,6 +421,7 @@ class _KernelModel:
                 sa, sb = a_s.view(E8M0).view(m, K // 32), b_s.view(E8M0).view(n, K // 32)
             prod = reference_gemm(a, b, sa, sb, q)
             if not cfg.fuse:
+                self.plain_args.add((tiles.data_ptr(), counters.data_ptr()))
                 C.view(m, n).copy_(prod)  # (C is the launcher's reshape(-1): a view of the caller's out)
                 return
             planes = C.view(-1, c_rows, c_ld)
@@ -483,7 +485,8 @@ def host_launches(no_compile, pretend_device, recorded_watchdog, monkeypatch):
     monkeypatch.setattr(gemm_gfx950, "gfx950_device_reason", lambda: None)
     monkeypatch.setattr(gb, "copy_engine_schedule", lambda: _HostSchedule)
     monkeypatch.setattr(gb.HipMemOps, "supported", lambda self, index: None)
-    monkeypatch.setattr(gb.Gfx950Backend, "_stream", lambda self: self.schedule.current)
+    monkeypatch.setattr(gb.Gfx950Backend, "_stream",
+                        lambda self: "main" if self.schedule is None else self.schedule.current)
     return model
 
 
@@ -589,4 +592,26 @@ def test_all_gather_computes_every_ranks_rows(host_launches, quant, mode):
         else:
             assert rows_launched == ([world * m] if m == cfg.m_max_padded else [m] * world)
     assert {launcher.cfg.fuse for launcher in backend._launchers.values()} == {False}
+    # the arguments a plain launch never reads are made once, not per row block (two fills each)
+    assert len(host_launches.plain_args) == 1
     _assert_conformance_checked(backend)
+
+
+@pytest.mark.parametrize("pattern,mode", [("all-reduce", "gemm-only"), ("reduce-scatter-rows", "fused"),
+                                          ("reduce-scatter-cols", "split"), ("all-gather", "fused")])
+def test_plain_calls_run_the_flydsl_gemm(host_launches, pattern, mode):
+    """The op's plain calls (mode gemm-only, and every pattern at one rank, where the collective is
+    the identity) ask ``plain_launcher`` first: it must send them to ``gemm_out`` and the FlyDSL
+    launch. (The CUDA backend's, inherited, raised AttributeError: its cuBLAS configs are not built.)"""
+    from cco.preshuffle import unshuffle_b
+    from cco.quant import count_mismatches, reference_gemm
+
+    world = 2 if mode == "gemm-only" else 1
+    cfg = _config(world, quant="blockscale", n=512, k=256, m_max=512, mode=mode, pattern=pattern)
+    backend = _backend(cfg)
+    a, b_pre, a_scale, b_scale = _operands(cfg, 300)
+    assert backend.plain_launcher(b_pre, b_scale, 300) is None
+    plan = layout.plan_call(cfg, m=300, seq=1, rank=0, counter_base=layout.zero_counters(world))
+    out = backend.gemm_out(a, b_pre, a_scale, b_scale, plan=plan)
+    assert count_mismatches(out, reference_gemm(a, unshuffle_b(b_pre), a_scale, b_scale, "blockscale")) == 0
+    assert [launcher.cfg.fuse for launcher in backend._launchers.values()] == [False]
