@@ -39,15 +39,15 @@ inherited from :class:`CudaBackend` (one call machinery; the transport's steps p
 - ``reduce-scatter-cols``: the all-reduce's fused launch, unchanged. Its slices are the all-reduce's
   (N/W columns of every row), so the tile walk, counters, targets and partial planes are the same
   (``layout.tile_table``); the gather phase it lacks is the transport's, not the kernel's.
-- ``reduce-scatter-rows``: a slice is M/W rows of every column, which the fused kernel's tile origin
-  (a column slice) does not make (its launcher refuses the pattern). ``_produce_rows`` runs one plain
-  launch (``fuse=False``) per (dest, chunk) of A's rows into ``partial[dest]``'s rows, the peers'
-  slices first, each released by stream write-values (:meth:`_rows_gemm`).
+- ``reduce-scatter-rows``: the same fused launch on this pattern's tile table (a slice is M/W rows
+  of every column: the launcher passes each slice's first A row and B row to the kernel), tiles into
+  ``partial[dest]`` planes N wide (:meth:`_produce_rows`).
 - ``all-gather``: SDMA puts of the own e4m3 rows and scales into every peer's slot, then one plain
   launch on the own rows and one per (chunk, source) as each lands (split: one over every row).
 
 No pattern compiles a kernel variant the all-reduce does not: the two (``fuse`` False / True) are
 the ones the ISA conformance and budget sweeps check (docs/GFX950.md, "Sequence-parallel patterns").
+:meth:`_rows_gemm` (the plain launch on a block of rows) serves the all-gather.
 
 Safety, as on CUDA (``cco.backends.cuda``): the schedule marks every call for the same watchdog
 (``cco.cuda.watchdog``), which releases a call past its deadline through :class:`HipMemOps`; a
@@ -398,11 +398,10 @@ class Gfx950Backend(CudaBackend):
     def _rows_gemm(self, b_pre, b_scale):
         """``gemm(a, a_scale, out)``: ``out = a @ B.T`` for a block of rows (rows of A, or of a window
         slot of gathered rows) on the current stream: the plain FlyDSL launch (``fuse=False``, the
-        plain GEMM's tile), which :meth:`CudaBackend._produce_rows` (a slice by rows, per (dest,
-        chunk)) and :meth:`CudaBackend.all_gather_gemm` (per source and chunk) call. A blockscale
-        scale block whose column stride is not its row count (rows of a longer A scale, or of the
-        ``[K/128, rows]`` slot) is repacked: the kernel reads ``[K/128, rows]`` dense (its launcher
-        checks the stride)."""
+        plain GEMM's tile), which :meth:`CudaBackend.all_gather_gemm` calls per source and chunk. A
+        blockscale scale block whose column stride is not its row count (rows of the ``[K/128, rows]``
+        slot, or of a longer A scale) is repacked: the kernel reads ``[K/128, rows]`` dense (its
+        launcher checks the stride)."""
         quant, n = self.config.quant, self.config.n
         block_m, block_n = gemm_tile(n=n, quant=quant)
         launch = self._launcher(fuse=False, block_m=block_m, block_n=block_n)
@@ -413,11 +412,18 @@ class Gfx950Backend(CudaBackend):
                 return
             if quant == "blockscale" and rows > 1 and a_scale.stride() != (1, rows):
                 a_scale = a_scale.t().contiguous().t()
-            # the stream current at the call, not at this closure's making: the schedule deals the
-            # units of a producer to several streams (CopyEngineSchedule.produce)
+            # the stream current at the call, not at this closure's making: CudaBackend's callers
+            # of a row GEMM enqueue it on the stream the schedule picks (produce deals to several)
             launch(a, b_pre, out, a_scale, b_scale, rows, n, stream=self._stream())
 
         return gemm
+
+    def _produce_rows(self, a, b_pre, a_scale, b_scale, plan):
+        """The reduce-scatter along rows: the same fused launch (its tiles start at A row
+        ``dest * M/W`` and B row 0, the launcher passes the slice origins), walking this pattern's
+        tile table, instead of CudaBackend's GEMM per (dest, chunk)."""
+        self._fused_gemm(a, b_pre, a_scale, b_scale, plan)
+        return self.partial
 
     def _fused_args(self, plan) -> FusedLaunchArgs:
         """Per M (tile walk and per-call targets depend on M alone), checked once against the window."""

@@ -32,10 +32,15 @@ How the kernel works:
    monotonic and never reset (graph replay safe: targets grow by a known amount per call,
    ``cco.layout.plan_call``); the transport watches them and moves a chunk when it is complete.
    Tiles are walked in ``cco.layout.tile_table`` order, (chunk, dest, m, n) with dest rotated by
-   rank, read from an int32 table tensor indexed by the workgroup id.
+   rank, read from an int32 table tensor indexed by the workgroup id. A tile's (row0, col0) lie
+   within dest's slice, which starts at A row ``dest * a_step`` and B row ``dest * b_step`` (runtime
+   arguments: ``(0, N/W)`` for slices by columns, the all-reduce's; ``(M/W, 0)`` for slices by rows,
+   the reduce-scatter along tokens), so one kernel serves every pattern that scatters tiles.
 
 Constraints: K >= 256 and K % 128 == 0 (fixed at compile time); N % BLOCK_N == 0 (the per-rank
-slice for fuse=True); rows past M read zeros and their stores are dropped by the buffer bounds.
+slice for fuse=True); rows past M read zeros and their stores are dropped by the buffer bounds
+(fuse=True: they land in the pad rows of dest's plane, which nothing moves; with slices by rows
+the pad rows of a slice read the next slice's A rows, not zeros).
 Tiles: 256x256, 128x256, 256x128.
 
 Unfused equivalent: ``reference_gemm(A, unshuffle_b(B), A_scale, B_scale, quant)`` (``cco.quant``),
@@ -257,32 +262,34 @@ class PipelineEmitter:
 # --------------------------------------------------------------------------------------------------
 # the kernel
 # --------------------------------------------------------------------------------------------------
-def _tile_origin(cfg, P, fx, *, tiles, c_ld):
-    """(row0, b_row0, c_col0, counter) of this workgroup's output tile.
+def _tile_origin(cfg, P, fx, *, tiles, a_step, b_step):
+    """(a_row0, b_row0, c_row0, c_col0, counter) of this workgroup's output tile: its first row of A,
+    of B (an output column), and its place in C.
 
     fuse=False: the launch grid is [N / BLOCK_N, M tiles], dispatched x first, so the tiles run
     row-major with no division by the runtime tile count. fuse=True: row ``block_idx`` of the
-    ``cco.layout.tile_table_rows`` table, [chunk, dest, row0, col0], col0 within dest's slice.
+    ``cco.layout.tile_table_rows`` table, [chunk, dest, row0, col0], both within dest's slice, which
+    starts at A row ``dest * a_step`` and B row ``dest * b_step``: a slice by columns is (0, N/W),
+    by rows (M/W, 0) (``GemmScatterLauncher``). C is ``partial[dest][row0, col0]`` either way.
     """
     if not cfg.fuse:
         row0, col0 = fx.block_idx.y * cfg.BLOCK_M, fx.block_idx.x * cfg.BLOCK_N
-        return row0, col0, col0, None
+        return row0, col0, row0, col0, None
     from cco import layout as cco_layout
 
     entry = P.tile_table_entry(tiles, fx.block_idx.x)  # wave-uniform: one scalar load into SGPRs
     chunk, dest, row0, col0 = entry[0], entry[1], entry[2], entry[3]
-    # B rows are global output columns: dest's slice starts at dest * n_slice (= c_ld)
-    return row0, dest * c_ld + col0, col0, (dest, chunk, cco_layout.MAX_CHUNKS)
+    return dest * a_step + row0, dest * b_step + col0, row0, col0, (dest, chunk, cco_layout.MAX_CHUNKS)
 
 
-def _stages(cfg, P, fx, *, A, B, C, A_scale, B_scale, tiles, c_m, c_n, c_ld, c_rows):
+def _stages(cfg, P, fx, *, A, B, C, A_scale, B_scale, tiles, c_m, c_n, c_ld, c_rows, a_step, b_step):
     """Every stage of the kernel, wired to the emitter. Runs at trace time inside the kernel."""
     HALF_M, HALF_N = cfg.BLOCK_M // 2, cfg.BLOCK_N // 2
     N_TILES_A, N_TILES_B = cfg.BLOCK_M // 64, cfg.BLOCK_N // 128  # 16-row MFMA tiles per wave per half
     tid = fx.thread_idx.x
     lane, wave_id = tid % 64, P.wave_uniform(tid // 64)
     wave_m, wave_n = wave_id // 4, wave_id % 4
-    row0, b_row0, c_col0, counter = _tile_origin(cfg, P, fx, tiles=tiles, c_ld=c_ld)
+    row0, b_row0, c_row0, c_col0, counter = _tile_origin(cfg, P, fx, tiles=tiles, a_step=a_step, b_step=b_step)
 
     smem = fx.SharedAllocator().allocate(_shared_storage(cfg, fx)).peek()
     lds = {"a0": (smem.a0_0, smem.a0_1), "a1": (smem.a1_0, smem.a1_1),
@@ -313,7 +320,8 @@ def _stages(cfg, P, fx, *, A, B, C, A_scale, B_scale, tiles, c_m, c_n, c_ld, c_r
         return built["lane"]
 
     # this wave's first output row (A row) and column (B row) of quarter c00; the halves are offsets
-    a_row0 = row0 + wave_m * (N_TILES_A * 16)
+    wave_rows = wave_m * (N_TILES_A * 16)
+    a_row0 = row0 + wave_rows
     b_wave_row0 = b_row0 + wave_n * (N_TILES_B * 16)
     geometry = dict(half_m=HALF_M, half_n=HALF_N, n_a=N_TILES_A)
     if cfg.quant == "blockscale":
@@ -326,8 +334,8 @@ def _stages(cfg, P, fx, *, A, B, C, A_scale, B_scale, tiles, c_m, c_n, c_ld, c_r
         scales = P.RowScales(A_scale=A_scale, B_scale=B_scale, lane=epilogue_lane, a_row0=a_row0,
                              b_row0=b_wave_row0, n_b=N_TILES_B, **geometry)
 
-    # fuse=True: C is the window's partial region [world, c_rows, n_slice]; partial[dest] starts
-    # dest * c_rows rows in. fuse=False: C is [M, N].
+    # fuse=True: C is the window's partial region [world, c_rows, c_ld]; partial[dest] starts
+    # dest * c_rows rows in (c_ld: the slice's columns, N/W or N). fuse=False: C is [M, N].
     c_row_base = counter[0] * c_rows if cfg.fuse else 0
     quarter_index = {q: n for n, q in enumerate(QUARTER_HALVES)}
 
@@ -335,7 +343,7 @@ def _stages(cfg, P, fx, *, A, B, C, A_scale, B_scale, tiles, c_m, c_n, c_ld, c_r
         if "epilogue" not in built:
             built["epilogue"] = P.CEpilogue(
                 C=C, lds_base=P.lds_address(smem.a0_0), layout=L.CStage(n_a=N_TILES_A, n_b=N_TILES_B),
-                lane=epilogue_lane(), wave_id=wave_id, ldc=c_ld, row0=c_row_base + a_row0,
+                lane=epilogue_lane(), wave_id=wave_id, ldc=c_ld, row0=c_row_base + c_row0 + wave_rows,
                 col0=c_col0 + wave_n * (N_TILES_B * 16))
         return built["epilogue"]
 
@@ -392,11 +400,11 @@ def build_kernel(cfg: KernelConfig):
     def fused_gemm_scatter(
         A: fx.Tensor, B: fx.Tensor, C: fx.Tensor, A_scale: fx.Tensor, B_scale: fx.Tensor,
         tiles: fx.Tensor, counters: fx.Tensor, c_m: fx.Int32, c_n: fx.Int32, c_ld: fx.Int32,
-        c_rows: fx.Int32,
+        c_rows: fx.Int32, a_step: fx.Int32, b_step: fx.Int32,
     ):
         emitter, wave_m, tid, counter_index = _stages(
             cfg, P, fx, A=A, B=B, C=C, A_scale=A_scale, B_scale=B_scale, tiles=tiles, c_m=c_m, c_n=c_n,
-            c_ld=c_ld, c_rows=c_rows)
+            c_ld=c_ld, c_rows=c_rows, a_step=a_step, b_step=b_step)
         emitter.run(segments[0])  # prologue loads
         if wave_m == 1:
             P.bare_barrier()  # lag: waves 4-7 run one barrier behind waves 0-3
@@ -414,14 +422,14 @@ def build_kernel(cfg: KernelConfig):
     def launch(
         A: fx.Tensor, B: fx.Tensor, C: fx.Tensor, A_scale: fx.Tensor, B_scale: fx.Tensor,
         tiles: fx.Tensor, counters: fx.Tensor, c_m: fx.Int32, c_n: fx.Int32, c_ld: fx.Int32,
-        c_rows: fx.Int32, n_tiles: fx.Int32, stream: fx.Stream,
+        c_rows: fx.Int32, a_step: fx.Int32, b_step: fx.Int32, n_tiles: fx.Int32, stream: fx.Stream,
     ):
         if const_expr(fuse):
             grid = (n_tiles, 1, 1)
         else:
             grid = (c_n // cfg.BLOCK_N, (c_m + (cfg.BLOCK_M - 1)) // cfg.BLOCK_M, 1)
         fused_gemm_scatter(
-            A, B, C, A_scale, B_scale, tiles, counters, c_m, c_n, c_ld, c_rows,
+            A, B, C, A_scale, B_scale, tiles, counters, c_m, c_n, c_ld, c_rows, a_step, b_step,
             value_attrs={"rocdl.waves_per_eu": WAVES_PER_EU, "rocdl.flat_work_group_size": f"{WORKGROUP},{WORKGROUP}"},
         ).launch(grid=grid, block=(WORKGROUP, 1, 1), stream=stream)
 
@@ -449,7 +457,7 @@ def placeholder_args(cfg: KernelConfig, *, world: int = 2):
     tiles = torch.zeros(64, 4, dtype=torch.int32)
     counters = torch.zeros(world * 8, dtype=torch.int64)
     c_ld = n // world if cfg.fuse else n
-    return (A, B, C, sa, sb, tiles, counters, m, n, c_ld, m, 1, None)
+    return (A, B, C, sa, sb, tiles, counters, m, n, c_ld, m, 0, c_ld, 1, None)
 
 
 def compile_to_isa(cfg: KernelConfig, *, dump_dir) -> str:
@@ -490,8 +498,9 @@ class GemmScatterLauncher:
     * A: e4m3fn [m, K]; B_pre: e4m3fn [n, K] in the bpreshuffle layout (``cco.preshuffle``);
       A_scale / B_scale in the ``cco.quant`` layouts of ``quant``;
     * fuse=False: C_or_window is bf16 [m, n], written; counters is ignored;
-    * fuse=True: C_or_window is the window's ``partial`` region, bf16 [world, m_max_padded, n / world]
-      (``partial[dest]`` gets this rank's columns of dest's slice), counters the window's int64
+    * fuse=True: C_or_window is the window's ``partial`` region, bf16 [world, m_max_padded, n_slice]
+      (``partial[dest]`` gets this rank's product over dest's slice: its n / world columns, or for
+      the reduce-scatter along rows its m / world rows of A, n_slice = n), counters the window's int64
       ``[world, MAX_CHUNKS]`` counters: each tile adds 1 to ``counters[dest, chunk]`` after its
       stores (``cco.layout.plan_call`` gives the cumulative targets; nothing is ever reset).
     * stream: a torch stream (default: the current one).
@@ -505,6 +514,22 @@ class GemmScatterLauncher:
         # fuse=False: the (tiles, counters) arguments the kernel never reads, per device, made once:
         # the row-block producers launch it W x C times per call, each new pair was two fills
         self._unused = {}
+        self._layouts = {}  # (n, c_rows) -> the op's cco.layout config
+
+    def _layout(self, *, n: int, c_rows: int):
+        """The op's ``cco.layout`` config for planes of ``c_rows`` rows (m_max_padded): its tile
+        walk, slice width and slice origins are the launch's. Built once per (n, c_rows): an eager
+        call pays its host time."""
+        from cco import layout
+
+        key = (n, c_rows)
+        if key not in self._layouts:
+            by_rows = layout.PATTERNS[self.pattern].owner_by == "rows"
+            self._layouts[key] = layout.build_config(
+                n=n, k=self.cfg.K, m_max=c_rows * self.world if by_rows else c_rows,
+                world=self.world, quant=self.cfg.quant, mode="fused", chunks=self.chunks, block_m=self.cfg.BLOCK_M,
+                block_n=self.cfg.BLOCK_N, pattern=self.pattern)
+        return self._layouts[key]
 
     def _tile_table(self, *, m: int, n: int, c_rows: int, device):
         import torch
@@ -513,10 +538,7 @@ class GemmScatterLauncher:
 
         key = (m, n, c_rows)
         if key not in self._tiles:
-            lay = layout.build_config(n=n, k=self.cfg.K, m_max=c_rows, world=self.world, quant=self.cfg.quant,
-                                      mode="fused", chunks=self.chunks, block_m=self.cfg.BLOCK_M,
-                                      block_n=self.cfg.BLOCK_N, pattern=self.pattern)
-            rows = layout.tile_table_rows(layout.tile_table(lay, m=m, rank=self.rank))
+            rows = layout.tile_table_rows(layout.tile_table(self._layout(n=n, c_rows=c_rows), m=m, rank=self.rank))
             self._tiles[key] = torch.tensor(rows, dtype=torch.int32, device=device)
         return self._tiles[key]
 
@@ -537,14 +559,23 @@ class GemmScatterLauncher:
             raise RuntimeError(f"{fn}: needs a gfx950 device ({why}); the kernel is compile-only here "
                                f"(python -m kernels_fused.gfx950.isa)")
         if cfg.fuse:
-            if C_or_window.dim() != 3 or C_or_window.shape[0] != self.world or C_or_window.shape[2] * self.world != n:
-                raise ValueError(f"{fn}: C_or_window shape {tuple(C_or_window.shape)} is not the partial region "
-                                 f"[world={self.world}, m_max_padded, n/world={n // self.world}]; pass "
+            from cco import layout
+
+            lay = self._layout(n=n, c_rows=C_or_window.shape[1]) if C_or_window.dim() == 3 else None
+            if lay is None or tuple(C_or_window.shape) != (self.world, lay.m_max_padded, lay.n_slice):
+                slice_is = "n" if layout.PATTERNS[self.pattern].owner_by == "rows" else f"n/world={n // self.world}"
+                raise ValueError(f"{fn}: C_or_window shape {tuple(C_or_window.shape)} is not the {self.pattern} "
+                                 f"partial region [world={self.world}, m_max_padded, {slice_is}]; pass "
                                  f"window.tensor(layout.partial, rank=rank)")
+            why = layout.call_rows_error(lay, m)
+            if why is not None:
+                raise ValueError(f"{fn}: {why}")
             if counters is None or counters.dtype != torch.int64:
                 raise TypeError(f"{fn}: counters={None if counters is None else counters.dtype} must be the "
                                 f"window's int64 counters region; pass window.tensor(layout.counters, rank=rank)")
-            c_rows, c_ld = C_or_window.shape[1], n // self.world
+            c_rows, c_ld = lay.m_max_padded, lay.n_slice
+            # where slice 1 starts in the product: each owner's step in A rows and in B rows
+            a_step, b_step = layout.slice_origin(lay, 1, layout.slice_rows(lay, m))
             tiles = self._tile_table(m=m, n=n, c_rows=c_rows, device=A.device)
         else:
             if tuple(C_or_window.shape) != (m, n) or C_or_window.dtype != torch.bfloat16:
@@ -553,7 +584,7 @@ class GemmScatterLauncher:
             if n % cfg.BLOCK_N:
                 raise ValueError(f"{fn}: n={n} is not a multiple of BLOCK_N={cfg.BLOCK_N}; pad N or compile "
                                  f"with a BLOCK_N that divides it")
-            c_rows, c_ld = m, n
+            c_rows, c_ld, a_step, b_step = m, n, 0, 0
             if A.device not in self._unused:
                 self._unused[A.device] = (torch.zeros(1, 4, dtype=torch.int32, device=A.device),
                                           torch.zeros(1, dtype=torch.int64, device=A.device))
@@ -569,16 +600,16 @@ class GemmScatterLauncher:
             self._kernel = build_kernel(cfg)
         stream = torch.cuda.current_stream() if stream is None else stream
         self._kernel(A.view(torch.uint8), B_pre.view(torch.uint8), C_or_window.reshape(-1), a_s, b_s, tiles,
-                     counters.reshape(-1), m, n, c_ld, c_rows, tiles.shape[0], stream)
+                     counters.reshape(-1), m, n, c_ld, c_rows, a_step, b_step, tiles.shape[0], stream)
         return C_or_window
 
 
 def fused_pattern_reason(pattern: str) -> str | None:
     """None when the ``fuse=True`` kernel produces ``pattern``'s slices (``cco.layout.PATTERNS``),
-    else why not. Its tile origin is by column slice: B rows ``dest * N/W + col0``, A rows ``row0``,
-    ``partial[dest]`` ``N/W`` wide. That is the all-reduce's and the column reduce-scatter's slice
-    (the same walk, counters and planes; the gather phase is the transport's). A slice by rows needs
-    A rows ``dest * M/W + row0`` and every column; the all-gather publishes no tile."""
+    else why not. A tile's slice starts at A row ``dest * a_step`` and B row ``dest * b_step``
+    (runtime arguments: ``slice_origin`` of slice 1), so one kernel makes slices by columns (the
+    all-reduce's and the column reduce-scatter's) and by rows (the reduce-scatter along rows); the
+    all-gather publishes no tile."""
     from cco import layout
 
     spec = layout.PATTERNS.get(pattern)
@@ -586,9 +617,6 @@ def fused_pattern_reason(pattern: str) -> str | None:
         return f"pattern={pattern!r} is unknown; pass one of {', '.join(layout.PATTERNS)}"
     if not spec.scatter:
         return f"the {pattern} pattern publishes no GEMM tile (its transfers precede the GEMM): use fuse=False"
-    if spec.owner_by != "cols":
-        return (f"the {pattern} pattern's slices are rows of every column; the kernel's tile origin is a column "
-                f"slice (B rows dest * N/world + col0): run fuse=False on each slice's rows")
     return None
 
 
@@ -604,8 +632,8 @@ def compile_fused_gemm_scatter(rank: int, world: int, *, K: int, BLOCK_M: int = 
     "A+B-1" or an int; None keeps the variant's: min(2A+B, A+2B) for ``shipped``). Compilation happens on the first launch; on a machine without gfx950 use
     :func:`compile_to_isa` instead (a launch there raises before touching the device).
     ``pattern`` (fuse=True): the op's ``cco.layout.PATTERNS`` key, whose tile table the launcher
-    walks; "all-reduce" or "reduce-scatter-cols" (:func:`fused_pattern_reason`). It is not a
-    compile-time parameter: both patterns run the same kernel.
+    walks and whose slice origins it passes; any pattern with a scatter (:func:`fused_pattern_reason`).
+    It is not a compile-time parameter: every such pattern runs the same kernel.
     """
     fn = "compile_fused_gemm_scatter"
     for arg, value in (("rank", rank), ("world", world)):

@@ -83,14 +83,12 @@ def test_column_reduce_scatter_walks_the_all_reduces_tiles():
                 assert gb.fused_launch_args(rs, p_rs) == gb.fused_launch_args(ar, p_ar)
 
 
-@pytest.mark.parametrize("pattern", ["reduce-scatter-rows", "all-gather", "fan-out"])
-def test_fused_launcher_refuses_slices_its_tile_origin_does_not_make(pattern):
-    """The kernel's tile origin is a column slice (B rows dest * N/W + col0): a fused launcher for
-    slices by rows would write every owner's columns of the own rows, and the all-gather publishes
-    no tile; both are refused when the launcher is made, before any call."""
+@pytest.mark.parametrize("pattern", ["all-gather", "fan-out"])
+def test_fused_launcher_refuses_patterns_without_tiles(pattern):
+    """The all-gather publishes no tile (its transfers precede the GEMM): a fused launcher for it is
+    refused when it is made, before any call, as is an unknown pattern."""
     with pytest.raises(ValueError, match="compile_fused_gemm_scatter: .*" + {
-            "reduce-scatter-rows": "rows of every column", "all-gather": "publishes no GEMM tile",
-            "fan-out": "unknown"}[pattern]):
+            "all-gather": "publishes no GEMM tile", "fan-out": "unknown"}[pattern]):
         gemm_gfx950.compile_fused_gemm_scatter(0, 2, K=512, BLOCK_M=256, BLOCK_N=128, fuse=True, pattern=pattern)
     if pattern in layout.PATTERNS:  # the plain GEMM makes any pattern's row blocks
         gemm_gfx950.compile_fused_gemm_scatter(0, 2, K=512, BLOCK_M=256, BLOCK_N=256, fuse=False, pattern=pattern)
@@ -397,7 +395,8 @@ class _KernelModel:
     computed on the CPU (``cco.quant.reference_gemm``): A ``[m, K]`` e4m3 bytes, B preshuffled;
     the A scales ptpc ``[m]``, blockscale ``[K/128, m]`` (dense: the launcher flattens the
     column-major tensor), mxfp8 ``[m, K/32]``; C ``[m, n]`` (fuse=False) or the partial planes
-    ``[W, c_rows, c_ld]`` with one tile per table row and ``counters[dest, chunk] += 1`` after it.
+    ``[W, c_rows, c_ld]`` with one tile per table row (its A and B rows offset by ``dest * a_step``
+    and ``dest * b_step``, the slice's origin) and ``counters[dest, chunk] += 1`` after it.
     It reads every operand through the pointer-and-size the kernel gets, so a launch on a view
     that the launcher copied, or a scale block it cannot read dense, shows as wrong bytes."""
 
@@ -406,7 +405,7 @@ class _KernelModel:
         self.plain_args = set()  # (tiles, counters) addresses of the fuse=False launches: never read
 
     def build(self, cfg):
-        def kernel(A, B, C, a_s, b_s, tiles, counters, m, n, c_ld, c_rows, n_tiles, stream):
+        def kernel(A, B, C, a_s, b_s, tiles, counters, m, n, c_ld, c_rows, a_step, b_step, n_tiles, stream):
             from cco.preshuffle import unshuffle_b
             from cco.quant import E8M0, FP8, reference_gemm
 
@@ -425,41 +424,30 @@ class _KernelModel:
                 C.view(m, n).copy_(prod)  # (C is the launcher's reshape(-1): a view of the caller's out)
                 return
             planes = C.view(-1, c_rows, c_ld)
+            padded = torch.cat([prod, prod.new_zeros(cfg.BLOCK_M, n)])  # A rows past m read zeros
             for chunk, dest, row0, col0 in tiles.tolist():
-                cols = slice(col0, col0 + cfg.BLOCK_N)
-                planes[dest, row0:row0 + cfg.BLOCK_M, cols] = 0  # rows past m: zero A, stored in the pad
-                planes[dest, row0:min(row0 + cfg.BLOCK_M, m), cols] = prod[row0:row0 + cfg.BLOCK_M,
-                                                                          dest * c_ld + col0:][:, :cfg.BLOCK_N]
+                a0, b0 = dest * a_step + row0, dest * b_step + col0  # the tile's slice origin
+                planes[dest, row0:row0 + cfg.BLOCK_M, col0:col0 + cfg.BLOCK_N] = \
+                    padded[a0:a0 + cfg.BLOCK_M, b0:b0 + cfg.BLOCK_N]
                 counters[dest * layout.MAX_CHUNKS + chunk] += 1
 
         return kernel
 
 
 class _HostSchedule(_RecordingSchedule):
-    """``CopyEngineSchedule``'s producer and all-gather steps as their contract states them, on the
-    host: ``produce`` runs each unit on the stream it deals it to (two, in turn) and then raises its
-    slots' counters; ``gather_inputs`` finds the peers' rows landed (the test puts them in the
-    slots), runs the own rows' GEMM, then each (chunk, source) in ``layout.input_order``, or every
-    row at once (split). ``run`` (puts, reduce: the shared transport) is recorded."""
-
-    streams = ("main", "side")
+    """``CopyEngineSchedule``'s all-gather steps as its contract states them, on the host:
+    ``gather_inputs`` finds the peers' rows landed (the test puts them in the slots), runs the own
+    rows' GEMM, then each (chunk, source) in ``layout.input_order``, or every row at once (split).
+    ``run`` (puts, reduce: the shared transport) is recorded. ``current`` is the stream the backend's
+    launches go to (its ``_stream``)."""
 
     def __init__(self, *, config, window, **kw):
         super().__init__(config=config, window=window, **kw)
         w, r = config.window, window.rank
-        self.cfg, self.counters = config, window.words(w.counters, rank=r)
+        self.cfg = config
         self.a_rows, self.a_scales = window.tensor(w.a_rows, rank=r), window.tensor(w.a_scales, rank=r)
-        self.current = "main"  # the stream the backend's launches are enqueued on (its _stream)
-        self.dealt, self.ran = [], []
-
-    def produce(self, plan, units):
-        for i, (gemm, slots) in enumerate(units):
-            self.current = self.streams[i % len(self.streams)]
-            gemm()
-            self.dealt.append(self.current)
-            for d, c in slots:
-                self.counters[layout.counter_index(d, c)] = self._tiles(plan, d, c)
         self.current = "main"
+        self.ran = []
 
     def run(self, plan, out, **kw):
         self.ran.append(kw)
@@ -513,12 +501,12 @@ SP_QUANTS = ["ptpc", "blockscale", "mxfp8"]
 @pytest.mark.parametrize("pattern,world,rank", [("reduce-scatter-cols", 2, 1), ("reduce-scatter-rows", 2, 1),
                                                 ("reduce-scatter-rows", 4, 2)], ids=["cols-w2", "rows-w2", "rows-w4"])
 def test_reduce_scatter_fills_each_owners_slice(host_launches, pattern, world, rank, quant, mode):
-    """What the gfx950 producers leave for the shared transport (``cco.cuda.dma``: it moves
+    """What the gfx950 producer leaves for the shared transport (``cco.cuda.dma``: it moves
     ``partial[d]``'s chunk to owner d once ``counters[d, c]`` reaches its target): every owner's slice
-    of this rank's product, columns d*N/W.. (one fused launch, the all-reduce's kernel) or rows
-    d*M/W.. (one plain launch per (dest, chunk), peers first, each on the stream the schedule
-    dealt it to), with every counter at its per-call target, call after call with changing M.
-    Poisoned planes show a slice not written; a scale block read at the wrong stride, wrong bytes."""
+    of this rank's product, columns d*N/W.. or rows d*M/W.. of every column, from one fused launch
+    (the all-reduce's kernel; the slice origin is the launcher's), with every counter at its
+    per-call target, call after call with changing M. Poisoned planes show a slice not written; a
+    slice origin off by a row or a column, wrong bytes."""
     cfg = _config(world, quant=quant, n=512, k=256, m_max=1024, chunks=2, mode=mode, pattern=pattern)
     backend = _backend(cfg, rank=rank)
     sch = backend.schedule
@@ -528,7 +516,6 @@ def test_reduce_scatter_fills_each_owners_slice(host_launches, pattern, world, r
         backend.partial.fill_(float("nan"))
         backend.counters.fill_(-1)
         out = torch.empty(*layout.out_shape(cfg, plan.m), dtype=torch.bfloat16)
-        sch.dealt = []
         backend.fused(a, b_pre, a_scale, b_scale, out=out, plan=plan) if mode == "fused" else \
             backend.split(a, b_pre, a_scale, b_scale, out=out, plan=plan)
         from cco.preshuffle import unshuffle_b
@@ -544,14 +531,24 @@ def test_reduce_scatter_fills_each_owners_slice(host_launches, pattern, world, r
             for c in range(plan.chunks):
                 assert int(backend.counters[layout.counter_index(d, c)]) == plan.slot_tiles(d, c)
         assert sch.ran[-1]["after_gemm"] == (mode == "split")
-        if by_rows:  # one plain launch per (dest, chunk), the peers' slices first, on the dealt streams
-            launches = host_launches.launches[-world * plan.chunks:]
-            assert [s for _, _, s in launches] == sch.dealt == [_HostSchedule.streams[i % 2]
-                                                                 for i in range(world * plan.chunks)]
-            assert [m for _, m, _ in launches] == [r1 - r0 for _ in range(world) for r0, r1 in plan.rows]
-    kinds = {launcher.cfg.fuse for launcher in backend._launchers.values()}
-    assert kinds == ({False} if by_rows else {True})
+        assert sch.ran[-1].get("scatters_first", False) is False  # the walk is chunk-major, as the all-reduce's
+        assert host_launches.launches[-1][1] == plan.m  # one launch over A's rows
+    assert [launcher.cfg.fuse for launcher in backend._launchers.values()] == [True]
+    assert cfg.n_slice == (cfg.n if by_rows else cfg.n // world)
     _assert_conformance_checked(backend)
+
+
+def test_row_gemm_launches_on_the_stream_current_at_the_call(host_launches):
+    """``_rows_gemm``'s launch goes to the stream current when it is called (the shared producer deals
+    row blocks to several streams), not the one current when the closure was made."""
+    cfg = _config(2, n=512, k=256, m_max=1024, mode="fused", pattern="all-gather")
+    backend = _backend(cfg)
+    a, b_pre, a_scale, b_scale = _operands(cfg, 300)
+    gemm = backend._rows_gemm(b_pre, b_scale)
+    for stream in ("side", "main", "side"):
+        backend.schedule.current = stream
+        gemm(a[:100], a_scale[:100], torch.empty(100, cfg.n, dtype=torch.bfloat16))
+    assert [s for _, _, s in host_launches.launches] == ["side", "main", "side"]
 
 
 @pytest.mark.parametrize("mode", ["fused", "split"])

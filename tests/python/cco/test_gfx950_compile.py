@@ -75,22 +75,26 @@ def test_fragments_hold_the_rows_and_k_bytes_the_mfma_expects(block_m, block_n):
 # --------------------------------------------------------------------------------------------------
 # host: the epilogue's bytes, replayed element by element against the direct-store epilogue it replaced
 # --------------------------------------------------------------------------------------------------
-def _workgroups(block_m, block_n, fuse, quant):
-    """(c_row_base, row0, b_row0, c_col0, ldc, c_rows) of every workgroup of a small problem: gemm-only
-    [2 BLOCK_M, 2 BLOCK_N]; fused: world 2, rank 1, two chunks, every row of cco.layout's tile table."""
+def _workgroups(block_m, block_n, fuse, quant, pattern="all-reduce"):
+    """(c_row_base, a_row0, c_row0, b_row0, c_col0, ldc, c_rows) of every workgroup of a small problem:
+    gemm-only [2 BLOCK_M, 2 BLOCK_N]; fused: world 2, rank 1, two chunks, every row of cco.layout's
+    tile table of ``pattern``, each tile's A and B rows offset by its slice's origin (the launcher's
+    ``a_step``, ``b_step``: ``slice_origin`` of slice 1), its C rows within ``partial[dest]``."""
     from cco import layout
 
-    m = 2 * block_m
     if not fuse:
-        n = 2 * block_n
-        return [(0, r, c, c, n, m) for r in (0, block_m) for c in (0, block_n)]
-    world, n = 2, 2 * 2 * block_n
+        m, n = 2 * block_m, 2 * block_n
+        return [(0, r, r, c, c, n, m) for r in (0, block_m) for c in (0, block_n)]
+    world = 2
+    by_rows = layout.PATTERNS[pattern].owner_by == "rows"
+    m, n = (2 * world * block_m, 2 * block_n) if by_rows else (2 * block_m, 2 * world * block_n)
     lay = layout.build_config(n=n, k=256, m_max=m, world=world, quant=quant, mode="fused", chunks=2,
-                              block_m=block_m, block_n=block_n)
+                              block_m=block_m, block_n=block_n, pattern=pattern)
     rows = layout.tile_table_rows(layout.tile_table(lay, m=m, rank=1))
     assert {dest for _, dest, _, _ in rows} == {0, 1} and len({chunk for chunk, _, _, _ in rows}) == 2
-    return [(dest * lay.m_max_padded, row0, dest * lay.n_slice + col0, col0, lay.n_slice, lay.m_max_padded)
-            for _, dest, row0, col0 in rows]
+    a_step, b_step = layout.slice_origin(lay, 1, layout.slice_rows(lay, m))
+    return [(dest * lay.m_max_padded, dest * a_step + row0, row0, dest * b_step + col0, col0, lay.n_slice,
+             lay.m_max_padded) for _, dest, row0, col0 in rows]
 
 
 def _put(image, index, values, what):
@@ -99,7 +103,7 @@ def _put(image, index, values, what):
     image[:, index] = values
 
 
-def _replay_epilogue(block_m, block_n, fuse, quant, *, staged):
+def _replay_epilogue(block_m, block_n, fuse, quant, *, staged, pattern="all-reduce"):
     """[3, elements]: per C element (flat index in the C tensor, or in the partial region) the source
     register, the A and B scale indices (ptpc; -1 elsewhere), and -1 for an element never written:
     the direct stores (``staged=False``: C[row, col] = bf16(acc[i, j][e] * sa * sb), one
@@ -109,14 +113,15 @@ def _replay_epilogue(block_m, block_n, fuse, quant, *, staged):
     n_a, n_b, half_m, half_n = block_m // 64, block_n // 128, block_m // 2, block_n // 2
     lane = np.arange(L.WAVE)
     stage = L.CStage(n_a=n_a, n_b=n_b)
-    wgs = _workgroups(block_m, block_n, fuse, quant)
-    size = max((c_row_base + c_rows) * ldc for c_row_base, _, _, _, ldc, c_rows in wgs) + 2 * block_n
+    wgs = _workgroups(block_m, block_n, fuse, quant, pattern)
+    size = max((c_row_base + c_rows) * ldc for c_row_base, *_, ldc, c_rows in wgs) + 2 * block_n
     out = np.full((3, size), -1, dtype=np.int64)
-    for wg, (c_row_base, row0, b_row0, c_col0, ldc, _) in enumerate(wgs):
+    for wg, (c_row_base, row0, c_row0, b_row0, c_col0, ldc, _) in enumerate(wgs):
         lds = np.full((3, L.N_WAVES * stage.wave_bytes // L.C_BYTES), -1, dtype=np.int64)  # the stage, per bf16
         for wave in range(L.N_WAVES):
             wave_m, wave_n = wave // 4, wave % 4
             a_row0, b_wave_row0 = row0 + wave_m * 16 * n_a, b_row0 + wave_n * 16 * n_b
+            c_wave_row0 = c_row0 + wave_m * 16 * n_a  # the same tile rows within dest's plane
             for q, (rh, ch) in enumerate(((0, 0), (0, 1), (1, 0), (1, 1))):
                 for i, j, e in itertools.product(range(n_a), range(n_b), range(4)):
                     reg = (((((wg * L.N_WAVES + wave) * L.WAVE + lane) * 4 + q) * n_a + i) * n_b + j) * 4 + e
@@ -130,14 +135,13 @@ def _replay_epilogue(block_m, block_n, fuse, quant, *, staged):
                         assert (addr % L.C_BYTES == 0).all()
                         _put(lds, addr // L.C_BYTES, np.stack([reg, sa, sb]), "an LDS stage value")
                     else:  # the replaced epilogue: Bf16Store.tile and the scale reads of kernel._stages
-                        row = a_row0 + rh * half_m + 16 * i
-                        sa = row + (lane // 16) * 4 + e
+                        sa = a_row0 + rh * half_m + 16 * i + (lane // 16) * 4 + e
                         sb = b_wave_row0 + ch * half_n + 16 * j + lane % 16
+                        row = c_wave_row0 + rh * half_m + 16 * i + (lane // 16) * 4 + e
                         col = c_col0 + ch * half_n + wave_n * 16 * n_b + 16 * j + lane % 16
-                        _put(out, (c_row_base + row + (lane // 16) * 4 + e) * ldc + col, np.stack([reg, sa, sb]),
-                             "a C element")
+                        _put(out, (c_row_base + row) * ldc + col, np.stack([reg, sa, sb]), "a C element")
                 if staged:  # the read-back, 16 bytes per lane, and the global stores of quarter q
-                    voff0 = stage.store_lane_offset(lane, row0=c_row_base + a_row0,
+                    voff0 = stage.store_lane_offset(lane, row0=c_row_base + c_wave_row0,
                                                     col0=c_col0 + wave_n * 16 * n_b, ldc=ldc)
                     for n in range(stage.stores):
                         src = (stage.read_base(lane, wave) + stage.read_imm(q, n)) // L.C_BYTES
@@ -152,6 +156,31 @@ def _replay_epilogue(block_m, block_n, fuse, quant, *, staged):
     if quant != "ptpc":
         out[1:, out[0] >= 0] = -1  # blockscale and mxfp8 store the accumulators unscaled
     return out
+
+
+@pytest.mark.parametrize("pattern", ["all-reduce", "reduce-scatter-rows"])
+@pytest.mark.parametrize("block_m,block_n", [(256, 256), (128, 256), (256, 128)], ids=lambda v: str(v))
+def test_fused_elements_come_from_their_slices_rows_of_a_and_b(block_m, block_n, pattern):
+    """Guards the fused tile origin (``kernel._tile_origin``: A row ``dest * a_step + row0``, B row
+    ``dest * b_step + col0``, C ``partial[dest][row0, col0]``) as the staged epilogue composes it:
+    element [d, r, c] of the partial planes is scaled by A row ``r`` of slice d and B row (output
+    column) ``c`` of slice d, i.e. it is this rank's product at slice d's ``slice_origin`` + (r, c),
+    for slices by columns (the all-reduce's) and by rows (the reduce-scatter's along tokens); and
+    every element of every plane is written once."""
+    from cco import layout
+
+    got = _replay_epilogue(block_m, block_n, True, "ptpc", staged=True, pattern=pattern)
+    wgs = _workgroups(block_m, block_n, True, "ptpc", pattern)
+    ldc, c_rows = wgs[0][5], wgs[0][6]
+    flat = np.nonzero(got[0] >= 0)[0]
+    assert len(flat) == 2 * c_rows * ldc  # both planes, whole
+    dest, r, c = flat // (c_rows * ldc), (flat % (c_rows * ldc)) // ldc, flat % ldc
+    world, by_rows = 2, pattern == "reduce-scatter-rows"
+    lay = layout.build_config(n=ldc if by_rows else ldc * world, k=256, m_max=c_rows * world if by_rows else c_rows,
+                              world=world, mode="fused", block_m=block_m, block_n=block_n, pattern=pattern)
+    origin = np.array([layout.slice_origin(lay, d, c_rows) for d in range(world)])  # (a slice is c_rows here)
+    assert np.array_equal(got[1, flat], origin[dest, 0] + r)  # A scale row = the product's row
+    assert np.array_equal(got[2, flat], origin[dest, 1] + c)  # B scale row = the product's column
 
 
 @pytest.mark.parametrize("quant", ["ptpc", "blockscale", "mxfp8"])

@@ -93,21 +93,23 @@ def test_mxfp8_tail_reads_complete_lds(m, n, k):
     assert bad == [0] * LAUNCHES, f"wrong elements per launch: {bad}"
 
 
+@pytest.mark.parametrize("pattern", ["all-reduce", "reduce-scatter-rows"])
 @pytest.mark.parametrize("tile", [pytest.param((256, 256), id="256x256"), pytest.param((256, 128), id="256x128")])
 @pytest.mark.parametrize("quant", QUANTS)
-def test_fused_writes_partial_slices_and_bumps_each_counter_by_its_tile_count(quant, tile):
-    """fuse=True on one GPU with world=2 addressing: partial[dest] holds dest's column slice of the
-    product, bit for bit what the plain GEMM writes there (the same staged epilogue, another
-    destination), and counters[dest, chunk] grow by the tile counts of cco.layout (twice over two
-    calls: never reset)."""
+def test_fused_writes_partial_slices_and_bumps_each_counter_by_its_tile_count(quant, tile, pattern):
+    """fuse=True on one GPU with world=2 addressing: partial[dest] holds dest's slice of the product
+    (its column slice, or for the reduce-scatter along rows its M/W rows of every column), bit for
+    bit what the plain GEMM writes there (the same staged epilogue, another destination), and
+    counters[dest, chunk] grow by the tile counts of cco.layout (twice over two calls: never reset)."""
     from cco import layout
 
     world, rank, m, n, k = 2, 1, 2048, 7168, 512
     bm, bn = tile
     p = random_problem(m, n, k, quant, seed=3, device="cuda")
     lay = layout.build_config(n=n, k=k, m_max=m, world=world, quant=quant, mode="fused", chunks=4,
-                              block_m=bm, block_n=bn)
-    launch = compile_fused_gemm_scatter(rank, world, K=k, BLOCK_M=bm, BLOCK_N=bn, quant=quant, fuse=True, chunks=4)
+                              block_m=bm, block_n=bn, pattern=pattern)
+    launch = compile_fused_gemm_scatter(rank, world, K=k, BLOCK_M=bm, BLOCK_N=bn, quant=quant, fuse=True, chunks=4,
+                                        pattern=pattern)
     partial = torch.full((world, lay.m_max_padded, lay.n_slice), float("nan"), dtype=torch.bfloat16, device="cuda")
     counters = torch.zeros(world, layout.MAX_CHUNKS, dtype=torch.int64, device="cuda")
     b_pre = preshuffle_b(p.b)
@@ -123,7 +125,9 @@ def test_fused_writes_partial_slices_and_bumps_each_counter_by_its_tile_count(qu
         p.a, b_pre, plain, p.a_scale, p.b_scale, m, n)
     torch.cuda.synchronize()
     ref = p.reference()
+    rows = layout.slice_rows(lay, m)
     for dest in range(world):
-        cols = slice(dest * lay.n_slice, (dest + 1) * lay.n_slice)
-        assert count_mismatches(partial[dest, :m], ref[:, cols]) == 0
-        assert torch.equal(partial[dest, :m], plain[:, cols])
+        r0, c0 = layout.slice_origin(lay, dest, rows)
+        got = partial[dest, :rows]
+        assert count_mismatches(got, ref[r0:r0 + rows, c0:c0 + lay.n_slice]) == 0
+        assert torch.equal(got, plain[r0:r0 + rows, c0:c0 + lay.n_slice])
