@@ -5,7 +5,6 @@
 #
 #   bash scripts/gpu_suite.sh [LOG_DIR]          # logs per module under LOG_DIR (default: gpu-suite-logs)
 #   CCO_GPU_SUITE_SKIP="cuda_hf" bash scripts/gpu_suite.sh   # all but the named modules
-#   CCO_GPU_SUITE_EXTRA="name|bound|lane|cmd;with;args" ...   # more modules (';' for spaces)
 #
 # Add a module to MODULES when it joins the suite. NVLink multicast stays off.
 set -uo pipefail
@@ -15,69 +14,40 @@ mkdir -p "$log_dir"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 PY=${PYTHON:-python3}
 
-# name | bound in seconds | lane | command. Modules of lane "-" run one after another, first; then the
-# other lanes run side by side, each its modules in order. The fault jobs take lanes: their time is
-# deadlines waited out (5 s per scenario), not GPU work, and one after another they would take the
-# whole run past the device's 10 minutes a call (2026-12-03: 438 s of 754).
+# name | bound in seconds | command
 MODULES=(  # the long-standing modules first, so a bound on the whole run cuts the newest ones
-  "cuda_nn|180|-|$PY -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.python.cco.test_cuda_nn"
-  "cuda_op|240|-|$PY -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.python.cco.test_cuda_op"
-  "cuda_sp|180|-|$PY -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.python.cco.test_cuda_sp"
-  "cuda_hf|300|-|$PY -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.python.cco.test_cuda_hf"
-  "cuda_faults_dma|240|a|$PY -m tests.python.cco.test_cuda_faults --launch --transport dma --timeout 220"
-  "cuda_faults_rs_rows|180|a|$PY -m tests.python.cco.test_cuda_faults --launch --pattern reduce-scatter-rows --timeout 160"
-  "cuda_faults_lsa|240|b|$PY -m tests.python.cco.test_cuda_faults --launch --transport lsa --timeout 220"
-  "cuda_faults_rs_cols|180|b|$PY -m tests.python.cco.test_cuda_faults --launch --pattern reduce-scatter-cols --timeout 160"
-  "cuda_faults_ag|180|c|$PY -m tests.python.cco.test_cuda_faults --launch --pattern all-gather --timeout 160"
+  "cuda_nn|180|$PY -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.python.cco.test_cuda_nn"
+  "cuda_op|240|$PY -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.python.cco.test_cuda_op"
+  "cuda_faults_dma|240|$PY -m tests.python.cco.test_cuda_faults --launch --transport dma --timeout 220"
+  "cuda_faults_lsa|240|$PY -m tests.python.cco.test_cuda_faults --launch --transport lsa --timeout 220"
+  "cuda_sp|180|$PY -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.python.cco.test_cuda_sp"
+  "cuda_hf|300|$PY -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.python.cco.test_cuda_hf"
 )
 skip=" ${CCO_GPU_SUITE_SKIP:-} "  # module names to leave out of this run (say so where a run is quoted)
 kept=()
 for entry in "${MODULES[@]}"; do [[ "$skip" == *" ${entry%%|*} "* ]] || kept+=("$entry"); done
 MODULES=("${kept[@]}")
-for extra in ${CCO_GPU_SUITE_EXTRA:-}; do  # more modules: "name|bound|lane|command" words, ';' for spaces
+for extra in ${CCO_GPU_SUITE_EXTRA:-}; do  # more modules: "name|bound|command" words, ';' for spaces
   MODULES+=("${extra//;/ }")
 done
 
-run_module() {  # name bound cmd: runs it, writes its verdict line to $log_dir/name.verdict
-  local name=$1 bound=$2 cmd=$3 start rc took skips verdict
+failed=0
+summary=()
+start_all=$(date +%s)
+for entry in "${MODULES[@]}"; do
+  IFS='|' read -r name bound cmd <<<"$entry"
   start=$(date +%s)
   timeout --signal=TERM --kill-after=15 "$bound" bash -c "$cmd" >"$log_dir/$name.log" 2>&1
   rc=$?
   took=$(( $(date +%s) - start ))
   skips=$(grep -c "_SKIPPED" "$log_dir/$name.log")  # sub-checks a module could not run here (it says why)
-  if [ $rc -eq 0 ]; then verdict="passed$([ "$skips" -gt 0 ] && echo ", $skips skipped")"; else verdict="FAILED (exit $rc$([ $rc -eq 124 ] && echo ', timed out'))"; fi
-  printf '%s|%s\n' "$rc" "$(printf '%-20s %-30s %5d s' "$name" "$verdict" "$took")" >"$log_dir/$name.verdict"
+  if [ $rc -eq 0 ]; then verdict="passed$([ "$skips" -gt 0 ] && echo ", $skips skipped")"; else verdict="FAILED (exit $rc$([ $rc -eq 124 ] && echo ', timed out'))"; failed=$((failed + 1)); fi
+  summary+=("$(printf '%-18s %-30s %5d s' "$name" "$verdict" "$took")")
   echo "[gpu-suite] $name: $verdict in ${took}s"
   [ $rc -eq 0 ] || tail -n 40 "$log_dir/$name.log"
   grep "_SKIPPED" "$log_dir/$name.log"
-}
-
-run_lane() {  # lane: its modules in order
-  local entry name bound lane cmd
-  for entry in "${MODULES[@]}"; do
-    IFS='|' read -r name bound lane cmd <<<"$entry"
-    [ "$lane" == "$1" ] && run_module "$name" "$bound" "$cmd"
-  done
-  return 0
-}
-
-start_all=$(date +%s)
-rm -f "$log_dir"/*.verdict
-run_lane -
-lanes=$(for entry in "${MODULES[@]}"; do IFS='|' read -r _ _ lane _ <<<"$entry"; [ "$lane" == "-" ] || echo "$lane"; done | sort -u)
-for lane in $lanes; do run_lane "$lane" & done
-wait
-failed=0
-echo "[gpu-suite] ---- summary ($(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), $(date -u +%Y-%m-%dT%H:%MZ))"
-for entry in "${MODULES[@]}"; do
-  name=${entry%%|*}
-  if [ -f "$log_dir/$name.verdict" ]; then
-    IFS='|' read -r rc line <"$log_dir/$name.verdict"
-  else
-    rc=1 line="$(printf '%-20s %-30s' "$name" "FAILED (no verdict: cut short)")"
-  fi
-  echo "$line"
-  [ "$rc" -eq 0 ] || failed=$((failed + 1))
 done
+echo "[gpu-suite] ---- summary ($(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), $(date -u +%Y-%m-%dT%H:%MZ))"
+printf '%s\n' "${summary[@]}"
 echo "[gpu-suite] $(( ${#MODULES[@]} - failed )) passed, $failed failed in $(( $(date +%s) - start_all )) s"
 exit $failed
