@@ -40,6 +40,7 @@ the per-pass times, date, device and versions; ``--plot``: the ratios over M, on
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -311,7 +312,8 @@ def measure(args, dev) -> list[dict]:
         if backend is not None:
             backend.close()
         backend = full = None
-        torch.cuda.empty_cache()
+        gc.collect()  # the window and the graphs of a (pattern, quant, model, TP) may sit in reference cycles:
+        torch.cuda.empty_cache()  # freed now, not after the sweep has stacked up several GiB of them
     return runs
 
 
