@@ -32,6 +32,7 @@ import argparse
 import os
 import shutil
 import tempfile
+import time
 
 import pytest
 import torch
@@ -311,17 +312,18 @@ def rank_main(argv=None):
     named = {**{q: lambda q=q: check_quant(ctx, q, log) for q in Q.QUANTS},
              "in_place": lambda: check_in_place(ctx, log), "dtensor": lambda: check_dtensor_style(ctx, log),
              "fp8_checkpoint": lambda: check_fp8_checkpoint(ctx, log)}
-    checks = [named[c] for c in (opts.only or named)]
     failures = []
-    for check in checks:  # keep going so one run reports every failing check
+    for name in opts.only or named:  # keep going so one run reports every failing check
+        t0 = time.monotonic()
         try:
-            check()
+            named[name]()
         except Exception as err:
             failures.append(f"{type(err).__name__}: {err}")
             log("FAIL", failures[-1])
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         dist.barrier()
+        log(f"check {name}: {time.monotonic() - t0:.1f} s")  # the suite must fit one device call
     if rank == 0:
         shutil.rmtree(folder[0], ignore_errors=True)
     if failures:
