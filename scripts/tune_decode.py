@@ -130,7 +130,7 @@ def main(argv=None) -> int:
                         continue
                     launch = D._LAUNCHES[next(iter(D._LAUNCHES))]
                     arms[f"decode {cfg}"] = (lambda launch=launch, x=x, wq=wq, ws=ws, n=n, m=m: launch(
-                        x, wq, ws, None, torch.empty(m, n, dtype=torch.bfloat16, device=dev)))
+                        x, x.stride(0), wq, ws, None, torch.empty(m, n, dtype=torch.bfloat16, device=dev)))
                 timed = graph_us(arms, args.graph_calls, args.passes)
                 best = min((v, a) for a, v in timed.items() if a.startswith("decode"))
                 row = {"shape": name, "n": n, "k": k, "m": m, "quant": quant, "us": timed, "best": best[1],

@@ -154,28 +154,44 @@ def fuse_linear(module: torch.nn.Linear, *, group, world: int, options: FusedOpt
     ``fp8_shard``: None (quantize the framework's float shard), or a callable taking this rank's K
     width and returning this rank's shard of the checkpoint's fp8 weight (``Fp8Weight``, in the
     options' quant) or None where the checkpoint stores this weight as floats. The fp8 shard is
-    loaded as stored (``load_fp8``) after it is checked against the float shard the framework
-    dequantized from the same checkpoint; the group agrees on the verdict first, so a rank that
-    cannot read its shard makes every rank raise."""
+    loaded as stored (``load_fp8``) after it is checked against the shard the framework loaded from
+    the same checkpoint; the group agrees on the verdict first, so a rank that cannot read its shard
+    makes every rank raise.
+
+    A module that holds its weight in fp8 (transformers' ``FP8Linear`` on GPUs with fp8,
+    compressed-tensors' compressed Linear: an e4m3 ``weight`` with ``weight_scale_inv`` or
+    ``weight_scale`` beside it) gives the layer its own bytes and scales (:func:`held_fp8_shard`),
+    converted to the options' quant where that is exact (:func:`convert_held_fp8`); with
+    ``fp8_shard`` as well, both must be the same bytes and scales. Never quantized again."""
     done = fused_layer(module)
     if done is not None:
         return done
     fp8 = None
-    if fp8_shard is None:
+    if fp8_shard is None and not holds_fp8(module):
         check_row_parallel(module, name=name, world=world, fn=fn)
         w = _local_weight(module.weight, name=name, world=world, fn=fn)
     else:  # every rank reads its shard, then the group agrees on one verdict before anything collective
-        error = None
+        # (the checks read this rank's bytes and scales: one rank's may fail where its peer's pass)
+        error, source = None, None
         try:
             check_row_parallel(module, name=name, world=world, fn=fn)
             w = _local_weight(module.weight, name=name, world=world, fn=fn)
-            fp8 = fp8_shard(w.shape[1])
-            if fp8 is not None:
-                check_fp8_shard(fp8, w, name=name, fn=fn)
+            held = held_fp8_shard(module, w, name=name, world=world, fn=fn)
+            stored = fp8_shard(w.shape[1]) if fp8_shard is not None else None
+            # the format, known from shapes, dtypes and keys alike on every rank, is set before the checks
+            # of values (which may fail on one rank only): the agreement compares it, and a rank whose
+            # check fails passes the same arguments as its peers, so its own error reaches them
+            source = (held or stored).source if held is not None or stored is not None else None
+            if held is not None:
+                held = convert_held_fp8(held, options.quant, name=name, fn=fn)
+                if stored is not None:
+                    check_same_fp8(held, stored, name=name, fn=fn)
+            elif stored is not None:
+                check_fp8_shard(stored, w, name=name, fn=fn)
+            fp8 = held if held is not None else stored
         except (TypeError, ValueError, OSError) as err:
             error = err
-        DEFAULT_POOL.communicator(group).agree(fn, {"module": name, "fp8": None if fp8 is None else fp8.source},
-                                               error=error)
+        DEFAULT_POOL.communicator(group).agree(fn, {"module": name, "fp8": source}, error=error)
     b = _local_bias(module.bias, name=name, fn=fn)
     layer = RowParallelLinear(w.shape[1], module.out_features, group=group, bias=b is not None,
                               sequence_parallel=sequence_parallel, **options.layer_kwargs())
@@ -186,9 +202,13 @@ def fuse_linear(module: torch.nn.Linear, *, group, world: int, options: FusedOpt
     if b is not None:
         layer.bias.copy_(b)
     module.add_module(FUSED_CHILD, layer)
-    # the fp8 copy in the layer is the weight from now on; the bf16 shard and bias would only hold memory
+    # the fp8 copy in the layer is the weight from now on; the framework's shard, its scales and the
+    # bias would only hold memory
     module.weight = None
     module.bias = None
+    for pname in (*SCALE_PARAMS, *ACTIVATION_SCALE_PARAMS):
+        if module._parameters.get(pname) is not None:
+            module._parameters[pname] = None
     return layer
 
 
@@ -234,9 +254,95 @@ def fuse_column_linear(module: torch.nn.Linear, *, group, world: int, options: F
 FP8_SHARD_MATCH_TOL = 1e-2
 
 
+# the scale parameter a framework's fp8 Linear keeps beside its e4m3 weight: transformers' FP8Linear
+# (weight_scale_inv), compressed-tensors' quantized Linear (weight_scale)
+SCALE_PARAMS = ("weight_scale_inv", "weight_scale")
+# static activation scales of those modules: not read (the fused layer quantizes its activations per call)
+ACTIVATION_SCALE_PARAMS = ("activation_scale", "input_scale")
+
+
+def holds_fp8(module) -> bool:
+    """Whether ``module``'s weight is stored in one byte per element (fp8, or packed values the
+    checks refuse), as a framework's fp8 Linear keeps it, rather than in a float dtype."""
+    weight = module._parameters.get("weight")
+    return weight is not None and weight.element_size() == 1
+
+
+def _local_scale(scale, *, per_rank: int | None, rank: int) -> torch.Tensor:
+    """This rank's part of a scale parameter: its DTensor shard, or, where the framework left it
+    whole (replicated, or a plain tensor), the ``per_rank`` block columns of this rank's K shard
+    (``per_rank`` None: a per-tensor or per-row scale, which covers every column)."""
+    if isinstance(scale, DTensor):
+        if not all(p.is_replicate() for p in scale.placements):
+            return scale.to_local()
+        scale = scale.to_local()
+    if per_rank is None or scale.shape[-1] == per_rank:
+        return scale
+    return scale[..., rank * per_rank:(rank + 1) * per_rank]
+
+
+def held_fp8_shard(module, local: torch.Tensor, *, name: str, world: int, fn: str) -> C.Fp8Weight | None:
+    """This rank's K shard of the fp8 weight ``module`` holds (``local``: its weight's shard, e4m3),
+    with the scale beside it, as stored (:func:`convert_held_fp8` converts it); None where the
+    weight is a float one. The framework sharded both along K; the shard must be whole scale blocks
+    (128 for block scales, 32 for mxfp8 groups) or it cut one, which the framework's own kernel
+    would read wrongly too. Raises ValueError naming the module and the fix. Its verdict depends only
+    on global shapes, dtypes and ``world``: the same on every rank."""
+    if not holds_fp8(module):
+        return None
+    found = [p for p in SCALE_PARAMS if module._parameters.get(p) is not None]
+    if local.dtype != Q.FP8 or len(found) != 1:
+        what = (f"dtype {local.dtype}" if local.dtype != Q.FP8 else
+                f"{'no' if not found else 'several'} scale parameters ({', '.join(found) or ', '.join(SCALE_PARAMS)})")
+        raise ValueError(f"{fn}: {name} ({type(module).__name__}) holds a one-byte weight with {what}; the fused layer "
+                         f"takes a float8_e4m3fn weight with one scale ({' or '.join(SCALE_PARAMS)}). Load the model "
+                         f"dequantized (its quantization config's dequantize=True) or keep the framework's own style")
+    key = found[0]
+    scale = module._parameters[key]
+    k = module.weight.shape[1]  # global
+    k_local = local.shape[1]
+    blocks = scale.shape[-1] if scale.dim() == 2 and scale.shape[-1] > 1 else 0  # scale columns along K
+    block = {-(-k // Q.SCALE_BLOCK): Q.SCALE_BLOCK, -(-k // Q.MX_GROUP): Q.MX_GROUP}.get(blocks) if blocks else None
+    if block is not None and k_local % block:
+        raise ValueError(f"{fn}: {name}.weight has K={k}; the framework splits it into {world} shards of {k_local} "
+                         f"columns, which cut its scale blocks of {block} ({key} {list(scale.shape)}). Use a "
+                         f"tensor-parallel size whose K shard is a multiple of {block}, or keep the framework's own "
+                         f"style for this module")
+    weight = module.weight
+    rank = weight.device_mesh.get_local_rank() if isinstance(weight, DTensor) else 0
+    s = _local_scale(scale, per_rank=None if block is None else k_local // block, rank=rank)
+    return C.read_fp8_weight({f"{name}.weight": local.detach().cpu(), f"{name}.{key}": s.detach().cpu()},
+                             f"{name}.weight")
+
+
+def convert_held_fp8(w: C.Fp8Weight, quant: str, *, name: str, fn: str) -> C.Fp8Weight:
+    """``w`` in ``quant``'s scales where that is exact (``convert_fp8_weight``), else a ValueError
+    naming the quant to plan with. Reads the scales' values: the verdict may differ by rank."""
+    try:
+        return C.convert_fp8_weight(w, quant)
+    except ValueError as err:
+        raise ValueError(f"{fn}: {name} holds a {w.source} fp8 weight ({w.quant} scales) and the fused layers were "
+                         f"planned with quant={quant!r} ({err}); plan them with quant={w.quant!r}") from None
+
+
+def check_same_fp8(held: C.Fp8Weight, stored: C.Fp8Weight, *, name: str, fn: str) -> None:
+    """Refuse a checkpoint shard that is not the fp8 weight the framework loaded into the module:
+    the same e4m3 bytes and the same scales, both in the layer's quant."""
+    same = held.shape == stored.shape and held.scale.shape == stored.scale.shape and torch.equal(
+        held.qweight.view(torch.uint8), stored.qweight.view(torch.uint8).to(held.qweight.device))
+    if same:
+        a, b = held.scale, stored.scale.to(held.scale.device)
+        same = torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == Q.E8M0 else torch.equal(a, b)
+    if not same:
+        raise ValueError(f"{fn}: {name}: this rank's shard of the checkpoint's fp8 weight differs from the fp8 weight "
+                         f"and scales the framework loaded ({held.source}); load the checkpoint the model was loaded "
+                         f"from")
+
+
 def check_fp8_shard(fp8: C.Fp8Weight, local: torch.Tensor, *, name: str, fn: str) -> None:
     """Refuse an fp8 shard that is not the weight the framework loaded for ``name`` (another key,
-    other columns, a scale from the wrong block): the framework's float shard is its dequantization."""
+    other columns, a scale from the wrong block): the framework's float shard is its dequantization.
+    (A module that holds fp8 is checked byte for byte instead: :func:`check_same_fp8`.)"""
     if tuple(fp8.shape) != tuple(local.shape):
         raise ValueError(f"{fn}: {name}: the checkpoint's fp8 shard is {list(fp8.shape)} but the framework's shard "
                          f"is {list(local.shape)}")
@@ -247,9 +353,6 @@ def check_fp8_shard(fp8: C.Fp8Weight, local: torch.Tensor, *, name: str, fn: str
             raise ValueError(f"{fn}: {name}: this rank's shard of the checkpoint's fp8 weight differs from the weight "
                              f"the framework loaded (rel. L2 {err:.2e} > {FP8_SHARD_MATCH_TOL}): not the same key or "
                              f"not the same columns; load the checkpoint the model was loaded from")
-    elif local.dtype == Q.FP8 and not torch.equal(local.view(torch.uint8).cpu(), fp8.qweight.view(torch.uint8)):
-        raise ValueError(f"{fn}: {name}: this rank's shard of the checkpoint's fp8 weight differs from the fp8 weight "
-                         f"the framework loaded; load the checkpoint the model was loaded from")
 
 
 def run_fused(layer: RowParallelLinear, x_local: torch.Tensor) -> torch.Tensor:

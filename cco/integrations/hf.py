@@ -47,8 +47,11 @@ fp8 checkpoints: ``tp_plan(path)`` of a local folder whose config has an fp8 ``q
 (transformers' ``fp8``, compressed-tensors 8-bit float) takes the checkpoint's quant, and its fused
 layers load their K shard's e4m3 bytes and scales from the files as stored
 (:class:`cco.integrations.fp8.Fp8Checkpoint`), not the bf16 shard transformers dequantized (on CPU
-ranks transformers 5.17 dequantizes the whole checkpoint). ``fuse(model, checkpoint=path)`` does the
-same for a plan built without the folder. Limits: docs/frameworks.md, "fp8 checkpoints".
+ranks transformers 5.17 dequantizes the whole checkpoint). Where transformers keeps the weights in fp8
+(its ``FP8Linear`` on sm89+ GPUs, compressed-tensors' Linear before the first forward), the fused
+layers take the bytes and scales the modules hold, checked equal to the files' where the plan knows
+them. ``fuse(model, checkpoint=path)`` does the same for a plan built without the folder. Limits:
+docs/frameworks.md, "fp8 checkpoints".
 
 The fused layers are built once the shards are loaded: by :func:`fuse` (``parallelize`` calls it), or
 by each module's first forward (outside any torch.compile graph: ``torch.compiler.disable``; calling
@@ -67,7 +70,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 import transformers
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from transformers import AutoConfig, AutoModelForCausalLM, DistributedConfig, PretrainedConfig, PreTrainedModel
 from transformers.distributed.tensor_parallel import (
     ALL_PARALLEL_STYLES,
@@ -123,8 +126,9 @@ class FusedRowwise(RowwiseParallel):
     """transformers' ``RowwiseParallel`` ("rowwise": input ``Shard(-1)``, output ``Replicate``) for an
     ``nn.Linear``, with the GEMM and the all-reduce fused in ``cco.nn.RowParallelLinear``.
 
-    Sharding and loading are transformers' (``shard_param`` is inherited: weight ``Shard(-1)``, bias
-    ``Replicate``; the loader fills this rank's shard). ``validate_param`` refuses what the fused layer
+    Sharding and loading are transformers' (``shard_param``: weight ``Shard(-1)``, bias ``Replicate``,
+    as inherited; an fp8 module's block scales ``Shard(-1)`` with the weight, its scales without a K
+    dimension ``Replicate``; the loader fills this rank's shard). ``validate_param`` refuses what the fused layer
     cannot stand in for, on every rank alike, before anything is loaded. ``install_forward`` replaces
     the module's forward with the fused one. ``checkpoint``: the fp8 checkpoint the fused layers read
     their weights from as stored (:class:`cco.integrations.fp8.Fp8Checkpoint`), or None."""
@@ -139,6 +143,18 @@ class FusedRowwise(RowwiseParallel):
         check_row_parallel(module, name=name, world=mesh.size(), fn="FusedRowwise")
         module.__dict__[_PENDING] = (self, mesh)
         module.__dict__[_NAME] = name
+
+    def shard_param(self, module, param, mesh):
+        meta = module._parameters.get(param)
+        if meta is not None and param != "weight" and (meta.dim() < 2 or meta.shape[-1] == 1):
+            # the bias, and a scale with no K dimension (FP8Linear's per-tensor weight_scale_inv [],
+            # compressed-tensors' per-row weight_scale [N, 1], a static activation scale): it covers every
+            # K column, so every rank loads all of it. RowwiseParallel's Shard(-1) would split its last
+            # dimension, one column, over the ranks: one rank's shard would be empty.
+            module._parameters[param] = torch.nn.Parameter(
+                distribute_tensor(meta, mesh, [Replicate()], src_data_rank=None), requires_grad=meta.requires_grad)
+            return
+        super().shard_param(module, param, mesh)
 
     def install_forward(self, module, mesh):
         if _PENDING not in module.__dict__:  # no parameter went through validate_param: not a Linear, refused here

@@ -112,6 +112,8 @@ class ColumnParallelLinear(_ParallelLinear):
         """bf16 ``[M, ..., out_features_per_rank]``: for this rank's tokens ``x [M/W, ...,
         in_features]`` with ``sequence_parallel=True`` (collective: every rank passes as many), else
         for the replicated ``x [M, ..., in_features]`` (local)."""
+        if self._decode_call(x):  # as RowParallelLinear's: an eager call of a few rows, one launch
+            return self._decode(x, *self.quantized_weight(), self._parameters.get("bias"))
         if x.shape[-1] != self.in_features:
             err = ValueError(f"{_FN}: x has {x.shape[-1]} features in its last dimension but the layer takes "
                              f"in_features={self.in_features}")

@@ -131,6 +131,8 @@ class RowParallelLinear(_ParallelLinear):
         """bf16 ``[..., out_features]``, the same on every rank of the group, for this rank's input
         slice ``x [..., in_features_per_rank]`` (any float dtype). Collective: every rank calls it
         with the same leading shape."""
+        if self._decode_call(x):  # bias: nn.Module's lookup costs a decode call a microsecond
+            return self._decode(x, *self.quantized_weight(), self._parameters.get("bias"))
         if x.shape[-1] != self.in_features_per_rank:
             err = ValueError(f"{_FN}: x has {x.shape[-1]} features in its last dimension but the layer takes "
                              f"in_features_per_rank={self.in_features_per_rank}; pass this rank's slice of the input")
@@ -155,7 +157,7 @@ class RowParallelLinear(_ParallelLinear):
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
         m, n = x2.shape[0], self.out_features
-        if 0 < m <= self.decode_rows:  # one rank, a few rows: the decode GEMM, one launch
+        if 0 < m <= self.decode_rows:  # one rank, a few rows (traced, or a gradient recorded): one launch
             return self._decode(x2, qweight, scale, bias).view(*lead, n)
         if m <= self.m_max and m > 0:
             out = self._rows(x2, qweight, scale)

@@ -170,6 +170,25 @@ class _ParallelLinear(torch.nn.Module):
             from kernels_fused.hopper.decode import DECODE_MAX_M
             self.decode_rows = min(DECODE_MAX_M[quant], m_max)
 
+    @property
+    def decode_rows(self) -> int:
+        """Calls of at most this many rows run the decode GEMM (0: none)."""
+        return self._decode_rows
+
+    @decode_rows.setter
+    def decode_rows(self, rows: int) -> None:
+        if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
+            raise ValueError(f"{self._FN}: decode_rows={rows!r} must be an int >= 0")
+        self._decode_rows = rows
+        # forward's first test in elements (x.numel() <= this, for x [..., K]): no shape arithmetic per call
+        self._decode_numel = rows * self.in_features_per_rank
+
+    def _decode_call(self, x: torch.Tensor) -> bool:
+        """Whether ``forward(x)`` is an eager call of at most ``decode_rows`` rows, which goes
+        straight to :meth:`_decode`: ahead of the general path, whose checks, reshapes and lookups
+        cost a decode call more host time than the decode GEMM's launch (docs/decode.md)."""
+        return 0 < x.numel() <= self._decode_numel and x.shape[-1] == self.in_features_per_rank and self._eager(x)
+
     def _eager(self, x: torch.Tensor) -> bool:
         """Whether a forward on ``x`` runs the layer's body directly (an inference call that nothing
         traces: no gradient to record, :func:`untraced`), not through its registered op, whose
@@ -178,14 +197,15 @@ class _ParallelLinear(torch.nn.Module):
                                                  or (self.weight is not None and self.weight.requires_grad))) \
             and untraced(x)
 
-    def _decode(self, x2: torch.Tensor, qweight, scale, bias) -> torch.Tensor:
-        """bf16 ``[rows, N]`` (the bias added) for a call of at most ``decode_rows`` rows."""
+    def _decode(self, x: torch.Tensor, qweight, scale, bias) -> torch.Tensor:
+        """bf16 ``[..., N]`` (the bias added) for ``x [..., K]`` of at most ``decode_rows`` rows."""
+        self._check_open()
         if not self._loaded:
             self._require_loaded()
         if self._decode_gemm is None:
             raise RuntimeError(f"{self._name()}: decode_rows={self.decode_rows} but the decode GEMM runs only on one "
                                f"rank's local GEMM on an NVIDIA GPU (set decode_rows = 0)")
-        return self._decode_gemm(x2, qweight, scale, self.quant, n=self.out_features, bias=bias)
+        return self._decode_gemm(x, qweight, scale, self.quant, n=self.out_features, bias=bias)
 
     def _name(self) -> str:
         sp = ", sequence parallel" if self.sequence_parallel else ""
@@ -322,7 +342,8 @@ class _ParallelLinear(torch.nn.Module):
         if self.weight is not None and self.training:
             with torch.no_grad():  # its gradient comes from the op's backward (straight through)
                 return self._laid_out(self.weight)
-        return self.qweight, self.weight_scale
+        buffers = self._buffers  # not nn.Module's attribute lookup: a microsecond of an eager decode call
+        return buffers["qweight"], buffers["weight_scale"]
 
     def train(self, mode: bool = True):
         super().train(mode)

@@ -85,22 +85,30 @@ def check_operands(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, quan
 
 def decode_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, quant: str, *, n: int,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """bf16 ``[M, n]``: ``x [M, K]`` quantized as ``quant`` (``kernels_fused.hopper.quantize``'s
-    bytes, columns ``K..K_pad`` zero) times the first ``n`` rows of the fp8 weight ``w [N_pad,
-    K_pad]`` (row-major, ``cco.quant``'s scales ``w_scale``), rounded to bf16, plus ``bias`` (rounded
-    again, as ``out += bias``). One launch; meant for ``M <= DECODE_MAX_M[quant]`` rows (more run,
-    slower than the vendor GEMM). Operands are checked by :func:`check_operands` once per call shape."""
-    m, k = x.shape
-    out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    """bf16 ``[..., n]``: ``x [..., K]`` (``M`` rows in all) quantized as ``quant``
+    (``kernels_fused.hopper.quantize``'s bytes, columns ``K..K_pad`` zero) times the first ``n`` rows
+    of the fp8 weight ``w [N_pad, K_pad]`` (row-major, ``cco.quant``'s scales ``w_scale``), rounded to
+    bf16, plus ``bias`` (rounded again, as ``out += bias``). One launch; meant for ``M <=
+    DECODE_MAX_M[quant]`` rows (more run, slower than the vendor GEMM). Operands are checked by
+    :func:`check_operands` once per call shape (the key holds the column stride too)."""
+    k = x.shape[-1]
+    out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16, device=x.device)
+    if x.dim() == 2:
+        m, row_stride = x.shape[0], x.stride(0)
+    elif x.is_contiguous():  # the rows of [B, S, K] as they lie: no reshape on the host's path
+        m, row_stride = x.numel() // k if k else 0, k
+    else:
+        x = x.reshape(-1, k)
+        m, row_stride = x.shape[0], x.stride(0)
     if not m:
         return out
-    key = (m, k, x.dtype, x.stride(0), x.data_ptr() % 16, w.shape, w.data_ptr() % 16, w_scale.stride(0),
-           w_scale.data_ptr() % 16, n, quant, None if bias is None else bias.data_ptr() % 16)
+    key = (m, k, x.dtype, row_stride, x.stride(-1), x.data_ptr() % 16, w.shape, w.data_ptr() % 16,
+           w_scale.stride(0), w_scale.data_ptr() % 16, n, quant, None if bias is None else bias.data_ptr() % 16)
     launch = _LAUNCHES.get(key)
     if launch is None:
-        check_operands(x, w, w_scale, quant, n, bias)
+        check_operands(x.view(-1, k) if x.dim() != 2 else x, w, w_scale, quant, n, bias)
         launch = _LAUNCHES[key] = _Launch(m, k, w.shape[1], n, quant, bias is not None)
-    launch(x, w, w_scale, bias, out)
+    launch(x, row_stride, w, w_scale, bias, out)
     return out
 
 
@@ -127,10 +135,10 @@ class _Launch:
         self.options = dict(num_warps=NUM_WARPS[quant], num_stages=NUM_STAGES[quant])
         self.fast = None
 
-    def __call__(self, x, w, w_scale, bias, out) -> None:
+    def __call__(self, x, row_stride, w, w_scale, bias, out) -> None:
         scale = w_scale.view(torch.uint8) if w_scale.element_size() == 1 else w_scale
         b = out if bias is None else bias  # an unused pointer where there is no bias
-        args = (x, w, scale, b, out, *self.ints, x.stride(0), scale.stride(0), _TINY, FP8_MAX, *self.consts)
+        args = (x, w, scale, b, out, *self.ints, row_stride, scale.stride(0), _TINY, FP8_MAX, *self.consts)
         if self.fast is not None:
             self.fast(*args)
             return

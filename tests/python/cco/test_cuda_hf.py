@@ -18,7 +18,12 @@ heads; ``LAYERS`` layers, a small vocabulary; row-parallel biases on, so the bia
 - greedy ``generate`` with the KV cache, eager (every quant) and with a compiled forward (ptpc):
   tokens identical on both ranks;
 then the in-place path (``parallelize``) and ``FusedRowwiseParallel`` on the 8B down_proj shape,
-eager and compiled.
+eager and compiled; then a DeepSeek-style fp8 block checkpoint (a small Llama, every ``*_proj`` e4m3
++ ``weight_scale_inv`` per 128x128 block) through ``tp_plan(path)``: transformers keeps it in fp8 on
+sm89+ (its ``FP8Linear`` modules), the fused layers must hold exactly the checkpoint's K shards and the
+logits stay within the fp8 budget of the dequantized bf16 model (``check_fp8_checkpoint``).
+
+    torchrun --nproc-per-node 2 -m tests.python.cco.test_cuda_hf --only fp8_checkpoint   # that check alone
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import argparse
 import os
 import shutil
 import tempfile
+import time
 
 import pytest
 import torch
@@ -190,6 +196,86 @@ def check_dtensor_style(ctx, log):
     _close(fused)
 
 
+def _agree_facts(what: str, problems: list[str]) -> None:
+    """Raise on every rank if any rank found a problem, naming each rank's."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, problems)
+    bad = {f"rank {r}": p for r, p in enumerate(every) if p}
+    if bad:
+        raise AssertionError(f"{what}: {bad}")
+
+
+@torch.no_grad()
+def check_fp8_checkpoint(ctx, log):
+    """A DeepSeek-style fp8 checkpoint (``quantization_config`` fp8, 128x128 ``weight_scale_inv``)
+    loaded with ``tp_plan(path)``. On sm89+ transformers keeps it in fp8: every Linear becomes its
+    ``FP8Linear`` (e4m3 ``weight`` and ``weight_scale_inv``, both sharded along K by the row-wise
+    plan); the fused layers take those bytes and scales, checked equal to the checkpoint's.
+    Guards: the modules are FP8Linear with e4m3 weights before fusing (the GPU path was taken); each
+    fused layer's weight equals the checkpoint's K shard exactly; the logits are within
+    ``MODEL_FP8_TOL`` of the model transformers dequantizes to bf16 (``dequantize=True``).
+
+    q/k/v and gate/up stay transformers' FP8Linear and run its fp8 kernel, which transformers fetches
+    from the Hugging Face Hub (the ``kernels`` package). Where it cannot be loaded (no package, no
+    network) they run ``x @ dequantize(W).T`` instead, and the log line says so; on CPU ranks (a dry
+    run) transformers is also made to take its sm89+ path (``hf_models.fp8_linear_path``)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, DistributedConfig, FineGrainedFP8Config
+
+    from cco import quant as Q
+    from cco.integrations import hf as cco_hf
+    from tests.python.cco.hf_models import (checkpoint_weight, fp8_kernel_error, fp8_linear_path, fp8_llama_config,
+                                            write_fp8_llama)
+
+    dev, rank = ctx["device"], dist.get_rank()
+    path = os.path.join(ctx["path"], "fp8-checkpoint")  # removed with the folder
+    if rank == 0:
+        write_fp8_llama(path)
+    dist.barrier()
+    ids = torch.randint(0, fp8_llama_config().vocab_size, PROMPT, generator=torch.Generator().manual_seed(2)).to(dev)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
+                                               quantization_config=FineGrainedFP8Config(dequantize=True))
+    ref_logits = ref.to(dev).eval()(input_ids=ids, use_cache=False).logits.float()
+    del ref
+    why = [fp8_kernel_error() if dev.type == "cuda" else "CPU ranks"]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, why[0])
+    kernel_missing = next((w for w in every if w), None)  # one choice for every rank
+    with fp8_linear_path(as_on_sm89=dev.type != "cuda", reference_kernel=kernel_missing is not None):
+        plan = cco_hf.tp_plan(path, m_max=M_MAX)
+        if ctx["shared_gpu"]:  # NCCL refuses two ranks on one GPU (module docstring)
+            plan.pop("lm_head", None)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
+                                                     distributed_config=DistributedConfig(tp_plan=plan))
+        problems = []
+        for name in (f"model.layers.{i}.{m}" for i in range(2) for m in ("self_attn.o_proj", "mlp.down_proj")):
+            mod = model.get_submodule(name)
+            if type(mod).__name__ != "FP8Linear" or mod.weight.dtype != Q.FP8:
+                problems.append(f"{name} is a {type(mod).__name__} with a {mod.weight.dtype} weight, not transformers' "
+                                f"FP8Linear with e4m3: the fp8 path was not taken")
+        names = cco_hf.fuse(model)
+        tensors = load_file(os.path.join(path, "model.safetensors"))
+        for name in names:
+            layer = model.get_submodule(name).fused
+            k = layer.in_features_per_rank
+            want = checkpoint_weight(tensors, f"{name}.weight")[:, rank * k:(rank + 1) * k]
+            if not torch.equal(layer.dequantized_weight().float().cpu(), want):
+                problems.append(f"{name}: the fused layer's weight is not the checkpoint's K shard")
+        if len(names) != 4:
+            problems.append(f"fused {names}, expected o_proj and down_proj of 2 layers")
+        logits = model(input_ids=ids, use_cache=False).logits.float()
+    _agree_facts("fp8 checkpoint", problems)
+    err = Q.rel_l2(logits, ref_logits)
+    _agree("fp8 checkpoint", {"vs dequantized bf16": (err, MODEL_FP8_TOL)})
+    kernel = "FP8Linear's kernel" if kernel_missing is None else f"x @ dequantize(W).T for FP8Linear ({kernel_missing})"
+    log(f"ok hf fp8 checkpoint (FP8Linear modules, blockscale): {len(names)} fused layers hold the checkpoint's "
+        f"shards exactly; rel L2 {err:.1e} vs the dequantized bf16 model; q/k/v, gate/up: {kernel}")
+    _close(model)
+
+
+CHECKS = ("in_place", "dtensor", "fp8_checkpoint")  # besides one per quant
+
+
 def rank_main(argv=None):
     from cco import quant as Q
     from examples.hf_generate import save_random_model, tiny_llama_config
@@ -223,18 +309,21 @@ def rank_main(argv=None):
     ids = torch.randint(0, DIMS[opts.dims]["vocab_size"], PROMPT, generator=torch.Generator().manual_seed(1))
     ctx = {"path": folder[0], "ref": reference, "ids": ids.to(device), "shared_gpu": shared_gpu, "device": device,
            "dims": DIMS[opts.dims]}
-    checks = [lambda q=q: check_quant(ctx, q, log) for q in Q.QUANTS]
-    checks += [lambda: check_in_place(ctx, log), lambda: check_dtensor_style(ctx, log)]
+    named = {**{q: lambda q=q: check_quant(ctx, q, log) for q in Q.QUANTS},
+             "in_place": lambda: check_in_place(ctx, log), "dtensor": lambda: check_dtensor_style(ctx, log),
+             "fp8_checkpoint": lambda: check_fp8_checkpoint(ctx, log)}
     failures = []
-    for check in checks:  # keep going so one run reports every failing check
+    for name in opts.only or named:  # keep going so one run reports every failing check
+        t0 = time.monotonic()
         try:
-            check()
+            named[name]()
         except Exception as err:
             failures.append(f"{type(err).__name__}: {err}")
             log("FAIL", failures[-1])
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         dist.barrier()
+        log(f"check {name}: {time.monotonic() - t0:.1f} s")  # the suite must fit one device call
     if rank == 0:
         shutil.rmtree(folder[0], ignore_errors=True)
     if failures:
@@ -243,9 +332,16 @@ def rank_main(argv=None):
     dist.destroy_process_group()
 
 
+def _quants():
+    from cco import quant as Q
+
+    return Q.QUANTS
+
+
 def _parse(argv):
     p = argparse.ArgumentParser(prog="torchrun --nproc-per-node 2 -m tests.python.cco.test_cuda_hf")
     p.add_argument("--dims", choices=sorted(DIMS), default="llama3-8b")
+    p.add_argument("--only", nargs="+", choices=[*_quants(), *CHECKS], help="run these checks only (default: all)")
     return p.parse_args(argv)
 
 

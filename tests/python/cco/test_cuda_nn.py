@@ -264,6 +264,13 @@ def check_decode(comm, log):
                                              f"the fp8 GEMM's budget")
                     if not torch.equal(layer(x), with_bias):
                         raise AssertionError(f"decode {quant} {name} M={m}: a repeated call differs")
+                    # a model's [B, S, K]: packed (read in place) and strided (rows of a wider tensor)
+                    wide = torch.zeros(m, 2 * K_RANK, dtype=x.dtype, device=x.device)
+                    wide[:, :K_RANK] = x
+                    for shaped in (x.view(1, m, K_RANK), wide[:, :K_RANK].unsqueeze(0)):
+                        if not torch.equal(layer(shaped), with_bias.view(1, m, N)):
+                            raise AssertionError(f"decode {quant} {name} M={m}: x {list(shaped.shape)} stride "
+                                                 f"{shaped.stride()} differs from the rows' call")
                 # the compiled-kernel launch against JITFunction.run's
                 x = torch.randn(3, K_RANK, generator=g).to(torch.bfloat16).to(comm.device)
                 fast = layer(x)

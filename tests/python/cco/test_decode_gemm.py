@@ -87,8 +87,30 @@ def test_decode_gemm_rows_of_a_strided_view_and_the_launch_key():
     got = D.decode_gemm(view, wq, ws, quant, n=n)
     assert torch.equal(got, D.decode_gemm(view.contiguous(), wq, ws, quant, n=n))
     assert torch.equal(D.decode_gemm(view[:1], wq, ws, quant, n=n), got[:1])
-    keys = [key for key in D._LAUNCHES if key[1] == k and key[5] == wq.shape]
-    assert len({(key[0], key[3], key[4]) for key in keys}) >= 3  # (M, row stride, x's alignment) apart
+    keys = [key for key in D._LAUNCHES if key[1] == k and key[6] == wq.shape]
+    assert len({(key[0], key[3], key[5]) for key in keys}) >= 3  # (M, row stride, x's alignment) apart
+
+
+def test_decode_gemm_takes_leading_dimensions_as_rows():
+    """x [B, S, K] (what a model's layer passes): packed, its rows are read in place; strided
+    (leading dimensions transposed), it is reshaped first. Either way the output is [B, S, N] and
+    equals the product of the flattened rows; a column stride other than 1 is refused even where a
+    call of the same row stride was launched before (the launch key holds the column stride)."""
+    from kernels_fused.hopper import decode as D
+
+    quant, n, k = "blockscale", 128, 256
+    wq, ws = weight(n, k, k, quant)
+    x = activations(6, k, seed=5)
+    flat = D.decode_gemm(x, wq, ws, quant, n=n)
+    packed = D.decode_gemm(x.view(2, 3, k), wq, ws, quant, n=n)
+    assert packed.shape == (2, 3, n) and torch.equal(packed.view(6, n), flat)
+    strided = x.view(3, 2, k).transpose(0, 1)  # [2, 3, K], not packed
+    got = D.decode_gemm(strided, wq, ws, quant, n=n)
+    assert got.shape == (2, 3, n) and torch.equal(got, D.decode_gemm(strided.contiguous(), wq, ws, quant, n=n))
+    wide = activations(6, 2 * k, seed=6)
+    D.decode_gemm(wide[:, :k], wq, ws, quant, n=n)  # row stride 2K, columns packed: launched
+    with pytest.raises(ValueError, match="unit column stride"):
+        D.decode_gemm(wide[:, ::2], wq, ws, quant, n=n)  # row stride 2K too, every other column
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -361,15 +361,16 @@ def test_cuda_backend_takes_the_kernel_producer_where_cublas_refuses_the_rows(mo
     assert reduce == [(rows, planes.data_ptr(), planes.stride()) for rows in plan.rows]
 
 
-def _host_backend(monkeypatch, log, *, pattern, quant, mode="fused"):
+def _host_backend(monkeypatch, log, *, pattern, quant, mode="fused", world=WORLD):
     """A CudaBackend of ``pattern`` over the recorders above, its vendor GEMM torch's CPU one (the
-    blockwise recipe: test_triton_gemm's model of it), its own kernel under Triton's interpreter."""
+    blockwise recipe: test_triton_gemm's model of it), its own kernel under Triton's interpreter;
+    rank ``RANK`` of ``world``."""
     from cco.backends.cuda import CudaBackend
 
     pytest.importorskip("triton")
     from tests.python.cco.test_triton_gemm import _blockwise_scaled_mm
 
-    sched, _, window = _schedule(monkeypatch, log, gather="bf16", pattern=pattern, quant=quant)
+    sched, _, window = _schedule(monkeypatch, log, gather="bf16", pattern=pattern, quant=quant, world=world)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     if quant == "blockscale":
         monkeypatch.setattr(torch, "_scaled_mm", _blockwise_scaled_mm)  # the CPU build has no blockwise recipe

@@ -18,11 +18,25 @@ Two CPU ranks, one spawned world:
   a K split that cuts a scale block (intermediate 384: 192 columns per rank), and one rank reading a
   checkpoint whose shard is not the weight transformers loaded (that rank's error, its peer's
   PeerRejectedError: no rank left waiting in the layer's construction).
+
+transformers' path on GPUs with fp8 (sm89+), on CPU ranks (``hf_models.fp8_linear_path``: its
+quantizer passes as it does on sm89+, so every Linear becomes its ``FP8Linear`` holding e4m3 and
+``weight_scale_inv``, both sharded along K by the row-wise plan; ``FP8Linear``'s fp8 kernels, which
+cannot run on CPU, replaced by ``x @ dequantize(W).T``):
+- the fused layers take the bytes and scales the modules hold, with the checkpoint (checked equal,
+  scales included) and without it; the logits match the bf16 dequantized model;
+- refused on both ranks: a checkpoint whose scales differ from the module's, a plan in another
+  quant, a K split that cuts a scale block; one rank reading another checkpoint fails both.
+
+compressed-tensors checkpoints (FP8_DYNAMIC, FP8_BLOCK, MXFP8) loaded by ``from_pretrained`` with
+transformers' compressed-tensors quantizer (needs the ``compressed-tensors`` package; skipped where it
+is not installed): each fused layer holds the checkpoint's shard exactly and multiplies like
+``x @ dequantize(W).T``, with the checkpoint and without it; a plan in another quant and a scheme cco
+does not serve (float scales per 128 columns) are refused on both ranks.
 """
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -36,57 +50,29 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from cco.integrations import hf as cco_hf  # noqa: E402
 from cco.integrations.fp8 import Fp8Checkpoint  # noqa: E402
 
+from tests.python.cco.hf_models import (  # noqa: E402
+    CT_FORMATS,
+    checkpoint_weight,
+    ct_quantization_config,
+    fp8_linear_path,
+    write_ct_llama,
+    write_fp8_llama,
+)
+from tests.python.cco.hf_models import fp8_llama_config as llama_config  # noqa: E402
+
 WORLD = 2
 M_MAX = 64
 SPAWN_TIMEOUT_S = 240
 FP8_TOL = 0.08  # logits against the bf16 dequantized model: fp8 activations in every o_proj and down_proj
 FP8_ACTIVATION_BUDGET = 0.05  # one layer's product against x @ W.T: the activations' e4m3 rounding
-FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 FUSED = ("self_attn.o_proj", "mlp.down_proj")
+try:
+    import compressed_tensors  # noqa: F401
 
-
-def llama_config(intermediate: int):
-    # head_dim 128 and 2 kv heads: every column-parallel shard is whole 128-row blocks too, which
-    # transformers' own dequantization of a sharded block-scaled weight needs
-    return transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=intermediate,
-                                    num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=128,
-                                    max_position_embeddings=128, tie_word_embeddings=False)
-
-
-def write_fp8_llama(path: str, *, intermediate: int = 512, seed: int = 0) -> None:
-    """A random Llama saved with ``save_pretrained``, then every ``*_proj.weight`` rewritten as e4m3
-    + ``weight_scale_inv`` (fp32 [ceil(N/128), ceil(K/128)]); embeddings, norms and lm_head stay bf16."""
-    torch.manual_seed(seed)
-    transformers.AutoModelForCausalLM.from_config(llama_config(intermediate)).to(torch.bfloat16).save_pretrained(path)
-    tensors = load_file(os.path.join(path, "model.safetensors"))
-    g = torch.Generator().manual_seed(seed)
-    for key in [k for k in tensors if k.endswith("_proj.weight")]:
-        w = tensors[key].float()
-        n, k = w.shape
-        nb, kb = -(-n // 128), -(-k // 128)
-        # magnitudes that differ by block, so a scale read from the wrong block shows; fp32 values (a
-        # checkpoint quantized from fp32 masters), so a block's scale is no bf16 value over 448 and
-        # transformers' bf16 dequantization, quantized again, does not give the stored bytes back
-        w = w * torch.exp2(torch.randint(-2, 3, (nb, kb), generator=g).float()).repeat_interleave(128, 0)[:n] \
-            .repeat_interleave(128, 1)[:, :k] * (1 + 0.01 * torch.randn(n, k, generator=g))
-        blocks = torch.nn.functional.pad(w, (0, kb * 128 - k, 0, nb * 128 - n)).view(nb, 128, kb, 128)
-        scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / Q.FP8_MAX
-        full = scale.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
-        tensors[key] = (w / full).clamp(-Q.FP8_MAX, Q.FP8_MAX).to(Q.FP8)
-        tensors[key[:-len("weight")] + "weight_scale_inv"] = scale
-    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
-    config["quantization_config"] = FP8_CONFIG
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-
-
-def checkpoint_weight(tensors, key: str) -> torch.Tensor:
-    """fp32 [N, K]: the stored e4m3 bytes times their block's scale (the format's definition)."""
-    q, s = tensors[key], tensors[key[:-len("weight")] + "weight_scale_inv"]
-    n, k = q.shape
-    return q.float() * s.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    NO_COMPRESSED_TENSORS = None
+except ImportError as err:
+    NO_COMPRESSED_TENSORS = (f"compressed-tensors is not installed ({err}); transformers 5.17 needs it to load "
+                             f"compressed-tensors checkpoints (pip install cco[test])")
 
 
 # ---- host -----------------------------------------------------------------------------------------
@@ -233,3 +219,225 @@ def test_a_shard_that_one_rank_cannot_match_fails_every_rank(ranks):
     assert mine.startswith("ValueError") and "differs from the weight the framework loaded" in mine, mine
     assert peer.startswith("PeerRejectedError") and "rank 1" in peer, peer
     assert all(r["in_step_after_errors"] == [0, 1] for r in ranks)
+
+
+# ---- transformers' path on GPUs with fp8: FP8Linear modules, on two CPU ranks ---------------------
+def _met(module) -> dict:
+    """What cco's style meets in a module: its type, and each parameter's dtype, global and local
+    shape and placement."""
+    out = {"type": type(module).__name__}
+    for pname, p in module.named_parameters(recurse=False):
+        local = p.to_local() if hasattr(p, "to_local") else p
+        out[pname] = (str(p.dtype).removeprefix("torch."), list(p.shape), list(local.shape),
+                      str(getattr(p, "placements", None)))
+    return out
+
+
+@torch.no_grad()
+def _fp8_linear_main(comm, paths):
+    from transformers import AutoModelForCausalLM, DistributedConfig
+
+    path = paths["fp8"]
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(3))
+    # the reference, outside the context: transformers dequantizes the whole checkpoint to bf16 (no GPU)
+    ref_logits = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()(ids).logits.float()
+    out = {}
+
+    def load(plan, folder=path):
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16,
+                                                    distributed_config=DistributedConfig(tp_size=WORLD, tp_plan=plan))
+
+    def config_plan(quant="blockscale", intermediate=512):
+        return cco_hf.tp_plan(llama_config(intermediate), quant=quant, m_max=M_MAX)
+
+    with fp8_linear_path(reference_kernel=True):
+        # the checkpoint's plan: the modules hold the fp8 weights and the plan knows the checkpoint
+        model = load(cco_hf.tp_plan(path, m_max=M_MAX))
+        out["met"] = {m: _met(model.get_submodule(f"model.layers.0.{m}")) for m in ("self_attn.o_proj",
+                                                                                   "self_attn.q_proj")}
+        logits = model(ids).logits.float()  # the fused layers build here; q/k/v, gate/up run as FP8Linear
+        names = [n for n, m in model.named_modules() if "fused" in m._modules]
+        o_proj = model.get_submodule("model.layers.0.self_attn.o_proj")
+        out["plan"] = {"names": names, "layers": _layer_checks(model, names, tensors, comm.rank),
+                       "vs_bf16": Q.rel_l2(logits, ref_logits), "argmax": logits.argmax(-1).tolist(),
+                       "left": sorted(k for k, v in o_proj.named_parameters(recurse=False) if v is not None)}
+        # no checkpoint known: the bytes and scales the modules hold, nothing else
+        model = load(config_plan())
+        names = cco_hf.fuse(model)
+        out["held"] = {"names": names, "layers": _layer_checks(model, names, tensors, comm.rank)}
+        # a checkpoint with the same bytes, other scales: not the weight the modules hold
+        model = load(config_plan())
+        out["other_scales"] = _errors(lambda: cco_hf.fuse(model, checkpoint=paths["scaled"]))
+        # one rank given another checkpoint (its o_proj has the same shape, other values)
+        model = load(config_plan())
+        out["one_rank_wrong_checkpoint"] = _errors(
+            lambda: cco_hf.fuse(model, checkpoint=path if comm.rank == 0 else paths["ragged"]))
+        # a plan in another quant than the modules' block scales
+        model = load(config_plan(quant="ptpc"))
+        out["other_quant"] = _errors(lambda: cco_hf.fuse(model))
+        # intermediate 384: transformers splits down_proj's K into 192 columns per rank, cutting a block
+        model = load(config_plan(intermediate=384), folder=paths["ragged"])
+        out["split_cuts_a_block"] = _errors(lambda: cco_hf.fuse(model))
+        out["in_step_after_errors"] = comm.all_gather_object(comm.rank)
+    return out
+
+
+@pytest.fixture(scope="module")
+def fp8_linear_ranks(tmp_path_factory):
+    from cco.comm import check_outcomes, spawn
+
+    paths = {k: str(tmp_path_factory.mktemp(f"fp8linear-{k}")) for k in ("fp8", "ragged", "scaled")}
+    write_fp8_llama(paths["fp8"])
+    write_fp8_llama(paths["ragged"], intermediate=384, seed=1)
+    # the same bytes as "fp8", layer 0's o_proj scales doubled
+    write_fp8_llama(paths["scaled"])
+    tensors = load_file(os.path.join(paths["scaled"], "model.safetensors"))
+    tensors["model.layers.0.self_attn.o_proj.weight_scale_inv"] *= 2
+    save_file(tensors, os.path.join(paths["scaled"], "model.safetensors"), metadata={"format": "pt"})
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    return check_outcomes(spawn(_fp8_linear_main, world=WORLD, args=(paths,), timeout_s=SPAWN_TIMEOUT_S))
+
+
+@pytest.mark.multirank
+def test_fp8_linear_modules_are_what_the_style_meets(fp8_linear_ranks):
+    """On GPUs with fp8, transformers swaps every Linear for its FP8Linear (an nn.Linear subclass) and
+    the row-wise plan shards both its e4m3 weight and its weight_scale_inv along K."""
+    for rank, r in enumerate(fp8_linear_ranks):
+        o, q = r["met"]["self_attn.o_proj"], r["met"]["self_attn.q_proj"]
+        assert o["type"] == q["type"] == "FP8Linear", r["met"]
+        assert o["weight"] == ("float8_e4m3fn", [256, 256], [256, 128], "(Shard(dim=1),)"), o
+        assert o["weight_scale_inv"] == ("float32", [2, 2], [2, 1], "(Shard(dim=1),)"), o
+        assert q["weight"][:3] == ("float8_e4m3fn", [256, 256], [128, 256]), q
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("way", ["plan", "held"])
+def test_fused_layers_take_the_fp8_weights_the_modules_hold(fp8_linear_ranks, way):
+    """With the checkpoint (checked equal) and without it, each fused layer holds exactly the
+    checkpoint's shard: never quantized again (quantizing the module's e4m3 values as floats, as a
+    float shard would be, loses the block scales: the weight is off by their factor)."""
+    for r in fp8_linear_ranks:
+        got = r[way]
+        assert sorted(got["names"]) == sorted(ALL_FUSED), got["names"]
+        for name, layer in got["layers"].items():
+            assert layer["quant"] == "blockscale", (way, name, layer)
+            assert layer["exact"], (way, name, layer)
+            assert layer["product"] < FP8_ACTIVATION_BUDGET, (way, name, layer)
+    # the fused module keeps no copy of the framework's weight or scales
+    assert all(r["plan"]["left"] == [] for r in fp8_linear_ranks), [r["plan"]["left"] for r in fp8_linear_ranks]
+
+
+@pytest.mark.multirank
+def test_fp8_linear_model_logits_match_the_dequantized_model(fp8_linear_ranks):
+    for r in fp8_linear_ranks:
+        assert r["plan"]["vs_bf16"] < FP8_TOL, r["plan"]["vs_bf16"]
+    assert fp8_linear_ranks[0]["plan"]["argmax"] == fp8_linear_ranks[1]["plan"]["argmax"]
+
+
+@pytest.mark.multirank
+def test_fp8_linear_refusals_on_every_rank(fp8_linear_ranks):
+    for r in fp8_linear_ranks:
+        scales, other, cut = r["other_scales"], r["other_quant"], r["split_cuts_a_block"]
+        # same bytes, other scales: both ranks hold the original scales and refuse the checkpoint
+        assert scales.startswith("ValueError") and "differs from the fp8 weight and scales" in scales, scales
+        assert "model.layers.0.self_attn.o_proj" in scales, scales
+        # o_proj's K shard is one block column (its scales, per row there, convert to ptpc exactly);
+        # down_proj's two vary along K
+        for word in ("quant='ptpc'", "quant='blockscale'", "deepseek-v3", "model.layers.0.mlp.down_proj"):
+            assert word in other, (word, other)
+        assert other.startswith("ValueError"), other
+        for word in ("model.layers.0.mlp.down_proj.weight", "K=384", "192 columns", "multiple of 128"):
+            assert word in cut, (word, cut)
+        assert r["in_step_after_errors"] == [0, 1]
+    mine, peer = (fp8_linear_ranks[1]["one_rank_wrong_checkpoint"],
+                  fp8_linear_ranks[0]["one_rank_wrong_checkpoint"])
+    assert mine.startswith("ValueError") and "differs from the fp8 weight and scales" in mine, mine
+    assert peer.startswith("PeerRejectedError") and "rank 1" in peer, peer
+
+
+# ---- compressed-tensors checkpoints through from_pretrained, on two CPU ranks ---------------------
+@torch.no_grad()
+def _ct_main(comm, paths):
+    from transformers import AutoModelForCausalLM, DistributedConfig
+
+    def load(folder, plan):
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16,
+                                                    distributed_config=DistributedConfig(tp_size=WORLD, tp_plan=plan))
+
+    out = {}
+    for scheme in CT_FORMATS:
+        path = paths[scheme]
+        tensors = load_file(os.path.join(path, "model.safetensors"))
+        plan = cco_hf.tp_plan(path, m_max=M_MAX)
+        model = load(path, plan)
+        met = _met(model.get_submodule("model.layers.0.mlp.down_proj"))
+        names = cco_hf.fuse(model)
+        # the forward's layers only: transformers 5.17 with compressed-tensors 0.20 cannot run this model's
+        # forward under any tp_plan (docs/frameworks.md)
+        quant = model.get_submodule(names[0]).fused.quant
+        out[scheme] = {"met": met, "names": names, "quant": quant,
+                       "layers": _layer_checks(model, names, tensors, comm.rank)}
+        # no checkpoint: the e4m3 weight and weight_scale the modules hold
+        model = load(path, cco_hf.tp_plan(llama_config(), quant=quant, m_max=M_MAX))
+        names = cco_hf.fuse(model)
+        out[scheme]["held"] = {"names": names, "layers": _layer_checks(model, names, tensors, comm.rank)}
+    # FP8_BLOCK's bf16 block scales are no powers of two: no exact mxfp8 form
+    model = load(paths["FP8_BLOCK"], cco_hf.tp_plan(paths["FP8_BLOCK"], quant="mxfp8", m_max=M_MAX))
+    out["other_quant"] = _errors(lambda: cco_hf.fuse(model))
+    out["group128"] = _errors(lambda: cco_hf.tp_plan(paths["GROUP128"], m_max=M_MAX))
+    out["in_step_after_errors"] = comm.all_gather_object(comm.rank)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ct_ranks(tmp_path_factory):
+    if NO_COMPRESSED_TENSORS:
+        pytest.skip(NO_COMPRESSED_TENSORS)
+    from cco.comm import check_outcomes, spawn
+
+    paths = {}
+    for scheme in CT_FORMATS:
+        paths[scheme] = str(tmp_path_factory.mktemp(f"ct-{scheme}"))
+        write_ct_llama(paths[scheme], scheme)
+    paths["GROUP128"] = str(tmp_path_factory.mktemp("ct-group128"))
+    write_ct_llama(paths["GROUP128"], "GROUP128", quantization_config=ct_quantization_config(
+        "FP8_BLOCK", strategy="group", group_size=128, block_structure=None))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    return check_outcomes(spawn(_ct_main, world=WORLD, args=(paths,), timeout_s=SPAWN_TIMEOUT_S))
+
+
+CT_SCALES = {  # scheme -> (cco quant, down_proj's weight_scale as transformers loads it: dtype, global, local)
+    "FP8_DYNAMIC": ("ptpc", ("bfloat16", [256, 1], [256, 1], "(Replicate(),)")),
+    "FP8_BLOCK": ("blockscale", ("bfloat16", [2, 4], [2, 2], "(Shard(dim=1),)")),
+    "MXFP8": ("mxfp8", ("uint8", [256, 16], [256, 8], "(Shard(dim=1),)")),
+}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("scheme", sorted(CT_FORMATS))
+def test_compressed_tensors_checkpoint_layers_hold_its_shard(ct_ranks, scheme):
+    """transformers' compressed-tensors quantizer leaves each Linear's e4m3 weight and weight_scale
+    in it; cco's style replicates a per-row scale (transformers' row-wise Shard(-1) would leave one
+    rank an empty [N, 0] one) and shards block and group scales along K with the weight. Each fused
+    layer holds exactly the checkpoint's shard, read with the checkpoint and without it."""
+    quant, scale = CT_SCALES[scheme]
+    for r in ct_ranks:
+        got = r[scheme]
+        assert got["met"]["weight"][:3] == ("float8_e4m3fn", [256, 512], [256, 256]), got["met"]
+        assert got["met"]["weight_scale"] == scale, got["met"]
+        assert got["quant"] == quant, got["quant"]
+        for way in (got, got["held"]):
+            assert sorted(way["names"]) == sorted(ALL_FUSED), way["names"]
+            for name, layer in way["layers"].items():
+                assert layer["quant"] == quant and layer["exact"], (scheme, name, layer)
+                assert layer["product"] < FP8_ACTIVATION_BUDGET, (scheme, name, layer)
+
+
+@pytest.mark.multirank
+def test_compressed_tensors_refusals_on_every_rank(ct_ranks):
+    for r in ct_ranks:
+        other, group = r["other_quant"], r["group128"]
+        assert other.startswith("ValueError") and "quant='mxfp8'" in other and "quant='blockscale'" in other, other
+        assert group.startswith("ValueError") and "group_size=128 is not served" in group, group
+        assert r["in_step_after_errors"] == [0, 1]

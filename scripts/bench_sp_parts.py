@@ -1,0 +1,393 @@
+"""The sequence-parallel ops' GEMM work on one GPU against the whole vendor GEMM of the same [M, N, K].
+
+    python3 -m scripts.bench_sp_parts --json sp.json --plot sp.png
+    python3 -m scripts.bench_sp_parts --pattern ag --quant ptpc --model llama3-70b --tp 4 -m 8192
+    python3 -m scripts.bench_sp_parts --from sp.json --plot sp.png      # the plot alone, no GPU
+
+What one GPU can measure of the CUDA backend's reduce-scatter along rows and all-gather
+(``cco.backends.cuda``): W owners (W = the tensor-parallel degree) simulated as rank 0 of W, the
+window local (``scripts.bench_gemm.local_window``), the op's own config for the CUDA backend
+(its tile, chunks, producer streams). The arms call the backend's own methods, so they issue what
+a call issues:
+
+- ``rs-rows``: the producer of the reduce-scatter along rows (``CudaBackend._produce``, i.e.
+  ``_produce_rows``): counters zeroed, the call's stamp, one vendor GEMM per (owner, chunk) of A's
+  rows into ``partial[owner]``, the peers' slices first, each followed by its counter's release,
+  dealt to ``cco.cuda.dma.PRODUCER_STREAMS`` streams; W*C GEMMs of M/(W*C) rows. Timed until every
+  slice is released. The puts to the peers are not issued: one GPU has no link to time them on.
+- ``ag``: the all-gather's call (``CudaBackend.all_gather_gemm``) with the peers' rows already in
+  the window's slots: the own rows copied into the own slot and their GEMM, then the GEMM of each
+  peer's chunk in the order its flag would arrive (1 + (W-1)*C GEMMs), the stamp check. The puts
+  and the waits for the peers' flags are dropped (:class:`NoPeers`): no peer sends them here.
+- ``whole``: one vendor GEMM of all M rows (the backend's prepared weight and accumulation), the
+  baseline of both.
+
+Shapes (``layer_shape``): the MLP of Llama-3-70B (hidden 8192, intermediate 28672) and DeepSeek-V3's
+dense layers (hidden 7168, intermediate 18432) at TP 2, 4, 8: the reduce-scatter follows the
+row-parallel down projection (N = hidden, K = intermediate/TP), the all-gather feeds the
+column-parallel gate+up projection (N = 2 * intermediate/TP, K = hidden); M counts the tokens of
+the whole sequence (the GEMM's rows before the scatter, after the gather).
+
+Every arm's output (sampled rows, every chunk's first and last) and, for ``rs-rows``, every
+counter are checked first; a wrong arm posts no time. Timing is ``cco.bench.timing.time_arms`` on
+CUDA-graph replays (the arms of a shape alternate in each pass, L2 flushed before each call: the
+``ag`` arm's peer rows sit in one place, the baseline's inputs rotate). Per (pattern, quant, shape,
+M, W) one line: the arm's median time, its ratio to ``whole`` (taken pass by pass: median and
+range; lower is better, the target is 1.1); progress goes to stderr. ``--json``: every record with
+the per-pass times, date, device and versions; ``--plot``: the ratios over M, one panel per pattern.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+
+import torch
+
+from cco import layout
+from cco import quant as Q
+
+MODELS = {"llama3-70b": (8192, 28672), "deepseek-v3": (7168, 18432)}  # (hidden, intermediate) of the MLP
+PATTERNS = {"rs-rows": "reduce-scatter-rows", "ag": "all-gather"}  # this script's names -> cco's
+TARGET = 1.1  # the ratio to the whole GEMM the sequence-parallel issue asks for
+
+
+def layer_shape(pattern: str, model: str, tp: int) -> tuple[int, int, str]:
+    """(N, K, layer) of the GEMM next to ``pattern`` in ``model``'s MLP at tensor-parallel degree ``tp``."""
+    hidden, inter = MODELS[model]
+    if inter % tp:
+        raise ValueError(f"{model}: intermediate {inter} is not divisible by TP {tp}")
+    if pattern == "rs-rows":  # row-parallel: each rank holds K/TP of the reduction
+        return hidden, inter // tp, "down"
+    return 2 * inter // tp, hidden, "gate_up"  # column-parallel: each rank holds N/TP of gate and of up
+
+
+def _list(kind, allowed):
+    def parse(text):
+        items = [kind(x) for x in text.split(",")]
+        bad = [x for x in items if allowed is not None and x not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{bad}: pick from {', '.join(map(str, allowed))}")
+        return items
+    return parse
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--pattern", type=_list(str, PATTERNS), default=list(PATTERNS))
+    p.add_argument("--quant", type=_list(str, Q.QUANTS), default=list(Q.QUANTS))
+    p.add_argument("--model", type=_list(str, MODELS), default=list(MODELS))
+    p.add_argument("--tp", type=_list(int, None), default=[2, 4, 8], help="tensor-parallel degrees = owners W")
+    p.add_argument("-m", type=_list(int, None), default=[4096, 8192, 16384], help="tokens of the sequence")
+    p.add_argument("--passes", type=int, default=5)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--rotate", type=int, default=2, help="input sets the calls cycle through")
+    p.add_argument("--json", help="write every record here")
+    p.add_argument("--plot", help="write the ratios over M to this PNG")
+    p.add_argument("--from", dest="from_json", help="plot these --json files (comma list) instead of measuring")
+    args = p.parse_args(argv)
+    if any(w < 2 for w in args.tp):
+        p.error(f"--tp {args.tp}: a collective needs at least 2 owners")
+    uneven = [(m, w) for m in args.m for w in args.tp if m % w or m < w]
+    if uneven:
+        p.error(f"-m/--tp: every M must be a positive multiple of every TP (the tokens split evenly); not {uneven}")
+    if args.passes < 3 or args.iters < 1 or args.rotate < 1:
+        p.error("--passes >= 3 (a spread needs them), --iters >= 1 and --rotate >= 1")
+    return args
+
+
+def sp_config(pattern: str, quant: str, n: int, k: int, m_max: int, world: int) -> layout.OpConfig:
+    """The config the op builds for the CUDA backend (``cco.op``: its tile and default chunks)."""
+    from cco.backends.cuda import CudaBackend
+
+    block_m, block_n = CudaBackend.tile(quant)
+    return layout.build_config(n=n, k=k, m_max=m_max, world=world, quant=quant, chunks=CudaBackend.default_chunks,
+                               block_m=block_m, block_n=block_n, default_transport=CudaBackend.default_transport,
+                               weight_layout="row-major", pattern=PATTERNS[pattern])
+
+
+def sp_backend(cfg: layout.OpConfig, dev):
+    """A CUDA backend as rank 0 of ``cfg.world`` over a local window (nothing is sent)."""
+    from cco.backends.cuda import CudaBackend
+    from scripts.bench_gemm import local_window
+
+    class Unwatched(CudaBackend):
+        watched = False  # no call here waits on a peer: nothing for a watchdog to release
+
+    return Unwatched(config=cfg, comm=None, window=local_window(cfg, dev), deadline_s=60.0)
+
+
+class NoPeers:
+    """The stream memory operations of a rank whose peers are absent: waits on words only a peer
+    would set and copies to peers are dropped, the rest (own words' writes) runs."""
+
+    def __init__(self, memops):
+        self.memops = memops
+
+    def __getattr__(self, name):
+        return getattr(self.memops, name)
+
+    def _dropped(self, *args, **kwargs):
+        return None
+
+    wait_geq = wait_geq_kernel = copy = copy_2d = _dropped
+
+
+def rows_of(p: Q.Problem, r0: int, r1: int) -> Q.Problem:
+    """Rows [r0, r1) of ``p`` as a caller holding only them passes them (blockscale's A scale
+    M-major over its own rows, as ``cco.quant.quantize_a`` makes it)."""
+    scale = p.a_scale[r0:r1]
+    if p.quant == "blockscale":
+        scale = scale.t().contiguous().t()
+    return Q.Problem(p.quant, p.a[r0:r1], p.b, scale, p.b_scale)
+
+
+def device_problems(m: int, n: int, k: int, quant: str, sets: int, dev) -> list[Q.Problem]:
+    """``sets`` problems of one weight, generated on ``dev`` (``cco.quant.random_problem`` draws on
+    the host: seconds per operand at these shapes, minutes over the sweep); rows and K columns of
+    spread magnitudes, so a wrong row or scale shows."""
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def spread(shape):
+        return torch.exp2(torch.randint(-3, 4, shape, generator=g, device=dev).float())
+
+    b, b_scale = Q.quantize_b(torch.randn(n, k, generator=g, device=dev) * spread((1, k)), quant)
+    out = []
+    for _ in range(sets):
+        a, a_scale = Q.quantize_a(torch.randn(m, k, generator=g, device=dev) * spread((m, 1)), quant)
+        out.append(Q.Problem(quant, a, b, a_scale, b_scale))
+    return out
+
+
+def check_rows(m: int, block: int = 64) -> torch.Tensor:
+    """Rows the checks compare: the first and last of every ``block`` rows (every chunk's and
+    slice's edges; a full fp32 reference costs more than the timing at these shapes)."""
+    starts = torch.arange(0, m, block)
+    return torch.cat([starts, (starts + block).clamp(max=m) - 1]).unique()
+
+
+def _pick(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Rows ``idx`` of ``t`` (one-byte dtypes through their bytes: fp8 and e8m0 indexing is not a
+    given on every torch)."""
+    if t.element_size() == 1:
+        return t.view(torch.uint8)[idx].view(t.dtype)
+    return t[idx]
+
+
+def sampled_terms(p: Q.Problem, idx: torch.Tensor):
+    """``cco.bench.timing.budget_terms`` of rows ``idx`` of ``p``."""
+    from cco.bench.timing import budget_terms
+
+    idx = idx.to(p.a.device)
+    return budget_terms(Q.Problem(p.quant, _pick(p.a, idx), p.b, _pick(p.a_scale, idx), p.b_scale))
+
+
+def sp_arms(pattern: str, backend, sets: list[Q.Problem], m: int, dev) -> dict:
+    """name -> (call(i), read(output of call, rows idx) -> (those rows of the [M, N] product, wrong
+    counters)): the pattern's arm through ``backend`` and ``whole``; ``sets`` share one weight and
+    have ``m`` rows, the tokens of the whole sequence."""
+    from kernels_fused.hopper import vendor
+
+    cfg, world, rank = backend.config, backend.world, backend.rank
+    weight = backend._vendor(sets[0].b, sets[0].b_scale)  # kept by the backend, as its calls take it
+    fast = not backend.fused_config.precise_acc  # the accumulation the backend's row GEMMs ask for
+    whole = torch.empty(m, cfg.n, dtype=torch.bfloat16, device=dev)
+    arms = {"whole": (lambda i: vendor.vendor_gemm(sets[i].a, sets[i].a_scale, weight, out=whole, fast_accum=fast),
+                      lambda out, idx: (out[idx], 0))}
+    base = layout.zero_counters(world)
+    if pattern == "rs-rows":
+        plan = layout.plan_call(cfg, m=m, seq=1, rank=rank, counter_base=base)
+
+        def rs(i):
+            p = sets[i]
+            return backend._produce(p.a, p.b, p.a_scale, p.b_scale, plan)
+
+        def rs_read(planes, idx):
+            counted = backend.counters.view(world, layout.MAX_CHUNKS).tolist()
+            wrong = sum(counted[d][c] != plan.target(d, c) for d in range(world) for c in range(plan.chunks))
+            return planes[idx // plan.slice_m, idx % plan.slice_m], wrong
+
+        arms[pattern] = (rs, rs_read)
+        return arms
+    rows = m // world
+    plan = layout.plan_call(cfg, m=rows, seq=1, rank=rank, counter_base=base)
+    sch = backend.schedule
+    if not isinstance(sch.memops, NoPeers):
+        sch.memops = NoPeers(sch.memops)
+    for src in range(world):  # the peers' rows and stamps, where their puts would have left them
+        if src != rank:
+            slot_rows, slot_scales = backend._slots(src)
+            slot_rows[:rows].copy_(sets[0].a[src * rows:(src + 1) * rows])
+            into = backend._scale_rows(slot_scales, 0, rows)
+            into.copy_(sets[0].a_scale[src * rows:(src + 1) * rows].reshape(into.shape))
+            sch.scatter_m[src] = sch.stamp_of(plan)
+    own = [rows_of(p, rank * rows, (rank + 1) * rows) for p in sets]
+    out = torch.empty(m, cfg.n, dtype=torch.bfloat16, device=dev)
+
+    def ag(i):
+        p = own[i]
+        backend.all_gather_gemm(p.a, p.b, p.a_scale, p.b_scale, out=out, plan=plan)
+        return out
+
+    arms[pattern] = (ag, lambda got, idx: (got[idx], 0))
+    return arms
+
+
+def gemm_count(pattern: str, world: int, chunks: int) -> int:
+    """Vendor GEMMs one call of the pattern's arm issues (``cco.backends.cuda``)."""
+    return world * chunks if pattern == "rs-rows" else 1 + (world - 1) * chunks
+
+
+def run_shape(args, backend, pattern, sets, m, dev, label) -> dict:
+    """One (pattern, quant, shape, M, W): the arms checked, timed and printed; the record."""
+    from cco.bench.timing import gemm_mismatches, graphed, per_pass_ratio, time_arms
+
+    arms = sp_arms(pattern, backend, sets, m, dev)
+    idx = check_rows(m).to(dev)
+    ref, dot_abs = sampled_terms(sets[0], idx)
+    bad = {}
+    for name, (call, read) in arms.items():
+        got, wrong = read(call(0), idx)
+        bad[name] = gemm_mismatches(got, ref, dot_abs) + wrong
+    del ref, dot_abs
+    record = {"pattern": pattern, **label, "m": m, "bad": bad}
+    if any(bad.values()):
+        print(f"{pattern} {label['quant']} {label['shape']} M={m}: wrong elements or counters {bad}; not timed",
+              flush=True)
+        return {**record, "error": "check failed"}
+    timed, eager = graphed({name: call for name, (call, _) in arms.items()}, args.rotate)
+    t = time_arms(timed, passes=args.passes, iters=args.iters, rotate=args.rotate, flush_l2=True)
+    del timed
+    arm, base = t[pattern], t["whole"]
+    med, lo, hi = per_pass_ratio(arm.pass_us, base.pass_us)
+    print(f"{pattern:8s} {label['quant']:10s} {label['shape']:36s} M={m:<6d} W={label['world']} "
+          f"({record['gemms']} GEMMs): {arm.median_us:9.1f} us "
+          f"(whole {base.median_us:9.1f}) | {med:.3f}x | {lo:.3f}-{hi:.3f}" + (f"  eager: {eager}" if eager else ""),
+          flush=True)
+    return {**record, "eager": eager, "ratio": {"median": med, "min": lo, "max": hi},
+            "arms": {name: a.as_dict() for name, a in t.items()}}
+
+
+def _failed(pattern: str, label: dict, err: Exception) -> dict:
+    print(f"{pattern} {label['quant']} {label['shape']} M={label['m']}: {type(err).__name__}: "
+          f"{str(err).splitlines()[0] if str(err) else ''}; not timed", flush=True)
+    return {"pattern": pattern, **label, "error": f"{type(err).__name__}: {err}"}
+
+
+def measure(args, dev) -> list[dict]:
+    """Every (pattern, quant, model, TP, M) of ``args``: one backend and one set of operands per
+    (pattern, quant, model, TP), every M a row prefix of them; the records."""
+    runs = []
+    todo = [(pat, q, model, tp) for pat in args.pattern for q in args.quant for model in args.model for tp in args.tp]
+    done, total = 0, len(todo) * len(args.m)
+    print("One GPU, W owners as rank 0 of W: no puts, no waits on peers (no link to time). rs-rows: the "
+          "producer until every slice is released; ag: the consumer's GEMMs, own rows first; whole: one vendor "
+          "GEMM of every row.\n"
+          "pattern  quant      shape (per-rank GEMM)                  M        W (GEMMs issued): arm us (whole us) | "
+          "arm/whole, lower is better | range over passes", flush=True)
+    for pattern, quant, model, tp in todo:
+        n, k, layer = layer_shape(pattern, model, tp)
+        label = {"quant": quant, "model": model, "layer": layer, "tp": tp, "world": tp, "n": n, "k": k,
+                 "shape": f"{model} {layer} TP{tp} N={n} K={k}"}
+        backend = full = None
+        try:
+            cfg = sp_config(pattern, quant, n, k, max(args.m), tp)
+            backend = sp_backend(cfg, dev)
+            full = device_problems(max(args.m), n, k, quant, args.rotate, dev)
+        except (RuntimeError, ValueError) as err:  # (torch.cuda.OutOfMemoryError is a RuntimeError)
+            runs += [_failed(pattern, {**label, "m": m}, err) for m in args.m]
+            done += len(args.m)
+        for m in args.m if full is not None else ():
+            done += 1
+            print(f"[{done}/{total}] {pattern} {quant} {label['shape']} M={m}", file=sys.stderr, flush=True)
+            chunks = layout.call_chunks(cfg, m if pattern == "rs-rows" else m // tp)
+            shape = {**label, "chunks": chunks, "gemms": gemm_count(pattern, tp, chunks)}
+            try:  # a failure (cuBLAS refusing a call, memory) ends this shape only
+                runs.append(run_shape(args, backend, pattern, [rows_of(p, 0, m) for p in full], m, dev, shape))
+            except (RuntimeError, ValueError) as err:
+                runs.append(_failed(pattern, {**shape, "m": m}, err))
+        if backend is not None:
+            backend.close()
+        backend = full = None
+        gc.collect()  # the window and the graphs of a (pattern, quant, model, TP) may sit in reference cycles:
+        torch.cuda.empty_cache()  # freed now, not after the sweep has stacked up several GiB of them
+    return runs
+
+
+def plot(runs: list[dict], path: str) -> None:
+    """One panel per pattern: each (quant, model, W)'s ratio to the whole GEMM over M, error bars
+    the range over passes; the target dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in runs if "ratio" in r]
+    patterns = [p for p in PATTERNS if any(r["pattern"] == p for r in runs)]
+    fig, axes = plt.subplots(1, max(1, len(patterns)), figsize=(8 * max(1, len(patterns)), 6), squeeze=False)
+    colors = dict(zip(Q.QUANTS, ("tab:blue", "tab:orange", "tab:green")))
+    styles = dict(zip(MODELS, ("-", "--")))
+    markers = {2: "o", 4: "s", 8: "^"}
+    for ax, pattern in zip(axes[0], patterns):
+        keys = sorted({(r["quant"], r["model"], r["world"]) for r in runs if r["pattern"] == pattern},
+                      key=lambda key: (Q.QUANTS.index(key[0]), key[1], key[2]))
+        for j, (quant, model, world) in enumerate(keys):
+            mine = sorted((r for r in runs if (r["pattern"], r["quant"], r["model"], r["world"]) ==
+                           (pattern, quant, model, world)), key=lambda r: r["m"])
+            shift = 1 + 0.012 * (j - len(keys) / 2)  # side by side, so the error bars stay readable
+            y = [r["ratio"]["median"] for r in mine]
+            err = [[v - r["ratio"]["min"] for v, r in zip(y, mine)], [r["ratio"]["max"] - v for v, r in zip(y, mine)]]
+            ax.errorbar([r["m"] * shift for r in mine], y, yerr=err, capsize=2, color=colors.get(quant),
+                        linestyle=styles.get(model, ":"), marker=markers.get(world, "x"),
+                        label=f"{quant} {model} W={world}")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.axhline(TARGET, color="red", linewidth=0.8, linestyle="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("M (tokens of the sequence)")
+        ax.set_ylabel("time / whole vendor GEMM (lower is better)")
+        ax.set_title("reduce-scatter rows: producer until every slice is released" if pattern == "rs-rows" else
+                     "all-gather: the consumer's GEMMs (own rows first)", fontsize=10)
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.from_json:
+        runs = []
+        for path in args.from_json.split(","):
+            with open(path) as f:
+                runs += json.load(f)["runs"]
+        if args.plot:
+            plot(runs, args.plot)
+        return
+    import triton
+
+    from cco.bench.timing import idle_check
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    props = torch.cuda.get_device_properties(dev)
+    idle_before = idle_check()
+    started = time.time()
+    runs = measure(args, dev)
+    idle_after = idle_check()
+    print(f"idle before: {idle_before}; after: {idle_after}; {time.time() - started:.0f} s", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                       "hardware": {"gpu": props.name, "sms": props.multi_processor_count,
+                                    "memory_gib": round(props.total_memory / 2**30, 1)},
+                       "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
+                       "command": "python3 -m scripts.bench_sp_parts " + " ".join(sys.argv[1:] if argv is None
+                                                                                 else argv),
+                       "idle_before": idle_before, "idle_after": idle_after, "runs": runs}, f, indent=1)
+    if args.plot:
+        plot(runs, args.plot)
+
+
+if __name__ == "__main__":
+    main()
