@@ -262,6 +262,14 @@ class PipelineEmitter:
 # --------------------------------------------------------------------------------------------------
 # the kernel
 # --------------------------------------------------------------------------------------------------
+def slice_tile_origin(dest, row0, col0, *, a_step, b_step):
+    """(a_row0, b_row0, c_row0, c_col0) of the fused tile at ``(row0, col0)`` of dest's slice: A row
+    ``dest * a_step + row0``, B row (output column) ``dest * b_step + col0``, stored at
+    ``partial[dest][row0, col0]``. Plain arithmetic on ints or on the kernel's values, so the host
+    replay of the epilogue (tests/python/cco/test_gfx950_compile.py) runs the kernel's own formula."""
+    return dest * a_step + row0, dest * b_step + col0, row0, col0
+
+
 def _tile_origin(cfg, P, fx, *, tiles, a_step, b_step):
     """(a_row0, b_row0, c_row0, c_col0, counter) of this workgroup's output tile: its first row of A,
     of B (an output column), and its place in C.
@@ -279,7 +287,8 @@ def _tile_origin(cfg, P, fx, *, tiles, a_step, b_step):
 
     entry = P.tile_table_entry(tiles, fx.block_idx.x)  # wave-uniform: one scalar load into SGPRs
     chunk, dest, row0, col0 = entry[0], entry[1], entry[2], entry[3]
-    return dest * a_step + row0, dest * b_step + col0, row0, col0, (dest, chunk, cco_layout.MAX_CHUNKS)
+    return (*slice_tile_origin(dest, row0, col0, a_step=a_step, b_step=b_step),
+            (dest, chunk, cco_layout.MAX_CHUNKS))
 
 
 def _stages(cfg, P, fx, *, A, B, C, A_scale, B_scale, tiles, c_m, c_n, c_ld, c_rows, a_step, b_step):

@@ -426,7 +426,7 @@ class _KernelModel:
             planes = C.view(-1, c_rows, c_ld)
             padded = torch.cat([prod, prod.new_zeros(cfg.BLOCK_M, n)])  # A rows past m read zeros
             for chunk, dest, row0, col0 in tiles.tolist():
-                a0, b0 = dest * a_step + row0, dest * b_step + col0  # the tile's slice origin
+                a0, b0, _, _ = gemm_gfx950.slice_tile_origin(dest, row0, col0, a_step=a_step, b_step=b_step)
                 planes[dest, row0:row0 + cfg.BLOCK_M, col0:col0 + cfg.BLOCK_N] = \
                     padded[a0:a0 + cfg.BLOCK_M, b0:b0 + cfg.BLOCK_N]
                 counters[dest * layout.MAX_CHUNKS + chunk] += 1

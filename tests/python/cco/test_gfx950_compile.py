@@ -15,7 +15,7 @@ import torch
 
 from cco.preshuffle import preshuffle_b
 from kernels_fused.gfx950 import byte_layout as L
-from kernels_fused.gfx950.kernel import compile_fused_gemm_scatter
+from kernels_fused.gfx950.kernel import compile_fused_gemm_scatter, slice_tile_origin
 
 
 # --------------------------------------------------------------------------------------------------
@@ -93,8 +93,11 @@ def _workgroups(block_m, block_n, fuse, quant, pattern="all-reduce"):
     rows = layout.tile_table_rows(layout.tile_table(lay, m=m, rank=1))
     assert {dest for _, dest, _, _ in rows} == {0, 1} and len({chunk for chunk, _, _, _ in rows}) == 2
     a_step, b_step = layout.slice_origin(lay, 1, layout.slice_rows(lay, m))
-    return [(dest * lay.m_max_padded, dest * a_step + row0, row0, dest * b_step + col0, col0, lay.n_slice,
-             lay.m_max_padded) for _, dest, row0, col0 in rows]
+    out = []
+    for _, dest, row0, col0 in rows:  # the kernel's own origin arithmetic (kernel._tile_origin)
+        a_row0, b_row0, c_row0, c_col0 = slice_tile_origin(dest, row0, col0, a_step=a_step, b_step=b_step)
+        out.append((dest * lay.m_max_padded, a_row0, c_row0, b_row0, c_col0, lay.n_slice, lay.m_max_padded))
+    return out
 
 
 def _put(image, index, values, what):
