@@ -36,18 +36,19 @@ Patterns (``cco.layout.PATTERNS``): every one, on the ``dma`` transport, through
 inherited from :class:`CudaBackend` (one call machinery; the transport's steps per pattern are
 ``cco.cuda.dma``'s). Which FlyDSL launch each reaches:
 
-- ``reduce-scatter-cols``: the all-reduce's fused launch, unchanged. Its slices are the all-reduce's
+- ``reduce-scatter-cols``: the all-reduce's fused launch. Its slices are the all-reduce's
   (N/W columns of every row), so the tile walk, counters, targets and partial planes are the same
   (``layout.tile_table``); the gather phase it lacks is the transport's, not the kernel's.
 - ``reduce-scatter-rows``: the same fused launch on this pattern's tile table (a slice is M/W rows
   of every column: the launcher passes each slice's first A row and B row to the kernel), tiles into
   ``partial[dest]`` planes N wide (:meth:`_produce_rows`).
 - ``all-gather``: SDMA puts of the own e4m3 rows and scales into every peer's slot, then one plain
-  launch on the own rows and one per (chunk, source) as each lands (split: one over every row).
+  launch on the own rows and one per (chunk, source) as each lands (split: once all have landed,
+  one over every row, or one per source where the slots hold pad rows): :meth:`_rows_gemm`.
 
 No pattern compiles a kernel variant the all-reduce does not: the two (``fuse`` False / True) are
-the ones the ISA conformance and budget sweeps check (docs/GFX950.md, "Sequence-parallel patterns").
-:meth:`_rows_gemm` (the plain launch on a block of rows) serves the all-gather.
+the ones the ISA conformance and budget sweeps check. Checked on the CPU only, never run on an
+MI355X (docs/GFX950.md, "Sequence-parallel patterns").
 
 Safety, as on CUDA (``cco.backends.cuda``): the schedule marks every call for the same watchdog
 (``cco.cuda.watchdog``), which releases a call past its deadline through :class:`HipMemOps`; a
@@ -412,8 +413,8 @@ class Gfx950Backend(CudaBackend):
                 return
             if quant == "blockscale" and rows > 1 and a_scale.stride() != (1, rows):
                 a_scale = a_scale.t().contiguous().t()
-            # the stream current at the call, not at this closure's making: CudaBackend's callers
-            # of a row GEMM enqueue it on the stream the schedule picks (produce deals to several)
+            # the stream current at the call, not at this closure's making: the callers of a row
+            # GEMM (CudaBackend's, with the schedule) pick the stream it goes to
             launch(a, b_pre, out, a_scale, b_scale, rows, n, stream=self._stream())
 
         return gemm
