@@ -194,7 +194,7 @@ class Decoder:
         self.prompt_ids = torch.randint(0, model.config.vocab_size, (batch, prompt), generator=g).to(device)
         self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
-        self.first_logits = None
+        self.first_logits = None  # the prefill's last position: the same input in every arm
 
     @torch.no_grad()
     def prefill(self):
@@ -203,8 +203,42 @@ class Decoder:
         cache_position = torch.arange(self.prompt, device=self.ids.device)
         out = self.model(input_ids=self.prompt_ids, cache_position=cache_position, past_key_values=self.cache,
                          use_cache=True)
-        self.ids.copy_(out.logits[:, -1].argmax(-1, keepdim=True))
+        self.first_logits = out.logits[:, -1]
+        self.ids.copy_(self.first_logits.argmax(-1, keepdim=True))
         self.pos.fill_(self.prompt)
+
+    def mark(self):
+        """Keep the step state to come back to (:meth:`rewind`): the next ids, the position, and the
+        lengths transformers' static cache counts itself (a device tensor per layer)."""
+        self._marked = (self.ids.clone(), self.pos.clone(),
+                        [(layer.cumulative_length, layer.cumulative_length.clone()) for layer in self.cache.layers])
+
+    def rewind(self):
+        """Back to the state :meth:`mark` kept (the cache entries after it are overwritten as the
+        steps run again)."""
+        ids, pos, lengths = self._marked
+        self.ids.copy_(ids)
+        self.pos.copy_(pos)
+        for length, start in lengths:
+            length.copy_(start)
+
+    def capture(self) -> "torch.cuda.CUDAGraph":
+        """One step captured into a CUDA graph (three warm steps on a side stream first, as a capture
+        wants), the state rewound: each replay is one step on the same buffers."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.rewind()
+            for _ in range(3):
+                self.step()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.step()
+        torch.cuda.synchronize()
+        self.rewind()
+        return graph
 
     @torch.no_grad()
     def step(self):
@@ -246,7 +280,8 @@ def model_runs(args, comm, device) -> list[dict]:
                     swapped(model, lambda lin, q=how[1]: UnfusedFp8Linear(lin, q))
                 dec.prefill()
                 dec.step()
-                logits = dec.last_logits.float()
+                # the prefill's logits: a decode step's input is the arm's own argmax, which fp8 may change
+                logits = dec.first_logits.float()
                 if base_logits is None:
                     base_logits = logits
                 record["logits_rel_l2_vs_bf16"] = float((logits - base_logits).norm() / base_logits.norm())
@@ -277,52 +312,31 @@ def time_decode(dec, args, time_back_to_back) -> dict:
     modes = {}
 
     def eager():
-        dec.prefill_state()
+        dec.rewind()
         for _ in range(args.tokens):
             dec.step()
 
     dec.prefill()
-    # transformers' static cache counts its own length (a device tensor per layer): reset it too
-    lengths = [(layer.cumulative_length, layer.cumulative_length.clone()) for layer in dec.cache.layers]
-    snapshot = (dec.ids.clone(), dec.pos.clone())
-
-    def reset():
-        dec.ids.copy_(snapshot[0])
-        dec.pos.copy_(snapshot[1])
-        for length, start in lengths:
-            length.copy_(start)
-
-    dec.prefill_state = reset
+    dec.mark()
     t = time_back_to_back({"eager": eager}, calls=1, passes=args.repeats, warmup=1)["eager"]
     modes["eager"] = summary(t["wall_pass_us"], args.tokens)
     modes["eager"]["host_ms_per_token"] = statistics.median(t["host_pass_us"]) / 1e3 / args.tokens
     try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            reset()
-            for _ in range(3):
-                dec.step()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            dec.step()
-        torch.cuda.synchronize()
+        graph = dec.capture()
 
         def replays():
-            reset()
+            dec.rewind()
             for _ in range(args.tokens):
                 graph.replay()
 
         t = time_back_to_back({"graph": replays}, calls=1, passes=args.repeats, warmup=1)["graph"]
         modes["graph"] = summary(t["wall_pass_us"], args.tokens)
         # the graph decodes what eager decodes: same tokens from the same state
-        reset()
+        dec.rewind()
         for _ in range(4):
             graph.replay()
         ids_graph = dec.ids.clone()
-        reset()
+        dec.rewind()
         for _ in range(4):
             dec.step()
         modes["graph"]["same_tokens_as_eager"] = bool(torch.equal(ids_graph, dec.ids))

@@ -20,7 +20,9 @@ a call issues:
   peer's chunk in the order its flag would arrive (1 + (W-1)*C GEMMs), the stamp check. The puts
   and the waits for the peers' flags are dropped (:class:`NoPeers`): no peer sends them here.
 - ``whole``: one vendor GEMM of all M rows (the backend's prepared weight and accumulation), the
-  baseline of both.
+  baseline of both; where ``vendor.takes_rows`` keeps a shape off cuBLAS (blockscale at a K of
+  ceil(K/128) % 4 != 0: DeepSeek-V3's down projection at TP 8, K = 2304), the plain GEMM the library
+  runs there (``fp8_gemm``'s default, the own kernel), as the backend's arms then run it too.
 
 Shapes (``layer_shape``): the MLP of Llama-3-70B (hidden 8192, intermediate 28672) and DeepSeek-V3's
 dense layers (hidden 7168, intermediate 18432) at TP 2, 4, 8: the reduce-scatter follows the
@@ -195,8 +197,16 @@ def sp_arms(pattern: str, backend, sets: list[Q.Problem], m: int, dev) -> dict:
     weight = backend._vendor(sets[0].b, sets[0].b_scale)  # kept by the backend, as its calls take it
     fast = not backend.fused_config.precise_acc  # the accumulation the backend's row GEMMs ask for
     whole = torch.empty(m, cfg.n, dtype=torch.bfloat16, device=dev)
-    arms = {"whole": (lambda i: vendor.vendor_gemm(sets[i].a, sets[i].a_scale, weight, out=whole, fast_accum=fast),
-                      lambda out, idx: (out[idx], 0))}
+    if vendor.takes_rows(cfg.quant, m, cfg.k):
+        def whole_gemm(i):
+            return vendor.vendor_gemm(sets[i].a, sets[i].a_scale, weight, out=whole, fast_accum=fast)
+    else:  # a K cuBLAS is not trusted with (vendor.takes_rows): the GEMM the library runs there
+        from kernels_fused.hopper import gemm as hopper_gemm
+
+        def whole_gemm(i):
+            p = sets[i]
+            return hopper_gemm.fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant=cfg.quant, out=whole)
+    arms = {"whole": (whole_gemm, lambda out, idx: (out[idx], 0))}
     base = layout.zero_counters(world)
     if pattern == "rs-rows":
         plan = layout.plan_call(cfg, m=m, seq=1, rank=rank, counter_base=base)

@@ -351,7 +351,8 @@ class CudaBackend(Backend):
         """The plain GEMM's config for ``m`` rows: ``gemm_config``, else ``PLAIN_RULE``'s (kept per M)."""
         cfg = self.gemm_config or self._plain_configs.get(m)
         if cfg is None:
-            cfg = self._plain_configs[m] = hopper_gemm.default_config(self.config.quant, plain=True, m=m)
+            cfg = self._plain_configs[m] = hopper_gemm.default_config(self.config.quant, plain=True, m=m,
+                                                                      k=self.config.k)
         return cfg
 
     def _table(self, plan) -> torch.Tensor:
@@ -401,8 +402,8 @@ class CudaBackend(Backend):
                                      dma_producer(self.config.quant, plan.m))
         if producer not in PRODUCERS:
             raise ValueError(f"CudaBackend: producer={producer!r}; pick one of {', '.join(PRODUCERS)}")
-        if producer == "kernel" or not vendor.takes_rows(self.config.quant, plan.rows):
-            # (cuBLAS's blockwise recipe refuses some row counts: vendor.takes_rows)
+        if producer == "kernel" or not vendor.takes_rows(self.config.quant, plan.rows, self.config.k):
+            # (cuBLAS's blockwise recipe refuses some row counts, and some K: vendor.takes_rows)
             self._fused_gemm(a, b_pre, a_scale, b_scale, plan, reduce_into=reduce_into)
             return self.partial
         if reduce_into is not None:
@@ -448,7 +449,7 @@ class CudaBackend(Backend):
             rows = a.shape[0]
             if rows == 0:
                 return
-            if not vendor.takes_rows(quant, rows):
+            if not vendor.takes_rows(quant, rows, self.config.k):
                 hopper_gemm.fp8_gemm(a, b, a_scale, b_scale, quant=quant, out=out, validated=True)
                 return
             if quant == "blockscale" and rows > 1 and a_scale.stride() != (1, rows):

@@ -65,7 +65,7 @@ import torch
 
 from cco.quant import QUANTS, SCALE_BLOCK
 from cco.validate import GemmShape, check_operands
-from kernels_fused.hopper.vendor import BLOCKWISE_ROW_MULTIPLE, mx_to_bf16, prepare_weight, takes_rows, vendor_gemm
+from kernels_fused.hopper.vendor import BLOCKWISE_KBLOCK_MULTIPLE, BLOCKWISE_ROW_MULTIPLE, mx_to_bf16, prepare_weight, takes_rows, vendor_gemm
 
 QUANT_ID = {"ptpc": 0, "blockscale": 1, "mxfp8": 2}
 COUNTER_DTYPE = torch.int32
@@ -126,7 +126,8 @@ VENDOR = GemmConfig(block_m=128, block_n=128, launch="cublas")  # the tile field
 #   mxfp8  15.8/37.0 14.7/36.3 51.0/65.1 80.6/112.6 160.7/186.7 312.2/354.4 620.2/693.6 1394.0/1459.8
 # (ptpc with fast accumulation, as the own kernel; mxfp8's own kernel dequantized B every call, the vendor
 # GEMM keeps its bf16 copy). The vendor GEMM wins or ties everywhere; blockscale M % 4 != 0 takes the own
-# kernel (vendor.takes_rows). The rule for another N, K or GPU is unmeasured.
+# kernel, and so does blockscale at a K of ceil(K/128) % 4 != 0 (vendor.takes_rows). The rule for another N, K or
+# GPU is unmeasured.
 PLAIN_RULE = {
     "ptpc": ((None, VENDOR),),
     "blockscale": ((None, VENDOR),),
@@ -134,11 +135,12 @@ PLAIN_RULE = {
 }
 
 
-def default_config(quant: str, *, plain: bool = False, m: int | None = None, interpret: bool = False) -> GemmConfig:
+def default_config(quant: str, *, plain: bool = False, m: int | None = None, k: int | None = None,
+                   interpret: bool = False) -> GemmConfig:
     """The launch config for ``quant``: of the tile-table kernels, or with ``plain`` of the GEMM alone
-    (``fuse=False``) for ``m`` rows by ``PLAIN_RULE`` (None: its largest M; the own kernel where the
-    vendor GEMM does not take ``m`` rows: ``vendor.takes_rows``); under ``TRITON_INTERPRET=1``
-    small tiles keep the CPU run short."""
+    (``fuse=False``) for ``m`` rows of a product over ``k`` columns by ``PLAIN_RULE`` (None: its
+    largest M; the own kernel where the vendor GEMM does not take ``m`` rows or ``k`` columns:
+    ``vendor.takes_rows``); under ``TRITON_INTERPRET=1`` small tiles keep the CPU run short."""
     if interpret:
         return GemmConfig(block_m=32, block_n=64, num_warps=4, num_stages=1)
     if not plain:
@@ -147,7 +149,7 @@ def default_config(quant: str, *, plain: bool = False, m: int | None = None, int
     cfg = rows[-1][1]
     if m is not None:
         cfg = next(c for largest, c in rows if largest is None or m <= largest)
-        if cfg.launch == "cublas" and not takes_rows(quant, m):
+        if cfg.launch == "cublas" and k is not None and not takes_rows(quant, m, k):
             return TRITON_PLAIN[quant]
     return cfg
 
@@ -253,7 +255,7 @@ def fp8_gemm(
     fn = "fp8_gemm"
     shape = _shape(a, b) if validated else check_operands(a, b, a_scale, b_scale, quant=quant, fn=fn)
     m, n, k = shape.m, shape.n, shape.k
-    cfg = config or default_config(quant, plain=not fuse, m=m, interpret=_interpreting())
+    cfg = config or default_config(quant, plain=not fuse, m=m, k=k, interpret=_interpreting())
     if cfg.launch in ("ws", "cublas") and fuse:
         raise ValueError(f"{fn}: launch={cfg.launch!r} is the plain GEMM's; fuse=True walks a tile table "
                          f"(launch='grid')")
@@ -295,10 +297,11 @@ def fp8_gemm(
         if config is None and cfg.launch == "ws" and not tma_storable(out):
             cfg = default_config(quant)  # the default call takes any out: the grid kernel's pointer stores
         if cfg.launch == "cublas":
-            if not takes_rows(quant, m):
+            if not takes_rows(quant, m, k):
                 raise ValueError(f"{fn}: launch='cublas' with quant={quant!r} needs M % {BLOCKWISE_ROW_MULTIPLE} == 0 "
-                                 f"(cuBLAS's blockwise recipe refuses M={m}); pass config=None (the own kernel then) "
-                                 f"or pad A's rows")
+                                 f"and ceil(K/128) % {BLOCKWISE_KBLOCK_MULTIPLE} == 0 (cuBLAS's blockwise recipe "
+                                 f"refuses M={m} or is not trusted at K={k}: vendor.takes_rows); pass config=None "
+                                 f"(the own kernel then) or pad A's rows")
             return vendor_gemm(a, a_scale, prepare_weight(b, b_scale, quant), out=out, fast_accum=not cfg.precise_acc)
         tiles_m, tiles_n = cfg.tiles(m, n)
         grid = tiles_m * tiles_n

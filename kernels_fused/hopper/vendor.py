@@ -41,14 +41,24 @@ BLOCKWISE_ROW_MULTIPLE = 4
 # rank's three rows, H200, 2026-12-03): a caller passing a slice of the scales copies it when its
 # address is not a multiple of this
 SCALE_ALIGNMENT = 16
+# cuBLAS's blockwise recipe returned 74% of the sampled elements outside the fp8 budget at K = 2304 (18
+# scale columns: N = 7168, M = 4096, whole and row-chunk calls alike; the own kernel's reference agreed
+# with the other quants at that shape) and was right at K = 3584, 4608, 7168, 8192, 9216 and 14336 (28 to
+# 112 scale columns; scripts/bench_sp_parts.py, H200, torch 2.11 + CUDA 13, 2026-12-03). The B scale
+# reaches it as the transpose of the [N/128, K/128] scales, whose column stride K/128 is 16-byte aligned
+# only for a multiple of 4 scale columns, like the A scale's row rule above. Until that cause is shown,
+# such a K takes the own kernel (test_cuda_op.py records what cuBLAS returns there on every GPU run)
+BLOCKWISE_KBLOCK_MULTIPLE = 4
 
 
-def takes_rows(quant: str, rows) -> bool:
+def takes_rows(quant: str, rows, k: int) -> bool:
     """Whether the vendor GEMM of ``quant`` runs calls on each of ``rows`` (a row count, or the
-    ``(r0, r1)`` ranges of :func:`row_chunks`); where it does not, the own kernel runs instead
-    (``kernels_fused.hopper.gemm.default_config``, ``cco.backends.cuda``)."""
+    ``(r0, r1)`` ranges of :func:`row_chunks`) of a product over ``k`` columns; where it does not,
+    the own kernel runs instead (``kernels_fused.hopper.gemm.default_config``, ``cco.backends.cuda``)."""
     if quant != "blockscale":
         return True
+    if -(-k // 128) % BLOCKWISE_KBLOCK_MULTIPLE:
+        return False
     counts = [rows] if isinstance(rows, int) else [r1 - r0 for r0, r1 in rows]
     return all(n % BLOCKWISE_ROW_MULTIPLE == 0 for n in counts)
 
@@ -178,4 +188,5 @@ def _pack_index(m: int, kb: int, rows: tuple, device: torch.device) -> torch.Ten
 _PACK_INDEX: dict = {}
 
 
-__all__ = ["VendorWeight", "chunk_scales", "mx_to_bf16", "prepare_weight", "row_chunks", "takes_rows", "vendor_gemm"]
+__all__ = ["BLOCKWISE_KBLOCK_MULTIPLE", "BLOCKWISE_ROW_MULTIPLE", "VendorWeight", "chunk_scales", "mx_to_bf16",
+           "prepare_weight", "row_chunks", "takes_rows", "vendor_gemm"]

@@ -21,7 +21,9 @@ then the in-place path (``parallelize``) and ``FusedRowwiseParallel`` on the 8B 
 eager and compiled; then a DeepSeek-style fp8 block checkpoint (a small Llama, every ``*_proj`` e4m3
 + ``weight_scale_inv`` per 128x128 block) through ``tp_plan(path)``: transformers keeps it in fp8 on
 sm89+ (its ``FP8Linear`` modules), the fused layers must hold exactly the checkpoint's K shards and the
-logits stay within the fp8 budget of the dequantized bf16 model (``check_fp8_checkpoint``).
+logits stay within the fp8 budget of the dequantized bf16 model (``check_fp8_checkpoint``); and
+a static KV cache decode whose step is captured into a CUDA graph: the replays' greedy tokens equal
+the eager steps' (``check_graph_decode``).
 
     torchrun --nproc-per-node 2 -m tests.python.cco.test_cuda_hf --only fp8_checkpoint   # that check alone
 """
@@ -49,6 +51,7 @@ DIMS = {  # Llama-3-8B's layer; "small" for a dry run of this module on CPU rank
 LAYERS = 2
 PROMPT = (2, 64)  # batch x tokens of the prefill
 NEW_TOKENS = 8
+GRAPH_TOKENS = 16  # decode steps of the static-cache check, eager and replayed
 M_MAX = 512
 # The model-level bounds are gross-error bounds. At Llama-3-8B dims this random 2-layer model amplifies
 # bf16 rounding by itself: on an H200 (2026-12-02 19:57 UTC) its compiled logits differed from its eager
@@ -196,6 +199,43 @@ def check_dtensor_style(ctx, log):
     _close(fused)
 
 
+@torch.no_grad()
+def check_graph_decode(ctx, log):
+    """The plan's model decoding with transformers' static KV cache (batch 1), one step captured into a
+    CUDA graph and replayed: the replays' greedy tokens equal the eager steps' from the same state, on
+    every rank (the fused layers' calls replayed, their waits and stamps per replay). CPU ranks run
+    the eager steps only."""
+    from examples.hf_generate import load_tensor_parallel
+    from scripts.bench_decode import Decoder
+
+    model, _ = load_tensor_parallel(ctx["path"], quant="ptpc", m_max=M_MAX, shared_gpu=ctx["shared_gpu"])
+    dec = Decoder(model, batch=1, prompt=PROMPT[1], tokens=GRAPH_TOKENS, device=ctx["device"])
+    dec.prefill()
+    dec.mark()
+
+    def decode(step):
+        dec.rewind()
+        ids = []
+        for _ in range(GRAPH_TOKENS):
+            step()
+            ids.append(int(dec.ids[0, 0]))
+        return ids
+
+    eager = decode(dec.step)
+    problems = [] if _same_on_every_rank(eager) else [f"eager static-cache tokens differ between ranks: {eager}"]
+    graphed = None
+    if ctx["device"].type == "cuda":
+        graph = dec.capture()
+        graphed = decode(graph.replay)
+        if graphed != eager:
+            problems.append(f"graph replays decoded {graphed}, the eager steps {eager}")
+        del graph
+    _agree_facts("static-cache decode", problems)
+    log(f"ok hf static KV cache, {GRAPH_TOKENS} greedy steps (ptpc): eager tokens the same on every rank"
+        + ("" if graphed is None else "; one captured step replayed: the same tokens"))
+    _close(model)
+
+
 def _agree_facts(what: str, problems: list[str]) -> None:
     """Raise on every rank if any rank found a problem, naming each rank's."""
     every = [None] * dist.get_world_size()
@@ -273,7 +313,7 @@ def check_fp8_checkpoint(ctx, log):
     _close(model)
 
 
-CHECKS = ("in_place", "dtensor", "fp8_checkpoint")  # besides one per quant
+CHECKS = ("in_place", "dtensor", "graph_decode", "fp8_checkpoint")  # besides one per quant
 
 
 def rank_main(argv=None):
@@ -311,6 +351,7 @@ def rank_main(argv=None):
            "dims": DIMS[opts.dims]}
     named = {**{q: lambda q=q: check_quant(ctx, q, log) for q in Q.QUANTS},
              "in_place": lambda: check_in_place(ctx, log), "dtensor": lambda: check_dtensor_style(ctx, log),
+             "graph_decode": lambda: check_graph_decode(ctx, log),
              "fp8_checkpoint": lambda: check_fp8_checkpoint(ctx, log)}
     failures = []
     for name in opts.only or named:  # keep going so one run reports every failing check

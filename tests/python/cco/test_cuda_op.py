@@ -31,7 +31,9 @@ Guards, per check:
 - alternating M between calls of one op (chunk rows, counter targets and tile tables per M; with
   transport "auto" the calls also alternate between the lsa kernel and the copy engines);
 - ``kernels_fused.hopper.vendor.takes_rows`` says exactly which row counts cuBLAS's blockwise recipe
-  runs (correctly) and which it refuses: a rule that let a refused M through would fail the call.
+  runs (correctly) and which it refuses: a rule that let a refused M through would fail the call;
+  and it sends no K to cuBLAS where cuBLAS computes wrongly (it logs what cuBLAS returns at the K
+  it does not send: 18 and 25 scale columns).
 """
 
 from __future__ import annotations
@@ -350,10 +352,35 @@ def _vendor_rows_rule(device, log):
                 raise
             ran = False
         torch.cuda.synchronize()
-        if ran != vendor.takes_rows("blockscale", m):
+        if ran != vendor.takes_rows("blockscale", m, 512):
             raise AssertionError(f"cuBLAS's blockwise recipe {'ran' if ran else 'refused'} M={m}, vendor.takes_rows "
-                                 f"says {vendor.takes_rows('blockscale', m)}")
+                                 f"says {vendor.takes_rows('blockscale', m, 512)}")
     log("ok blockscale vendor.takes_rows matches what cuBLAS's blockwise recipe runs (M = 1 .. 1000)")
+    # K: the rule sends no K to cuBLAS where it computes wrongly, and the GEMM the library picks for
+    # such a K (fp8_gemm's default) is right; what cuBLAS returns at the K it is not sent is logged
+    from kernels_fused.hopper import gemm as hopper_gemm
+
+    seen = []
+    for k in (2048, 2304, 2560, 3072, 3200):  # 16, 18, 20, 24, 25 scale columns
+        p = Q.random_problem(256, 7168, k, "blockscale", seed=2, device=device)
+        terms = budget_terms(p)
+        try:
+            wrong = gemm_mismatches(vendor.vendor_gemm(p.a, p.a_scale, vendor.prepare_weight(p.b, p.b_scale,
+                                                                                             "blockscale")), *terms)
+        except RuntimeError as err:
+            if "NOT_SUPPORTED" not in str(err):
+                raise
+            wrong = "refused"
+        picked = gemm_mismatches(hopper_gemm.fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="blockscale"), *terms)
+        torch.cuda.synchronize()
+        taken = vendor.takes_rows("blockscale", 256, k)
+        seen.append(f"K={k}: cuBLAS {wrong} wrong ({'taken' if taken else 'not taken'}), picked GEMM {picked} wrong")
+        if taken and wrong != 0:
+            raise AssertionError(f"vendor.takes_rows sends K={k} to cuBLAS's blockwise recipe, which got {wrong} "
+                                 f"elements outside the budget")
+        if picked:
+            raise AssertionError(f"fp8_gemm's default GEMM at blockscale K={k}: {picked} elements outside the budget")
+    log("ok blockscale vendor.takes_rows by K: " + "; ".join(seen))
 
 
 def _repeat_poisoned(op, probs, b_pre, refs, log, quant):

@@ -101,7 +101,8 @@ def _schedule(monkeypatch, log, *, gather, lanes=1, world=WORLD, pattern="all-re
     from cco.cuda import dma
     from cco.window import Window
 
-    cfg = layout.build_config(n=512 * world, k=256, m_max=M, world=world, quant=quant, transport="dma",
+    k = 512 if quant == "blockscale" else 256  # blockscale: 4 scale columns, a K cuBLAS is sent (vendor.takes_rows)
+    cfg = layout.build_config(n=512 * world, k=k, m_max=M, world=world, quant=quant, transport="dma",
                               gather_dtype=gather, block_m=128, block_n=128, pattern=pattern)
 
     class HostWindow(Window):
@@ -323,10 +324,11 @@ def test_cuda_backend_vendor_producer_end_to_end_on_the_host(monkeypatch):
     assert sum(op[1] == "copy_2d" for op in log.ops) == plan.chunks * (WORLD - 1) + plan.chunks  # scatters, assembles
 
 
-@pytest.mark.parametrize("m, producer", [(128, "vendor"), (130, "kernel")])
-def test_cuda_backend_takes_the_kernel_producer_where_cublas_refuses_the_rows(monkeypatch, m, producer):
-    """blockscale: cuBLAS's blockwise recipe refuses row counts that are not a multiple of 4
-    (``kernels_fused.hopper.vendor.takes_rows``); a call with such an M runs the fused Triton kernel
+@pytest.mark.parametrize("m, k, producer", [(128, 512, "vendor"), (130, 512, "kernel"), (128, 384, "kernel")])
+def test_cuda_backend_takes_the_kernel_producer_where_cublas_refuses_the_rows(monkeypatch, m, k, producer):
+    """blockscale: cuBLAS's blockwise recipe refuses row counts that are not a multiple of 4, and is
+    not sent a K of ceil(K/128) % 4 != 0 (``kernels_fused.hopper.vendor.takes_rows``; 384: 3 scale
+    columns); a call with such an M or K runs the fused Triton kernel
     into the dest-major planes instead (here under Triton's interpreter), the others the vendor
     GEMM into the row-major ones. The transfers read what the producer wrote."""
     from cco import quant as Q
@@ -343,14 +345,14 @@ def test_cuda_backend_takes_the_kernel_producer_where_cublas_refuses_the_rows(mo
     monkeypatch.setattr(torch, "_scaled_mm", _blockwise_scaled_mm)  # the CPU build has no blockwise recipe
     monkeypatch.setattr("cco.cuda.dma.CopyEngineSchedule", lambda **kw: sched)
     monkeypatch.setattr(CudaBackend, "watched", False)  # the watchdog's pinned words need a device
-    cfg = layout.build_config(n=sched.cfg.n, k=256, m_max=M, world=WORLD, quant="blockscale", transport="dma",
+    cfg = layout.build_config(n=sched.cfg.n, k=k, m_max=M, world=WORLD, quant="blockscale", transport="dma",
                               block_m=64, block_n=128)
     backend = CudaBackend(config=cfg, comm=None, window=window, deadline_s=1.0)
     backend.producer = "vendor"
     backend.fused_config = dataclasses.replace(backend.fused_config, block_n=128, num_stages=1)  # interpreter-sized
     backend.tile_weight = 1
     plan = layout.plan_call(cfg, m=m, seq=1, rank=RANK, counter_base=layout.zero_counters(WORLD))
-    assert vendor.takes_rows("blockscale", plan.rows) == (producer == "vendor")
+    assert vendor.takes_rows("blockscale", plan.rows, cfg.k) == (producer == "vendor")
     p = Q.random_problem(m, cfg.n, cfg.k, "blockscale", seed=5)
     backend.fused(p.a, preshuffle_b(p.b), p.a_scale, p.b_scale, out=torch.zeros(m, cfg.n, dtype=torch.bfloat16),
                   plan=plan)

@@ -140,16 +140,18 @@ def test_vendor_gemm_whole_and_by_row_chunks(quant, monkeypatch):
     from kernels_fused.hopper import vendor
     from kernels_fused.hopper.gemm import VENDOR, fp8_gemm
 
+    k = K
     if quant == "blockscale":
         monkeypatch.setattr(torch, "_scaled_mm", _blockwise_scaled_mm)
-    p = Q.random_problem(M, N, K, quant, seed=6)
+        k = 512  # a multiple of 4 scale columns: the K the vendor GEMM is trusted with (vendor.takes_rows)
+    p = Q.random_problem(M, N, k, quant, seed=6)
     out = torch.full((M, N), float("nan"), dtype=torch.bfloat16)
     whole = fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant=quant, out=out, config=VENDOR)
     _assert_close(whole, p.reference(), quant, f"{quant} vendor")
     # the launch an eager plain call keeps (the weight bound once; the output allocated by the call)
     bound = vendor.bound_gemm(vendor.prepare_weight(p.b, p.b_scale, quant))(p.a, p.a_scale)
     assert torch.equal(bound, whole), quant
-    cfg = layout.build_config(n=N, k=K, m_max=M, world=2, quant=quant, block_m=32, chunks=(1, 2))
+    cfg = layout.build_config(n=N, k=k, m_max=M, world=2, quant=quant, block_m=32, chunks=(1, 2))
     rows = layout.chunk_rows(cfg, M)
     assert len(rows) == 2 and rows[0][1] < M  # two calls, the second on rows that do not start at 0
     buf = torch.full((M + 7, N), float("nan"), dtype=torch.bfloat16)
@@ -183,10 +185,17 @@ def test_plain_rule_picks_by_m_and_a_config_forces_either(monkeypatch):
     assert G.default_config("ptpc", plain=True) == own  # no M: the last row
     # blockscale: the vendor GEMM where cuBLAS's blockwise recipe takes M, the own kernel elsewhere
     monkeypatch.setattr(G, "PLAIN_RULE", {**G.PLAIN_RULE, "blockscale": ((None, G.VENDOR),)})
-    assert [G.default_config("blockscale", plain=True, m=m).launch for m in (1, 4, 129, 132)] == [
+    assert [G.default_config("blockscale", plain=True, m=m, k=512).launch for m in (1, 4, 129, 132)] == [
         G.TRITON_PLAIN["blockscale"].launch, "cublas", G.TRITON_PLAIN["blockscale"].launch, "cublas"]
+    # ... and where the K's scale columns are not a multiple of 4 (18 at K = 2304, 17 at a padded 2176)
+    own_block = G.TRITON_PLAIN["blockscale"].launch
+    assert [G.default_config("blockscale", plain=True, m=4096, k=k).launch for k in (2048, 2176, 2304, 2560)] == [
+        "cublas", own_block, own_block, "cublas"]
     q = Q.random_problem(130, N, K, "blockscale", seed=8)
     with pytest.raises(ValueError, match="M % 4 == 0"):
+        G.fp8_gemm(q.a, q.b, q.a_scale, q.b_scale, quant="blockscale", config=G.VENDOR)
+    q = Q.random_problem(4, N, 384, "blockscale", seed=8)  # 3 scale columns
+    with pytest.raises(ValueError, match=r"ceil\(K/128\) % 4 == 0"):
         G.fp8_gemm(q.a, q.b, q.a_scale, q.b_scale, quant="blockscale", config=G.VENDOR)
     p = Q.random_problem(M, N, K, "ptpc", seed=8)
     small = G.GemmConfig(block_m=32, block_n=64, num_warps=4, num_stages=1)
