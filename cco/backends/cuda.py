@@ -157,6 +157,16 @@ def fused_config(cfg: layout.OpConfig):
     return dataclasses.replace(base, block_m=cfg.block_m, block_n=cfg.block_n * weight), weight
 
 
+def dense_block_scales(quant: str, a_scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """``a_scale`` of a block of ``rows`` rows as a GEMM of those rows reads it: blockscale's
+    ``[rows, K/128]`` column-major with column stride ``rows`` (a copy where it is a view of a longer
+    scale or of a window slot); other quants as they are. cuBLAS's blockwise recipe and the gfx950
+    kernel both read it so."""
+    if quant == "blockscale" and rows > 1 and a_scale.stride() != (1, rows):
+        return a_scale.t().contiguous().t()
+    return a_scale
+
+
 def fused_table(cfg: layout.OpConfig, *, m: int, rank: int, dest_major: bool, tile_weight: int, device):
     """The fused dma launch's tile table for ``m`` rows on ``rank`` (``cco.layout.tile_table`` order,
     pairs merged for a tile two layout tiles wide)."""
@@ -452,9 +462,8 @@ class CudaBackend(Backend):
             if not vendor.takes_rows(quant, rows, self.config.k):
                 hopper_gemm.fp8_gemm(a, b, a_scale, b_scale, quant=quant, out=out, validated=True)
                 return
-            if quant == "blockscale" and rows > 1 and a_scale.stride() != (1, rows):
-                a_scale = a_scale.t().contiguous().t()
-            elif quant == "ptpc" and a_scale.data_ptr() % vendor.SCALE_ALIGNMENT:
+            a_scale = dense_block_scales(quant, a_scale, rows)
+            if quant == "ptpc" and a_scale.data_ptr() % vendor.SCALE_ALIGNMENT:
                 a_scale = a_scale.clone()  # a slice's scales from a row not a multiple of 4: cuBLAS refuses them
             vendor.vendor_gemm(a, a_scale, weight, out=out, fast_accum=fast)
 

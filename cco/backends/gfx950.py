@@ -67,7 +67,7 @@ import torch
 
 from cco import layout
 from cco.backends.base import Backend
-from cco.backends.cuda import CudaBackend
+from cco.backends.cuda import CudaBackend, dense_block_scales
 
 GEMM_BLOCK_M = 256  # the 8-wave kernel's rows per workgroup; also the layout's m-tile
 GEMM_BLOCK_N = 128  # the fused layout's: divides N/world for N = 7168 up to 8 ranks (7168 / 8 = 896)
@@ -411,8 +411,7 @@ class Gfx950Backend(CudaBackend):
             rows = a.shape[0]
             if rows == 0:
                 return
-            if quant == "blockscale" and rows > 1 and a_scale.stride() != (1, rows):
-                a_scale = a_scale.t().contiguous().t()
+            a_scale = dense_block_scales(quant, a_scale, rows)
             # the stream current at the call, not at this closure's making: the callers of a row
             # GEMM (CudaBackend's, with the schedule) pick the stream it goes to
             launch(a, b_pre, out, a_scale, b_scale, rows, n, stream=self._stream())
