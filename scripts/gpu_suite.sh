@@ -7,10 +7,10 @@
 #   CCO_GPU_SUITE_SKIP="cuda_hf" bash scripts/gpu_suite.sh   # all but the named modules
 #   CCO_GPU_SUITE_BUDGET=580 bash scripts/gpu_suite.sh        # the whole run within 580 s: a module gets at
 #                                                              # most what is left, one not started is FAILED
-#   CCO_GPU_SUITE_PART=1 bash scripts/gpu_suite.sh            # the first six modules (~530 s on one H200)
-#   CCO_GPU_SUITE_PART=2 bash scripts/gpu_suite.sh            # the sequence-parallel fault jobs (~210 s)
+#   CCO_GPU_SUITE_PART=1 bash scripts/gpu_suite.sh            # the first six modules (463 s on one H200)
+#   CCO_GPU_SUITE_PART=2 bash scripts/gpu_suite.sh            # the sequence-parallel fault jobs (196 s)
 #
-# All nine modules one after another take ~740 s on one H200 with two ranks sharing it, more than one
+# All nine modules one after another take ~660 s on one H200 with two ranks sharing it, more than one
 # 10-minute call of a lent machine: there, run part 1 and part 2 as two calls on the same tree.
 #
 # Add a module to MODULES when it joins the suite. NVLink multicast stays off.
