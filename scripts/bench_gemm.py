@@ -267,7 +267,7 @@ def plain_arms(args, sets, dev):
 
     b, b_s = sets[0].b, sets[0].b_scale
     arms = {}
-    rule = default_config(args.quant, plain=True, m=args.m)
+    rule = default_config(args.quant, plain=True, m=args.m, k=args.k)  # k: cuBLAS's blockwise K rule too
     if rule.launch == "cublas":  # the CUDA backend's path: the weight prepared once
         weight = vendor.prepare_weight(b, b_s, args.quant)
         out = torch.empty(args.m, args.n, dtype=torch.bfloat16, device=dev)
@@ -388,13 +388,19 @@ def plot(runs: list[dict], path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+def runs_from_json(paths: str) -> list[dict]:
+    """The records of the ``--json`` files ``paths`` (a comma list), in order: ``--from``'s input."""
+    runs = []
+    for path in paths.split(","):
+        with open(path) as f:
+            runs += json.load(f)["runs"]
+    return runs
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.from_json:
-        runs = []
-        for path in args.from_json.split(","):
-            with open(path) as f:
-                runs += json.load(f)["runs"]
+        runs = runs_from_json(args.from_json)
         if args.plot:
             plot(runs, args.plot)
         return
