@@ -368,10 +368,9 @@ def plot(runs: list[dict], path: str) -> None:
 def main(argv=None):
     args = parse_args(argv)
     if args.from_json:
-        runs = []
-        for path in args.from_json.split(","):
-            with open(path) as f:
-                runs += json.load(f)["runs"]
+        from scripts.bench_gemm import runs_from_json
+
+        runs = runs_from_json(args.from_json)
         if args.plot:
             plot(runs, args.plot)
         return

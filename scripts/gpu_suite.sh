@@ -52,15 +52,22 @@ done
 start_all=$(date +%s)
 budget=${CCO_GPU_SUITE_BUDGET:-0}  # 0: no bound on the whole run
 
-run_module() {  # name bound cmd: run it bounded, write its verdict line to $log_dir/$name.verdict
-  local name=$1 bound=$2 cmd=$3 start left rc took skips verdict
+failed=0
+summary=()
+verdict_of() {  # name verdict seconds: the module's summary line
+  summary+=("$(printf '%-20s %-30s %5d s' "$1" "$2" "$3")")
+  [[ "$2" == FAILED* ]] && failed=$((failed + 1))
+  return 0
+}
+for entry in "${MODULES[@]}"; do  # one after another: side by side on one GPU, fault jobs ran 2-4x slower
+  IFS='|' read -r name bound cmd <<<"$entry"  # and broke their time bounds (docs/experiments.md, 2026-12-03)
   start=$(date +%s)
   if [ "$budget" -gt 0 ]; then
     left=$(( budget - (start - start_all) - 15 ))  # 15 s: the kill's grace below
     if [ "$left" -lt 30 ]; then
-      printf '%-20s %-30s %5d s\n' "$name" "FAILED (not started: budget)" 0 >"$log_dir/$name.verdict"
+      verdict_of "$name" "FAILED (not started: budget)" 0
       echo "[gpu-suite] $name: FAILED, not started: the ${budget}s budget is spent"
-      return
+      continue
     fi
     [ "$left" -lt "$bound" ] && bound=$left
   fi
@@ -69,25 +76,13 @@ run_module() {  # name bound cmd: run it bounded, write its verdict line to $log
   took=$(( $(date +%s) - start ))
   skips=$(grep -c "_SKIPPED" "$log_dir/$name.log")  # sub-checks a module could not run here (it says why)
   if [ $rc -eq 0 ]; then verdict="passed$([ "$skips" -gt 0 ] && echo ", $skips skipped")"; else verdict="FAILED (exit $rc$([ $rc -eq 124 ] && echo ', timed out'))"; fi
-  printf '%-20s %-30s %5d s\n' "$name" "$verdict" "$took" >"$log_dir/$name.verdict"
+  verdict_of "$name" "$verdict" "$took"
   echo "[gpu-suite] $name: $verdict in ${took}s"
   [ $rc -eq 0 ] || tail -n 40 "$log_dir/$name.log"
   grep "_SKIPPED" "$log_dir/$name.log"
-}
-
-rm -f "$log_dir"/*.verdict
-for entry in "${MODULES[@]}"; do  # one after another: side by side on one GPU, fault jobs ran 2-4x slower
-  IFS='|' read -r name bound cmd <<<"$entry"  # and broke their time bounds (docs/experiments.md, 2026-12-03)
-  run_module "$name" "$bound" "$cmd"
 done
 
-failed=0
 echo "[gpu-suite] ---- summary ($(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), $(date -u +%Y-%m-%dT%H:%MZ))"
-for entry in "${MODULES[@]}"; do
-  name=${entry%%|*}
-  line=$(cat "$log_dir/$name.verdict" 2>/dev/null || printf '%-20s %-30s' "$name" "FAILED (no verdict)")
-  echo "$line"
-  [[ "$line" == *FAILED* ]] && failed=$((failed + 1))
-done
+printf '%s\n' "${summary[@]}"
 echo "[gpu-suite] $(( ${#MODULES[@]} - failed )) passed, $failed failed in $(( $(date +%s) - start_all )) s"
 exit $failed
