@@ -140,7 +140,9 @@ def default_config(quant: str, *, plain: bool = False, m: int | None = None, k: 
     """The launch config for ``quant``: of the tile-table kernels, or with ``plain`` of the GEMM alone
     (``fuse=False``) for ``m`` rows of a product over ``k`` columns by ``PLAIN_RULE`` (None: its
     largest M; the own kernel where the vendor GEMM does not take ``m`` rows or ``k`` columns:
-    ``vendor.takes_rows``); under ``TRITON_INTERPRET=1`` small tiles keep the CPU run short."""
+    ``vendor.takes_rows``); under ``TRITON_INTERPRET=1`` small tiles keep the CPU run short. ``m``
+    needs ``k``: cuBLAS's blockwise recipe refuses some row counts and computes some K wrongly, so a
+    rule asked without K could send a call to cuBLAS that it must not take."""
     if interpret:
         return GemmConfig(block_m=32, block_n=64, num_warps=4, num_stages=1)
     if not plain:
@@ -148,8 +150,11 @@ def default_config(quant: str, *, plain: bool = False, m: int | None = None, k: 
     rows = PLAIN_RULE[quant]
     cfg = rows[-1][1]
     if m is not None:
+        if k is None:
+            raise ValueError(f"default_config: m={m} needs k (the product's columns): the vendor GEMM's rules "
+                             f"depend on both")
         cfg = next(c for largest, c in rows if largest is None or m <= largest)
-        if cfg.launch == "cublas" and k is not None and not takes_rows(quant, m, k):
+        if cfg.launch == "cublas" and not takes_rows(quant, m, k):
             return TRITON_PLAIN[quant]
     return cfg
 

@@ -342,15 +342,19 @@ def _vendor_rows_rule(device, log):
     from cco.bench.timing import budget_terms, gemm_mismatches
     from kernels_fused.hopper import vendor
 
-    for m in (1, 2, 4, 6, 8, 12, 36, 66, 68, 100, 129, 130, 132, 260, 1000):
-        p = Q.random_problem(m, 2048, 512, "blockscale", seed=1, device=device)
+    def cublas_wrong(p):
+        """Elements of cuBLAS's blockwise product outside the fp8 budget, or "refused" where it
+        raises CUBLAS_STATUS_NOT_SUPPORTED (any other error propagates)."""
         try:
             out = vendor.vendor_gemm(p.a, p.a_scale, vendor.prepare_weight(p.b, p.b_scale, "blockscale"))
-            ran = gemm_mismatches(out, *budget_terms(p)) == 0
-        except RuntimeError as err:  # CUBLAS_STATUS_NOT_SUPPORTED
+            return gemm_mismatches(out, *budget_terms(p))
+        except RuntimeError as err:
             if "NOT_SUPPORTED" not in str(err):
                 raise
-            ran = False
+            return "refused"
+
+    for m in (1, 2, 4, 6, 8, 12, 36, 66, 68, 100, 129, 130, 132, 260, 1000):
+        ran = cublas_wrong(Q.random_problem(m, 2048, 512, "blockscale", seed=1, device=device)) == 0
         torch.cuda.synchronize()
         if ran != vendor.takes_rows("blockscale", m, 512):
             raise AssertionError(f"cuBLAS's blockwise recipe {'ran' if ran else 'refused'} M={m}, vendor.takes_rows "
@@ -363,15 +367,9 @@ def _vendor_rows_rule(device, log):
     seen = []
     for k in (2048, 2304, 2560, 3072, 3200):  # 16, 18, 20, 24, 25 scale columns
         p = Q.random_problem(256, 7168, k, "blockscale", seed=2, device=device)
-        terms = budget_terms(p)
-        try:
-            wrong = gemm_mismatches(vendor.vendor_gemm(p.a, p.a_scale, vendor.prepare_weight(p.b, p.b_scale,
-                                                                                             "blockscale")), *terms)
-        except RuntimeError as err:
-            if "NOT_SUPPORTED" not in str(err):
-                raise
-            wrong = "refused"
-        picked = gemm_mismatches(hopper_gemm.fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="blockscale"), *terms)
+        wrong = cublas_wrong(p)
+        picked = gemm_mismatches(hopper_gemm.fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="blockscale"),
+                                 *budget_terms(p))
         torch.cuda.synchronize()
         taken = vendor.takes_rows("blockscale", 256, k)
         seen.append(f"K={k}: cuBLAS {wrong} wrong ({'taken' if taken else 'not taken'}), picked GEMM {picked} wrong")

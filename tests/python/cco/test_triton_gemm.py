@@ -180,9 +180,11 @@ def test_plain_rule_picks_by_m_and_a_config_forces_either(monkeypatch):
 
     own = G.TRITON_PLAIN["ptpc"]
     monkeypatch.setattr(G, "PLAIN_RULE", {**G.PLAIN_RULE, "ptpc": ((128, own), (4096, G.VENDOR), (None, own))})
-    assert [G.default_config("ptpc", plain=True, m=m) for m in (1, 128, 129, 4096, 4097, 10 ** 6)] == [
+    assert [G.default_config("ptpc", plain=True, m=m, k=512) for m in (1, 128, 129, 4096, 4097, 10 ** 6)] == [
         own, own, G.VENDOR, G.VENDOR, own, own]
     assert G.default_config("ptpc", plain=True) == own  # no M: the last row
+    with pytest.raises(ValueError, match="needs k"):  # a rule without K could pass cuBLAS a K it computes wrongly
+        G.default_config("blockscale", plain=True, m=4096)
     # blockscale: the vendor GEMM where cuBLAS's blockwise recipe takes M, the own kernel elsewhere
     monkeypatch.setattr(G, "PLAIN_RULE", {**G.PLAIN_RULE, "blockscale": ((None, G.VENDOR),)})
     assert [G.default_config("blockscale", plain=True, m=m, k=512).launch for m in (1, 4, 129, 132)] == [
