@@ -51,6 +51,7 @@ import torch
 
 from cco import layout
 from cco import quant as Q
+from cco.backends.cuda import PRODUCERS, rows_producer
 
 MODELS = {"llama3-70b": (8192, 28672), "deepseek-v3": (7168, 18432)}  # (hidden, intermediate) of the MLP
 PATTERNS = {"rs-rows": "reduce-scatter-rows", "ag": "all-gather"}  # this script's names -> cco's
@@ -211,16 +212,24 @@ def sp_arms(pattern: str, backend, sets: list[Q.Problem], m: int, dev) -> dict:
     if pattern == "rs-rows":
         plan = layout.plan_call(cfg, m=m, seq=1, rank=rank, counter_base=base)
 
-        def rs(i):
-            p = sets[i]
-            return backend._produce(p.a, p.b, p.a_scale, p.b_scale, plan)
+        def producing(producer):
+            def rs(i):
+                p, backend.producer = sets[i], producer
+                try:
+                    return backend._produce(p.a, p.b, p.a_scale, p.b_scale, plan)
+                finally:
+                    backend.producer = None
+            return rs
 
         def rs_read(planes, idx):
             counted = backend.counters.view(world, layout.MAX_CHUNKS).tolist()
             wrong = sum(counted[d][c] != plan.target(d, c) for d in range(world) for c in range(plan.chunks))
             return planes[idx // plan.slice_m, idx % plan.slice_m], wrong
 
-        arms[pattern] = (rs, rs_read)
+        # the rule's pick (RS_ROWS_PRODUCER), and each producer forced: the rule's data
+        arms[pattern] = (producing(None), rs_read)
+        for producer in PRODUCERS:
+            arms[f"{pattern} {producer}"] = (producing(producer), rs_read)
         return arms
     rows = m // world
     plan = layout.plan_call(cfg, m=rows, seq=1, rank=rank, counter_base=base)
@@ -246,9 +255,13 @@ def sp_arms(pattern: str, backend, sets: list[Q.Problem], m: int, dev) -> dict:
     return arms
 
 
-def gemm_count(pattern: str, world: int, chunks: int) -> int:
-    """Vendor GEMMs one call of the pattern's arm issues (``cco.backends.cuda``)."""
-    return world * chunks if pattern == "rs-rows" else 1 + (world - 1) * chunks
+def gemm_count(pattern: str, world: int, chunks: int, producer: str = "vendor") -> int:
+    """GEMM launches one call of the pattern's arm issues (``cco.backends.cuda``): the reduce-scatter's
+    vendor producer one per (owner, chunk), its kernel producer one."""
+    if pattern == "rs-rows":
+        return world * chunks if producer == "vendor" else 1
+    return 1 + (world - 1) * chunks
+
 
 
 def run_shape(args, backend, pattern, sets, m, dev, label) -> dict:
@@ -273,11 +286,14 @@ def run_shape(args, backend, pattern, sets, m, dev, label) -> dict:
     del timed
     arm, base = t[pattern], t["whole"]
     med, lo, hi = per_pass_ratio(arm.pass_us, base.pass_us)
+    others = {name: per_pass_ratio(t[name].pass_us, base.pass_us) for name in t if name not in ("whole", pattern)}
     print(f"{pattern:8s} {label['quant']:10s} {label['shape']:36s} M={m:<6d} W={label['world']} "
           f"({record['gemms']} GEMMs): {arm.median_us:9.1f} us "
-          f"(whole {base.median_us:9.1f}) | {med:.3f}x | {lo:.3f}-{hi:.3f}" + (f"  eager: {eager}" if eager else ""),
-          flush=True)
+          f"(whole {base.median_us:9.1f}) | {med:.3f}x | {lo:.3f}-{hi:.3f}"
+          + "".join(f" | {name.split()[-1]} {r[0]:.3f}x" for name, r in others.items())
+          + (f"  eager: {eager}" if eager else ""), flush=True)
     return {**record, "eager": eager, "ratio": {"median": med, "min": lo, "max": hi},
+            "ratios": {name: {"median": r[0], "min": r[1], "max": r[2]} for name, r in others.items()},
             "arms": {name: a.as_dict() for name, a in t.items()}}
 
 
@@ -314,7 +330,10 @@ def measure(args, dev) -> list[dict]:
             done += 1
             print(f"[{done}/{total}] {pattern} {quant} {label['shape']} M={m}", file=sys.stderr, flush=True)
             chunks = layout.call_chunks(cfg, m if pattern == "rs-rows" else m // tp)
-            shape = {**label, "chunks": chunks, "gemms": gemm_count(pattern, tp, chunks)}
+            producer = rows_producer(cfg, m) if pattern == "rs-rows" else "vendor"
+            shape = {**label, "chunks": chunks, "gemms": gemm_count(pattern, tp, chunks, producer)}
+            if pattern == "rs-rows":
+                shape["producer"] = producer
             try:  # a failure (cuBLAS refusing a call, memory) ends this shape only
                 runs.append(run_shape(args, backend, pattern, [rows_of(p, 0, m) for p in full], m, dev, shape))
             except (RuntimeError, ValueError) as err:

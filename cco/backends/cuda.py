@@ -54,7 +54,8 @@ inputs runs the call all the same, on NaN data, with its peers' M and a rejected
 
 Patterns (``cco.layout.PATTERNS``; ``cco.cuda.dma``'s module note has the streams): the
 reduce-scatter runs the all-reduce's dma schedule without the gather's data (fused and split; along
-columns the same producers, along rows one GEMM per (dest, chunk) of A's rows: ``_produce_rows``);
+columns the same producers, along rows the kernel producer walking row slices or one GEMM per (dest, chunk)
+of A's rows, ``RS_ROWS_PRODUCER`` by the rows of a chunk: ``_produce``);
 the all-gather puts its rows and scales on the copy engines and runs the GEMM of each peer's chunk
 as it lands, its own rows first (fused), or of every row once all landed (split). Both run on the
 ``dma`` transport only: ``transport="auto"`` takes it, ``"lsa"`` is refused at construction (the lsa
@@ -119,6 +120,15 @@ DMA_PRODUCER = {
     "blockscale": ((1024, "kernel"), (None, "vendor")),
     "mxfp8": ((1024, "kernel"), (2048, "vendor"), (4096, "kernel"), (None, "vendor")),
 }
+# the reduce-scatter along rows (``_produce_rows``), per quant as ((largest rows of one chunk's GEMM,
+# producer), ...): the vendor producer issues W * C GEMMs of M / (W C) rows, which fill the GPU
+# worse the fewer rows each has; the kernel producer is one tile-table launch whatever W and C.
+# Set from scripts/bench_sp_parts.py (docs/BENCHMARKS.md, "Sequence parallelism on one GPU").
+RS_ROWS_PRODUCER = {
+    "ptpc": ((512, "kernel"), (None, "vendor")),
+    "blockscale": ((256, "kernel"), (None, "vendor")),
+    "mxfp8": ((512, "kernel"), (None, "vendor")),
+}
 PRODUCERS = ("kernel", "vendor")
 LSA_LAUNCH = "ticket"  # GemmConfig.launch of the lsa kernel (docs/experiments.md compares the choices)
 # transport="auto": the lsa kernel while a rank's output has at most this many elements (M * N), the
@@ -132,10 +142,17 @@ def _not_capturing() -> bool:
     return not torch.cuda.is_current_stream_capturing()
 
 
-def dma_producer(quant: str, m: int) -> str:
-    """The producer ``DMA_PRODUCER`` picks for a call of ``m`` rows: the first row whose largest M
-    covers m."""
-    return next(producer for largest, producer in DMA_PRODUCER[quant] if largest is None or m <= largest)
+def dma_producer(quant: str, m: int, rule: dict = DMA_PRODUCER) -> str:
+    """The producer ``rule`` (``DMA_PRODUCER``: by the call's M; ``RS_ROWS_PRODUCER``: by the rows
+    of one chunk's GEMM) picks for ``m``: the first row whose largest covers m."""
+    return next(producer for largest, producer in rule[quant] if largest is None or m <= largest)
+
+
+def rows_producer(cfg: layout.OpConfig, m: int) -> str:
+    """The producer ``RS_ROWS_PRODUCER`` picks for a reduce-scatter along rows of ``m`` rows: by
+    its largest chunk's rows (``cco.layout.chunk_rows``), what each of the vendor producer's GEMMs
+    would take."""
+    return dma_producer(cfg.quant, max(r1 - r0 for r0, r1 in layout.chunk_rows(cfg, m)), RS_ROWS_PRODUCER)
 
 
 def lsa_max_elements(cfg: layout.OpConfig) -> int | None:
@@ -406,12 +423,19 @@ class CudaBackend(Backend):
         the call's M; module note) into the partial region; returns the [W, rows, n_slice] planes it
         wrote (the region itself: the kernel's). ``reduce_into``: the caller's ``out``, the own tiles
         reduced into it in the kernel producer's epilogue (which the rule then always takes)."""
-        if self.config.pattern_spec.owner_by == "rows":
-            return self._produce_rows(a, b_pre, a_scale, b_scale, plan)
-        producer = self.producer or ("kernel" if reduce_into is not None else
-                                     dma_producer(self.config.quant, plan.m))
+        by_rows = self.config.pattern_spec.owner_by == "rows"
+        if by_rows:
+            producer = self.producer or rows_producer(self.config, plan.m)
+        else:
+            producer = self.producer or ("kernel" if reduce_into is not None else
+                                         dma_producer(self.config.quant, plan.m))
         if producer not in PRODUCERS:
             raise ValueError(f"CudaBackend: producer={producer!r}; pick one of {', '.join(PRODUCERS)}")
+        if by_rows:
+            if producer == "kernel":
+                self._fused_gemm(a, b_pre, a_scale, b_scale, plan)
+                return self.partial
+            return self._produce_rows(a, b_pre, a_scale, b_scale, plan)
         if producer == "kernel" or not vendor.takes_rows(self.config.quant, plan.rows, self.config.k):
             # (cuBLAS's blockwise recipe refuses some row counts, and some K: vendor.takes_rows)
             self._fused_gemm(a, b_pre, a_scale, b_scale, plan, reduce_into=reduce_into)
@@ -427,12 +451,12 @@ class CudaBackend(Backend):
         return self.partial_by_rows
 
     def _produce_rows(self, a, b_pre, a_scale, b_scale, plan) -> torch.Tensor:
-        """The producer of the reduce-scatter along rows: slice d is rows ``d * M/W ..`` of the
-        product, every column, so chunk c of it is one GEMM of those rows of A into
+        """The vendor producer of the reduce-scatter along rows: slice d is rows ``d * M/W ..`` of
+        the product, every column, so chunk c of it is one GEMM of those rows of A into
         ``partial[d][rows c]`` (the dest-major planes, which the puts and the reduce read as they
         are), then its counter released; every peer's slices before the own one, so the puts
-        start on the first. (The tile kernel walks column slices; a GEMM of row blocks is what
-        this pattern's slices are.)"""
+        start on the first. (The kernel producer walks the same slices' tiles in one launch:
+        ``fp8_gemm(slice_rows=)``.)"""
         self.counters.zero_()  # see the module note: consumed words, zero at the call's start
         self.schedule.begin(plan)
         gemm = self._rows_gemm(b_pre, b_scale)
@@ -481,9 +505,11 @@ class CudaBackend(Backend):
                 rank=self.rank, recv=sch.recv, gather=sch.gather, gather_scale=sch.gather_scale, out=reduce_into,
                 scatter_flags=sch.scatter_flags, scatter_m=sch.scatter_m, stamp=sch.stamp, status=sch.status,
                 ticket=sch.ticket)
+        by_rows = self.config.pattern_spec.owner_by == "rows"  # slices of A's rows, every column
         hopper_gemm.fp8_gemm(a, self._unshuffled(b_pre), a_scale, b_scale, quant=self.config.quant, out=self.partial,
                              fuse=True, tile_table=self._table(plan), counters=self.counters,
-                             tile_weight=self.tile_weight, config=self.fused_config, reduce=reduce, validated=True)
+                             tile_weight=self.tile_weight, config=self.fused_config, reduce=reduce,
+                             slice_rows=plan.slice_m if by_rows else None, validated=True)
 
     # ---- modes --------------------------------------------------------------------------------------
     def gemm(self, a, b_pre, a_scale, b_scale, *, out, plan):

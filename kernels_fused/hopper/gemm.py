@@ -231,6 +231,7 @@ def fp8_gemm(
     tile_weight: int = 1,
     config: GemmConfig | None = None,
     reduce: "ReduceEpilogue | None" = None,
+    slice_rows: int | None = None,
     validated: bool = False,
 ) -> torch.Tensor:
     """``dequant(a) @ dequant(b).T`` in bf16, on the current CUDA stream.
@@ -246,6 +247,9 @@ def fp8_gemm(
       after its tile is stored: 1 when ``config`` has the layout's tile, 2 when the kernel's tile is
       two layout tiles wide (the table then lists every other layout tile; see
       :func:`merge_tile_pairs`).
+    * ``fuse=True, slice_rows=R`` (the reduce-scatter along rows): the slices are row blocks, dest
+      d's the rows ``d*R .. d*R + R`` of the product, every column: ``out`` is [W, rows >= R, N]
+      and a table row's ``row0`` counts within dest's block.
     * ``config.launch="ws"`` (``fuse=False`` only; the ptpc default, which falls back to the grid
       kernel for an ``out`` a TMA descriptor cannot address): persistent warp-specialized programs;
       "ticket" / "persistent" (``fuse=False`` only): the ``lsa`` kernel on a world of one walks the
@@ -266,17 +270,28 @@ def fp8_gemm(
                          f"(launch='grid')")
     if reduce is not None and not fuse:
         raise ValueError(f"{fn}: reduce (the own tiles' epilogue reduce) needs fuse=True")
+    if slice_rows is not None and not fuse:
+        raise ValueError(f"{fn}: slice_rows (row slices of a tile table) needs fuse=True")
     red = None
     if fuse:
         if out is None or tile_table is None or counters is None:
             raise ValueError(f"{fn}: fuse=True needs out (the partial region), tile_table and counters")
         world = out.shape[0] if out.dim() == 3 else 0
-        if out.dtype != torch.bfloat16 or world < 1 or out.shape[2] * world != n or out.shape[1] < m \
-                or not out.is_contiguous():
+        if slice_rows is None:
+            if out.dtype != torch.bfloat16 or world < 1 or out.shape[2] * world != n or out.shape[1] < m \
+                    or not out.is_contiguous():
+                raise ValueError(
+                    f"{fn}: with fuse=True, out must be the contiguous bf16 partial region [W, rows >= {m}, "
+                    f"N/W] with W * N/W = {n}, got {out.dtype} {list(out.shape)}"
+                )
+        elif out.dtype != torch.bfloat16 or world < 1 or out.shape[2] != n or slice_rows < 1 \
+                or slice_rows * world != m or out.shape[1] < slice_rows or not out.is_contiguous():
             raise ValueError(
-                f"{fn}: with fuse=True, out must be the contiguous bf16 partial region [W, rows >= {m}, "
-                f"N/W] with W * N/W = {n}, got {out.dtype} {list(out.shape)}"
-            )
+                f"{fn}: with fuse=True and slice_rows={slice_rows}, out must be the contiguous bf16 partial "
+                f"region [W, rows >= slice_rows, N={n}] with W * slice_rows = M = {m}, got {out.dtype} "
+                f"{list(out.shape)}")
+        if slice_rows is not None and reduce is not None:
+            raise ValueError(f"{fn}: reduce (the all-reduce's own tiles) walks column slices, not slice_rows")
         if tile_table.dtype != torch.int32 or tile_table.dim() != 2 or tile_table.shape[1] != 4:
             raise ValueError(f"{fn}: tile_table must be int32 [T, 4], got {tile_table.dtype} {list(tile_table.shape)}")
         if counters.dtype != torch.int64 or counters.numel() < world * MAX_CHUNKS:
@@ -286,6 +301,8 @@ def fp8_gemm(
             raise ValueError(f"{fn}: block_n={cfg.block_n} must divide the column slice N/W={out.shape[2]}")
         grid = tile_table.shape[0]
         n_slice, dest_stride, stride_c = out.shape[2], out.stride(0), out.stride(1)
+        # a slice's origin: (dest * row_step, dest * col_step); its rows stop at rows_out
+        row_step, col_step, rows_out = (0, n_slice, m) if slice_rows is None else (slice_rows, 0, slice_rows)
         if reduce is not None:
             if reduce.gather_scale is not None and cfg.block_n % GATHER_GROUP:
                 raise ValueError(f"{fn}: the fp8 gather's epilogue reduce needs block_n={cfg.block_n} to be a "
@@ -319,6 +336,7 @@ def fp8_gemm(
             _walked(a, b, a_scale, b_scale, quant=quant, out=out, config=cfg)
             return out
         n_slice, dest_stride, stride_c = n, 0, out.stride(0)
+        row_step, col_step, rows_out = 0, 0, m
         tile_table = counters = b  # never read when FUSE is off; any pointer will do
 
     if red is None:  # unread without REDUCE
@@ -330,7 +348,7 @@ def fp8_gemm(
     a_src, b_src, a_scale, b_scale, strides = _operands(a, b, a_scale, b_scale, quant=quant, config=cfg)
     _kernels()[0][(grid,)](
         a_src, b_src, out, a_scale, b_scale, tile_table, counters, *red,
-        m, n, k, strides[0], strides[1], stride_c, n_slice, dest_stride, *strides[2:],
+        m, n, k, strides[0], strides[1], stride_c, n_slice, dest_stride, row_step, col_step, rows_out, *strides[2:],
         QUANT=QUANT_ID[quant], FUSE=bool(fuse), REDUCE=reduce is not None, USE_TMA=cfg.tma,
         MX_BF16=not _interpreting(), PRECISE_ACC=cfg.precise_acc,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,

@@ -112,7 +112,7 @@ def fp8_gemm_kernel(
     ticket_ptr, n_tiles, recv_ptr, gather_ptr, gscale_ptr, out_ptr, flag_ptr, scatter_m_ptr, stamp_ptr,
     status_ptr, rank, stride_out, scale_plane,
     # shape and strides -------------------------------------------------------------------------
-    M, N, K, stride_am, stride_bn, stride_cm, n_slice, dest_stride,
+    M, N, K, stride_am, stride_bn, stride_cm, n_slice, dest_stride, row_step, col_step, rows_out,
     stride_asm, stride_ask, stride_bsn, stride_bsk,
     # compile-time -------------------------------------------------------------------------------
     QUANT: tl.constexpr, FUSE: tl.constexpr, REDUCE: tl.constexpr, USE_TMA: tl.constexpr, MX_BF16: tl.constexpr,
@@ -127,29 +127,37 @@ def fp8_gemm_kernel(
     ``out`` and ``gather[rank]``. Then the counter add releases the tile. REDUCE claims entries from
     a ticket counter (the last claimant resets it), so a waiting program knows every earlier entry is
     held by a running one; peer tiles never wait, and every rank's peer tiles of a chunk precede its
-    own tiles of that chunk, so the waits always end."""
+    own tiles of that chunk, so the waits always end.
+
+    FUSE: a slice's origin in the product is ``(dest * row_step, dest * col_step)``: column slices
+    (the all-reduce, the reduce-scatter along columns: ``row_step`` 0, ``col_step`` N/W) or row
+    slices (the reduce-scatter along rows: ``row_step`` M/W, ``col_step`` 0), and a tile's rows
+    within its slice stop at ``rows_out`` (M, or the slice's M/W rows: the last m-tile of a slice
+    must not store the next slice's rows)."""
     pid = tl.program_id(0)
     if REDUCE:
         pid = _claim(ticket_ptr, n_tiles)
     if FUSE:
-        # one row of the layout's tile table: (chunk, dest, row0, col0 within dest's column slice)
+        # one row of the layout's tile table: (chunk, dest, row0, col0 within dest's slice)
         chunk = tl.load(tile_ptr + pid * 4)
         dest = tl.load(tile_ptr + pid * 4 + 1)
         # the hints keep the tile's stores vectorized (table entries are whole tiles)
         m0 = tl.multiple_of(tl.load(tile_ptr + pid * 4 + 2), BLOCK_M)
         c0 = tl.multiple_of(tl.load(tile_ptr + pid * 4 + 3), BLOCK_N)
-        n0 = dest * n_slice + c0
+        a_m0 = dest * row_step + m0  # the tile's first row of A
+        n0 = dest * col_step + c0
         c_ptr += dest.to(tl.int64) * dest_stride  # partial[dest] is [rows, n_slice]
     else:
         m0, n0 = _grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         c0 = n0
-    acc = _tile_acc(a_src, b_src, as_ptr, bs_ptr, m0, n0, M, N, K, stride_am, stride_bn,
+        a_m0 = m0
+    acc = _tile_acc(a_src, b_src, as_ptr, bs_ptr, a_m0, n0, M, N, K, stride_am, stride_bn,
                     stride_asm, stride_ask, stride_bsn, stride_bsk, QUANT, USE_TMA, MX_BF16, PRECISE_ACC,
                     BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BLOCK)
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_m = m0 + tl.arange(0, BLOCK_M)  # within the slice (FUSE), else of the product
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_c = c0 + tl.arange(0, BLOCK_N)
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    mask = (offs_m < rows_out)[:, None] & (offs_n < N)[None, :]
     local = offs_m[:, None].to(tl.int64) * stride_cm + offs_c[None, :]  # in a [rows, n_slice] plane (FUSE)
     if REDUCE:
         if dest == rank:

@@ -91,9 +91,10 @@ def _bytes(t: torch.Tensor) -> bytes:
 def test_arms_issue_the_backends_gemm_calls_and_pass_their_checks(monkeypatch, pattern, quant, world):
     """The pattern's arm issues exactly the vendor GEMM calls (operand bytes, rows, output address,
     accumulation, order) that the backend's own call issues on the same inputs: ``fused`` for the
-    reduce-scatter along rows, ``all_gather_gemm`` with the peers' rows in the window; ``whole`` is
-    one GEMM of every row. Each arm's output passes the benchmark's check, and a peer's rows
-    missing from the window fails it."""
+    reduce-scatter along rows (its vendor producer; the kernel producer's arm issues none, and the
+    rule's arm what ``rows_producer`` picks), ``all_gather_gemm`` with the peers' rows in the window;
+    ``whole`` is one GEMM of every row. Each arm's output passes the benchmark's check, and a peer's
+    rows missing from the window fails it."""
     from cco.bench.timing import gemm_mismatches
     from kernels_fused.hopper import vendor
     from tests.python.cco.test_dma_schedule import RANK, _host_backend, _Log
@@ -114,23 +115,33 @@ def test_arms_issue_the_backends_gemm_calls_and_pass_their_checks(monkeypatch, p
 
     monkeypatch.setattr(vendor, "vendor_gemm", recording)
     arms = sp.sp_arms(pattern, backend, sets, m, cpu)
-    assert list(arms) == ["whole", pattern]
+    assert list(arms) == (["whole", pattern, f"{pattern} kernel", f"{pattern} vendor"] if pattern == "rs-rows"
+                          else ["whole", pattern])
     idx = sp.check_rows(m)
     ref, dot_abs = sp.sampled_terms(sets[0], idx)
-    outputs = {}
+    outputs, issued = {}, {}
     for name, (call, read) in arms.items():
         calls.clear()
         outputs[name] = call(0)
         got, wrong = read(outputs[name], idx)
         assert gemm_mismatches(got, ref, dot_abs) == 0 and wrong == 0, name
+        issued[name] = list(calls)
         if name == "whole":
             assert [c[2:5:2] for c in calls] == [((m, cfg.k), (m, cfg.n))]
             whole_accum = calls[0][5]
-    arm_calls, calls[:] = list(calls), []
-    assert {c[5] for c in arm_calls} == {whole_accum}  # the baseline is the same GEMM recipe
-
+    calls.clear()
     rows = m if pattern == "rs-rows" else m // world
     plan = layout.plan_call(cfg, m=rows, seq=1, rank=RANK, counter_base=layout.zero_counters(world))
+    if pattern == "rs-rows":
+        from cco.backends.cuda import rows_producer
+
+        assert issued[f"{pattern} kernel"] == []  # one tile-table launch, no vendor GEMM
+        assert issued[pattern] == issued[f"{pattern} {rows_producer(cfg, m)}"]
+        arm_calls = issued[f"{pattern} vendor"]
+        backend.producer = "vendor"  # the backend's own call with the producer the arm compares
+    else:
+        arm_calls = issued[pattern]
+    assert {c[5] for c in arm_calls} == {whole_accum}  # the baseline is the same GEMM recipe
     assert len(arm_calls) == sp.gemm_count(pattern, world, plan.chunks)
     assert isinstance(sched.memops, sp.NoPeers) == (pattern == "ag")
     if pattern == "ag":  # the op's call as it runs with peers (the recorder's waits pass)
@@ -220,8 +231,9 @@ def test_measure_checks_and_records_every_shape_on_the_host(monkeypatch, capsys)
     assert [(r["pattern"], r["m"]) for r in runs] == [("rs-rows", 256), ("rs-rows", 512), ("ag", 256), ("ag", 512)]
     assert all(r["ratio"] == {"median": pytest.approx(1.2), "min": pytest.approx(1.1), "max": pytest.approx(1.3)}
                for r in runs)
-    assert [r["gemms"] for r in runs] == [2 * r["chunks"] if r["pattern"] == "rs-rows" else 1 + r["chunks"]
-                                          for r in runs]
+    # the reduce-scatter's rows at these M are few per chunk: the rule's kernel producer, one launch
+    assert [(r.get("producer"), r["gemms"]) for r in runs] == [
+        ("kernel", 1) if r["pattern"] == "rs-rows" else (None, 1 + r["chunks"]) for r in runs]
     assert sum("| 1.200x | 1.100-1.300" in line for line in out.splitlines()) == 4
     assert err.count("[") == 4 and "[4/4]" in err
     assert json.loads(json.dumps(runs))[0]["arms"]["whole"]["pass_us"] == [100.0] * 3

@@ -385,9 +385,10 @@ def _off(setup, out, seed, m, world) -> int:
     return fault_scenarios._wrong(out.cpu(), setup.reference(range(world), seed, m))
 
 
-def check_op(ctx, pattern, quant, mode, log):
+def check_op(ctx, pattern, quant, mode, log, producer=None):
     """One op of ``pattern`` (see the module note): calls of alternating M, a captured call replayed,
-    the self test; every rank's errors raised on every rank."""
+    the self test; every rank's errors raised on every rank. ``producer``: the CUDA backend's
+    producer forced (the reduce-scatter along rows: its rule picks the kernel at these sizes)."""
     from tests.python.cco import fault_scenarios
 
     comm, d, dev = ctx["comm"], ctx["op_dims"], ctx["comm"].device
@@ -398,6 +399,9 @@ def check_op(ctx, pattern, quant, mode, log):
     setup.rank = rank
     errors, seen = [], []
     with setup.op(comm) as op:
+        if producer is not None:
+            op._backend.producer = producer
+            seen.append(f"producer {producer}")
         for i, m in enumerate(rows):
             _poison(op)
             out = op(*setup.operands(rank, i, m))
@@ -480,6 +484,9 @@ def run_checks(comm, dims: dict, log, *, compile_quants=None, op_dims=None, op_q
                 for mode in ("fused", "split"):
                     checks.append((f"op {pattern} {quant} {mode}",
                                    lambda p=pattern, q=quant, m=mode: check_op(ctx, p, q, m, log)))
+                    if pattern == "reduce-scatter-rows" and comm.device.type == "cuda":  # the other producer
+                        checks.append((f"op {pattern} {quant} {mode} vendor producer",
+                                       lambda p=pattern, q=quant, m=mode: check_op(ctx, p, q, m, log, "vendor")))
     if only in (None, "layers"):
         checks.append(("verdicts", lambda: check_verdicts(ctx, log)))
         for quant in Q.QUANTS:

@@ -382,21 +382,27 @@ def _host_backend(monkeypatch, log, *, pattern, quant, mode="fused", world=WORLD
     return CudaBackend(config=cfg, comm=None, window=window, deadline_s=1.0), sched
 
 
+@pytest.mark.parametrize("producer", ["vendor", "kernel"])
 @pytest.mark.parametrize("quant, m", [("ptpc", M), ("blockscale", M), ("blockscale", 260), ("mxfp8", 130)],
                          ids=["ptpc", "blockscale-vendor", "blockscale-own-kernel", "mxfp8"])
-def test_cuda_backend_reduce_scatter_rows_produces_each_slice_from_its_rows_on_the_host(monkeypatch, quant, m):
+def test_cuda_backend_reduce_scatter_rows_produces_each_slice_from_its_rows_on_the_host(monkeypatch, quant, m,
+                                                                                       producer):
     """The reduce-scatter along rows on the CUDA backend, run on the host: slice d is rows
-    d*M/W.. of the product in ``partial[d]`` (one GEMM per (dest, chunk): the vendor GEMM, or the own
-    kernel where cuBLAS's blockwise recipe refuses the row count), every counter released once to
-    its target, the peers' slices before the own one; the reduce reads the dest-major planes."""
+    d*M/W.. of the product in ``partial[d]``, every counter at its target, the peers' slices before
+    the own one; the reduce reads the dest-major planes. The vendor producer: one GEMM per (dest,
+    chunk) (the own kernel where cuBLAS's blockwise recipe refuses the row count), each counter
+    released once by a write; the kernel producer (under Triton's interpreter): one tile-table
+    launch walking the row slices, whose tiles' adds reach the targets (no write releases them)."""
     from cco import quant as Q
     from cco.preshuffle import preshuffle_b
 
     log = _Log()
     backend, sched = _host_backend(monkeypatch, log, pattern="reduce-scatter-rows", quant=quant)
+    backend.producer = producer
     cfg = backend.config
     plan = layout.plan_call(cfg, m=m, seq=1, rank=RANK, counter_base=layout.zero_counters(WORLD))
     p = Q.random_problem(m, cfg.n, cfg.k, quant, seed=6)
+    backend.partial.fill_(float("nan"))
     backend.fused(p.a, preshuffle_b(p.b), p.a_scale, p.b_scale,
                   out=torch.zeros(*layout.out_shape(cfg, m), dtype=torch.bfloat16), plan=plan)
     sm, want = m // WORLD, p.reference()
@@ -406,7 +412,13 @@ def test_cuda_backend_reduce_scatter_rows_produces_each_slice_from_its_rows_on_t
     released = [op[2:] for op in log.ops if op[1] == "write" and op[2] in counter_words and op[3]]
     order = [(_addr(sched.counters, layout.counter_index(d, c)), plan.target(d, c))
              for d in layout.dest_order(RANK, WORLD) for c in range(plan.chunks)]
-    assert released == order  # the peers' slices first, each (dest, chunk) once
+    if producer == "vendor":
+        assert released == order  # the peers' slices first, each (dest, chunk) once
+    else:
+        assert released == [] and sched.counters.view(WORLD, layout.MAX_CHUNKS).tolist() == [
+            list(t) for t in plan.counter_targets]
+        table = backend._table(plan).tolist()
+        assert [row[1] for row in table] == sorted((row[1] for row in table), key=layout.dest_order(RANK, WORLD).index)
     reduce = [op[2:] for op in log.ops if op[1] == "reduce_kernel"]
     assert reduce == [(rows, sched.partial.data_ptr(), sched.partial.stride(), "no gather", 0) for rows in plan.rows]
 
@@ -429,6 +441,7 @@ def test_cuda_backend_reduce_scatter_rows_passes_cublas_aligned_ptpc_scales(monk
 
     log = _Log()
     backend, sched = _host_backend(monkeypatch, log, pattern="reduce-scatter-rows", quant="ptpc")
+    backend.producer = "vendor"  # the GEMMs per (dest, chunk) whose scale slices cuBLAS reads
     monkeypatch.setattr(torch, "_scaled_mm", like_cublas)
     cfg, m = backend.config, 6
     plan = layout.plan_call(cfg, m=m, seq=1, rank=RANK, counter_base=layout.zero_counters(WORLD))
