@@ -34,17 +34,16 @@ SHAPES = {  # name: (N, K)
 }
 
 
-def configs(quant: str, m: int, block_ns=(8, 16, 32)):
+def configs(quant: str, m: int):
     """(rows per program, BLOCK_N, BLOCK_K, num_warps, num_stages) tried for ``quant`` at ``m`` rows:
     the call's whole row block (``m``'s next power of two, at most 8) and, above one row, one row per
     program (the 2026-12-03 one-row config: the re-read baseline); ``BLOCK_K`` such that a thread's
-    accumulator holds 32 or 64 fp32 values (rows * BLOCK_N * BLOCK_K / threads). ``block_ns``: the
-    BLOCK_N tried."""
+    accumulator holds 32 or 64 fp32 values (rows * BLOCK_N * BLOCK_K / threads)."""
     from kernels_fused.hopper.decode import CONFIGS, GROUP
 
     rows = min(1 << max(0, m - 1).bit_length(), 8)
     out = [] if rows == 1 else [(1, *CONFIGS[quant][1])]
-    for block_n, warps in itertools.product(block_ns, (4, 8)):
+    for block_n, warps in itertools.product((8, 16, 32), (4, 8)):
         for per_thread in (32, 64):
             block_k = per_thread * 32 * warps // (rows * block_n)
             if GROUP[quant] <= block_k <= 2048 and not (quant == "blockscale" and 128 % block_n):
@@ -60,15 +59,11 @@ def parse_args(argv=None):
     p.add_argument("--graph-calls", type=int, default=10)
     p.add_argument("--passes", type=int, default=3)
     p.add_argument("--host", action="store_true")
-    p.add_argument("--block-n", default="8,16,32", help="BLOCK_N values swept")
-    p.add_argument("--one-row-default", action="store_true",
-                   help="at M = 1 time the default config only (tuned before), not the sweep")
     p.add_argument("--json")
     a = p.parse_args(argv)
     a.shapes = a.shapes.split(",")
     a.m = [int(v) for v in a.m.split(",")]
     a.quant = a.quant.split(",")
-    a.block_n = tuple(int(v) for v in a.block_n.split(","))
     return a
 
 
@@ -137,10 +132,7 @@ def main(argv=None) -> int:
                     a, s = quantize_activation(x, quant, k_padded=k, m_padded=rows_v)
                     return vendor.vendor_gemm(a, s, vw)
                 arms["quantizer + vendor GEMM"] = two_launches
-                sweep = configs(quant, m, args.block_n)
-                if m == 1 and args.one_row_default:
-                    sweep = [(1, *defaults[quant][1])]
-                for cfg in sweep:
+                for cfg in configs(quant, m):
                     with_config(cfg, quant)
                     try:
                         bad = gemm_mismatches(D.decode_gemm(x, wq, ws, quant, n=n), ref, dot_abs)
@@ -163,9 +155,6 @@ def main(argv=None) -> int:
                 row = {"shape": name, "n": n, "k": k, "m": m, "quant": quant, "us": timed, "best": best[1],
                        "best_us": best[0]}
                 out["rows"].append(row)
-                if args.json:  # after every (shape, quant, M): a run cut short keeps what it measured
-                    with open(args.json, "w") as f:
-                        json.dump(out, f, indent=1)
                 base = timed["nn.Linear bf16"]
                 print(f"{name:14s} M={m:3d} {quant:10s} bf16 {base:6.1f} | two launches "
                       f"{timed['quantizer + vendor GEMM']:6.1f} | best decode {best[0]:6.1f} ({best[0] / base:.2f}x) "
