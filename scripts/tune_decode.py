@@ -10,10 +10,8 @@ replaces (the activation quantizer, then the op's vendor GEMM); the best config 
 range) is what ``decode.py``'s constants should hold. Before timing, every (shape, M, quant) is
 checked against the fp32 product of the quantizer's operands (``cco.bench.timing.gemm_mismatches``:
 no output outside the fp8 GEMM's error budget) and the compiled-kernel launch against
-``JITFunction.run``'s (bit for bit), and every timed config against the same budget. ``--host`` adds
-the host us per eager call of ``F.linear``, the decode GEMM through either launch, and the layer
-(``RowParallelLinear``, world 1) through the decode GEMM and through the two launches, at the first
-shape and every M.
+``JITFunction.run``'s (bit for bit). ``--host`` adds the host us per eager call of ``F.linear``, the decode GEMM through
+either launch, and the layer (``RowParallelLinear``, world 1) at the first shape, M = 1.
 """
 
 from __future__ import annotations
@@ -34,21 +32,9 @@ SHAPES = {  # name: (N, K)
 }
 
 
-def configs(quant: str, m: int):
-    """(rows per program, BLOCK_N, BLOCK_K, num_warps, num_stages) tried for ``quant`` at ``m`` rows:
-    the call's whole row block (``m``'s next power of two, at most 8) and, above one row, one row per
-    program (the 2026-12-03 one-row config: the re-read baseline); ``BLOCK_K`` such that a thread's
-    accumulator holds 32 or 64 fp32 values (rows * BLOCK_N * BLOCK_K / threads)."""
-    from kernels_fused.hopper.decode import CONFIGS, GROUP
-
-    rows = min(1 << max(0, m - 1).bit_length(), 8)
-    out = [] if rows == 1 else [(1, *CONFIGS[quant][1])]
-    for block_n, warps in itertools.product((8, 16, 32), (4, 8)):
-        for per_thread in (32, 64):
-            block_k = per_thread * 32 * warps // (rows * block_n)
-            if GROUP[quant] <= block_k <= 2048 and not (quant == "blockscale" and 128 % block_n):
-                out.append((rows, block_n, block_k, warps, 3))
-    return out
+def configs(quant: str):
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) tried for ``quant``."""
+    return list(itertools.product((8, 16, 32), (512, 1024), (4, 8), (3,)))
 
 
 def parse_args(argv=None):
@@ -76,11 +62,10 @@ def graph_us(arms: dict, calls: int, passes: int) -> dict:
 
 
 def with_config(cfg, quant):
-    """Make ``cfg`` (rows, BLOCK_N, BLOCK_K, warps, stages) ``decode.py``'s only config for ``quant``
-    (new launches only: every call then takes ``rows`` rows per program)."""
+    """Set ``decode.py``'s constants to ``cfg`` for ``quant`` (new launches only)."""
     from kernels_fused.hopper import decode as D
 
-    D.CONFIGS[quant] = {cfg[0]: tuple(cfg[1:])}
+    D.BLOCK_N[quant], D.BLOCK_K[quant], D.NUM_WARPS[quant], D.NUM_STAGES[quant] = cfg[0], cfg[1], cfg[2], cfg[3]
     D._LAUNCHES.clear()
 
 
@@ -93,7 +78,7 @@ def main(argv=None) -> int:
     from kernels_fused.hopper.quantize import quantize_activation
 
     dev = torch.device("cuda")
-    defaults = {q: dict(c) for q, c in D.CONFIGS.items()}
+    defaults = (dict(D.BLOCK_N), dict(D.BLOCK_K), dict(D.NUM_WARPS), dict(D.NUM_STAGES))
     out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "gpu": torch.cuda.get_device_name(),
            "torch": torch.__version__, "rows": [], "checks": [], "host": {}}
     failures = 0
@@ -107,7 +92,9 @@ def main(argv=None) -> int:
             vw = vendor.prepare_weight(wq, ws, quant)
             for m in args.m:
                 x = torch.randn(m, k, device=dev).to(torch.bfloat16)
-                D.CONFIGS.update({q: dict(c) for q, c in defaults.items()})  # the defaults for the checks
+                # restore the defaults for the checks
+                for table, saved in zip((D.BLOCK_N, D.BLOCK_K, D.NUM_WARPS, D.NUM_STAGES), defaults):
+                    table.update(saved)
                 D._LAUNCHES.clear()
                 a, s = quantize_activation(x, quant, k_padded=k)
                 ad, wd = Q.dequantize_a(a, s, quant), Q.dequantize_b(wq, ws, quant)
@@ -132,20 +119,14 @@ def main(argv=None) -> int:
                     a, s = quantize_activation(x, quant, k_padded=k, m_padded=rows_v)
                     return vendor.vendor_gemm(a, s, vw)
                 arms["quantizer + vendor GEMM"] = two_launches
-                for cfg in configs(quant, m):
+                for cfg in configs(quant):
                     with_config(cfg, quant)
                     try:
-                        bad = gemm_mismatches(D.decode_gemm(x, wq, ws, quant, n=n), ref, dot_abs)
+                        D.decode_gemm(x, wq, ws, quant, n=n)
                         torch.cuda.synchronize()
                     except Exception as err:  # a config that does not compile (resources): recorded
                         out["rows"].append({"shape": name, "m": m, "quant": quant, "config": cfg,
                                             "error": f"{type(err).__name__}: {str(err)[:200]}"})
-                        continue
-                    if bad:  # every timed config computes the product, not only the default
-                        failures += 1
-                        out["checks"].append({"shape": name, "m": m, "quant": quant, "config": cfg,
-                                              "outside_budget": bad})
-                        print(f"BAD config {cfg}: {bad} outside the budget", flush=True)
                         continue
                     launch = D._LAUNCHES[next(iter(D._LAUNCHES))]
                     arms[f"decode {cfg}"] = (lambda launch=launch, x=x, wq=wq, ws=ws, n=n, m=m: launch(
@@ -159,7 +140,9 @@ def main(argv=None) -> int:
                 print(f"{name:14s} M={m:3d} {quant:10s} bf16 {base:6.1f} | two launches "
                       f"{timed['quantizer + vendor GEMM']:6.1f} | best decode {best[0]:6.1f} ({best[0] / base:.2f}x) "
                       f"{best[1]}", flush=True)
-    D.CONFIGS.update({q: dict(c) for q, c in defaults.items()})
+    # restore
+    for table, saved in zip((D.BLOCK_N, D.BLOCK_K, D.NUM_WARPS, D.NUM_STAGES), defaults):
+        table.update(saved)
     D._LAUNCHES.clear()
     if args.host:
         out["host"] = host_costs(args)
@@ -180,6 +163,7 @@ def host_costs(args) -> dict:
     dev = torch.device("cuda", torch.cuda.current_device())
     n, k = SHAPES[args.shapes[0]]
     w = (torch.randn(n, k, device=dev) / k ** 0.5).to(torch.bfloat16)
+    x = torch.randn(1, k, device=dev).to(torch.bfloat16)
     res = {}
     import os
     import tempfile
@@ -190,31 +174,25 @@ def host_costs(args) -> dict:
         wq, ws = Q.quantize_b(w.float(), quant)
         layer = RowParallelLinear(k, n, group=comm, quant=quant, m_max=256)
         layer.load_weight(w)
-        res[quant] = {}
-        for m in args.m:
-            x = torch.randn(m, k, device=dev).to(torch.bfloat16)
 
-            def layer_with(rows, layer=layer, x=x):
-                layer.decode_rows = rows
-                return layer(x)
-            arms = {"F.linear bf16": lambda x=x: torch.nn.functional.linear(x, w),
-                    "decode_gemm": lambda wq=wq, ws=ws, quant=quant, x=x: D.decode_gemm(x, wq, ws, quant, n=n),
-                    "layer, decode GEMM": lambda m=m: layer_with(m),
-                    "layer, quantizer + vendor GEMM": lambda: layer_with(0)}
-            with torch.no_grad():
-                t = time_back_to_back(arms, calls=200, passes=5)
-            D._LAUNCHES.clear()
-            D.FAST_LAUNCH = False
-            with torch.no_grad():
-                t2 = time_back_to_back({"decode_gemm via JITFunction.run": lambda wq=wq, ws=ws, quant=quant, x=x:
-                                        D.decode_gemm(x, wq, ws, quant, n=n)}, calls=200, passes=5)
-            D.FAST_LAUNCH = True
-            D._LAUNCHES.clear()
-            res[quant][m] = {a: {"host_us": v["host_us"], "wall_us": v["wall_us"]} for a, v in {**t, **t2}.items()}
-            print(quant, f"M={m}", json.dumps(res[quant][m]), flush=True)
+        arms = {"F.linear bf16": lambda: torch.nn.functional.linear(x, w),
+                "decode_gemm": lambda wq=wq, ws=ws, quant=quant: D.decode_gemm(x, wq, ws, quant, n=n),
+                "layer": lambda layer=layer: layer(x)}
+        with torch.no_grad():
+            t = time_back_to_back(arms, calls=200, passes=5)
+        D._LAUNCHES.clear()
+        D.FAST_LAUNCH = False
+        with torch.no_grad():
+            t2 = time_back_to_back({"decode_gemm via JITFunction.run": lambda wq=wq, ws=ws, quant=quant:
+                                    D.decode_gemm(x, wq, ws, quant, n=n)}, calls=200, passes=5)
+        D.FAST_LAUNCH = True
+        D._LAUNCHES.clear()
+        res[quant] = {a: {"host_us": v["host_us"], "wall_us": v["wall_us"]} for a, v in {**t, **t2}.items()}
+        print(quant, json.dumps(res[quant]), flush=True)
         layer.close()
     comm.close()
     return res
+
 
 if __name__ == "__main__":
     sys.exit(main())

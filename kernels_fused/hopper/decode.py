@@ -9,12 +9,11 @@ Unfused equivalent (``cco.nn`` layers at world 1, or the local GEMM of a column-
 At decode sizes (M of a few rows) both launches are tiny and the host's time to issue them is the
 call's time in an eager model; cuBLAS's fp8 GEMMs there read the weight no faster than its bf16
 GEMV reads twice the bytes (docs/decode.md). Here one Triton program per ``BLOCK_N`` output
-features and block of activation rows quantizes those rows itself (the quantizer's bytes; ptpc
-first takes each row's amax over K, re-read from L2 by every program) and streams its weight rows
-through CUDA-core FMAs, each weight element read and converted once for all of the block's rows, so
-the call costs one launch and about one read of the fp8 weight. Every program re-quantizes its rows
-and the FMAs grow with the rows, so the kernel pays only for a few rows: ``DECODE_MAX_M`` per
-quant. (A tensor-core version, 16-row tiles with the activations
+features and activation row quantizes that row itself (the quantizer's bytes; ptpc first takes the
+row's amax over K, re-read from L2 by every program) and streams its weight rows through CUDA-core
+FMAs, so the call costs one launch and about the fp8 weight's read per row. Every row re-reads the
+weight (from L2, mostly) and every program re-quantizes its row, so the kernel pays only for a few
+rows: ``DECODE_MAX_M`` per quant. (A tensor-core version, 16-row tiles with the activations
 quantized per program, ran 3-9x slower than the two launches on an H200: the per-program
 quantization of 16 padded rows cost more than the weight's read; docs/decode.md.)
 
@@ -38,31 +37,18 @@ from kernels_fused.hopper.quantize import _interpreting, _pow2, check_rows
 # Calls of at most this many rows take the decode GEMM (the layers' rule, cco.nn.parallel_linear);
 # more rows go to the quantizer + vendor GEMM. scripts/tune_decode.py on one H200 (2026-12-03,
 # docs/decode.md), device us per call under graph replay against bf16 nn.Linear's: at M = 1 0.66-0.85x
-# (8B down / o_proj, 70B down; every quant); at M = 4, one program per row, 1.8-3.2x (each row
-# re-read the weight from DRAM), so one row until a program took several rows (ROWS below).
+# (8B down / o_proj, 70B down; every quant), at M = 4 1.8-3.2x (each row re-reads the weight), so one row.
 DECODE_MAX_M = {"ptpc": 1, "blockscale": 1, "mxfp8": 1}
-# Per quant and rows per program (a power of two; a call of M rows takes the largest that is at most
-# M's next power of two): (BLOCK_N output features per program, BLOCK_K columns per step in groups
-# of the format's scale group GROUP, warps, stages). One program per BLOCK_N features and row block:
-# no split of K, so no second pass. The one-row configs are the best of the 2026-12-03 run; a
-# program's accumulator holds rows * BLOCK_N * BLOCK_K fp32 values, so more rows take a shorter step.
-CONFIGS = {
-    "ptpc": {1: (16, 1024, 8, 3), 2: (16, 512, 8, 3), 4: (16, 256, 8, 3), 8: (16, 128, 8, 3)},
-    "blockscale": {1: (16, 1024, 8, 3), 2: (16, 512, 8, 3), 4: (16, 256, 8, 3), 8: (16, 128, 8, 3)},
-    "mxfp8": {1: (8, 1024, 4, 3), 2: (8, 512, 4, 3), 4: (8, 256, 4, 3), 8: (8, 128, 4, 3)},
-}
+# Per quant, the best M = 1 config of that run: BLOCK_N output features per program (one program per
+# BLOCK_N and row: no split of K, so no second pass); BLOCK_K columns per step, in groups of the
+# format's scale group (GROUP); warps. ROW_K: ptpc's amax load.
+BLOCK_N = {"ptpc": 16, "blockscale": 16, "mxfp8": 8}
+BLOCK_K = {"ptpc": 1024, "blockscale": 1024, "mxfp8": 1024}
 GROUP = {"ptpc": SCALE_BLOCK, "blockscale": SCALE_BLOCK, "mxfp8": 32}
-ROW_K = 4096  # ptpc's amax load: ROW_K // rows columns of each row per load
+ROW_K = 4096
+NUM_WARPS = {"ptpc": 8, "blockscale": 8, "mxfp8": 4}
+NUM_STAGES = {"ptpc": 3, "blockscale": 3, "mxfp8": 3}
 _QUANT_CODE = {"ptpc": 0, "blockscale": 1, "mxfp8": 2}
-
-
-def rows_per_program(quant: str, m: int) -> int:
-    """The rows one program of a call of ``m`` rows takes: ``m``'s next power of two, at most the
-    largest of ``CONFIGS[quant]``."""
-    rows = _pow2(m)
-    while rows not in CONFIGS[quant]:
-        rows //= 2
-    return rows
 
 
 @functools.cache
@@ -72,11 +58,10 @@ def _kernel():
     return decode_kernels.decode_gemv_kernel
 
 
-def block_k(quant: str, k_padded: int, rows: int = 1) -> int:
-    """The K step of ``quant`` at ``rows`` rows per program for a weight of ``k_padded`` columns (a
-    multiple of 128): the config's step where it divides ``k_padded``, else the largest power of two
-    times 128 that does."""
-    step = CONFIGS[quant][rows][1]
+def block_k(quant: str, k_padded: int) -> int:
+    """The K step of ``quant`` for a weight of ``k_padded`` columns (a multiple of 128): the
+    format's step where it divides ``k_padded``, else the largest power of two times 128 that does."""
+    step = BLOCK_K[quant]
     while k_padded % step:
         step //= 2
     return max(step, GROUP[quant])
@@ -138,18 +123,16 @@ class _Launch:
     __slots__ = ("grid", "ints", "consts", "options", "fast")
 
     def __init__(self, m: int, k: int, k_padded: int, n: int, quant: str, has_bias: bool):
-        rows = rows_per_program(quant, m)
-        block_n, _, warps, stages = CONFIGS[quant][rows]
+        block_n = BLOCK_N[quant]
         if quant == "blockscale" and SCALE_BLOCK % block_n:  # a program's rows share one weight scale block
             raise ValueError(f"decode_gemm: BLOCK_N={block_n} must divide {SCALE_BLOCK} for blockscale")
-        # the row blocks of one weight block are adjacent programs: they read it from L2 after the first
-        self.grid = (-(-m // rows), -(-n // block_n))
+        self.grid = (-(-n // block_n), m)
         self.ints = (m, n, k, k_padded)
         group = GROUP[quant]
-        # QUANT, HAS_BIAS, ROWS, BLOCK_N, G, GS, ROW_K, ROUND_IN_FP32: the kernel's constexprs, in its order
-        self.consts = (_QUANT_CODE[quant], has_bias, rows, block_n, block_k(quant, k_padded, rows) // group, group,
-                       min(max(ROW_K // rows, 128), _pow2(k)), _interpreting())
-        self.options = dict(num_warps=warps, num_stages=stages)
+        # QUANT, HAS_BIAS, BLOCK_N, G, GS, ROW_K, ROUND_IN_FP32: the kernel's constexprs, in its order
+        self.consts = (_QUANT_CODE[quant], has_bias, block_n, block_k(quant, k_padded) // group, group,
+                       min(ROW_K, _pow2(k)), _interpreting())
+        self.options = dict(num_warps=NUM_WARPS[quant], num_stages=NUM_STAGES[quant])
         self.fast = None
 
     def __call__(self, x, row_stride, w, w_scale, bias, out) -> None:
@@ -168,4 +151,4 @@ class _Launch:
 # through ``JITFunction.run`` (tests compare the two).
 FAST_LAUNCH = os.environ.get("CCO_DECODE_FAST_LAUNCH", "1") != "0"
 
-__all__ = ["CONFIGS", "DECODE_MAX_M", "block_k", "check_operands", "decode_gemm", "rows_per_program"]
+__all__ = ["DECODE_MAX_M", "block_k", "check_operands", "decode_gemm"]

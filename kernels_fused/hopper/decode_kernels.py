@@ -1,7 +1,7 @@
 """Device code of the decode GEMM (host side: ``kernels_fused.hopper.decode``).
 
-One launch per call: each program quantizes a few activation rows itself (the bytes of the activation
-quantizer, ``quantize_kernels``) and multiplies them by ``BLOCK_N`` rows of the fp8 weight, so at
+One launch per call: each program quantizes one activation row itself (the bytes of the activation
+quantizer, ``quantize_kernels``) and multiplies it by ``BLOCK_N`` rows of the fp8 weight, so at
 decode sizes the call reads the weight in fp8 and the host issues one launch instead of the
 quantizer's and the GEMM's. Imported only when the kernel runs, so ``import kernels_fused``
 needs no triton.
@@ -25,80 +25,70 @@ def _to_bf16(v, ROUND_IN_FP32: tl.constexpr):
 
 @triton.jit
 def decode_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, K_PAD, stride_x, stride_ws, tiny, fp8_max,
-                       QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                       G: tl.constexpr, GS: tl.constexpr, ROW_K: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+                       QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
+                       GS: tl.constexpr, ROW_K: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
     """``out[m, n] = bf16(dequant(quant(x))[m, :] @ dequant(w)[n, :]) (+ bias[n], rounded again)`` for
-    the ``ROWS`` rows ``m`` and the ``BLOCK_N`` features ``n`` of program ``(row block, n block)``.
+    the row ``m`` and the ``BLOCK_N`` features ``n`` of program ``(n block, m)``.
 
     ``x`` [M, K] any float (row stride ``stride_x``; columns ``K..K_PAD`` read as zeros, the weight's
-    padding; rows past ``M`` as zero rows, never stored); ``w`` e4m3 [>= N, K_PAD] row-major; ``ws``
-    the weight's scales in ``cco.quant``'s layout (ptpc [N]; blockscale [N/128, K/128] with row stride
-    ``stride_ws``; mxfp8 e8m0 bits [N, K/32]). A step reads ``G`` groups of ``GS`` columns (the
-    format's scale group: blockscale 128, mxfp8 32; ptpc any): the rows' ``[ROWS, G, GS]`` and the
-    weight's ``[BLOCK_N, G, GS]``, so every scale is a broadcast along the last axis and nothing is
-    reshaped; ``G * GS`` divides ``K_PAD``. Blockscale: ``BLOCK_N`` divides 128 (a program's rows
-    share their scale blocks).
+    padding); ``w`` e4m3 [>= N, K_PAD] row-major; ``ws`` the weight's scales in ``cco.quant``'s layout
+    (ptpc [N]; blockscale [N/128, K/128] with row stride ``stride_ws``; mxfp8 e8m0 bits [N, K/32]).
+    A step reads ``G`` groups of ``GS`` columns (the format's scale group: blockscale 128, mxfp8 32;
+    ptpc any): the row's ``[G, GS]`` and the weight's ``[BLOCK_N, G, GS]``, so every scale is a
+    broadcast along the last axis and nothing is reshaped; ``G * GS`` divides ``K_PAD``. Blockscale:
+    ``BLOCK_N`` divides 128 (a program's rows share their scale blocks).
 
-    The rows are quantized as ``kernels_fused.hopper.quantize`` quantizes them (ptpc: each row's
-    amax over all of K first, ``ROW_K`` columns per load; the group formats per group, in the step
-    that reads it; the same IEEE divisions and roundings) and dequantized as
-    ``cco.quant.dequantize_a`` does (e4m3 value times its scale, in fp32; blockscale folds the
-    weight block's scale in too, ptpc applies both scales to the sum). CUDA-core FMAs in fp32
-    accumulate per lane across the steps, summed once at the end: at a few rows the weight's read is
-    the cost, which tensor cores do not shorten. A program takes ``ROWS`` rows so that each weight
-    step is read and converted once for all of them (the row's dimension is added in front of the
-    weight's tile, so a thread holds every row's product of its weight elements); the row blocks of
-    one weight block are the adjacent programs (``program_id(0)``), so where ``M > ROWS`` the others
-    find the weight in L2."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    r_ok = rows < M
-    n_block = tl.program_id(1)
-    cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    The row is quantized as ``kernels_fused.hopper.quantize`` quantizes it (ptpc: the row's amax
+    over all of K first, ``ROW_K`` columns per load; the group formats per group, in the step that
+    reads it; the same IEEE divisions and roundings) and dequantized as ``cco.quant.dequantize_a``
+    does (e4m3 value times its scale, in fp32; blockscale folds the weight block's scale in too,
+    ptpc applies both scales to the sum). CUDA-core FMAs in fp32 accumulate per lane across the
+    steps, summed once at the end: at one row the weight's read is the cost, which tensor cores do
+    not shorten."""
+    row = tl.program_id(1).to(tl.int64)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = cols < N
     g_idx = tl.arange(0, G)
     k_in = g_idx[:, None] * GS + tl.arange(0, GS)[None, :]  # [G, GS]: a step's columns
-    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x  # [ROWS, 1]
+    x_row = x_ptr + row * stride_x
     w_rows = w_ptr + cols.to(tl.int64)[:, None, None] * K_PAD + k_in[None, :, :]
     w_mask = n_ok[:, None, None]
-    acc = tl.zeros((ROWS, BLOCK_N, G, GS), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, G, GS), dtype=tl.float32)
     if QUANT == 0:
-        r = tl.arange(0, ROW_K)[None, :]
-        amax = tl.max(tl.abs(tl.load(x_rows + r, mask=r_ok[:, None] & (r < K), other=0.0).to(tl.float32)), axis=1)
+        r = tl.arange(0, ROW_K)
+        amax = tl.max(tl.abs(tl.load(x_row + r, mask=r < K, other=0.0).to(tl.float32)), axis=0)
         for k0 in range(ROW_K, K, ROW_K):
-            v = tl.load(x_rows + k0 + r, mask=r_ok[:, None] & (k0 + r < K), other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
-        sa = _div_rn(tl.maximum(amax, tiny), tl.zeros_like(amax) + fp8_max)  # [ROWS]
+            v = tl.load(x_row + k0 + r, mask=k0 + r < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(v), axis=0))
+        sa = tl.div_rn(tl.maximum(amax, tiny), fp8_max)
     for k0 in range(0, K_PAD, G * GS):
-        x = tl.load(x_rows[:, :, None] + k0 + k_in[None, :, :], mask=r_ok[:, None, None] & (k0 + k_in < K)[None, :, :],
-                    other=0.0).to(tl.float32)  # [ROWS, G, GS]
+        x = tl.load(x_row + k0 + k_in, mask=k0 + k_in < K, other=0.0).to(tl.float32)  # [G, GS]
         if QUANT == 0:
-            a = _to_e4m3(tl.clamp(_div_rn(x, sa[:, None, None]), -fp8_max, fp8_max), ROUND_IN_FP32).to(tl.float32)
+            a = _to_e4m3(tl.clamp(_div_rn(x, sa), -fp8_max, fp8_max), ROUND_IN_FP32).to(tl.float32)
         elif QUANT == 1:
-            g_amax = tl.max(tl.abs(x), axis=2)  # [ROWS, G]
-            s_g = _div_rn(tl.maximum(g_amax, tiny), tl.zeros_like(g_amax) + fp8_max)
-            q = _to_e4m3(tl.clamp(_div_rn(x, s_g[:, :, None]), -fp8_max, fp8_max), ROUND_IN_FP32).to(tl.float32)
-            sb = tl.load(ws_ptr + (n_block * BLOCK_N // 128) * stride_ws + k0 // 128 + g_idx)
-            a = q * s_g[:, :, None] * sb[None, :, None]
+            s_g = _div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), tiny), tl.zeros((G,), dtype=tl.float32) + fp8_max)
+            q = _to_e4m3(tl.clamp(_div_rn(x, s_g[:, None]), -fp8_max, fp8_max), ROUND_IN_FP32).to(tl.float32)
+            sb = tl.load(ws_ptr + (tl.program_id(0) * BLOCK_N // 128) * stride_ws + k0 // 128 + g_idx)
+            a = q * s_g[:, None] * sb[:, None]
         else:
-            g_amax = tl.max(tl.abs(x), axis=2)
-            ratio = _div_rn(tl.maximum(g_amax, tiny), tl.zeros_like(g_amax) + fp8_max)
+            ratio = _div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), tiny), tl.zeros((G,), dtype=tl.float32) + fp8_max)
             bits = ratio.to(tl.int32, bitcast=True)
             exp = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # ceil(log2(ratio))
             inv = ((127 - exp) << 23).to(tl.float32, bitcast=True)  # 2**-exp, exact
             up = ((127 + exp) << 23).to(tl.float32, bitcast=True)  # 2**exp: the dequantized value, exact
-            q = _to_e4m3(tl.clamp(x * inv[:, :, None], -fp8_max, fp8_max), ROUND_IN_FP32).to(tl.float32)
-            a = q * up[:, :, None]
+            q = _to_e4m3(tl.clamp(x * inv[:, None], -fp8_max, fp8_max), ROUND_IN_FP32).to(tl.float32)
+            a = q * up[:, None]
         w = tl.load(w_rows + k0, mask=w_mask, other=0.0).to(tl.float32)  # [BLOCK_N, G, GS]
         if QUANT == 2:  # the weight's own e8m0 exponents, per feature and group: 2**(e - 127)
             e_w = tl.load(ws_ptr + cols[:, None] * (K_PAD // 32) + (k0 // 32 + g_idx)[None, :], mask=n_ok[:, None],
                           other=127).to(tl.int32)
             w = w * (e_w << 23).to(tl.float32, bitcast=True)[:, :, None]
-        acc += w[None, :, :, :] * a[:, None, :, :]
-    out = tl.sum(tl.sum(acc, axis=3), axis=2)  # [ROWS, BLOCK_N]
+        acc += w * a[None, :, :]
+    out = tl.sum(tl.sum(acc, axis=2), axis=1)
     if QUANT == 0:
-        out = out * sa[:, None] * tl.load(ws_ptr + cols, mask=n_ok, other=0.0)[None, :]
+        out = out * sa * tl.load(ws_ptr + cols, mask=n_ok, other=0.0)
     out = _to_bf16(out, ROUND_IN_FP32)
     if HAS_BIAS:  # the layer's ``out += bias`` on the rounded product: rounded again
-        out = _to_bf16(out.to(tl.float32) + tl.load(bias_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)[None, :],
+        out = _to_bf16(out.to(tl.float32) + tl.load(bias_ptr + cols, mask=n_ok, other=0.0).to(tl.float32),
                        ROUND_IN_FP32)
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], out, mask=r_ok[:, None] & n_ok[None, :])
+    tl.store(out_ptr + row * N + cols, out, mask=n_ok)
