@@ -120,14 +120,22 @@ DMA_PRODUCER = {
     "blockscale": ((1024, "kernel"), (None, "vendor")),
     "mxfp8": ((1024, "kernel"), (2048, "vendor"), (4096, "kernel"), (None, "vendor")),
 }
-# the reduce-scatter along rows (``_produce_rows``), per quant as ((largest rows of one chunk's GEMM,
+# the reduce-scatter along rows (``_produce``), per quant as ((largest rows of one chunk's GEMM,
 # producer), ...): the vendor producer issues W * C GEMMs of M / (W C) rows, which fill the GPU
-# worse the fewer rows each has; the kernel producer is one tile-table launch whatever W and C.
-# Set from scripts/bench_sp_parts.py (docs/BENCHMARKS.md, "Sequence parallelism on one GPU").
+# worse the fewer rows each has; the kernel producer is one tile-table launch whatever W and C, but
+# its GEMM is the own Triton kernel (blockscale's runs ~1.6-1.7x of cuBLAS's whole GEMM here).
+# Measured on one H200 (2026-12-03 11:35 UTC, scripts/bench_sp_parts.py --pattern rs-rows --tp 2,4,8
+# -m 4096,16384, docs/results/2026-12-03_sp_rs_rows_producers_h200.json): time until every slice is
+# released over the whole vendor GEMM, kernel / vendor, Llama-3-70B and DeepSeek-V3 down_proj:
+#   rows of a chunk   128                    256                    512                      1024+
+#   ptpc              1.25-1.32 / 2.01-2.51  1.15-1.20 / 1.28-1.35  1.08-1.29 / 1.14-1.26    1.09-1.20 / 1.01-1.11
+#   blockscale        1.08-1.68 / 1.78-1.95  1.70 / 1.20-1.24       1.06-1.72 / 1.06-1.18    1.57-1.63 / 1.01-1.15
+#   mxfp8             1.27-1.29 / 1.81-1.94  1.23-1.28 / 1.17-1.24  1.07-1.25 / 1.00-1.12    1.06-1.23 / 0.97-1.03
+# (ptpc at 512 rows: the kernel wins three of the four cells, by up to 0.12; vendor the fourth by 0.08.)
 RS_ROWS_PRODUCER = {
     "ptpc": ((512, "kernel"), (None, "vendor")),
-    "blockscale": ((256, "kernel"), (None, "vendor")),
-    "mxfp8": ((512, "kernel"), (None, "vendor")),
+    "blockscale": ((128, "kernel"), (None, "vendor")),
+    "mxfp8": ((128, "kernel"), (None, "vendor")),
 }
 PRODUCERS = ("kernel", "vendor")
 LSA_LAUNCH = "ticket"  # GemmConfig.launch of the lsa kernel (docs/experiments.md compares the choices)

@@ -388,7 +388,8 @@ def _off(setup, out, seed, m, world) -> int:
 def check_op(ctx, pattern, quant, mode, log, producer=None):
     """One op of ``pattern`` (see the module note): calls of alternating M, a captured call replayed,
     the self test; every rank's errors raised on every rank. ``producer``: the CUDA backend's
-    producer forced (the reduce-scatter along rows: its rule picks the kernel at these sizes)."""
+    producer forced (the reduce-scatter along rows: its rule picks by the rows of a chunk, the kernel
+    producer for the small calls here)."""
     from tests.python.cco import fault_scenarios
 
     comm, d, dev = ctx["comm"], ctx["op_dims"], ctx["comm"].device
