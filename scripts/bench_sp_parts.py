@@ -10,11 +10,14 @@ window local (``scripts.bench_gemm.local_window``), the op's own config for the 
 (its tile, chunks, producer streams). The arms call the backend's own methods, so they issue what
 a call issues:
 
-- ``rs-rows``: the producer of the reduce-scatter along rows (``CudaBackend._produce``, i.e.
-  ``_produce_rows``): counters zeroed, the call's stamp, one vendor GEMM per (owner, chunk) of A's
+- ``rs-rows``: the producer of the reduce-scatter along rows (``CudaBackend._produce``) as the
+  backend's rule picks it (``RS_ROWS_PRODUCER``, by the rows of a chunk), and each producer forced:
+  ``rs-rows vendor`` (counters zeroed, the call's stamp, one vendor GEMM per (owner, chunk) of A's
   rows into ``partial[owner]``, the peers' slices first, each followed by its counter's release,
-  dealt to ``cco.cuda.dma.PRODUCER_STREAMS`` streams; W*C GEMMs of M/(W*C) rows. Timed until every
-  slice is released. The puts to the peers are not issued: one GPU has no link to time them on.
+  dealt to ``cco.cuda.dma.PRODUCER_STREAMS`` streams; W*C GEMMs of M/(W*C) rows) and ``rs-rows
+  kernel`` (one tile-table launch of the own Triton GEMM walking the row slices, each tile's add
+  releasing its counter). Timed until every slice is released. The puts to the peers are not
+  issued: one GPU has no link to time them on. The line shows the rule's arm, then both producers.
 - ``ag``: the all-gather's call (``CudaBackend.all_gather_gemm``) with the peers' rows already in
   the window's slots: the own rows copied into the own slot and their GEMM, then the GEMM of each
   peer's chunk in the order its flag would arrive (1 + (W-1)*C GEMMs), the stamp check. The puts
