@@ -266,7 +266,6 @@ def gemm_count(pattern: str, world: int, chunks: int, producer: str = "vendor") 
     return 1 + (world - 1) * chunks
 
 
-
 def run_shape(args, backend, pattern, sets, m, dev, label) -> dict:
     """One (pattern, quant, shape, M, W): the arms checked, timed and printed; the record."""
     from cco.bench.timing import gemm_mismatches, graphed, per_pass_ratio, time_arms
