@@ -10,10 +10,11 @@ convention: rank r holds rows r*M/W..(r+1)*M/W of the flattened activations)::
 The rows travel in fp8 with their scales (half the bytes of a bf16 gather). The transport puts each
 chunk of this rank's rows into every peer's ``a_rows[rank]`` slot (``cco.layout``; the copier on the
 ``dma`` transport, the producer's own stores on ``lsa``) while the GEMM runs on the own rows, then on
-each peer's chunk as soon as its flag says it landed::
+each peer's chunks as soon as their flags say they landed, a GEMM per group of a peer's consecutive
+chunks (``cco.backends.cuda.AG_CONSUMER_ROWS``: fewer, fuller GEMMs where chunks are small)::
 
     puts     |c0 -> peers |c1 -> peers |c2 ...|
-    GEMM     |own rows ...........|peer c0|peer c1|peer c2 ...|
+    GEMM     |own rows ...........|peer c0|peer c1|peer c2 ...|      (a group per chunk)
 
 ``mode="split"`` waits for every rank's rows before the GEMM (the baseline). With one rank the
 gather is the identity and a call is the plain GEMM.

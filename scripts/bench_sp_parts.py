@@ -19,9 +19,11 @@ a call issues:
   releasing its counter). Timed until every slice is released. The puts to the peers are not
   issued: one GPU has no link to time them on. The line shows the rule's arm, then both producers.
 - ``ag``: the all-gather's call (``CudaBackend.all_gather_gemm``) with the peers' rows already in
-  the window's slots: the own rows copied into the own slot and their GEMM, then the GEMM of each
-  peer's chunk in the order its flag would arrive (1 + (W-1)*C GEMMs), the stamp check. The puts
-  and the waits for the peers' flags are dropped (:class:`NoPeers`): no peer sends them here.
+  the window's slots: the own rows copied into the own slot and their GEMM, then a GEMM per group of
+  each peer's consecutive chunks in the order their flags would arrive (``AG_CONSUMER_ROWS``, the
+  rule), the stamp check; and both ends forced: ``ag chunks`` a GEMM per chunk (1 + (W-1)*C GEMMs),
+  ``ag sources`` a GEMM per peer (1 + (W-1)). The puts and the waits for the peers' flags are dropped
+  (:class:`NoPeers`): no peer sends them here.
 - ``whole``: one vendor GEMM of all M rows (the backend's prepared weight and accumulation), the
   baseline of both; where ``vendor.takes_rows`` keeps a shape off cuBLAS (blockscale at a K of
   ceil(K/128) % 4 != 0: DeepSeek-V3's down projection at TP 8, K = 2304), the plain GEMM the library
@@ -54,7 +56,7 @@ import torch
 
 from cco import layout
 from cco import quant as Q
-from cco.backends.cuda import PRODUCERS, rows_producer
+from cco.backends.cuda import AG_CONSUMER_ROWS, PRODUCERS, consumer_groups, rows_producer
 
 MODELS = {"llama3-70b": (8192, 28672), "deepseek-v3": (7168, 18432)}  # (hidden, intermediate) of the MLP
 PATTERNS = {"rs-rows": "reduce-scatter-rows", "ag": "all-gather"}  # this script's names -> cco's
@@ -249,21 +251,35 @@ def sp_arms(pattern: str, backend, sets: list[Q.Problem], m: int, dev) -> dict:
     own = [rows_of(p, rank * rows, (rank + 1) * rows) for p in sets]
     out = torch.empty(m, cfg.n, dtype=torch.bfloat16, device=dev)
 
-    def ag(i):
-        p = own[i]
-        backend.all_gather_gemm(p.a, p.b, p.a_scale, p.b_scale, out=out, plan=plan)
-        return out
+    def consuming(least):
+        def ag(i):
+            p, backend.consumer_rows = own[i], least
+            try:
+                backend.all_gather_gemm(p.a, p.b, p.a_scale, p.b_scale, out=out, plan=plan)
+            finally:
+                backend.consumer_rows = None
+            return out
+        return ag
 
-    arms[pattern] = (ag, lambda got, idx: (got[idx], 0))
+    # the rule's groups (AG_CONSUMER_ROWS), and both ends forced: the rule's data
+    for name, least in CONSUMERS.items():
+        arms[f"{pattern} {name}".strip()] = (consuming(least), lambda got, idx: (got[idx], 0))
     return arms
 
 
-def gemm_count(pattern: str, world: int, chunks: int, producer: str = "vendor") -> int:
+# the all-gather's arms: the consumer's least rows a GEMM (CudaBackend.consumer_rows): the rule's, a
+# GEMM per chunk, a GEMM per source (all its chunks: more rows than any call has)
+CONSUMERS = {"": None, "chunks": 1, "sources": 1 << 40}
+
+
+def gemm_count(pattern: str, world: int, chunks, producer: str = "vendor", quant: str = "ptpc") -> int:
     """GEMM launches one call of the pattern's arm issues (``cco.backends.cuda``): the reduce-scatter's
-    vendor producer one per (owner, chunk), its kernel producer one."""
+    vendor producer one per (owner, chunk), its kernel producer one; the all-gather's consumer one
+    for the own rows and one per group of each peer's chunks (``consumer_groups`` of ``chunks``,
+    the call's ``CallPlan.rows``, at ``AG_CONSUMER_ROWS``)."""
     if pattern == "rs-rows":
-        return world * chunks if producer == "vendor" else 1
-    return 1 + (world - 1) * chunks
+        return world * len(chunks) if producer == "vendor" else 1
+    return 1 + (world - 1) * len(consumer_groups(chunks, AG_CONSUMER_ROWS[quant]))
 
 
 def run_shape(args, backend, pattern, sets, m, dev, label) -> dict:
@@ -331,9 +347,9 @@ def measure(args, dev) -> list[dict]:
         for m in args.m if full is not None else ():
             done += 1
             print(f"[{done}/{total}] {pattern} {quant} {label['shape']} M={m}", file=sys.stderr, flush=True)
-            chunks = layout.call_chunks(cfg, m if pattern == "rs-rows" else m // tp)
+            chunks = layout.chunk_rows(cfg, m if pattern == "rs-rows" else m // tp)
             producer = rows_producer(cfg, m) if pattern == "rs-rows" else "vendor"
-            shape = {**label, "chunks": chunks, "gemms": gemm_count(pattern, tp, chunks, producer)}
+            shape = {**label, "chunks": len(chunks), "gemms": gemm_count(pattern, tp, chunks, producer, quant)}
             if pattern == "rs-rows":
                 shape["producer"] = producer
             try:  # a failure (cuBLAS refusing a call, memory) ends this shape only

@@ -56,8 +56,9 @@ Patterns (``cco.layout.PATTERNS``; ``cco.cuda.dma``'s module note has the stream
 reduce-scatter runs the all-reduce's dma schedule without the gather's data (fused and split; along
 columns the same producers, along rows the kernel producer walking row slices or one GEMM per (dest, chunk)
 of A's rows, ``RS_ROWS_PRODUCER`` by the rows of a chunk: ``_produce``);
-the all-gather puts its rows and scales on the copy engines and runs the GEMM of each peer's chunk
-as it lands, its own rows first (fused), or of every row once all landed (split). Both run on the
+the all-gather puts its rows and scales on the copy engines and runs the GEMM of each peer's chunks
+as they land, its own rows first (fused: one GEMM per group of a source's consecutive chunks,
+``AG_CONSUMER_ROWS``), or of every row once all landed (split). Both run on the
 ``dma`` transport only: ``transport="auto"`` takes it, ``"lsa"`` is refused at construction (the lsa
 kernel's epilogue knows the all-reduce only), with the same verdict on every rank.
 
@@ -138,6 +139,12 @@ RS_ROWS_PRODUCER = {
     "mxfp8": ((128, "kernel"), (None, "vendor")),
 }
 PRODUCERS = ("kernel", "vendor")
+# the all-gather's consumer (``all_gather_gemm``), per quant: the fewest rows one GEMM over a peer's
+# landed chunks takes. Consecutive chunks of one source go to one GEMM until they reach it
+# (``consumer_groups``); the GEMM waits for the group's last chunk, so a larger group trades the
+# overlap of its first chunks' GEMM with the later chunks' puts for fewer, fuller GEMMs (one per
+# chunk: 1 + (W-1) * C GEMMs of M / (W C) rows, 2.0-4.1x of the whole GEMM at W 8 and 4096 tokens).
+AG_CONSUMER_ROWS = {"ptpc": 1024, "blockscale": 1024, "mxfp8": 1024}
 LSA_LAUNCH = "ticket"  # GemmConfig.launch of the lsa kernel (docs/experiments.md compares the choices)
 # transport="auto": the lsa kernel while a rank's output has at most this many elements (M * N), the
 # copy engines above. Measured on 2 H200 at N=7168, K=2048, ptpc (docs/BENCHMARKS.md, sweep): bf16
@@ -161,6 +168,25 @@ def rows_producer(cfg: layout.OpConfig, m: int) -> str:
     its largest chunk's rows (``cco.layout.chunk_rows``), what each of the vendor producer's GEMMs
     would take."""
     return dma_producer(cfg.quant, max(r1 - r0 for r0, r1 in layout.chunk_rows(cfg, m)), RS_ROWS_PRODUCER)
+
+
+def consumer_groups(rows, least: int) -> tuple[tuple[int, int], ...]:
+    """The all-gather consumer's GEMMs over one source's chunks: ``[c0, c1)`` ranges of consecutive
+    chunks (``rows``: each chunk's ``(r0, r1)``, ``CallPlan.rows``), each closed once its rows reach
+    ``least``; a last range short of it joins the one before (no GEMM smaller than ``least`` rows
+    unless the source has fewer). ``least <= 1``: one GEMM per chunk."""
+    groups, start, count = [], 0, 0
+    for c, (r0, r1) in enumerate(rows):
+        count += r1 - r0
+        if count >= least:
+            groups.append((start, c + 1))
+            start, count = c + 1, 0
+    if start < len(rows):
+        if groups:
+            groups[-1] = (groups[-1][0], len(rows))
+        else:
+            groups.append((start, len(rows)))
+    return tuple(groups)
 
 
 def lsa_max_elements(cfg: layout.OpConfig) -> int | None:
@@ -213,6 +239,7 @@ class CudaBackend(Backend):
     dma_reduce_in_gemm = DMA_REDUCE_IN_GEMM  # the fused dma launch reduces its own tiles (kernel producer)
     producer = "kernel"  # who fills the partial region on the dma path (PRODUCERS); None: DMA_PRODUCER per call
     weight_layouts = ("row-major", "bpreshuffle")  # the Triton kernels read row-major: taken as is
+    consumer_rows: int | None = None  # the all-gather's least rows a GEMM: None AG_CONSUMER_ROWS, 1 one per chunk
     # every pattern, on the copy engines; the lsa kernel runs the all-reduce only (config_error)
     patterns = tuple(layout.PATTERNS)
     # calls marked and watched (cco.cuda.watchdog); False only for the cost measurement's "before"
@@ -439,15 +466,13 @@ class CudaBackend(Backend):
                                          dma_producer(self.config.quant, plan.m))
         if producer not in PRODUCERS:
             raise ValueError(f"CudaBackend: producer={producer!r}; pick one of {', '.join(PRODUCERS)}")
-        if by_rows:
-            if producer == "kernel":
-                self._fused_gemm(a, b_pre, a_scale, b_scale, plan)
-                return self.partial
-            return self._produce_rows(a, b_pre, a_scale, b_scale, plan)
-        if producer == "kernel" or not vendor.takes_rows(self.config.quant, plan.rows, self.config.k):
-            # (cuBLAS's blockwise recipe refuses some row counts, and some K: vendor.takes_rows)
+        if producer == "kernel" or (not by_rows and not vendor.takes_rows(self.config.quant, plan.rows, self.config.k)):
+            # (cuBLAS's blockwise recipe refuses some row counts, and some K: vendor.takes_rows; the
+            # reduce-scatter along rows never reduces into the caller's out: reduce_into is None there)
             self._fused_gemm(a, b_pre, a_scale, b_scale, plan, reduce_into=reduce_into)
             return self.partial
+        if by_rows:
+            return self._produce_rows(a, b_pre, a_scale, b_scale, plan)
         if reduce_into is not None:
             raise ValueError("CudaBackend: dma_reduce_in_gemm reduces in the fused kernel's epilogue; it needs "
                              f"producer='kernel', not {producer!r}")
@@ -561,7 +586,9 @@ class CudaBackend(Backend):
     def all_gather_gemm(self, a, b_pre, a_scale, b_scale, *, out, plan, gathered=None):
         """The all-gather + GEMM (``cco.cuda.dma.CopyEngineSchedule.gather_inputs``): the own rows
         into the window's own slot (the puts read them there, so the side work's addresses are the
-        same every call), the own rows' GEMM while the puts fly, each peer's chunk as it lands."""
+        same every call), the own rows' GEMM while the puts fly, then each peer's chunks as they land, a
+        GEMM per group of them (``consumer_groups``: at least ``AG_CONSUMER_ROWS`` rows each) once the
+        group's last chunk is in."""
         m, rank, sch = plan.m, self.rank, self.schedule
         sch.begin(plan)
         rows, scales = self._slots(rank)
@@ -569,9 +596,13 @@ class CudaBackend(Backend):
         own_scales = self._scale_rows(scales, 0, m)
         own_scales.copy_(a_scale.reshape(own_scales.shape))
         gemm = self._rows_gemm(b_pre, b_scale)
+        least = AG_CONSUMER_ROWS[self.config.quant] if self.consumer_rows is None else self.consumer_rows
+        first_of = {c1 - 1: c0 for c0, c1 in consumer_groups(plan.rows, least)}
 
-        def chunk(src, c):
-            r0, r1 = plan.rows[c]
+        def chunk(src, c):  # after the wait for (src, c): the GEMM of src's group that c ends, if it ends one
+            if c not in first_of:
+                return
+            r0, r1 = plan.rows[first_of[c]][0], plan.rows[c][1]
             src_rows, src_scales = self._slots(src)
             gemm(src_rows[r0:r1], self._scale_rows(src_scales, r0, r1), out[src * m + r0:src * m + r1])
 

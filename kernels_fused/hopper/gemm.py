@@ -277,16 +277,13 @@ def fp8_gemm(
         if out is None or tile_table is None or counters is None:
             raise ValueError(f"{fn}: fuse=True needs out (the partial region), tile_table and counters")
         world = out.shape[0] if out.dim() == 3 else 0
-        if slice_rows is None:
-            if out.dtype != torch.bfloat16 or world < 1 or out.shape[2] * world != n or out.shape[1] < m \
-                    or not out.is_contiguous():
-                raise ValueError(
-                    f"{fn}: with fuse=True, out must be the contiguous bf16 partial region [W, rows >= {m}, "
-                    f"N/W] with W * N/W = {n}, got {out.dtype} {list(out.shape)}"
-                )
-        elif out.dtype != torch.bfloat16 or world < 1 or out.shape[2] != n or slice_rows < 1 \
-                or slice_rows * world != m or out.shape[1] < slice_rows or not out.is_contiguous():
+        # column slices: [W, rows >= M, N/W]; row slices: [W, rows >= slice_rows, N] with W * slice_rows = M
+        rows_min, cols = (m, n // world if world and n % world == 0 else -1) if slice_rows is None else (slice_rows, n)
+        if out.dtype != torch.bfloat16 or world < 1 or out.shape[2] != cols or out.shape[1] < rows_min \
+                or not out.is_contiguous() or (slice_rows is not None and (slice_rows < 1 or slice_rows * world != m)):
             raise ValueError(
+                f"{fn}: with fuse=True, out must be the contiguous bf16 partial region [W, rows >= {m}, N/W] with "
+                f"W * N/W = {n}, got {out.dtype} {list(out.shape)}" if slice_rows is None else
                 f"{fn}: with fuse=True and slice_rows={slice_rows}, out must be the contiguous bf16 partial "
                 f"region [W, rows >= slice_rows, N={n}] with W * slice_rows = M = {m}, got {out.dtype} "
                 f"{list(out.shape)}")

@@ -116,7 +116,7 @@ def test_arms_issue_the_backends_gemm_calls_and_pass_their_checks(monkeypatch, p
     monkeypatch.setattr(vendor, "vendor_gemm", recording)
     arms = sp.sp_arms(pattern, backend, sets, m, cpu)
     assert list(arms) == (["whole", pattern, f"{pattern} kernel", f"{pattern} vendor"] if pattern == "rs-rows"
-                          else ["whole", pattern])
+                          else ["whole", pattern, f"{pattern} chunks", f"{pattern} sources"])
     idx = sp.check_rows(m)
     ref, dot_abs = sp.sampled_terms(sets[0], idx)
     outputs, issued = {}, {}
@@ -141,8 +141,12 @@ def test_arms_issue_the_backends_gemm_calls_and_pass_their_checks(monkeypatch, p
         backend.producer = "vendor"  # the backend's own call with the producer the arm compares
     else:
         arm_calls = issued[pattern]
+        # the forced ends: a GEMM per peer chunk, a GEMM per peer; the rule's arm the backend's own groups
+        assert len(issued[f"{pattern} chunks"]) == 1 + (world - 1) * plan.chunks
+        assert len(issued[f"{pattern} sources"]) == world
+        assert plan.chunks > 1 or world > 2  # at world 2 the two ends differ
     assert {c[5] for c in arm_calls} == {whole_accum}  # the baseline is the same GEMM recipe
-    assert len(arm_calls) == sp.gemm_count(pattern, world, plan.chunks)
+    assert len(arm_calls) == sp.gemm_count(pattern, world, plan.rows, quant=quant)
     assert isinstance(sched.memops, sp.NoPeers) == (pattern == "ag")
     if pattern == "ag":  # the op's call as it runs with peers (the recorder's waits pass)
         sched.memops = sched.memops.memops
@@ -231,9 +235,10 @@ def test_measure_checks_and_records_every_shape_on_the_host(monkeypatch, capsys)
     assert [(r["pattern"], r["m"]) for r in runs] == [("rs-rows", 256), ("rs-rows", 512), ("ag", 256), ("ag", 512)]
     assert all(r["ratio"] == {"median": pytest.approx(1.2), "min": pytest.approx(1.1), "max": pytest.approx(1.3)}
                for r in runs)
-    # the reduce-scatter's rows at these M are few per chunk: the rule's kernel producer, one launch
+    # the rows at these M are few per chunk: the reduce-scatter's rule takes the kernel producer, one
+    # launch; the all-gather's consumer one GEMM for the own rows and one for the peer's chunks (together)
     assert [(r.get("producer"), r["gemms"]) for r in runs] == [
-        ("kernel", 1) if r["pattern"] == "rs-rows" else (None, 1 + r["chunks"]) for r in runs]
+        ("kernel", 1) if r["pattern"] == "rs-rows" else (None, 2) for r in runs]
     assert sum("| 1.200x | 1.100-1.300" in line for line in out.splitlines()) == 4
     assert err.count("[") == 4 and "[4/4]" in err
     assert json.loads(json.dumps(runs))[0]["arms"]["whole"]["pass_us"] == [100.0] * 3

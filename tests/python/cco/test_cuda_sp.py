@@ -385,11 +385,13 @@ def _off(setup, out, seed, m, world) -> int:
     return fault_scenarios._wrong(out.cpu(), setup.reference(range(world), seed, m))
 
 
-def check_op(ctx, pattern, quant, mode, log, producer=None):
+def check_op(ctx, pattern, quant, mode, log, producer=None, consumer_rows=None):
     """One op of ``pattern`` (see the module note): calls of alternating M, a captured call replayed,
     the self test; every rank's errors raised on every rank. ``producer``: the CUDA backend's
     producer forced (the reduce-scatter along rows: its rule picks by the rows of a chunk, the kernel
-    producer for the small calls here)."""
+    producer for the small calls here). ``consumer_rows``: the all-gather's least rows a consumer GEMM
+    forced (its rule, ``AG_CONSUMER_ROWS``, takes all of a peer's chunks at once at these sizes; 1:
+    a GEMM per chunk)."""
     from tests.python.cco import fault_scenarios
 
     comm, d, dev = ctx["comm"], ctx["op_dims"], ctx["comm"].device
@@ -403,6 +405,9 @@ def check_op(ctx, pattern, quant, mode, log, producer=None):
         if producer is not None:
             op._backend.producer = producer
             seen.append(f"producer {producer}")
+        if consumer_rows is not None:
+            op._backend.consumer_rows = consumer_rows
+            seen.append(f"consumer_rows {consumer_rows}")
         for i, m in enumerate(rows):
             _poison(op)
             out = op(*setup.operands(rank, i, m))
@@ -488,6 +493,9 @@ def run_checks(comm, dims: dict, log, *, compile_quants=None, op_dims=None, op_q
                     if pattern == "reduce-scatter-rows" and comm.device.type == "cuda":  # the other producer
                         checks.append((f"op {pattern} {quant} {mode} vendor producer",
                                        lambda p=pattern, q=quant, m=mode: check_op(ctx, p, q, m, log, "vendor")))
+                    if pattern == "all-gather" and mode == "fused" and comm.device.type == "cuda":  # a GEMM per chunk
+                        checks.append((f"op {pattern} {quant} {mode} consumer per chunk",
+                                       lambda p=pattern, q=quant, m=mode: check_op(ctx, p, q, m, log, consumer_rows=1)))
     if only in (None, "layers"):
         checks.append(("verdicts", lambda: check_verdicts(ctx, log)))
         for quant in Q.QUANTS:

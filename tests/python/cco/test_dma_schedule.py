@@ -480,20 +480,50 @@ def test_cuda_backend_reduce_scatter_cols_runs_the_all_reduce_producers_on_the_h
     assert reduce == [(rows, planes.data_ptr(), planes.stride(), "no gather", 0) for rows in plan.rows]
 
 
+def test_consumer_groups_close_at_the_least_rows_and_fold_a_short_tail():
+    from cco.backends.cuda import consumer_groups
+
+    rows = ((0, 128), (128, 256), (256, 384), (384, 500))
+    assert consumer_groups(rows, 1) == ((0, 1), (1, 2), (2, 3), (3, 4))  # a GEMM per chunk
+    assert consumer_groups(rows, 128) == ((0, 1), (1, 2), (2, 4))  # the last chunk (116 rows) folded in
+    assert consumer_groups(rows, 200) == ((0, 2), (2, 4))
+    assert consumer_groups(rows, 300) == ((0, 4),)  # 384 rows, then a tail of 116 folded in
+    assert consumer_groups(rows, 10 ** 6) == ((0, 4),)  # fewer rows than asked: one GEMM of all
+    assert consumer_groups(((0, 64),), 1024) == ((0, 1),)
+    assert consumer_groups((), 1024) == ()
+
+
+@pytest.mark.parametrize("least", [None, 1, "chunk"], ids=["rule", "per-chunk", "chunk-rows"])
 @pytest.mark.parametrize("mode", ["fused", "split"])
 @pytest.mark.parametrize("quant", ["ptpc", "blockscale", "mxfp8"])
-def test_cuda_backend_all_gather_gemm_on_the_host(monkeypatch, quant, mode):
+def test_cuda_backend_all_gather_gemm_on_the_host(monkeypatch, quant, mode, least):
     """The all-gather on the CUDA backend, run on the host (no bytes move between the recorded
     ranks: the peer's slot holds what the test wrote there): the own rows land in the own slot,
-    and ``out`` holds every source's rows times the weight, in rank order, the gathered input too."""
+    and ``out`` holds every source's rows times the weight, in rank order, the gathered input too.
+    Fused, the GEMMs: the own rows first, then one per group of the peer's chunks
+    (``consumer_groups`` at ``consumer_rows``, else ``AG_CONSUMER_ROWS``), each after the wait for its
+    group's last chunk and before the next chunk's wait."""
     from cco import quant as Q
+    from cco.backends.cuda import AG_CONSUMER_ROWS, consumer_groups
     from cco.preshuffle import preshuffle_b
 
     log = _Log()
     backend, sched = _host_backend(monkeypatch, log, pattern="all-gather", quant=quant, mode=mode)
     cfg = backend.config
+    inner = backend._rows_gemm
+
+    def rows_gemm(b_pre, b_scale):  # the backend's row GEMM, recorded on the call's stream
+        gemm = inner(b_pre, b_scale)
+
+        def recorded(a, a_scale, out):
+            log.ops.append(("main", "gemm", a.shape[0], out.data_ptr()))
+            gemm(a, a_scale, out)
+        return recorded
+
+    monkeypatch.setattr(backend, "_rows_gemm", rows_gemm)
     m = cfg.slice_m_max - (0 if mode == "split" else 4)  # split at full slots: one GEMM of every row
     plan = layout.plan_call(cfg, m=m, seq=1, rank=RANK, counter_base=layout.zero_counters(WORLD))
+    backend.consumer_rows = min(r1 - r0 for r0, r1 in plan.rows) if least == "chunk" else least
     mine, theirs = (Q.random_problem(m, cfg.n, cfg.k, quant, seed=s) for s in (7, 8))
     peer = 1 - RANK
     rows, scales = sched.a_rows[peer], sched.a_scales[peer]
@@ -516,6 +546,22 @@ def test_cuda_backend_all_gather_gemm_on_the_host(monkeypatch, quant, mode):
                        mine.a_scale.reshape(s_all[:m].shape).contiguous().view(torch.uint8))
     gemm_free = [op for op in log.ops if op[0] == "main" and op[1] in ("wait", "check_stamps")]
     assert gemm_free[-1][1] == "check_stamps"
+    main = [op[1:] for op in log.ops if op[0] == "main"]
+    gemms = [op for op in main if op[0] == "gemm"]
+    if mode == "split":
+        assert [g[1] for g in gemms] == ([WORLD * m] if m == cfg.slice_m_max else [m] * WORLD)
+        return
+    groups = consumer_groups(plan.rows, AG_CONSUMER_ROWS[quant] if least is None else backend.consumer_rows)
+    assert len(groups) == (1 if least is None else plan.chunks if least == 1 else len(groups))
+    assert plan.chunks == 2 and (least != "chunk" or len(groups) == 2)  # the cases this test means to cover
+    assert gemms == [("gemm", m, out[RANK * m:].data_ptr())] + [
+        ("gemm", plan.rows[c1 - 1][1] - plan.rows[c0][0], out[peer * m + plan.rows[c0][0]:].data_ptr())
+        for c0, c1 in groups]
+    waits = [i for i, op in enumerate(main) if op[0] == "wait" and op[1] in
+             [_addr(sched.scatter_flags, layout.counter_index(peer, c)) for c in range(plan.chunks)]]
+    assert main.index(gemms[0]) < waits[0]  # the own rows while the puts fly
+    for (c0, c1), gemm in zip(groups, gemms[1:]):
+        assert waits[c1 - 1] < main.index(gemm) and (c1 == plan.chunks or main.index(gemm) < waits[c1])
 
 
 def _specialization(fn, args, kwargs) -> tuple:

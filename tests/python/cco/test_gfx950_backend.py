@@ -561,6 +561,7 @@ def test_all_gather_computes_every_ranks_rows(host_launches, quant, mode):
     world, rank = 4, 1
     cfg = _config(world, quant=quant, n=512, k=256, m_max=world * 512, chunks=2, mode=mode, pattern="all-gather")
     backend = _backend(cfg, rank=rank)
+    from cco.backends.cuda import AG_CONSUMER_ROWS, consumer_groups
     from cco.preshuffle import unshuffle_b
     from cco.quant import count_mismatches, reference_gemm
 
@@ -584,8 +585,10 @@ def test_all_gather_computes_every_ranks_rows(host_launches, quant, mode):
         want = reference_gemm(a_all, unshuffle_b(b_pre), s_all, b_scale, quant)
         assert count_mismatches(out, want) == 0, f"seq {seq}"
         rows_launched = [lm for _, lm, _ in host_launches.launches[before:]]
-        if mode == "fused":  # own rows whole, then each (chunk, source) block
-            assert rows_launched == [m] + [r1 - r0 for r0, r1 in plan.rows for _ in range(world - 1)]
+        if mode == "fused":  # own rows whole, then each (group of chunks, source) block
+            groups = consumer_groups(plan.rows, AG_CONSUMER_ROWS[quant])
+            assert rows_launched == [m] + [plan.rows[c1 - 1][1] - plan.rows[c0][0] for c0, c1 in groups
+                                           for _ in range(world - 1)]
         else:
             assert rows_launched == ([world * m] if m == cfg.m_max_padded else [m] * world)
     assert {launcher.cfg.fuse for launcher in backend._launchers.values()} == {False}

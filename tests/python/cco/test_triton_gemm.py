@@ -284,6 +284,19 @@ def test_fused_requires_table_and_counters():
         fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="ptpc", out=partial, fuse=True)
     with pytest.raises(ValueError, match="out must be a bf16"):
         fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="ptpc", out=torch.zeros(M, N))
+    table, counters = torch.zeros(1, 4, dtype=torch.int32), torch.zeros(16, dtype=torch.int64)
+    # column slices: the region's planes must tile N (W * N/W = N), hold M rows, and be contiguous
+    for bad in (torch.zeros(2, M, N, dtype=torch.bfloat16), torch.zeros(2, M - 1, N // 2, dtype=torch.bfloat16),
+                torch.zeros(2, M, N, dtype=torch.bfloat16)[:, :, ::2], torch.zeros(2, M, N // 2)):
+        with pytest.raises(ValueError, match=r"with fuse=True, out must be the contiguous bf16 partial region \[W, rows"):
+            fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="ptpc", out=bad, fuse=True, tile_table=table,
+                     counters=counters)
+    # row slices: every column per plane, slice_rows rows at least, contiguous
+    for bad in (torch.zeros(2, M // 2, N // 2, dtype=torch.bfloat16), torch.zeros(2, M // 2 - 1, N, dtype=torch.bfloat16),
+                torch.zeros(2, M, N, dtype=torch.bfloat16)[:, ::2]):
+        with pytest.raises(ValueError, match=f"slice_rows={M // 2}, out must be the contiguous bf16 partial"):
+            fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="ptpc", out=bad, fuse=True, tile_table=table,
+                     counters=counters, slice_rows=M // 2)
 
 
 @pytest.mark.parametrize("programs", [None, 3], ids=lambda p: f"programs{p}")
