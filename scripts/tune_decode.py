@@ -11,7 +11,8 @@ range) is what ``decode.py``'s constants should hold. Before timing, every (shap
 checked against the fp32 product of the quantizer's operands (``cco.bench.timing.gemm_mismatches``:
 no output outside the fp8 GEMM's error budget) and the compiled-kernel launch against
 ``JITFunction.run``'s (bit for bit). ``--host`` adds the host us per eager call of ``F.linear``, the decode GEMM through
-either launch, and the layer (``RowParallelLinear``, world 1) at the first shape, M = 1.
+either launch, and the layer (``RowParallelLinear``, world 1) both ways at the first shape, every M
+(``host_costs``).
 """
 
 from __future__ import annotations
@@ -32,8 +33,11 @@ SHAPES = {  # name: (N, K)
 }
 
 
-def configs(quant: str):
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) tried for ``quant``."""
+def configs(quant: str, m: int = 1):
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) tried for ``quant`` at ``m`` rows: the one-row
+    kernel's, or the rows kernel's (2..ROWS_MAX rows; blockscale steps one 128-column scale group)."""
+    if m > 1:
+        return list(itertools.product((16, 32, 64), (128,) if quant == "blockscale" else (128, 256), (4,), (4,)))
     return list(itertools.product((8, 16, 32), (512, 1024), (4, 8), (3,)))
 
 
@@ -61,12 +65,21 @@ def graph_us(arms: dict, calls: int, passes: int) -> dict:
     return graph_device_us(arms, argparse.Namespace(graph_calls=calls, passes=passes), time_arms)
 
 
-def with_config(cfg, quant):
-    """Set ``decode.py``'s constants to ``cfg`` for ``quant`` (new launches only)."""
+def with_config(cfg, quant, m: int = 1):
+    """Set ``decode.py``'s constants to ``cfg`` for ``quant`` (new launches only): the one-row
+    kernel's at one row, the rows kernel's at more."""
     from kernels_fused.hopper import decode as D
 
-    D.BLOCK_N[quant], D.BLOCK_K[quant], D.NUM_WARPS[quant], D.NUM_STAGES[quant] = cfg[0], cfg[1], cfg[2], cfg[3]
+    for table, value in zip(_tables(D, m), cfg):
+        table[quant] = value
     D._LAUNCHES.clear()
+
+
+def _tables(D, m: int) -> tuple:
+    """``decode.py``'s config tables of the kernel that takes ``m`` rows."""
+    if 1 < m <= D.ROWS_MAX:
+        return D.ROWS_BLOCK_N, D.ROWS_BLOCK_K, D.ROWS_WARPS, D.ROWS_STAGES
+    return D.BLOCK_N, D.BLOCK_K, D.NUM_WARPS, D.NUM_STAGES
 
 
 def main(argv=None) -> int:
@@ -78,7 +91,8 @@ def main(argv=None) -> int:
     from kernels_fused.hopper.quantize import quantize_activation
 
     dev = torch.device("cuda")
-    defaults = (dict(D.BLOCK_N), dict(D.BLOCK_K), dict(D.NUM_WARPS), dict(D.NUM_STAGES))
+    every = (*_tables(D, 1), *_tables(D, 2))
+    defaults = tuple(dict(table) for table in every)
     out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "gpu": torch.cuda.get_device_name(),
            "torch": torch.__version__, "rows": [], "checks": [], "host": {}}
     failures = 0
@@ -93,7 +107,7 @@ def main(argv=None) -> int:
             for m in args.m:
                 x = torch.randn(m, k, device=dev).to(torch.bfloat16)
                 # restore the defaults for the checks
-                for table, saved in zip((D.BLOCK_N, D.BLOCK_K, D.NUM_WARPS, D.NUM_STAGES), defaults):
+                for table, saved in zip(every, defaults):
                     table.update(saved)
                 D._LAUNCHES.clear()
                 a, s = quantize_activation(x, quant, k_padded=k)
@@ -119,8 +133,8 @@ def main(argv=None) -> int:
                     a, s = quantize_activation(x, quant, k_padded=k, m_padded=rows_v)
                     return vendor.vendor_gemm(a, s, vw)
                 arms["quantizer + vendor GEMM"] = two_launches
-                for cfg in configs(quant):
-                    with_config(cfg, quant)
+                for cfg in configs(quant, m):
+                    with_config(cfg, quant, m)
                     try:
                         D.decode_gemm(x, wq, ws, quant, n=n)
                         torch.cuda.synchronize()
@@ -141,7 +155,7 @@ def main(argv=None) -> int:
                       f"{timed['quantizer + vendor GEMM']:6.1f} | best decode {best[0]:6.1f} ({best[0] / base:.2f}x) "
                       f"{best[1]}", flush=True)
     # restore
-    for table, saved in zip((D.BLOCK_N, D.BLOCK_K, D.NUM_WARPS, D.NUM_STAGES), defaults):
+    for table, saved in zip(every, defaults):
         table.update(saved)
     D._LAUNCHES.clear()
     if args.host:
@@ -154,41 +168,53 @@ def main(argv=None) -> int:
 
 
 def host_costs(args) -> dict:
+    """Host us per eager call (200 back to back, median of 5 passes) at the first shape and every M
+    of ``-m``: ``F.linear`` bf16, the decode GEMM (compiled-kernel launch; at one row also through
+    ``JITFunction.run``), the layer (``RowParallelLinear``, world 1) with the decode GEMM taking every
+    M (``decode_rows`` forced) and with it off (quantizer + vendor GEMM, two launches)."""
+    import os
+    import tempfile
+
+    from cco import quant as Q
     from cco.bench.timing import time_back_to_back
     from cco.comm import Communicator
     from cco.nn import RowParallelLinear
     from kernels_fused.hopper import decode as D
-    from cco import quant as Q
 
     dev = torch.device("cuda", torch.cuda.current_device())
     n, k = SHAPES[args.shapes[0]]
     w = (torch.randn(n, k, device=dev) / k ** 0.5).to(torch.bfloat16)
-    x = torch.randn(1, k, device=dev).to(torch.bfloat16)
     res = {}
-    import os
-    import tempfile
-
     rendezvous = os.path.join(tempfile.mkdtemp(), "rendezvous")
     comm = Communicator(rank=0, world=1, init_method=f"file://{rendezvous}", device=dev)
     for quant in args.quant:
         wq, ws = Q.quantize_b(w.float(), quant)
         layer = RowParallelLinear(k, n, group=comm, quant=quant, m_max=256)
         layer.load_weight(w)
+        res[quant] = {}
+        for m in args.m:
+            x = torch.randn(m, k, device=dev).to(torch.bfloat16)
 
-        arms = {"F.linear bf16": lambda: torch.nn.functional.linear(x, w),
-                "decode_gemm": lambda wq=wq, ws=ws, quant=quant: D.decode_gemm(x, wq, ws, quant, n=n),
-                "layer": lambda layer=layer: layer(x)}
-        with torch.no_grad():
-            t = time_back_to_back(arms, calls=200, passes=5)
-        D._LAUNCHES.clear()
-        D.FAST_LAUNCH = False
-        with torch.no_grad():
-            t2 = time_back_to_back({"decode_gemm via JITFunction.run": lambda wq=wq, ws=ws, quant=quant:
-                                    D.decode_gemm(x, wq, ws, quant, n=n)}, calls=200, passes=5)
-        D.FAST_LAUNCH = True
-        D._LAUNCHES.clear()
-        res[quant] = {a: {"host_us": v["host_us"], "wall_us": v["wall_us"]} for a, v in {**t, **t2}.items()}
-        print(quant, json.dumps(res[quant]), flush=True)
+            def with_rows(rows, layer=layer, x=x):
+                layer.decode_rows = rows
+                return layer(x)
+
+            arms = {"F.linear bf16": lambda x=x: torch.nn.functional.linear(x, w),
+                    "decode_gemm": lambda wq=wq, ws=ws, quant=quant, x=x: D.decode_gemm(x, wq, ws, quant, n=n),
+                    "layer, decode GEMM": lambda m=m: with_rows(m),
+                    "layer, two launches": lambda: with_rows(0)}
+            with torch.no_grad():
+                t = time_back_to_back(arms, calls=200, passes=5)
+            if m == 1:
+                D._LAUNCHES.clear()
+                D.FAST_LAUNCH = False
+                with torch.no_grad():
+                    t.update(time_back_to_back({"decode_gemm via JITFunction.run": lambda wq=wq, ws=ws, quant=quant,
+                                                x=x: D.decode_gemm(x, wq, ws, quant, n=n)}, calls=200, passes=5))
+                D.FAST_LAUNCH = True
+                D._LAUNCHES.clear()
+            res[quant][m] = {a: {"host_us": v["host_us"], "wall_us": v["wall_us"]} for a, v in t.items()}
+            print(f"host {quant} M={m} " + json.dumps({a: round(v["host_us"], 1) for a, v in t.items()}), flush=True)
         layer.close()
     comm.close()
     return res

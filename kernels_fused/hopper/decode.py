@@ -49,13 +49,22 @@ ROW_K = 4096
 NUM_WARPS = {"ptpc": 8, "blockscale": 8, "mxfp8": 4}
 NUM_STAGES = {"ptpc": 3, "blockscale": 3, "mxfp8": 3}
 _QUANT_CODE = {"ptpc": 0, "blockscale": 1, "mxfp8": 2}
+# Calls of 2..ROWS_MAX rows: the rows kernel (every row in one program, tensor cores; the weight
+# read once for all rows). Per quant: BLOCK_N weight rows per program (blockscale: divides 128),
+# BLOCK_K columns a step (blockscale: 128, one scale group), warps, stages. Untuned first guess.
+ROWS_MAX = 16
+ROWS_BLOCK_N = {"ptpc": 32, "blockscale": 32, "mxfp8": 32}
+ROWS_BLOCK_K = {"ptpc": 256, "blockscale": 128, "mxfp8": 128}
+ROWS_WARPS = {"ptpc": 4, "blockscale": 4, "mxfp8": 4}
+ROWS_STAGES = {"ptpc": 4, "blockscale": 4, "mxfp8": 4}
+ROWS_ELEMENTS = 8192  # ptpc's amax load: [rows, ROW_K] with rows * ROW_K at most this
 
 
 @functools.cache
-def _kernel():
+def _kernel(rows: bool = False):
     from kernels_fused.hopper import decode_kernels
 
-    return decode_kernels.decode_gemv_kernel
+    return decode_kernels.decode_rows_kernel if rows else decode_kernels.decode_gemv_kernel
 
 
 def block_k(quant: str, k_padded: int) -> int:
@@ -120,19 +129,30 @@ class _Launch:
     first launch the compiled kernel's launcher (``CompiledKernel[grid]``), which takes every
     argument of the kernel in order, the constants included."""
 
-    __slots__ = ("grid", "ints", "consts", "options", "fast")
+    __slots__ = ("kernel", "grid", "ints", "consts", "options", "fast")
 
     def __init__(self, m: int, k: int, k_padded: int, n: int, quant: str, has_bias: bool):
-        block_n = BLOCK_N[quant]
+        rows = 1 < m <= ROWS_MAX  # every row in one program: the rows kernel
+        block_n = (ROWS_BLOCK_N if rows else BLOCK_N)[quant]
         if quant == "blockscale" and SCALE_BLOCK % block_n:  # a program's rows share one weight scale block
             raise ValueError(f"decode_gemm: BLOCK_N={block_n} must divide {SCALE_BLOCK} for blockscale")
-        self.grid = (-(-n // block_n), m)
+        self.kernel = _kernel(rows)
+        self.grid = (-(-n // block_n), 1 if rows else m)
         self.ints = (m, n, k, k_padded)
-        group = GROUP[quant]
-        # QUANT, HAS_BIAS, BLOCK_N, G, GS, ROW_K, ROUND_IN_FP32: the kernel's constexprs, in its order
-        self.consts = (_QUANT_CODE[quant], has_bias, block_n, block_k(quant, k_padded) // group, group,
-                       min(ROW_K, _pow2(k)), _interpreting())
-        self.options = dict(num_warps=NUM_WARPS[quant], num_stages=NUM_STAGES[quant])
+        if rows:
+            step, width = ROWS_BLOCK_K[quant], _pow2(m)
+            if quant == "blockscale" and step != SCALE_BLOCK or k_padded % step:
+                step = SCALE_BLOCK if quant == "blockscale" else block_k(quant, k_padded)
+            # QUANT, HAS_BIAS, BLOCK_N, BLOCK_K, ROWS, ROW_K, ROUND_IN_FP32: the rows kernel's constexprs
+            self.consts = (_QUANT_CODE[quant], has_bias, block_n, min(step, k_padded), width,
+                           min(ROWS_ELEMENTS // width, _pow2(k)), _interpreting())
+            self.options = dict(num_warps=ROWS_WARPS[quant], num_stages=ROWS_STAGES[quant])
+        else:
+            group = GROUP[quant]
+            # QUANT, HAS_BIAS, BLOCK_N, G, GS, ROW_K, ROUND_IN_FP32: the kernel's constexprs, in its order
+            self.consts = (_QUANT_CODE[quant], has_bias, block_n, block_k(quant, k_padded) // group, group,
+                           min(ROW_K, _pow2(k)), _interpreting())
+            self.options = dict(num_warps=NUM_WARPS[quant], num_stages=NUM_STAGES[quant])
         self.fast = None
 
     def __call__(self, x, row_stride, w, w_scale, bias, out) -> None:
@@ -142,7 +162,7 @@ class _Launch:
         if self.fast is not None:
             self.fast(*args)
             return
-        compiled = _kernel()[self.grid](*args, **self.options)
+        compiled = self.kernel[self.grid](*args, **self.options)
         if compiled is not None and hasattr(compiled, "__getitem__") and FAST_LAUNCH:
             self.fast = compiled[(*self.grid, 1)]  # the launcher takes all three grid dimensions
 

@@ -92,3 +92,87 @@ def decode_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, K_PAD, 
         out = _to_bf16(out.to(tl.float32) + tl.load(bias_ptr + cols, mask=n_ok, other=0.0).to(tl.float32),
                        ROUND_IN_FP32)
     tl.store(out_ptr + row * N + cols, out, mask=n_ok)
+
+
+@triton.jit
+def _rows16(v, ROWS: tl.constexpr):
+    """``v`` [ROWS, ...] (ROWS a power of two <= 16) as [16, ...]: row j is v's row j % ROWS, so the
+    MMA's 16 columns hold the real rows first and repeats after (never stored)."""
+    if ROWS == 16:
+        return v
+    if len(v.shape) == 1:
+        return tl.reshape(tl.broadcast_to(v[None, :], (16 // ROWS, ROWS)), (16,))
+    return tl.reshape(tl.broadcast_to(v[None, :, :], (16 // ROWS, ROWS, v.shape[1])), (16, v.shape[1]))
+
+
+@triton.jit
+def _mma_bf16(v, ROUND_IN_FP32: tl.constexpr):
+    """fp32 ``v`` whose values bf16 holds exactly, as the MMA's bf16 operand. Triton's CPU interpreter
+    multiplies bf16 tensors wrongly: there (``ROUND_IN_FP32``) the same values stay fp32."""
+    if ROUND_IN_FP32:
+        return v
+    return v.to(tl.bfloat16)
+
+
+@triton.jit
+def decode_rows_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, K_PAD, stride_x, stride_ws, tiny, fp8_max,
+                       QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       ROWS: tl.constexpr, ROW_K: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+    """``decode_gemv_kernel``'s product for 2..16 rows: program ``n block`` takes every row (``M <=
+    ROWS``, a power of two) and ``BLOCK_N`` weight rows, so the weight is read once for all of them.
+    A step quantizes the rows' ``[ROWS, BLOCK_K]`` columns (the quantizer's bytes, as the one-row
+    kernel does: ptpc's row amax over all of K first) and multiplies on tensor cores with the weight
+    as the MMA's M side (``w [BLOCK_N, BLOCK_K] @ q.T [BLOCK_K, 16]``; the rows repeated to the MMA's
+    least width of 16, ``_rows16``): ptpc an e4m3 MMA, both scales applied to the sum; blockscale
+    (``BLOCK_K`` = 128, one scale group a step) an e4m3 MMA per step scaled by the row's and the
+    weight block's scale; mxfp8 a bf16 MMA of both operands dequantized (e4m3 times a power of two:
+    exact in bf16). Rounding of the output and the bias as ``decode_gemv_kernel``'s."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = cols < N
+    rows = tl.arange(0, ROWS)
+    r_ok = rows < M
+    kk = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * K_PAD + kk[None, :]
+    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    if QUANT == 0:
+        r = tl.arange(0, ROW_K)
+        amax = tl.zeros((ROWS,), dtype=tl.float32)
+        for k0 in range(0, K, ROW_K):
+            v = tl.load(x_rows + k0 + r[None, :], mask=r_ok[:, None] & (k0 + r < K)[None, :], other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(v.to(tl.float32)), axis=1))
+        sa = tl.div_rn(tl.maximum(amax, tiny), tl.zeros((ROWS,), dtype=tl.float32) + fp8_max)
+    for k0 in range(0, K_PAD, BLOCK_K):
+        x = tl.load(x_rows + k0 + kk[None, :], mask=r_ok[:, None] & (k0 + kk < K)[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_rows + k0, mask=n_ok[:, None], other=0.0)  # e4m3 [BLOCK_N, BLOCK_K]
+        if QUANT == 0:
+            q = _to_e4m3(tl.clamp(_div_rn(x, sa[:, None]), -fp8_max, fp8_max), ROUND_IN_FP32)
+            acc = tl.dot(w, tl.trans(_rows16(q, ROWS)), acc)
+        elif QUANT == 1:
+            s_g = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), tiny), tl.zeros((ROWS,), dtype=tl.float32) + fp8_max)
+            q = _to_e4m3(tl.clamp(_div_rn(x, s_g[:, None]), -fp8_max, fp8_max), ROUND_IN_FP32)
+            sb = tl.load(ws_ptr + (tl.program_id(0) * BLOCK_N // 128) * stride_ws + k0 // 128)
+            acc += tl.dot(w, tl.trans(_rows16(q, ROWS))) * (_rows16(s_g, ROWS) * sb)[None, :]
+        else:
+            x3 = tl.reshape(x, (ROWS, BLOCK_K // 32, 32))
+            ratio = _div_rn(tl.maximum(tl.max(tl.abs(x3), axis=2), tiny), tl.zeros((ROWS, BLOCK_K // 32), dtype=tl.float32)
+                            + fp8_max)
+            bits = ratio.to(tl.int32, bitcast=True)
+            exp = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # ceil(log2(ratio))
+            inv = ((127 - exp) << 23).to(tl.float32, bitcast=True)  # 2**-exp, exact
+            up = ((127 + exp) << 23).to(tl.float32, bitcast=True)  # 2**exp: the dequantized value, exact
+            q = _to_e4m3(tl.clamp(x3 * inv[:, :, None], -fp8_max, fp8_max), ROUND_IN_FP32).to(tl.float32)
+            a = _mma_bf16(tl.reshape(q * up[:, :, None], (ROWS, BLOCK_K)), ROUND_IN_FP32)
+            e_w = tl.load(ws_ptr + cols[:, None] * (K_PAD // 32) + (k0 // 32 + tl.arange(0, BLOCK_K // 32))[None, :],
+                          mask=n_ok[:, None], other=127).to(tl.int32)
+            w3 = tl.reshape(w.to(tl.float32), (BLOCK_N, BLOCK_K // 32, 32)) * (e_w << 23).to(tl.float32,
+                                                                                              bitcast=True)[:, :, None]
+            acc = tl.dot(_mma_bf16(tl.reshape(w3, (BLOCK_N, BLOCK_K)), ROUND_IN_FP32), tl.trans(_rows16(a, ROWS)), acc)
+    if QUANT == 0:
+        acc = acc * _rows16(sa, ROWS)[None, :] * tl.load(ws_ptr + cols, mask=n_ok, other=0.0)[:, None]
+    out = _to_bf16(acc, ROUND_IN_FP32)
+    if HAS_BIAS:
+        out = _to_bf16(out.to(tl.float32) + tl.load(bias_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)[:, None],
+                       ROUND_IN_FP32)
+    j = tl.arange(0, 16)
+    tl.store(out_ptr + j[None, :].to(tl.int64) * N + cols[:, None], out, mask=n_ok[:, None] & (j < M)[None, :])

@@ -28,9 +28,11 @@ INTERPRETED = isinstance(triton.language.standard.zeros, InterpretedFunction)
 pytestmark = pytest.mark.skipif(not INTERPRETED, reason="the Triton kernel runs interpreted here only without a GPU "
                                 "(test_cuda_nn.py checks it on the GPU)")
 
-# (M, N, K, K_padded): one row; a few rows; K padded by a tile; N past a program's block; K past one
-# amax load (ROW_K)
-SHAPES = [(1, 256, 256, 256), (3, 200, 300, 384), (4, 128, 1024, 1024), (2, 136, 640, 640), (1, 16, 5000, 5120)]
+# (M, N, K, K_padded): one row (the one-row kernel); 2..16 rows (the rows kernel: every row in one
+# program, 2, 4, 8 and 16 wide); 17 rows (past ROWS_MAX: the one-row kernel per row); K padded by a
+# tile; N past a program's block; K past one amax load (ROW_K)
+SHAPES = [(1, 256, 256, 256), (3, 200, 300, 384), (4, 128, 1024, 1024), (2, 136, 640, 640), (1, 16, 5000, 5120),
+          (5, 64, 256, 256), (16, 200, 300, 384), (17, 64, 128, 128), (8, 40, 2500, 2560)]
 
 
 def weight(n: int, k: int, k_padded: int, quant: str, seed: int = 1):
