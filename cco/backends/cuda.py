@@ -142,9 +142,17 @@ PRODUCERS = ("kernel", "vendor")
 # the all-gather's consumer (``all_gather_gemm``), per quant: the fewest rows one GEMM over a peer's
 # landed chunks takes. Consecutive chunks of one source go to one GEMM until they reach it
 # (``consumer_groups``); the GEMM waits for the group's last chunk, so a larger group trades the
-# overlap of its first chunks' GEMM with the later chunks' puts for fewer, fuller GEMMs (one per
-# chunk: 1 + (W-1) * C GEMMs of M / (W C) rows, 2.0-4.1x of the whole GEMM at W 8 and 4096 tokens).
-AG_CONSUMER_ROWS = {"ptpc": 1024, "blockscale": 1024, "mxfp8": 1024}
+# overlap of its first chunks' GEMM with the later chunks' puts (which one GPU cannot time) for
+# fewer, fuller GEMMs. Measured on one H200 (2026-12-03 14:18 UTC, scripts/bench_sp_parts.py
+# --pattern ag --tp 2,4,8 -m 4096,16384; docs/results/2026-12-03_sp_ag_consumer_h200.json): the
+# consumer's GEMMs over the whole GEMM, Llama-3-70B and DeepSeek-V3 gate_up, every quant:
+#   least rows          W 8, 4096 tokens   W 8, 16384   W 4, 4096   W 4, 16384   W 2
+#   1 (a GEMM a chunk)  2.03-4.06          1.10-1.96    1.12-1.81   1.02-1.23    1.00-1.14
+#   1024                1.21-2.20          1.12-1.52    1.03-1.24   1.01-1.22    1.01-1.07
+#   all a peer's rows   1.21-2.21          1.02-1.24    1.04-1.24   1.04-1.09    0.98-1.08
+# 2048: a GEMM per peer wherever a peer has at most 2048 rows (every W 8 and W 4 / 4096 cell above),
+# two chunks a GEMM at W 4 and 2 with 16384 tokens, keeping half a peer's rows overlapped there.
+AG_CONSUMER_ROWS = {"ptpc": 2048, "blockscale": 2048, "mxfp8": 2048}
 LSA_LAUNCH = "ticket"  # GemmConfig.launch of the lsa kernel (docs/experiments.md compares the choices)
 # transport="auto": the lsa kernel while a rank's output has at most this many elements (M * N), the
 # copy engines above. Measured on 2 H200 at N=7168, K=2048, ptpc (docs/BENCHMARKS.md, sweep): bf16

@@ -37,8 +37,13 @@ from kernels_fused.hopper.quantize import _interpreting, _pow2, check_rows
 # Calls of at most this many rows take the decode GEMM (the layers' rule, cco.nn.parallel_linear);
 # more rows go to the quantizer + vendor GEMM. scripts/tune_decode.py on one H200 (2026-12-03,
 # docs/decode.md), device us per call under graph replay against bf16 nn.Linear's: at M = 1 0.66-0.85x
-# (8B down / o_proj, 70B down; every quant), at M = 4 1.8-3.2x (each row re-reads the weight), so one row.
-DECODE_MAX_M = {"ptpc": 1, "blockscale": 1, "mxfp8": 1}
+# (8B down / o_proj, 70B down; every quant). At 2..16 rows the rows kernel (14:20 UTC run,
+# docs/results/2026-12-03_decode_rows_kernel_h200.json), against the two launches it replaces: ptpc at
+# M = 2 34.7 / 10.7 / 68.4 us against 39.2 / 14.3 / 102.6 (8B down, 8B o, 70B down), at M = 4 43.7 /
+# 13.3 / 86.4 against 39.4 / 14.4 / 103.1, at M = 8 1.2-1.8x slower; blockscale and mxfp8 1.4-4.5x
+# slower at every M (the per-step scaling and the weight's dequantization cost more than its read).
+# Eagerly the layer's host time is 24 us a call through it against 82-131 us for two launches.
+DECODE_MAX_M = {"ptpc": 4, "blockscale": 1, "mxfp8": 1}
 # Per quant, the best M = 1 config of that run: BLOCK_N output features per program (one program per
 # BLOCK_N and row: no split of K, so no second pass); BLOCK_K columns per step, in groups of the
 # format's scale group (GROUP); warps. ROW_K: ptpc's amax load.
@@ -51,10 +56,11 @@ NUM_STAGES = {"ptpc": 3, "blockscale": 3, "mxfp8": 3}
 _QUANT_CODE = {"ptpc": 0, "blockscale": 1, "mxfp8": 2}
 # Calls of 2..ROWS_MAX rows: the rows kernel (every row in one program, tensor cores; the weight
 # read once for all rows). Per quant: BLOCK_N weight rows per program (blockscale: divides 128),
-# BLOCK_K columns a step (blockscale: 128, one scale group), warps, stages. Untuned first guess.
+# BLOCK_K columns a step (blockscale: 128, one scale group), warps, stages: the best of the run above
+# at most cells (tune_decode's configs for M > 1).
 ROWS_MAX = 16
-ROWS_BLOCK_N = {"ptpc": 32, "blockscale": 32, "mxfp8": 32}
-ROWS_BLOCK_K = {"ptpc": 256, "blockscale": 128, "mxfp8": 128}
+ROWS_BLOCK_N = {"ptpc": 64, "blockscale": 64, "mxfp8": 32}
+ROWS_BLOCK_K = {"ptpc": 256, "blockscale": 128, "mxfp8": 256}
 ROWS_WARPS = {"ptpc": 4, "blockscale": 4, "mxfp8": 4}
 ROWS_STAGES = {"ptpc": 4, "blockscale": 4, "mxfp8": 4}
 ROWS_ELEMENTS = 8192  # ptpc's amax load: [rows, ROW_K] with rows * ROW_K at most this

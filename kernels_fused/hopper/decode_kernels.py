@@ -100,9 +100,15 @@ def _rows16(v, ROWS: tl.constexpr):
     MMA's 16 columns hold the real rows first and repeats after (never stored)."""
     if ROWS == 16:
         return v
-    if len(v.shape) == 1:
-        return tl.reshape(tl.broadcast_to(v[None, :], (16 // ROWS, ROWS)), (16,))
     return tl.reshape(tl.broadcast_to(v[None, :, :], (16 // ROWS, ROWS, v.shape[1])), (16, v.shape[1]))
+
+
+@triton.jit
+def _rows16_1d(v, ROWS: tl.constexpr):
+    """``_rows16`` of a [ROWS] vector."""
+    if ROWS == 16:
+        return v
+    return tl.reshape(tl.broadcast_to(v[None, :], (16 // ROWS, ROWS)), (16,))
 
 
 @triton.jit
@@ -152,7 +158,7 @@ def decode_rows_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, K_PAD, 
             s_g = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), tiny), tl.zeros((ROWS,), dtype=tl.float32) + fp8_max)
             q = _to_e4m3(tl.clamp(_div_rn(x, s_g[:, None]), -fp8_max, fp8_max), ROUND_IN_FP32)
             sb = tl.load(ws_ptr + (tl.program_id(0) * BLOCK_N // 128) * stride_ws + k0 // 128)
-            acc += tl.dot(w, tl.trans(_rows16(q, ROWS))) * (_rows16(s_g, ROWS) * sb)[None, :]
+            acc += tl.dot(w, tl.trans(_rows16(q, ROWS))) * (_rows16_1d(s_g, ROWS) * sb)[None, :]
         else:
             x3 = tl.reshape(x, (ROWS, BLOCK_K // 32, 32))
             ratio = _div_rn(tl.maximum(tl.max(tl.abs(x3), axis=2), tiny), tl.zeros((ROWS, BLOCK_K // 32), dtype=tl.float32)
@@ -169,7 +175,7 @@ def decode_rows_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, K_PAD, 
                                                                                               bitcast=True)[:, :, None]
             acc = tl.dot(_mma_bf16(tl.reshape(w3, (BLOCK_N, BLOCK_K)), ROUND_IN_FP32), tl.trans(_rows16(a, ROWS)), acc)
     if QUANT == 0:
-        acc = acc * _rows16(sa, ROWS)[None, :] * tl.load(ws_ptr + cols, mask=n_ok, other=0.0)[:, None]
+        acc = acc * _rows16_1d(sa, ROWS)[None, :] * tl.load(ws_ptr + cols, mask=n_ok, other=0.0)[:, None]
     out = _to_bf16(acc, ROUND_IN_FP32)
     if HAS_BIAS:
         out = _to_bf16(out.to(tl.float32) + tl.load(bias_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)[:, None],
