@@ -60,6 +60,8 @@ output is [M, N]). Their arms (``all`` runs every one; split-sdma / fused-sdma a
         nccl-bf16+scaled_mm NCCL all-gather of bf16 rows, quantized after it (cco.quant) + cuBLAS
         symm_mem            torch symm-mem fused_all_gather_scaled_matmul (ptpc)
         split, fused        AllGatherGemmOp(mode=...) on the copy engines
+        fused-per-chunk,    (by name only) fused with the consumer forced to a GEMM per chunk / per
+        fused-per-peer      peer (CudaBackend.consumer_rows; fused runs AG_CONSUMER_ROWS's groups)
 
 ``--check-only``: the self tests and the output checks, no timing; ranks that share a GPU may run it
 (the arms NCCL refuses there are left out, saying so): how the commands are checked on one H200.
@@ -126,6 +128,9 @@ MORI_NAMES = {"gemm-only": ("gemm-only",), "split-sdma": ("split",), "fused-sdma
 PATTERNS = {"ar": "all-reduce", "rs": "reduce-scatter-rows", "ag": "all-gather"}
 SP_ARMS = {"rs": ("scaled_mm+nccl", "symm_mem", "split", "fused"),
            "ag": ("nccl-fp8+scaled_mm", "nccl-bf16+scaled_mm", "symm_mem", "split", "fused")}
+# named only in a comma list: the all-gather's consumer forced to a GEMM per chunk or per peer
+# (CudaBackend.consumer_rows; "fused" runs AG_CONSUMER_ROWS's groups), the data for that rule on a link
+SP_ALTERNATIVES = {"ag": {"fused-per-chunk": 1, "fused-per-peer": 1 << 40}}
 NCCL_ARMS = ("scaled_mm+nccl", "symm_mem", "nccl-fp8+scaled_mm", "nccl-bf16+scaled_mm")  # not on a shared GPU
 
 
@@ -193,9 +198,9 @@ def _select_sp_arms(mode: str, quant: str, pattern: str) -> list[str]:
         for part in (p.strip() for p in mode.split(",")):
             names = {"split-sdma": "split", "fused-sdma": "fused"}
             part = names.get(part, part)
-            if part not in allowed:
+            if part not in allowed and part not in SP_ALTERNATIVES.get(pattern, {}):
                 raise SystemExit(f"--mode {part!r} is not an arm of --pattern {pattern}; pick from all, baselines, "
-                                 f"{', '.join(allowed)}, split-sdma, fused-sdma")
+                                 f"{', '.join((*allowed, *SP_ALTERNATIVES.get(pattern, {})))}, split-sdma, fused-sdma")
             arms.append(part)
     if quant != "ptpc":  # symm-mem's fused scaled matmuls scale rows only
         arms = [a for a in arms if a != "symm_mem"]
@@ -374,9 +379,13 @@ def build_sp_arms(names, prob: Problem, comm, *, chunks, m_max):
                         prob.sets[i].a, [prob.b_t], prob.a_scale_col[i], [prob.b_scale_row], 0, gname, [None], [None],
                         [torch.bfloat16], [FAST_ACCUM])
                     return outs[0]
-        else:  # split, fused: the op
-            kw = dict(n=n, k=prob.k, m_max=m_max, quant=quant, mode=name, transport="dma", chunks=chunks)
+        else:  # split, fused (and the consumer's alternatives): the op
+            consumer = SP_ALTERNATIVES.get(prob.pattern, {}).get(name)
+            kw = dict(n=n, k=prob.k, m_max=m_max, quant=quant, mode="fused" if consumer else name, transport="dma",
+                      chunks=chunks)
             op = GemmReduceScatterOp(comm, scatter_dim=0, **kw) if prob.pattern == "rs" else AllGatherGemmOp(comm, **kw)
+            if consumer:
+                override(op._backend, {"consumer_rows": consumer}, what=name)
             ops[name] = op
             fn = _op_arm(op, prob)
         arms[name] = fn

@@ -1,6 +1,7 @@
 """Tune and check the decode GEMM (``kernels_fused.hopper.decode``) on one NVIDIA GPU.
 
-    python3 -m scripts.tune_decode --json tune.json
+    python3 -m scripts.tune_decode --json tune.json --plot tune.png
+    python3 -m scripts.tune_decode --from tune.json --plot tune.png      # the plot alone, no GPU
 
 Per shape (``--shapes``: the decode-time linears of Llama-3-8B and -70B, row- and column-parallel
 ones), M (``-m``) and quant: the device time per call under CUDA-graph replay (``--graph-calls``
@@ -50,6 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--passes", type=int, default=3)
     p.add_argument("--host", action="store_true")
     p.add_argument("--json")
+    p.add_argument("--plot", help="a PNG: each shape's device time over M, per quant, against bf16 and two launches")
+    p.add_argument("--from", dest="from_json", help="plot a --json of an earlier run (no GPU)")
     a = p.parse_args(argv)
     a.shapes = a.shapes.split(",")
     a.m = [int(v) for v in a.m.split(",")]
@@ -82,8 +85,51 @@ def _tables(D, m: int) -> tuple:
     return D.BLOCK_N, D.BLOCK_K, D.NUM_WARPS, D.NUM_STAGES
 
 
+def plot(out: dict, path: str) -> None:
+    """One panel per shape: device us per call over M (log-log) of bf16 ``F.linear``, and per quant
+    the two launches (dashed) and the decode GEMM's best config (solid); lower is better."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in out["rows"] if "best_us" in r]
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    fig, axes = plt.subplots(1, max(1, len(shapes)), figsize=(6 * max(1, len(shapes)), 4.5), squeeze=False)
+    colors = {"ptpc": "tab:blue", "blockscale": "tab:orange", "mxfp8": "tab:green"}
+    for ax, shape in zip(axes[0], shapes):
+        mine = [r for r in rows if r["shape"] == shape]
+        bf16 = {}
+        for r in mine:
+            bf16.setdefault(r["m"], r["us"]["nn.Linear bf16"])
+        ms = sorted(bf16)
+        ax.plot(ms, [bf16[m] for m in ms], color="black", marker="o", label="nn.Linear bf16")
+        for quant in dict.fromkeys(r["quant"] for r in mine):
+            q = sorted((r for r in mine if r["quant"] == quant), key=lambda r: r["m"])
+            ax.plot([r["m"] for r in q], [r["us"]["quantizer + vendor GEMM"] for r in q], color=colors.get(quant),
+                    linestyle="--", marker="x", label=f"{quant}: quantizer + vendor GEMM")
+            ax.plot([r["m"] for r in q], [r["best_us"] for r in q], color=colors.get(quant), marker="s",
+                    label=f"{quant}: decode GEMM")
+        r0 = mine[0]
+        ax.set_title(f"{shape} (N {r0['n']}, K {r0['k']})", fontsize=10)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("M (rows of the call)")
+        ax.set_ylabel("device us per call, graph replay (lower is better)")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"decode GEMM, {out.get('gpu', '')}, {out.get('date', '')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as f:
+            out = json.load(f)
+        if args.plot:
+            plot(out, args.plot)
+        return 0
     from cco import quant as Q
     from cco.bench.timing import gemm_mismatches
     from kernels_fused.hopper import decode as D
@@ -163,6 +209,8 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
+    if args.plot:
+        plot(out, args.plot)
     print(f"checks: {len(out['checks']) - failures} ok, {failures} bad", flush=True)
     return 1 if failures else 0
 

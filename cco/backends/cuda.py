@@ -143,7 +143,7 @@ PRODUCERS = ("kernel", "vendor")
 # landed chunks takes. Consecutive chunks of one source go to one GEMM until they reach it
 # (``consumer_groups``); the GEMM waits for the group's last chunk, so a larger group trades the
 # overlap of its first chunks' GEMM with the later chunks' puts (which one GPU cannot time) for
-# fewer, fuller GEMMs. Measured on one H200 (2026-12-03 14:18 UTC, scripts/bench_sp_parts.py
+# fewer, fuller GEMMs. Measured on one H200 (2026-12-03 13:09 UTC, scripts/bench_sp_parts.py
 # --pattern ag --tp 2,4,8 -m 4096,16384; docs/results/2026-12-03_sp_ag_consumer_h200.json): the
 # consumer's GEMMs over the whole GEMM, Llama-3-70B and DeepSeek-V3 gate_up, every quant:
 #   least rows          W 8, 4096 tokens   W 8, 16384   W 4, 4096   W 4, 16384   W 2
@@ -152,6 +152,8 @@ PRODUCERS = ("kernel", "vendor")
 #   all a peer's rows   1.21-2.21          1.02-1.24    1.04-1.24   1.04-1.09    0.98-1.08
 # 2048: a GEMM per peer wherever a peer has at most 2048 rows (every W 8 and W 4 / 4096 cell above),
 # two chunks a GEMM at W 4 and 2 with 16384 tokens, keeping half a peer's rows overlapped there.
+# Its arm, re-measured (13:24 UTC, docs/results/2026-12-03_sp_ag_consumer_rule_h200.json): W 8 4096
+# 1.21-2.27, W 8 16384 1.04-1.26, W 4 4096 1.04-1.25, W 4 16384 1.05-1.12, W 2 1.01-1.08.
 AG_CONSUMER_ROWS = {"ptpc": 2048, "blockscale": 2048, "mxfp8": 2048}
 LSA_LAUNCH = "ticket"  # GemmConfig.launch of the lsa kernel (docs/experiments.md compares the choices)
 # transport="auto": the lsa kernel while a rank's output has at most this many elements (M * N), the

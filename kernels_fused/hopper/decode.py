@@ -17,6 +17,11 @@ rows: ``DECODE_MAX_M`` per quant. (A tensor-core version, 16-row tiles with the 
 quantized per program, ran 3-9x slower than the two launches on an H200: the per-program
 quantization of 16 padded rows cost more than the weight's read; docs/decode.md.)
 
+Calls of 2..``ROWS_MAX`` rows run the rows kernel instead: one program per ``BLOCK_N`` weight rows
+takes every row (quantizing only the real rows, padded to a power of two and repeated to the MMA's
+16), so the weight is read once; it pays for ptpc at 2..4 rows (``DECODE_MAX_M``), not for the
+group formats, whose per-step scaling and weight dequantization cost more than the read.
+
 The host side keeps, per call shape, the compiled kernel and its bound grid and calls it through
 Triton's compiled-kernel launcher, skipping ``JITFunction.run``'s argument binding and cache key
 (most of a Triton launch's host cost at these sizes). The key holds everything Triton specializes
@@ -37,10 +42,10 @@ from kernels_fused.hopper.quantize import _interpreting, _pow2, check_rows
 # Calls of at most this many rows take the decode GEMM (the layers' rule, cco.nn.parallel_linear);
 # more rows go to the quantizer + vendor GEMM. scripts/tune_decode.py on one H200 (2026-12-03,
 # docs/decode.md), device us per call under graph replay against bf16 nn.Linear's: at M = 1 0.66-0.85x
-# (8B down / o_proj, 70B down; every quant). At 2..16 rows the rows kernel (14:20 UTC run,
+# (8B down / o_proj, 70B down; every quant). At 2..16 rows the rows kernel (13:10 UTC run,
 # docs/results/2026-12-03_decode_rows_kernel_h200.json), against the two launches it replaces: ptpc at
 # M = 2 34.7 / 10.7 / 68.4 us against 39.2 / 14.3 / 102.6 (8B down, 8B o, 70B down), at M = 4 43.7 /
-# 13.3 / 86.4 against 39.4 / 14.4 / 103.1, at M = 8 1.2-1.8x slower; blockscale and mxfp8 1.4-4.5x
+# 13.3 / 86.4 against 39.4 / 14.4 / 103.1, at M = 8 1.3-1.8x slower; blockscale and mxfp8 1.4-4.9x
 # slower at every M (the per-step scaling and the weight's dequantization cost more than its read).
 # Eagerly the layer's host time is 24 us a call through it against 82-131 us for two launches.
 DECODE_MAX_M = {"ptpc": 4, "blockscale": 1, "mxfp8": 1}
