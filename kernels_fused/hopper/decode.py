@@ -48,7 +48,11 @@ from kernels_fused.hopper.quantize import SPLIT_NUM_WARPS, _interpreting, _pow2,
 # 13.3 / 86.4 against 39.4 / 14.4 / 103.1, at M = 8 1.3-1.8x slower; blockscale and mxfp8 1.4-4.9x
 # slower at every M (the per-step scaling and the weight's dequantization cost more than its read).
 # Eagerly the layer's host time is 24 us a call through it against 82-131 us for two launches.
-DECODE_MAX_M = {"ptpc": 4, "blockscale": 1, "mxfp8": 1}
+# ptpc then quantizes the rows once (QUANTIZED_ROWS; 13:40 UTC run,
+# docs/results/2026-12-03_decode_quantized_rows_h200.json): 23.9-24.6 / 7.2-7.5 / 61.8-63.5 us at
+# every M from 2 to 16 (0.72-0.82x of bf16 at 8B, 0.54x at 70B down), the layer's eager call 37-52
+# us of host time against the two launches' 80-99 (and the rows kernel's 24): so ptpc up to 16 rows.
+DECODE_MAX_M = {"ptpc": 16, "blockscale": 1, "mxfp8": 1}
 # Per quant, the best M = 1 config of that run: BLOCK_N output features per program (one program per
 # BLOCK_N and row: no split of K, so no second pass); BLOCK_K columns per step, in groups of the
 # format's scale group (GROUP); warps. ROW_K: ptpc's amax load.
