@@ -37,7 +37,7 @@ import os
 import torch
 
 from cco.quant import _TINY, FP8, FP8_MAX, QUANTS, SCALE_BLOCK
-from kernels_fused.hopper.quantize import _interpreting, _pow2, check_rows
+from kernels_fused.hopper.quantize import SPLIT_NUM_WARPS, _interpreting, _pow2, check_rows, split_launch
 
 # Calls of at most this many rows take the decode GEMM (the layers' rule, cco.nn.parallel_linear);
 # more rows go to the quantizer + vendor GEMM. scripts/tune_decode.py on one H200 (2026-12-03,
@@ -48,7 +48,11 @@ from kernels_fused.hopper.quantize import _interpreting, _pow2, check_rows
 # 13.3 / 86.4 against 39.4 / 14.4 / 103.1, at M = 8 1.3-1.8x slower; blockscale and mxfp8 1.4-4.9x
 # slower at every M (the per-step scaling and the weight's dequantization cost more than its read).
 # Eagerly the layer's host time is 24 us a call through it against 82-131 us for two launches.
-DECODE_MAX_M = {"ptpc": 4, "blockscale": 1, "mxfp8": 1}
+# ptpc then quantizes the rows once (QUANTIZED_ROWS; 13:40 UTC run,
+# docs/results/2026-12-03_decode_quantized_rows_h200.json): 23.9-24.6 / 7.2-7.5 / 61.8-63.5 us at
+# every M from 2 to 16 (0.72-0.82x of bf16 at 8B, 0.54x at 70B down), the layer's eager call 37-52
+# us of host time against the two launches' 80-99 (and the rows kernel's 24): so ptpc up to 16 rows.
+DECODE_MAX_M = {"ptpc": 16, "blockscale": 1, "mxfp8": 1}
 # Per quant, the best M = 1 config of that run: BLOCK_N output features per program (one program per
 # BLOCK_N and row: no split of K, so no second pass); BLOCK_K columns per step, in groups of the
 # format's scale group (GROUP); warps. ROW_K: ptpc's amax load.
@@ -69,13 +73,26 @@ ROWS_BLOCK_K = {"ptpc": 256, "blockscale": 128, "mxfp8": 256}
 ROWS_WARPS = {"ptpc": 4, "blockscale": 4, "mxfp8": 4}
 ROWS_STAGES = {"ptpc": 4, "blockscale": 4, "mxfp8": 4}
 ROWS_ELEMENTS = 8192  # ptpc's amax load: [rows, ROW_K] with rows * ROW_K at most this
+# Quants whose calls of 2..ROWS_MAX rows quantize the rows once (the activation quantizer's split-row
+# launch, its bytes) and then run the MMA over them (decode_mma_rows_kernel): two launches, but the
+# rows kernel's per-program quantization grows with the rows (scripts/probe_decode_rows.py).
+QUANTIZED_ROWS = {"ptpc"}
 
 
 @functools.cache
-def _kernel(rows: bool = False):
-    from kernels_fused.hopper import decode_kernels
+def _kernel(which: str):
+    """The decode GEMM's device code: "row" (one program per row and feature block), "rows" (every
+    row in one program, quantized there), "mma" (every row in one program, quantized before)."""
+    from kernels_fused.hopper import decode_kernels as dk
 
-    return decode_kernels.decode_rows_kernel if rows else decode_kernels.decode_gemv_kernel
+    return {"row": dk.decode_gemv_kernel, "rows": dk.decode_rows_kernel, "mma": dk.decode_mma_rows_kernel}[which]
+
+
+@functools.cache
+def _quantize_kernel():
+    from kernels_fused.hopper import quantize_kernels
+
+    return quantize_kernels.quantize_ptpc_split_kernel
 
 
 def block_k(quant: str, k_padded: int) -> int:
@@ -135,47 +152,78 @@ def decode_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, quant: 
 _LAUNCHES: dict = {}
 
 
-class _Launch:
-    """One call shape's launch: the grid, the integer arguments and the constants, and after its
-    first launch the compiled kernel's launcher (``CompiledKernel[grid]``), which takes every
-    argument of the kernel in order, the constants included."""
+class _Kernel:
+    """One Triton kernel's launch for one call shape: its grid and options, and after the first launch
+    the compiled kernel's launcher (``CompiledKernel[grid]``), which takes every argument of the
+    kernel in order, the constants included."""
 
-    __slots__ = ("kernel", "grid", "ints", "consts", "options", "fast")
+    __slots__ = ("fn", "grid", "options", "fast")
+
+    def __init__(self, fn, grid, **options):
+        self.fn, self.grid, self.options, self.fast = fn, grid, options, None
+
+    def __call__(self, *args) -> None:
+        if self.fast is not None:
+            self.fast(*args)
+            return
+        compiled = self.fn[self.grid](*args, **self.options)
+        if compiled is not None and hasattr(compiled, "__getitem__") and FAST_LAUNCH:
+            self.fast = compiled[(*self.grid, 1)[:3]]  # the launcher takes all three grid dimensions
+
+
+class _Launch:
+    """One call shape's launches: the kernel that takes ``m`` rows (the one-row kernel per row, the
+    rows kernel, or, for ``QUANTIZED_ROWS``, the quantizer's launch then the MMA over its rows), the
+    integer arguments and the constants."""
+
+    __slots__ = ("kernel", "quantize", "q_args", "ints", "consts", "m", "k_padded")
 
     def __init__(self, m: int, k: int, k_padded: int, n: int, quant: str, has_bias: bool):
         rows = 1 < m <= ROWS_MAX  # every row in one program: the rows kernel
         block_n = (ROWS_BLOCK_N if rows else BLOCK_N)[quant]
         if quant == "blockscale" and SCALE_BLOCK % block_n:  # a program's rows share one weight scale block
             raise ValueError(f"decode_gemm: BLOCK_N={block_n} must divide {SCALE_BLOCK} for blockscale")
-        self.kernel = _kernel(rows)
-        self.grid = (-(-n // block_n), 1 if rows else m)
+        self.m, self.k_padded, self.quantize, self.q_args = m, k_padded, None, None
         self.ints = (m, n, k, k_padded)
         if rows:
             step, width = ROWS_BLOCK_K[quant], _pow2(m)
             if quant == "blockscale" and step != SCALE_BLOCK or k_padded % step:
                 step = SCALE_BLOCK if quant == "blockscale" else block_k(quant, k_padded)
+            options = dict(num_warps=ROWS_WARPS[quant], num_stages=ROWS_STAGES[quant])
+            if quant in QUANTIZED_ROWS:
+                grid, row_block, slice_k = split_launch(m, k, k_padded)
+                self.quantize = _Kernel(_quantize_kernel(), grid, num_warps=SPLIT_NUM_WARPS)
+                # the quantizer's M, M_OUT, K, K_PAD and (after x's row stride, tiny, fp8_max) its
+                # ROW_BLOCK, SLICE_K, ROUND_IN_FP32; the MMA's M, N, K_PAD and HAS_BIAS, BLOCK_N, BLOCK_K,
+                # ROUND_IN_FP32
+                self.q_args = ((m, m, k, k_padded), (row_block, slice_k, _interpreting()))
+                self.ints = (m, n, k_padded)
+                self.consts = (has_bias, block_n, min(step, k_padded), _interpreting())
+                self.kernel = _Kernel(_kernel("mma"), (-(-n // block_n), 1), **options)
+                return
             # QUANT, HAS_BIAS, BLOCK_N, BLOCK_K, ROWS, ROW_K, ROUND_IN_FP32: the rows kernel's constexprs
             self.consts = (_QUANT_CODE[quant], has_bias, block_n, min(step, k_padded), width,
                            min(ROWS_ELEMENTS // width, _pow2(k)), _interpreting())
-            self.options = dict(num_warps=ROWS_WARPS[quant], num_stages=ROWS_STAGES[quant])
+            self.kernel = _Kernel(_kernel("rows"), (-(-n // block_n), 1), **options)
         else:
             group = GROUP[quant]
             # QUANT, HAS_BIAS, BLOCK_N, G, GS, ROW_K, ROUND_IN_FP32: the kernel's constexprs, in its order
             self.consts = (_QUANT_CODE[quant], has_bias, block_n, block_k(quant, k_padded) // group, group,
                            min(ROW_K, _pow2(k)), _interpreting())
-            self.options = dict(num_warps=NUM_WARPS[quant], num_stages=NUM_STAGES[quant])
-        self.fast = None
+            self.kernel = _Kernel(_kernel("row"), (-(-n // block_n), m), num_warps=NUM_WARPS[quant],
+                                  num_stages=NUM_STAGES[quant])
 
     def __call__(self, x, row_stride, w, w_scale, bias, out) -> None:
         scale = w_scale.view(torch.uint8) if w_scale.element_size() == 1 else w_scale
         b = out if bias is None else bias  # an unused pointer where there is no bias
-        args = (x, w, scale, b, out, *self.ints, row_stride, scale.stride(0), _TINY, FP8_MAX, *self.consts)
-        if self.fast is not None:
-            self.fast(*args)
+        if self.quantize is not None:  # the rows quantized once (new tensors: safe on any stream), then the MMA
+            q = torch.empty(self.m, self.k_padded, dtype=FP8, device=out.device)
+            sa = torch.empty(self.m, dtype=torch.float32, device=out.device)
+            sizes, consts = self.q_args
+            self.quantize(x, q, sa, *sizes, row_stride, _TINY, FP8_MAX, *consts)
+            self.kernel(q, sa, w, scale, b, out, *self.ints, *self.consts)
             return
-        compiled = self.kernel[self.grid](*args, **self.options)
-        if compiled is not None and hasattr(compiled, "__getitem__") and FAST_LAUNCH:
-            self.fast = compiled[(*self.grid, 1)]  # the launcher takes all three grid dimensions
+        self.kernel(x, w, scale, b, out, *self.ints, row_stride, scale.stride(0), _TINY, FP8_MAX, *self.consts)
 
 
 # The compiled-kernel launcher (Triton >= 3.2's ``CompiledKernel.__getitem__``); False: every call

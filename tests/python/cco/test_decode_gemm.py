@@ -136,3 +136,25 @@ def test_decode_gemm_refuses_what_it_cannot_take(bad, match):
             kwargs[key] = value
     with pytest.raises(ValueError, match=match):
         decode_gemm(x, w, ws, kwargs.pop("quant"), **kwargs)
+
+
+@pytest.mark.parametrize("m", [2, 5, 16])
+def test_ptpc_rows_quantized_once_or_per_program_give_the_same_product(monkeypatch, m):
+    """ptpc at 2..ROWS_MAX rows (``QUANTIZED_ROWS``): the quantizer's launch, then the MMA over its
+    rows; with it off, the rows kernel quantizing in every program. Both within one ulp of the
+    two-launch reference, bias added as ``out += bias``."""
+    from kernels_fused.hopper import decode as D
+
+    n, k, k_padded = 200, 700, 768
+    x = activations(m, k, seed=m).flip(1).contiguous()
+    wq, ws = weight(n, k, k_padded, "ptpc")
+    want = two_launches(x, wq, ws, "ptpc", n, k_padded)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    for quantized in (True, False):
+        monkeypatch.setattr(D, "QUANTIZED_ROWS", {"ptpc"} if quantized else set())
+        D._LAUNCHES.clear()
+        got = D.decode_gemm(x, wq, ws, "ptpc", n=n)
+        assert [launch.quantize is not None for launch in D._LAUNCHES.values()] == [quantized]
+        assert_within_one_ulp(got, want)
+        assert torch.equal(D.decode_gemm(x, wq, ws, "ptpc", n=n, bias=bias), got + bias)
+    D._LAUNCHES.clear()
