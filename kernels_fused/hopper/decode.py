@@ -1,5 +1,5 @@
-"""The decode GEMM: ``quantize(x) @ dequant(w).T`` for a few rows in one launch (device code:
-``kernels_fused.hopper.decode_kernels``).
+"""The decode GEMM: ``quantize(x) @ dequant(w).T`` for a few rows in one launch (two for ptpc's
+2..16 rows; device code: ``kernels_fused.hopper.decode_kernels``).
 
 Unfused equivalent (``cco.nn`` layers at world 1, or the local GEMM of a column-parallel layer)::
 
@@ -17,10 +17,12 @@ rows: ``DECODE_MAX_M`` per quant. (A tensor-core version, 16-row tiles with the 
 quantized per program, ran 3-9x slower than the two launches on an H200: the per-program
 quantization of 16 padded rows cost more than the weight's read; docs/decode.md.)
 
-Calls of 2..``ROWS_MAX`` rows run the rows kernel instead: one program per ``BLOCK_N`` weight rows
-takes every row (quantizing only the real rows, padded to a power of two and repeated to the MMA's
-16), so the weight is read once; it pays for ptpc at 2..4 rows (``DECODE_MAX_M``), not for the
-group formats, whose per-step scaling and weight dequantization cost more than the read.
+Calls of 2..``ROWS_MAX`` rows read the weight once for every row, one program per ``BLOCK_N``
+weight rows on tensor cores. ptpc (``QUANTIZED_ROWS``) quantizes the rows first, in the
+activation quantizer's split-row launch, and then runs the MMA over them (two launches, the weight
+read at its bandwidth at every M: ``DECODE_MAX_M`` takes it up to 16 rows). The other quants run the
+rows kernel, which quantizes the rows (padded to a power of two, repeated to the MMA's 16) in
+every program: that costs more than the weight's read, so their rule keeps one row.
 
 The host side keeps, per call shape, the compiled kernel and its bound grid and calls it through
 Triton's compiled-kernel launcher, skipping ``JITFunction.run``'s argument binding and cache key
@@ -125,8 +127,9 @@ def decode_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, quant: 
     """bf16 ``[..., n]``: ``x [..., K]`` (``M`` rows in all) quantized as ``quant``
     (``kernels_fused.hopper.quantize``'s bytes, columns ``K..K_pad`` zero) times the first ``n`` rows
     of the fp8 weight ``w [N_pad, K_pad]`` (row-major, ``cco.quant``'s scales ``w_scale``), rounded to
-    bf16, plus ``bias`` (rounded again, as ``out += bias``). One launch; meant for ``M <=
-    DECODE_MAX_M[quant]`` rows (more run, slower than the vendor GEMM). Operands are checked by
+    bf16, plus ``bias`` (rounded again, as ``out += bias``). One launch (ptpc at 2..``ROWS_MAX``
+    rows: the quantizer's, then the MMA's); meant for ``M <= DECODE_MAX_M[quant]`` rows (more run,
+    slower than the vendor GEMM). Operands are checked by
     :func:`check_operands` once per call shape (the key holds the column stride too)."""
     k = x.shape[-1]
     out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16, device=x.device)
