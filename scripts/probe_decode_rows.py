@@ -31,13 +31,14 @@ import triton
 import triton.language as tl
 
 from kernels_fused.hopper.decode_kernels import _rows16, _rows16_1d, _to_bf16
+from scripts.tune_decode import SHAPES, shape_weight
 
-SHAPES = {"8b-down-tp1": (4096, 14336), "8b-o-tp1": (4096, 4096), "70b-down-tp1": (8192, 28672)}
+PROBED = ("8b-down-tp1", "8b-o-tp1", "70b-down-tp1")  # tune_decode's shapes this probe takes by default
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--shapes", default=",".join(PROBED))
     p.add_argument("-m", default="2,4,8,16")
     p.add_argument("--block-n", type=int, default=64)
     p.add_argument("--block-k", type=int, default=256)
@@ -96,10 +97,7 @@ def main(argv=None) -> int:
                sys.argv[1:] if argv is None else argv), "rows": []}
     failures = 0
     for name in args.shapes:
-        n, k = SHAPES[name]
-        g = torch.Generator(device="cpu").manual_seed(0)
-        w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dev)
-        w_bf16 = w.to(torch.bfloat16)
+        n, k, w, w_bf16 = shape_weight(name, dev)
         wq, ws = Q.quantize_b(w, "ptpc")
         for m in args.m:
             x = torch.randn(m, k, device=dev).to(torch.bfloat16)

@@ -34,6 +34,15 @@ SHAPES = {  # name: (N, K)
 }
 
 
+def shape_weight(name: str, device) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """``(N, K, w, w_bf16)`` of the ``SHAPES`` entry ``name``: an fp32 weight of unit-variance rows
+    over sqrt(K) on ``device`` (seeded: every run times the same weight) and its bf16 copy."""
+    n, k = SHAPES[name]
+    g = torch.Generator(device="cpu").manual_seed(0)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(device)
+    return n, k, w, w.to(torch.bfloat16)
+
+
 def configs(quant: str, m: int = 1):
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) tried for ``quant`` at ``m`` rows: the one-row
     kernel's, or the rows kernel's (2..ROWS_MAX rows; blockscale steps one 128-column scale group)."""
@@ -143,10 +152,7 @@ def main(argv=None) -> int:
            "torch": torch.__version__, "rows": [], "checks": [], "host": {}}
     failures = 0
     for name in args.shapes:
-        n, k = SHAPES[name]
-        g = torch.Generator(device="cpu").manual_seed(0)
-        w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dev)
-        w_bf16 = w.to(torch.bfloat16)
+        n, k, w, w_bf16 = shape_weight(name, dev)
         for quant in args.quant:
             wq, ws = Q.quantize_b(w, quant)
             vw = vendor.prepare_weight(wq, ws, quant)
