@@ -11,12 +11,16 @@ quantization costs, and what a kernel that quantizes each row once would save.
 
 Arms per (shape, M), CUDA-graph replays of ``--graph-calls`` calls, device us per call (median of
 ``--passes``; lower is better):
-``nn.Linear bf16``; ``rows kernel`` (the library's ``decode_gemm``); ``quantizer`` (the activation
-quantizer alone, ``quantize_activation``); ``MMA, rows repeated`` and ``MMA, rows masked``: the
-rows kernel's MMA and epilogue on the quantizer's e4m3 rows and scales (the probe's own kernel
-below), the rows repeated to 16 as the rows kernel does, or read as 16 rows with the rows past M
-masked to zero (no repeat). Every arm's output is checked against the fp32 product of the
-quantizer's operands first (``gemm_mismatches``); a wrong arm posts no time.
+``nn.Linear bf16``; ``rows kernel`` (its launch made with ``QUANTIZED_ROWS`` empty: the rows
+quantized in every program); ``decode_gemm`` (the library's path: for ptpc since 2026-12-03 13:40,
+the quantizer's launch then ``decode_mma_rows_kernel``); ``quantizer`` (the activation quantizer
+alone, ``quantize_activation``); ``MMA, rows repeated`` and ``MMA, rows masked``: the MMA and
+epilogue alone on the quantizer's e4m3 rows and scales, the rows repeated to 16 as the rows kernel
+does (the probe's own kernel below), or read as 16 rows with the rows past M masked to zero
+(``decode_mma_rows_kernel``). Every arm's output is checked against the fp32 product of the
+quantizer's operands first (``gemm_mismatches``); a wrong arm posts no time. (The run of 13:35 UTC,
+docs/results/2026-12-03_decode_rows_probe_h200.json, predates the library's MMA kernel and its
+``decode_gemm`` arm: there ``rows kernel`` was ``decode_gemm``, and the masked MMA the probe's own.)
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_fused.hopper.decode_kernels import _rows16, _rows16_1d, _to_bf16
+from kernels_fused.hopper.decode_kernels import _rows16, _rows16_1d, _to_bf16, decode_mma_rows_kernel
 from scripts.tune_decode import SHAPES, shape_weight
 
 PROBED = ("8b-down-tp1", "8b-o-tp1", "70b-down-tp1")  # tune_decode's shapes this probe takes by default
@@ -54,30 +58,23 @@ def parse_args(argv=None):
 
 
 @triton.jit
-def mma_rows(q_ptr, sa_ptr, w_ptr, ws_ptr, out_ptr, M, N, K_PAD, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             ROWS: tl.constexpr, REPEAT: tl.constexpr):
-    """The probe's MMA over pre-quantized rows (ptpc): the rows kernel's steps without the
-    quantization; ``REPEAT``: the rows repeated to 16 as the rows kernel does, else 16 rows read
-    with those past M masked to zero."""
+def mma_rows_repeated(q_ptr, sa_ptr, w_ptr, ws_ptr, out_ptr, M, N, K_PAD, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
+    """The rows kernel's MMA over pre-quantized rows (ptpc), without its quantization: the ``ROWS``
+    rows (M rounded up to a power of two) repeated to the MMA's 16 as the rows kernel repeats them
+    (``decode_mma_rows_kernel`` is the same loop with 16 rows read, those past M masked)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = cols < N
     kk = tl.arange(0, BLOCK_K)
+    rows = tl.arange(0, ROWS)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * K_PAD + kk[None, :]
-    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    if REPEAT:
-        rows = tl.arange(0, ROWS)
-    else:
-        rows = tl.arange(0, 16)
     q_rows = q_ptr + rows.to(tl.int64)[:, None] * K_PAD + kk[None, :]
+    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
     for k0 in range(0, K_PAD, BLOCK_K):
         w = tl.load(w_rows + k0, mask=n_ok[:, None], other=0.0)
         q = tl.load(q_rows + k0, mask=(rows < M)[:, None], other=0.0)
-        if REPEAT:
-            q = _rows16(q, ROWS)
-        acc = tl.dot(w, tl.trans(q), acc)
-    sa = tl.load(sa_ptr + rows, mask=rows < M, other=0.0)
-    if REPEAT:
-        sa = _rows16_1d(sa, ROWS)
+        acc = tl.dot(w, tl.trans(_rows16(q, ROWS)), acc)
+    sa = _rows16_1d(tl.load(sa_ptr + rows, mask=rows < M, other=0.0), ROWS)
     acc = acc * sa[None, :] * tl.load(ws_ptr + cols, mask=n_ok, other=0.0)[:, None]
     j = tl.arange(0, 16)
     tl.store(out_ptr + j[None, :].to(tl.int64) * N + cols[:, None], _to_bf16(acc, False),
@@ -108,18 +105,34 @@ def main(argv=None) -> int:
 
             def mma(repeat, a=a, sa=sa, m=m):
                 o = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
-                mma_rows[(-(-n // args.block_n),)](a, sa, wq, ws, o, m, n, k, BLOCK_N=args.block_n,
-                                                  BLOCK_K=args.block_k, ROWS=_pow2(m), REPEAT=repeat, num_warps=4,
-                                                  num_stages=4)
+                grid, opts = (-(-n // args.block_n),), dict(BLOCK_N=args.block_n, BLOCK_K=args.block_k,
+                                                             num_warps=4, num_stages=4)
+                if repeat:
+                    mma_rows_repeated[grid](a, sa, wq, ws, o, m, n, k, ROWS=_pow2(m), **opts)
+                else:  # the library's kernel: no bias (its pointer unused), ptpc
+                    decode_mma_rows_kernel[grid](a, sa, wq, ws, o, o, m, n, k, HAS_BIAS=False,
+                                                 ROUND_IN_FP32=False, **opts)
+                return o
+
+            saved, D.QUANTIZED_ROWS = D.QUANTIZED_ROWS, set()
+            try:  # the rows kernel's launch (decode_gemm's own would take the library's current path)
+                rows_kernel = D._Launch(m, k, k, n, "ptpc", False)
+            finally:
+                D.QUANTIZED_ROWS = saved
+
+            def rows_kernel_call(x=x, launch=rows_kernel, m=m):
+                o = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
+                launch(x, x.stride(0), wq, ws, None, o)
                 return o
 
             arms = {"nn.Linear bf16": lambda x=x: torch.nn.functional.linear(x, w_bf16),
-                    "rows kernel": lambda x=x: D.decode_gemm(x, wq, ws, "ptpc", n=n),
+                    "rows kernel": rows_kernel_call,
+                    "decode_gemm": lambda x=x: D.decode_gemm(x, wq, ws, "ptpc", n=n),
                     "quantizer": lambda x=x: quantize_activation(x, "ptpc", k_padded=k),
                     "MMA, rows repeated": lambda: mma(True),
                     "MMA, rows masked": lambda: mma(False)}
             bad = {a_: gemm_mismatches(arms[a_](), ref, dot_abs) for a_ in
-                   ("rows kernel", "MMA, rows repeated", "MMA, rows masked")}
+                   ("rows kernel", "decode_gemm", "MMA, rows repeated", "MMA, rows masked")}
             torch.cuda.synchronize()
             if any(bad.values()):
                 failures += 1
