@@ -11,9 +11,9 @@ replaces (the activation quantizer, then the op's vendor GEMM); the best config 
 range) is what ``decode.py``'s constants should hold. Before timing, every (shape, M, quant) is
 checked against the fp32 product of the quantizer's operands (``cco.bench.timing.gemm_mismatches``:
 no output outside the fp8 GEMM's error budget) and the compiled-kernel launch against
-``JITFunction.run``'s (bit for bit). ``--host`` adds the host us per eager call of ``F.linear``, the decode GEMM through
-either launch, and the layer (``RowParallelLinear``, world 1) both ways at the first shape, every M
-(``host_costs``).
+``JITFunction.run``'s (bit for bit). ``--host`` adds the host us per eager call of ``F.linear``, the
+decode GEMM through either launch, and the layer (``RowParallelLinear``, world 1) both ways at the
+first shape, every M (``host_costs``).
 """
 
 from __future__ import annotations

@@ -179,17 +179,17 @@ class _Launch:
     rows kernel, or, for ``QUANTIZED_ROWS``, the quantizer's launch then the MMA over its rows), the
     integer arguments and the constants."""
 
-    __slots__ = ("kernel", "quantize", "q_args", "ints", "consts", "m", "k_padded")
+    __slots__ = ("kernel", "quantize", "q_args", "ints", "consts")
 
     def __init__(self, m: int, k: int, k_padded: int, n: int, quant: str, has_bias: bool):
-        rows = 1 < m <= ROWS_MAX  # every row in one program: the rows kernel
+        rows = 1 < m <= ROWS_MAX  # every row in one program: the MMA over quantized rows, or the rows kernel
         block_n = (ROWS_BLOCK_N if rows else BLOCK_N)[quant]
         if quant == "blockscale" and SCALE_BLOCK % block_n:  # a program's rows share one weight scale block
             raise ValueError(f"decode_gemm: BLOCK_N={block_n} must divide {SCALE_BLOCK} for blockscale")
-        self.m, self.k_padded, self.quantize, self.q_args = m, k_padded, None, None
+        self.quantize = self.q_args = None
         self.ints = (m, n, k, k_padded)
         if rows:
-            step, width = ROWS_BLOCK_K[quant], _pow2(m)
+            step = ROWS_BLOCK_K[quant]
             if quant == "blockscale" and step != SCALE_BLOCK or k_padded % step:
                 step = SCALE_BLOCK if quant == "blockscale" else block_k(quant, k_padded)
             options = dict(num_warps=ROWS_WARPS[quant], num_stages=ROWS_STAGES[quant])
@@ -205,6 +205,7 @@ class _Launch:
                 self.kernel = _Kernel(_kernel("mma"), (-(-n // block_n), 1), **options)
                 return
             # QUANT, HAS_BIAS, BLOCK_N, BLOCK_K, ROWS, ROW_K, ROUND_IN_FP32: the rows kernel's constexprs
+            width = _pow2(m)
             self.consts = (_QUANT_CODE[quant], has_bias, block_n, min(step, k_padded), width,
                            min(ROWS_ELEMENTS // width, _pow2(k)), _interpreting())
             self.kernel = _Kernel(_kernel("rows"), (-(-n // block_n), 1), **options)
@@ -220,9 +221,9 @@ class _Launch:
         scale = w_scale.view(torch.uint8) if w_scale.element_size() == 1 else w_scale
         b = out if bias is None else bias  # an unused pointer where there is no bias
         if self.quantize is not None:  # the rows quantized once (new tensors: safe on any stream), then the MMA
-            q = torch.empty(self.m, self.k_padded, dtype=FP8, device=out.device)
-            sa = torch.empty(self.m, dtype=torch.float32, device=out.device)
-            sizes, consts = self.q_args
+            sizes, consts = self.q_args  # (M, M_OUT, K, K_PAD), the quantizer's constants
+            q = torch.empty(sizes[1], sizes[3], dtype=FP8, device=out.device)
+            sa = torch.empty(sizes[1], dtype=torch.float32, device=out.device)
             self.quantize(x, q, sa, *sizes, row_stride, _TINY, FP8_MAX, *consts)
             self.kernel(q, sa, w, scale, b, out, *self.ints, *self.consts)
             return
