@@ -16,8 +16,10 @@ the whole decoder's weights in fp8, the lm_head bf16), and ``fp8 unfused
 <quant>`` (the same layers as a model runs fp8 today without cco: ``cco.quant.quantize_a`` in torch,
 then ``torch._scaled_mm``; cuBLAS's blockwise recipe refuses M % 4 != 0, so blockscale at batch 1
 has no such arm). Per arm and mode: ms/token over ``--repeats`` decodes of ``--tokens`` tokens from
-the same prefilled cache (``cco.bench.timing.time_back_to_back``, one decode per pass): median and
-min..max; and the first decode step's logits against the bf16 arm's (relative L2).
+the same prefilled cache (``cco.bench.timing.time_back_to_back``, one decode per pass, the arms
+alternating per pass in rotated order, so a drift of the clocks over the run lands on every arm):
+median and min..max; the first decode step's logits against the bf16 arm's (relative L2); and
+whether the captured step decodes the tokens the eager steps decode.
 
 Per call (``--shapes``, M in ``-m``): the ``o_proj`` and ``down_proj`` shapes of Llama-3-8B and -70B
 at TP 1, 2 and 8 (N = hidden, K = the rank's slice). Arms: ``nn.Linear`` bf16 ``[N, K]``, and per
@@ -250,6 +252,10 @@ class Decoder:
 
 
 def model_runs(args, comm, device) -> list[dict]:
+    """Per batch: every arm built and checked first (the first step's logits against bf16's, a step
+    captured in a CUDA graph that decodes the tokens eager decodes), then timed with the arms
+    alternating per pass (``time_back_to_back`` rotates their order), eager and then replayed, so a
+    drift of the host's or the GPU's clocks over the run lands on every arm alike."""
     from cco.bench.timing import time_back_to_back
 
     model = build_model(args, device)
@@ -264,20 +270,13 @@ def model_runs(args, comm, device) -> list[dict]:
     runs = []
     for batch in args.batch:
         dec = Decoder(model, batch, args.prompt, args.tokens, device)
+        records, built = {}, {}  # arm -> its record; arm -> (its modules, its captured step or None)
         base_logits = None
         for arm, how in arms.items():
-            record = {"batch": batch, "arm": arm}
+            record = records[arm] = {"batch": batch, "arm": arm}
             made = []
             try:
-                if how is None:
-                    swapped(model, None)
-                elif how[0] in ("cco", "cco-all"):
-                    m_max = max(256, batch * args.prompt)
-                    made = swapped(model, lambda lin, q=how[1]: cco_layer(lin, q, comm, m_max=m_max),
-                                   (lambda lin, q=how[1]: cco_column_layer(lin, q, comm, m_max=m_max))
-                                   if how[0] == "cco-all" else None)
-                else:
-                    swapped(model, lambda lin, q=how[1]: UnfusedFp8Linear(lin, q))
+                made = install(model, how, comm, max(256, batch * args.prompt))
                 dec.prefill()
                 dec.step()
                 # the prefill's logits: a decode step's input is the arm's own argmax, which fp8 may change
@@ -287,65 +286,111 @@ def model_runs(args, comm, device) -> list[dict]:
                 record["logits_rel_l2_vs_bf16"] = float((logits - base_logits).norm() / base_logits.norm())
                 if args.smoke:
                     record["ok"] = bool(torch.isfinite(logits).all())
-                    runs.append(record)
-                    print(json.dumps(record), flush=True)
                     continue
-                record.update(time_decode(dec, args, time_back_to_back))
-            except Exception as err:  # one arm's failure (a refused shape, a capture) is recorded, not fatal
+                dec.mark()
+                graph = None
+                try:
+                    graph = dec.capture()
+                    record["same_tokens_as_eager"] = same_tokens(dec, graph)
+                except Exception as err:  # a step that cannot be captured: eager only
+                    torch.cuda.synchronize()
+                    record["graph_error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                built[arm] = (made, graph)
+                made = []
+            except Exception as err:  # one arm's failure (a refused shape) is recorded, not fatal
                 record["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
             finally:
                 swapped(model, None)
-                for module in made:
-                    if hasattr(module, "close"):
-                        module.close()
+                close(made)
+        if built:
+            timed = time_decode(model, dec, built, args, time_back_to_back)
+            for arm, modes in timed.items():
+                records[arm]["modes"] = modes
+        for arm, record in records.items():
             print(f"batch {batch} {arm:22s} " + " | ".join(
                 f"{mode} {r['ms_per_token']:.2f} ms/token ({r['min']:.2f}..{r['max']:.2f})"
                 for mode, r in record.get("modes", {}).items()) + (f" ERROR {record['error']}" if "error" in record
-                                                                     else ""), flush=True)
+                                                                     else "") + (" ok" if record.get("ok") else ""),
+                  flush=True)
             runs.append(record)
-        del dec
+        swapped(model, None)
+        for made, graph in built.values():
+            close(made)
+        del dec, built
     return runs
 
 
-def time_decode(dec, args, time_back_to_back) -> dict:
-    """ms/token of ``args.tokens`` decode steps, eager and replayed from a captured step."""
-    modes = {}
+def install(model, how, comm, m_max: int) -> list:
+    """Put one arm's linears into ``model`` (``how``: None bf16, ``("cco" | "cco-all" | "unfused",
+    quant)``); returns the modules made (none for bf16)."""
+    if how is None:
+        swapped(model, None)
+        return []
+    if how[0] in ("cco", "cco-all"):
+        return swapped(model, lambda lin, q=how[1]: cco_layer(lin, q, comm, m_max=m_max),
+                       (lambda lin, q=how[1]: cco_column_layer(lin, q, comm, m_max=m_max)) if how[0] == "cco-all"
+                       else None)
+    return swapped(model, lambda lin, q=how[1]: UnfusedFp8Linear(lin, q))
 
-    def eager():
+
+def put_back(model, made: list) -> None:
+    """Put the modules :func:`install` made (every row-wise, then every column-wise slot) back into ``model``."""
+    for (parent, name, _), module in zip(model._cco_rowwise + model._cco_colwise, made, strict=True):
+        setattr(parent, name, module)
+
+
+def close(made: list) -> None:
+    for module in made:
+        if hasattr(module, "close"):
+            module.close()
+
+
+def same_tokens(dec, graph) -> bool:
+    """Whether four replays of the captured step decode what four eager steps decode from the same state."""
+    dec.rewind()
+    for _ in range(4):
+        graph.replay()
+    ids_graph = dec.ids.clone()
+    dec.rewind()
+    for _ in range(4):
+        dec.step()
+    return bool(torch.equal(ids_graph, dec.ids))
+
+
+def time_decode(model, dec, built: dict, args, time_back_to_back) -> dict:
+    """ms/token of ``args.tokens`` decode steps per arm, eager and replayed from its captured step,
+    the arms alternating per pass. Every arm decodes from the same state: the cache prefilled by
+    the last arm built, rewound to its first decode position (the tokens decoded differ by arm, the
+    work per step does not)."""
+
+    def eager(model=model, made=None):
+        swapped(model, None)
+        if made:
+            put_back(model, made)
         dec.rewind()
         for _ in range(args.tokens):
             dec.step()
 
-    dec.prefill()
-    dec.mark()
-    t = time_back_to_back({"eager": eager}, calls=1, passes=args.repeats, warmup=1)["eager"]
-    modes["eager"] = summary(t["wall_pass_us"], args.tokens)
-    modes["eager"]["host_ms_per_token"] = statistics.median(t["host_pass_us"]) / 1e3 / args.tokens
-    try:
-        graph = dec.capture()
+    t = time_back_to_back({arm: (lambda made=made: eager(made=made)) for arm, (made, _) in built.items()},
+                          calls=1, passes=args.repeats, warmup=1)
+    swapped(model, None)
+    out = {}
+    for arm, r in t.items():
+        out[arm] = {"eager": summary(r["wall_pass_us"], args.tokens)}
+        out[arm]["eager"]["host_ms_per_token"] = statistics.median(r["host_pass_us"]) / 1e3 / args.tokens
 
-        def replays():
-            dec.rewind()
-            for _ in range(args.tokens):
-                graph.replay()
-
-        t = time_back_to_back({"graph": replays}, calls=1, passes=args.repeats, warmup=1)["graph"]
-        modes["graph"] = summary(t["wall_pass_us"], args.tokens)
-        # the graph decodes what eager decodes: same tokens from the same state
+    def replays(graph):
         dec.rewind()
-        for _ in range(4):
+        for _ in range(args.tokens):
             graph.replay()
-        ids_graph = dec.ids.clone()
-        dec.rewind()
-        for _ in range(4):
-            dec.step()
-        modes["graph"]["same_tokens_as_eager"] = bool(torch.equal(ids_graph, dec.ids))
-        del graph
-    except Exception as err:
-        torch.cuda.synchronize()
-        modes["graph"] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
-    return {"modes": {k: v for k, v in modes.items() if "error" not in v},
-            **({"graph_error": modes["graph"]["error"]} if "error" in modes.get("graph", {}) else {})}
+
+    graphs = {arm: graph for arm, (_, graph) in built.items() if graph is not None}
+    if graphs:
+        t = time_back_to_back({arm: (lambda graph=graph: replays(graph)) for arm, graph in graphs.items()},
+                              calls=1, passes=args.repeats, warmup=1)
+        for arm, r in t.items():
+            out[arm]["graph"] = summary(r["wall_pass_us"], args.tokens)
+    return out
 
 
 def summary(pass_us, tokens: int) -> dict:

@@ -10,10 +10,11 @@ calls per graph, ``cco.bench.timing.time_arms``) of every config of ``CONFIGS`` 
 replaces (the activation quantizer, then the op's vendor GEMM); the best config per (quant, M
 range) is what ``decode.py``'s constants should hold. Before timing, every (shape, M, quant) is
 checked against the fp32 product of the quantizer's operands (``cco.bench.timing.gemm_mismatches``:
-no output outside the fp8 GEMM's error budget) and the compiled-kernel launch against
-``JITFunction.run``'s (bit for bit). ``--host`` adds the host us per eager call of ``F.linear``, the
-decode GEMM through either launch, and the layer (``RowParallelLinear``, world 1) both ways at the
-first shape, every M (``host_costs``).
+no output outside the fp8 GEMM's error budget) and the kept launches (``kernels_fused.hopper.launch``)
+against ``JITFunction.run``'s (bit for bit). ``--host`` adds the host us per eager call of
+``F.linear``, the decode GEMM, and the layer (``RowParallelLinear``, world 1) with the decode GEMM
+and with the two launches it replaces, each with the kept launches and through ``JITFunction.run``,
+at the first shape, every M (``host_costs``).
 """
 
 from __future__ import annotations
@@ -142,6 +143,7 @@ def main(argv=None) -> int:
     from cco import quant as Q
     from cco.bench.timing import gemm_mismatches
     from kernels_fused.hopper import decode as D
+    from kernels_fused.hopper import launch as L
     from kernels_fused.hopper import vendor
     from kernels_fused.hopper.quantize import quantize_activation
 
@@ -166,11 +168,11 @@ def main(argv=None) -> int:
                 ad, wd = Q.dequantize_a(a, s, quant), Q.dequantize_b(wq, ws, quant)
                 ref, dot_abs = ad @ wd.t(), ad.abs() @ wd.abs().t()
                 got = D.decode_gemm(x, wq, ws, quant, n=n)
-                got2 = D.decode_gemm(x, wq, ws, quant, n=n)  # through the compiled kernel's launcher
-                D.FAST_LAUNCH = False
+                got2 = D.decode_gemm(x, wq, ws, quant, n=n)  # through the kept launches
+                L.FAST_LAUNCH = False
                 D._LAUNCHES.clear()
                 slow = D.decode_gemm(x, wq, ws, quant, n=n)
-                D.FAST_LAUNCH = True
+                L.FAST_LAUNCH = True
                 check = {"shape": name, "m": m, "quant": quant, "outside_budget": gemm_mismatches(got, ref, dot_abs),
                          "rel_l2": float((got.float() - ref).norm() / ref.norm()),
                          "fast_equals_jit": bool(torch.equal(got2, slow)), "repeat_equal": bool(torch.equal(got, got2))}
@@ -223,9 +225,9 @@ def main(argv=None) -> int:
 
 def host_costs(args) -> dict:
     """Host us per eager call (200 back to back, median of 5 passes) at the first shape and every M
-    of ``-m``: ``F.linear`` bf16, the decode GEMM (compiled-kernel launch; at one row also through
-    ``JITFunction.run``), the layer (``RowParallelLinear``, world 1) with the decode GEMM taking every
-    M (``decode_rows`` forced) and with it off (quantizer + vendor GEMM, two launches)."""
+    of ``-m``: ``F.linear`` bf16; the decode GEMM, the layer (``RowParallelLinear``, world 1) with the
+    decode GEMM taking every M (``decode_rows`` forced) and with it off (quantizer + vendor GEMM),
+    each with the kept launches and through ``JITFunction.run`` (``FAST_LAUNCH`` off), in the same passes."""
     import os
     import tempfile
 
@@ -234,6 +236,7 @@ def host_costs(args) -> dict:
     from cco.comm import Communicator
     from cco.nn import RowParallelLinear
     from kernels_fused.hopper import decode as D
+    from kernels_fused.hopper import launch as L
 
     dev = torch.device("cuda", torch.cuda.current_device())
     n, k = SHAPES[args.shapes[0]]
@@ -253,20 +256,21 @@ def host_costs(args) -> dict:
                 layer.decode_rows = rows
                 return layer(x)
 
-            arms = {"F.linear bf16": lambda x=x: torch.nn.functional.linear(x, w),
-                    "decode_gemm": lambda wq=wq, ws=ws, quant=quant, x=x: D.decode_gemm(x, wq, ws, quant, n=n),
-                    "layer, decode GEMM": lambda m=m: with_rows(m),
-                    "layer, two launches": lambda: with_rows(0)}
+            def kept(fn, on):  # an arm with the kept launches (kernels_fused.hopper.launch) on or off
+                def arm():
+                    L.FAST_LAUNCH = on
+                    return fn()
+                return arm
+
+            arms = {"F.linear bf16": lambda x=x: torch.nn.functional.linear(x, w)}
+            for on, how in ((True, ""), (False, " via JITFunction.run")):
+                arms[f"decode_gemm{how}"] = kept(lambda wq=wq, ws=ws, quant=quant, x=x: D.decode_gemm(
+                    x, wq, ws, quant, n=n), on)
+                arms[f"layer, decode GEMM{how}"] = kept(lambda m=m: with_rows(m), on)
+                arms[f"layer, two launches{how}"] = kept(lambda: with_rows(0), on)
             with torch.no_grad():
                 t = time_back_to_back(arms, calls=200, passes=5)
-            if m == 1:
-                D._LAUNCHES.clear()
-                D.FAST_LAUNCH = False
-                with torch.no_grad():
-                    t.update(time_back_to_back({"decode_gemm via JITFunction.run": lambda wq=wq, ws=ws, quant=quant,
-                                                x=x: D.decode_gemm(x, wq, ws, quant, n=n)}, calls=200, passes=5))
-                D.FAST_LAUNCH = True
-                D._LAUNCHES.clear()
+            L.FAST_LAUNCH = True
             res[quant][m] = {a: {"host_us": v["host_us"], "wall_us": v["wall_us"]} for a, v in t.items()}
             print(f"host {quant} M={m} " + json.dumps({a: round(v["host_us"], 1) for a, v in t.items()}), flush=True)
         layer.close()

@@ -24,21 +24,20 @@ read at its bandwidth at every M: ``DECODE_MAX_M`` takes it up to 16 rows). The 
 rows kernel, which quantizes the rows (padded to a power of two, repeated to the MMA's 16) in
 every program: that costs more than the weight's read, so their rule keeps one row.
 
-The host side keeps, per call shape, the compiled kernel and its bound grid and calls it through
-Triton's compiled-kernel launcher, skipping ``JITFunction.run``'s argument binding and cache key
-(most of a Triton launch's host cost at these sizes). The key holds everything Triton specializes
-on (the integer arguments' values, every pointer's 16-byte alignment), so a kept launch is only
-reused where Triton would have picked the same binary.
+The host side keeps, per call shape and device, the launches (``kernels_fused.hopper.launch``: the
+compiled kernel's launcher called directly, most of a Triton launch's host cost saved). The key holds
+everything Triton specializes on (the integer arguments' values, every pointer's 16-byte alignment)
+and the device, so a kept launch is only reused where Triton would have picked the same binary.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from cco.quant import _TINY, FP8, FP8_MAX, QUANTS, SCALE_BLOCK
+from kernels_fused.hopper.launch import Kernel
 from kernels_fused.hopper.quantize import SPLIT_NUM_WARPS, _interpreting, _pow2, check_rows, split_launch
 
 # Calls of at most this many rows take the decode GEMM (the layers' rule, cco.nn.parallel_linear);
@@ -143,7 +142,8 @@ def decode_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, quant: 
     if not m:
         return out
     key = (m, k, x.dtype, row_stride, x.stride(-1), x.data_ptr() % 16, w.shape, w.data_ptr() % 16,
-           w_scale.stride(0), w_scale.data_ptr() % 16, n, quant, None if bias is None else bias.data_ptr() % 16)
+           w_scale.stride(0), w_scale.data_ptr() % 16, n, quant, None if bias is None else bias.data_ptr() % 16,
+           x.get_device())  # a compiled kernel is loaded on one device: a process may drive several
     launch = _LAUNCHES.get(key)
     if launch is None:
         check_operands(x.view(-1, k) if x.dim() != 2 else x, w, w_scale, quant, n, bias)
@@ -153,25 +153,6 @@ def decode_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, quant: 
 
 
 _LAUNCHES: dict = {}
-
-
-class _Kernel:
-    """One Triton kernel's launch for one call shape: its grid and options, and after the first launch
-    the compiled kernel's launcher (``CompiledKernel[grid]``), which takes every argument of the
-    kernel in order, the constants included."""
-
-    __slots__ = ("fn", "grid", "options", "fast")
-
-    def __init__(self, fn, grid, **options):
-        self.fn, self.grid, self.options, self.fast = fn, grid, options, None
-
-    def __call__(self, *args) -> None:
-        if self.fast is not None:
-            self.fast(*args)
-            return
-        compiled = self.fn[self.grid](*args, **self.options)
-        if compiled is not None and hasattr(compiled, "__getitem__") and FAST_LAUNCH:
-            self.fast = compiled[(*self.grid, 1)[:3]]  # the launcher takes all three grid dimensions
 
 
 class _Launch:
@@ -195,43 +176,40 @@ class _Launch:
             options = dict(num_warps=ROWS_WARPS[quant], num_stages=ROWS_STAGES[quant])
             if quant in QUANTIZED_ROWS:
                 grid, row_block, slice_k = split_launch(m, k, k_padded)
-                self.quantize = _Kernel(_quantize_kernel(), grid, num_warps=SPLIT_NUM_WARPS)
+                self.quantize = Kernel(_quantize_kernel(), grid, num_warps=SPLIT_NUM_WARPS)
                 # the quantizer's M, M_OUT, K, K_PAD and (after x's row stride, tiny, fp8_max) its
                 # ROW_BLOCK, SLICE_K, ROUND_IN_FP32; the MMA's M, N, K_PAD and HAS_BIAS, BLOCK_N, BLOCK_K,
                 # ROUND_IN_FP32
                 self.q_args = ((m, m, k, k_padded), (row_block, slice_k, _interpreting()))
                 self.ints = (m, n, k_padded)
                 self.consts = (has_bias, block_n, min(step, k_padded), _interpreting())
-                self.kernel = _Kernel(_kernel("mma"), (-(-n // block_n), 1), **options)
+                self.kernel = Kernel(_kernel("mma"), (-(-n // block_n), 1), **options)
                 return
             # QUANT, HAS_BIAS, BLOCK_N, BLOCK_K, ROWS, ROW_K, ROUND_IN_FP32: the rows kernel's constexprs
             width = _pow2(m)
             self.consts = (_QUANT_CODE[quant], has_bias, block_n, min(step, k_padded), width,
                            min(ROWS_ELEMENTS // width, _pow2(k)), _interpreting())
-            self.kernel = _Kernel(_kernel("rows"), (-(-n // block_n), 1), **options)
+            self.kernel = Kernel(_kernel("rows"), (-(-n // block_n), 1), **options)
         else:
             group = GROUP[quant]
             # QUANT, HAS_BIAS, BLOCK_N, G, GS, ROW_K, ROUND_IN_FP32: the kernel's constexprs, in its order
             self.consts = (_QUANT_CODE[quant], has_bias, block_n, block_k(quant, k_padded) // group, group,
                            min(ROW_K, _pow2(k)), _interpreting())
-            self.kernel = _Kernel(_kernel("row"), (-(-n // block_n), m), num_warps=NUM_WARPS[quant],
+            self.kernel = Kernel(_kernel("row"), (-(-n // block_n), m), num_warps=NUM_WARPS[quant],
                                   num_stages=NUM_STAGES[quant])
 
     def __call__(self, x, row_stride, w, w_scale, bias, out) -> None:
         scale = w_scale.view(torch.uint8) if w_scale.element_size() == 1 else w_scale
         b = out if bias is None else bias  # an unused pointer where there is no bias
+        device = out.get_device()
         if self.quantize is not None:  # the rows quantized once (new tensors: safe on any stream), then the MMA
             sizes, consts = self.q_args  # (M, M_OUT, K, K_PAD), the quantizer's constants
             q = torch.empty(sizes[1], sizes[3], dtype=FP8, device=out.device)
             sa = torch.empty(sizes[1], dtype=torch.float32, device=out.device)
-            self.quantize(x, q, sa, *sizes, row_stride, _TINY, FP8_MAX, *consts)
-            self.kernel(q, sa, w, scale, b, out, *self.ints, *self.consts)
+            self.quantize(device, x, q, sa, *sizes, row_stride, _TINY, FP8_MAX, *consts)
+            self.kernel(device, q, sa, w, scale, b, out, *self.ints, *self.consts)
             return
-        self.kernel(x, w, scale, b, out, *self.ints, row_stride, scale.stride(0), _TINY, FP8_MAX, *self.consts)
+        self.kernel(device, x, w, scale, b, out, *self.ints, row_stride, scale.stride(0), _TINY, FP8_MAX, *self.consts)
 
-
-# The compiled-kernel launcher (Triton >= 3.2's ``CompiledKernel.__getitem__``); False: every call
-# through ``JITFunction.run`` (tests compare the two).
-FAST_LAUNCH = os.environ.get("CCO_DECODE_FAST_LAUNCH", "1") != "0"
 
 __all__ = ["DECODE_MAX_M", "block_k", "check_operands", "decode_gemm"]

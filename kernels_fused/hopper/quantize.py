@@ -33,6 +33,7 @@ import os
 import torch
 
 from cco.quant import _TINY, E8M0, FP8, FP8_MAX, MX_GROUP, QUANTS, SCALE_BLOCK
+from kernels_fused.hopper.launch import Kernel
 
 # rows per program and the K step. Per-token rows are walked twice (amax, then quantize) in 1024-wide
 # steps; the group formats take one [8, 512] tile per program (8 KiB of bf16 either way). Untuned:
@@ -109,27 +110,40 @@ def quantize_activation(x: torch.Tensor, quant: str, *, k_padded: int | None = N
         raise ValueError(f"{fn}: k_padded={k_padded} must be >= K={k}, a multiple of {group} for {quant}, and of "
                          f"{SCALE_BLOCK} when it pads")
     q = torch.empty(m_out, k_padded, dtype=FP8, device=x.device)
-    ptpc, groups, split = _kernels()
     if quant == "ptpc":
         scale = torch.empty(m_out, dtype=torch.float32, device=x.device)
-        if not m_out:
-            return q, scale
-        if (m_out <= PTPC_SPLIT_MAX_M) if ptpc_split is None else ptpc_split:
-            grid, row_block, slice_k = split_launch(m_out, k, k_padded)
-            split[grid](x, q, scale, m, m_out, k, k_padded, x.stride(0), _TINY, FP8_MAX, ROW_BLOCK=row_block,
-                        SLICE_K=slice_k, ROUND_IN_FP32=_interpreting(), num_warps=SPLIT_NUM_WARPS)
-        else:
-            ptpc[(-(-m_out // PTPC_BLOCK_M),)](x, q, scale, m, m_out, k, k_padded, x.stride(0), _TINY, FP8_MAX,
-                                               BLOCK_M=PTPC_BLOCK_M, BLOCK_K=PTPC_BLOCK_K,
-                                               ROUND_IN_FP32=_interpreting(), num_warps=NUM_WARPS)
-        return q, scale
-    if quant == "blockscale":
+    elif quant == "blockscale":
         scale = torch.empty(k_padded // group, m_out, dtype=torch.float32, device=x.device).t()  # column-major
     else:
         scale = torch.empty(m_out, k_padded // group, dtype=torch.uint8, device=x.device)
-    if m_out:  # GROUP_BLOCK_K is a whole number of groups of either format: tiles never split a group
-        grid = (-(-m_out // GROUP_BLOCK_M), -(-k_padded // GROUP_BLOCK_K))
-        groups[grid](x, q, scale, m, m_out, k, k_padded, x.stride(0), _TINY, FP8_MAX, MX=quant == "mxfp8",
-                     GROUP=group, BLOCK_M=GROUP_BLOCK_M, BLOCK_K=GROUP_BLOCK_K, ROUND_IN_FP32=_interpreting(),
-                     num_warps=NUM_WARPS)
+    if m_out:
+        split = quant == "ptpc" and ((m_out <= PTPC_SPLIT_MAX_M) if ptpc_split is None else ptpc_split)
+        # everything Triton specializes this launch on (x's dtype, the integers, the pointers' alignment)
+        key = (quant, split, m, m_out, k, k_padded, x.stride(0), x.dtype, x.data_ptr() % 16, q.data_ptr() % 16,
+               scale.data_ptr() % 16, x.get_device())
+        launch = _LAUNCHES.get(key)
+        if launch is None:
+            launch = _LAUNCHES[key] = _launch(quant, split, m_out, k, k_padded)
+        kernel, consts = launch
+        kernel(x.get_device(), x, q, scale, m, m_out, k, k_padded, x.stride(0), _TINY, FP8_MAX, *consts)
     return q, scale.view(E8M0) if quant == "mxfp8" else scale
+
+
+_LAUNCHES: dict = {}  # quantize_activation's kept launches (kernels_fused.hopper.launch), by call shape
+
+
+def _launch(quant: str, split: bool, m_out: int, k: int, k_padded: int) -> tuple[Kernel, tuple]:
+    """The kernel that quantizes ``m_out`` rows as ``quant`` (``split``: ptpc's split-row kernel), with
+    its constexprs in the kernel's order."""
+    ptpc, groups, split_kernel = _kernels()
+    if split:
+        grid, row_block, slice_k = split_launch(m_out, k, k_padded)
+        return Kernel(split_kernel, grid, num_warps=SPLIT_NUM_WARPS), (row_block, slice_k, _interpreting())
+    if quant == "ptpc":
+        return (Kernel(ptpc, (-(-m_out // PTPC_BLOCK_M),), num_warps=NUM_WARPS),
+                (PTPC_BLOCK_M, PTPC_BLOCK_K, _interpreting()))
+    # GROUP_BLOCK_K is a whole number of groups of either format: tiles never split a group
+    grid = (-(-m_out // GROUP_BLOCK_M), -(-k_padded // GROUP_BLOCK_K))
+    group = SCALE_BLOCK if quant == "blockscale" else MX_GROUP
+    return (Kernel(groups, grid, num_warps=NUM_WARPS),
+            (quant == "mxfp8", group, GROUP_BLOCK_M, GROUP_BLOCK_K, _interpreting()))

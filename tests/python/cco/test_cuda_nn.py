@@ -94,7 +94,17 @@ def check_quantizer(comm, log):
         for m, k, k_pad in ((1, 2048, 2048), (37, 2368, 2432), (1000, 7168, 7168), (5, 300, 384)):
             x = torch.randn(m, k, device=comm.device).to(torch.bfloat16)
             x[:, 0] *= 300.0  # an outlier per row: the rest of a ptpc row near e4m3's subnormals
-            q, s = (t.cpu() for t in quantize_activation(x, quant, k_padded=k_pad))
+            q, s = (t.cpu() for t in quantize_activation(x, quant, k_padded=k_pad))  # JITFunction.run
+            # again through the kept launch (kernels_fused.hopper.launch), and on a strided view of the
+            # same rows 8 bytes off 16-byte alignment (another key): the same bytes
+            wide = torch.zeros(m, k + 12, dtype=x.dtype, device=x.device)
+            wide[:, 4:4 + k] = x
+            for again in (x, x, wide[:, 4:4 + k]):
+                q2, s2 = (t.cpu() for t in quantize_activation(again, quant, k_padded=k_pad))
+                if not (torch.equal(q2.view(torch.uint8), q.view(torch.uint8))
+                        and torch.equal(s2.view(torch.uint8), s.view(torch.uint8))):
+                    raise AssertionError(f"quantizer {quant} {m}x{k}->{k_pad}: a kept launch (row stride "
+                                         f"{again.stride(0)}) differs from the first call's bytes")
             # on the host: torch's CUDA division by a scalar multiplies by its reciprocal, so
             # quantize_a of a CUDA tensor can move a scale by one ulp; the kernel divides exactly
             rq, rs = Q.quantize_a(torch.nn.functional.pad(x.cpu().float(), (0, k_pad - k)), quant)
@@ -102,7 +112,8 @@ def check_quantizer(comm, log):
             same_scales = torch.equal(s.view(torch.uint8), rs.view(torch.uint8)) if quant == "mxfp8" else torch.equal(s, rs)
             if bad or not same_scales:
                 raise AssertionError(f"quantizer {quant} {m}x{k}->{k_pad}: {bad} e4m3 bytes or the scales differ")
-    log("ok quantizer: Triton bytes == quantize_a bytes on the host (every quant, K padded and not)")
+    log("ok quantizer: Triton bytes == quantize_a bytes on the host (every quant, K padded and not); kept launches "
+        "and a strided, unaligned view give the same bytes")
 
 
 def check_layers(comm, log):
@@ -229,6 +240,7 @@ def check_decode(comm, log):
     from cco.comm import Communicator
     from cco.nn import ColumnParallelLinear, RowParallelLinear
     from kernels_fused.hopper import decode as D
+    from kernels_fused.hopper import launch as L
 
     singles = [dist.new_group([r], backend="gloo") for r in range(comm.world)]  # collective: every rank makes each
     solo = Communicator.from_group(singles[comm.rank], device=comm.device)  # a group of one: the op's plain GEMM
@@ -271,16 +283,14 @@ def check_decode(comm, log):
                         if not torch.equal(layer(shaped), with_bias.view(1, m, N)):
                             raise AssertionError(f"decode {quant} {name} M={m}: x {list(shaped.shape)} stride "
                                                  f"{shaped.stride()} differs from the rows' call")
-                # the compiled-kernel launch against JITFunction.run's
+                # the kept launches (kernels_fused.hopper.launch) against JITFunction.run's
                 x = torch.randn(3, K_RANK, generator=g).to(torch.bfloat16).to(comm.device)
                 fast = layer(x)
-                D.FAST_LAUNCH = False
-                D._LAUNCHES.clear()
+                L.FAST_LAUNCH = False
                 slow = layer(x)
-                D.FAST_LAUNCH = True
-                D._LAUNCHES.clear()
+                L.FAST_LAUNCH = True
                 if not torch.equal(fast, slow):
-                    raise AssertionError(f"decode {quant} {name}: the compiled-kernel launch differs from JITFunction.run")
+                    raise AssertionError(f"decode {quant} {name}: the kept launch differs from JITFunction.run")
                 # compiled, and captured in a graph replayed on new rows into a NaN-poisoned output
                 compiled = torch.compile(lambda v: layer(v), fullgraph=True)
                 if not torch.equal(compiled(x), fast):
