@@ -29,9 +29,9 @@ the layer runs the decode GEMM (M <= ``decode_rows``), the two launches it repla
 calls per graph (``time_arms``), divided by the calls. World W (torchrun; ranks may share a GPU:
 then the host times are real and the device times are time-sliced) runs the per-call table eager only.
 
-``--profile``: a cProfile of ``--profile-calls`` eager calls of the layer (ptpc, the first shape, M=1)
-through its eager path and through ``torch.ops.cco.row_parallel_linear``, the top functions by own
-time, written beside the JSON.
+``--profile``: a cProfile of ``--profile-calls`` eager calls at the first shape, per quant and M:
+the layer (its rule's path), ``nn.Linear``, and once ``torch.ops.cco.row_parallel_linear``; the top
+functions by own time, written beside the JSON.
 """
 
 from __future__ import annotations
@@ -488,21 +488,26 @@ def graph_device_us(arms, args, time_arms) -> dict:
 
 
 def profile_calls(args, comm, device, path: str) -> None:
-    """cProfile of eager layer calls (ptpc, the first shape, M=1): its eager path and the registered op."""
+    """cProfile of eager calls at the first shape: per quant of ``--quant`` and M of ``-m``, the layer
+    (its rule's path: the decode GEMM up to ``decode_rows`` rows, else quantizer + op) and
+    ``nn.Linear``; at the first quant and M also the registered op (``torch.ops.cco.row_parallel_linear``)."""
     import cProfile
     import io
     import pstats
 
     n, k = next(iter(shapes(args.shapes).values()))
     linear = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
-    layer = cco_layer(linear, "ptpc", comm, m_max=256)
-    x = torch.randn(1, k, device=device).to(torch.bfloat16)
-    calls = {
-        "layer, eager path": lambda: layer(x),
-        "torch.ops.cco.row_parallel_linear": lambda: torch.ops.cco.row_parallel_linear(
-            x, layer.qweight, layer.weight_scale, None, None, layer._handle, n),
-        "nn.Linear bf16": lambda: linear(x),
-    }
+    layers = {q: cco_layer(linear, q, comm, m_max=max(256, max(args.m))) for q in args.quant}
+    calls = {}
+    for i, m in enumerate(args.m):
+        x = torch.randn(m, k, device=device).to(torch.bfloat16)
+        calls[f"nn.Linear bf16, M={m}"] = lambda x=x: linear(x)
+        for j, (q, layer) in enumerate(layers.items()):
+            path = "decode GEMM" if m <= layer.decode_rows else "quantizer + op"
+            calls[f"layer {q}, M={m} ({path})"] = lambda x=x, layer=layer: layer(x)
+            if i == j == 0:
+                calls[f"torch.ops.cco.row_parallel_linear {q}, M={m}"] = lambda x=x, layer=layer: \
+                    torch.ops.cco.row_parallel_linear(x, layer.qweight, layer.weight_scale, None, None, layer._handle, n)
     with open(path, "w") as f, torch.no_grad():
         for name, fn in calls.items():
             for _ in range(20):
@@ -517,9 +522,11 @@ def profile_calls(args, comm, device, path: str) -> None:
             spent = (time.perf_counter() - t0) / args.profile_calls * 1e6
             torch.cuda.synchronize()
             s = io.StringIO()
-            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
             f.write(f"==== {name}: {spent:.1f} us/call under the profiler, {args.profile_calls} calls\n{s.getvalue()}\n")
-    layer.close()
+            print(f"profiled {name}: {spent:.1f} us/call under the profiler", flush=True)
+    for layer in layers.values():
+        layer.close()
 
 
 # --------------------------------------------------------------------------------------------------

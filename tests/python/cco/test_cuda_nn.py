@@ -101,8 +101,8 @@ def check_quantizer(comm, log):
             wide[:, 4:4 + k] = x
             for again in (x, x, wide[:, 4:4 + k]):
                 q2, s2 = (t.cpu() for t in quantize_activation(again, quant, k_padded=k_pad))
-                if not (torch.equal(q2.view(torch.uint8), q.view(torch.uint8))
-                        and torch.equal(s2.view(torch.uint8), s.view(torch.uint8))):
+                if not (torch.equal(q2.view(torch.uint8), q.view(torch.uint8))  # bytes: NaN or -0 compare too
+                        and torch.equal(s2.contiguous().view(torch.uint8), s.contiguous().view(torch.uint8))):
                     raise AssertionError(f"quantizer {quant} {m}x{k}->{k_pad}: a kept launch (row stride "
                                          f"{again.stride(0)}) differs from the first call's bytes")
             # on the host: torch's CUDA division by a scalar multiplies by its reciprocal, so
