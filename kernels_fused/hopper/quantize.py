@@ -123,6 +123,8 @@ def quantize_activation(x: torch.Tensor, quant: str, *, k_padded: int | None = N
                scale.data_ptr() % 16, x.get_device())
         launch = _LAUNCHES.get(key)
         if launch is None:
+            if len(_LAUNCHES) >= LAUNCHES_KEPT:  # a server's every prefill length: start over, never grow unbounded
+                _LAUNCHES.clear()
             launch = _LAUNCHES[key] = _launch(quant, split, m_out, k, k_padded)
         kernel, consts = launch
         kernel(x.get_device(), x, q, scale, m, m_out, k, k_padded, x.stride(0), _TINY, FP8_MAX, *consts)
@@ -130,6 +132,10 @@ def quantize_activation(x: torch.Tensor, quant: str, *, k_padded: int | None = N
 
 
 _LAUNCHES: dict = {}  # quantize_activation's kept launches (kernels_fused.hopper.launch), by call shape
+# The most call shapes kept at once: a shape is M's value (Triton specializes on it), so a server that
+# prefills prompts of every length would add one per length; past this many the cache starts over
+# (the next call of each shape goes through JITFunction.run once more, which compiles nothing new).
+LAUNCHES_KEPT = 1024
 
 
 def _launch(quant: str, split: bool, m_out: int, k: int, k_padded: int) -> tuple[Kernel, tuple]:

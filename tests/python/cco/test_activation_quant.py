@@ -155,3 +155,19 @@ def test_padded_rows_are_zero_rows(quant, split):
     assert_same_bytes(got, reference(padded, quant, 384), quant)
     with pytest.raises(ValueError, match="m_padded=4"):
         quantize_activation(x, quant, k_padded=384, m_padded=4)
+
+
+def test_kept_launches_are_bounded(monkeypatch):
+    """More call shapes than ``LAUNCHES_KEPT`` (a server's every prefill length) start the cache of
+    kept launches over instead of growing it; the bytes stay those of ``quantize_a``."""
+    from kernels_fused.hopper import quantize as QK
+
+    monkeypatch.setattr(QK, "LAUNCHES_KEPT", 3)
+    QK._LAUNCHES.clear()
+    for m in range(1, 8):
+        x = activations(m, 256, seed=m)
+        q, s = QK.quantize_activation(x, "ptpc")
+        rq, rs = Q.quantize_a(x.float(), "ptpc")
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+        assert len(QK._LAUNCHES) <= 3
+    assert len(QK._LAUNCHES) == 1  # three shapes, over again at the 4th and the 7th
