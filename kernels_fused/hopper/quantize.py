@@ -122,15 +122,16 @@ def quantize_activation(x: torch.Tensor, quant: str, *, k_padded: int | None = N
     if m_out:
         split = quant == "ptpc" and ((m_out <= PTPC_SPLIT_MAX_M) if ptpc_split is None else ptpc_split)
         # everything Triton specializes this launch on (x's dtype, the integers, the pointers' alignment)
+        device = x.get_device()
         key = (quant, split, m, m_out, k, k_padded, x.stride(0), x.dtype, x.data_ptr() % 16, q.data_ptr() % 16,
-               scale.data_ptr() % 16, x.get_device())
+               scale.data_ptr() % 16, device)
         launch = _LAUNCHES.get(key)
         if launch is None:
             if len(_LAUNCHES) >= LAUNCHES_KEPT:  # a server's every prefill length: start over, never grow unbounded
                 _LAUNCHES.clear()
             launch = _LAUNCHES[key] = _launch(quant, split, m_out, k, k_padded)
         kernel, consts = launch
-        kernel(x.get_device(), x, q, scale, m, m_out, k, k_padded, x.stride(0), _TINY, FP8_MAX, *consts)
+        kernel(device, x, q, scale, m, m_out, k, k_padded, x.stride(0), _TINY, FP8_MAX, *consts)
     return q, scale.view(E8M0) if quant == "mxfp8" else scale
 
 
