@@ -158,14 +158,19 @@ def colwise(model):
 
 def swapped(model, make, make_column=None):
     """Replace every row-wise linear by ``make(linear)`` and, with ``make_column``, every column-wise
-    one by ``make_column(linear)`` (``make`` None: put the originals back); returns the replacements."""
-    made = []
-    for linears, maker in ((model._cco_rowwise, make), (model._cco_colwise, make_column)):
-        for parent, name, linear in linears:
-            module = linear if make is None or maker is None else maker(linear)
-            setattr(parent, name, module)
-            made.append(module)
-    return made
+    one by ``make_column(linear)`` (``make`` None: put the originals back); returns the modules now in
+    every row-wise, then every column-wise slot (:func:`place` puts them back)."""
+    modules = [linear if make is None or maker is None else maker(linear)
+               for linears, maker in ((model._cco_rowwise, make), (model._cco_colwise, make_column))
+               for _, _, linear in linears]
+    place(model, modules)
+    return modules
+
+
+def place(model, modules: list) -> None:
+    """Put ``modules`` (what :func:`swapped` returned) into every row-wise, then every column-wise slot."""
+    for (parent, name, _), module in zip(model._cco_rowwise + model._cco_colwise, modules, strict=True):
+        setattr(parent, name, module)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -333,12 +338,6 @@ def install(model, how, comm, m_max: int) -> list:
     return swapped(model, lambda lin, q=how[1]: UnfusedFp8Linear(lin, q))
 
 
-def put_back(model, made: list) -> None:
-    """Put the modules :func:`install` made (every row-wise, then every column-wise slot) back into ``model``."""
-    for (parent, name, _), module in zip(model._cco_rowwise + model._cco_colwise, made, strict=True):
-        setattr(parent, name, module)
-
-
 def close(made: list) -> None:
     for module in made:
         if hasattr(module, "close"):
@@ -364,9 +363,10 @@ def time_decode(model, dec, built: dict, args, time_back_to_back) -> dict:
     work per step does not)."""
 
     def eager(model=model, made=None):
-        swapped(model, None)
         if made:
-            put_back(model, made)
+            place(model, made)
+        else:  # bf16: the model's own linears
+            swapped(model, None)
         dec.rewind()
         for _ in range(args.tokens):
             dec.step()
