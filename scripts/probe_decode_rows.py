@@ -62,7 +62,7 @@ def mma_rows_repeated(q_ptr, sa_ptr, w_ptr, ws_ptr, out_ptr, M, N, K_PAD, BLOCK_
                       BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
     """The rows kernel's MMA over pre-quantized rows (ptpc), without its quantization: the ``ROWS``
     rows (M rounded up to a power of two) repeated to the MMA's 16 as the rows kernel repeats them
-    (``decode_mma_rows_kernel`` is the same loop with 16 rows read, those past M masked)."""
+    (``decode_mma_rows_kernel`` is the same loop with 16 rows read at M <= 16, those past M masked)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = cols < N
     kk = tl.arange(0, BLOCK_K)
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
                     mma_rows_repeated[grid](a, sa, wq, ws, o, m, n, k, ROWS=_pow2(m), **opts)
                 else:  # the library's kernel: no bias (its pointer unused), ptpc
                     decode_mma_rows_kernel[grid](a, sa, wq, ws, o, o, m, n, k, HAS_BIAS=False,
-                                                 ROUND_IN_FP32=False, **opts)
+                                                 ROWS=max(16, _pow2(m)), ROUND_IN_FP32=False, **opts)
                 return o
 
             saved, D.QUANTIZED_ROWS = D.QUANTIZED_ROWS, set()

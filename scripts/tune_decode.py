@@ -46,8 +46,13 @@ def shape_weight(name: str, device) -> tuple[int, int, torch.Tensor, torch.Tenso
 
 def configs(quant: str, m: int = 1):
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) tried for ``quant`` at ``m`` rows: the one-row
-    kernel's, or the rows kernel's (2..ROWS_MAX rows; blockscale steps one 128-column scale group)."""
-    if m > 1:
+    kernel's, the rows kernel's (2..ROWS_MAX rows; blockscale steps one 128-column scale group), or
+    the wide MMA's (ROWS_MAX+1..MMA_ROWS_MAX rows, quants that quantize the rows first)."""
+    from kernels_fused.hopper import decode as D
+
+    if D.ROWS_MAX < m <= D.rows_max(quant):
+        return list(itertools.product((32, 64), (128, 256), (4, 8), (4,)))
+    if 1 < m <= D.ROWS_MAX:
         return list(itertools.product((16, 32, 64), (128,) if quant == "blockscale" else (128, 256), (4,), (4,)))
     return list(itertools.product((8, 16, 32), (512, 1024), (4, 8), (3,)))
 
@@ -83,16 +88,9 @@ def with_config(cfg, quant, m: int = 1):
     kernel's at one row, the rows kernel's at more."""
     from kernels_fused.hopper import decode as D
 
-    for table, value in zip(_tables(D, m), cfg):
+    for table, value in zip(D.tables(quant, m), cfg):
         table[quant] = value
     D._LAUNCHES.clear()
-
-
-def _tables(D, m: int) -> tuple:
-    """``decode.py``'s config tables of the kernel that takes ``m`` rows."""
-    if 1 < m <= D.ROWS_MAX:
-        return D.ROWS_BLOCK_N, D.ROWS_BLOCK_K, D.ROWS_WARPS, D.ROWS_STAGES
-    return D.BLOCK_N, D.BLOCK_K, D.NUM_WARPS, D.NUM_STAGES
 
 
 def plot(out: dict, path: str) -> None:
@@ -148,7 +146,7 @@ def main(argv=None) -> int:
     from kernels_fused.hopper.quantize import quantize_activation
 
     dev = torch.device("cuda")
-    every = (*_tables(D, 1), *_tables(D, 2))
+    every = (*D.tables("ptpc", 1), *D.tables("ptpc", 2), *D.tables("ptpc", D.MMA_ROWS_MAX))
     defaults = tuple(dict(table) for table in every)
     out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "gpu": torch.cuda.get_device_name(),
            "torch": torch.__version__, "rows": [], "checks": [], "host": {}}

@@ -37,7 +37,7 @@ import functools
 import torch
 
 from cco.quant import _TINY, FP8, FP8_MAX, QUANTS, SCALE_BLOCK
-from kernels_fused.hopper.launch import Kernel
+from kernels_fused.hopper.launch import Kernel, keep
 from kernels_fused.hopper.quantize import SPLIT_NUM_WARPS, _interpreting, _pow2, check_rows, split_launch
 
 # Calls of at most this many rows take the decode GEMM (the layers' rule, cco.nn.parallel_linear);
@@ -74,10 +74,33 @@ ROWS_BLOCK_K = {"ptpc": 256, "blockscale": 128, "mxfp8": 256}
 ROWS_WARPS = {"ptpc": 4, "blockscale": 4, "mxfp8": 4}
 ROWS_STAGES = {"ptpc": 4, "blockscale": 4, "mxfp8": 4}
 ROWS_ELEMENTS = 8192  # ptpc's amax load: [rows, ROW_K] with rows * ROW_K at most this
-# Quants whose calls of 2..ROWS_MAX rows quantize the rows once (the activation quantizer's split-row
+# Quants whose calls of 2..MMA_ROWS_MAX rows quantize the rows once (the activation quantizer's split-row
 # launch, its bytes) and then run the MMA over them (decode_mma_rows_kernel): two launches, but the
 # rows kernel's per-program quantization grows with the rows (scripts/probe_decode_rows.py).
 QUANTIZED_ROWS = {"ptpc"}
+# Their calls of ROWS_MAX+1..MMA_ROWS_MAX rows run the same MMA, ROWS (a power of two) wide, with the
+# WIDE_* config (BLOCK_N, BLOCK_K, warps, stages: tune_decode's configs past ROWS_MAX rows).
+MMA_ROWS_MAX = 64
+WIDE_BLOCK_N = {"ptpc": 64}
+WIDE_BLOCK_K = {"ptpc": 256}
+WIDE_WARPS = {"ptpc": 4}
+WIDE_STAGES = {"ptpc": 4}
+
+
+def rows_max(quant: str) -> int:
+    """The most rows one program of the decode GEMM takes for ``quant`` (past them: the one-row
+    kernel, a program per row)."""
+    return MMA_ROWS_MAX if quant in QUANTIZED_ROWS else ROWS_MAX
+
+
+def tables(quant: str, m: int) -> tuple:
+    """The config tables (BLOCK_N, BLOCK_K, warps, stages) of the kernel that takes ``m`` rows of
+    ``quant``."""
+    if 1 < m <= ROWS_MAX:
+        return ROWS_BLOCK_N, ROWS_BLOCK_K, ROWS_WARPS, ROWS_STAGES
+    if ROWS_MAX < m <= rows_max(quant):
+        return WIDE_BLOCK_N, WIDE_BLOCK_K, WIDE_WARPS, WIDE_STAGES
+    return BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES
 
 
 @functools.cache
@@ -126,7 +149,7 @@ def decode_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, quant: 
     """bf16 ``[..., n]``: ``x [..., K]`` (``M`` rows in all) quantized as ``quant``
     (``kernels_fused.hopper.quantize``'s bytes, columns ``K..K_pad`` zero) times the first ``n`` rows
     of the fp8 weight ``w [N_pad, K_pad]`` (row-major, ``cco.quant``'s scales ``w_scale``), rounded to
-    bf16, plus ``bias`` (rounded again, as ``out += bias``). One launch (ptpc at 2..``ROWS_MAX``
+    bf16, plus ``bias`` (rounded again, as ``out += bias``). One launch (ptpc at 2..``MMA_ROWS_MAX``
     rows: the quantizer's, then the MMA's); meant for ``M <= DECODE_MAX_M[quant]`` rows (more run,
     slower than the vendor GEMM). Operands are checked by
     :func:`check_operands` once per call shape (the key holds the column stride too)."""
@@ -145,9 +168,9 @@ def decode_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, quant: 
            w_scale.stride(0), w_scale.data_ptr() % 16, n, quant, None if bias is None else bias.data_ptr() % 16,
            x.get_device())  # a compiled kernel is loaded on one device: a process may drive several
     launch = _LAUNCHES.get(key)
-    if launch is None:
+    if launch is None:  # bounded (launch.LAUNCHES_KEPT)
         check_operands(x.view(-1, k) if x.dim() != 2 else x, w, w_scale, quant, n, bias)
-        launch = _LAUNCHES[key] = _Launch(m, k, w.shape[1], n, quant, bias is not None)
+        launch = keep(_LAUNCHES, key, _Launch(m, k, w.shape[1], n, quant, bias is not None))
     launch(x, row_stride, w, w_scale, bias, out)
     return out
 
@@ -163,26 +186,27 @@ class _Launch:
     __slots__ = ("kernel", "quantize", "q_args", "ints", "consts")
 
     def __init__(self, m: int, k: int, k_padded: int, n: int, quant: str, has_bias: bool):
-        rows = 1 < m <= ROWS_MAX  # every row in one program: the MMA over quantized rows, or the rows kernel
-        block_n = (ROWS_BLOCK_N if rows else BLOCK_N)[quant]
+        rows = 1 < m <= rows_max(quant)  # every row in one program: the MMA over quantized rows, or the rows kernel
+        table_n, table_k, table_warps, table_stages = tables(quant, m)
+        block_n = table_n[quant]
         if quant == "blockscale" and SCALE_BLOCK % block_n:  # a program's rows share one weight scale block
             raise ValueError(f"decode_gemm: BLOCK_N={block_n} must divide {SCALE_BLOCK} for blockscale")
         self.quantize = self.q_args = None
         self.ints = (m, n, k, k_padded)
         if rows:
-            step = ROWS_BLOCK_K[quant]
+            step = table_k[quant]
             if quant == "blockscale" and step != SCALE_BLOCK or k_padded % step:
                 step = SCALE_BLOCK if quant == "blockscale" else block_k(quant, k_padded)
-            options = dict(num_warps=ROWS_WARPS[quant], num_stages=ROWS_STAGES[quant])
+            options = dict(num_warps=table_warps[quant], num_stages=table_stages[quant])
             if quant in QUANTIZED_ROWS:
                 grid, row_block, slice_k = split_launch(m, k, k_padded)
                 self.quantize = Kernel(_quantize_kernel(), grid, num_warps=SPLIT_NUM_WARPS)
                 # the quantizer's M, M_OUT, K, K_PAD and (after x's row stride, tiny, fp8_max) its
                 # ROW_BLOCK, SLICE_K, ROUND_IN_FP32; the MMA's M, N, K_PAD and HAS_BIAS, BLOCK_N, BLOCK_K,
-                # ROUND_IN_FP32
+                # ROWS, ROUND_IN_FP32
                 self.q_args = ((m, m, k, k_padded), (row_block, slice_k, _interpreting()))
                 self.ints = (m, n, k_padded)
-                self.consts = (has_bias, block_n, min(step, k_padded), _interpreting())
+                self.consts = (has_bias, block_n, min(step, k_padded), max(16, _pow2(m)), _interpreting())
                 self.kernel = Kernel(_kernel("mma"), (-(-n // block_n), 1), **options)
                 return
             # QUANT, HAS_BIAS, BLOCK_N, BLOCK_K, ROWS, ROW_K, ROUND_IN_FP32: the rows kernel's constexprs
@@ -212,4 +236,4 @@ class _Launch:
         self.kernel(device, x, w, scale, b, out, *self.ints, row_stride, scale.stride(0), _TINY, FP8_MAX, *self.consts)
 
 
-__all__ = ["DECODE_MAX_M", "block_k", "check_operands", "decode_gemm"]
+__all__ = ["DECODE_MAX_M", "block_k", "check_operands", "decode_gemm", "rows_max", "tables"]

@@ -186,21 +186,23 @@ def decode_rows_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, K_PAD, 
 
 @triton.jit
 def decode_mma_rows_kernel(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K_PAD, HAS_BIAS: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
-    """ptpc's product for 2..16 rows already quantized (the activation quantizer's e4m3 ``q [M,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+                           ROUND_IN_FP32: tl.constexpr):
+    """ptpc's product for 2..64 rows already quantized (the activation quantizer's e4m3 ``q [M,
     K_PAD]`` and fp32 row scales ``sa [M]``): program ``n block`` reads ``BLOCK_N`` weight rows once
     and multiplies them by every row on tensor cores, the weight as the MMA's M side (``w [BLOCK_N,
-    BLOCK_K] @ q.T [BLOCK_K, 16]``, rows past M read as zeros: the MMA's least width is 16); both
-    scales on the sum, rounded and the bias added as ``decode_gemv_kernel`` does. Quantizing in
-    every program instead (``decode_rows_kernel``) costs more than the weight's read from 4 rows on."""
+    BLOCK_K] @ q.T [BLOCK_K, ROWS]``, ROWS a power of two >= M and >= 16, the MMA's least width; rows
+    past M read as zeros); both scales on the sum, rounded and the bias added as ``decode_gemv_kernel``
+    does. Quantizing in every program instead (``decode_rows_kernel``) costs more than the weight's
+    read from 4 rows on."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = cols < N
-    rows = tl.arange(0, 16)
+    rows = tl.arange(0, ROWS)
     r_ok = rows < M
     kk = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * K_PAD + kk[None, :]
     q_rows = q_ptr + rows.to(tl.int64)[:, None] * K_PAD + kk[None, :]
-    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
     for k0 in range(0, K_PAD, BLOCK_K):
         w = tl.load(w_rows + k0, mask=n_ok[:, None], other=0.0)
         q = tl.load(q_rows + k0, mask=r_ok[:, None], other=0.0)

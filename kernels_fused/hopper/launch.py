@@ -25,6 +25,20 @@ import torch
 # 3.9 pass it the same arguments); False (``CCO_FAST_LAUNCH=0``): every call through ``JITFunction.run``
 # (read per call, so a benchmark or test may switch it between calls).
 FAST_LAUNCH = os.environ.get("CCO_FAST_LAUNCH", "1") != "0"
+# The most call shapes one owner keeps at once (:func:`keep`): a shape holds M's value where Triton
+# specializes on it, so a server that prefills prompts of every length would add one per length; past
+# this many the owner's launches start over (the next call of each shape goes through
+# JITFunction.run once more, which compiles nothing new).
+LAUNCHES_KEPT = 1024
+
+
+def keep(launches: dict, key, launch):
+    """``launches[key] = launch`` (returned), ``launches`` first emptied where it holds
+    ``LAUNCHES_KEPT`` shapes: never grown without bound."""
+    if len(launches) >= LAUNCHES_KEPT:
+        launches.clear()
+    launches[key] = launch
+    return launch
 
 
 class Kernel:
@@ -86,4 +100,4 @@ def _launch_hooks() -> bool:
     return False
 
 
-__all__ = ["FAST_LAUNCH", "Kernel"]
+__all__ = ["FAST_LAUNCH", "LAUNCHES_KEPT", "Kernel", "keep"]

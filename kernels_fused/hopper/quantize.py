@@ -36,7 +36,7 @@ import os
 import torch
 
 from cco.quant import _TINY, E8M0, FP8, FP8_MAX, MX_GROUP, QUANTS, SCALE_BLOCK
-from kernels_fused.hopper.launch import Kernel
+from kernels_fused.hopper.launch import Kernel, keep
 
 # rows per program and the K step. Per-token rows are walked twice (amax, then quantize) in 1024-wide
 # steps; the group formats take one [8, 512] tile per program (8 KiB of bf16 either way). Untuned:
@@ -126,20 +126,14 @@ def quantize_activation(x: torch.Tensor, quant: str, *, k_padded: int | None = N
         key = (quant, split, m, m_out, k, k_padded, x.stride(0), x.dtype, x.data_ptr() % 16, q.data_ptr() % 16,
                scale.data_ptr() % 16, device)
         launch = _LAUNCHES.get(key)
-        if launch is None:
-            if len(_LAUNCHES) >= LAUNCHES_KEPT:  # a server's every prefill length: start over, never grow unbounded
-                _LAUNCHES.clear()
-            launch = _LAUNCHES[key] = _launch(quant, split, m_out, k, k_padded)
+        if launch is None:  # bounded (launch.LAUNCHES_KEPT): a server's every prefill length is a shape
+            launch = keep(_LAUNCHES, key, _launch(quant, split, m_out, k, k_padded))
         kernel, consts = launch
         kernel(device, x, q, scale, m, m_out, k, k_padded, x.stride(0), _TINY, FP8_MAX, *consts)
     return q, scale.view(E8M0) if quant == "mxfp8" else scale
 
 
 _LAUNCHES: dict = {}  # quantize_activation's kept launches (kernels_fused.hopper.launch), by call shape
-# The most call shapes kept at once: a shape is M's value (Triton specializes on it), so a server that
-# prefills prompts of every length would add one per length; past this many the cache starts over
-# (the next call of each shape goes through JITFunction.run once more, which compiles nothing new).
-LAUNCHES_KEPT = 1024
 
 
 def _launch(quant: str, split: bool, m_out: int, k: int, k_padded: int) -> tuple[Kernel, tuple]:

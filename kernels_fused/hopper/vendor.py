@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 
 from cco.quant import MX_GROUP
+from kernels_fused.hopper.launch import Kernel, keep
 
 PACK_INDEX_CACHE = 16  # blockscale scale-packing indices kept, one per (M, chunk rows)
 # cuBLAS's blockwise recipe refused calls on M = 1, 2, 6, 66, 129 and 130 rows (CUBLAS_STATUS_NOT_SUPPORTED
@@ -74,9 +75,20 @@ def mx_to_bf16(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
                          f"got {list(scale.shape)}")
     x, bits = x.contiguous(), scale.contiguous().view(torch.uint8)
     y = torch.empty(rows, k, dtype=torch.bfloat16, device=x.device)
-    groups, block = x.numel() // MX_GROUP, 64
-    tk.mx_to_bf16_kernel[(-(-groups // block),)](x, bits, y, groups, GROUP=MX_GROUP, BLOCK=block)
+    groups, device = x.numel() // MX_GROUP, x.get_device()
+    if groups:
+        # kept per what Triton specializes on (the group count's value, the pointers' alignment) and the
+        # device: an eager decode call of mxfp8 pays a kept launch, not JITFunction.run (docs/decode.md)
+        key = (groups, x.data_ptr() % 16, bits.data_ptr() % 16, y.data_ptr() % 16, device)
+        launch = _MX_LAUNCHES.get(key)
+        if launch is None:
+            launch = keep(_MX_LAUNCHES, key, Kernel(tk.mx_to_bf16_kernel, (-(-groups // MX_BLOCK),)))
+        launch(device, x, bits, y, groups, MX_GROUP, MX_BLOCK)
     return y
+
+
+MX_BLOCK = 64  # groups per program of mx_to_bf16
+_MX_LAUNCHES: dict = {}  # mx_to_bf16's kept launches (kernels_fused.hopper.launch), by call shape
 
 
 @dataclass(frozen=True)

@@ -160,9 +160,10 @@ def test_padded_rows_are_zero_rows(quant, split):
 def test_kept_launches_are_bounded(monkeypatch):
     """More call shapes than ``LAUNCHES_KEPT`` (a server's every prefill length) start the cache of
     kept launches over instead of growing it; the bytes stay those of ``quantize_a``."""
+    from kernels_fused.hopper import launch as L
     from kernels_fused.hopper import quantize as QK
 
-    monkeypatch.setattr(QK, "LAUNCHES_KEPT", 3)
+    monkeypatch.setattr(L, "LAUNCHES_KEPT", 3)
     QK._LAUNCHES.clear()
     for m in range(1, 8):
         x = activations(m, 256, seed=m)

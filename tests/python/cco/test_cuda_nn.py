@@ -36,7 +36,7 @@ from tests.python.cco.torchrun_checks import nvidia_gpus, run_rank_checks
 N, K_RANK, M_MAX = 1000, 300, 256  # padded on a GPU backend at world 2: N 1024, K 384
 LEAD = (4, 50)  # 200 rows
 REPLAYS = 20
-DECODE_ROWS = 4  # rows the decode GEMM's checks run up to
+DECODE_MS = (1, 2, 3, 4, 17, 40, 64)  # rows of the decode GEMM's checks: one row, the rows kernels, ptpc's wide MMA
 
 
 @pytest.mark.cuda
@@ -88,6 +88,8 @@ def _layer(comm, quant, *, transport=None, trainable=False, wseed=0):
 
 def check_quantizer(comm, log):
     from cco import quant as Q
+    from kernels_fused.hopper import launch as L
+    from kernels_fused.hopper import vendor
     from kernels_fused.hopper.quantize import quantize_activation
 
     for quant in Q.QUANTS:
@@ -112,8 +114,16 @@ def check_quantizer(comm, log):
             same_scales = torch.equal(s.view(torch.uint8), rs.view(torch.uint8)) if quant == "mxfp8" else torch.equal(s, rs)
             if bad or not same_scales:
                 raise AssertionError(f"quantizer {quant} {m}x{k}->{k_pad}: {bad} e4m3 bytes or the scales differ")
+            if quant == "mxfp8":  # the vendor path's dequantization: kept launch == JITFunction.run, bit for bit
+                q, s = quantize_activation(x, quant, k_padded=k_pad)
+                kept = [vendor.mx_to_bf16(q, s) for _ in range(2)]
+                L.FAST_LAUNCH = False
+                slow = vendor.mx_to_bf16(q, s)
+                L.FAST_LAUNCH = True
+                if not all(torch.equal(y.view(torch.int16), slow.view(torch.int16)) for y in kept):
+                    raise AssertionError(f"mx_to_bf16 {m}x{k_pad}: the kept launch differs from JITFunction.run")
     log("ok quantizer: Triton bytes == quantize_a bytes on the host (every quant, K padded and not); kept launches "
-        "and a strided, unaligned view give the same bytes")
+        "and a strided, unaligned view give the same bytes; mx_to_bf16's kept launch == JITFunction.run")
 
 
 def check_layers(comm, log):
@@ -257,9 +267,9 @@ def check_decode(comm, log):
             if layer.decode_rows != D.DECODE_MAX_M[quant]:
                 raise AssertionError(f"decode {quant} {name}: decode_rows={layer.decode_rows}, expected "
                                      f"{D.DECODE_MAX_M[quant]}: {layer!r}")
-            layer.decode_rows = DECODE_ROWS  # the kernel under test, whatever the rule picks per quant
+            layer.decode_rows = max(DECODE_MS)  # the kernel under test, whatever the rule picks per quant
             with torch.no_grad():
-                for m in range(1, DECODE_ROWS + 1):
+                for m in DECODE_MS:
                     x = torch.randn(m, K_RANK, generator=g).to(torch.bfloat16).to(comm.device)
                     with_bias = layer(x)
                     layer.bias.zero_()  # the product alone, against the fp32 product of the quantizer's operands
@@ -284,13 +294,14 @@ def check_decode(comm, log):
                             raise AssertionError(f"decode {quant} {name} M={m}: x {list(shaped.shape)} stride "
                                                  f"{shaped.stride()} differs from the rows' call")
                 # the kept launches (kernels_fused.hopper.launch) against JITFunction.run's
-                x = torch.randn(3, K_RANK, generator=g).to(torch.bfloat16).to(comm.device)
-                fast = layer(x)
-                L.FAST_LAUNCH = False
-                slow = layer(x)
-                L.FAST_LAUNCH = True
-                if not torch.equal(fast, slow):
-                    raise AssertionError(f"decode {quant} {name}: the kept launch differs from JITFunction.run")
+                for m in (40, 3):  # ptpc's wide MMA, the rows kernels (x, fast: M = 3 for what follows)
+                    x = torch.randn(m, K_RANK, generator=g).to(torch.bfloat16).to(comm.device)
+                    fast = layer(x)
+                    L.FAST_LAUNCH = False
+                    slow = layer(x)
+                    L.FAST_LAUNCH = True
+                    if not torch.equal(fast, slow):
+                        raise AssertionError(f"decode {quant} {name} M={m}: the kept launch differs from JITFunction.run")
                 # compiled, and captured in a graph replayed on new rows into a NaN-poisoned output
                 compiled = torch.compile(lambda v: layer(v), fullgraph=True)
                 if not torch.equal(compiled(x), fast):
@@ -311,7 +322,7 @@ def check_decode(comm, log):
                     graph.replay()
                     if not torch.equal(static_out, layer(new)):
                         raise AssertionError(f"decode {quant} {name}: graph replay {i} differs from eager")
-            log(f"ok decode {quant:10s} {name}: M 1..decode_rows within the fp8 GEMM's budget; fast launch, compiled, "
+            log(f"ok decode {quant:10s} {name}: M {DECODE_MS} within the fp8 GEMM's budget; fast launch, compiled, "
                 f"graph replays == eager")
             layer.close()
     solo.close()

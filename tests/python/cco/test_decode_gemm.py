@@ -28,11 +28,12 @@ INTERPRETED = isinstance(triton.language.standard.zeros, InterpretedFunction)
 pytestmark = pytest.mark.skipif(not INTERPRETED, reason="the Triton kernel runs interpreted here only without a GPU "
                                 "(test_cuda_nn.py checks it on the GPU)")
 
-# (M, N, K, K_padded): one row (the one-row kernel); 2..16 rows (the rows kernel: every row in one
-# program, 2, 4, 8 and 16 wide); 17 rows (past ROWS_MAX: the one-row kernel per row); K padded by a
-# tile; N past a program's block; K past one amax load (ROW_K)
+# (M, N, K, K_padded): one row (the one-row kernel); 2..16 rows (the rows kernel, or ptpc's MMA over
+# quantized rows: every row in one program, 2, 4, 8 and 16 wide); 17 and 40 rows (past ROWS_MAX: ptpc's
+# MMA 32 and 64 wide, the others' one-row kernel per row); K padded by a tile; N past a program's
+# block; K past one amax load (ROW_K)
 SHAPES = [(1, 256, 256, 256), (3, 200, 300, 384), (4, 128, 1024, 1024), (2, 136, 640, 640), (1, 16, 5000, 5120),
-          (5, 64, 256, 256), (16, 200, 300, 384), (17, 64, 128, 128), (8, 40, 2500, 2560)]
+          (5, 64, 256, 256), (16, 200, 300, 384), (17, 64, 128, 128), (8, 40, 2500, 2560), (40, 72, 300, 384)]
 
 
 def weight(n: int, k: int, k_padded: int, quant: str, seed: int = 1):
@@ -138,11 +139,12 @@ def test_decode_gemm_refuses_what_it_cannot_take(bad, match):
         decode_gemm(x, w, ws, kwargs.pop("quant"), **kwargs)
 
 
-@pytest.mark.parametrize("m", [2, 5, 16])
+@pytest.mark.parametrize("m", [2, 5, 16, 33, 64])
 def test_ptpc_rows_quantized_once_or_per_program_give_the_same_product(monkeypatch, m):
-    """ptpc at 2..ROWS_MAX rows (``QUANTIZED_ROWS``): the quantizer's launch, then the MMA over its
-    rows; with it off, the rows kernel quantizing in every program. Both within one ulp of the
-    two-launch reference, bias added as ``out += bias``."""
+    """ptpc at 2..MMA_ROWS_MAX rows (``QUANTIZED_ROWS``): the quantizer's launch, then the MMA over its
+    rows (16, 64 wide); with it off, the rows kernel quantizing in every program (up to ROWS_MAX rows)
+    or the one-row kernel per row. Both within one ulp of the two-launch reference, bias added as
+    ``out += bias``."""
     from kernels_fused.hopper import decode as D
 
     n, k, k_padded = 200, 700, 768

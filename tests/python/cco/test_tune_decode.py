@@ -27,7 +27,7 @@ def test_with_config_sets_the_tables_of_the_kernel_that_takes_m(monkeypatch):
     from kernels_fused.hopper import decode as D
 
     for name in ("BLOCK_N", "BLOCK_K", "NUM_WARPS", "NUM_STAGES", "ROWS_BLOCK_N", "ROWS_BLOCK_K", "ROWS_WARPS",
-                 "ROWS_STAGES"):
+                 "ROWS_STAGES", "WIDE_BLOCK_N", "WIDE_BLOCK_K", "WIDE_WARPS", "WIDE_STAGES"):
         monkeypatch.setattr(D, name, dict(getattr(D, name)))
     one = dict(D.BLOCK_N)
     T.with_config((16, 128, 8, 3), "mxfp8", 3)
@@ -36,7 +36,11 @@ def test_with_config_sets_the_tables_of_the_kernel_that_takes_m(monkeypatch):
     assert D.BLOCK_N == one  # the one-row kernel's untouched
     T.with_config((8, 512, 4, 3), "mxfp8", 1)
     assert (D.BLOCK_N["mxfp8"], D.BLOCK_K["mxfp8"]) == (8, 512) and D.ROWS_BLOCK_N["mxfp8"] == 16
-    T.with_config((8, 512, 4, 3), "ptpc", D.ROWS_MAX + 1)  # past the rows kernel: the one-row kernel's
+    T.with_config((32, 128, 8, 4), "ptpc", D.ROWS_MAX + 1)  # ptpc past the rows kernel: the wide MMA's
+    assert (D.WIDE_BLOCK_N["ptpc"], D.WIDE_WARPS["ptpc"]) == (32, 8) and D.ROWS_BLOCK_N["ptpc"] != 32
+    T.with_config((32, 512, 4, 3), "mxfp8", D.ROWS_MAX + 1)  # mxfp8 past it: the one-row kernel's
+    assert D.BLOCK_N["mxfp8"] == 32 and "mxfp8" not in D.WIDE_BLOCK_N
+    T.with_config((8, 512, 4, 3), "ptpc", D.rows_max("ptpc") + 1)  # past the wide MMA: the one-row kernel's
     assert D.BLOCK_N["ptpc"] == 8
 
 
