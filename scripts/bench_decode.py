@@ -503,8 +503,8 @@ def profile_calls(args, comm, device, path: str) -> None:
         x = torch.randn(m, k, device=device).to(torch.bfloat16)
         calls[f"nn.Linear bf16, M={m}"] = lambda x=x: linear(x)
         for j, (q, layer) in enumerate(layers.items()):
-            path = "decode GEMM" if m <= layer.decode_rows else "quantizer + op"
-            calls[f"layer {q}, M={m} ({path})"] = lambda x=x, layer=layer: layer(x)
+            how = "decode GEMM" if m <= layer.decode_rows else "quantizer + op"
+            calls[f"layer {q}, M={m} ({how})"] = lambda x=x, layer=layer: layer(x)
             if i == j == 0:
                 calls[f"torch.ops.cco.row_parallel_linear {q}, M={m}"] = lambda x=x, layer=layer: \
                     torch.ops.cco.row_parallel_linear(x, layer.qweight, layer.weight_scale, None, None, layer._handle, n)

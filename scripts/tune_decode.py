@@ -149,6 +149,7 @@ def main(argv=None) -> int:
     every = (*D.tables("ptpc", 1), *D.tables("ptpc", 2), *D.tables("ptpc", D.MMA_ROWS_MAX))
     defaults = tuple(dict(table) for table in every)
     out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "gpu": torch.cuda.get_device_name(),
+           "command": "python3 -m scripts.tune_decode " + " ".join(sys.argv[1:] if argv is None else argv),
            "torch": torch.__version__, "rows": [], "checks": [], "host": {}}
     failures = 0
     for name in args.shapes:

@@ -1,5 +1,5 @@
 """The decode GEMM: ``quantize(x) @ dequant(w).T`` for a few rows in one launch (two for ptpc's
-2..16 rows; device code: ``kernels_fused.hopper.decode_kernels``).
+2..64 rows; device code: ``kernels_fused.hopper.decode_kernels``).
 
 Unfused equivalent (``cco.nn`` layers at world 1, or the local GEMM of a column-parallel layer)::
 
@@ -19,8 +19,8 @@ quantization of 16 padded rows cost more than the weight's read; docs/decode.md.
 
 Calls of 2..``ROWS_MAX`` rows read the weight once for every row, one program per ``BLOCK_N``
 weight rows on tensor cores. ptpc (``QUANTIZED_ROWS``) quantizes the rows first, in the
-activation quantizer's split-row launch, and then runs the MMA over them (two launches, the weight
-read at its bandwidth at every M: ``DECODE_MAX_M`` takes it up to 16 rows). The other quants run the
+activation quantizer's split-row launch, and then runs the MMA over them, 16 to 64 rows wide (two
+launches, the weight read at its bandwidth at every M: ``DECODE_MAX_M`` takes it up to 64 rows). The other quants run the
 rows kernel, which quantizes the rows (padded to a power of two, repeated to the MMA's 16) in
 every program: that costs more than the weight's read, so their rule keeps one row.
 
@@ -53,7 +53,11 @@ from kernels_fused.hopper.quantize import SPLIT_NUM_WARPS, _interpreting, _pow2,
 # docs/results/2026-12-03_decode_quantized_rows_h200.json): 23.9-24.6 / 7.2-7.5 / 61.8-63.5 us at
 # every M from 2 to 16 (0.72-0.82x of bf16 at 8B, 0.54x at 70B down), the layer's eager call 37-52
 # us of host time against the two launches' 80-99 (and the rows kernel's 24): so ptpc up to 16 rows.
-DECODE_MAX_M = {"ptpc": 16, "blockscale": 1, "mxfp8": 1}
+# The same MMA 32 and 64 rows wide (17:08 UTC run, docs/results/2026-12-03_decode_wide_mma_h200.json):
+# at M = 16..64 24.5-28.8 / 7.2-9.3 / 63.5-68.3 us against the two launches' 39.1-42.1 / 14.4-14.8 /
+# 76.6-83.0 (0.72-0.79x / 0.73-1.00x / 0.52-0.54x of bf16), the layer's eager call 41-54 us of host
+# time against 78-96: so ptpc up to 64 rows (MMA_ROWS_MAX).
+DECODE_MAX_M = {"ptpc": 64, "blockscale": 1, "mxfp8": 1}
 # Per quant, the best M = 1 config of that run: BLOCK_N output features per program (one program per
 # BLOCK_N and row: no split of K, so no second pass); BLOCK_K columns per step, in groups of the
 # format's scale group (GROUP); warps. ROW_K: ptpc's amax load.
@@ -79,7 +83,8 @@ ROWS_ELEMENTS = 8192  # ptpc's amax load: [rows, ROW_K] with rows * ROW_K at mos
 # rows kernel's per-program quantization grows with the rows (scripts/probe_decode_rows.py).
 QUANTIZED_ROWS = {"ptpc"}
 # Their calls of ROWS_MAX+1..MMA_ROWS_MAX rows run the same MMA, ROWS (a power of two) wide, with the
-# WIDE_* config (BLOCK_N, BLOCK_K, warps, stages: tune_decode's configs past ROWS_MAX rows).
+# WIDE_* config (BLOCK_N, BLOCK_K, warps, stages): the best of tune_decode's 8 configs past ROWS_MAX
+# rows at 14 of the 15 cells of the 17:08 UTC run above (8B o at 48 rows took BLOCK_K 128, 9.3 us).
 MMA_ROWS_MAX = 64
 WIDE_BLOCK_N = {"ptpc": 64}
 WIDE_BLOCK_K = {"ptpc": 256}

@@ -182,3 +182,31 @@ def _bench_check_rank(comm, pattern):
     args = types.SimpleNamespace(n=256, k=256, quant="ptpc", pattern=pattern, rotate=2, chunks=3, check_only=True)
     arms = [a for a in select_arms("split-sdma,fused-sdma", "ptpc", pattern)]
     return run_shape(args, comm, 200, arms_wanted=arms, m_max=200)
+
+
+def test_decode_profile_goes_to_the_file_it_names(tmp_path, monkeypatch):
+    """``bench_decode --profile`` writes every profiled call's table into the file beside its JSON
+    (``<json>_profile.txt``), whatever the calls are named (a loop variable once shadowed that path,
+    and the tables went to a file named after the last call's path)."""
+    import os
+    import tempfile
+
+    from cco.comm import Communicator
+    from scripts import bench_decode as B
+
+    monkeypatch.setattr(B, "shapes", lambda selection: {"tiny": (128, 256)})
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.chdir(tmp_path)
+    args = B.parse_args(["--per-call-only", "--shapes", "tiny", "-m", "1,3", "--quant", "ptpc", "--profile",
+                         "--profile-calls", "2"])
+    comm = Communicator(rank=0, world=1, init_method=f"file://{os.path.join(tempfile.mkdtemp(), 'rdv')}",
+                        device=torch.device("cpu"))
+    path = tmp_path / "run_profile.txt"
+    try:
+        B.profile_calls(args, comm, torch.device("cpu"), str(path))
+    finally:
+        comm.close()
+    text = path.read_text()
+    for name in ("nn.Linear bf16, M=1", "layer ptpc, M=3", "torch.ops.cco.row_parallel_linear ptpc, M=1"):
+        assert f"==== {name}" in text
+    assert sorted(os.listdir(tmp_path)) == ["run_profile.txt"]  # nothing written beside it
