@@ -23,6 +23,7 @@ it through one fused op. The base holds, once for both:
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -42,13 +43,19 @@ MODES = ("fused", "split", "unfused")
 def quantize_activation(x: torch.Tensor, quant: str, *, k_padded: int, m_padded: int | None = None):
     """The layers' activation quantizer on ``x``'s device: Triton on GPUs (NVIDIA and ROCm), torch on
     the CPU; ``(e4m3 [m_padded, k_padded], scale)`` in the layout of ``quant``, rows past M zero."""
-    if x.device.type == "cuda":
-        from kernels_fused.hopper.quantize import quantize_activation as on_gpu
-        return on_gpu(x, quant, k_padded=k_padded, m_padded=m_padded)
+    if x.is_cuda:  # (not x.device.type: a device object per call; the import bound once, below)
+        return _on_gpu()(x, quant, k_padded=k_padded, m_padded=m_padded)
     from kernels_fused.cpu.quantize import quantize_activation as on_cpu
     if m_padded is not None and m_padded != x.shape[0]:
         x = torch.nn.functional.pad(x, (0, 0, 0, m_padded - x.shape[0]))
     return on_cpu(x, quant, k_padded=k_padded)
+
+
+@functools.cache
+def _on_gpu():
+    """The Triton activation quantizer (imported at the first GPU call: a CPU job needs no Triton)."""
+    from kernels_fused.hopper.quantize import quantize_activation as on_gpu
+    return on_gpu
 
 
 def untraced(x: torch.Tensor) -> bool:
