@@ -31,7 +31,7 @@ then the host times are real and the device times are time-sliced) runs the per-
 
 ``--profile``: a cProfile of ``--profile-calls`` eager calls at the first shape, per quant and M:
 the layer (its rule's path), ``nn.Linear``, and once ``torch.ops.cco.row_parallel_linear``; the top
-functions by own time, written beside the JSON.
+functions by own time, written beside the JSON (``<json>_profile.txt``: rank 0's, every rank calling).
 """
 
 from __future__ import annotations
@@ -490,7 +490,8 @@ def graph_device_us(arms, args, time_arms) -> dict:
 def profile_calls(args, comm, device, path: str) -> None:
     """cProfile of eager calls at the first shape: per quant of ``--quant`` and M of ``-m``, the layer
     (its rule's path: the decode GEMM up to ``decode_rows`` rows, else quantizer + op) and
-    ``nn.Linear``; at the first quant and M also the registered op (``torch.ops.cco.row_parallel_linear``)."""
+    ``nn.Linear``; at the first quant and M also the registered op (``torch.ops.cco.row_parallel_linear``).
+    Every rank runs the calls (at world >= 2 they are collective); rank 0's tables go to ``path``."""
     import cProfile
     import io
     import pstats
@@ -508,7 +509,7 @@ def profile_calls(args, comm, device, path: str) -> None:
             if i == j == 0:
                 calls[f"torch.ops.cco.row_parallel_linear {q}, M={m}"] = lambda x=x, layer=layer: \
                     torch.ops.cco.row_parallel_linear(x, layer.qweight, layer.weight_scale, None, None, layer._handle, n)
-    with open(path, "w") as f, torch.no_grad():
+    with open(path if comm.rank == 0 else os.devnull, "w") as f, torch.no_grad():
         for name, fn in calls.items():
             for _ in range(20):
                 fn()
@@ -523,8 +524,10 @@ def profile_calls(args, comm, device, path: str) -> None:
             torch.cuda.synchronize()
             s = io.StringIO()
             pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
-            f.write(f"==== {name}: {spent:.1f} us/call under the profiler, {args.profile_calls} calls\n{s.getvalue()}\n")
-            print(f"profiled {name}: {spent:.1f} us/call under the profiler", flush=True)
+            f.write(f"==== {name}, world {comm.world}, rank {comm.rank}: {spent:.1f} us/call under the profiler, "
+                    f"{args.profile_calls} calls\n{s.getvalue()}\n")
+            if comm.rank == 0:
+                print(f"profiled {name}: {spent:.1f} us/call under the profiler", flush=True)
     for layer in layers.values():
         layer.close()
 
@@ -586,7 +589,7 @@ def main(argv=None):
             save()
             if args.plot and comm.rank == 0:
                 plot(result["model"]["runs"], args.plot)
-        if args.profile and comm.rank == 0 and comm.world == 1 and args.json:
+        if args.profile and args.json:  # every rank calls (the layers are collective); rank 0 writes
             profile_calls(args, comm, device, os.path.splitext(args.json)[0] + "_profile.txt")
         if not args.model_only and not args.smoke:
             result["per_call"] = []

@@ -207,6 +207,7 @@ def test_decode_profile_goes_to_the_file_it_names(tmp_path, monkeypatch):
     finally:
         comm.close()
     text = path.read_text()
-    for name in ("nn.Linear bf16, M=1", "layer ptpc, M=3", "torch.ops.cco.row_parallel_linear ptpc, M=1"):
-        assert f"==== {name}" in text
+    for name in ("nn.Linear bf16, M=1, world 1", "layer ptpc, M=3 (quantizer + op), world 1",
+                 "torch.ops.cco.row_parallel_linear ptpc, M=1, world 1"):
+        assert f"==== {name}, rank 0:" in text
     assert sorted(os.listdir(tmp_path)) == ["run_profile.txt"]  # nothing written beside it
