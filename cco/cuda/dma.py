@@ -99,6 +99,7 @@ from cco.cuda.kernels import STATUS_WORDS
 from cco.transport.base import stamp_rejected, stamp_seq_m
 
 _WORD = 8  # bytes of one int64 counter or flag
+STREAMS_KEPT = 64  # current_stream's Stream objects kept, by (stream id, device, type)
 FLAG_SET = 1  # a set scatter or gather flag (its one waiter zeroes it)
 GRAPH_CACHE = 8  # captured side-work graphs kept per op (least recently used dropped)
 # beyond the first GRAPH_CACHE captures, one more capture per this many replays: a working set of
@@ -130,6 +131,22 @@ def put_lanes(world: int, lanes: int | None = None) -> int:
     """Put streams per peer: ``lanes`` (default ``PUT_LANES``) streams in all, at least one per peer."""
     return -(-(PUT_LANES if lanes is None else lanes) // max(1, world - 1))
 
+
+def current_stream() -> torch.cuda.Stream:
+    """``torch.cuda.current_stream()`` for the current device, its Stream object kept per (stream id,
+    device, type): building one per call (device guard, lazy-init check) cost an eager decode-sized
+    call ~7 us of host time (docs/decode.md, "World 2 and more"). A Stream object holds only those
+    three values, so a kept one is the same stream."""
+    data = torch._C._cuda_getCurrentStream(torch._C._cuda_getDevice())
+    stream = _STREAMS.get(data)
+    if stream is None:
+        if len(_STREAMS) >= STREAMS_KEPT:  # user streams come and go: never grown without bound
+            _STREAMS.clear()
+        stream = _STREAMS[data] = torch.cuda.Stream(stream_id=data[0], device_index=data[1], device_type=data[2])
+    return stream
+
+
+_STREAMS: dict = {}
 
 class GraphCache:
     """Which calls replay captured side work: a key (M, ``out`` address and row stride, put order) is
@@ -343,7 +360,7 @@ class CopyEngineSchedule:
         """The call's (seq, M) stamp word, on the current stream. Peers check the stamp (copied into
         their ``scatter_m``) and never read the header, so its (seq, m) words stay unwritten here:
         every stream write-value on the main stream delays the GEMM's start."""
-        main = self.main = torch.cuda.current_stream()  # run() joins into it (~7 us to ask again)
+        main = self.main = current_stream()  # run() joins into it
         self.plan, self.path = plan, "dma"  # the call in flight, for the watchdog's diagnosis
         self._write(main, self.stamp.data_ptr(), self.stamp_of(plan))
         self.begin_event.record(main)

@@ -65,6 +65,7 @@ import torch
 
 from cco.quant import QUANTS, SCALE_BLOCK
 from cco.validate import GemmShape, check_operands
+from kernels_fused.hopper.launch import Kernel, keep, specialization
 from kernels_fused.hopper.vendor import BLOCKWISE_KBLOCK_MULTIPLE, BLOCKWISE_ROW_MULTIPLE, mx_to_bf16, prepare_weight, takes_rows, vendor_gemm
 
 QUANT_ID = {"ptpc": 0, "blockscale": 1, "mxfp8": 2}
@@ -574,18 +575,29 @@ def fp8_gemm_lsa(a, b, a_scale, b_scale, *, quant: str, out: torch.Tensor, win: 
     gscale = win.gather_scale if fp8 else win.gather
     n_tiles = tile_table.shape[0]
     programs = min(persistent_programs(out.device), n_tiles) if config.launch == "persistent" else 0
-    _kernels()[1][(programs or n_tiles,)](
-        win.ticket, n_tiles, a_src, b_src, a_scale, b_scale, out, win.partial,
-        win.recv, win.gather, gscale, win.tile_flags[0], win.tile_flags[1], win.deltas, win.status, tile_table,
-        rank, stamp, m, n, k, strides[0], strides[1], out.stride(0), n_slice,
-        win.recv.stride(0), win.tile_flags.stride(1), gscale.stride(0) if fp8 else 0, *strides[2:],
-        QUANT=QUANT_ID[quant], USE_TMA=use_tma, MX_BF16=not _interpreting(), PRECISE_ACC=config.precise_acc,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        SCALE_BLOCK=SCALE_BLOCK,
-        WORLD=world, FP8_GATHER=fp8, GATHER_GROUP=GATHER_GROUP, NUM_PROGS=programs,
-        FROM_PARTIAL=bool(from_partial), MOVE_BYTES=bool(move_bytes),
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    args = (win.ticket, n_tiles, a_src, b_src, a_scale, b_scale, out, win.partial,
+            win.recv, win.gather, gscale, win.tile_flags[0], win.tile_flags[1], win.deltas, win.status, tile_table,
+            rank, stamp, m, n, k, strides[0], strides[1], out.stride(0), n_slice,
+            win.recv.stride(0), win.tile_flags.stride(1), gscale.stride(0) if fp8 else 0, *strides[2:],
+            # the constexprs, in the kernel's order: QUANT, USE_TMA, MX_BF16, PRECISE_ACC, BLOCK_M, BLOCK_N,
+            # BLOCK_K, SCALE_BLOCK, WORLD, FP8_GATHER, GATHER_GROUP, FROM_PARTIAL, MOVE_BYTES, NUM_PROGS
+            QUANT_ID[quant], use_tma, not _interpreting(), config.precise_acc, config.block_m, config.block_n,
+            config.block_k, SCALE_BLOCK, world, fp8, GATHER_GROUP, bool(from_partial), bool(move_bytes), programs)
+    # the launch kept per what Triton specializes on (every argument but the stamp, new each call: the
+    # kernel's do_not_specialize), the launch options and the device: a decode-sized call's host time
+    # is mostly its launch (docs/decode.md, "World 2 and more")
+    device = out.get_device()
+    key = (specialization(args, unspecialized=(_LSA_STAMP,)), programs or n_tiles, config.num_warps,
+           config.num_stages, device)
+    launch = _LSA_LAUNCHES.get(key)
+    if launch is None:
+        launch = keep(_LSA_LAUNCHES, key, Kernel(_kernels()[1], (programs or n_tiles,), num_warps=config.num_warps,
+                                                 num_stages=config.num_stages))
+    launch(device, *args)
+
+
+_LSA_STAMP = 17  # the position of ``stamp`` among fp8_gemm_lsa_kernel's arguments
+_LSA_LAUNCHES: dict = {}  # fp8_gemm_lsa's kept launches (kernels_fused.hopper.launch), by call shape
 
 
 __all__ = ["GemmConfig", "LsaWindow", "QUANTS", "ReduceEpilogue", "default_config", "fp8_gemm", "fp8_gemm_lsa",

@@ -65,6 +65,26 @@ class Kernel:
             self.fast = _launcher(compiled, (*self.grid, 1, 1)[:3], device)
 
 
+def specialization(args, unspecialized=()) -> tuple:
+    """A key of what Triton's ``JITFunction.run`` specializes a launch of ``args`` on, for an owner
+    whose launches vary in every argument (the lsa kernel's): per argument, a tensor's dtype and
+    16-byte alignment, a host tensor descriptor's base (dtype, alignment), shape, strides and block,
+    an int's value (or, at the positions in ``unspecialized``, the kernel's ``do_not_specialize``
+    arguments, only whether it takes 64 bits), anything else its value. Stricter than Triton's own
+    key (an int's value, not its divisibility), never looser."""
+    key = []
+    for i, v in enumerate(args):
+        if isinstance(v, torch.Tensor):
+            key.append((v.dtype, v.data_ptr() % 16))
+        elif type(v) is int and i in unspecialized:
+            key.append(not -2**31 <= v < 2**31)
+        elif hasattr(v, "block_shape"):  # triton.tools.tensor_descriptor.TensorDescriptor
+            key.append((v.base.dtype, v.base.data_ptr() % 16, tuple(v.shape), tuple(v.strides), tuple(v.block_shape)))
+        else:
+            key.append(v)
+    return tuple(key)
+
+
 def _launcher(compiled, grid, device: int):
     """``compiled[grid]``'s runner without its per-call lookups: the stream is ``device``'s current
     one; no launch metadata and no hooks (the caller takes the runner's path where a hook is set)."""
@@ -100,4 +120,4 @@ def _launch_hooks() -> bool:
     return False
 
 
-__all__ = ["FAST_LAUNCH", "LAUNCHES_KEPT", "Kernel", "keep"]
+__all__ = ["FAST_LAUNCH", "LAUNCHES_KEPT", "Kernel", "keep", "specialization"]

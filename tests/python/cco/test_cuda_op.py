@@ -38,6 +38,8 @@ Guards, per check:
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -275,6 +277,12 @@ def rank_main(quants=None, arms=None):
         else "one GPU per rank (symmetric-memory window)")
 
     failures = []
+    from cco.cuda.dma import current_stream
+    for s in (None, torch.cuda.Stream(), torch.cuda.Stream(), None):  # the kept Stream objects follow the current one
+        with torch.cuda.stream(s) if s is not None else contextlib.nullcontext():
+            if current_stream() != torch.cuda.current_stream():
+                failures.append(f"cco.cuda.dma.current_stream() is {current_stream()}, torch's "
+                                f"{torch.cuda.current_stream()}")
     if "blockscale" in (quants or Q.QUANTS):
         try:
             _vendor_rows_rule(dev, log)
@@ -306,6 +314,8 @@ def rank_main(quants=None, arms=None):
                                  what=f"{quant} {mode} {gather}")
                     log(f"ok {quant:10s} {mode:9s} {transport} gather={gather}: rel_l2 {err:.2e}")
                 checks = [first_call] if mode == "gemm-only" else [first_call, lambda: op.self_test()]
+                if mode == "fused" and op._backend.uses_lsa(M):
+                    checks.append(lambda: _kept_lsa_launch(op, probs, b_pre, log, quant, gather))
                 if mode == "fused" and not fp8:
                     checks += [lambda: _repeat_poisoned(op, probs, b_pre, refs, log, quant),
                                lambda: _graph_replays(op, probs, b_pre, refs, log, quant),
@@ -379,6 +389,24 @@ def _vendor_rows_rule(device, log):
         if picked:
             raise AssertionError(f"fp8_gemm's default GEMM at blockscale K={k}: {picked} elements outside the budget")
     log("ok blockscale vendor.takes_rows by K: " + "; ".join(seen))
+
+
+def _kept_lsa_launch(op, probs, b_pre, log, quant, gather):
+    """The lsa kernel's kept launch (``kernels_fused.hopper.launch``: after a call shape's first
+    call, the compiled kernel's launcher) against ``JITFunction.run``'s, bit for bit, every rank
+    switching alike (the calls are collective)."""
+    from kernels_fused.hopper import launch as L
+
+    p = probs[1]
+    kept = [op(p.a, b_pre, p.a_scale, p.b_scale) for _ in range(2)]
+    L.FAST_LAUNCH = False
+    try:
+        slow = op(p.a, b_pre, p.a_scale, p.b_scale)
+    finally:
+        L.FAST_LAUNCH = True
+    if not all(torch.equal(out, slow) for out in kept):
+        raise AssertionError(f"{quant} lsa gather={gather}: the kept launch differs from JITFunction.run")
+    log(f"ok {quant:10s} lsa gather={gather}: the kept launch == JITFunction.run, bit for bit")
 
 
 def _repeat_poisoned(op, probs, b_pre, refs, log, quant):

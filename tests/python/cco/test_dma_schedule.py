@@ -132,9 +132,10 @@ def _schedule(monkeypatch, log, *, gather, lanes=1, world=WORLD, pattern="all-re
                 ("no gather", kw["out_col0"]) if name == "reduce_kernel" and kw["gather"] is None else ()))
         return launch
 
+    fake = _fake_cuda(log)
     monkeypatch.setattr(dma, "torch", types.SimpleNamespace(zeros=torch.zeros, full=torch.full, empty=torch.empty,
-                                                            int64=torch.int64, bfloat16=torch.bfloat16,
-                                                            cuda=_fake_cuda(log)))
+                                                            int64=torch.int64, bfloat16=torch.bfloat16, cuda=fake))
+    monkeypatch.setattr(dma, "current_stream", fake.current_stream)  # (the real one asks torch._C)
     monkeypatch.setattr(dma, "kernels", types.SimpleNamespace(reduce_chunk=kernel("reduce_kernel"),
                                                               dequant_chunk=kernel("dequant_kernel"),
                                                               check_stamps=kernel("check_stamps")))
@@ -906,6 +907,7 @@ def _sim_ranks(monkeypatch, *, pattern, quant="ptpc", world=WORLD, chunks=3):
     cuda = sim.cuda()
     monkeypatch.setattr(dma, "torch", types.SimpleNamespace(zeros=torch.zeros, full=torch.full, empty=torch.empty,
                                                             int64=torch.int64, bfloat16=torch.bfloat16, cuda=cuda))
+    monkeypatch.setattr(dma, "current_stream", cuda.current_stream)
     monkeypatch.setattr(dma, "kernels", types.SimpleNamespace(reduce_chunk=reduce_chunk, check_stamps=check_stamps,
                                                               dequant_chunk=lambda **kw: None))
     memops = sim.memops()

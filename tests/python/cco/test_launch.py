@@ -116,3 +116,42 @@ def test_a_kept_launch_stays_on_its_device(gpu):
     kernel(1, "a")
     kernel(1, "b")
     assert fn.log[-1] == ("run", (2, 1, 1, 1001, "fn-handle", "packed", None, None, None, "b"))
+
+
+def test_specialization_keys_what_triton_specializes_on():
+    """``launch.specialization``: a tensor's dtype and 16-byte alignment, a tensor descriptor's
+    base, shape, strides and block, an int's value and a constexpr's value change the key; a
+    tensor's address within its alignment, and an unspecialized int's value within 32 bits, do not
+    (the lsa kernel's stamp, new every call: a key that held it would never be found again)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    buf = torch.zeros(64, dtype=torch.float32)
+    base = (buf[:16], 7, 123456789, True)  # tensor, int, an unspecialized int, a constexpr
+    key = D.specialization(base, unspecialized=(2,))
+    assert D.specialization((buf[4:20], 7, 99, True), unspecialized=(2,)) == key  # 16 bytes on, another stamp
+    assert D.specialization((buf[1:17], 7, 99, True), unspecialized=(2,)) != key  # 4 bytes on: alignment
+    assert D.specialization((buf[:16].to(torch.float16), 7, 99, True), unspecialized=(2,)) != key
+    assert D.specialization((buf[:16], 8, 99, True), unspecialized=(2,)) != key
+    assert D.specialization((buf[:16], 7, 2**40, True), unspecialized=(2,)) != key  # the stamp takes 64 bits
+    assert D.specialization((buf[:16], 7, 99, False), unspecialized=(2,)) != key
+    assert D.specialization(base) != key  # specialized, the stamp's value is in the key
+
+    x = torch.zeros(64, 64, dtype=torch.float16)
+    desc = TensorDescriptor.from_tensor(x, [16, 32])
+    same = D.specialization((TensorDescriptor.from_tensor(x.clone(), [16, 32]),))
+    assert D.specialization((desc,)) == same
+    assert D.specialization((TensorDescriptor.from_tensor(x, [16, 16]),)) != same
+    assert D.specialization((TensorDescriptor.from_tensor(x[:32], [16, 32]),)) != same
+
+
+def test_the_lsa_launch_skips_the_stamp_by_its_position():
+    """``fp8_gemm_lsa`` keeps its launch by every argument but the stamp, found by position: the
+    position is the kernel's ``stamp`` argument, which the kernel does not specialize on."""
+    from kernels_fused.hopper import gemm
+    from kernels_fused.hopper import kernels as tk
+
+    fn = tk.fp8_gemm_lsa_kernel
+    assert fn.arg_names[gemm._LSA_STAMP] == "stamp"
+    # (the interpreter's function keeps the decorator's arguments in .kwargs, a JITFunction as attributes)
+    unspecialized = fn.kwargs["do_not_specialize"] if hasattr(fn, "kwargs") else fn.do_not_specialize
+    assert "stamp" in unspecialized or gemm._LSA_STAMP in unspecialized
