@@ -32,6 +32,8 @@ then the host times are real and the device times are time-sliced) runs the per-
 ``--profile``: a cProfile of ``--profile-calls`` eager calls at the first shape, per quant and M:
 the layer (its rule's path), ``nn.Linear``, and once ``torch.ops.cco.row_parallel_linear``; the top
 functions by own time, written beside the JSON (``<json>_profile.txt``: rank 0's, every rank calling).
+``--jit-arms``: the per-call table's layer and op of each quant also with the kept launches off
+(``slow_launches``), in the same passes: what the kept launches save, at any world.
 """
 
 from __future__ import annotations
@@ -73,6 +75,9 @@ def parse_args(argv=None):
     p.add_argument("--passes", type=int, default=3)
     p.add_argument("--per-call-only", action="store_true")
     p.add_argument("--model-only", action="store_true")
+    p.add_argument("--jit-arms", action="store_true",
+                   help="per-call table: each quant's layer and op also with the kept launches off (every Triton "
+                        "launch through JITFunction.run), eager only, in the same passes")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--profile-calls", type=int, default=200)
     p.add_argument("--json")
@@ -428,6 +433,9 @@ def per_call_runs(args, comm, device, *, into: list, after_shape=lambda: None) -
                                                                                     layer.weight_scale))
                 if 0 < m <= layer.decode_rows:  # the layer runs the decode GEMM: the two launches it replaced
                     arms[f"cco {q}: quantizer + op"] = (lambda layer=layer, q=q: _two_launches(layer, x, q))
+                if args.jit_arms:
+                    for kept in (f"cco {q}", f"cco {q}: op"):
+                        arms[f"{kept} {JIT_ARM}"] = slow_launches(arms[kept])
             record = {"shape": name, "n": n, "k": k, "m": m, "world": world}
             with torch.no_grad():
                 if world == 1:  # the layer's output against the bf16 linear's
@@ -438,8 +446,9 @@ def per_call_runs(args, comm, device, *, into: list, after_shape=lambda: None) -
                 barrier = comm.barrier if world > 1 else None
                 eager = time_back_to_back(arms, calls=args.calls, passes=args.passes, barrier=barrier, gather=gather)
                 record["eager"] = {a: {"host_us": t["host_us"], "wall_us": t["wall_us"]} for a, t in eager.items()}
-                if world == 1:
-                    record["graph_us"] = graph_device_us(arms, args, time_arms)
+                if world == 1:  # (the JITFunction.run arms differ on the host only)
+                    record["graph_us"] = graph_device_us({a: fn for a, fn in arms.items() if JIT_ARM not in a},
+                                                         args, time_arms)
             rows.append(record)
             if comm.rank == 0:
                 base = record["eager"].get("nn.Linear bf16")
@@ -456,6 +465,24 @@ def per_call_runs(args, comm, device, *, into: list, after_shape=lambda: None) -
             layer.close()
         after_shape()
     return rows
+
+
+JIT_ARM = "via JITFunction.run"  # the suffix of --jit-arms' arms
+
+
+def slow_launches(fn):
+    """``fn`` with the kept launches off for its call (``kernels_fused.hopper.launch.FAST_LAUNCH``:
+    every Triton launch through ``JITFunction.run``): what a kept launch saves, timed in the same
+    passes as ``fn``. At world >= 2 every rank switches alike (the calls are collective)."""
+    from kernels_fused.hopper import launch as L
+
+    def arm():
+        L.FAST_LAUNCH = False
+        try:
+            return fn()
+        finally:
+            L.FAST_LAUNCH = True
+    return arm
 
 
 def _two_launches(layer, x, quant):

@@ -211,3 +211,23 @@ def test_decode_profile_goes_to_the_file_it_names(tmp_path, monkeypatch):
                  "torch.ops.cco.row_parallel_linear ptpc, M=1, world 1"):
         assert f"==== {name}, rank 0:" in text
     assert sorted(os.listdir(tmp_path)) == ["run_profile.txt"]  # nothing written beside it
+
+
+def test_decode_jit_arms_switch_the_kept_launches_off_for_their_call_only():
+    """``bench_decode --jit-arms``: each such arm runs its call with every Triton launch through
+    ``JITFunction.run`` and leaves the kept launches on for the next arm, also when the call raises."""
+    pytest.importorskip("triton")
+    from kernels_fused.hopper import launch as L
+    from scripts import bench_decode as B
+
+    assert B.parse_args(["--jit-arms"]).jit_arms and not B.parse_args([]).jit_arms
+    seen = []
+    arm = B.slow_launches(lambda: seen.append(L.FAST_LAUNCH))
+    arm()
+    assert seen == [False] and L.FAST_LAUNCH
+
+    def fails():
+        raise RuntimeError("boom")
+    with pytest.raises(RuntimeError):
+        B.slow_launches(fails)()
+    assert L.FAST_LAUNCH
