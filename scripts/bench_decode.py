@@ -81,7 +81,11 @@ def parse_args(argv=None):
     p.add_argument("--profile", action="store_true")
     p.add_argument("--profile-calls", type=int, default=200)
     p.add_argument("--json")
-    p.add_argument("--plot")
+    p.add_argument("--plot", help="a PNG of the model's ms/token per arm")
+    p.add_argument("--plot-per-call", help="a PNG of the per-call table: each quant's host and device time "
+                                           "against nn.Linear's over M, per shape, with the targets")
+    p.add_argument("--from", dest="from_json", help="draw --plot / --plot-per-call from a --json of an earlier run "
+                                                    "(no GPU)")
     p.add_argument("--smoke", action="store_true", help="CPU: run every arm's decode step once, tiny model, no timing")
     args = p.parse_args(argv)
     args.batch = [int(v) for v in args.batch.split(",")]
@@ -584,9 +588,68 @@ def plot(model_rows, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+HOST_TARGET, DEVICE_TARGET = 1.5, 0.8  # the per-call targets against nn.Linear: eager host time, graph device time
+
+
+def plot_per_call(per_call_rows, path: str) -> None:
+    """One column per shape: the layer's eager host time (top) and its device time under graph
+    replay (bottom) over M, each against ``nn.Linear``'s in the same run, a line per quant, the
+    targets dashed (**lower is better**). World-1 rows only (the others have no ``nn.Linear`` arm)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in per_call_rows if "nn.Linear bf16" in r.get("eager", {})]
+    shape_names = list(dict.fromkeys(r["shape"] for r in rows))
+    quants = list(dict.fromkeys(a[4:] for r in rows for a in r["eager"] if a.startswith("cco ") and ":" not in a
+                                and JIT_ARM not in a))
+    fig, axes = plt.subplots(2, max(1, len(shape_names)), figsize=(5.5 * max(1, len(shape_names)), 8), squeeze=False)
+    for col, shape in enumerate(shape_names):
+        mine = sorted((r for r in rows if r["shape"] == shape), key=lambda r: r["m"])
+        ms = [r["m"] for r in mine]
+        for row, (what, target) in enumerate((("host", HOST_TARGET), ("graph", DEVICE_TARGET))):
+            ax = axes[row][col]
+            for q in quants:
+                if what == "host":
+                    ratio = [r["eager"][f"cco {q}"]["host_us"] / r["eager"]["nn.Linear bf16"]["host_us"] for r in mine]
+                else:
+                    ratio = [r.get("graph_us", {}).get(f"cco {q}", float("nan")) /
+                             r.get("graph_us", {}).get("nn.Linear bf16", float("nan")) for r in mine]
+                ax.plot(ms, ratio, marker="o", label=q)
+            ax.axhline(target, color="black", linestyle="--", linewidth=1, label=f"target {target}x")
+            ax.axhline(1.0, color="grey", linewidth=0.5)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("M (rows of the call)")
+            ax.set_ylabel(("eager host time" if what == "host" else "device time, graph replay")
+                          + " / nn.Linear's (lower is better)", fontsize=8)
+            n, k = mine[0]["n"], mine[0]["k"]
+            ax.set_title(f"{shape} (N {n}, K {k}): {'host' if what == 'host' else 'device'}", fontsize=10)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def main(argv=None):
     args = parse_args(argv)
     from cco.comm import Communicator
+
+    if args.from_json:  # plots of an earlier run: no GPU, no ranks
+        try:
+            with open(args.from_json) as f:
+                earlier = json.load(f)
+        except (OSError, ValueError) as err:
+            raise SystemExit(f"bench_decode: --from {args.from_json}: {err}")
+        if not (args.plot or args.plot_per_call):
+            raise SystemExit("bench_decode: --from draws plots: pass --plot and/or --plot-per-call")
+        for wanted, key, draw in ((args.plot, "model", lambda: plot(earlier["model"]["runs"], args.plot)),
+                                  (args.plot_per_call, "per_call", lambda: plot_per_call(earlier["per_call"],
+                                                                                         args.plot_per_call))):
+            if wanted and not earlier.get(key):
+                raise SystemExit(f"bench_decode: {args.from_json} has no {key} rows to draw")
+            if wanted:
+                draw()
+        return
 
     if args.smoke:
         args.hidden, args.intermediate, args.heads, args.kv_heads, args.vocab, args.layers = 256, 512, 4, 2, 512, 2
@@ -621,6 +684,8 @@ def main(argv=None):
         if not args.model_only and not args.smoke:
             result["per_call"] = []
             per_call_runs(args, comm, device, into=result["per_call"], after_shape=save)
+            if args.plot_per_call and comm.rank == 0:
+                plot_per_call(result["per_call"], args.plot_per_call)
         save()
         if comm.rank == 0:
             print("RESULT_JSON " + json.dumps(result), flush=True)

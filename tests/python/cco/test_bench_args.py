@@ -231,3 +231,20 @@ def test_decode_jit_arms_switch_the_kept_launches_off_for_their_call_only():
     with pytest.raises(RuntimeError):
         B.slow_launches(fails)()
     assert L.FAST_LAUNCH
+
+
+def test_decode_plots_redraw_from_a_runs_json(tmp_path):
+    """``bench_decode --from <json> --plot-per-call <png> --plot <png>`` draws both plots of a GPU
+    run on the host (the per-call one from the world-1 rows, which have nn.Linear's arm)."""
+    pytest.importorskip("matplotlib")
+    from scripts import bench_decode as B
+
+    per_call = tmp_path / "per_call.png"
+    model = tmp_path / "model.png"
+    B.main(["--from", "docs/results/2026-12-03_decode_per_call_wide_h200.json", "--plot-per-call", str(per_call)])
+    B.main(["--from", "docs/results/2026-12-03_decode_model_wide_h200.json", "--plot", str(model)])
+    assert per_call.stat().st_size > 20_000 and model.stat().st_size > 20_000
+    with pytest.raises(SystemExit, match="missing.json"):  # a JSON that is not there: said, not a silent pass
+        B.main(["--from", str(tmp_path / "missing.json"), "--plot", str(model)])
+    with pytest.raises(SystemExit, match="no model rows"):  # a per-call run has no model to draw
+        B.main(["--from", "docs/results/2026-12-03_decode_per_call_wide_h200.json", "--plot", str(model)])
