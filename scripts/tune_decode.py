@@ -141,9 +141,9 @@ def main(argv=None) -> int:
     from cco import quant as Q
     from cco.bench.timing import gemm_mismatches
     from kernels_fused.hopper import decode as D
-    from kernels_fused.hopper import launch as L
     from kernels_fused.hopper import vendor
     from kernels_fused.hopper.quantize import quantize_activation
+    from scripts.bench_decode import slow_launches
 
     dev = torch.device("cuda")
     every = (*D.tables("ptpc", 1), *D.tables("ptpc", 2), *D.tables("ptpc", D.MMA_ROWS_MAX))
@@ -168,10 +168,8 @@ def main(argv=None) -> int:
                 ref, dot_abs = ad @ wd.t(), ad.abs() @ wd.abs().t()
                 got = D.decode_gemm(x, wq, ws, quant, n=n)
                 got2 = D.decode_gemm(x, wq, ws, quant, n=n)  # through the kept launches
-                L.FAST_LAUNCH = False
                 D._LAUNCHES.clear()
-                slow = D.decode_gemm(x, wq, ws, quant, n=n)
-                L.FAST_LAUNCH = True
+                slow = slow_launches(lambda x=x, wq=wq, ws=ws, quant=quant: D.decode_gemm(x, wq, ws, quant, n=n))()
                 check = {"shape": name, "m": m, "quant": quant, "outside_budget": gemm_mismatches(got, ref, dot_abs),
                          "rel_l2": float((got.float() - ref).norm() / ref.norm()),
                          "fast_equals_jit": bool(torch.equal(got2, slow)), "repeat_equal": bool(torch.equal(got, got2))}
@@ -235,7 +233,7 @@ def host_costs(args) -> dict:
     from cco.comm import Communicator
     from cco.nn import RowParallelLinear
     from kernels_fused.hopper import decode as D
-    from kernels_fused.hopper import launch as L
+    from scripts.bench_decode import JIT_ARM, slow_launches
 
     dev = torch.device("cuda", torch.cuda.current_device())
     n, k = SHAPES[args.shapes[0]]
@@ -255,21 +253,14 @@ def host_costs(args) -> dict:
                 layer.decode_rows = rows
                 return layer(x)
 
-            def kept(fn, on):  # an arm with the kept launches (kernels_fused.hopper.launch) on or off
-                def arm():
-                    L.FAST_LAUNCH = on
-                    return fn()
-                return arm
-
             arms = {"F.linear bf16": lambda x=x: torch.nn.functional.linear(x, w)}
-            for on, how in ((True, ""), (False, " via JITFunction.run")):
+            for kept, how in ((lambda fn: fn, ""), (slow_launches, f" {JIT_ARM}")):  # kept launches on, then off
                 arms[f"decode_gemm{how}"] = kept(lambda wq=wq, ws=ws, quant=quant, x=x: D.decode_gemm(
-                    x, wq, ws, quant, n=n), on)
-                arms[f"layer, decode GEMM{how}"] = kept(lambda m=m: with_rows(m), on)
-                arms[f"layer, two launches{how}"] = kept(lambda: with_rows(0), on)
+                    x, wq, ws, quant, n=n))
+                arms[f"layer, decode GEMM{how}"] = kept(lambda m=m: with_rows(m))
+                arms[f"layer, two launches{how}"] = kept(lambda: with_rows(0))
             with torch.no_grad():
                 t = time_back_to_back(arms, calls=200, passes=5)
-            L.FAST_LAUNCH = True
             res[quant][m] = {a: {"host_us": v["host_us"], "wall_us": v["wall_us"]} for a, v in t.items()}
             print(f"host {quant} M={m} " + json.dumps({a: round(v["host_us"], 1) for a, v in t.items()}), flush=True)
         layer.close()
