@@ -480,12 +480,18 @@ def slow_launches(fn):
     passes as ``fn``. At world >= 2 every rank switches alike (the calls are collective)."""
     from kernels_fused.hopper import launch as L
 
+    return switched_off(fn, L, "FAST_LAUNCH")
+
+
+def switched_off(fn, module, flag: str):
+    """``fn`` with the boolean ``module.flag`` False for its call, True again after it (raised or
+    not): one arm of a same-pass comparison of a switch the module reads per call."""
     def arm():
-        L.FAST_LAUNCH = False
+        setattr(module, flag, False)
         try:
             return fn()
         finally:
-            L.FAST_LAUNCH = True
+            setattr(module, flag, True)
     return arm
 
 

@@ -14,7 +14,9 @@ no output outside the fp8 GEMM's error budget) and the kept launches (``kernels_
 against ``JITFunction.run``'s (bit for bit). ``--host`` adds the host us per eager call of
 ``F.linear``, the decode GEMM, and the layer (``RowParallelLinear``, world 1) with the decode GEMM
 and with the two launches it replaces, each with the kept launches and through ``JITFunction.run``,
-at the first shape, every M (``host_costs``).
+and for ptpc the decode GEMM's one launch against its two (``decode.ONE_LAUNCH``), at the first
+shape, every M, with each layer arm's device time per eager call (the profiler's kernel time:
+no launch gaps) (``host_costs``). ``--host-only``: that table alone, at every shape of ``--shapes``.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ def parse_args(argv=None):
     p.add_argument("--graph-calls", type=int, default=10)
     p.add_argument("--passes", type=int, default=3)
     p.add_argument("--host", action="store_true")
+    p.add_argument("--host-only", action="store_true", help="only --host's table, at every shape of --shapes")
     p.add_argument("--json")
     p.add_argument("--plot", help="a PNG: each shape's device time over M, per quant, against bf16 and two launches")
     p.add_argument("--from", dest="from_json", help="plot a --json of an earlier run (no GPU)")
@@ -72,6 +75,7 @@ def parse_args(argv=None):
     a.shapes = a.shapes.split(",")
     a.m = [int(v) for v in a.m.split(",")]
     a.quant = a.quant.split(",")
+    a.host = a.host or a.host_only
     return a
 
 
@@ -152,7 +156,7 @@ def main(argv=None) -> int:
            "command": "python3 -m scripts.tune_decode " + " ".join(sys.argv[1:] if argv is None else argv),
            "torch": torch.__version__, "rows": [], "checks": [], "host": {}}
     failures = 0
-    for name in args.shapes:
+    for name in [] if args.host_only else args.shapes:
         n, k, w, w_bf16 = shape_weight(name, dev)
         for quant in args.quant:
             wq, ws = Q.quantize_b(w, quant)
@@ -221,10 +225,13 @@ def main(argv=None) -> int:
 
 
 def host_costs(args) -> dict:
-    """Host us per eager call (200 back to back, median of 5 passes) at the first shape and every M
-    of ``-m``: ``F.linear`` bf16; the decode GEMM, the layer (``RowParallelLinear``, world 1) with the
-    decode GEMM taking every M (``decode_rows`` forced) and with it off (quantizer + vendor GEMM),
-    each with the kept launches and through ``JITFunction.run`` (``FAST_LAUNCH`` off), in the same passes."""
+    """Host us per eager call (200 back to back, median of 5 passes) at the first shape (every shape
+    with ``--host-only``) and every M of ``-m``: ``F.linear`` bf16; the decode GEMM, the layer
+    (``RowParallelLinear``, world 1) with the decode GEMM taking every M (``decode_rows`` forced)
+    and with it off (quantizer + vendor GEMM), each with the kept launches and through
+    ``JITFunction.run`` (``FAST_LAUNCH`` off), and for ptpc's rows the layer with the two launches
+    instead of the one (``decode.ONE_LAUNCH`` off), in the same passes; then each arm's device us
+    per eager call (``device_us``)."""
     import os
     import tempfile
 
@@ -233,39 +240,59 @@ def host_costs(args) -> dict:
     from cco.comm import Communicator
     from cco.nn import RowParallelLinear
     from kernels_fused.hopper import decode as D
-    from scripts.bench_decode import JIT_ARM, slow_launches
+    from scripts.bench_decode import JIT_ARM, slow_launches, switched_off
 
     dev = torch.device("cuda", torch.cuda.current_device())
-    n, k = SHAPES[args.shapes[0]]
-    w = (torch.randn(n, k, device=dev) / k ** 0.5).to(torch.bfloat16)
     res = {}
     rendezvous = os.path.join(tempfile.mkdtemp(), "rendezvous")
     comm = Communicator(rank=0, world=1, init_method=f"file://{rendezvous}", device=dev)
-    for quant in args.quant:
-        wq, ws = Q.quantize_b(w.float(), quant)
-        layer = RowParallelLinear(k, n, group=comm, quant=quant, m_max=256)
-        layer.load_weight(w)
-        res[quant] = {}
-        for m in args.m:
-            x = torch.randn(m, k, device=dev).to(torch.bfloat16)
+    for name in args.shapes if args.host_only else args.shapes[:1]:
+        n, k = SHAPES[name]
+        w = (torch.randn(n, k, device=dev) / k ** 0.5).to(torch.bfloat16)
+        for quant in args.quant:
+            wq, ws = Q.quantize_b(w.float(), quant)
+            layer = RowParallelLinear(k, n, group=comm, quant=quant, m_max=256)
+            layer.load_weight(w)
+            cell = res.setdefault(name, {}).setdefault(quant, {}) if args.host_only else res.setdefault(quant, {})
+            for m in args.m:
+                x = torch.randn(m, k, device=dev).to(torch.bfloat16)
 
-            def with_rows(rows, layer=layer, x=x):
-                layer.decode_rows = rows
-                return layer(x)
+                def with_rows(rows, layer=layer, x=x):
+                    layer.decode_rows = rows
+                    return layer(x)
 
-            arms = {"F.linear bf16": lambda x=x: torch.nn.functional.linear(x, w)}
-            for kept, how in ((lambda fn: fn, ""), (slow_launches, f" {JIT_ARM}")):  # kept launches on, then off
-                arms[f"decode_gemm{how}"] = kept(lambda wq=wq, ws=ws, quant=quant, x=x: D.decode_gemm(
-                    x, wq, ws, quant, n=n))
-                arms[f"layer, decode GEMM{how}"] = kept(lambda m=m: with_rows(m))
-                arms[f"layer, two launches{how}"] = kept(lambda: with_rows(0))
-            with torch.no_grad():
-                t = time_back_to_back(arms, calls=200, passes=5)
-            res[quant][m] = {a: {"host_us": v["host_us"], "wall_us": v["wall_us"]} for a, v in t.items()}
-            print(f"host {quant} M={m} " + json.dumps({a: round(v["host_us"], 1) for a, v in t.items()}), flush=True)
-        layer.close()
+                arms = {"F.linear bf16": lambda x=x: torch.nn.functional.linear(x, w)}
+                for kept, how in ((lambda fn: fn, ""), (slow_launches, f" {JIT_ARM}")):  # kept launches on, then off
+                    arms[f"decode_gemm{how}"] = kept(lambda wq=wq, ws=ws, quant=quant, x=x: D.decode_gemm(
+                        x, wq, ws, quant, n=n))
+                    arms[f"layer, decode GEMM{how}"] = kept(lambda m=m: with_rows(m))
+                    arms[f"layer, two launches{how}"] = kept(lambda: with_rows(0))
+                if quant in D.QUANTIZED_ROWS and 1 < m <= D.rows_max(quant):
+                    arms["layer, decode GEMM, ONE_LAUNCH off"] = switched_off(lambda m=m: with_rows(m), D, "ONE_LAUNCH")
+                with torch.no_grad():
+                    t = time_back_to_back(arms, calls=200, passes=5)
+                    device = {a: device_us(fn) for a, fn in arms.items() if JIT_ARM not in a}
+                cell[m] = {a: {"host_us": v["host_us"], "wall_us": v["wall_us"], "device_us": device.get(a)}
+                           for a, v in t.items()}
+                print(f"host {name} {quant} M={m} " + json.dumps({a: round(v["host_us"], 1) for a, v in t.items()}) +
+                      " device " + json.dumps({a: round(v, 1) for a, v in device.items()}), flush=True)
+            layer.close()
     comm.close()
     return res
+
+
+def device_us(fn, calls: int = 50) -> float:
+    """Device us per eager call of ``fn``: the kernels' time the profiler records over ``calls``
+    calls (CUPTI), divided by ``calls``; the gaps between launches are not in it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / calls
 
 
 if __name__ == "__main__":

@@ -148,6 +148,7 @@ def current_stream() -> torch.cuda.Stream:
 
 _STREAMS: dict = {}
 
+
 class GraphCache:
     """Which calls replay captured side work: a key (M, ``out`` address and row stride, put order) is
     captured the second time it is seen (a one-off address never pays a capture), the ``size`` most

@@ -1,5 +1,5 @@
-"""The decode GEMM: ``quantize(x) @ dequant(w).T`` for a few rows in one launch (two for ptpc's
-2..64 rows; device code: ``kernels_fused.hopper.decode_kernels``).
+"""The decode GEMM: ``quantize(x) @ dequant(w).T`` for a few rows in one launch (device code:
+``kernels_fused.hopper.decode_kernels``).
 
 Unfused equivalent (``cco.nn`` layers at world 1, or the local GEMM of a column-parallel layer)::
 
@@ -19,9 +19,13 @@ quantization of 16 padded rows cost more than the weight's read; docs/decode.md.
 
 Calls of 2..``ROWS_MAX`` rows read the weight once for every row, one program per ``BLOCK_N``
 weight rows on tensor cores. ptpc (``QUANTIZED_ROWS``) quantizes the rows first, in the
-activation quantizer's split-row launch, and then runs the MMA over them, 16 to 64 rows wide (two
-launches, the weight read at its bandwidth at every M: ``DECODE_MAX_M`` takes it up to 64 rows). The other quants run the
-rows kernel, which quantizes the rows (padded to a power of two, repeated to the MMA's 16) in
+activation quantizer's split-row launch, and then runs the MMA over them, 16 to 64 rows wide (the
+weight read at its bandwidth at every M: ``DECODE_MAX_M`` takes it up to 64 rows). In an eager call
+whose grid fits the GPU at once (one program per SM) both run as two phases of one cooperative launch
+with a grid-wide wait between them (``decode_ptpc_kernel``): one launch and one allocation less on
+the host. Graph captures take the two launches (a replay costs the host nothing, and may run on any
+stream beside another, where the wait's counter would be shared). The other quants run the rows
+kernel, which quantizes the rows (padded to a power of two, repeated to the MMA's 16) in
 every program: that costs more than the weight's read, so their rule keeps one row.
 
 The host side keeps, per call shape and device, the launches (``kernels_fused.hopper.launch``: the
@@ -33,6 +37,8 @@ and the device, so a kept launch is only reused where Triton would have picked t
 from __future__ import annotations
 
 import functools
+import os
+import warnings
 
 import torch
 
@@ -90,6 +96,27 @@ WIDE_BLOCK_N = {"ptpc": 64}
 WIDE_BLOCK_K = {"ptpc": 256}
 WIDE_WARPS = {"ptpc": 4}
 WIDE_STAGES = {"ptpc": 4}
+# ptpc's 2..MMA_ROWS_MAX rows in one launch (decode_ptpc_kernel: the quantizer's items as a first
+# phase of the MMA's grid, a grid-wide wait between), in eager calls whose grid is resident at once
+# (at most one program per SM: N <= 64 * SMs) and whose weight is small (below). Its items are few and wide (``one_slices``): about one
+# per program, at most ONE_SLICE_K columns, the row's amax ONE_ROW_BLOCK columns a load; each item is
+# a chain of round trips to memory (the amax's loads, the slice's, its store), so a program that
+# walks four items of four amax loads each (the split quantizer's slicing, 4096-column loads) took
+# 17-21 us more than the two launches at 64 rows on an H200 (docs/decode.md). The bytes do not depend
+# on the slicing.
+ONE_ROW_BLOCK = 16384
+ONE_SLICE_K = 16384
+# ... and whose fp8 weight is at most this many bytes. The one launch saves the host 7-17 us a call
+# and costs the device 0.5-6 us more than the two launches' kernels (the wait, the quantizing phase
+# on N / 64 programs; tune_decode --host-only on one H200, 2026-12-03, docs/decode.md). Calls that
+# read a bigger weight are bound by the device in an eager model (70B down, 235 MB: 60-66 us of
+# device time against ~30-40 us of host time), where the one launch only adds; 8B down (59 MB:
+# 23-28 us device, 25-50 us host) and smaller are bound by the host.
+ONE_LAUNCH_MAX_BYTES = 64 << 20
+# False (``CCO_DECODE_ONE_LAUNCH=0``): ptpc's rows always take the two launches (read per call: a
+# benchmark times both in the same passes; a job whose GPU share refuses cooperative launches may
+# set it, although a refused launch already falls back by itself).
+ONE_LAUNCH = os.environ.get("CCO_DECODE_ONE_LAUNCH", "1") != "0"
 
 
 def rows_max(quant: str) -> int:
@@ -114,7 +141,8 @@ def _kernel(which: str):
     row in one program, quantized there), "mma" (every row in one program, quantized before)."""
     from kernels_fused.hopper import decode_kernels as dk
 
-    return {"row": dk.decode_gemv_kernel, "rows": dk.decode_rows_kernel, "mma": dk.decode_mma_rows_kernel}[which]
+    return {"row": dk.decode_gemv_kernel, "rows": dk.decode_rows_kernel, "mma": dk.decode_mma_rows_kernel,
+            "one": dk.decode_ptpc_kernel}[which]
 
 
 @functools.cache
@@ -155,7 +183,8 @@ def decode_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, quant: 
     (``kernels_fused.hopper.quantize``'s bytes, columns ``K..K_pad`` zero) times the first ``n`` rows
     of the fp8 weight ``w [N_pad, K_pad]`` (row-major, ``cco.quant``'s scales ``w_scale``), rounded to
     bf16, plus ``bias`` (rounded again, as ``out += bias``). One launch (ptpc at 2..``MMA_ROWS_MAX``
-    rows: the quantizer's, then the MMA's); meant for ``M <= DECODE_MAX_M[quant]`` rows (more run,
+    rows where the grid does not fit the GPU at once, or under a graph capture: the quantizer's, then
+    the MMA's); meant for ``M <= DECODE_MAX_M[quant]`` rows (more run,
     slower than the vendor GEMM). Operands are checked by
     :func:`check_operands` once per call shape (the key holds the column stride too)."""
     k = x.shape[-1]
@@ -175,28 +204,61 @@ def decode_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, quant: 
     launch = _LAUNCHES.get(key)
     if launch is None:  # bounded (launch.LAUNCHES_KEPT)
         check_operands(x.view(-1, k) if x.dim() != 2 else x, w, w_scale, quant, n, bias)
-        launch = keep(_LAUNCHES, key, _Launch(m, k, w.shape[1], n, quant, bias is not None))
+        launch = keep(_LAUNCHES, key, _Launch(m, k, w.shape[1], n, quant, bias is not None, key[-1]))
     launch(x, row_stride, w, w_scale, bias, out)
     return out
 
 
 _LAUNCHES: dict = {}
+# Per (device, stream): the grid-wide wait's [count, generation] of ptpc's one-launch calls (int32,
+# zeroed once). Calls on one stream never overlap, calls on two streams never share one; graph
+# captures take the two launches (a graph may be replayed on any stream, beside another).
+_SYNC: dict = {}
+SYNC_KEPT = 64
+
+
+def _sync(device: int) -> torch.Tensor:
+    stream = torch._C._cuda_getCurrentRawStream(device) if device >= 0 else 0
+    sync = _SYNC.get((device, stream))
+    if sync is None:
+        where = torch.device("cuda", device) if device >= 0 else torch.device("cpu")
+        sync = keep(_SYNC, (device, stream), torch.zeros(2, dtype=torch.int32, device=where), SYNC_KEPT)
+    return sync
+
+
+def resident_programs(device: int) -> int:
+    """How many programs of one launch are resident at once for certain: one per SM on a GPU (a kernel
+    that compiles fits one program per SM), one under Triton's interpreter (it runs them in turn)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device >= 0 else 1
+
+
+def one_slices(m: int, k_padded: int, programs: int) -> tuple[int, int]:
+    """``(SLICES, SLICE_K)`` of ``decode_ptpc_kernel``'s quantizing phase: each of the ``m`` rows cut
+    into about ``programs / m`` slices (one item per program), a power of two columns wide, at most
+    ``ONE_SLICE_K``, at least 128."""
+    slice_k = min(max(_pow2(-(-k_padded // max(1, programs // m))), SCALE_BLOCK), ONE_SLICE_K)
+    return -(-k_padded // slice_k), slice_k
+
+
+def _capturing(device: int) -> bool:
+    return device >= 0 and torch._C._cuda_isCurrentStreamCapturing()
 
 
 class _Launch:
     """One call shape's launches: the kernel that takes ``m`` rows (the one-row kernel per row, the
-    rows kernel, or, for ``QUANTIZED_ROWS``, the quantizer's launch then the MMA over its rows), the
-    integer arguments and the constants."""
+    rows kernel, or, for ``QUANTIZED_ROWS``, the quantizer's launch then the MMA over its rows, in
+    one launch where the grid is resident at once), the integer arguments and the constants."""
 
-    __slots__ = ("kernel", "quantize", "q_args", "ints", "consts")
+    __slots__ = ("kernel", "quantize", "q_args", "ints", "consts", "one", "one_args", "where")
 
-    def __init__(self, m: int, k: int, k_padded: int, n: int, quant: str, has_bias: bool):
+    def __init__(self, m: int, k: int, k_padded: int, n: int, quant: str, has_bias: bool, device: int):
         rows = 1 < m <= rows_max(quant)  # every row in one program: the MMA over quantized rows, or the rows kernel
         table_n, table_k, table_warps, table_stages = tables(quant, m)
         block_n = table_n[quant]
         if quant == "blockscale" and SCALE_BLOCK % block_n:  # a program's rows share one weight scale block
             raise ValueError(f"decode_gemm: BLOCK_N={block_n} must divide {SCALE_BLOCK} for blockscale")
-        self.quantize = self.q_args = None
+        self.quantize = self.q_args = self.one = self.one_args = None
+        self.where = torch.device("cuda", device) if device >= 0 else torch.device("cpu")  # the scratch's device
         self.ints = (m, n, k, k_padded)
         if rows:
             step = table_k[quant]
@@ -212,7 +274,14 @@ class _Launch:
                 self.q_args = ((m, m, k, k_padded), (row_block, slice_k, _interpreting()))
                 self.ints = (m, n, k_padded)
                 self.consts = (has_bias, block_n, min(step, k_padded), max(16, _pow2(m)), _interpreting())
-                self.kernel = Kernel(_kernel("mma"), (-(-n // block_n), 1), **options)
+                programs = -(-n // block_n)
+                self.kernel = Kernel(_kernel("mma"), (programs, 1), **options)
+                if programs <= resident_programs(device) and n * k_padded <= ONE_LAUNCH_MAX_BYTES:
+                    slices, slice_k = one_slices(m, k_padded, programs)
+                    self.one_args = ((m, n, k, k_padded), slices,
+                                     (has_bias, block_n, min(step, k_padded), max(16, _pow2(m)),
+                                      min(_pow2(k), ONE_ROW_BLOCK), slice_k, 3, _interpreting()))
+                    self.one = Kernel(_kernel("one"), (programs, 1), launch_cooperative_grid=True, **options)
                 return
             # QUANT, HAS_BIAS, BLOCK_N, BLOCK_K, ROWS, ROW_K, ROUND_IN_FP32: the rows kernel's constexprs
             width = _pow2(m)
@@ -231,14 +300,27 @@ class _Launch:
         scale = w_scale.view(torch.uint8) if w_scale.element_size() == 1 else w_scale
         b = out if bias is None else bias  # an unused pointer where there is no bias
         device = out.get_device()
+        if self.one is not None and ONE_LAUNCH and not _capturing(device):
+            sizes, slices, consts = self.one_args  # (M, N, K, K_PAD), the quantizer's slices a row, the constants
+            scratch = torch.empty(sizes[0] * (sizes[3] + 4), dtype=FP8, device=self.where)  # rows, then scales
+            try:
+                self.one(device, x, scratch, w, scale, b, out, _sync(device), *sizes, row_stride, _TINY, FP8_MAX,
+                         slices, *consts)
+                return
+            except RuntimeError as err:  # a cooperative launch refused (an SM share: MPS, green contexts)
+                if self.one.fast is not None or "cooperative" not in str(err).lower():
+                    raise
+                warnings.warn(f"decode_gemm: ptpc's one-launch decode GEMM was refused ({err}); this call shape "
+                              f"takes two launches from now on", RuntimeWarning, stacklevel=4)
+                self.one = None
         if self.quantize is not None:  # the rows quantized once (new tensors: safe on any stream), then the MMA
             sizes, consts = self.q_args  # (M, M_OUT, K, K_PAD), the quantizer's constants
-            q = torch.empty(sizes[1], sizes[3], dtype=FP8, device=out.device)
-            sa = torch.empty(sizes[1], dtype=torch.float32, device=out.device)
+            q = torch.empty(sizes[1], sizes[3], dtype=FP8, device=self.where)
+            sa = torch.empty(sizes[1], dtype=torch.float32, device=self.where)
             self.quantize(device, x, q, sa, *sizes, row_stride, _TINY, FP8_MAX, *consts)
             self.kernel(device, q, sa, w, scale, b, out, *self.ints, *self.consts)
             return
         self.kernel(device, x, w, scale, b, out, *self.ints, row_stride, scale.stride(0), _TINY, FP8_MAX, *self.consts)
 
 
-__all__ = ["DECODE_MAX_M", "block_k", "check_operands", "decode_gemm", "rows_max", "tables"]
+__all__ = ["DECODE_MAX_M", "block_k", "check_operands", "decode_gemm", "resident_programs", "rows_max", "tables"]

@@ -10,7 +10,7 @@ needs no triton.
 import triton
 import triton.language as tl
 
-from kernels_fused.hopper.quantize_kernels import _div_rn, _to_e4m3
+from kernels_fused.hopper.quantize_kernels import _div_rn, _to_e4m3, quantize_row_slice
 
 
 @triton.jit
@@ -189,13 +189,21 @@ def decode_mma_rows_kernel(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
                            ROUND_IN_FP32: tl.constexpr):
     """ptpc's product for 2..64 rows already quantized (the activation quantizer's e4m3 ``q [M,
-    K_PAD]`` and fp32 row scales ``sa [M]``): program ``n block`` reads ``BLOCK_N`` weight rows once
-    and multiplies them by every row on tensor cores, the weight as the MMA's M side (``w [BLOCK_N,
-    BLOCK_K] @ q.T [BLOCK_K, ROWS]``, ROWS a power of two >= M and >= 16, the MMA's least width; rows
-    past M read as zeros); both scales on the sum, rounded and the bias added as ``decode_gemv_kernel``
-    does. Quantizing in every program instead (``decode_rows_kernel``) costs more than the weight's
-    read from 4 rows on."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    K_PAD]`` and fp32 row scales ``sa [M]``): program ``n block`` takes ``BLOCK_N`` weight rows
+    (:func:`_mma_rows`). Quantizing in every program instead (``decode_rows_kernel``) costs more than
+    the weight's read from 4 rows on."""
+    _mma_rows(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, tl.program_id(0), M, N, K_PAD, HAS_BIAS, BLOCK_N,
+              BLOCK_K, ROWS, ROUND_IN_FP32)
+
+
+@triton.jit
+def _mma_rows(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, block, M, N, K_PAD, HAS_BIAS: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+    """Weight rows ``[block * BLOCK_N, (block + 1) * BLOCK_N)`` read once and multiplied by every
+    quantized row on tensor cores, the weight as the MMA's M side (``w [BLOCK_N, BLOCK_K] @ q.T
+    [BLOCK_K, ROWS]``, ROWS a power of two >= M and >= 16, the MMA's least width; rows past M read as
+    zeros); both scales on the sum, rounded and the bias added as ``decode_gemv_kernel`` does."""
+    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = cols < N
     rows = tl.arange(0, ROWS)
     r_ok = rows < M
@@ -214,3 +222,57 @@ def decode_mma_rows_kernel(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N
         out = _to_bf16(out.to(tl.float32) + tl.load(bias_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)[:, None],
                        ROUND_IN_FP32)
     tl.store(out_ptr + rows[None, :].to(tl.int64) * N + cols[:, None], out, mask=n_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def decode_ptpc_kernel(x_ptr, q_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, sync_ptr, M, N, K, K_PAD, stride_x, tiny,
+                       fp8_max, SLICES, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       ROWS: tl.constexpr, ROW_BLOCK: tl.constexpr, SLICE_K: tl.constexpr, PHASES: tl.constexpr,
+                       ROUND_IN_FP32: tl.constexpr):
+    """ptpc's 2..64 rows in one launch: the quantizer's split-row launch and the MMA over its rows
+    (``decode_mma_rows_kernel``) as two phases of one grid of ``N / BLOCK_N`` programs, with a
+    grid-wide wait between them.
+
+    Phase 1 spreads the quantizer's ``M * SLICES`` items (row, ``SLICE_K`` columns:
+    ``quantize_row_slice``, its bytes) over the programs and writes the e4m3 rows to ``q [M, K_PAD]``,
+    their fp32 scales right after them (``q_ptr + M * K_PAD``, 4-byte aligned: K_PAD is a multiple of
+    128), so the call allocates one scratch. Phase 2 is program ``n block``'s MMA (``_mma_rows``),
+    which reads every program's rows. Between them every program waits for all
+    (:func:`_grid_wait`): the grid must be resident at once, so the host launches it cooperatively
+    (at most one program per SM) and only where the grid fits. ``PHASES``: 3 both phases and the
+    wait; 1 or 2 one phase alone (two launches: what a test runs under Triton's CPU interpreter,
+    which runs programs one after another, so that a wait with more than one program never ends);
+    0 both phases without the wait, the race the wait prevents (``test_cuda_nn`` shows it reads rows
+    not yet written)."""
+    sa_ptr = (q_ptr + M * K_PAD).to(tl.pointer_type(tl.float32), bitcast=True)
+    if PHASES != 2:  # 0, 1, 3
+        gen = tl.atomic_add(sync_ptr + 1, 0, sem="relaxed", scope="gpu")  # this call's generation, read before arriving
+        for item in range(tl.program_id(0), M * SLICES, tl.num_programs(0)):
+            quantize_row_slice(x_ptr, q_ptr, sa_ptr, item // SLICES, item % SLICES, M, M, K, K_PAD, stride_x, tiny,
+                               fp8_max, ROW_BLOCK, SLICE_K, ROUND_IN_FP32)
+        if PHASES == 3:
+            _grid_wait(sync_ptr, gen)
+    if PHASES != 1:
+        _mma_rows(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, tl.program_id(0), M, N, K_PAD, HAS_BIAS, BLOCK_N,
+                  BLOCK_K, ROWS, ROUND_IN_FP32)
+
+
+@triton.jit
+def _grid_wait(sync_ptr, gen):
+    """Return once every program of the grid has called this (a sense-reversing barrier on
+    ``sync [count, generation]``, int32, zero before the first call): each program counts itself in;
+    the last resets the count for the next call on this buffer and advances the generation; every
+    program waits for the generation to pass ``gen`` (read at its start, before any program could have
+    advanced it). The count's acquire-release chain carries every program's stores to the last one,
+    and its release of the generation to every waiter's acquire; ``debug_barrier`` (the program's
+    threads) puts all its threads' stores before its count, and its waiting before any thread's next
+    load. Calls that share a buffer must not overlap (the host keeps one per stream)."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) - 1:
+        tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
+        tl.atomic_add(sync_ptr + 1, 1, sem="release", scope="gpu")
+    seen = gen
+    while seen == gen:
+        seen = tl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()

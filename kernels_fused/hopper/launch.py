@@ -32,10 +32,10 @@ FAST_LAUNCH = os.environ.get("CCO_FAST_LAUNCH", "1") != "0"
 LAUNCHES_KEPT = 1024
 
 
-def keep(launches: dict, key, launch):
-    """``launches[key] = launch`` (returned), ``launches`` first emptied where it holds
-    ``LAUNCHES_KEPT`` shapes: never grown without bound."""
-    if len(launches) >= LAUNCHES_KEPT:
+def keep(launches: dict, key, launch, kept: int | None = None):
+    """``launches[key] = launch`` (returned), ``launches`` first emptied where it holds ``kept``
+    entries (default ``LAUNCHES_KEPT``): never grown without bound."""
+    if len(launches) >= (LAUNCHES_KEPT if kept is None else kept):
         launches.clear()
     launches[key] = launch
     return launch

@@ -63,24 +63,35 @@ def quantize_ptpc_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, K_PAD, stride_x, tiny
 def quantize_ptpc_split_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, K_PAD, stride_x, tiny, fp8_max,
                                ROW_BLOCK: tl.constexpr, SLICE_K: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
     """Per-token as :func:`quantize_ptpc_kernel` (the same bytes), each row split over programs:
-    program ``(m, s)`` takes the amax of the whole row ``m`` (one ``ROW_BLOCK``-wide load when the
-    row fits, the row's other programs read it from L2) and quantizes only columns
-    ``[s * SLICE_K, (s + 1) * SLICE_K)``; program ``(m, 0)`` stores the scale. So a decode-sized
-    call (a few rows of up to 16384 columns) runs on ``M * K_PAD / SLICE_K`` SMs with one round trip
-    to memory per load, instead of one program walking its rows twice in ``BLOCK_K`` steps."""
-    rows = (tl.program_id(0) + tl.arange(0, 1)).to(tl.int64)  # [1]: the shapes of the kernel above
+    program ``(m, s)`` quantizes slice ``s`` of row ``m`` (:func:`quantize_row_slice`). So a
+    decode-sized call (a few rows of up to 16384 columns) runs on ``M * K_PAD / SLICE_K`` SMs with
+    one round trip to memory per load, instead of one program walking its rows twice in ``BLOCK_K``
+    steps."""
+    quantize_row_slice(x_ptr, q_ptr, s_ptr, tl.program_id(0), tl.program_id(1), M, M_OUT, K, K_PAD, stride_x, tiny,
+                       fp8_max, ROW_BLOCK, SLICE_K, ROUND_IN_FP32)
+
+
+@triton.jit
+def quantize_row_slice(x_ptr, q_ptr, s_ptr, row, s, M, M_OUT, K, K_PAD, stride_x, tiny, fp8_max,
+                       ROW_BLOCK: tl.constexpr, SLICE_K: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+    """Columns ``[s * SLICE_K, (s + 1) * SLICE_K)`` of row ``row``, per-token: the amax of the whole
+    row first (``ROW_BLOCK`` columns a load; a row's other slices read it again, from L2), then
+    the slice divided by the row's scale, clamped and rounded; slice 0 stores the scale. Each value's
+    bytes depend on its row's scale only, so any split of a row gives the bytes of
+    :func:`quantize_ptpc_kernel`."""
+    rows = (row + tl.arange(0, 1)).to(tl.int64)  # [1]: the shapes of quantize_ptpc_kernel
     cols = tl.arange(0, ROW_BLOCK)
     amax = tl.zeros((1,), dtype=tl.float32)
     for k0 in range(0, K, ROW_BLOCK):
         x = _load_rows(x_ptr, rows, k0 + cols, M, K, stride_x)
         amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
     scale = _div_rn(tl.maximum(amax, tiny), tl.zeros_like(amax) + fp8_max)
-    mine = tl.program_id(1) * SLICE_K + tl.arange(0, SLICE_K)
+    mine = s * SLICE_K + tl.arange(0, SLICE_K)
     x = _load_rows(x_ptr, rows, mine, M, K, stride_x)
     q = tl.clamp(_div_rn(x, scale[:, None]), -fp8_max, fp8_max)
     mask = (rows[:, None] < M_OUT) & (mine[None, :] < K_PAD)
     tl.store(q_ptr + rows[:, None] * K_PAD + mine[None, :], _to_e4m3(q, ROUND_IN_FP32), mask=mask)
-    if tl.program_id(1) == 0:
+    if s == 0:
         tl.store(s_ptr + rows, scale, mask=rows < M_OUT)
 
 

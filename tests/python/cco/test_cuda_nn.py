@@ -23,7 +23,9 @@ Guards, per check:
   column-parallel layer's local GEMM, a row-parallel layer of one rank), every quant, with a bias,
   N and K padded: within the fp8 GEMM's error budget of the fp32 product of the quantizer's
   operands (``cco.bench.timing.gemm_mismatches``), the bias the layer's ``out += bias``; its compiled-kernel launch gives ``JITFunction.run``'s bytes; the layer's call
-  compiled, and captured in a CUDA graph replayed on new rows, gives the eager bytes.
+  compiled, and captured in a CUDA graph replayed on new rows, gives the eager bytes;
+- ptpc's one-launch decode GEMM (2..64 rows, a grid-wide wait inside) gives the two launches'
+  bytes, and without its wait reads rows not yet written (the race shown, then shown gone).
 """
 
 from __future__ import annotations
@@ -328,6 +330,72 @@ def check_decode(comm, log):
     solo.close()
 
 
+def check_decode_one_launch(comm, log):
+    """ptpc's 2..64 rows in one cooperative launch (``decode_ptpc_kernel``: quantizing phase, grid-wide
+    wait, MMA): the eager layer takes it (the stream's wait counter advances once a call) and gives
+    the two launches' bytes at every M; and the wait is what makes it right: at 8B down's shape (64
+    programs) with the scratch NaN-poisoned, the kernel without the wait (``PHASES=0``) reads rows not
+    yet written in some of its tries, with the wait it equals the two launches in every try."""
+    from cco import quant as Q
+    from cco.nn import ColumnParallelLinear
+    from kernels_fused.hopper import decode as D
+    from kernels_fused.hopper import decode_kernels as dk
+
+    g = torch.Generator().manual_seed(21 + comm.rank)
+    w = (torch.randn(N, K_RANK, generator=g) / K_RANK ** 0.5).to(torch.bfloat16).to(comm.device)
+    layer = ColumnParallelLinear(K_RANK, N, group=comm, quant="ptpc", bias=False, m_max=64)
+    layer.load_weight(w)
+    layer.decode_rows = 64
+    sync = D._sync(torch.cuda.current_device())
+    with torch.no_grad():
+        for m in [m for m in DECODE_MS if m > 1]:
+            x = torch.randn(m, K_RANK, generator=g).to(torch.bfloat16).to(comm.device)
+            gen = int(sync[1])
+            one = layer(x)
+            if int(sync[1]) != gen + 1 or int(sync[0]) != 0:
+                raise AssertionError(f"decode one launch M={m}: the wait counter went {gen} -> {sync.tolist()}: "
+                                     f"the call did not take the one launch")
+            D.ONE_LAUNCH = False
+            try:
+                two = layer(x)
+            finally:
+                D.ONE_LAUNCH = True
+            if int(sync[1]) != gen + 1 or not torch.equal(one, two):
+                raise AssertionError(f"decode one launch M={m}: differs from the two launches")
+    layer.close()
+    # the race: 8B down (N 4096 = 64 programs, K 14336), 64 rows, the scratch poisoned before each try
+    m, n, k = 64, 4096, 14336
+    wq, ws = Q.quantize_b(torch.randn(n, k, generator=g) * 0.02, "ptpc")
+    wq, ws = wq.to(comm.device), ws.to(comm.device)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(comm.device)
+    D.ONE_LAUNCH = False
+    try:
+        want = D.decode_gemm(x, wq, ws, "ptpc", n=n)  # the two launches
+    finally:
+        D.ONE_LAUNCH = True
+    launch = next(lt for key, lt in D._LAUNCHES.items() if key[0] == m and key[1] == k)
+    if launch.one is None:
+        raise AssertionError("decode one launch: 8B down at 64 rows does not take it")
+    sizes, slices, consts = launch.one_args
+    own = torch.zeros(2, dtype=torch.int32, device=comm.device)
+    wrong = 0
+    for tries in range(8):
+        for phases in (0, 3):
+            scratch = torch.full((m * (k + 4),), 0x7F, dtype=torch.uint8, device=comm.device).view(Q.FP8)  # NaN
+            out = torch.empty(m, n, dtype=torch.bfloat16, device=comm.device)
+            dk.decode_ptpc_kernel[(n // consts[1],)](x, scratch, wq, ws, out, out, own, *sizes, k, Q._TINY, Q.FP8_MAX,
+                                                     slices, *consts[:-2], phases, consts[-1], num_warps=4,
+                                                     num_stages=4, launch_cooperative_grid=True)
+            if phases == 3 and not torch.equal(out, want):
+                raise AssertionError(f"decode one launch: with the wait, try {tries} differs from the two launches")
+            wrong += phases == 0 and not torch.equal(out, want)
+    if not wrong:
+        raise AssertionError("decode one launch: without the wait every try was right: this check cannot see a "
+                             "missing wait")
+    log(f"ok decode one launch (ptpc): M {[m for m in DECODE_MS if m > 1]} == two launches, the wait counted; "
+        f"without the wait {wrong} of 8 tries wrong, with it none")
+
+
 def rank_main():
     from cco.comm import Communicator
     from cco.window import ranks_share_a_device
@@ -337,7 +405,8 @@ def rank_main():
     log("the ranks share one GPU (IPC window)" if ranks_share_a_device(comm) else "one GPU per rank")
     checks = [lambda: check_quantizer(comm, log), lambda: check_layers(comm, log),
               lambda: check_compiled_and_graphs(comm, log, None), lambda: check_compiled_and_graphs(comm, log, "dma"),
-              lambda: check_backward(comm, log), lambda: check_decode(comm, log)]
+              lambda: check_backward(comm, log), lambda: check_decode(comm, log),
+              lambda: check_decode_one_launch(comm, log)]
     failures = []
     for check in checks:  # keep going so one run reports every failing check
         try:

@@ -161,3 +161,80 @@ def test_ptpc_rows_quantized_once_or_per_program_give_the_same_product(monkeypat
         assert_within_one_ulp(got, want)
         assert torch.equal(D.decode_gemm(x, wq, ws, "ptpc", n=n, bias=bias), got + bias)
     D._LAUNCHES.clear()
+
+
+@pytest.mark.parametrize("m, n, k, k_padded", [(2, 64, 700, 768), (33, 40, 5000, 5120), (64, 64, 300, 384)],
+                         ids=lambda v: str(v))
+def test_ptpc_one_launch_equals_two_launches(m, n, k, k_padded):
+    """ptpc's 2..64 rows in one launch (``decode_ptpc_kernel``: the quantizer's items, the grid-wide
+    wait, the MMA) where the grid is resident at once: under the interpreter one program (N <= 64),
+    so the whole path runs here, the wait included: the product equal to the two launches' bit for
+    bit, bias as ``out += bias``, and each call one generation of the stream's wait counter, its
+    count back at zero. 5000 columns: more than one slice and amax load per row."""
+    from kernels_fused.hopper import decode as D
+
+    x = activations(m, k, seed=m).flip(1).contiguous()
+    wq, ws = weight(n, k, k_padded, "ptpc")
+    D._LAUNCHES.clear()
+    D._SYNC.clear()
+    got = D.decode_gemm(x, wq, ws, "ptpc", n=n)
+    assert [launch.one is not None for launch in D._LAUNCHES.values()] == [True]
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    assert torch.equal(D.decode_gemm(x, wq, ws, "ptpc", n=n, bias=bias), got + bias)
+    assert D._SYNC[(-1, 0)].tolist() == [0, 2]
+    for launch in D._LAUNCHES.values():
+        launch.one = None  # the two launches
+    assert torch.equal(D.decode_gemm(x, wq, ws, "ptpc", n=n), got)
+    assert D._SYNC[(-1, 0)].tolist() == [0, 2]
+    assert_within_one_ulp(got, two_launches(x, wq, ws, "ptpc", n, k_padded))
+    D._LAUNCHES.clear()
+
+
+def test_ptpc_one_launch_phases_over_many_programs():
+    """The one-launch kernel's two phases as two launches of a grid of several programs (what the
+    interpreter can run: its programs run in turn, so the wait needs one program): phase 1 spreads
+    the quantizer's (row, slice) items over the grid and writes the rows and then their scales in one
+    scratch, phase 2 is the MMA over them. The scratch holds the split quantizer's bytes and the
+    output the two launches' product bit for bit; a grid that is not resident at once takes the two
+    launches in decode_gemm."""
+    from kernels_fused.hopper import decode as D
+    from kernels_fused.hopper import decode_kernels as dk
+    from kernels_fused.hopper.quantize import quantize_activation
+
+    m, n, k, k_padded = 5, 200, 2500, 2560
+    x = activations(m, k, seed=9).flip(1).contiguous()
+    wq, ws = weight(n, k, k_padded, "ptpc")
+    D._LAUNCHES.clear()
+    want = D.decode_gemm(x, wq, ws, "ptpc", n=n)
+    assert [launch.one is None and launch.quantize is not None for launch in D._LAUNCHES.values()] == [True]
+    q, sa = quantize_activation(x, "ptpc", k_padded=k_padded)
+    scratch = torch.full((m * (k_padded + 4),), float("nan"), dtype=Q.FP8)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+    sync = torch.zeros(2, dtype=torch.int32)
+    slice_k = 1024
+    grid = (-(-n // D.WIDE_BLOCK_N["ptpc"]),)
+    for phase in (1, 2):
+        dk.decode_ptpc_kernel[grid](x, scratch, wq, ws, out, out, sync, m, n, k, k_padded, k, Q._TINY, Q.FP8_MAX,
+                                    -(-k_padded // slice_k), False, D.WIDE_BLOCK_N["ptpc"], 256, 16, 1024, slice_k,
+                                    phase, True)
+        if phase == 1:
+            assert torch.equal(scratch[:m * k_padded].view(torch.uint8), q.reshape(-1).view(torch.uint8))
+            assert torch.equal(scratch[m * k_padded:].view(torch.float32), sa)
+    assert torch.equal(out, want)
+    assert sync.tolist() == [0, 0]  # the phases alone never wait
+    D._LAUNCHES.clear()
+
+
+def test_ptpc_one_launch_rule(monkeypatch):
+    """Which ptpc call shapes take the one launch: a grid resident at once (at most
+    ``resident_programs``) and a weight of at most ``ONE_LAUNCH_MAX_BYTES`` (8B down's 59 MB: the
+    host bounds the call; 70B down's 235 MB: the device does, where the one launch only adds). One
+    row and the other quants never do."""
+    from kernels_fused.hopper import decode as D
+
+    monkeypatch.setattr(D, "resident_programs", lambda device: 132)  # an H200's SMs
+    one = lambda m, n, k, quant="ptpc": D._Launch(m, k, k, n, quant, False, -1).one is not None  # noqa: E731
+    assert one(8, 4096, 14336) and one(64, 4096, 4096) and one(2, 6144, 4096)
+    assert not one(8, 8192, 28672)  # 70B down: the device bounds it
+    assert not one(8, 16384, 2048)  # 256 programs: not resident at once
+    assert not one(1, 4096, 14336) and not one(8, 4096, 14336, "blockscale")
