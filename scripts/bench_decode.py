@@ -31,7 +31,9 @@ then the host times are real and the device times are time-sliced) runs the per-
 
 ``--profile``: a cProfile of ``--profile-calls`` eager calls at the first shape, per quant and M:
 the layer (its rule's path), ``nn.Linear``, and once ``torch.ops.cco.row_parallel_linear``; the top
-functions by own time, written beside the JSON (``<json>_profile.txt``: rank 0's, every rank calling).
+functions by own time, written beside the JSON (``<json>_profile.txt``: rank 0's, every rank calling);
+with the model (world 1), also ``--tokens`` eager decode steps per arm at the first batch
+(``<json>_model_profile.txt``, ``profile_model``); ``--model-only`` profiles the model alone.
 ``--jit-arms``: the per-call table's layer and op of each quant also with the kept launches off
 (``slow_launches``), in the same passes: what the kept launches save, at any world.
 """
@@ -316,6 +318,8 @@ def model_runs(args, comm, device) -> list[dict]:
             finally:
                 swapped(model, None)
                 close(made)
+        if built and args.profile and args.json and batch == args.batch[0]:
+            profile_model(model, dec, built, args, os.path.splitext(args.json)[0] + "_model_profile.txt")
         if built:
             timed = time_decode(model, dec, built, args, time_back_to_back)
             for arm, modes in timed.items():
@@ -372,10 +376,7 @@ def time_decode(model, dec, built: dict, args, time_back_to_back) -> dict:
     work per step does not)."""
 
     def eager(model=model, made=None):
-        if made:
-            place(model, made)
-        else:  # bf16: the model's own linears
-            swapped(model, None)
+        put(model, made)
         dec.rewind()
         for _ in range(args.tokens):
             dec.step()
@@ -400,6 +401,47 @@ def time_decode(model, dec, built: dict, args, time_back_to_back) -> dict:
         for arm, r in t.items():
             out[arm]["graph"] = summary(r["wall_pass_us"], args.tokens)
     return out
+
+
+def put(model, made: list) -> None:
+    """One built arm's linears into ``model`` (none: bf16, the model's own)."""
+    if made:
+        place(model, made)
+    else:
+        swapped(model, None)
+
+
+def profile_model(model, dec, built: dict, args, path: str) -> None:
+    """cProfile of ``--tokens`` eager decode steps per built arm (one batch), after a warm step: host
+    us per step under the profiler, then the top functions by own time and the cco layers' entry
+    points by cumulative time, written to ``path``: where an eager step's host time goes by arm."""
+    import cProfile
+    import io
+    import pstats
+
+    with open(path, "a") as f:
+        for arm, (made, _) in built.items():
+            put(model, made)
+            dec.rewind()
+            dec.step()
+            torch.cuda.synchronize()
+            dec.rewind()
+            prof = cProfile.Profile()
+            t0 = time.perf_counter()
+            prof.enable()
+            for _ in range(args.tokens):
+                dec.step()
+            prof.disable()
+            spent = (time.perf_counter() - t0) / args.tokens * 1e6
+            torch.cuda.synchronize()
+            s = io.StringIO()
+            stats = pstats.Stats(prof, stream=s)
+            stats.sort_stats("tottime").print_stats(25)
+            stats.sort_stats("cumulative").print_stats(r"cco/|kernels_fused/", 15)
+            f.write(f"==== batch {dec.batch}, {arm}: {spent:.0f} us/step under the profiler, {args.tokens} steps\n"
+                    f"{s.getvalue()}\n")
+            print(f"profiled batch {dec.batch} {arm}: {spent:.0f} us/step under the profiler", flush=True)
+        swapped(model, None)
 
 
 def summary(pass_us, tokens: int) -> dict:
@@ -685,7 +727,7 @@ def main(argv=None):
             save()
             if args.plot and comm.rank == 0:
                 plot(result["model"]["runs"], args.plot)
-        if args.profile and args.json:  # every rank calls (the layers are collective); rank 0 writes
+        if args.profile and args.json and not args.model_only:  # every rank calls (collective); rank 0 writes
             profile_calls(args, comm, device, os.path.splitext(args.json)[0] + "_profile.txt")
         if not args.model_only and not args.smoke:
             result["per_call"] = []

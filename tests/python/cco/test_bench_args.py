@@ -248,3 +248,32 @@ def test_decode_plots_redraw_from_a_runs_json(tmp_path):
         B.main(["--from", str(tmp_path / "missing.json"), "--plot", str(model)])
     with pytest.raises(SystemExit, match="no model rows"):  # a per-call run has no model to draw
         B.main(["--from", "docs/results/2026-12-03_decode_per_call_wide_h200.json", "--plot", str(model)])
+
+
+def test_decode_model_profile_writes_one_table_per_arm(tmp_path, monkeypatch):
+    """``bench_decode --model-only --profile``: one cProfile table per built arm (its linears put in
+    first), headed by the batch, the arm and the host us per step, appended to the file it names;
+    the model's own linears back in place after it."""
+    from scripts import bench_decode as B
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    put, restored = [], []
+    monkeypatch.setattr(B, "put", lambda model, made: put.append(list(made)))
+    monkeypatch.setattr(B, "swapped", lambda model, make: restored.append(make))
+
+    class Dec:
+        batch, steps = 2, 0
+
+        def rewind(self):
+            pass
+
+        def step(self):
+            self.steps += 1
+            torch.ones(4).sum()
+
+    dec, path = Dec(), tmp_path / "m_model_profile.txt"
+    args = B.parse_args(["--model-only", "--tokens", "3", "--profile"])
+    B.profile_model(None, dec, {"bf16": ([], None), "cco ptpc": (["layer"], None)}, args, str(path))
+    text = path.read_text()
+    assert "==== batch 2, bf16: " in text and "==== batch 2, cco ptpc: " in text and "us/step" in text
+    assert put == [[], ["layer"]] and restored == [None] and dec.steps == 2 * (1 + 3)
