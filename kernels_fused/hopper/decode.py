@@ -21,9 +21,9 @@ Calls of 2..``ROWS_MAX`` rows read the weight once for every row, one program pe
 weight rows on tensor cores. ptpc (``QUANTIZED_ROWS``) quantizes the rows first, in the
 activation quantizer's split-row launch, and then runs the MMA over them, 16 to 64 rows wide (the
 weight read at its bandwidth at every M: ``DECODE_MAX_M`` takes it up to 64 rows). In an eager call
-whose grid fits the GPU at once (one program per SM) both run as two phases of one cooperative launch
-with a grid-wide wait between them (``decode_ptpc_kernel``): one launch and one allocation less on
-the host. Graph captures take the two launches (a replay costs the host nothing, and may run on any
+whose grid fits the GPU at once (one program per SM) and whose weight is at most
+``ONE_LAUNCH_MAX_BYTES`` both run as two phases of one cooperative launch with a grid-wide wait
+between them (``decode_ptpc_kernel``): one launch and one allocation less on the host. Graph captures take the two launches (a replay costs the host nothing, and may run on any
 stream beside another, where the wait's counter would be shared). The other quants run the rows
 kernel, which quantizes the rows (padded to a power of two, repeated to the MMA's 16) in
 every program: that costs more than the weight's read, so their rule keeps one row.
@@ -183,8 +183,8 @@ def decode_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, quant: 
     (``kernels_fused.hopper.quantize``'s bytes, columns ``K..K_pad`` zero) times the first ``n`` rows
     of the fp8 weight ``w [N_pad, K_pad]`` (row-major, ``cco.quant``'s scales ``w_scale``), rounded to
     bf16, plus ``bias`` (rounded again, as ``out += bias``). One launch (ptpc at 2..``MMA_ROWS_MAX``
-    rows where the grid does not fit the GPU at once, or under a graph capture: the quantizer's, then
-    the MMA's); meant for ``M <= DECODE_MAX_M[quant]`` rows (more run,
+    rows two, the quantizer's and the MMA's, where the grid does not fit the GPU at once, the weight
+    is over ``ONE_LAUNCH_MAX_BYTES``, ``ONE_LAUNCH`` is off, or under a graph capture); meant for ``M <= DECODE_MAX_M[quant]`` rows (more run,
     slower than the vendor GEMM). Operands are checked by
     :func:`check_operands` once per call shape (the key holds the column stride too)."""
     k = x.shape[-1]
