@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from cco import quant as Q
+from tests.python.cco.errors import error_of
 
 WORLD = 2
 M_MAX = 64
@@ -71,14 +72,6 @@ def _plans(seq: int):
                 "up": FusedColwiseParallel(input_layouts=s, m_max=M_MAX),
                 "down": FusedRowwiseParallel(output_layouts=s, m_max=M_MAX)}
     return torch_plan, cco_plan
-
-
-def _errors(fn) -> str:
-    try:
-        fn()
-    except Exception as err:  # noqa: BLE001 - the test reads the type and message
-        return f"{type(err).__name__}: {err}"
-    return "no error"
 
 
 def _compare(comm, mesh, shape, seq, *, down_bias=False):
@@ -139,21 +132,21 @@ def _rank_main(comm):
            "batch1": _compare(comm, mesh, (1, 32, H), 1),
            "seq_first": _compare(comm, mesh, (24, H), 0)}
     # refused: at construction (no rank touches the mesh), at apply (global shapes), at the call
-    out["replicated_input"] = _errors(lambda: FusedColwiseParallel())
-    out["feature_scatter"] = _errors(lambda: FusedRowwiseParallel(output_layouts=Shard(-1)))
-    out["not_a_linear"] = _errors(lambda: parallelize_module(torch.nn.LayerNorm(H), mesh,
+    out["replicated_input"] = error_of(lambda: FusedColwiseParallel())
+    out["feature_scatter"] = error_of(lambda: FusedRowwiseParallel(output_layouts=Shard(-1)))
+    out["not_a_linear"] = error_of(lambda: parallelize_module(torch.nn.LayerNorm(H), mesh,
                                                              FusedColwiseParallel(input_layouts=Shard(1))))
-    out["uneven_out"] = _errors(lambda: parallelize_module(torch.nn.Linear(H, 129), mesh,
+    out["uneven_out"] = error_of(lambda: parallelize_module(torch.nn.Linear(H, 129), mesh,
                                                            FusedColwiseParallel(input_layouts=Shard(1))))
     col = parallelize_module(MLPBlock().gate, mesh, FusedColwiseParallel(input_layouts=Shard(1), m_max=M_MAX))
     row = parallelize_module(MLPBlock().down, mesh, FusedRowwiseParallel(output_layouts=Shard(1), m_max=M_MAX))
     odd = torch.randn(2, 15, H).to(torch.bfloat16)
-    out["col_odd_seq"] = _errors(lambda: col(distribute_tensor(odd, mesh, [Shard(1)])))
-    out["row_odd_seq"] = _errors(lambda: row(torch.randn(2, 15, INTER // WORLD).to(torch.bfloat16)))
-    out["row_features"] = _errors(lambda: parallelize_module(
+    out["col_odd_seq"] = error_of(lambda: col(distribute_tensor(odd, mesh, [Shard(1)])))
+    out["row_odd_seq"] = error_of(lambda: row(torch.randn(2, 15, INTER // WORLD).to(torch.bfloat16)))
+    out["row_features"] = error_of(lambda: parallelize_module(
         MLPBlock().down, mesh, FusedRowwiseParallel(output_layouts=Shard(2), m_max=M_MAX))(
             torch.randn(2, 16, INTER // WORLD).to(torch.bfloat16)))
-    out["row_too_many"] = _errors(lambda: row(torch.randn(4, 32, INTER // WORLD).to(torch.bfloat16)))
+    out["row_too_many"] = error_of(lambda: row(torch.randn(4, 32, INTER // WORLD).to(torch.bfloat16)))
     out["in_step_after_errors"] = comm.all_gather_object(comm.rank)
     # the layers still run after the refused calls; a replicated DTensor input is redistributed to Shard(1)
     xr = torch.randn(2, 16, H, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)

@@ -50,6 +50,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from cco.integrations import hf as cco_hf  # noqa: E402
 from cco.integrations.fp8 import Fp8Checkpoint  # noqa: E402
 
+from tests.python.cco.errors import error_of  # noqa: E402
 from tests.python.cco.hf_models import (  # noqa: E402
     CT_FORMATS,
     checkpoint_weight,
@@ -91,14 +92,6 @@ def test_the_plan_of_an_fp8_checkpoint_takes_its_quant_and_names_it(tmp_path):
 
 
 # ---- two ranks ------------------------------------------------------------------------------------
-def _errors(fn) -> str:
-    try:
-        fn()
-    except Exception as err:  # noqa: BLE001 - the test reads the type and message
-        return f"{type(err).__name__}: {err}"
-    return "no error"
-
-
 def _layer_checks(model, names, tensors, rank):
     """Per fused layer: its weight equal to the checkpoint's shard, its product against x @ W.T."""
     out = {}
@@ -145,14 +138,14 @@ def _rank_main(comm, paths):
     out["requantized"] = {"layers": _layer_checks(model, names, tensors, comm.rank)}
     # refused on every rank
     model = load(cco_hf.tp_plan(path, quant="ptpc", m_max=M_MAX))
-    out["other_quant"] = _errors(lambda: cco_hf.fuse(model))
+    out["other_quant"] = error_of(lambda: cco_hf.fuse(model))
     model = AutoModelForCausalLM.from_pretrained(ragged, dtype=torch.bfloat16, distributed_config=DistributedConfig(
         tp_size=WORLD, tp_plan=cco_hf.tp_plan(ragged, m_max=M_MAX)))
-    out["split_cuts_a_block"] = _errors(lambda: cco_hf.fuse(model))
+    out["split_cuts_a_block"] = error_of(lambda: cco_hf.fuse(model))
     # one rank given another checkpoint (its o_proj has the same shape, other values): that rank's
     # check against the weight transformers loaded fails, and the group agrees before any layer is built
     model = load(cco_hf.tp_plan(llama_config(512), quant="blockscale", m_max=M_MAX))
-    out["one_rank_wrong_checkpoint"] = _errors(lambda: cco_hf.fuse(model, checkpoint=path if comm.rank == 0 else ragged))
+    out["one_rank_wrong_checkpoint"] = error_of(lambda: cco_hf.fuse(model, checkpoint=path if comm.rank == 0 else ragged))
     out["in_step_after_errors"] = comm.all_gather_object(comm.rank)
     return out
 
@@ -273,17 +266,17 @@ def _fp8_linear_main(comm, paths):
         out["held"] = {"names": names, "layers": _layer_checks(model, names, tensors, comm.rank)}
         # a checkpoint with the same bytes, other scales: not the weight the modules hold
         model = load(config_plan())
-        out["other_scales"] = _errors(lambda: cco_hf.fuse(model, checkpoint=paths["scaled"]))
+        out["other_scales"] = error_of(lambda: cco_hf.fuse(model, checkpoint=paths["scaled"]))
         # one rank given another checkpoint (its o_proj has the same shape, other values)
         model = load(config_plan())
-        out["one_rank_wrong_checkpoint"] = _errors(
+        out["one_rank_wrong_checkpoint"] = error_of(
             lambda: cco_hf.fuse(model, checkpoint=path if comm.rank == 0 else paths["ragged"]))
         # a plan in another quant than the modules' block scales
         model = load(config_plan(quant="ptpc"))
-        out["other_quant"] = _errors(lambda: cco_hf.fuse(model))
+        out["other_quant"] = error_of(lambda: cco_hf.fuse(model))
         # intermediate 384: transformers splits down_proj's K into 192 columns per rank, cutting a block
         model = load(config_plan(intermediate=384), folder=paths["ragged"])
-        out["split_cuts_a_block"] = _errors(lambda: cco_hf.fuse(model))
+        out["split_cuts_a_block"] = error_of(lambda: cco_hf.fuse(model))
         out["in_step_after_errors"] = comm.all_gather_object(comm.rank)
     return out
 
@@ -387,8 +380,8 @@ def _ct_main(comm, paths):
         out[scheme]["held"] = {"names": names, "layers": _layer_checks(model, names, tensors, comm.rank)}
     # FP8_BLOCK's bf16 block scales are no powers of two: no exact mxfp8 form
     model = load(paths["FP8_BLOCK"], cco_hf.tp_plan(paths["FP8_BLOCK"], quant="mxfp8", m_max=M_MAX))
-    out["other_quant"] = _errors(lambda: cco_hf.fuse(model))
-    out["group128"] = _errors(lambda: cco_hf.tp_plan(paths["GROUP128"], m_max=M_MAX))
+    out["other_quant"] = error_of(lambda: cco_hf.fuse(model))
+    out["group128"] = error_of(lambda: cco_hf.tp_plan(paths["GROUP128"], m_max=M_MAX))
     out["in_step_after_errors"] = comm.all_gather_object(comm.rank)
     return out
 

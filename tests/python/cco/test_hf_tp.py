@@ -30,6 +30,7 @@ transformers = pytest.importorskip("transformers")
 from cco.integrations import hf as cco_hf  # noqa: E402
 from cco.integrations.fused import FusedOptions  # noqa: E402
 from examples.hf_generate import FP8_TOL, save_random_model  # noqa: E402
+from tests.python.cco.errors import error_of  # noqa: E402
 from tests.python.cco.hf_models import emulate_fused, emulated_row_parallel, family_config  # noqa: E402
 
 EXACT_TOL = 1e-2  # rel. L2 against the emulated fused model: bf16 rounding of activations across 2 layers
@@ -112,14 +113,6 @@ FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "deepseek_v2")
 QUANT_OF = {"llama": "ptpc", "qwen2": "blockscale", "qwen3": "ptpc", "mistral": "mxfp8", "deepseek_v2": "ptpc"}
 
 
-def _errors(fn) -> str:
-    try:
-        fn()
-    except Exception as err:  # noqa: BLE001 - the test reads the type and message
-        return f"{type(err).__name__}: {err}"
-    return "no error"
-
-
 @torch.no_grad()
 def _loaded_model_checks(comm, ckpts):
     from transformers import AutoModelForCausalLM, DistributedConfig
@@ -159,13 +152,13 @@ def _loaded_model_checks(comm, ckpts):
     emu = emulate_fused(ref, names, world=WORLD, quant="ptpc")(ids).logits.float()
     logits = whole(ids).logits.float()
     out["in_place"] = {"fused": names, "vs_bf16": Q.rel_l2(logits, ref_logits), "vs_emulated": Q.rel_l2(logits, emu),
-                       "tp_size": whole.tp_size, "again": _errors(lambda: cco_hf.parallelize(whole))}
+                       "tp_size": whole.tp_size, "again": error_of(lambda: cco_hf.parallelize(whole))}
     # refused plans: both ranks raise before any collective, then go on in step
     bad = dict(cco_hf.tp_plan(path, m_max=M_MAX))
     bad["model.norm"] = cco_hf.style_name("rowwise", FusedOptions(m_max=M_MAX))
-    out["plan_names_a_norm"] = _errors(lambda: AutoModelForCausalLM.from_pretrained(
+    out["plan_names_a_norm"] = error_of(lambda: AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.bfloat16, distributed_config=DistributedConfig(tp_size=WORLD, tp_plan=bad)))
-    out["fuse_without_plan"] = _errors(lambda: cco_hf.fuse(ref))
+    out["fuse_without_plan"] = error_of(lambda: cco_hf.fuse(ref))
     out["in_step_after_errors"] = comm.all_gather_object(comm.rank)
     return out
 
@@ -220,9 +213,9 @@ def _dtensor_checks(comm):
     # a replicated plain input (input_layouts=Replicate()): torch slices it, the layer fuses the rest
     row = parallelize_module(block()[2], mesh, FusedRowwiseParallel(m_max=M_MAX, input_layouts=Replicate()))
     out["replicated_in"] = {"vs_emulated": Q.rel_l2(row(h), emu)}
-    out["not_a_linear"] = _errors(lambda: parallelize_module(torch.nn.LayerNorm(128), mesh, FusedRowwiseParallel()))
-    out["uneven"] = _errors(lambda: parallelize_module(torch.nn.Linear(129, 64), mesh, FusedRowwiseParallel()))
-    out["feature_scatter_output"] = _errors(lambda: FusedRowwiseParallel(output_layouts=Shard(-1)))
+    out["not_a_linear"] = error_of(lambda: parallelize_module(torch.nn.LayerNorm(128), mesh, FusedRowwiseParallel()))
+    out["uneven"] = error_of(lambda: parallelize_module(torch.nn.Linear(129, 64), mesh, FusedRowwiseParallel()))
+    out["feature_scatter_output"] = error_of(lambda: FusedRowwiseParallel(output_layouts=Shard(-1)))
     out["in_step_after_errors"] = comm.all_gather_object(comm.rank)
     return out
 
