@@ -238,3 +238,38 @@ def test_ptpc_one_launch_rule(monkeypatch):
     assert not one(8, 8192, 28672)  # 70B down: the device bounds it
     assert not one(8, 16384, 2048)  # 256 programs: not resident at once
     assert not one(1, 4096, 14336) and not one(8, 4096, 14336, "blockscale")
+
+
+def test_ptpc_one_launch_refused_falls_back_to_two():
+    """A cooperative launch the driver refuses on the first call of a shape (a GPU share under MPS
+    or green contexts: "too many blocks in cooperative launch") warns once and takes the two
+    launches from then on, with the same product; any other error of the launch is raised."""
+    from kernels_fused.hopper import decode as D
+
+    m, n, k = 4, 64, 384
+    x = activations(m, k, seed=4)
+    wq, ws = weight(n, k, k, "ptpc")
+    D._LAUNCHES.clear()
+    want = D.decode_gemm(x, wq, ws, "ptpc", n=n)  # the one launch (one program under the interpreter)
+
+    class Refused:
+        fast = None
+
+        def __init__(self, message):
+            self.message = message
+
+        def __call__(self, *args):
+            raise RuntimeError(self.message)
+
+    (launch,) = D._LAUNCHES.values()
+    launch.one = Refused("Triton Error [CUDA]: too many blocks in cooperative launch")
+    with pytest.warns(RuntimeWarning, match="refused"):
+        got = D.decode_gemm(x, wq, ws, "ptpc", n=n)
+    assert launch.one is None and torch.equal(got, want)
+    D._LAUNCHES.clear()
+    D.decode_gemm(x, wq, ws, "ptpc", n=n)
+    (launch,) = D._LAUNCHES.values()
+    launch.one = Refused("Triton Error [CUDA]: an illegal memory access was encountered")
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        D.decode_gemm(x, wq, ws, "ptpc", n=n)
+    D._LAUNCHES.clear()
