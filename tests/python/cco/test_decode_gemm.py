@@ -165,7 +165,7 @@ def test_ptpc_rows_quantized_once_or_per_program_give_the_same_product(monkeypat
 
 @pytest.mark.parametrize("m, n, k, k_padded", [(2, 64, 700, 768), (33, 40, 5000, 5120), (64, 64, 300, 384)],
                          ids=lambda v: str(v))
-def test_ptpc_one_launch_equals_two_launches(m, n, k, k_padded):
+def test_ptpc_one_launch_equals_two_launches(monkeypatch, m, n, k, k_padded):
     """ptpc's 2..64 rows in one launch (``decode_ptpc_kernel``: the quantizer's items, the grid-wide
     wait, the MMA) where the grid is resident at once: under the interpreter one program (N <= 64),
     so the whole path runs here, the wait included: the product equal to the two launches' bit for
@@ -182,8 +182,7 @@ def test_ptpc_one_launch_equals_two_launches(m, n, k, k_padded):
     bias = torch.randn(n, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     assert torch.equal(D.decode_gemm(x, wq, ws, "ptpc", n=n, bias=bias), got + bias)
     assert D._SYNC[(-1, 0)].tolist() == [0, 2]
-    for launch in D._LAUNCHES.values():
-        launch.one = None  # the two launches
+    monkeypatch.setattr(D, "ONE_LAUNCH", False)  # the two launches
     assert torch.equal(D.decode_gemm(x, wq, ws, "ptpc", n=n), got)
     assert D._SYNC[(-1, 0)].tolist() == [0, 2]
     assert_within_one_ulp(got, two_launches(x, wq, ws, "ptpc", n, k_padded))
