@@ -80,6 +80,9 @@ def parse_args(argv=None):
     p.add_argument("--jit-arms", action="store_true",
                    help="per-call table: each quant's layer and op also with the kept launches off (every Triton "
                         "launch through JITFunction.run), eager only, in the same passes")
+    p.add_argument("--python-arms", action="store_true",
+                   help="each cco arm also with the decode GEMM's C++ call path off (kernels_fused.hopper.native: "
+                        "the Python path's kept launches), eager only, in the same passes")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--profile-calls", type=int, default=200)
     p.add_argument("--json")
@@ -322,8 +325,8 @@ def model_runs(args, comm, device) -> list[dict]:
             profile_model(model, dec, built, args, os.path.splitext(args.json)[0] + "_model_profile.txt")
         if built:
             timed = time_decode(model, dec, built, args, time_back_to_back)
-            for arm, modes in timed.items():
-                records[arm]["modes"] = modes
+            for arm, modes in timed.items():  # a Python-path arm gets a record of its own
+                records.setdefault(arm, {"batch": batch, "arm": arm})["modes"] = modes
         for arm, record in records.items():
             print(f"batch {batch} {arm:22s} " + " | ".join(
                 f"{mode} {r['ms_per_token']:.2f} ms/token ({r['min']:.2f}..{r['max']:.2f})"
@@ -381,11 +384,13 @@ def time_decode(model, dec, built: dict, args, time_back_to_back) -> dict:
         for _ in range(args.tokens):
             dec.step()
 
-    t = time_back_to_back({arm: (lambda made=made: eager(made=made)) for arm, (made, _) in built.items()},
-                          calls=1, passes=args.repeats, warmup=1)
+    steps = {arm: (lambda made=made: eager(made=made)) for arm, (made, _) in built.items()}
+    if args.python_arms:
+        steps.update({f"{arm} {PY_ARM}": python_path(steps[arm]) for arm in built if arm.startswith("cco")})
+    t = time_back_to_back(steps, calls=1, passes=args.repeats, warmup=1)
     swapped(model, None)
     out = {}
-    for arm, r in t.items():
+    for arm, r in t.items():  # (a Python-path arm: eager only, under its own name)
         out[arm] = {"eager": summary(r["wall_pass_us"], args.tokens)}
         out[arm]["eager"]["host_ms_per_token"] = statistics.median(r["host_pass_us"]) / 1e3 / args.tokens
 
@@ -482,6 +487,8 @@ def per_call_runs(args, comm, device, *, into: list, after_shape=lambda: None) -
                 if args.jit_arms:
                     for kept in (f"cco {q}", f"cco {q}: op"):
                         arms[f"{kept} {JIT_ARM}"] = slow_launches(arms[kept])
+                if args.python_arms:
+                    arms[f"cco {q} {PY_ARM}"] = python_path(arms[f"cco {q}"])
             record = {"shape": name, "n": n, "k": k, "m": m, "world": world}
             with torch.no_grad():
                 if world == 1:  # the layer's output against the bf16 linear's
@@ -492,8 +499,9 @@ def per_call_runs(args, comm, device, *, into: list, after_shape=lambda: None) -
                 barrier = comm.barrier if world > 1 else None
                 eager = time_back_to_back(arms, calls=args.calls, passes=args.passes, barrier=barrier, gather=gather)
                 record["eager"] = {a: {"host_us": t["host_us"], "wall_us": t["wall_us"]} for a, t in eager.items()}
-                if world == 1:  # (the JITFunction.run arms differ on the host only)
-                    record["graph_us"] = graph_device_us({a: fn for a, fn in arms.items() if JIT_ARM not in a},
+                if world == 1:  # (the JITFunction.run and Python-path arms differ on the host only)
+                    record["graph_us"] = graph_device_us({a: fn for a, fn in arms.items()
+                                                          if JIT_ARM not in a and PY_ARM not in a},
                                                          args, time_arms)
             rows.append(record)
             if comm.rank == 0:
@@ -514,6 +522,14 @@ def per_call_runs(args, comm, device, *, into: list, after_shape=lambda: None) -
 
 
 JIT_ARM = "via JITFunction.run"  # the suffix of --jit-arms' arms
+PY_ARM = "via the Python path"  # the suffix of --python-arms' arms
+
+
+def python_path(fn):
+    """``fn`` with the decode GEMM's C++ call path off for its call (``native.ENABLED``)."""
+    from kernels_fused.hopper import native as NV
+
+    return switched_off(fn, NV, "ENABLED")
 
 
 def slow_launches(fn):
@@ -651,7 +667,7 @@ def plot_per_call(per_call_rows, path: str) -> None:
     rows = [r for r in per_call_rows if "nn.Linear bf16" in r.get("eager", {})]
     shape_names = list(dict.fromkeys(r["shape"] for r in rows))
     quants = list(dict.fromkeys(a[4:] for r in rows for a in r["eager"] if a.startswith("cco ") and ":" not in a
-                                and JIT_ARM not in a))
+                                and JIT_ARM not in a and PY_ARM not in a))
     fig, axes = plt.subplots(2, max(1, len(shape_names)), figsize=(5.5 * max(1, len(shape_names)), 8), squeeze=False)
     for col, shape in enumerate(shape_names):
         mine = sorted((r for r in rows if r["shape"] == shape), key=lambda r: r["m"])
@@ -719,8 +735,11 @@ def main(argv=None):
     with comm:
         if not args.smoke:
             from cco.window import ranks_share_a_device
+            from kernels_fused.hopper import native as NV
             result.update(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                          shared_gpu=ranks_share_a_device(comm) if comm.world > 1 else False)
+                          shared_gpu=ranks_share_a_device(comm) if comm.world > 1 else False,
+                          native=("loaded" if NV.start(wait=600) else f"not loaded: {NV.error()}") if NV.ENABLED
+                          else "off (CCO_DECODE_NATIVE=0)")  # the decode GEMM's C++ call path, before any timing
         if comm.world == 1 and not args.per_call_only:
             result["model"] = {"layers": args.layers, "hidden": args.hidden, "intermediate": args.intermediate,
                                "prompt": args.prompt, "tokens": args.tokens, "runs": model_runs(args, comm, device)}

@@ -30,8 +30,11 @@ every program: that costs more than the weight's read, so their rule keeps one r
 
 The host side keeps, per call shape and device, the launches (``kernels_fused.hopper.launch``: the
 compiled kernel's launcher called directly, most of a Triton launch's host cost saved). The key holds
-everything Triton specializes on (the integer arguments' values, every pointer's 16-byte alignment)
-and the device, so a kept launch is only reused where Triton would have picked the same binary.
+everything Triton specializes on (the integer arguments' values, every pointer's dtype and 16-byte
+alignment) and the device, so a kept launch is only reused where Triton would have picked the same
+binary. Once a call shape has run here, its launches are handed to the C++ table
+(``kernels_fused.hopper.native``), which takes the shape's later eager calls whole (key,
+allocations, launches) in one call from Python; a call it does not take runs here.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import warnings
 import torch
 
 from cco.quant import _TINY, FP8, FP8_MAX, QUANTS, SCALE_BLOCK
+from kernels_fused.hopper import launch as launching, native
 from kernels_fused.hopper.launch import Kernel, keep
 from kernels_fused.hopper.quantize import SPLIT_NUM_WARPS, _interpreting, _pow2, check_rows, split_launch
 
@@ -184,9 +188,23 @@ def decode_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, quant: 
     of the fp8 weight ``w [N_pad, K_pad]`` (row-major, ``cco.quant``'s scales ``w_scale``), rounded to
     bf16, plus ``bias`` (rounded again, as ``out += bias``). One launch (ptpc at 2..``MMA_ROWS_MAX``
     rows two, the quantizer's and the MMA's, where the grid does not fit the GPU at once, the weight
-    is over ``ONE_LAUNCH_MAX_BYTES``, ``ONE_LAUNCH`` is off, or under a graph capture); meant for ``M <= DECODE_MAX_M[quant]`` rows (more run,
-    slower than the vendor GEMM). Operands are checked by
-    :func:`check_operands` once per call shape (the key holds the column stride too)."""
+    is over ``ONE_LAUNCH_MAX_BYTES``, ``ONE_LAUNCH`` is off, or under a graph capture); meant for
+    ``M <= DECODE_MAX_M[quant]`` rows (more run, slower than the vendor GEMM). Operands are checked
+    by :func:`check_operands` once per call shape (the key holds the column stride too); a shape's
+    later calls go through ``native``'s C++ table where it is built."""
+    table = native.TABLE
+    if table is not None and native.ENABLED and launching.FAST_LAUNCH and not launching.launch_hooks():
+        device = x.get_device()
+        if device >= 0:  # the C++ table's call: None where it does not take it (native's module)
+            try:
+                out = table.run(x, w, w_scale, bias, n, _QUANT_CODE.get(quant, -1), ONE_LAUNCH,
+                                torch._C._cuda_getCurrentRawStream(device))
+            except RuntimeError as err:  # its cooperative launch refused: the path below warns and plans anew
+                if "cooperative" not in str(err):
+                    raise
+                out = None
+            if out is not None:
+                return out
     k = x.shape[-1]
     out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16, device=x.device)
     if x.dim() == 2:
@@ -199,14 +217,36 @@ def decode_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, quant: 
     if not m:
         return out
     key = (m, k, x.dtype, row_stride, x.stride(-1), x.data_ptr() % 16, w.shape, w.data_ptr() % 16,
-           w_scale.stride(0), w_scale.data_ptr() % 16, n, quant, None if bias is None else bias.data_ptr() % 16,
+           w_scale.stride(0), w_scale.data_ptr() % 16, n, quant,
+           None if bias is None else (bias.dtype, bias.data_ptr() % 16),
            x.get_device())  # a compiled kernel is loaded on one device: a process may drive several
     launch = _LAUNCHES.get(key)
     if launch is None:  # bounded (launch.LAUNCHES_KEPT)
         check_operands(x.view(-1, k) if x.dim() != 2 else x, w, w_scale, quant, n, bias)
         launch = keep(_LAUNCHES, key, _Launch(m, k, w.shape[1], n, quant, bias is not None, key[-1]))
     launch(x, row_stride, w, w_scale, bias, out)
+    if key[-1] >= 0 and native.ENABLED:
+        _plan(launch, x, row_stride, w, w_scale, bias, n, quant)
     return out
+
+
+def _plan(launch, x, row_stride, w, w_scale, bias, n, quant) -> None:
+    """Hand the C++ table this call shape's launches where they changed since it last had them (a
+    first call, a path's first launch), and start its build at a process's first CUDA call."""
+    table = native.TABLE
+    if table is None:
+        native.start()
+        return
+    compiled = launch.compiled()
+    if launch.planned == compiled:
+        return
+    launch.planned = compiled
+    try:
+        one, two, scratch_one, scratch_two = launch.plan(row_stride, w_scale.stride(0))
+        table.add(x, w, w_scale, bias, n, _QUANT_CODE[quant], one, two, scratch_one, scratch_two,
+                  (launch.one, launch.quantize, launch.kernel))
+    except ValueError as err:  # a launch the table cannot replay (another Triton's ABI): stays here
+        warnings.warn(f"decode_gemm: this call shape stays on the Python path ({err})", RuntimeWarning, stacklevel=3)
 
 
 _LAUNCHES: dict = {}
@@ -217,11 +257,11 @@ _SYNC: dict = {}
 SYNC_KEPT = 64
 
 
-def _sync(device: int) -> torch.Tensor:
+def _sync(device: int, where: torch.device) -> torch.Tensor:
+    """The wait's counter of ``device``'s (its object: ``where``) current stream."""
     stream = torch._C._cuda_getCurrentRawStream(device) if device >= 0 else 0
     sync = _SYNC.get((device, stream))
     if sync is None:
-        where = torch.device("cuda", device) if device >= 0 else torch.device("cpu")
         sync = keep(_SYNC, (device, stream), torch.zeros(2, dtype=torch.int32, device=where), SYNC_KEPT)
     return sync
 
@@ -249,7 +289,7 @@ class _Launch:
     rows kernel, or, for ``QUANTIZED_ROWS``, the quantizer's launch then the MMA over its rows, in
     one launch where the grid is resident at once), the integer arguments and the constants."""
 
-    __slots__ = ("kernel", "quantize", "q_args", "ints", "consts", "one", "one_args", "where")
+    __slots__ = ("kernel", "quantize", "q_args", "ints", "consts", "one", "one_args", "where", "planned")
 
     def __init__(self, m: int, k: int, k_padded: int, n: int, quant: str, has_bias: bool, device: int):
         rows = 1 < m <= rows_max(quant)  # every row in one program: the MMA over quantized rows, or the rows kernel
@@ -257,7 +297,7 @@ class _Launch:
         block_n = table_n[quant]
         if quant == "blockscale" and SCALE_BLOCK % block_n:  # a program's rows share one weight scale block
             raise ValueError(f"decode_gemm: BLOCK_N={block_n} must divide {SCALE_BLOCK} for blockscale")
-        self.quantize = self.q_args = self.one = self.one_args = None
+        self.quantize = self.q_args = self.one = self.one_args = self.planned = None
         self.where = torch.device("cuda", device) if device >= 0 else torch.device("cpu")  # the scratch's device
         self.ints = (m, n, k, k_padded)
         if rows:
@@ -278,9 +318,8 @@ class _Launch:
                 self.kernel = Kernel(_kernel("mma"), (programs, 1), **options)
                 if programs <= resident_programs(device) and n * k_padded <= ONE_LAUNCH_MAX_BYTES:
                     slices, slice_k = one_slices(m, k_padded, programs)
-                    self.one_args = ((m, n, k, k_padded), slices,
-                                     (has_bias, block_n, min(step, k_padded), max(16, _pow2(m)),
-                                      min(_pow2(k), ONE_ROW_BLOCK), slice_k, 3, _interpreting()))
+                    self.one_args = ((m, n, k, k_padded), slices,  # the MMA's HAS_BIAS, BLOCK_N, BLOCK_K, ROWS, then
+                                     (*self.consts[:4], min(_pow2(k), ONE_ROW_BLOCK), slice_k, 3, _interpreting()))
                     self.one = Kernel(_kernel("one"), (programs, 1), launch_cooperative_grid=True, **options)
                 return
             # QUANT, HAS_BIAS, BLOCK_N, BLOCK_K, ROWS, ROW_K, ROUND_IN_FP32: the rows kernel's constexprs
@@ -301,11 +340,9 @@ class _Launch:
         b = out if bias is None else bias  # an unused pointer where there is no bias
         device = out.get_device()
         if self.one is not None and ONE_LAUNCH and not _capturing(device):
-            sizes, slices, consts = self.one_args  # (M, N, K, K_PAD), the quantizer's slices a row, the constants
-            scratch = torch.empty(sizes[0] * (sizes[3] + 4), dtype=FP8, device=self.where)  # rows, then scales
+            scratch = torch.empty(self.scratch_one(), dtype=FP8, device=self.where)  # rows, then scales
             try:
-                self.one(device, x, scratch, w, scale, b, out, _sync(device), *sizes, row_stride, _TINY, FP8_MAX,
-                         slices, *consts)
+                self.one(device, *self._one(x, scratch, w, scale, b, out, _sync(device, self.where), row_stride))
                 return
             except RuntimeError as err:  # a cooperative launch refused (an SM share: MPS, green contexts)
                 if self.one.fast is not None or "cooperative" not in str(err).lower():
@@ -314,13 +351,57 @@ class _Launch:
                               f"takes two launches from now on", RuntimeWarning, stacklevel=4)
                 self.one = None
         if self.quantize is not None:  # the rows quantized once (new tensors: safe on any stream), then the MMA
-            sizes, consts = self.q_args  # (M, M_OUT, K, K_PAD), the quantizer's constants
+            sizes = self.q_args[0]  # (M, M_OUT, K, K_PAD)
             q = torch.empty(sizes[1], sizes[3], dtype=FP8, device=self.where)
             sa = torch.empty(sizes[1], dtype=torch.float32, device=self.where)
-            self.quantize(device, x, q, sa, *sizes, row_stride, _TINY, FP8_MAX, *consts)
-            self.kernel(device, q, sa, w, scale, b, out, *self.ints, *self.consts)
+            self.quantize(device, *self._quantize(x, q, sa, row_stride))
+            self.kernel(device, *self._mma(q, sa, w, scale, b, out))
             return
-        self.kernel(device, x, w, scale, b, out, *self.ints, row_stride, scale.stride(0), _TINY, FP8_MAX, *self.consts)
+        self.kernel(device, *self._row(x, w, scale, b, out, row_stride, scale.stride(0)))
 
+    # The kernels' arguments in their order, from the call's tensors (or native.Pointer roles: plan).
+    def _one(self, x, scratch, w, scale, b, out, sync, row_stride) -> tuple:
+        sizes, slices, consts = self.one_args  # (M, N, K, K_PAD), the quantizer's slices a row, the constants
+        return (x, scratch, w, scale, b, out, sync, *sizes, row_stride, _TINY, FP8_MAX, slices, *consts)
+
+    def _quantize(self, x, q, sa, row_stride) -> tuple:
+        sizes, consts = self.q_args  # (M, M_OUT, K, K_PAD), the quantizer's constants
+        return (x, q, sa, *sizes, row_stride, _TINY, FP8_MAX, *consts)
+
+    def _mma(self, q, sa, w, scale, b, out) -> tuple:
+        return (q, sa, w, scale, b, out, *self.ints, *self.consts)
+
+    def _row(self, x, w, scale, b, out, row_stride, scale_stride) -> tuple:
+        return (x, w, scale, b, out, *self.ints, row_stride, scale_stride, _TINY, FP8_MAX, *self.consts)
+
+    def scratch_one(self) -> int:
+        """Bytes of the one launch's scratch: the e4m3 rows, then their fp32 scales."""
+        sizes = self.one_args[0]
+        return sizes[0] * (sizes[3] + 4)
+
+    def compiled(self) -> tuple:
+        """Which of the launches have compiled kernels (a plan holds those)."""
+        return tuple(k is not None and k.compiled is not None for k in (self.one, self.quantize, self.kernel))
+
+    def plan(self, row_stride: int, scale_stride: int) -> tuple:
+        """This call shape's launches for ``native``'s table: (one, two, scratch bytes of each); a
+        path whose kernels have not launched yet is left empty (its calls run here, then plan)."""
+        from kernels_fused.hopper import native as nv
+
+        P = nv.Pointer
+        x, w, scale, b, out = P(nv.X), P(nv.W), P(nv.SCALE), P(nv.BIAS_OR_OUT), P(nv.OUT)
+        one, two, scratch_two = [], [], 0
+        if self.one is not None and self.one.compiled is not None:
+            one = [nv.describe(self.one, self._one(x, P(nv.SCRATCH), w, scale, b, out, P(nv.SYNC), row_stride))]
+        if self.quantize is not None:
+            sizes = self.q_args[0]
+            q, sa = P(nv.SCRATCH), P(nv.SCRATCH, sizes[1] * sizes[3])  # the scales after the rows (16-byte aligned)
+            if self.quantize.compiled is not None and self.kernel.compiled is not None:
+                two = [nv.describe(self.quantize, self._quantize(x, q, sa, row_stride)),
+                       nv.describe(self.kernel, self._mma(q, sa, w, scale, b, out))]
+                scratch_two = sizes[1] * (sizes[3] + 4)
+        elif self.kernel.compiled is not None:
+            two = [nv.describe(self.kernel, self._row(x, w, scale, b, out, row_stride, scale_stride))]
+        return one, two, self.scratch_one() if one else 0, scratch_two
 
 __all__ = ["DECODE_MAX_M", "block_k", "check_operands", "decode_gemm", "resident_programs", "rows_max", "tables"]

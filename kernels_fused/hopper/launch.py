@@ -43,17 +43,18 @@ def keep(launches: dict, key, launch, kept: int | None = None):
 
 class Kernel:
     """One Triton kernel's launch for one call shape and device: the kernel, its grid and launch
-    options, and after the first launch on the call's device the kept launcher."""
+    options, and after the first launch on the call's device the kept launcher and the compiled
+    kernel it launches (``kernels_fused.hopper.native`` plans its launches from it)."""
 
-    __slots__ = ("fn", "grid", "options", "fast")
+    __slots__ = ("fn", "grid", "options", "fast", "compiled")
 
     def __init__(self, fn, grid, **options):
-        self.fn, self.grid, self.options, self.fast = fn, grid, options, None
+        self.fn, self.grid, self.options, self.fast, self.compiled = fn, grid, options, None, None
 
     def __call__(self, device: int, *args) -> None:
         """Launch on ``device`` (the index of the tensors' device; -1 on the CPU, Triton's
         interpreter) with all of the kernel's arguments in order, its constexprs included."""
-        if self.fast is not None and FAST_LAUNCH and torch._C._cuda_getDevice() == device and not _launch_hooks():
+        if self.fast is not None and FAST_LAUNCH and torch._C._cuda_getDevice() == device and not launch_hooks():
             self.fast(*args)
             return
         if device >= 0 and torch._C._cuda_getDevice() != device:  # load and launch on the tensors' device
@@ -63,6 +64,7 @@ class Kernel:
         compiled = self.fn[self.grid](*args, **self.options)
         if self.fast is None and FAST_LAUNCH and compiled is not None and hasattr(compiled, "packed_metadata"):
             self.fast = _launcher(compiled, (*self.grid, 1, 1)[:3], device)
+            self.compiled = compiled
 
 
 def specialization(args, unspecialized=()) -> tuple:
@@ -111,7 +113,7 @@ def _hook_holder():
         return CompiledKernel
 
 
-def _launch_hooks() -> bool:
+def launch_hooks() -> bool:
     """Whether a Triton launch hook is set (a profiler's): None or an empty hook chain is none."""
     holder = _hook_holder()
     for hook in (getattr(holder, "launch_enter_hook", None), getattr(holder, "launch_exit_hook", None)):
@@ -120,4 +122,4 @@ def _launch_hooks() -> bool:
     return False
 
 
-__all__ = ["FAST_LAUNCH", "LAUNCHES_KEPT", "Kernel", "keep", "specialization"]
+__all__ = ["FAST_LAUNCH", "LAUNCHES_KEPT", "Kernel", "keep", "launch_hooks", "specialization"]

@@ -30,6 +30,8 @@ Guards, per check:
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -340,39 +342,37 @@ def check_decode_one_launch(comm, log):
     from cco.nn import ColumnParallelLinear
     from kernels_fused.hopper import decode as D
     from kernels_fused.hopper import decode_kernels as dk
+    from kernels_fused.hopper import native as NV
+    from scripts.bench_decode import switched_off
 
     g = torch.Generator().manual_seed(21 + comm.rank)
     w = (torch.randn(N, K_RANK, generator=g) / K_RANK ** 0.5).to(torch.bfloat16).to(comm.device)
     layer = ColumnParallelLinear(K_RANK, N, group=comm, quant="ptpc", bias=False, m_max=64)
     layer.load_weight(w)
     layer.decode_rows = 64
-    sync = D._sync(torch.cuda.current_device())
-    with torch.no_grad():
-        for m in [m for m in DECODE_MS if m > 1]:
-            x = torch.randn(m, K_RANK, generator=g).to(torch.bfloat16).to(comm.device)
-            gen = int(sync[1])
-            one = layer(x)
-            if int(sync[1]) != gen + 1 or int(sync[0]) != 0:
-                raise AssertionError(f"decode one launch M={m}: the wait counter went {gen} -> {sync.tolist()}: "
-                                     f"the call did not take the one launch")
-            D.ONE_LAUNCH = False
-            try:
-                two = layer(x)
-            finally:
-                D.ONE_LAUNCH = True
-            if int(sync[1]) != gen + 1 or not torch.equal(one, two):
-                raise AssertionError(f"decode one launch M={m}: differs from the two launches")
+    sync = D._sync(torch.cuda.current_device(), torch.device("cuda", torch.cuda.current_device()))
+    NV.ENABLED = False  # the Python path's one launch (its counter); check_decode_native holds the C++ one to it
+    try:
+        with torch.no_grad():
+            for m in [m for m in DECODE_MS if m > 1]:
+                x = torch.randn(m, K_RANK, generator=g).to(torch.bfloat16).to(comm.device)
+                gen = int(sync[1])
+                one = layer(x)
+                if int(sync[1]) != gen + 1 or int(sync[0]) != 0:
+                    raise AssertionError(f"decode one launch M={m}: the wait counter went {gen} -> {sync.tolist()}: "
+                                         f"the call did not take the one launch")
+                two = switched_off(lambda: layer(x), D, "ONE_LAUNCH")()
+                if int(sync[1]) != gen + 1 or not torch.equal(one, two):
+                    raise AssertionError(f"decode one launch M={m}: differs from the two launches")
+    finally:
+        NV.ENABLED = True
     layer.close()
     # the race: 8B down (N 4096 = 64 programs, K 14336), 64 rows, the scratch poisoned before each try
     m, n, k = 64, 4096, 14336
     wq, ws = Q.quantize_b(torch.randn(n, k, generator=g) * 0.02, "ptpc")
     wq, ws = wq.to(comm.device), ws.to(comm.device)
     x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(comm.device)
-    D.ONE_LAUNCH = False
-    try:
-        want = D.decode_gemm(x, wq, ws, "ptpc", n=n)  # the two launches
-    finally:
-        D.ONE_LAUNCH = True
+    want = switched_off(lambda: D.decode_gemm(x, wq, ws, "ptpc", n=n), D, "ONE_LAUNCH")()  # the two launches
     launch = next(lt for key, lt in D._LAUNCHES.items() if key[0] == m and key[1] == k)
     if launch.one is None:
         raise AssertionError("decode one launch: 8B down at 64 rows does not take it")
@@ -384,8 +384,9 @@ def check_decode_one_launch(comm, log):
             scratch = torch.full((m * (k + 4),), 0x7F, dtype=torch.uint8, device=comm.device).view(Q.FP8)  # NaN
             out = torch.empty(m, n, dtype=torch.bfloat16, device=comm.device)
             dk.decode_ptpc_kernel[(n // consts[1],)](x, scratch, wq, ws, out, out, own, *sizes, k, Q._TINY, Q.FP8_MAX,
-                                                     slices, *consts[:-2], phases, consts[-1], num_warps=4,
-                                                     num_stages=4, launch_cooperative_grid=True)
+                                                     slices, *consts[:-2], phases, consts[-1],
+                                                     num_warps=D.WIDE_WARPS["ptpc"], num_stages=D.WIDE_STAGES["ptpc"],
+                                                     launch_cooperative_grid=True)
             if phases == 3 and not torch.equal(out, want):
                 raise AssertionError(f"decode one launch: with the wait, try {tries} differs from the two launches")
             wrong += phases == 0 and not torch.equal(out, want)
@@ -396,6 +397,83 @@ def check_decode_one_launch(comm, log):
         f"without the wait {wrong} of 8 tries wrong, with it none")
 
 
+def check_decode_native(comm, log):
+    """The decode GEMM's C++ call path (``kernels_fused.hopper.native``) against the Python path it
+    replays, bit for bit: every quant, the one-row, rows and (ptpc) one-launch, two-launch and
+    wide-MMA shapes, with and without a bias, [B, S, K] rows, calls under a graph capture (the
+    two-launch path, planned at its first capture), and the one launch's wait counted once a call.
+    Each compared call is shown to have gone through the table (its count of calls taken)."""
+    from cco import quant as Q
+    from kernels_fused.hopper import decode as D
+    from kernels_fused.hopper import native as NV
+    from scripts.bench_decode import switched_off
+
+    if not NV.start(wait=300):
+        raise AssertionError(f"decode native: the C++ call path was not built: {NV.error()}")
+    table = NV.TABLE
+    g = torch.Generator().manual_seed(31 + comm.rank)
+    stream = torch.cuda.current_stream().cuda_stream
+    cases = 0
+    for quant in Q.QUANTS:
+        for n, k in ((N, K_RANK),):  # check_decode's shape: its kernels are compiled
+            wq, ws = Q.quantize_b(torch.randn(-(-n // 128) * 128, -(-k // 128) * 128, generator=g) * 0.05, quant)
+            wq, ws = wq.to(comm.device), ws.to(comm.device)
+            bias = torch.randn(n, generator=g).to(torch.bfloat16).to(comm.device)
+            for m in DECODE_MS:
+                x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(comm.device)
+                for b in (None, bias):
+                    for one in (True, False):
+                        call = lambda: D.decode_gemm(x, wq, ws, quant, n=n, bias=b)  # noqa: E731
+                        D.ONE_LAUNCH = one
+                        try:
+                            want = switched_off(call, NV, "ENABLED")()
+                            call()  # plans the shape's launches (the Python path, once)
+                            taken = table.taken()
+                            sync = table.sync_for(x, stream)
+                            gen = int(sync[1])
+                            got = call()
+                            shaped = D.decode_gemm(x.view(1, m, k), wq, ws, quant, n=n, bias=b)
+                        finally:
+                            D.ONE_LAUNCH = True
+                        where = f"decode native {quant} N={n} K={k} M={m} bias={b is not None} one={one}"
+                        if table.taken() != taken + 2:
+                            raise AssertionError(f"{where}: the calls did not go through the C++ table "
+                                                 f"({table.taken() - taken} of 2)")
+                        if not torch.equal(got, want) or not torch.equal(shaped, want.view(1, m, n)):
+                            raise AssertionError(f"{where}: differs from the Python path")
+                        one_launch = one and 1 < m and quant in D.QUANTIZED_ROWS and n * wq.shape[1] <= \
+                            D.ONE_LAUNCH_MAX_BYTES
+                        if int(sync[1]) - gen != (2 if one_launch else 0):
+                            raise AssertionError(f"{where}: the wait counter advanced {int(sync[1]) - gen} times "
+                                                 f"in two calls")
+                        cases += 1
+                # graph captures: the two launches (planned by the one=False calls above) through the table
+                static_x = x.clone()
+                want = switched_off(lambda: switched_off(lambda: D.decode_gemm(static_x, wq, ws, quant, n=n),
+                                                         NV, "ENABLED")(), D, "ONE_LAUNCH")()
+                for capture in range(2):
+                    taken = table.taken()
+                    side = torch.cuda.Stream()
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        D.decode_gemm(static_x, wq, ws, quant, n=n)
+                    torch.cuda.current_stream().wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        static_out = D.decode_gemm(static_x, wq, ws, quant, n=n)
+                    static_out.fill_(float("nan"))
+                    graph.replay()
+                    torch.cuda.synchronize()
+                    if not torch.equal(static_out, want):
+                        raise AssertionError(f"decode native {quant} N={n} K={k} M={m}: capture {capture}'s replay "
+                                             f"differs from the Python path's two launches")
+                    if table.taken() != taken + 2:
+                        raise AssertionError(f"decode native {quant} N={n} K={k} M={m}: capture {capture}'s calls "
+                                             f"did not go through the C++ table ({table.taken() - taken} of 2)")
+    log(f"ok decode native: {cases} calls == the Python path through the C++ table (every quant, bias or not, "
+        f"one launch or two, [B, S, K]), graph captures through it")
+
+
 def rank_main():
     from cco.comm import Communicator
     from cco.window import ranks_share_a_device
@@ -403,10 +481,16 @@ def rank_main():
     comm = Communicator.from_env()
     log = (lambda *a: print(*a, flush=True)) if comm.rank == 0 else (lambda *a: None)
     log("the ranks share one GPU (IPC window)" if ranks_share_a_device(comm) else "one GPU per rank")
+    from kernels_fused.hopper import native
+    # the decode checks below run through the C++ call path where it builds (check_decode_native
+    # fails where it does not), not through whichever path a background build reached by then
+    start = time.monotonic()
+    log(f"decode C++ call path: {'loaded' if native.start(wait=300) else native.error()} "
+        f"({time.monotonic() - start:.0f} s)")
     checks = [lambda: check_quantizer(comm, log), lambda: check_layers(comm, log),
               lambda: check_compiled_and_graphs(comm, log, None), lambda: check_compiled_and_graphs(comm, log, "dma"),
               lambda: check_backward(comm, log), lambda: check_decode(comm, log),
-              lambda: check_decode_one_launch(comm, log)]
+              lambda: check_decode_one_launch(comm, log), lambda: check_decode_native(comm, log)]
     failures = []
     for check in checks:  # keep going so one run reports every failing check
         try:

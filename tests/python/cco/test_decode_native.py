@@ -1,0 +1,202 @@
+"""The decode GEMM's C++ call path (``kernels_fused.hopper.native``) on the host: what can be shown
+without a GPU. On the GPU ``test_cuda_nn.py::check_decode_native`` holds every call it takes to the
+Python path's bytes (and each plan is checked there against the driver's own count and sizes of the
+kernel's parameters).
+
+Here: a plan replays the Python path's call (every pointer argument is the role of the tensor the
+call passed, at its byte offset; every integer and float is the call's value, in the bits and width
+the kernel's signature says; constexprs left out; Triton's two scratch pointers last), for each of
+the decode GEMM's launch paths; the description refuses what the table cannot replay; and the
+extension builds with torch's CPU headers alone and refuses a plan where there is no driver.
+"""
+
+from __future__ import annotations
+
+import inspect
+import struct
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from cco import quant as Q
+
+triton = pytest.importorskip("triton")
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from kernels_fused.hopper import decode as D  # noqa: E402
+from kernels_fused.hopper import launch as L  # noqa: E402
+from kernels_fused.hopper import native as NV  # noqa: E402
+from tests.python.cco.test_activation_quant import activations  # noqa: E402
+from tests.python.cco.test_decode_gemm import weight  # noqa: E402
+
+INTERPRETED = isinstance(triton.language.standard.zeros, InterpretedFunction)
+
+
+def fake_compiled(kernel, args, **meta):
+    """What Triton's compiled kernel tells the plan, for ``kernel``'s JIT function called with
+    ``args``: the signature (constexprs as "constexpr", tensors as pointers, ints i32, floats fp32)
+    and the launch metadata."""
+    params = inspect.signature(kernel.fn.fn).parameters.values()  # the kernel's Python function
+    signature = {}
+    for p, a in zip(params, args):
+        if p.annotation in (triton.language.constexpr, "tl.constexpr"):
+            signature[p.name] = "constexpr"
+        elif isinstance(a, torch.Tensor):
+            signature[p.name] = "*fp8e4nv"
+        elif isinstance(a, float):
+            signature[p.name] = "fp32"
+        else:
+            signature[p.name] = "i32"
+    metadata = dict(global_scratch_size=0, profile_scratch_size=0, num_ctas=1, launch_pdl=False,
+                    num_warps=kernel.options.get("num_warps", 4), shared=1024,
+                    launch_cooperative_grid=kernel.options.get("launch_cooperative_grid", False))
+    metadata.update(meta)
+    return SimpleNamespace(function=0x1234, src=SimpleNamespace(signature=signature),
+                           metadata=SimpleNamespace(**metadata))
+
+
+def recorded_calls(monkeypatch):
+    """Each kernel launch of the decode path as ``(kernel, args)``, still launched."""
+    calls = []
+    real = L.Kernel.__call__
+
+    def record(self, device, *args):
+        calls.append((self, args))
+        return real(self, device, *args)
+
+    monkeypatch.setattr(L.Kernel, "__call__", record)
+    return calls
+
+
+def roles_of(args, *, x, w, w_scale, bias, out, scratch_role):
+    """The (kind, value, offset) the table must pass for each argument of a Python-path launch."""
+    want = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if a is x:
+                want.append((NV.POINTER, NV.X, 0))
+            elif a.data_ptr() == w.data_ptr():
+                want.append((NV.POINTER, NV.W, 0))
+            elif a.data_ptr() == w_scale.data_ptr():
+                want.append((NV.POINTER, NV.SCALE, 0))
+            elif a is out:  # without a bias the call passes out twice: first as the unused bias pointer
+                first = (NV.POINTER, NV.BIAS_OR_OUT, 0) not in want
+                want.append((NV.POINTER, NV.BIAS_OR_OUT if bias is None and first else NV.OUT, 0))
+            elif bias is not None and a is bias:
+                want.append((NV.POINTER, NV.BIAS_OR_OUT, 0))
+            else:  # the call's own allocations: its scratch (rows, scales) or the wait's counter
+                want.append(scratch_role(a))
+        elif isinstance(a, float):
+            want.append((NV.BITS32, struct.unpack("<I", struct.pack("<f", a))[0], 0))
+        else:
+            want.append((NV.BITS32, a & 0xFFFFFFFF, 0))
+    return want
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the decode path runs under Triton's interpreter here only without a GPU")
+@pytest.mark.parametrize("quant, m, one", [("ptpc", 1, False), ("ptpc", 5, True), ("ptpc", 5, False),
+                                           ("ptpc", 33, True), ("blockscale", 3, False), ("mxfp8", 1, False)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_plan_replays_the_python_call(monkeypatch, quant, m, one, with_bias):
+    """Per launch path, the plan's parameters are the Python path's arguments as the table passes
+    them: each tensor by its role (the scratch's rows at 0, their scales after ``M * K_PAD``), each
+    number in its signature's bits, constexprs left out, two null scratch pointers last."""
+    n, k = 64, 300  # one program of ptpc's MMA: the interpreter runs programs in turn, so one waits for no other
+    k_padded = 384
+    x = activations(m, k, seed=7)
+    wq, ws = weight(n, k, k_padded, quant)
+    bias = torch.randn(n).to(torch.bfloat16) if with_bias else None
+    monkeypatch.setattr(D, "ONE_LAUNCH", one)
+    D._LAUNCHES.clear()
+    calls = recorded_calls(monkeypatch)
+    out = D.decode_gemm(x, wq, ws, quant, n=n, bias=bias)
+    (launch,) = D._LAUNCHES.values()
+    assert (launch.one is not None) == (quant == "ptpc" and m > 1)  # the interpreter's one program is resident
+    for kernel, args in calls:
+        kernel.compiled = fake_compiled(kernel, args)
+    rows_bytes = m * k_padded
+    scratch = {}
+
+    def scratch_role(t):  # the first new tensor is the rows (offset 0), the next the scales
+        if t.dtype == torch.int32:
+            return (NV.POINTER, NV.SYNC, 0)
+        offset = scratch.setdefault(t.data_ptr(), 0 if not scratch else rows_bytes)
+        return (NV.POINTER, NV.SCRATCH, offset)
+
+    planned_one, planned_two, scratch_one, scratch_two = launch.plan(x.stride(0), ws.stride(0))
+    planned = planned_one if one and launch.one is not None else planned_two
+    assert len(planned) == len(calls) and planned
+    for (kernel, args), described in zip(calls, planned):
+        function, grid, threads, shared, cooperative, params = described
+        keep = [a for a, p in zip(args, kernel.compiled.src.signature.values()) if p != "constexpr"]
+        assert params[:-2] == roles_of(keep, x=x, w=wq, w_scale=ws, bias=bias, out=out, scratch_role=scratch_role)
+        assert params[-2:] == [(NV.POINTER, NV.NULL, 0)] * 2
+        assert grid == (*kernel.grid, 1, 1)[:3] and threads == 32 * kernel.options["num_warps"]
+        assert (function, shared) == (0x1234, 1024) and cooperative == kernel.options.get("launch_cooperative_grid",
+                                                                                          False)
+    if one and launch.one is not None:
+        assert scratch_one == m * (k_padded + 4) and planned_two == []  # the two launches have not run yet
+    elif launch.quantize is not None:
+        assert scratch_two == m * (k_padded + 4)
+    else:
+        assert scratch_two == 0
+    D._LAUNCHES.clear()
+
+
+def test_describe_refuses_what_the_table_cannot_replay():
+    """A kernel that has not launched, one that needs Triton's scratch, a signature that does not
+    match the arguments, an argument type the table has no width for: ValueError (the call shape
+    stays on the Python path); a plain one is described with i64 and fp32 in their bits."""
+    kernel = L.Kernel(None, (3,), num_warps=8)
+    with pytest.raises(ValueError, match="not launched"):
+        NV.describe(kernel, ())
+    meta = dict(global_scratch_size=0, profile_scratch_size=0, num_ctas=1, launch_pdl=False, num_warps=8, shared=0,
+                launch_cooperative_grid=True)
+    sig = {"p": "*bf16", "n": "i64", "f": "fp32", "C": "constexpr"}
+    kernel.compiled = SimpleNamespace(function=7, src=SimpleNamespace(signature=sig), metadata=SimpleNamespace(**meta))
+    assert NV.describe(kernel, (NV.Pointer(NV.OUT, 16), 2**40, 1.5, 64)) == (
+        7, (3, 1, 1), 256, 0, True,
+        [(NV.POINTER, NV.OUT, 16), (NV.BITS64, 2**40, 0), (NV.BITS32, 0x3FC00000, 0), (NV.POINTER, NV.NULL, 0),
+         (NV.POINTER, NV.NULL, 0)])
+    with pytest.raises(ValueError, match="arguments"):
+        NV.describe(kernel, (NV.Pointer(NV.OUT),))
+    kernel.compiled.src.signature = {"p": "*bf16", "n": "fp16", "f": "fp32", "C": "constexpr"}
+    with pytest.raises(ValueError, match="fp16"):
+        NV.describe(kernel, (NV.Pointer(NV.OUT), 2, 1.5, 64))
+    kernel.compiled.src.signature = sig
+    kernel.compiled.metadata.global_scratch_size = 128
+    with pytest.raises(ValueError, match="scratch"):
+        NV.describe(kernel, (NV.Pointer(NV.OUT), 2, 1.5, 64))
+
+
+@pytest.fixture(scope="module")
+def extension():
+    """The extension, built as a job's first CUDA decode call builds it (a separate process)."""
+    if not NV.ENABLED:
+        pytest.fail("CCO_DECODE_NATIVE=0 is set: this module tests the C++ call path")
+    assert NV.start(wait=900), f"the C++ call path did not build: {NV.error()}"
+    return NV.TABLE
+
+
+def test_extension_builds_and_takes_no_host_call(extension):
+    """The extension builds with torch's headers alone (no CUDA toolkit); its table takes no call
+    whose x is not on a GPU (None: the Python path runs) and counts none."""
+    x, wq, ws = activations(2, 256, seed=1), *weight(16, 256, 256, "ptpc")
+    assert extension.run(x, wq, ws, None, 16, 0, True, 0) is None
+    assert extension.taken() == 0 and extension.size() == 0
+
+
+def test_extension_refuses_host_calls_and_unchecked_plans(extension):
+    """A plan for a call whose x is not on a GPU is refused (ValueError, nothing kept); without
+    libcuda (this machine: no GPU) no plan can be checked against its kernel's parameters, so the
+    check raises and says why."""
+    module = NV.build()
+    launch = (0x1234, (1, 1, 1), 128, 0, False, [(NV.POINTER, NV.X, 0), (NV.POINTER, NV.NULL, 0)])
+    x, wq, ws = activations(2, 256, seed=1), *weight(16, 256, 256, "ptpc")
+    with pytest.raises(ValueError, match="cannot be planned"):
+        extension.add(x, wq, ws, None, 16, 0, [launch], [], 0, 0, None)
+    assert extension.size() == 0
+    if module.driver_missing():  # (where there is a driver, the GPU suite checks every plan against it)
+        with pytest.raises(RuntimeError, match="libcuda"):
+            module.Table.param_sizes(0x1234)
