@@ -168,14 +168,14 @@ class _ParallelLinear(torch.nn.Module):
                                         chunks=chunks, deadline_s=deadline_s, fn=self._FN)
         self._handle = library.register(self)
         self._closed = False
-        # calls of up to ``decode_rows`` rows run the decode GEMM, one launch (0: none); the rule's
-        # default per quant (kernels_fused.hopper.decode.DECODE_MAX_M), or set by the caller where
+        # calls of up to ``decode_rows`` rows run the decode GEMM (0: none); the rule's default per
+        # quant and K (kernels_fused.hopper.decode.decode_max_m), or set by the caller where
         # decode_gemm_for offers the kernel. Bound once: an import per call costs a microsecond.
         self._decode_gemm = decode_gemm_for(self)
         self.decode_rows = 0
         if self._decode_gemm is not None:
-            from kernels_fused.hopper.decode import DECODE_MAX_M
-            self.decode_rows = min(DECODE_MAX_M[quant], m_max)
+            from kernels_fused.hopper.decode import decode_max_m
+            self.decode_rows = min(decode_max_m(quant, self.k_padded), m_max)
 
     @property
     def decode_rows(self) -> int:

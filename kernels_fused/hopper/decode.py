@@ -24,9 +24,13 @@ weight read at its bandwidth at every M: ``DECODE_MAX_M`` takes it up to 64 rows
 whose grid fits the GPU at once (one program per SM) and whose weight is at most
 ``ONE_LAUNCH_MAX_BYTES`` both run as two phases of one cooperative launch with a grid-wide wait
 between them (``decode_ptpc_kernel``): one launch and one allocation less on the host. Graph captures take the two launches (a replay costs the host nothing, and may run on any
-stream beside another, where the wait's counter would be shared). The other quants run the rows
-kernel, which quantizes the rows (padded to a power of two, repeated to the MMA's 16) in
-every program: that costs more than the weight's read, so their rule keeps one row.
+stream beside another, where the wait's counter would be shared). blockscale's rows (``VENDOR_ROWS``,
+at a K that cuBLAS takes) are the layer's own two launches, the quantizer's into rows padded to
+cuBLAS's multiple of 4 and cuBLAS's blockwise GEMM: here only so that the C++ table takes the call
+whole, which saves its host time and not its device time. The rows kernel, which quantizes the
+rows (padded to a power of two, repeated to the MMA's 16) in every program, takes the rest: that
+costs more than the weight's read, so mxfp8's rule (and blockscale's at a K cuBLAS refuses) keeps
+one row.
 
 The host side keeps, per call shape and device, the launches (``kernels_fused.hopper.launch``: the
 compiled kernel's launcher called directly, most of a Triton launch's host cost saved). The key holds
@@ -46,9 +50,10 @@ import warnings
 import torch
 
 from cco.quant import _TINY, FP8, FP8_MAX, QUANTS, SCALE_BLOCK
-from kernels_fused.hopper import launch as launching, native
+from kernels_fused.hopper import launch as launching, native, vendor
 from kernels_fused.hopper.launch import Kernel, keep
-from kernels_fused.hopper.quantize import SPLIT_NUM_WARPS, _interpreting, _pow2, check_rows, split_launch
+from kernels_fused.hopper.quantize import (SPLIT_NUM_WARPS, _interpreting, _pow2, check_rows, launch_for,
+                                           split_launch)
 
 # Calls of at most this many rows take the decode GEMM (the layers' rule, cco.nn.parallel_linear);
 # more rows go to the quantizer + vendor GEMM. scripts/tune_decode.py on one H200 (2026-12-03,
@@ -67,7 +72,8 @@ from kernels_fused.hopper.quantize import SPLIT_NUM_WARPS, _interpreting, _pow2,
 # at M = 16..64 24.5-28.8 / 7.2-9.3 / 63.5-68.3 us against the two launches' 39.1-42.1 / 14.4-14.8 /
 # 76.6-83.0 (0.72-0.79x / 0.73-1.00x / 0.52-0.54x of bf16), the layer's eager call 41-54 us of host
 # time against 78-96: so ptpc up to 64 rows (MMA_ROWS_MAX).
-DECODE_MAX_M = {"ptpc": 64, "blockscale": 1, "mxfp8": 1}
+# blockscale takes 2..64 rows too, through VENDOR_ROWS below (where cuBLAS takes the K: decode_max_m).
+DECODE_MAX_M = {"ptpc": 64, "blockscale": 64, "mxfp8": 1}
 # Per quant, the best M = 1 config of that run: BLOCK_N output features per program (one program per
 # BLOCK_N and row: no split of K, so no second pass); BLOCK_K columns per step, in groups of the
 # format's scale group (GROUP); warps. ROW_K: ptpc's amax load.
@@ -117,10 +123,36 @@ ONE_SLICE_K = 16384
 # device time against ~30-40 us of host time), where the one launch only adds; 8B down (59 MB:
 # 23-28 us device, 25-50 us host) and smaller are bound by the host.
 ONE_LAUNCH_MAX_BYTES = 64 << 20
+# Quants whose calls of 2+ rows take the activation quantizer's launch into rows padded to cuBLAS's
+# multiple (vendor.BLOCKWISE_ROW_MULTIPLE) and cuBLAS's GEMM: the launches the layer's general path
+# runs, bit for bit, without its Python around them, so that the C++ table takes the call whole.
+# blockscale's own MMA over quantized rows was 1.1-1.9x slower than cuBLAS's blockwise GEMM on the
+# device (docs/decode.md); its rows kernel 1.4-4.9x. mxfp8 is not here: on Hopper its vendor GEMM is
+# bf16 over a bf16 copy of the weight, which the decode GEMM is not given.
+VENDOR_ROWS = {"blockscale"}
 # False (``CCO_DECODE_ONE_LAUNCH=0``): ptpc's rows always take the two launches (read per call: a
 # benchmark times both in the same passes; a job whose GPU share refuses cooperative launches may
 # set it, although a refused launch already falls back by itself).
 ONE_LAUNCH = os.environ.get("CCO_DECODE_ONE_LAUNCH", "1") != "0"
+
+
+def decode_max_m(quant: str, k_padded: int) -> int:
+    """The layers' rule: calls of at most this many rows of ``quant`` over a weight of ``k_padded``
+    columns take the decode GEMM. A ``VENDOR_ROWS`` quant whose K cuBLAS does not take
+    (``vendor.takes_rows``) keeps one row: its rows would run the rows kernel."""
+    if quant in VENDOR_ROWS and not vendor.takes_rows(quant, vendor.BLOCKWISE_ROW_MULTIPLE, k_padded):
+        return 1
+    return DECODE_MAX_M[quant]
+
+
+def vendor_rows(quant: str, m: int, k_padded: int, device: int) -> int:
+    """Rows the quantizer writes for a call of ``m`` rows on ``device`` that takes cuBLAS
+    (``VENDOR_ROWS``): ``m`` padded with zero rows to cuBLAS's multiple; 0 where the call takes a
+    decode kernel (on the CPU too: Triton's interpreter, no cuBLAS)."""
+    if quant not in VENDOR_ROWS or m < 2 or device < 0:
+        return 0
+    rows = -(-m // vendor.BLOCKWISE_ROW_MULTIPLE) * vendor.BLOCKWISE_ROW_MULTIPLE
+    return rows if vendor.takes_rows(quant, rows, k_padded) else 0
 
 
 def rows_max(quant: str) -> int:
@@ -188,8 +220,9 @@ def decode_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, quant: 
     of the fp8 weight ``w [N_pad, K_pad]`` (row-major, ``cco.quant``'s scales ``w_scale``), rounded to
     bf16, plus ``bias`` (rounded again, as ``out += bias``). One launch (ptpc at 2..``MMA_ROWS_MAX``
     rows two, the quantizer's and the MMA's, where the grid does not fit the GPU at once, the weight
-    is over ``ONE_LAUNCH_MAX_BYTES``, ``ONE_LAUNCH`` is off, or under a graph capture); meant for
-    ``M <= DECODE_MAX_M[quant]`` rows (more run, slower than the vendor GEMM). Operands are checked
+    is over ``ONE_LAUNCH_MAX_BYTES``, ``ONE_LAUNCH`` is off, or under a graph capture; blockscale at
+    2+ rows the quantizer's and cuBLAS's, ``VENDOR_ROWS``); meant for ``M <= decode_max_m(quant,
+    K_pad)`` rows (more run, slower than the vendor GEMM). Operands are checked
     by :func:`check_operands` once per call shape (the key holds the column stride too); a shape's
     later calls go through ``native``'s C++ table where it is built."""
     table = native.TABLE
@@ -243,7 +276,7 @@ def _plan(launch, x, row_stride, w, w_scale, bias, n, quant) -> None:
     launch.planned = compiled
     try:
         one, two, scratch_one, scratch_two = launch.plan(row_stride, w_scale.stride(0))
-        table.add(x, w, w_scale, bias, n, _QUANT_CODE[quant], one, two, scratch_one, scratch_two,
+        table.add(x, w, w_scale, bias, n, _QUANT_CODE[quant], one, two, scratch_one, scratch_two, launch.vendor,
                   (launch.one, launch.quantize, launch.kernel))
     except ValueError as err:  # a launch the table cannot replay (another Triton's ABI): stays here
         warnings.warn(f"decode_gemm: this call shape stays on the Python path ({err})", RuntimeWarning, stacklevel=3)
@@ -284,12 +317,31 @@ def _capturing(device: int) -> bool:
     return device >= 0 and torch._C._cuda_isCurrentStreamCapturing()
 
 
+def rows_and_scales(rows: int, k_padded: int) -> int:
+    """Bytes of ptpc's quantized rows in one scratch: the e4m3 rows, then their fp32 scales (16-byte
+    aligned: ``k_padded`` is a multiple of 128)."""
+    return rows * (k_padded + 4)
+
+
+def vendor_gemm(q, sa, w, w_scale, bias, out, m: int, n: int) -> None:
+    """``out [..., n] = (q @ dequant(w).T)[:m, :n] (+ bias)`` by cuBLAS's blockwise GEMM, as the layer's
+    general path computes it (``vendor.bound_gemm``, then ``out += bias``); the C++ table makes the
+    same calls (``csrc/decode_calls.cpp``, ``vendor_gemm``)."""
+    rows = out.view(m, n)
+    if q.shape[0] == m and w.shape[0] == n:
+        torch._scaled_mm(q, w.t(), scale_a=sa, scale_b=w_scale.t(), out_dtype=torch.bfloat16, out=rows)
+    else:  # zero rows padded for cuBLAS, or the weight's padded features: the call's share copied out
+        rows.copy_(torch._scaled_mm(q, w.t(), scale_a=sa, scale_b=w_scale.t(), out_dtype=torch.bfloat16)[:m, :n])
+    if bias is not None:
+        out += bias
+
+
 class _Launch:
     """One call shape's launches: the kernel that takes ``m`` rows (the one-row kernel per row, the
     rows kernel, or, for ``QUANTIZED_ROWS``, the quantizer's launch then the MMA over its rows, in
     one launch where the grid is resident at once), the integer arguments and the constants."""
 
-    __slots__ = ("kernel", "quantize", "q_args", "ints", "consts", "one", "one_args", "where", "planned")
+    __slots__ = ("kernel", "quantize", "q_args", "ints", "consts", "one", "one_args", "where", "planned", "vendor")
 
     def __init__(self, m: int, k: int, k_padded: int, n: int, quant: str, has_bias: bool, device: int):
         rows = 1 < m <= rows_max(quant)  # every row in one program: the MMA over quantized rows, or the rows kernel
@@ -297,9 +349,14 @@ class _Launch:
         block_n = table_n[quant]
         if quant == "blockscale" and SCALE_BLOCK % block_n:  # a program's rows share one weight scale block
             raise ValueError(f"decode_gemm: BLOCK_N={block_n} must divide {SCALE_BLOCK} for blockscale")
-        self.quantize = self.q_args = self.one = self.one_args = self.planned = None
+        self.quantize = self.q_args = self.one = self.one_args = self.planned = self.kernel = None
         self.where = torch.device("cuda", device) if device >= 0 else torch.device("cpu")  # the scratch's device
         self.ints = (m, n, k, k_padded)
+        self.vendor = vendor_rows(quant, m, k_padded, device)
+        if self.vendor:  # the quantizer's launch (the layer's, into zero-padded rows), then cuBLAS
+            self.quantize, consts = launch_for(quant, False, self.vendor, k, k_padded)
+            self.q_args = ((m, self.vendor, k, k_padded), consts)
+            return
         if rows:
             step = table_k[quant]
             if quant == "blockscale" and step != SCALE_BLOCK or k_padded % step:
@@ -350,9 +407,14 @@ class _Launch:
                 warnings.warn(f"decode_gemm: ptpc's one-launch decode GEMM was refused ({err}); this call shape "
                               f"takes two launches from now on", RuntimeWarning, stacklevel=4)
                 self.one = None
-        if self.quantize is not None:  # the rows quantized once (new tensors: safe on any stream), then the MMA
+        if self.quantize is not None:  # the rows quantized once (new tensors: safe on any stream), then the GEMM
             sizes = self.q_args[0]  # (M, M_OUT, K, K_PAD)
             q = torch.empty(sizes[1], sizes[3], dtype=FP8, device=self.where)
+            if self.vendor:  # blockscale's scales M-major ([M_OUT, K_PAD/128], column stride M_OUT), as cuBLAS reads them
+                sa = torch.empty(sizes[3] // SCALE_BLOCK, sizes[1], dtype=torch.float32, device=self.where).t()
+                self.quantize(device, *self._quantize(x, q, sa, row_stride))
+                vendor_gemm(q, sa, w, w_scale, bias, out, sizes[0], self.ints[1])
+                return
             sa = torch.empty(sizes[1], dtype=torch.float32, device=self.where)
             self.quantize(device, *self._quantize(x, q, sa, row_stride))
             self.kernel(device, *self._mma(q, sa, w, scale, b, out))
@@ -375,9 +437,9 @@ class _Launch:
         return (x, w, scale, b, out, *self.ints, row_stride, scale_stride, _TINY, FP8_MAX, *self.consts)
 
     def scratch_one(self) -> int:
-        """Bytes of the one launch's scratch: the e4m3 rows, then their fp32 scales."""
+        """Bytes of the one launch's scratch (its sizes: (M, N, K, K_PAD))."""
         sizes = self.one_args[0]
-        return sizes[0] * (sizes[3] + 4)
+        return rows_and_scales(sizes[0], sizes[3])
 
     def compiled(self) -> tuple:
         """Which of the launches have compiled kernels (a plan holds those)."""
@@ -393,15 +455,19 @@ class _Launch:
         one, two, scratch_two = [], [], 0
         if self.one is not None and self.one.compiled is not None:
             one = [nv.describe(self.one, self._one(x, P(nv.SCRATCH), w, scale, b, out, P(nv.SYNC), row_stride))]
-        if self.quantize is not None:
+        if self.vendor:  # the quantizer into the table's own q and M-major scales; cuBLAS's call follows it there
+            if self.quantize.compiled is not None:
+                two = [nv.describe(self.quantize, self._quantize(x, P(nv.SCRATCH), P(nv.A_SCALE), row_stride))]
+        elif self.quantize is not None:
             sizes = self.q_args[0]
             q, sa = P(nv.SCRATCH), P(nv.SCRATCH, sizes[1] * sizes[3])  # the scales after the rows (16-byte aligned)
             if self.quantize.compiled is not None and self.kernel.compiled is not None:
                 two = [nv.describe(self.quantize, self._quantize(x, q, sa, row_stride)),
                        nv.describe(self.kernel, self._mma(q, sa, w, scale, b, out))]
-                scratch_two = sizes[1] * (sizes[3] + 4)
+                scratch_two = rows_and_scales(sizes[1], sizes[3])
         elif self.kernel.compiled is not None:
             two = [nv.describe(self.kernel, self._row(x, w, scale, b, out, row_stride, scale_stride))]
         return one, two, self.scratch_one() if one else 0, scratch_two
 
-__all__ = ["DECODE_MAX_M", "block_k", "check_operands", "decode_gemm", "resident_programs", "rows_max", "tables"]
+__all__ = ["DECODE_MAX_M", "VENDOR_ROWS", "block_k", "check_operands", "decode_gemm", "decode_max_m", "resident_programs",
+           "rows_max", "tables", "vendor_rows"]

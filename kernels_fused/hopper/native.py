@@ -15,6 +15,9 @@ How it stays the Python path's launch, bit for bit:
   then Triton's two scratch pointers, null: these kernels use none), and the table checks each plan
   against the function's parameters as the driver reports them (``cuFuncGetParamInfo``): a count or
   size that disagrees refuses the plan, and the call stays on the Python path.
+- blockscale's rows through cuBLAS (``decode.VENDOR_ROWS``): the plan is the quantizer's launch,
+  after which the table calls ``at::_scaled_mm`` (and the copy and bias add) as
+  ``decode.vendor_gemm`` does, on the same tensors.
 - A call the table does not take returns None and runs the Python path: no plan for its key yet,
   the current device not x's, a graph capture where the plan has no two-launch path yet, a launch
   hook set (a profiler), ``ENABLED`` or ``launch.FAST_LAUNCH`` off.
@@ -56,7 +59,7 @@ _done = threading.Event()
 
 # The C++ table's parameter kinds and pointer roles (csrc/decode_calls.cpp, Kind and Role).
 POINTER, BITS32, BITS64 = 0, 1, 2
-X, W, SCALE, BIAS_OR_OUT, OUT, SCRATCH, SYNC, NULL = range(8)
+X, W, SCALE, BIAS_OR_OUT, OUT, SCRATCH, SYNC, NULL, A_SCALE = range(9)
 
 
 class Pointer:
@@ -83,7 +86,7 @@ def start(wait: float | None = None) -> bool:
     if ENABLED and not _started:
         _started = True
         threading.Thread(target=_load, name="cco-decode-native-build", daemon=True).start()
-    if wait is not None:
+    if wait is not None and _started:  # (nothing to wait for where no build was started)
         _done.wait(wait)
     return TABLE is not None
 

@@ -127,7 +127,7 @@ def quantize_activation(x: torch.Tensor, quant: str, *, k_padded: int | None = N
                scale.data_ptr() % 16, device)
         launch = _LAUNCHES.get(key)
         if launch is None:  # bounded (launch.LAUNCHES_KEPT): a server's every prefill length is a shape
-            launch = keep(_LAUNCHES, key, _launch(quant, split, m_out, k, k_padded))
+            launch = keep(_LAUNCHES, key, launch_for(quant, split, m_out, k, k_padded))
         kernel, consts = launch
         kernel(device, x, q, scale, m, m_out, k, k_padded, x.stride(0), _TINY, FP8_MAX, *consts)
     return q, scale.view(E8M0) if quant == "mxfp8" else scale
@@ -136,9 +136,9 @@ def quantize_activation(x: torch.Tensor, quant: str, *, k_padded: int | None = N
 _LAUNCHES: dict = {}  # quantize_activation's kept launches (kernels_fused.hopper.launch), by call shape
 
 
-def _launch(quant: str, split: bool, m_out: int, k: int, k_padded: int) -> tuple[Kernel, tuple]:
+def launch_for(quant: str, split: bool, m_out: int, k: int, k_padded: int) -> tuple[Kernel, tuple]:
     """The kernel that quantizes ``m_out`` rows as ``quant`` (``split``: ptpc's split-row kernel), with
-    its constexprs in the kernel's order."""
+    its constexprs in the kernel's order (``kernels_fused.hopper.decode`` launches it too)."""
     ptpc, groups, split_kernel = _kernels()
     if split:
         grid, row_block, slice_k = split_launch(m_out, k, k_padded)

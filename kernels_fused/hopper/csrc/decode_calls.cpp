@@ -10,7 +10,6 @@
 #include <dlfcn.h>
 
 #include <array>
-#include <cstring>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -72,8 +71,11 @@ const Driver& driver() {
 // A kernel parameter: a pointer taken per call (ROLE), or 4 / 8 bytes fixed per call shape.
 enum Kind : int64_t { kPointer = 0, kBits32 = 1, kBits64 = 2 };
 // Which pointer: the call's tensors, the scratch (plus a byte offset), the stream's wait counter,
-// or none (Triton's global and profile scratch, unused by these kernels).
-enum Role : int64_t { kX = 0, kW = 1, kScale = 2, kBiasOrOut = 3, kOut = 4, kScratch = 5, kSync = 6, kNull = 7 };
+// none (Triton's global and profile scratch, unused by these kernels), or a vendor plan's M-major
+// activation scales (its scratch holds the quantized rows).
+enum Role : int64_t {
+  kX = 0, kW = 1, kScale = 2, kBiasOrOut = 3, kOut = 4, kScratch = 5, kSync = 6, kNull = 7, kAScale = 8
+};
 
 struct Param {
   int64_t kind, value, offset;  // kPointer: value is the role, offset bytes past it; else the bits
@@ -91,6 +93,9 @@ struct Plan {
   std::vector<Launch> one;  // the eager path where it is allowed (may be empty)
   std::vector<Launch> two;  // the path under a graph capture or with the one launch off (may be empty)
   int64_t scratch_one = 0, scratch_two = 0;  // bytes of scratch each path allocates
+  // > 0: a vendor plan (decode.py's VENDOR_ROWS): ``two`` is the quantizer's launch into this many
+  // zero-padded rows, then cuBLAS's blockwise GEMM (vendor_gemm below)
+  int64_t vendor_rows = 0;
   py::object keep;  // the compiled kernels: their functions stay loaded while the plan is kept
 };
 
@@ -115,6 +120,20 @@ std::array<int64_t, 3> rows_of(const at::Tensor& x) {
 }
 
 int64_t align16(const at::Tensor& t) { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16); }
+
+// decode.py's vendor_gemm, call for call: out [..., n] = (q @ dequant(w).T)[:m, :n] (+ bias).
+void vendor_gemm(const at::Tensor& q, const at::Tensor& sa, const at::Tensor& w, const at::Tensor& scale,
+                 const std::optional<at::Tensor>& bias, at::Tensor& out, int64_t m, int64_t n) {
+  at::Tensor rows = out.view({m, n});
+  if (q.size(0) == m && w.size(0) == n) {
+    at::_scaled_mm_out(rows, q, w.t(), sa, scale.t(), std::nullopt, std::nullopt, at::kBFloat16, false);
+  } else {
+    rows.copy_(at::_scaled_mm(q, w.t(), sa, scale.t(), std::nullopt, std::nullopt, at::kBFloat16, false)
+                   .narrow(0, 0, m)
+                   .narrow(1, 0, n));
+  }
+  if (bias.has_value() && bias->defined()) out.add_(*bias);
+}
 
 bool key_of(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const std::optional<at::Tensor>& bias,
             int64_t n, int64_t quant, Key& key) {
@@ -168,6 +187,14 @@ class Table {
     base[kBiasOrOut] = (bias.has_value() && bias->defined()) ? bias->data_ptr() : out.data_ptr();
     base[kScratch] = scratch_bytes > 0 ? scratch.data_ptr() : nullptr;
     base[kNull] = nullptr;
+    at::Tensor q, sa;  // a vendor plan's quantized rows and their M-major scales, as decode.py allocates them
+    if (plan.vendor_rows > 0) {
+      const int64_t k_padded = w.size(1);
+      q = at::empty({plan.vendor_rows, k_padded}, x.options().dtype(at::kFloat8_e4m3fn));
+      sa = at::empty({k_padded / kScaleBlock, plan.vendor_rows}, x.options().dtype(at::kFloat)).t();
+      base[kScratch] = q.data_ptr();
+      base[kAScale] = sa.data_ptr();
+    }
     for (const Launch& l : launches) {
       if (l.sync) base[kSync] = sync_of(x, stream).data_ptr();
       std::array<uint64_t, kMaxParams> values{};
@@ -195,6 +222,7 @@ class Table {
         throw std::runtime_error("decode_gemm: a kernel launch failed: " + d.error(r));
       }
     }
+    if (plan.vendor_rows > 0) vendor_gemm(q, sa, w, scale, bias, out, key[0], n);
     ++taken_;
     return py::cast(out);
   }
@@ -211,7 +239,7 @@ class Table {
   // reports them, and a plan that disagrees is refused (ValueError, nothing kept).
   void add(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const std::optional<at::Tensor>& bias,
            int64_t n, int64_t quant, const py::list& one, const py::list& two, int64_t scratch_one,
-           int64_t scratch_two, py::object keep) {
+           int64_t scratch_two, int64_t vendor_rows, py::object keep) {
     Key key;
     if (!key_of(x, w, scale, bias, n, quant, key)) throw py::value_error("decode_calls: this call cannot be planned");
     Plan plan;
@@ -219,13 +247,15 @@ class Table {
     plan.two = launches_of(two);
     plan.scratch_one = scratch_one;
     plan.scratch_two = scratch_two;
+    plan.vendor_rows = vendor_rows;
+    if (vendor_rows > 0 && (!plan.one.empty() || w.size(1) % kScaleBlock != 0))
+      throw py::value_error("decode_calls: a vendor plan has the quantizer's launch alone, over K a multiple of 128");
     plan.keep = std::move(keep);
     if (static_cast<int64_t>(plans_.size()) >= kept_) plans_.clear();
     plans_[key] = std::move(plan);
   }
 
   int64_t size() const { return static_cast<int64_t>(plans_.size()); }
-  void clear() { plans_.clear(); }
 
   // The parameters' byte sizes of a compiled function as the driver reports them (checks).
   static std::vector<int64_t> param_sizes(uint64_t fn) {
@@ -241,7 +271,8 @@ class Table {
   }
 
  private:
-  static constexpr size_t kRoles = 8;
+  static constexpr size_t kRoles = 9;
+  static constexpr int64_t kScaleBlock = 128;  // blockscale's activation scale group
   static constexpr size_t kMaxParams = 40;
 
   std::vector<Launch> launches_of(const py::list& described) {
@@ -308,7 +339,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("size", &Table::size)
       .def("taken", &Table::taken)
       .def("sync_for", &Table::sync_for)
-      .def("clear", &Table::clear)
       .def_static("param_sizes", &Table::param_sizes);
   m.def("driver_missing", []() { return driver().missing; });
 }

@@ -268,9 +268,9 @@ def check_decode(comm, log):
             layer.load_weight(w)
             with torch.no_grad():
                 layer.bias.copy_(bias)
-            if layer.decode_rows != D.DECODE_MAX_M[quant]:
+            if layer.decode_rows != D.decode_max_m(quant, layer.k_padded):  # blockscale: one row at K 384
                 raise AssertionError(f"decode {quant} {name}: decode_rows={layer.decode_rows}, expected "
-                                     f"{D.DECODE_MAX_M[quant]}: {layer!r}")
+                                     f"{D.decode_max_m(quant, layer.k_padded)}: {layer!r}")
             layer.decode_rows = max(DECODE_MS)  # the kernel under test, whatever the rule picks per quant
             with torch.no_grad():
                 for m in DECODE_MS:
@@ -415,7 +415,10 @@ def check_decode_native(comm, log):
     stream = torch.cuda.current_stream().cuda_stream
     cases = 0
     for quant in Q.QUANTS:
-        for n, k in ((N, K_RANK),):  # check_decode's shape: its kernels are compiled
+        # check_decode's shape (its kernels are compiled); blockscale's rows through cuBLAS at a K it
+        # takes, with the weight's padded features copied out and without
+        shapes = ((N, K_RANK),) + (((N, 512), (1024, 512)) if quant in D.VENDOR_ROWS else ())
+        for n, k in shapes:
             wq, ws = Q.quantize_b(torch.randn(-(-n // 128) * 128, -(-k // 128) * 128, generator=g) * 0.05, quant)
             wq, ws = wq.to(comm.device), ws.to(comm.device)
             bias = torch.randn(n, generator=g).to(torch.bfloat16).to(comm.device)
@@ -474,6 +477,51 @@ def check_decode_native(comm, log):
         f"one launch or two, [B, S, K]), graph captures through it")
 
 
+def check_decode_vendor(comm, log):
+    """blockscale's 2..64 rows in the decode path (``decode.VENDOR_ROWS``: the activation
+    quantizer's launch into rows padded to cuBLAS's multiple of 4, then cuBLAS's blockwise GEMM):
+    the layer's decode call equals its general path (``decode_rows = 0``: ``quantize_activation``
+    and the op's cuBLAS call) bit for bit at every M, with a bias, first through the Python path and
+    then through the C++ table; the rule gives 64 rows where cuBLAS takes the K and one where not."""
+    import torch.distributed as dist
+
+    from cco.comm import Communicator
+    from cco.nn import RowParallelLinear
+    from kernels_fused.hopper import native as NV
+    from scripts.bench_decode import switched_off
+
+    singles = [dist.new_group([r], backend="gloo") for r in range(comm.world)]  # collective: every rank makes each
+    solo = Communicator.from_group(singles[comm.rank], device=comm.device)
+    g = torch.Generator().manual_seed(41 + comm.rank)
+    k = 512  # 4 scale blocks: cuBLAS takes it (K_RANK's 384 has 3)
+    layer = RowParallelLinear(k, N, group=solo, quant="blockscale", bias=True, m_max=M_MAX)
+    narrow = RowParallelLinear(K_RANK, N, group=solo, quant="blockscale", m_max=M_MAX)
+    if (layer.decode_rows, narrow.decode_rows) != (64, 1):
+        raise AssertionError(f"decode vendor: decode_rows {layer.decode_rows} at K {k} (64 expected), "
+                             f"{narrow.decode_rows} at K {narrow.k_padded} (1 expected)")
+    layer.load_weight((torch.randn(N, k, generator=g) / k ** 0.5).to(torch.bfloat16).to(comm.device))
+    with torch.no_grad():
+        layer.bias.copy_(torch.randn(N, generator=g).to(torch.bfloat16))
+        ms = [m for m in DECODE_MS if m > 1]
+        for m in ms:
+            x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(comm.device)
+            layer.decode_rows = 0
+            want = layer(x)
+            layer.decode_rows = 64
+            python = switched_off(lambda: layer(x), NV, "ENABLED")()  # (plans the shape where it is new)
+            layer(x)
+            taken = NV.TABLE.taken()
+            table = layer(x)
+            if NV.TABLE.taken() != taken + 1:
+                raise AssertionError(f"decode vendor M={m}: the call did not go through the C++ table")
+            if not torch.equal(python, want) or not torch.equal(table, want):
+                raise AssertionError(f"decode vendor M={m}: the decode path differs from the layer's general path "
+                                     f"(Python path equal: {torch.equal(python, want)})")
+    for closing in (layer, narrow, solo):
+        closing.close()
+    log(f"ok decode vendor (blockscale): M {ms} == the layer's general path, Python path and C++ table")
+
+
 def rank_main():
     from cco.comm import Communicator
     from cco.window import ranks_share_a_device
@@ -490,7 +538,8 @@ def rank_main():
     checks = [lambda: check_quantizer(comm, log), lambda: check_layers(comm, log),
               lambda: check_compiled_and_graphs(comm, log, None), lambda: check_compiled_and_graphs(comm, log, "dma"),
               lambda: check_backward(comm, log), lambda: check_decode(comm, log),
-              lambda: check_decode_one_launch(comm, log), lambda: check_decode_native(comm, log)]
+              lambda: check_decode_one_launch(comm, log), lambda: check_decode_native(comm, log),
+              lambda: check_decode_vendor(comm, log)]
     failures = []
     for check in checks:  # keep going so one run reports every failing check
         try:

@@ -27,6 +27,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from kernels_fused.hopper import decode as D  # noqa: E402
 from kernels_fused.hopper import launch as L  # noqa: E402
 from kernels_fused.hopper import native as NV  # noqa: E402
+from kernels_fused.hopper.quantize import quantize_activation  # noqa: E402
 from tests.python.cco.test_activation_quant import activations  # noqa: E402
 from tests.python.cco.test_decode_gemm import weight  # noqa: E402
 
@@ -144,6 +145,43 @@ def test_plan_replays_the_python_call(monkeypatch, quant, m, one, with_bias):
     D._LAUNCHES.clear()
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="the decode path runs under Triton's interpreter here only without a GPU")
+def test_vendor_plan_is_the_quantizers_launch(monkeypatch):
+    """blockscale's rows through cuBLAS (``decode.VENDOR_ROWS``): the Python path quantizes into rows
+    padded to cuBLAS's multiple and M-major scales, then calls ``vendor_gemm`` on them; the plan is
+    that quantizer launch alone (x by its role, the rows into the table's scratch, the scales into
+    its A_SCALE, the call's M and padded rows in their bits), the cuBLAS call following it in C++.
+    (The interpreter has no cuBLAS: the path is forced here and ``vendor_gemm`` recorded.)"""
+    n, k, k_padded, m, padded = 64, 300, 512, 5, 8
+    monkeypatch.setattr(D, "vendor_rows", lambda quant, rows, kp, device: padded)
+    gemms = []
+    monkeypatch.setattr(D, "vendor_gemm", lambda q, sa, w, ws, bias, out, rows, cols: gemms.append((q, sa, rows, cols)))
+    x = activations(m, k, seed=9)
+    wq, ws = weight(n, k, k_padded, "blockscale")
+    D._LAUNCHES.clear()
+    calls = recorded_calls(monkeypatch)
+    D.decode_gemm(x, wq, ws, "blockscale", n=n)
+    (launch,) = D._LAUNCHES.values()
+    ((kernel, args),), ((q, sa, rows, cols),) = calls, gemms
+    assert launch.vendor == padded and launch.kernel is None and kernel is launch.quantize
+    assert (q.shape, sa.shape, sa.stride(), rows, cols) == ((padded, k_padded), (padded, k_padded // 128), (1, padded),
+                                                          m, n)
+    want_q, want_sa = quantize_activation(x, "blockscale", k_padded=k_padded, m_padded=padded)  # the layer's bytes
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(sa, want_sa)
+    kernel.compiled = fake_compiled(kernel, args)
+    one, two, scratch_one, scratch_two = launch.plan(x.stride(0), ws.stride(0))
+    assert one == [] and (scratch_one, scratch_two) == (0, 0) and len(two) == 1
+    keep = [a for a, p in zip(args, kernel.compiled.src.signature.values()) if p != "constexpr"]
+
+    def scratch_role(t):
+        return (NV.POINTER, NV.SCRATCH if t.data_ptr() == q.data_ptr() else NV.A_SCALE, 0)
+
+    params = two[0][5]
+    assert params[:-2] == roles_of(keep, x=x, w=wq, w_scale=ws, bias=None, out=None, scratch_role=scratch_role)
+    assert (NV.BITS32, m, 0) in params and (NV.BITS32, padded, 0) in params
+    D._LAUNCHES.clear()
+
+
 def test_describe_refuses_what_the_table_cannot_replay():
     """A kernel that has not launched, one that needs Triton's scratch, a signature that does not
     match the arguments, an argument type the table has no width for: ValueError (the call shape
@@ -195,7 +233,7 @@ def test_extension_refuses_host_calls_and_unchecked_plans(extension):
     launch = (0x1234, (1, 1, 1), 128, 0, False, [(NV.POINTER, NV.X, 0), (NV.POINTER, NV.NULL, 0)])
     x, wq, ws = activations(2, 256, seed=1), *weight(16, 256, 256, "ptpc")
     with pytest.raises(ValueError, match="cannot be planned"):
-        extension.add(x, wq, ws, None, 16, 0, [launch], [], 0, 0, None)
+        extension.add(x, wq, ws, None, 16, 0, [launch], [], 0, 0, 0, None)
     assert extension.size() == 0
     if module.driver_missing():  # (where there is a driver, the GPU suite checks every plan against it)
         with pytest.raises(RuntimeError, match="libcuda"):
