@@ -272,3 +272,18 @@ def test_ptpc_one_launch_refused_falls_back_to_two():
     with pytest.raises(RuntimeError, match="illegal memory access"):
         D.decode_gemm(x, wq, ws, "ptpc", n=n)
     D._LAUNCHES.clear()
+
+
+def test_vendor_rows_rule():
+    """blockscale's rows take cuBLAS through the decode path (``VENDOR_ROWS``) where cuBLAS takes the
+    K (a multiple of 4 scale blocks: 512 columns, not 384 or 2304), padded to its multiple of 4 rows;
+    one row, the CPU (the interpreter has no cuBLAS) and the other quants take a decode kernel. The
+    layers' rule follows: 64 rows where the vendor path takes the K, one where it does not."""
+    from kernels_fused.hopper import decode as D
+
+    assert [D.vendor_rows("blockscale", m, 512, 0) for m in (1, 2, 4, 5, 17, 64)] == [0, 4, 4, 8, 20, 64]
+    assert D.vendor_rows("blockscale", 5, 384, 0) == D.vendor_rows("blockscale", 5, 2304, 0) == 0
+    assert D.vendor_rows("blockscale", 5, 512, -1) == 0
+    assert D.vendor_rows("ptpc", 5, 512, 0) == D.vendor_rows("mxfp8", 5, 512, 0) == 0
+    assert [D.decode_max_m("blockscale", k) for k in (384, 512, 2304, 14336)] == [1, 64, 1, 64]
+    assert (D.decode_max_m("ptpc", 384), D.decode_max_m("mxfp8", 512)) == (64, 1)
