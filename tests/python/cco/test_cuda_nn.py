@@ -508,8 +508,8 @@ def check_decode_vendor(comm, log):
             layer.decode_rows = 0
             want = layer(x)
             layer.decode_rows = 64
-            python = switched_off(lambda: layer(x), NV, "ENABLED")()  # (plans the shape where it is new)
-            layer(x)
+            python = switched_off(lambda: layer(x), NV, "ENABLED")()  # (with the table off nothing is planned)
+            layer(x)  # plans the shape where it is new
             taken = NV.TABLE.taken()
             table = layer(x)
             if NV.TABLE.taken() != taken + 1:
