@@ -83,6 +83,9 @@ def parse_args(argv=None):
     p.add_argument("--python-arms", action="store_true",
                    help="each cco arm also with the decode GEMM's C++ call path off (kernels_fused.hopper.native: "
                         "the Python path's kept launches), eager only, in the same passes")
+    p.add_argument("--lt-arms", action="store_true",
+                   help="per-call table: each quant's layer also with the C++ table's kept cuBLASLt call off "
+                        "(decode.CUBLASLT: at::_scaled_mm as torch's call), eager only, in the same passes")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--profile-calls", type=int, default=200)
     p.add_argument("--json")
@@ -460,6 +463,7 @@ def summary(pass_us, tokens: int) -> dict:
 def per_call_runs(args, comm, device, *, into: list, after_shape=lambda: None) -> list[dict]:
     from cco.bench.timing import time_arms, time_back_to_back
     from cco.nn.linear import quantize_activation
+    from kernels_fused.hopper import decode as D
 
     rows = into
     world = comm.world
@@ -489,6 +493,8 @@ def per_call_runs(args, comm, device, *, into: list, after_shape=lambda: None) -
                         arms[f"{kept} {JIT_ARM}"] = slow_launches(arms[kept])
                 if args.python_arms:
                     arms[f"cco {q} {PY_ARM}"] = python_path(arms[f"cco {q}"])
+                if args.lt_arms and q in D.VENDOR_ROWS:
+                    arms[f"cco {q} {LT_ARM}"] = without_lt(arms[f"cco {q}"])
             record = {"shape": name, "n": n, "k": k, "m": m, "world": world}
             with torch.no_grad():
                 if world == 1:  # the layer's output against the bf16 linear's
@@ -501,7 +507,8 @@ def per_call_runs(args, comm, device, *, into: list, after_shape=lambda: None) -
                 record["eager"] = {a: {"host_us": t["host_us"], "wall_us": t["wall_us"]} for a, t in eager.items()}
                 if world == 1:  # (the JITFunction.run and Python-path arms differ on the host only)
                     record["graph_us"] = graph_device_us({a: fn for a, fn in arms.items()
-                                                          if JIT_ARM not in a and PY_ARM not in a},
+                                                          if JIT_ARM not in a and PY_ARM not in a
+                                                          and LT_ARM not in a},
                                                          args, time_arms)
             rows.append(record)
             if comm.rank == 0:
@@ -523,6 +530,15 @@ def per_call_runs(args, comm, device, *, into: list, after_shape=lambda: None) -
 
 JIT_ARM = "via JITFunction.run"  # the suffix of --jit-arms' arms
 PY_ARM = "via the Python path"  # the suffix of --python-arms' arms
+LT_ARM = "via at::_scaled_mm"  # the suffix of --lt-arms' arms
+
+
+def without_lt(fn):
+    """``fn`` with the C++ table's kept cuBLASLt call off for its call (``decode.CUBLASLT``): its
+    vendor plans call ``at::_scaled_mm``, as torch's call does."""
+    from kernels_fused.hopper import decode as D
+
+    return switched_off(fn, D, "CUBLASLT")
 
 
 def python_path(fn):

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import warnings
 
 import torch
@@ -52,8 +53,8 @@ import torch
 from cco.quant import _TINY, FP8, FP8_MAX, QUANTS, SCALE_BLOCK
 from kernels_fused.hopper import launch as launching, native, vendor
 from kernels_fused.hopper.launch import Kernel, keep
-from kernels_fused.hopper.quantize import (SPLIT_NUM_WARPS, _interpreting, _pow2, check_rows, launch_for,
-                                           split_launch)
+from kernels_fused.hopper.quantize import (SPLIT_NUM_WARPS, _interpreting, _pow2, check_rows, empty_activation,
+                                           launch_for, split_launch)
 
 # Calls of at most this many rows take the decode GEMM (the layers' rule, cco.nn.parallel_linear);
 # more rows go to the quantizer + vendor GEMM. scripts/tune_decode.py on one H200 (2026-12-03,
@@ -134,6 +135,10 @@ VENDOR_ROWS = {"blockscale"}
 # benchmark times both in the same passes; a job whose GPU share refuses cooperative launches may
 # set it, although a refused launch already falls back by itself).
 ONE_LAUNCH = os.environ.get("CCO_DECODE_ONE_LAUNCH", "1") != "0"
+# False (``CCO_DECODE_CUBLASLT=0``): a VENDOR_ROWS call through the C++ table calls ``at::_scaled_mm``
+# as the Python path does, instead of its plan's kept cuBLASLt call (read per call, so a benchmark
+# may time both in the same passes; a shape planned while it is False keeps no cuBLASLt call).
+CUBLASLT = os.environ.get("CCO_DECODE_CUBLASLT", "1") != "0"
 
 
 def decode_max_m(quant: str, k_padded: int) -> int:
@@ -143,6 +148,25 @@ def decode_max_m(quant: str, k_padded: int) -> int:
     if quant in VENDOR_ROWS and not vendor.takes_rows(quant, vendor.BLOCKWISE_ROW_MULTIPLE, k_padded):
         return 1
     return DECODE_MAX_M[quant]
+
+
+def lt_workspace_bytes(device: int) -> int:
+    """The workspace bound torch's own cuBLASLt call offers its heuristic on ``device`` (torch 2.9+,
+    ``at::cuda::getCUDABlasLtWorkspaceSize``): the heuristic's pick depends on it, and the C++ table's
+    kept cuBLASLt call must pick torch's algorithm to give its bits. ``CUBLASLT_WORKSPACE_SIZE`` (KiB)
+    where set, else cuBLAS's workspace (``CUBLAS_WORKSPACE_CONFIG``'s ``:KiB:count`` pairs, else 32
+    MiB on Hopper and Blackwell, 8 MiB + 128 KiB before), capped at cuBLAS's where the two are
+    unified (torch's default, ``TORCH_CUBLASLT_UNIFIED_WORKSPACE``). test_cuda_nn's
+    check_decode_vendor holds the bits equal on the installed torch."""
+    major = torch.cuda.get_device_capability(device)[0]
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    pairs = re.findall(r":([0-9]+):([0-9]+)", config or "")
+    cublas = (sum(int(size) * 1024 * int(count) for size, count in pairs) if pairs
+              else 32 << 20 if major in (9, 10, 12) else (8 << 20) + (128 << 10))
+    unified = os.environ.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "1").strip().lower() not in ("0", "false", "off", "no", "n")
+    lt = os.environ.get("CUBLASLT_WORKSPACE_SIZE", "").strip()
+    size = int(lt) * 1024 if lt.isdigit() else cublas if unified else 1 << 20
+    return min(size, cublas) if unified else size
 
 
 def vendor_rows(quant: str, m: int, k_padded: int, device: int) -> int:
@@ -230,7 +254,7 @@ def decode_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, quant: 
         device = x.get_device()
         if device >= 0:  # the C++ table's call: None where it does not take it (native's module)
             try:
-                out = table.run(x, w, w_scale, bias, n, _QUANT_CODE.get(quant, -1), ONE_LAUNCH,
+                out = table.run(x, w, w_scale, bias, n, _QUANT_CODE.get(quant, -1), ONE_LAUNCH, CUBLASLT,
                                 torch._C._cuda_getCurrentRawStream(device))
             except RuntimeError as err:  # its cooperative launch refused: the path below warns and plans anew
                 if "cooperative" not in str(err):
@@ -276,8 +300,9 @@ def _plan(launch, x, row_stride, w, w_scale, bias, n, quant) -> None:
     launch.planned = compiled
     try:
         one, two, scratch_one, scratch_two = launch.plan(row_stride, w_scale.stride(0))
+        lt_workspace = lt_workspace_bytes(x.get_device()) if launch.vendor and CUBLASLT else 0
         table.add(x, w, w_scale, bias, n, _QUANT_CODE[quant], one, two, scratch_one, scratch_two, launch.vendor,
-                  (launch.one, launch.quantize, launch.kernel))
+                  lt_workspace, (launch.one, launch.quantize, launch.kernel))
     except ValueError as err:  # a launch the table cannot replay (another Triton's ABI): stays here
         warnings.warn(f"decode_gemm: this call shape stays on the Python path ({err})", RuntimeWarning, stacklevel=3)
 
@@ -409,14 +434,11 @@ class _Launch:
                 self.one = None
         if self.quantize is not None:  # the rows quantized once (new tensors: safe on any stream), then the GEMM
             sizes = self.q_args[0]  # (M, M_OUT, K, K_PAD)
-            q = torch.empty(sizes[1], sizes[3], dtype=FP8, device=self.where)
-            if self.vendor:  # blockscale's scales M-major ([M_OUT, K_PAD/128], column stride M_OUT), as cuBLAS reads them
-                sa = torch.empty(sizes[3] // SCALE_BLOCK, sizes[1], dtype=torch.float32, device=self.where).t()
-                self.quantize(device, *self._quantize(x, q, sa, row_stride))
+            q, sa = empty_activation("blockscale" if self.vendor else "ptpc", sizes[1], sizes[3], self.where)
+            self.quantize(device, *self._quantize(x, q, sa, row_stride))
+            if self.vendor:  # (blockscale's scales M-major, as cuBLAS reads them)
                 vendor_gemm(q, sa, w, w_scale, bias, out, sizes[0], self.ints[1])
                 return
-            sa = torch.empty(sizes[1], dtype=torch.float32, device=self.where)
-            self.quantize(device, *self._quantize(x, q, sa, row_stride))
             self.kernel(device, *self._mma(q, sa, w, scale, b, out))
             return
         self.kernel(device, *self._row(x, w, scale, b, out, row_stride, scale.stride(0)))
@@ -469,5 +491,5 @@ class _Launch:
             two = [nv.describe(self.kernel, self._row(x, w, scale, b, out, row_stride, scale_stride))]
         return one, two, self.scratch_one() if one else 0, scratch_two
 
-__all__ = ["DECODE_MAX_M", "VENDOR_ROWS", "block_k", "check_operands", "decode_gemm", "decode_max_m", "resident_programs",
-           "rows_max", "tables", "vendor_rows"]
+__all__ = ["DECODE_MAX_M", "VENDOR_ROWS", "block_k", "check_operands", "decode_gemm", "decode_max_m",
+           "lt_workspace_bytes", "resident_programs", "rows_max", "tables", "vendor_rows"]

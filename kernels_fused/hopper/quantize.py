@@ -92,6 +92,19 @@ def split_launch(m: int, k: int, k_padded: int) -> tuple[tuple[int, int], int, i
     return (m, -(-k_padded // slice_k)), min(_pow2(k), SPLIT_ROW_BLOCK), slice_k
 
 
+def empty_activation(quant: str, m_out: int, k_padded: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantizer's outputs for ``m_out`` rows of ``k_padded`` columns, unwritten: e4m3 rows and the
+    scales in ``quant``'s layout as the quantizer writes them (ptpc fp32 ``[m_out]``; blockscale fp32
+    ``[m_out, k_padded/128]`` M-major, as cuBLAS's blockwise GEMM reads them; mxfp8 uint8 ``[m_out,
+    k_padded/32]``)."""
+    q = torch.empty(m_out, k_padded, dtype=FP8, device=device)
+    if quant == "ptpc":
+        return q, torch.empty(m_out, dtype=torch.float32, device=device)
+    if quant == "blockscale":
+        return q, torch.empty(k_padded // SCALE_BLOCK, m_out, dtype=torch.float32, device=device).t()  # column-major
+    return q, torch.empty(m_out, k_padded // MX_GROUP, dtype=torch.uint8, device=device)
+
+
 def quantize_activation(x: torch.Tensor, quant: str, *, k_padded: int | None = None, m_padded: int | None = None,
                         ptpc_split: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]`` (row stride any, unit column stride) -> ``(q e4m3 [m_padded, k_padded], scale)``
@@ -112,13 +125,7 @@ def quantize_activation(x: torch.Tensor, quant: str, *, k_padded: int | None = N
     if k_padded < k or k_padded % group or (k_padded != k and k_padded % SCALE_BLOCK):
         raise ValueError(f"{fn}: k_padded={k_padded} must be >= K={k}, a multiple of {group} for {quant}, and of "
                          f"{SCALE_BLOCK} when it pads")
-    q = torch.empty(m_out, k_padded, dtype=FP8, device=x.device)
-    if quant == "ptpc":
-        scale = torch.empty(m_out, dtype=torch.float32, device=x.device)
-    elif quant == "blockscale":
-        scale = torch.empty(k_padded // group, m_out, dtype=torch.float32, device=x.device).t()  # column-major
-    else:
-        scale = torch.empty(m_out, k_padded // group, dtype=torch.uint8, device=x.device)
+    q, scale = empty_activation(quant, m_out, k_padded, x.device)
     if m_out:
         split = quant == "ptpc" and ((m_out <= PTPC_SPLIT_MAX_M) if ptpc_split is None else ptpc_split)
         # everything Triton specializes this launch on (x's dtype, the integers, the pointers' alignment)

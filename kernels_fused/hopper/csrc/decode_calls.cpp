@@ -3,13 +3,15 @@
 // packing, driver launch) instead of a dozen Python steps. Built and described by
 // kernels_fused/hopper/native.py; a call it cannot take returns None and the Python path runs.
 //
-// Built against torch's CPU headers only: the CUDA driver is reached through dlopen, the stream
-// comes from the caller, so no CUDA toolkit is needed to build it (and CI builds it on a CPU).
+// Built against torch's CPU headers only: the CUDA driver and cuBLASLt are reached through dlopen,
+// the stream comes from the caller, so no CUDA toolkit is needed to build it (and CI builds it on a
+// CPU).
 #include <torch/extension.h>
 
 #include <dlfcn.h>
 
 #include <array>
+#include <memory>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -68,6 +70,175 @@ const Driver& driver() {
   return d;
 }
 
+// cuBLASLt's entry points and the values of cublasLt.h this file uses (CUDA 12.9+: the blockwise
+// scale modes), opened as the driver is: torch's CUDA build has loaded the library already.
+using LtStatus = int;
+struct LtAlgo {
+  uint64_t data[8];  // cublasLtMatmulAlgo_t: opaque
+};
+struct LtHeuristic {  // cublasLtMatmulHeuristicResult_t
+  LtAlgo algo;
+  size_t workspace;
+  LtStatus state;
+  float waves;
+  int reserved[4];
+};
+constexpr int kCompute32F = 68;             // CUBLAS_COMPUTE_32F
+constexpr int kR32F = 0, kR16BF = 14, kR8FE4M3 = 28;  // cudaDataType_t
+constexpr int kTransA = 3, kTransB = 4;     // CUBLASLT_MATMUL_DESC_TRANSA / _TRANSB
+constexpr int kAScalePointer = 17, kBScalePointer = 18, kFastAccum = 25, kAScaleMode = 31, kBScaleMode = 32;
+constexpr int kOpN = 0, kOpT = 1;
+constexpr int32_t kScaleVec128 = 4, kScaleBlock128x128 = 5;  // cublasLtMatmulMatrixScale_t
+constexpr int kPrefMaxWorkspace = 1;         // CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES
+
+struct Lt {
+  LtStatus (*create)(void**) = nullptr;
+  LtStatus (*desc_create)(void**, int, int) = nullptr;
+  LtStatus (*desc_set)(void*, int, const void*, size_t) = nullptr;
+  LtStatus (*desc_destroy)(void*) = nullptr;
+  LtStatus (*layout_create)(void**, int, uint64_t, uint64_t, int64_t) = nullptr;
+  LtStatus (*layout_destroy)(void*) = nullptr;
+  LtStatus (*pref_create)(void**) = nullptr;
+  LtStatus (*pref_set)(void*, int, const void*, size_t) = nullptr;
+  LtStatus (*pref_destroy)(void*) = nullptr;
+  LtStatus (*heuristic)(void*, void*, void*, void*, void*, void*, void*, int, LtHeuristic*, int*) = nullptr;
+  LtStatus (*matmul)(void*, void*, const void*, const void*, void*, const void*, void*, const void*, const void*,
+                     void*, void*, void*, const LtAlgo*, void*, size_t, CUstream) = nullptr;
+  std::string missing;
+
+  Lt() {
+    void* lib = nullptr;
+    for (const char* name : {"libcublasLt.so.13", "libcublasLt.so.12"}) {
+      lib = dlopen(name, RTLD_LAZY | RTLD_NOLOAD);  // the one torch loaded
+      if (lib != nullptr) break;
+    }
+    for (const char* name : {"libcublasLt.so.13", "libcublasLt.so.12"}) {
+      if (lib == nullptr) lib = dlopen(name, RTLD_LAZY);
+    }
+    if (lib == nullptr) {
+      missing = "libcublasLt cannot be loaded";
+      return;
+    }
+    bind(lib, create, "cublasLtCreate");
+    bind(lib, desc_create, "cublasLtMatmulDescCreate");
+    bind(lib, desc_set, "cublasLtMatmulDescSetAttribute");
+    bind(lib, desc_destroy, "cublasLtMatmulDescDestroy");
+    bind(lib, layout_create, "cublasLtMatrixLayoutCreate");
+    bind(lib, layout_destroy, "cublasLtMatrixLayoutDestroy");
+    bind(lib, pref_create, "cublasLtMatmulPreferenceCreate");
+    bind(lib, pref_set, "cublasLtMatmulPreferenceSetAttribute");
+    bind(lib, pref_destroy, "cublasLtMatmulPreferenceDestroy");
+    bind(lib, heuristic, "cublasLtMatmulAlgoGetHeuristic");
+    bind(lib, matmul, "cublasLtMatmul");
+  }
+
+  template <typename F>
+  void bind(void* lib, F& f, const char* name) {
+    f = reinterpret_cast<F>(dlsym(lib, name));
+    if (f == nullptr && missing.empty()) missing = std::string("cuBLASLt has no ") + name;
+  }
+};
+
+const Lt& lt() {
+  static const Lt l;
+  return l;
+}
+
+void lt_check(LtStatus status, const char* what) {
+  if (status != 0) throw std::runtime_error(std::string("cuBLASLt ") + what + " returned status " + std::to_string(status));
+}
+
+// One handle per device, made once and kept for the process (as torch keeps its own).
+void* lt_handle(int64_t device) {
+  static std::unordered_map<int64_t, void*> handles;
+  auto it = handles.find(device);
+  if (it != handles.end()) return it->second;
+  void* handle = nullptr;
+  lt_check(lt().create(&handle), "cublasLtCreate");
+  return handles[device] = handle;
+}
+
+// torch's blockwise _scaled_mm of rows [rows, K] by a weight [N, K] (128x128 scales) into bf16
+// [rows, N], made once per call shape: the descriptor, the four layouts and the algorithm its
+// heuristic picks, asked as torch asks it (the same attributes, layouts and workspace bound), so
+// that the same kernel runs and the bits are the same (test_cuda_nn's check_decode_vendor holds
+// them equal). torch rebuilds all of it and asks the heuristic on every call: that is the host
+// time this saves. Per call only the two scale pointers change.
+class LtGemm {
+ public:
+  LtGemm(int64_t device, int64_t rows, int64_t n, int64_t k, size_t workspace_bound, const void* w_scale,
+         const void* a_scale) {
+    const Lt& l = lt();
+    if (!l.missing.empty()) throw std::runtime_error(l.missing);
+    handle_ = lt_handle(device);
+    lt_check(l.desc_create(&desc_, kCompute32F, kR32F), "cublasLtMatmulDescCreate");
+    // torch's operands, swapped for cuBLAS's column-major terms: out^T [N, rows] = W [N, K] . rows^T
+    const int32_t trans_a = kOpT, trans_b = kOpN, mode_a = kScaleBlock128x128, mode_b = kScaleVec128;
+    const int8_t fast_accum = 0;
+    set(kTransA, &trans_a, sizeof trans_a);
+    set(kTransB, &trans_b, sizeof trans_b);
+    set(kAScalePointer, &w_scale, sizeof w_scale);
+    set(kBScalePointer, &a_scale, sizeof a_scale);
+    set(kFastAccum, &fast_accum, sizeof fast_accum);
+    set(kAScaleMode, &mode_a, sizeof mode_a);
+    set(kBScaleMode, &mode_b, sizeof mode_b);
+    lt_check(l.layout_create(&a_, kR8FE4M3, k, n, k), "cublasLtMatrixLayoutCreate");
+    lt_check(l.layout_create(&b_, kR8FE4M3, k, rows, k), "cublasLtMatrixLayoutCreate");
+    lt_check(l.layout_create(&c_, kR16BF, n, rows, n), "cublasLtMatrixLayoutCreate");
+    lt_check(l.layout_create(&d_, kR16BF, n, rows, n), "cublasLtMatrixLayoutCreate");
+    void* pref = nullptr;
+    lt_check(l.pref_create(&pref), "cublasLtMatmulPreferenceCreate");
+    const uint64_t bound = workspace_bound;
+    LtStatus status = l.pref_set(pref, kPrefMaxWorkspace, &bound, sizeof bound);
+    LtHeuristic result{};
+    int returned = 0;
+    if (status == 0) status = l.heuristic(handle_, desc_, a_, b_, c_, d_, pref, 1, &result, &returned);
+    l.pref_destroy(pref);
+    lt_check(status, "cublasLtMatmulAlgoGetHeuristic");
+    if (returned == 0) throw std::runtime_error("cuBLASLt's heuristic found no algorithm for this call");
+    algo_ = result.algo;
+    workspace_ = result.workspace;  // what the chosen algorithm uses, within the bound
+  }
+
+  ~LtGemm() {
+    const Lt& l = lt();
+    for (void* layout : {a_, b_, c_, d_})
+      if (layout != nullptr) l.layout_destroy(layout);
+    if (desc_ != nullptr) l.desc_destroy(desc_);
+  }
+
+  LtGemm(const LtGemm&) = delete;
+  LtGemm& operator=(const LtGemm&) = delete;
+
+  // out [rows, N] (contiguous bf16) = q [rows, K] (e4m3, M-major scales sa) times w [N, K] (scales
+  // w_scale), on ``stream``; the workspace comes from the caching allocator, on that stream.
+  void run(const at::Tensor& q, const at::Tensor& sa, const at::Tensor& w, const at::Tensor& w_scale, at::Tensor& out,
+           CUstream stream) {
+    const Lt& l = lt();
+    const void* w_scale_ptr = w_scale.data_ptr();
+    const void* a_scale_ptr = sa.data_ptr();
+    set(kAScalePointer, &w_scale_ptr, sizeof w_scale_ptr);
+    set(kBScalePointer, &a_scale_ptr, sizeof a_scale_ptr);
+    at::Tensor workspace;
+    if (workspace_ > 0) workspace = at::empty({static_cast<int64_t>(workspace_)}, q.options().dtype(at::kByte));
+    const float alpha = 1.0f, beta = 0.0f;
+    lt_check(l.matmul(handle_, desc_, &alpha, w.data_ptr(), a_, q.data_ptr(), b_, &beta, out.data_ptr(), c_,
+                      out.data_ptr(), d_, &algo_, workspace_ > 0 ? workspace.data_ptr() : nullptr, workspace_, stream),
+             "cublasLtMatmul");
+  }
+
+ private:
+  void set(int attribute, const void* value, size_t size) {
+    lt_check(lt().desc_set(desc_, attribute, value, size), "cublasLtMatmulDescSetAttribute");
+  }
+
+  void* handle_ = nullptr;
+  void* desc_ = nullptr;
+  void *a_ = nullptr, *b_ = nullptr, *c_ = nullptr, *d_ = nullptr;
+  LtAlgo algo_{};
+  size_t workspace_ = 0;
+};
+
 // A kernel parameter: a pointer taken per call (ROLE), or 4 / 8 bytes fixed per call shape.
 enum Kind : int64_t { kPointer = 0, kBits32 = 1, kBits64 = 2 };
 // Which pointer: the call's tensors, the scratch (plus a byte offset), the stream's wait counter,
@@ -96,6 +267,7 @@ struct Plan {
   // > 0: a vendor plan (decode.py's VENDOR_ROWS): ``two`` is the quantizer's launch into this many
   // zero-padded rows, then cuBLAS's blockwise GEMM (vendor_gemm below)
   int64_t vendor_rows = 0;
+  std::shared_ptr<LtGemm> lt;  // a vendor plan's kept cuBLASLt call (eager calls; null: at::_scaled_mm)
   py::object keep;  // the compiled kernels: their functions stay loaded while the plan is kept
 };
 
@@ -121,11 +293,18 @@ std::array<int64_t, 3> rows_of(const at::Tensor& x) {
 
 int64_t align16(const at::Tensor& t) { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16); }
 
-// decode.py's vendor_gemm, call for call: out [..., n] = (q @ dequant(w).T)[:m, :n] (+ bias).
+// decode.py's vendor_gemm, call for call: out [..., n] = (q @ dequant(w).T)[:m, :n] (+ bias); through
+// the plan's kept cuBLASLt call where it has one (eager), else through at::_scaled_mm as torch's call.
 void vendor_gemm(const at::Tensor& q, const at::Tensor& sa, const at::Tensor& w, const at::Tensor& scale,
-                 const std::optional<at::Tensor>& bias, at::Tensor& out, int64_t m, int64_t n) {
+                 const std::optional<at::Tensor>& bias, at::Tensor& out, int64_t m, int64_t n, LtGemm* kept,
+                 CUstream stream) {
   at::Tensor rows = out.view({m, n});
-  if (q.size(0) == m && w.size(0) == n) {
+  const bool whole = q.size(0) == m && w.size(0) == n;  // else zero rows or padded features: the share copied
+  if (kept != nullptr) {
+    at::Tensor full = whole ? rows : at::empty({q.size(0), w.size(0)}, out.options());
+    kept->run(q, sa, w, scale, full, stream);
+    if (!whole) rows.copy_(full.narrow(0, 0, m).narrow(1, 0, n));
+  } else if (whole) {
     at::_scaled_mm_out(rows, q, w.t(), sa, scale.t(), std::nullopt, std::nullopt, at::kBFloat16, false);
   } else {
     rows.copy_(at::_scaled_mm(q, w.t(), sa, scale.t(), std::nullopt, std::nullopt, at::kBFloat16, false)
@@ -155,9 +334,11 @@ class Table {
   // bf16 [..., n] for the call, or None where this table does not take it (no plan for its key,
   // x on another device than the current one, a path the plan lacks): the caller's Python path
   // runs then. Raises RuntimeError where the driver refuses a launch ("cooperative" in the
-  // message where it refused the one launch; the plan is dropped then).
+  // message where it refused the one launch; the plan is dropped then). kept_lt: a vendor plan's
+  // eager call runs its kept cuBLASLt call where it has one (else at::_scaled_mm).
   py::object run(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-                 const std::optional<at::Tensor>& bias, int64_t n, int64_t quant, bool one, uint64_t stream) {
+                 const std::optional<at::Tensor>& bias, int64_t n, int64_t quant, bool one, bool kept_lt,
+                 uint64_t stream) {
     Key key;
     if (!key_of(x, w, scale, bias, n, quant, key)) return py::none();
     auto it = plans_.find(key);
@@ -222,13 +403,21 @@ class Table {
         throw std::runtime_error("decode_gemm: a kernel launch failed: " + d.error(r));
       }
     }
-    if (plan.vendor_rows > 0) vendor_gemm(q, sa, w, scale, bias, out, key[0], n);
+    if (plan.vendor_rows > 0) {
+      // kept_lt: the caller's switch (decode.CUBLASLT); a capture records torch's own call
+      LtGemm* kept = kept_lt && capturing == 0 ? plan.lt.get() : nullptr;
+      vendor_gemm(q, sa, w, scale, bias, out, key[0], n, kept, s);
+      if (kept != nullptr) ++lt_taken_;
+    }
     ++taken_;
     return py::cast(out);
   }
 
-  // How many calls this table took (tests: a call that should take it did).
+  // How many calls this table took (tests: a call that should take it did), and how many of them
+  // ran a kept cuBLASLt call; why the last vendor plan has none ("" where it has one).
   int64_t taken() const { return taken_; }
+  int64_t lt_taken() const { return lt_taken_; }
+  std::string lt_error() const { return lt_error_; }
 
   // The wait's counter of x's device and ``stream`` (tests: the one launch counted).
   at::Tensor sync_for(const at::Tensor& x, uint64_t stream) { return sync_of(x, stream); }
@@ -236,10 +425,12 @@ class Table {
   // Keep the plan of the call (x, w, scale, bias, n, quant) (its key computed as run computes it).
   // one / two: per launch (function, (gx, gy, gz), threads, shared bytes, cooperative,
   // [(kind, value, offset), ...]); each is checked against the function's parameters as the driver
-  // reports them, and a plan that disagrees is refused (ValueError, nothing kept).
+  // reports them, and a plan that disagrees is refused (ValueError, nothing kept). A vendor plan
+  // with lt_workspace > 0 makes its cuBLASLt call, asked with that workspace bound (torch's; 0: none,
+  // at::_scaled_mm runs); where cuBLASLt refuses, lt_error says why and at::_scaled_mm runs.
   void add(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const std::optional<at::Tensor>& bias,
            int64_t n, int64_t quant, const py::list& one, const py::list& two, int64_t scratch_one,
-           int64_t scratch_two, int64_t vendor_rows, py::object keep) {
+           int64_t scratch_two, int64_t vendor_rows, int64_t lt_workspace, py::object keep) {
     Key key;
     if (!key_of(x, w, scale, bias, n, quant, key)) throw py::value_error("decode_calls: this call cannot be planned");
     Plan plan;
@@ -250,6 +441,16 @@ class Table {
     plan.vendor_rows = vendor_rows;
     if (vendor_rows > 0 && (!plan.one.empty() || w.size(1) % kScaleBlock != 0))
       throw py::value_error("decode_calls: a vendor plan has the quantizer's launch alone, over K a multiple of 128");
+    if (vendor_rows > 0 && lt_workspace > 0) {
+      try {  // the scales' pointers as a call's (the heuristic may read their alignment); each call sets its own
+        at::Tensor sa = at::empty({w.size(1) / kScaleBlock, vendor_rows}, x.options().dtype(at::kFloat)).t();
+        plan.lt = std::make_shared<LtGemm>(x.get_device(), vendor_rows, w.size(0), w.size(1),
+                                           static_cast<size_t>(lt_workspace), scale.data_ptr(), sa.data_ptr());
+        lt_error_.clear();
+      } catch (const std::exception& err) {
+        lt_error_ = err.what();
+      }
+    }
     plan.keep = std::move(keep);
     if (static_cast<int64_t>(plans_.size()) >= kept_) plans_.clear();
     plans_[key] = std::move(plan);
@@ -324,7 +525,8 @@ class Table {
     }
   };
 
-  int64_t kept_, sync_kept_, taken_ = 0;
+  int64_t kept_, sync_kept_, taken_ = 0, lt_taken_ = 0;
+  std::string lt_error_;
   std::unordered_map<Key, Plan, KeyHash> plans_;
   std::unordered_map<std::pair<int64_t, uint64_t>, at::Tensor, PairHash> syncs_;
 };
@@ -338,7 +540,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add", &Table::add)
       .def("size", &Table::size)
       .def("taken", &Table::taken)
+      .def("lt_taken", &Table::lt_taken)
+      .def("lt_error", &Table::lt_error)
       .def("sync_for", &Table::sync_for)
       .def_static("param_sizes", &Table::param_sizes);
   m.def("driver_missing", []() { return driver().missing; });
+  m.def("cublaslt_missing", []() { return lt().missing; });
 }

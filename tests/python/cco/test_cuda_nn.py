@@ -482,12 +482,14 @@ def check_decode_vendor(comm, log):
     quantizer's launch into rows padded to cuBLAS's multiple of 4, then cuBLAS's blockwise GEMM):
     the layer's decode call equals its general path (``decode_rows = 0``: ``quantize_activation``
     and the op's cuBLAS call) bit for bit at every M, with a bias, first through the Python path and
-    then through the C++ table; the rule gives 64 rows where cuBLAS takes the K and one where not."""
+    then through the C++ table, whose calls run the plan's kept cuBLASLt call (torch's descriptor and
+    heuristic pick made once: the same kernel, so the same bits) and, switched off, at::_scaled_mm;
+    the rule gives 64 rows where cuBLAS takes the K and one where not."""
     import torch.distributed as dist
 
     from cco.comm import Communicator
     from cco.nn import RowParallelLinear
-    from kernels_fused.hopper import native as NV
+    from kernels_fused.hopper import decode as D, native as NV
     from scripts.bench_decode import switched_off
 
     singles = [dist.new_group([r], backend="gloo") for r in range(comm.world)]  # collective: every rank makes each
@@ -510,16 +512,27 @@ def check_decode_vendor(comm, log):
             layer.decode_rows = 64
             python = switched_off(lambda: layer(x), NV, "ENABLED")()  # (with the table off nothing is planned)
             layer(x)  # plans the shape where it is new
-            taken = NV.TABLE.taken()
+            taken, kept = NV.TABLE.taken(), NV.TABLE.lt_taken()
             table = layer(x)
             if NV.TABLE.taken() != taken + 1:
                 raise AssertionError(f"decode vendor M={m}: the call did not go through the C++ table")
+            if NV.TABLE.lt_taken() != kept + 1:  # the plan's kept cuBLASLt call, not at::_scaled_mm
+                raise AssertionError(f"decode vendor M={m}: the table's call did not run its kept cuBLASLt call "
+                                     f"({NV.TABLE.lt_error() or 'no error recorded'})")
             if not torch.equal(python, want) or not torch.equal(table, want):
                 raise AssertionError(f"decode vendor M={m}: the decode path differs from the layer's general path "
                                      f"(Python path equal: {torch.equal(python, want)})")
+        # the kept call switched off (CCO_DECODE_CUBLASLT=0): the table's at::_scaled_mm, the same bits
+        taken, kept = NV.TABLE.taken(), NV.TABLE.lt_taken()
+        table = switched_off(lambda: layer(x), D, "CUBLASLT")()
+        if (NV.TABLE.taken(), NV.TABLE.lt_taken()) != (taken + 1, kept) or not torch.equal(table, want):
+            raise AssertionError(f"decode vendor M={m}, cuBLASLt off: taken {NV.TABLE.taken() - taken}, kept calls "
+                                 f"{NV.TABLE.lt_taken() - kept} (1 and 0 expected), equal {torch.equal(table, want)}")
     for closing in (layer, narrow, solo):
         closing.close()
-    log(f"ok decode vendor (blockscale): M {ms} == the layer's general path, Python path and C++ table")
+    log(f"ok decode vendor (blockscale): M {ms} == the layer's general path, Python path and C++ table (its kept "
+        f"cuBLASLt call, workspace bound {D.lt_workspace_bytes(torch.cuda.current_device())} bytes); at::_scaled_mm with "
+        f"it off")
 
 
 def rank_main():

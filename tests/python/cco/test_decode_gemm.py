@@ -287,3 +287,32 @@ def test_vendor_rows_rule():
     assert D.vendor_rows("ptpc", 5, 512, 0) == D.vendor_rows("mxfp8", 5, 512, 0) == 0
     assert [D.decode_max_m("blockscale", k) for k in (384, 512, 2304, 14336)] == [1, 64, 1, 64]
     assert (D.decode_max_m("ptpc", 384), D.decode_max_m("mxfp8", 512)) == (64, 1)
+
+
+def test_lt_workspace_rule(monkeypatch):
+    """The workspace bound the C++ table's kept cuBLASLt call offers the heuristic is torch's own
+    (its pick depends on it, and the call must pick torch's algorithm to give its bits): cuBLAS's
+    32 MiB on Hopper, 8 MiB + 128 KiB on an older GPU, ``CUBLAS_WORKSPACE_CONFIG``'s pairs summed,
+    ``CUBLASLT_WORKSPACE_SIZE`` (KiB) capped at cuBLAS's while the two are unified, and 1 MiB where
+    they are not."""
+    from kernels_fused.hopper import decode as D
+
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    for name in ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE", "TORCH_CUBLASLT_UNIFIED_WORKSPACE"):
+        monkeypatch.delenv(name, raising=False)
+    assert D.lt_workspace_bytes(0) == 32 << 20
+    capability[0] = (8, 0)
+    assert D.lt_workspace_bytes(0) == (8 << 20) + (128 << 10)
+    capability[0] = (9, 0)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2:16:8")
+    assert D.lt_workspace_bytes(0) == (8 << 20) + (128 << 10)
+    monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", "65536")  # more than cuBLAS's: capped
+    assert D.lt_workspace_bytes(0) == (8 << 20) + (128 << 10)
+    monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", "2048")
+    assert D.lt_workspace_bytes(0) == 2 << 20
+    monkeypatch.setenv("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "0")
+    monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", "65536")
+    assert D.lt_workspace_bytes(0) == 64 << 20
+    monkeypatch.delenv("CUBLASLT_WORKSPACE_SIZE")
+    assert D.lt_workspace_bytes(0) == 1 << 20

@@ -221,7 +221,7 @@ def test_extension_builds_and_takes_no_host_call(extension):
     """The extension builds with torch's headers alone (no CUDA toolkit); its table takes no call
     whose x is not on a GPU (None: the Python path runs) and counts none."""
     x, wq, ws = activations(2, 256, seed=1), *weight(16, 256, 256, "ptpc")
-    assert extension.run(x, wq, ws, None, 16, 0, True, 0) is None
+    assert extension.run(x, wq, ws, None, 16, 0, True, True, 0) is None
     assert extension.taken() == 0 and extension.size() == 0
 
 
@@ -233,8 +233,12 @@ def test_extension_refuses_host_calls_and_unchecked_plans(extension):
     launch = (0x1234, (1, 1, 1), 128, 0, False, [(NV.POINTER, NV.X, 0), (NV.POINTER, NV.NULL, 0)])
     x, wq, ws = activations(2, 256, seed=1), *weight(16, 256, 256, "ptpc")
     with pytest.raises(ValueError, match="cannot be planned"):
-        extension.add(x, wq, ws, None, 16, 0, [launch], [], 0, 0, 0, None)
+        extension.add(x, wq, ws, None, 16, 0, [launch], [], 0, 0, 0, 0, None)
     assert extension.size() == 0
     if module.driver_missing():  # (where there is a driver, the GPU suite checks every plan against it)
         with pytest.raises(RuntimeError, match="libcuda"):
             module.Table.param_sizes(0x1234)
+    # cuBLASLt is opened as the driver is; where it is missing a vendor plan keeps at::_scaled_mm
+    # (the GPU suite's check_decode_vendor requires its kept call to run there)
+    assert module.cublaslt_missing() in ("", "libcublasLt cannot be loaded")
+    assert extension.lt_taken() == 0 and extension.lt_error() == ""
