@@ -84,8 +84,9 @@ def parse_args(argv=None):
                    help="each cco arm also with the decode GEMM's C++ call path off (kernels_fused.hopper.native: "
                         "the Python path's kept launches), eager only, in the same passes")
     p.add_argument("--lt-arms", action="store_true",
-                   help="per-call table: each quant's layer also with the C++ table's kept cuBLASLt call off "
-                        "(decode.CUBLASLT: at::_scaled_mm as torch's call), eager only, in the same passes")
+                   help="each cco arm of a quant whose rows take the C++ table's kept cuBLASLt call (blockscale) "
+                        "also with it off (decode.CUBLASLT: at::_scaled_mm as torch's call), eager only, in the "
+                        "same passes")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--profile-calls", type=int, default=200)
     p.add_argument("--json")
@@ -380,6 +381,7 @@ def time_decode(model, dec, built: dict, args, time_back_to_back) -> dict:
     the arms alternating per pass. Every arm decodes from the same state: the cache prefilled by
     the last arm built, rewound to its first decode position (the tokens decoded differ by arm, the
     work per step does not)."""
+    from kernels_fused.hopper import decode as D
 
     def eager(model=model, made=None):
         put(model, made)
@@ -390,6 +392,9 @@ def time_decode(model, dec, built: dict, args, time_back_to_back) -> dict:
     steps = {arm: (lambda made=made: eager(made=made)) for arm, (made, _) in built.items()}
     if args.python_arms:
         steps.update({f"{arm} {PY_ARM}": python_path(steps[arm]) for arm in built if arm.startswith("cco")})
+    if args.lt_arms:  # (the quants whose rows take the C++ table's kept cuBLASLt call)
+        steps.update({f"{arm} {LT_ARM}": without_lt(steps[arm]) for arm in built
+                      if arm.startswith("cco") and any(q in arm for q in D.VENDOR_ROWS)})
     t = time_back_to_back(steps, calls=1, passes=args.repeats, warmup=1)
     swapped(model, None)
     out = {}
