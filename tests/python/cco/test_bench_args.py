@@ -277,3 +277,18 @@ def test_decode_model_profile_writes_one_table_per_arm(tmp_path, monkeypatch):
     text = path.read_text()
     assert "==== batch 2, bf16: " in text and "==== batch 2, cco ptpc: " in text and "us/step" in text
     assert put == [[], ["layer"]] and restored == [None] and dec.steps == 2 * (1 + 3)
+
+
+def test_profile_decode_call_writes_each_ranks_profile(tmp_path):
+    """``scripts/profile_decode_call.py`` at world 1 on the CPU: the three measurements' line (back to
+    back, idle queue, the profile) printed and written with the profile's tables of the layer's
+    functions; sizes below 1 are refused."""
+    from scripts import profile_decode_call as P
+
+    out = tmp_path / "prof"
+    P.main(["--quant", "ptpc", "-n", "64", "-k", "128", "-m", "2", "--calls", "3", "--out", str(out)])
+    text = (out / "rank0.txt").read_text()
+    assert text.startswith("rank 0/1 ptpc N=64 K=128 M=2: back to back host")
+    assert "idle queue: median" in text and "cumulative" in text and "cco/nn/linear.py" in text
+    with pytest.raises(SystemExit, match="must be >= 1"):
+        P.main(["-m", "0"])
