@@ -170,6 +170,40 @@ class LtGemm {
          const void* a_scale) {
     const Lt& l = lt();
     if (!l.missing.empty()) throw std::runtime_error(l.missing);
+    try {
+      make(device, rows, n, k, workspace_bound, w_scale, a_scale);
+    } catch (...) {
+      release();  // (a constructor that throws runs no destructor)
+      throw;
+    }
+  }
+
+  ~LtGemm() { release(); }
+
+  LtGemm(const LtGemm&) = delete;
+  LtGemm& operator=(const LtGemm&) = delete;
+
+  // out [rows, N] (contiguous bf16) = q [rows, K] (e4m3, M-major scales sa) times w [N, K] (scales
+  // w_scale), on ``stream``; the workspace comes from the caching allocator, on that stream.
+  void run(const at::Tensor& q, const at::Tensor& sa, const at::Tensor& w, const at::Tensor& w_scale, at::Tensor& out,
+           CUstream stream) {
+    const Lt& l = lt();
+    const void* w_scale_ptr = w_scale.data_ptr();
+    const void* a_scale_ptr = sa.data_ptr();
+    set(kAScalePointer, &w_scale_ptr, sizeof w_scale_ptr);
+    set(kBScalePointer, &a_scale_ptr, sizeof a_scale_ptr);
+    at::Tensor workspace;
+    if (workspace_ > 0) workspace = at::empty({static_cast<int64_t>(workspace_)}, q.options().dtype(at::kByte));
+    const float alpha = 1.0f, beta = 0.0f;
+    lt_check(l.matmul(handle_, desc_, &alpha, w.data_ptr(), a_, q.data_ptr(), b_, &beta, out.data_ptr(), c_,
+                      out.data_ptr(), d_, &algo_, workspace_ > 0 ? workspace.data_ptr() : nullptr, workspace_, stream),
+             "cublasLtMatmul");
+  }
+
+ private:
+  void make(int64_t device, int64_t rows, int64_t n, int64_t k, size_t workspace_bound, const void* w_scale,
+            const void* a_scale) {
+    const Lt& l = lt();
     handle_ = lt_handle(device);
     lt_check(l.desc_create(&desc_, kCompute32F, kR32F), "cublasLtMatmulDescCreate");
     // torch's operands, swapped for cuBLAS's column-major terms: out^T [N, rows] = W [N, K] . rows^T
@@ -200,34 +234,16 @@ class LtGemm {
     workspace_ = result.workspace;  // what the chosen algorithm uses, within the bound
   }
 
-  ~LtGemm() {
+  void release() {
     const Lt& l = lt();
-    for (void* layout : {a_, b_, c_, d_})
-      if (layout != nullptr) l.layout_destroy(layout);
+    for (void** layout : {&a_, &b_, &c_, &d_}) {
+      if (*layout != nullptr) l.layout_destroy(*layout);
+      *layout = nullptr;
+    }
     if (desc_ != nullptr) l.desc_destroy(desc_);
+    desc_ = nullptr;
   }
 
-  LtGemm(const LtGemm&) = delete;
-  LtGemm& operator=(const LtGemm&) = delete;
-
-  // out [rows, N] (contiguous bf16) = q [rows, K] (e4m3, M-major scales sa) times w [N, K] (scales
-  // w_scale), on ``stream``; the workspace comes from the caching allocator, on that stream.
-  void run(const at::Tensor& q, const at::Tensor& sa, const at::Tensor& w, const at::Tensor& w_scale, at::Tensor& out,
-           CUstream stream) {
-    const Lt& l = lt();
-    const void* w_scale_ptr = w_scale.data_ptr();
-    const void* a_scale_ptr = sa.data_ptr();
-    set(kAScalePointer, &w_scale_ptr, sizeof w_scale_ptr);
-    set(kBScalePointer, &a_scale_ptr, sizeof a_scale_ptr);
-    at::Tensor workspace;
-    if (workspace_ > 0) workspace = at::empty({static_cast<int64_t>(workspace_)}, q.options().dtype(at::kByte));
-    const float alpha = 1.0f, beta = 0.0f;
-    lt_check(l.matmul(handle_, desc_, &alpha, w.data_ptr(), a_, q.data_ptr(), b_, &beta, out.data_ptr(), c_,
-                      out.data_ptr(), d_, &algo_, workspace_ > 0 ? workspace.data_ptr() : nullptr, workspace_, stream),
-             "cublasLtMatmul");
-  }
-
- private:
   void set(int attribute, const void* value, size_t size) {
     lt_check(lt().desc_set(desc_, attribute, value, size), "cublasLtMatmulDescSetAttribute");
   }
@@ -441,7 +457,11 @@ class Table {
     plan.vendor_rows = vendor_rows;
     if (vendor_rows > 0 && (!plan.one.empty() || w.size(1) % kScaleBlock != 0))
       throw py::value_error("decode_calls: a vendor plan has the quantizer's launch alone, over K a multiple of 128");
-    if (vendor_rows > 0 && lt_workspace > 0) {
+    int current = -1;
+    const bool here = driver().missing.empty() && driver().ctx_device(&current) == kSuccess && current == x.get_device();
+    if (vendor_rows > 0 && lt_workspace > 0 && !here) {
+      lt_error_ = "planned while another device was current: cuBLASLt's handle is made for the current one";
+    } else if (vendor_rows > 0 && lt_workspace > 0) {
       try {  // the scales' pointers as a call's (the heuristic may read their alignment); each call sets its own
         at::Tensor sa = at::empty({w.size(1) / kScaleBlock, vendor_rows}, x.options().dtype(at::kFloat)).t();
         plan.lt = std::make_shared<LtGemm>(x.get_device(), vendor_rows, w.size(0), w.size(1),
