@@ -11,6 +11,7 @@
 #include <dlfcn.h>
 
 #include <array>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -25,6 +26,22 @@ constexpr CUresult kSuccess = 0;
 constexpr CUresult kCooperativeTooLarge = 720;  // CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE
 constexpr CUresult kNotSupported = 801;         // CUDA_ERROR_NOT_SUPPORTED (an SM share refuses)
 
+// The first of ``names`` already loaded (torch loads its CUDA libraries), else the first that loads.
+void* open_library(std::initializer_list<const char*> names) {
+  for (const char* name : names)
+    if (void* lib = dlopen(name, RTLD_LAZY | RTLD_NOLOAD)) return lib;
+  for (const char* name : names)
+    if (void* lib = dlopen(name, RTLD_LAZY)) return lib;
+  return nullptr;
+}
+
+// f = ``lib``'s entry point ``name``; the first one missing is said in ``missing``.
+template <typename F>
+void bind(void* lib, F& f, const char* name, const char* library, std::string& missing) {
+  f = reinterpret_cast<F>(dlsym(lib, name));
+  if (f == nullptr && missing.empty()) missing = std::string(library) + " has no " + name;
+}
+
 // The driver's entry points this file calls (cuda.h's signatures, with opaque handles).
 struct Driver {
   CUresult (*launch)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
@@ -38,24 +55,18 @@ struct Driver {
   std::string missing;  // why the driver cannot be used ("" where it can)
 
   Driver() {
-    void* lib = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);  // torch has loaded it where there is a GPU
-    if (lib == nullptr) lib = dlopen("libcuda.so.1", RTLD_LAZY);
+    void* lib = open_library({"libcuda.so.1"});  // torch has loaded it where there is a GPU
     if (lib == nullptr) {
       missing = "libcuda.so.1 cannot be loaded";
       return;
     }
-    bind(lib, launch, "cuLaunchKernel");
-    bind(lib, launch_cooperative, "cuLaunchCooperativeKernel");
-    bind(lib, is_capturing, "cuStreamIsCapturing");
-    bind(lib, ctx_device, "cuCtxGetDevice");
-    bind(lib, param_info, "cuFuncGetParamInfo");  // CUDA 12.4+: the plans are checked against it
-    bind(lib, error_string, "cuGetErrorString");
-  }
-
-  template <typename F>
-  void bind(void* lib, F& f, const char* name) {
-    f = reinterpret_cast<F>(dlsym(lib, name));
-    if (f == nullptr && missing.empty()) missing = std::string("the driver has no ") + name;
+    const char* what = "the driver";
+    bind(lib, launch, "cuLaunchKernel", what, missing);
+    bind(lib, launch_cooperative, "cuLaunchCooperativeKernel", what, missing);
+    bind(lib, is_capturing, "cuStreamIsCapturing", what, missing);
+    bind(lib, ctx_device, "cuCtxGetDevice", what, missing);
+    bind(lib, param_info, "cuFuncGetParamInfo", what, missing);  // CUDA 12.4+: the plans are checked against it
+    bind(lib, error_string, "cuGetErrorString", what, missing);
   }
 
   std::string error(CUresult r) const {
@@ -107,35 +118,23 @@ struct Lt {
   std::string missing;
 
   Lt() {
-    void* lib = nullptr;
-    for (const char* name : {"libcublasLt.so.13", "libcublasLt.so.12"}) {
-      lib = dlopen(name, RTLD_LAZY | RTLD_NOLOAD);  // the one torch loaded
-      if (lib != nullptr) break;
-    }
-    for (const char* name : {"libcublasLt.so.13", "libcublasLt.so.12"}) {
-      if (lib == nullptr) lib = dlopen(name, RTLD_LAZY);
-    }
+    void* lib = open_library({"libcublasLt.so.13", "libcublasLt.so.12"});  // the one torch loaded
     if (lib == nullptr) {
       missing = "libcublasLt cannot be loaded";
       return;
     }
-    bind(lib, create, "cublasLtCreate");
-    bind(lib, desc_create, "cublasLtMatmulDescCreate");
-    bind(lib, desc_set, "cublasLtMatmulDescSetAttribute");
-    bind(lib, desc_destroy, "cublasLtMatmulDescDestroy");
-    bind(lib, layout_create, "cublasLtMatrixLayoutCreate");
-    bind(lib, layout_destroy, "cublasLtMatrixLayoutDestroy");
-    bind(lib, pref_create, "cublasLtMatmulPreferenceCreate");
-    bind(lib, pref_set, "cublasLtMatmulPreferenceSetAttribute");
-    bind(lib, pref_destroy, "cublasLtMatmulPreferenceDestroy");
-    bind(lib, heuristic, "cublasLtMatmulAlgoGetHeuristic");
-    bind(lib, matmul, "cublasLtMatmul");
-  }
-
-  template <typename F>
-  void bind(void* lib, F& f, const char* name) {
-    f = reinterpret_cast<F>(dlsym(lib, name));
-    if (f == nullptr && missing.empty()) missing = std::string("cuBLASLt has no ") + name;
+    const char* what = "cuBLASLt";
+    bind(lib, create, "cublasLtCreate", what, missing);
+    bind(lib, desc_create, "cublasLtMatmulDescCreate", what, missing);
+    bind(lib, desc_set, "cublasLtMatmulDescSetAttribute", what, missing);
+    bind(lib, desc_destroy, "cublasLtMatmulDescDestroy", what, missing);
+    bind(lib, layout_create, "cublasLtMatrixLayoutCreate", what, missing);
+    bind(lib, layout_destroy, "cublasLtMatrixLayoutDestroy", what, missing);
+    bind(lib, pref_create, "cublasLtMatmulPreferenceCreate", what, missing);
+    bind(lib, pref_set, "cublasLtMatmulPreferenceSetAttribute", what, missing);
+    bind(lib, pref_destroy, "cublasLtMatmulPreferenceDestroy", what, missing);
+    bind(lib, heuristic, "cublasLtMatmulAlgoGetHeuristic", what, missing);
+    bind(lib, matmul, "cublasLtMatmul", what, missing);
   }
 };
 
