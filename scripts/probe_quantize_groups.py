@@ -1,0 +1,79 @@
+"""Why blockscale's activation quantizer takes ~6 us of device time at one row (and at K = 1792)
+where it takes ~3 us at 8..64 rows (docs/decode.md, "The activation quantizer"): the group
+quantizer (``quantize_groups_kernel``) timed under CUDA-graph replay per (quant, K, M, M_OUT), as
+compiled (Triton specializes an integer argument equal to 1) and with ``M`` and ``M_OUT`` left
+unspecialized, in the same passes. One GPU::
+
+    python3 -m scripts.probe_quantize_groups --json probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("-k", type=int, action="append", help="repeatable; default 1792, 4096, 14336")
+    p.add_argument("--calls", type=int, default=20, help="kernel launches per graph")
+    p.add_argument("--passes", type=int, default=5)
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("probe_quantize_groups: needs a GPU")
+    import triton
+
+    from cco.quant import _TINY, FP8_MAX, MX_GROUP, SCALE_BLOCK
+    from kernels_fused.hopper import quantize as QZ
+    from kernels_fused.hopper import quantize_kernels as QK
+
+    plain = QK.quantize_groups_kernel
+    loose = triton.jit(plain.fn, do_not_specialize=["M", "M_OUT"])
+    rows = []
+    for quant in ("blockscale", "mxfp8"):
+        group = SCALE_BLOCK if quant == "blockscale" else MX_GROUP
+        for k in args.k or (1792, 4096, 14336):
+            for m, m_out in ((1, 1), (1, 4), (2, 4), (4, 4), (8, 8), (64, 64)):
+                x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+                q, s = QZ.empty_activation(quant, m_out, k, x.device)
+                grid = (-(-m_out // QZ.GROUP_BLOCK_M), -(-k // QZ.GROUP_BLOCK_K))
+                times = {}
+                for name, kernel in (("specialized", plain), ("M unspecialized", loose)):
+                    def launch(kernel=kernel):
+                        kernel[grid](x, q, s, m, m_out, k, k, x.stride(0), _TINY, FP8_MAX, quant == "mxfp8", group,
+                                     QZ.GROUP_BLOCK_M, QZ.GROUP_BLOCK_K, False, num_warps=QZ.NUM_WARPS)
+                    launch()
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        for _ in range(args.calls):
+                            launch()
+                    times[name] = graph
+                per = {name: [] for name in times}
+                for _ in range(args.passes):  # the arms alternate per pass
+                    for name, graph in times.items():
+                        graph.replay()
+                        torch.cuda.synchronize()
+                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        start.record()
+                        graph.replay()
+                        end.record()
+                        end.synchronize()
+                        per[name].append(start.elapsed_time(end) * 1e3 / args.calls)
+                row = {"quant": quant, "k": k, "m": m, "m_out": m_out,
+                       **{f"{name} us": statistics.median(t) for name, t in per.items()}}
+                rows.append(row)
+                print(f"{quant:10s} K={k:6d} M={m:3d} M_OUT={m_out:3d} | " +
+                      " | ".join(f"{name} {statistics.median(t):.2f} us ({min(t):.2f}..{max(t):.2f})"
+                                 for name, t in per.items()), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": "python3 -m scripts.probe_quantize_groups", "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
