@@ -1,13 +1,14 @@
 """Where a decode-sized eager call of the layer spends its host time, per rank: ``RowParallelLinear``'s
 call at M rows timed back to back, then each call issued on an idle queue (the GPU synchronized
 before it: its own host cost, not the back-pressure of a device that runs behind), then the same
-idle-queue calls under cProfile (tottime and cumulative, the project's own functions). Run it at world 1 or under torchrun (two ranks may share one GPU: the host
-time is real there)::
+idle-queue calls under cProfile (tottime and cumulative, the project's own functions). Run it at
+world 1 or under torchrun (two ranks may share one GPU: the host time is real there)::
 
     python3 -m scripts.profile_decode_call --quant ptpc -n 4096 -k 7168 -m 8 --out prof
     torchrun --nproc-per-node 2 -m scripts.profile_decode_call --quant ptpc -n 4096 -k 7168 -m 8 --out prof
 
-Writes ``OUT/rank{r}.txt`` (the profile) and prints each rank's host and wall us per call.
+Writes ``OUT/rank{r}.txt`` (the profile) and prints each rank's host and wall us per call (the
+first line of that file).
 """
 
 from __future__ import annotations

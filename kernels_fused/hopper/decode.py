@@ -163,7 +163,8 @@ def lt_workspace_bytes(device: int) -> int:
     pairs = re.findall(r":([0-9]+):([0-9]+)", config or "")
     cublas = (sum(int(size) * 1024 * int(count) for size, count in pairs) if pairs
               else 32 << 20 if major in (9, 10, 12) else (8 << 20) + (128 << 10))
-    unified = os.environ.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "1").strip().lower() not in ("0", "false", "off", "no", "n")
+    unified = os.environ.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "1").strip().lower() not in ("0", "false", "off",
+                                                                                            "no", "n")
     lt = os.environ.get("CUBLASLT_WORKSPACE_SIZE", "").strip()
     size = int(lt) * 1024 if lt.isdigit() else cublas if unified else 1 << 20
     return min(size, cublas) if unified else size

@@ -144,7 +144,8 @@ const Lt& lt() {
 }
 
 void lt_check(LtStatus status, const char* what) {
-  if (status != 0) throw std::runtime_error(std::string("cuBLASLt ") + what + " returned status " + std::to_string(status));
+  if (status != 0)
+    throw std::runtime_error(std::string("cuBLASLt ") + what + " returned status " + std::to_string(status));
 }
 
 // One handle per device, made once and kept for the process (as torch keeps its own).

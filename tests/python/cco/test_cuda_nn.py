@@ -530,9 +530,9 @@ def check_decode_vendor(comm, log):
                                  f"{NV.TABLE.lt_taken() - kept} (1 and 0 expected), equal {torch.equal(table, want)}")
     for closing in (layer, narrow, solo):
         closing.close()
+    bound = D.lt_workspace_bytes(torch.cuda.current_device())
     log(f"ok decode vendor (blockscale): M {ms} == the layer's general path, Python path and C++ table (its kept "
-        f"cuBLASLt call, workspace bound {D.lt_workspace_bytes(torch.cuda.current_device())} bytes); at::_scaled_mm with "
-        f"it off")
+        f"cuBLASLt call, workspace bound {bound} bytes); at::_scaled_mm with it off")
 
 
 def rank_main():
