@@ -462,6 +462,17 @@ def summary(pass_us, tokens: int) -> dict:
     return {"ms_per_token": statistics.median(per), "min": min(per), "max": max(per), "passes": per}
 
 
+def launched_or_one_rank(device: torch.device):
+    """The launcher's communicator (torchrun's ``RANK`` / ``WORLD_SIZE``), else one rank of its own
+    on ``device`` (a private file rendezvous)."""
+    from cco.comm import Communicator
+
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return Communicator.from_env()
+    rendezvous = os.path.join(tempfile.mkdtemp(), "rendezvous")
+    return Communicator(rank=0, world=1, init_method=f"file://{rendezvous}", device=device)
+
+
 # --------------------------------------------------------------------------------------------------
 # per call
 # --------------------------------------------------------------------------------------------------
@@ -584,6 +595,13 @@ def _two_launches(layer, x, quant):
 
 def graph_device_us(arms, args, time_arms) -> dict:
     """Per arm, device us/call: a CUDA graph of ``--graph-calls`` calls, replayed (``time_arms``)."""
+    return {name: t.median_us / args.graph_calls
+            for name, t in graph_timings(arms, args.graph_calls, args.passes, time_arms).items()}
+
+
+def graph_timings(arms, calls: int, passes: int, time_arms) -> dict:
+    """Per arm, ``time_arms``' timing (median, spread over passes) of one replay of a CUDA graph of
+    ``calls`` calls, the arms alternating per pass (each warmed up on a side stream first)."""
     graphs = {}
     for name, fn in arms.items():
         s = torch.cuda.Stream()
@@ -595,12 +613,11 @@ def graph_device_us(arms, args, time_arms) -> dict:
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            for _ in range(args.graph_calls):
+            for _ in range(calls):
                 fn()
         graphs[name] = g
-    timed = time_arms({name: (lambda i, g=g: g.replay()) for name, g in graphs.items()}, passes=args.passes,
-                      iters=10, rotate=1)
-    return {name: t.median_us / args.graph_calls for name, t in timed.items()}
+    return time_arms({name: (lambda i, g=g: g.replay()) for name, g in graphs.items()}, passes=passes, iters=10,
+                     rotate=1)
 
 
 def profile_calls(args, comm, device, path: str) -> None:
@@ -717,7 +734,6 @@ def plot_per_call(per_call_rows, path: str) -> None:
 
 def main(argv=None):
     args = parse_args(argv)
-    from cco.comm import Communicator
 
     if args.from_json:  # plots of an earlier run: no GPU, no ranks
         try:
@@ -739,11 +755,7 @@ def main(argv=None):
     if args.smoke:
         args.hidden, args.intermediate, args.heads, args.kv_heads, args.vocab, args.layers = 256, 512, 4, 2, 512, 2
     device = torch.device("cpu") if args.smoke else torch.device("cuda", torch.cuda.current_device())
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        comm = Communicator.from_env()
-    else:
-        rendezvous = os.path.join(tempfile.mkdtemp(), "rendezvous")
-        comm = Communicator(rank=0, world=1, init_method=f"file://{rendezvous}", device=device)
+    comm = launched_or_one_rank(device)
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "command": "python3 -m scripts.bench_decode " + " ".join(sys.argv[1:] if argv is None else argv),
               "world": comm.world}

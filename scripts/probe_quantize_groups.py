@@ -20,16 +20,18 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("-k", type=int, action="append", help="repeatable; default 1792, 4096, 14336")
     p.add_argument("--calls", type=int, default=20, help="kernel launches per graph")
-    p.add_argument("--passes", type=int, default=5)
+    p.add_argument("--passes", type=int, default=5, help="at least 3 (the arms alternate per pass)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("probe_quantize_groups: needs a GPU")
     import triton
 
+    from cco.bench.timing import time_arms
     from cco.quant import _TINY, FP8_MAX, MX_GROUP, SCALE_BLOCK
     from kernels_fused.hopper import quantize as QZ
     from kernels_fused.hopper import quantize_kernels as QK
+    from scripts.bench_decode import graph_timings
 
     plain = QK.quantize_groups_kernel
     loose = triton.jit(plain.fn, do_not_specialize=["M", "M_OUT"])
@@ -41,29 +43,12 @@ def main(argv=None) -> None:
                 x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
                 q, s = QZ.empty_activation(quant, m_out, k, x.device)
                 grid = (-(-m_out // QZ.GROUP_BLOCK_M), -(-k // QZ.GROUP_BLOCK_K))
-                times = {}
-                for name, kernel in (("specialized", plain), ("M unspecialized", loose)):
-                    def launch(kernel=kernel):
-                        kernel[grid](x, q, s, m, m_out, k, k, x.stride(0), _TINY, FP8_MAX, quant == "mxfp8", group,
-                                     QZ.GROUP_BLOCK_M, QZ.GROUP_BLOCK_K, False, num_warps=QZ.NUM_WARPS)
-                    launch()
-                    torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        for _ in range(args.calls):
-                            launch()
-                    times[name] = graph
-                per = {name: [] for name in times}
-                for _ in range(args.passes):  # the arms alternate per pass
-                    for name, graph in times.items():
-                        graph.replay()
-                        torch.cuda.synchronize()
-                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        start.record()
-                        graph.replay()
-                        end.record()
-                        end.synchronize()
-                        per[name].append(start.elapsed_time(end) * 1e3 / args.calls)
+                launches = {name: (lambda kernel=kernel: kernel[grid](
+                    x, q, s, m, m_out, k, k, x.stride(0), _TINY, FP8_MAX, quant == "mxfp8", group, QZ.GROUP_BLOCK_M,
+                    QZ.GROUP_BLOCK_K, False, num_warps=QZ.NUM_WARPS))
+                    for name, kernel in (("specialized", plain), ("M unspecialized", loose))}
+                timed = graph_timings(launches, args.calls, args.passes, time_arms)
+                per = {name: [u / args.calls for u in t.pass_us] for name, t in timed.items()}
                 row = {"quant": quant, "k": k, "m": m, "m_out": m_out,
                        **{f"{name} us": statistics.median(t) for name, t in per.items()}}
                 rows.append(row)

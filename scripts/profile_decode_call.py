@@ -36,15 +36,10 @@ def main(argv=None) -> None:
     if min(args.n, args.k, args.m, args.calls) < 1:
         raise SystemExit("profile_decode_call: -n, -k, -m and --calls must be >= 1")
 
-    from cco.comm import Communicator
     from cco.nn import RowParallelLinear
+    from scripts.bench_decode import launched_or_one_rank
 
-    if "RANK" in os.environ:
-        comm = Communicator.from_env()
-    else:
-        import tempfile
-        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        comm = Communicator(rank=0, world=1, init_method=f"file://{tempfile.mktemp()}", device=device)
+    comm = launched_or_one_rank(torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu"))
     device = comm.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     g = torch.Generator().manual_seed(comm.rank)
