@@ -1,10 +1,14 @@
-"""Why blockscale's activation quantizer takes ~6 us of device time at one row (and at K = 1792)
-where it takes ~3 us at 8..64 rows (docs/decode.md, "The activation quantizer"): the group
-quantizer (``quantize_groups_kernel``) timed under CUDA-graph replay per (quant, K, M, M_OUT), as
-compiled (Triton specializes an integer argument equal to 1) and with ``M`` and ``M_OUT`` left
-unspecialized, in the same passes. One GPU::
+"""Why blockscale's activation quantizer took ~6 us of device time at one row (and at K = 1792)
+where it took ~2.5 us at 8..64 rows: the group quantizer (``quantize_groups_kernel``) timed under
+CUDA-graph replay per (quant, K, M, M_OUT), as compiled (Triton specializes an integer argument
+equal to 1) and with ``M`` and ``M_OUT`` left unspecialized, in the same passes. One GPU::
 
     python3 -m scripts.probe_quantize_groups --json probe.json
+
+What it showed (one H200, 2026-12-04, docs/decode.md "The quantizer's zeros"): both arms equal in
+every cell, so not the specialization; the slow cells were those whose tiles hold zeros (rows past
+M, columns past K), which the IEEE division took a slow path for. ``_div_rn`` no longer divides a
+zero, and the same probe then gave 2.3-3.2 us at every cell.
 """
 
 from __future__ import annotations

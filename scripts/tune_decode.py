@@ -97,6 +97,30 @@ def with_config(cfg, quant, m: int = 1):
     D._LAUNCHES.clear()
 
 
+def best_configs(rows: list) -> dict:
+    """Per quant and kernel (``row``: one row; ``rows``: 2..ROWS_MAX; ``wide``: past it), the config
+    timed at every cell (shape, M) of that kernel with the least geometric mean of its device time
+    over bf16's: what ``decode.py``'s tables for it should hold."""
+    from kernels_fused.hopper import decode as D
+
+    ratios: dict = {}
+    for r in rows:
+        if "us" not in r:
+            continue
+        kernel = "row" if r["m"] == 1 else "rows" if r["m"] <= D.ROWS_MAX else "wide"
+        for arm, us in r["us"].items():
+            if arm.startswith("decode "):
+                ratios.setdefault((r["quant"], kernel), {}).setdefault(arm[len("decode "):], []).append(
+                    us / r["us"]["nn.Linear bf16"])
+    best = {}
+    for (quant, kernel), per in ratios.items():
+        cells = max(len(v) for v in per.values())
+        mean = {cfg: statistics.geometric_mean(v) for cfg, v in per.items() if len(v) == cells}
+        cfg = min(mean, key=mean.get)
+        best[f"{quant} {kernel}"] = {"config": cfg, "ratio": mean[cfg], "cells": cells}
+    return best
+
+
 def plot(out: dict, path: str) -> None:
     """One panel per shape: device us per call over M (log-log) of bf16 ``F.linear``, and per quant
     the two launches (dashed) and the decode GEMM's best config (solid); lower is better."""
@@ -149,7 +173,12 @@ def main(argv=None) -> int:
     from kernels_fused.hopper.quantize import quantize_activation
     from scripts.bench_decode import slow_launches
 
+    from kernels_fused.hopper import native as NV
+
     dev = torch.device("cuda")
+    # the sweep runs the Python path's launches: the C++ table would replay a call shape's first
+    # config whatever config is set (and leave no kept launch to time)
+    native_enabled, NV.ENABLED = NV.ENABLED, False
     every = (*D.tables("ptpc", 1), *D.tables("ptpc", 2), *D.tables("ptpc", D.MMA_ROWS_MAX))
     defaults = tuple(dict(table) for table in every)
     out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "gpu": torch.cuda.get_device_name(),
@@ -213,6 +242,11 @@ def main(argv=None) -> int:
     for table, saved in zip(every, defaults):
         table.update(saved)
     D._LAUNCHES.clear()
+    NV.ENABLED = native_enabled
+    out["best_configs"] = best_configs(out["rows"])
+    for name, best in out["best_configs"].items():
+        print(f"best {name}: {best['config']} ({best['ratio']:.3f}x of bf16, geometric mean over {best['cells']} "
+              f"cells)", flush=True)
     if args.host:
         out["host"] = host_costs(args)
     if args.json:

@@ -74,6 +74,9 @@ from kernels_fused.hopper.quantize import (SPLIT_NUM_WARPS, _interpreting, _pow2
 # 76.6-83.0 (0.72-0.79x / 0.73-1.00x / 0.52-0.54x of bf16), the layer's eager call 41-54 us of host
 # time against 78-96: so ptpc up to 64 rows (MMA_ROWS_MAX).
 # blockscale takes 2..64 rows too, through VENDOR_ROWS below (where cuBLAS takes the K: decode_max_m).
+# mxfp8 keeps one row: its MMA over quantized rows (e8m0 scales per 32 columns on both operands) ran
+# 2.2-2.8x of bf16's device time at 8B down and 2..16 rows, the two launches 1.1x (2026-12-04,
+# docs/decode.md "mxfp8's rows over the fp8 weight"; reverted).
 DECODE_MAX_M = {"ptpc": 64, "blockscale": 64, "mxfp8": 1}
 # Per quant, the best M = 1 config of that run: BLOCK_N output features per program (one program per
 # BLOCK_N and row: no split of K, so no second pass); BLOCK_K columns per step, in groups of the

@@ -309,6 +309,21 @@ std::array<int64_t, 3> rows_of(const at::Tensor& x) {
 
 int64_t align16(const at::Tensor& t) { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16); }
 
+constexpr int64_t kScaleBlock = 128;  // blockscale's activation scale group
+
+// Whether ``device`` is the current one (the driver's context): a launch and a cuBLASLt handle are
+// made for the current device only.
+bool current_is(const Driver& d, int64_t device) {
+  int current = -1;
+  return d.missing.empty() && d.ctx_device(&current) == kSuccess && current == device;
+}
+
+// A vendor plan's activation scales for ``rows`` rows, M-major as decode.py allocates them (cuBLAS's
+// blockwise recipe reads them so).
+at::Tensor m_major_scales(const at::Tensor& x, int64_t rows, int64_t k_padded) {
+  return at::empty({k_padded / kScaleBlock, rows}, x.options().dtype(at::kFloat)).t();
+}
+
 // decode.py's vendor_gemm, call for call: out [..., n] = (q @ dequant(w).T)[:m, :n] (+ bias); through
 // the plan's kept cuBLASLt call where it has one (eager), else through at::_scaled_mm as torch's call.
 void vendor_gemm(const at::Tensor& q, const at::Tensor& sa, const at::Tensor& w, const at::Tensor& scale,
@@ -360,9 +375,7 @@ class Table {
     auto it = plans_.find(key);
     if (it == plans_.end()) return py::none();
     const Driver& d = driver();
-    if (!d.missing.empty()) return py::none();
-    int current = -1;
-    if (d.ctx_device(&current) != kSuccess || current != x.get_device()) return py::none();
+    if (!current_is(d, x.get_device())) return py::none();
     CUstream s = reinterpret_cast<CUstream>(stream);
     int capturing = 0;
     if (d.is_capturing(s, &capturing) != kSuccess) return py::none();
@@ -388,7 +401,7 @@ class Table {
     if (plan.vendor_rows > 0) {
       const int64_t k_padded = w.size(1);
       q = at::empty({plan.vendor_rows, k_padded}, x.options().dtype(at::kFloat8_e4m3fn));
-      sa = at::empty({k_padded / kScaleBlock, plan.vendor_rows}, x.options().dtype(at::kFloat)).t();
+      sa = m_major_scales(x, plan.vendor_rows, k_padded);
       base[kScratch] = q.data_ptr();
       base[kAScale] = sa.data_ptr();
     }
@@ -457,13 +470,11 @@ class Table {
     plan.vendor_rows = vendor_rows;
     if (vendor_rows > 0 && (!plan.one.empty() || w.size(1) % kScaleBlock != 0))
       throw py::value_error("decode_calls: a vendor plan has the quantizer's launch alone, over K a multiple of 128");
-    int current = -1;
-    const bool here = driver().missing.empty() && driver().ctx_device(&current) == kSuccess && current == x.get_device();
-    if (vendor_rows > 0 && lt_workspace > 0 && !here) {
+    if (vendor_rows > 0 && lt_workspace > 0 && !current_is(driver(), x.get_device())) {
       lt_error_ = "planned while another device was current: cuBLASLt's handle is made for the current one";
     } else if (vendor_rows > 0 && lt_workspace > 0) {
       try {  // the scales' pointers as a call's (the heuristic may read their alignment); each call sets its own
-        at::Tensor sa = at::empty({w.size(1) / kScaleBlock, vendor_rows}, x.options().dtype(at::kFloat)).t();
+        at::Tensor sa = m_major_scales(x, vendor_rows, w.size(1));
         plan.lt = std::make_shared<LtGemm>(x.get_device(), vendor_rows, w.size(0), w.size(1),
                                            static_cast<size_t>(lt_workspace), scale.data_ptr(), sa.data_ptr());
         lt_error_.clear();
@@ -493,7 +504,6 @@ class Table {
 
  private:
   static constexpr size_t kRoles = 9;
-  static constexpr int64_t kScaleBlock = 128;  // blockscale's activation scale group
   static constexpr size_t kMaxParams = 40;
 
   std::vector<Launch> launches_of(const py::list& described) {

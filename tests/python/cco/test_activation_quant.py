@@ -90,6 +90,22 @@ def test_mxfp8_exponent_is_the_exact_ceiling_of_log2():
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="interpreted Triton only (see above)")
+@pytest.mark.parametrize("quant, split", [("ptpc", False), ("ptpc", True), ("blockscale", False), ("mxfp8", False)])
+def test_zeros_keep_their_bytes(quant, split):
+    """Zeros and negative zeros among the values, a zero 128-column group, a zero row: each is
+    quantized without a division (``_div_rn``) and must give ``quantize_a``'s bytes, sign bit too."""
+    from kernels_fused.hopper.quantize import quantize_activation
+
+    x = activations(5, 384, seed=9, dtype=torch.float32)
+    x[0, ::7], x[1, 1::5] = 0.0, -0.0
+    x[2, 128:256] = -0.0
+    x[3] = 0.0
+    want = reference(x, quant, 512)
+    assert int((want[0].view(torch.uint8) == 0x80).sum()) > 0  # negative zeros are in the reference's bytes
+    assert_same_bytes(quantize_activation(x, quant, k_padded=512, ptpc_split=split), want, quant)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="interpreted Triton only (see above)")
 @pytest.mark.parametrize("quant", Q.QUANTS)
 def test_triton_quantizer_no_rows(quant):
     from kernels_fused.hopper.quantize import quantize_activation

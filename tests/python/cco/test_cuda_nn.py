@@ -100,6 +100,8 @@ def check_quantizer(comm, log):
         for m, k, k_pad in ((1, 2048, 2048), (37, 2368, 2432), (1000, 7168, 7168), (5, 300, 384)):
             x = torch.randn(m, k, device=comm.device).to(torch.bfloat16)
             x[:, 0] *= 300.0  # an outlier per row: the rest of a ptpc row near e4m3's subnormals
+            # zeros and negative zeros (quantized without a division: their bytes, sign bit too), a zero group
+            x[:, 3::7], x[:, 5::11], x[m // 2, 128:256] = 0.0, -0.0, -0.0
             q, s = (t.cpu() for t in quantize_activation(x, quant, k_padded=k_pad))  # JITFunction.run
             # again through the kept launch (kernels_fused.hopper.launch), and on a strided view of the
             # same rows 8 bytes off 16-byte alignment (another key): the same bytes
@@ -126,7 +128,8 @@ def check_quantizer(comm, log):
                 L.FAST_LAUNCH = True
                 if not all(torch.equal(y.view(torch.int16), slow.view(torch.int16)) for y in kept):
                     raise AssertionError(f"mx_to_bf16 {m}x{k_pad}: the kept launch differs from JITFunction.run")
-    log("ok quantizer: Triton bytes == quantize_a bytes on the host (every quant, K padded and not); kept launches "
+    log("ok quantizer: Triton bytes == quantize_a bytes on the host (every quant, K padded and not, zeros and "
+        "negative zeros among the values); kept launches "
         "and a strided, unaligned view give the same bytes; mx_to_bf16's kept launch == JITFunction.run")
 
 
@@ -444,7 +447,7 @@ def check_decode_native(comm, log):
                                                  f"({table.taken() - taken} of 2)")
                         if not torch.equal(got, want) or not torch.equal(shaped, want.view(1, m, n)):
                             raise AssertionError(f"{where}: differs from the Python path")
-                        one_launch = one and 1 < m and quant in D.QUANTIZED_ROWS and n * wq.shape[1] <= \
+                        one_launch = one and 1 < m and quant == "ptpc" and n * wq.shape[1] <= \
                             D.ONE_LAUNCH_MAX_BYTES
                         if int(sync[1]) - gen != (2 if one_launch else 0):
                             raise AssertionError(f"{where}: the wait counter advanced {int(sync[1]) - gen} times "
@@ -489,8 +492,7 @@ def check_decode_vendor(comm, log):
 
     from cco.comm import Communicator
     from cco.nn import RowParallelLinear
-    from kernels_fused.hopper import decode as D, native as NV
-    from scripts.bench_decode import switched_off
+    from kernels_fused.hopper import decode as D
 
     singles = [dist.new_group([r], backend="gloo") for r in range(comm.world)]  # collective: every rank makes each
     solo = Communicator.from_group(singles[comm.rank], device=comm.device)
@@ -501,12 +503,31 @@ def check_decode_vendor(comm, log):
     if (layer.decode_rows, narrow.decode_rows) != (64, 1):
         raise AssertionError(f"decode vendor: decode_rows {layer.decode_rows} at K {k} (64 expected), "
                              f"{narrow.decode_rows} at K {narrow.k_padded} (1 expected)")
-    layer.load_weight((torch.randn(N, k, generator=g) / k ** 0.5).to(torch.bfloat16).to(comm.device))
+    ms = [m for m in DECODE_MS if m > 1]
+    # and Llama-3-8B's down_proj at 8 and 32 rows, where cuBLASLt's pick is a split-K kernel (two launches)
+    big = RowParallelLinear(14336, 4096, group=solo, quant="blockscale", bias=True, m_max=M_MAX)
+    for each, rows in ((layer, ms), (big, (8, 32))):
+        check_vendor_layer(each, rows, g, comm.device)
+    for closing in (layer, narrow, big, solo):
+        closing.close()
+    bound = D.lt_workspace_bytes(torch.cuda.current_device())
+    log(f"ok decode vendor (blockscale): M {ms} at K 512 and M 8, 32 at 8B down_proj == the layer's general path, "
+        f"Python path and C++ table (its kept cuBLASLt call, workspace bound {bound} bytes); at::_scaled_mm with "
+        f"it off")
+
+
+def check_vendor_layer(layer, ms, g, device):
+    """check_decode_vendor's comparisons for one layer at each M of ``ms``."""
+    from kernels_fused.hopper import decode as D, native as NV
+    from scripts.bench_decode import switched_off
+
+    n, k = layer.out_features, layer.in_features_per_rank
+    where = f"decode vendor N={n} K={k}"
+    layer.load_weight((torch.randn(n, k, generator=g) / k ** 0.5).to(torch.bfloat16).to(device))
     with torch.no_grad():
-        layer.bias.copy_(torch.randn(N, generator=g).to(torch.bfloat16))
-        ms = [m for m in DECODE_MS if m > 1]
+        layer.bias.copy_(torch.randn(n, generator=g).to(torch.bfloat16))
         for m in ms:
-            x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(comm.device)
+            x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(device)
             layer.decode_rows = 0
             want = layer(x)
             layer.decode_rows = 64
@@ -515,24 +536,19 @@ def check_decode_vendor(comm, log):
             taken, kept = NV.TABLE.taken(), NV.TABLE.lt_taken()
             table = layer(x)
             if NV.TABLE.taken() != taken + 1:
-                raise AssertionError(f"decode vendor M={m}: the call did not go through the C++ table")
+                raise AssertionError(f"{where} M={m}: the call did not go through the C++ table")
             if NV.TABLE.lt_taken() != kept + 1:  # the plan's kept cuBLASLt call, not at::_scaled_mm
-                raise AssertionError(f"decode vendor M={m}: the table's call did not run its kept cuBLASLt call "
+                raise AssertionError(f"{where} M={m}: the table's call did not run its kept cuBLASLt call "
                                      f"({NV.TABLE.lt_error() or 'no error recorded'})")
             if not torch.equal(python, want) or not torch.equal(table, want):
-                raise AssertionError(f"decode vendor M={m}: the decode path differs from the layer's general path "
+                raise AssertionError(f"{where} M={m}: the decode path differs from the layer's general path "
                                      f"(Python path equal: {torch.equal(python, want)})")
         # the kept call switched off (CCO_DECODE_CUBLASLT=0): the table's at::_scaled_mm, the same bits
         taken, kept = NV.TABLE.taken(), NV.TABLE.lt_taken()
         table = switched_off(lambda: layer(x), D, "CUBLASLT")()
         if (NV.TABLE.taken(), NV.TABLE.lt_taken()) != (taken + 1, kept) or not torch.equal(table, want):
-            raise AssertionError(f"decode vendor M={m}, cuBLASLt off: taken {NV.TABLE.taken() - taken}, kept calls "
+            raise AssertionError(f"{where} M={m}, cuBLASLt off: taken {NV.TABLE.taken() - taken}, kept calls "
                                  f"{NV.TABLE.lt_taken() - kept} (1 and 0 expected), equal {torch.equal(table, want)}")
-    for closing in (layer, narrow, solo):
-        closing.close()
-    bound = D.lt_workspace_bytes(torch.cuda.current_device())
-    log(f"ok decode vendor (blockscale): M {ms} == the layer's general path, Python path and C++ table (its kept "
-        f"cuBLASLt call, workspace bound {bound} bytes); at::_scaled_mm with it off")
 
 
 def rank_main():

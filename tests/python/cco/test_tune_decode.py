@@ -49,3 +49,16 @@ def test_plot_from_a_runs_json(tmp_path):
     out = tmp_path / "tune.png"
     assert T.main(["--from", RUN, "--plot", str(out)]) == 0
     assert out.stat().st_size > 10_000
+
+
+def test_best_configs_per_kernel_are_the_least_geometric_mean():
+    """The config with the least geometric mean over bf16 among those timed at every cell of its
+    kernel (a config missing a cell, one that did not compile there, is not a candidate)."""
+    row = lambda m, bf16, **us: {"m": m, "quant": "ptpc", "us": {"nn.Linear bf16": bf16, **{  # noqa: E731
+        f"decode {k}": v for k, v in us.items()}}}
+    rows = [row(2, 10.0, a=5.0, b=8.0, c=1.0), row(8, 10.0, a=20.0, b=9.0),  # c: one cell only
+            row(32, 10.0, a=3.0, b=4.0), row(1, 10.0, a=7.0), {"m": 4, "quant": "ptpc", "error": "x"}]
+    best = T.best_configs(rows)
+    assert best["ptpc rows"]["config"] == "b" and best["ptpc rows"]["cells"] == 2  # 0.849 against a's 1.0
+    assert abs(best["ptpc rows"]["ratio"] - (0.8 * 0.9) ** 0.5) < 1e-12
+    assert best["ptpc wide"]["config"] == "a" and best["ptpc row"]["config"] == "a"
