@@ -302,13 +302,38 @@ def _plan(launch, x, row_stride, w, w_scale, bias, n, quant) -> None:
     if launch.planned == compiled:
         return
     launch.planned = compiled
+    device = x.get_device()
     try:
         one, two, scratch_one, scratch_two = launch.plan(row_stride, w_scale.stride(0))
-        lt_workspace = lt_workspace_bytes(x.get_device()) if launch.vendor and CUBLASLT else 0
-        table.add(x, w, w_scale, bias, n, _QUANT_CODE[quant], one, two, scratch_one, scratch_two, launch.vendor,
-                  lt_workspace, (launch.one, launch.quantize, launch.kernel))
+        # (a capture cannot compare the kept call's bits, below: its shape keeps torch's call)
+        lt_workspace = lt_workspace_bytes(device) if launch.vendor and CUBLASLT and not _capturing(device) else 0
+        add = functools.partial(table.add, x, w, w_scale, bias, n, _QUANT_CODE[quant], one, two, scratch_one,
+                                scratch_two, launch.vendor)
+        add(lt_workspace, (launch.one, launch.quantize, launch.kernel))
+        if lt_workspace and not table.lt_error() and not _same_bits(table, x, w, w_scale, bias, n, quant, device):
+            add(0, (launch.one, launch.quantize, launch.kernel))  # torch's own call for this shape from now on
     except ValueError as err:  # a launch the table cannot replay (another Triton's ABI): stays here
         warnings.warn(f"decode_gemm: this call shape stays on the Python path ({err})", RuntimeWarning, stacklevel=3)
+
+
+# Call shapes (M, K_pad, N) whose kept cuBLASLt call gave other bits than torch's call on their first
+# call (_same_bits): they keep torch's call. Bounded as the table's plans are.
+LT_DIFFERED: dict = {}
+
+
+def _same_bits(table, x, w, w_scale, bias, n, quant, device) -> bool:
+    """Whether a new vendor plan's kept cuBLASLt call gives torch's bits on this call's rows: both
+    run once through the table and are compared (one wait for the device, once per call shape).
+    torch's pick and the kept call's come from the same heuristic query, yet at Llama-3-8B's
+    down_proj with 32 rows (a split-K algorithm) the two differed on an H200 (2026-12-04,
+    docs/decode.md): where they differ the shape keeps torch's call."""
+    stream = torch._C._cuda_getCurrentRawStream(device)
+    kept = table.run(x, w, w_scale, bias, n, _QUANT_CODE[quant], False, True, stream)
+    theirs = table.run(x, w, w_scale, bias, n, _QUANT_CODE[quant], False, False, stream)
+    same = kept is not None and theirs is not None and torch.equal(kept, theirs)
+    if not same:
+        keep(LT_DIFFERED, (x.numel() // x.shape[-1], w.shape[1], n), True, native.PLANS_KEPT)
+    return same
 
 
 _LAUNCHES: dict = {}
