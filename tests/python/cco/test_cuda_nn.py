@@ -339,8 +339,9 @@ def check_decode_one_launch(comm, log):
     """ptpc's 2..64 rows in one cooperative launch (``decode_ptpc_kernel``: quantizing phase, grid-wide
     wait, MMA): the eager layer takes it (the stream's wait counter advances once a call) and gives
     the two launches' bytes at every M; and the wait is what makes it right: at 8B down's shape (64
-    programs) with the scratch NaN-poisoned, the kernel without the wait (``PHASES=0``) reads rows not
-    yet written in some of its tries, with the wait it equals the two launches in every try."""
+    programs) at 2 rows (fewer quantizing items than programs) with the scratch NaN-poisoned, the
+    kernel without the wait (``PHASES=0``) reads rows not yet written in some of its tries, with the
+    wait it equals the two launches in every try."""
     from cco import quant as Q
     from cco.nn import ColumnParallelLinear
     from kernels_fused.hopper import decode as D
@@ -370,15 +371,17 @@ def check_decode_one_launch(comm, log):
     finally:
         NV.ENABLED = True
     layer.close()
-    # the race: 8B down (N 4096 = 64 programs, K 14336), 64 rows, the scratch poisoned before each try
-    m, n, k = 64, 4096, 14336
+    # the race: 8B down (N 4096 = 64 programs, K 14336) at 2 rows, the scratch poisoned before each try:
+    # 56 quantizing items (28 slices a row), so 8 programs have none and start the MMA at once (at 64
+    # rows, one item a program, the tries without the wait were wrong in 1 of 44 on an H200)
+    m, n, k = 2, 4096, 14336
     wq, ws = Q.quantize_b(torch.randn(n, k, generator=g) * 0.02, "ptpc")
     wq, ws = wq.to(comm.device), ws.to(comm.device)
     x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(comm.device)
     want = switched_off(lambda: D.decode_gemm(x, wq, ws, "ptpc", n=n), D, "ONE_LAUNCH")()  # the two launches
     launch = next(lt for key, lt in D._LAUNCHES.items() if key[0] == m and key[1] == k)
     if launch.one is None:
-        raise AssertionError("decode one launch: 8B down at 64 rows does not take it")
+        raise AssertionError(f"decode one launch: 8B down at {m} rows does not take it")
     sizes, slices, consts = launch.one_args
     own = torch.zeros(2, dtype=torch.int32, device=comm.device)
     wrong = tries = 0
@@ -507,7 +510,7 @@ def check_decode_vendor(comm, log):
     ms = [m for m in DECODE_MS if m > 1]
     # and Llama-3-8B's down_proj at 8 and 32 rows, where cuBLASLt's pick is a split-K kernel (two launches)
     big = RowParallelLinear(14336, 4096, group=solo, quant="blockscale", bias=True, m_max=M_MAX)
-    differed = {}
+    differed = set()
     for each, rows, may_differ in ((layer, ms, False), (big, (8, 32, 64), True)):
         differed.update(check_vendor_layer(each, rows, g, comm.device, may_differ))
     for closing in (layer, narrow, big, solo):
