@@ -169,11 +169,10 @@ def main(argv=None) -> int:
     from cco import quant as Q
     from cco.bench.timing import gemm_mismatches
     from kernels_fused.hopper import decode as D
+    from kernels_fused.hopper import native as NV
     from kernels_fused.hopper import vendor
     from kernels_fused.hopper.quantize import quantize_activation
     from scripts.bench_decode import slow_launches
-
-    from kernels_fused.hopper import native as NV
 
     dev = torch.device("cuda")
     # the sweep runs the Python path's launches: the C++ table would replay a call shape's first

@@ -324,9 +324,10 @@ LT_DIFFERED: dict = {}
 def _same_bits(table, x, w, w_scale, bias, n, quant, device) -> bool:
     """Whether a new vendor plan's kept cuBLASLt call gives torch's bits on this call's rows: both
     run once through the table and are compared (one wait for the device, once per call shape).
-    torch's pick and the kept call's come from the same heuristic query, yet at Llama-3-8B's
-    down_proj with 32 rows (a split-K algorithm) the two differed on an H200 (2026-12-04,
-    docs/decode.md): where they differ the shape keeps torch's call."""
+    At Llama-3-8B's and -70B's down_proj with 32 and 64 rows the two differed on an H200
+    (2026-12-04): torch 2.11 bounds its heuristic's workspace at 1 MiB where ``lt_workspace_bytes``
+    gives 32 MiB, and the heuristic then picks another kernel (docs/decode.md, "The kept cuBLASLt
+    call's bits"). Where they differ the shape keeps torch's call."""
     stream = torch._C._cuda_getCurrentRawStream(device)
     kept = table.run(x, w, w_scale, bias, n, _QUANT_CODE[quant], False, True, stream)
     theirs = table.run(x, w, w_scale, bias, n, _QUANT_CODE[quant], False, False, stream)
