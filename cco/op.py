@@ -90,6 +90,7 @@ import weakref
 import torch
 
 from cco import layout
+from cco.backends.base import KEPT_WEIGHTS
 from cco.preshuffle import LAYOUT_MARK
 from cco.transport.protocol import SelfTestError
 from cco.transport.reasons import RejectionNotes
@@ -106,7 +107,6 @@ _RETAINED_WINDOWS: list = []
 # (docs/hopper_gemm.md: the host time of an eager call)
 ACCEPTED_SIGNATURES = 16
 PLAIN_PLANS = 64
-KEPT_WEIGHTS = 512  # weights whose plain launches an op keeps: every layer of its shape in a large model
 
 
 class _PlainLaunches:
@@ -448,6 +448,13 @@ class CollectiveGemmOp:
         mismatched M (``PeerMismatchError``) or rejected inputs (``PeerRejectedError``). The wait is
         bounded by the deadline. The CPU backend raises inside the call itself."""
         self._backend.check()
+
+    def vendor_weight(self, b_pre, b_scale):
+        """The weight ``(b_pre, b_scale)`` as the backend's vendor GEMM holds it, kept per weight
+        (``Backend.vendor_weight``; None where there is none). Local, not a collective call, and
+        unchecked: the caller's own weight of this op's shape (``cco.nn``'s decode path reads
+        mxfp8's bf16 copy from it, the one the op's own calls read)."""
+        return self._backend.vendor_weight(b_pre, b_scale)
 
     # ---- self test ----------------------------------------------------------------------------------
     def self_test(self, *, m: int | None = None) -> dict:

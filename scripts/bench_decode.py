@@ -394,7 +394,7 @@ def time_decode(model, dec, built: dict, args, time_back_to_back) -> dict:
         steps.update({f"{arm} {PY_ARM}": python_path(steps[arm]) for arm in built if arm.startswith("cco")})
     if args.lt_arms:  # (the quants whose rows take the C++ table's kept cuBLASLt call)
         steps.update({f"{arm} {LT_ARM}": without_lt(steps[arm]) for arm in built
-                      if arm.startswith("cco") and any(q in arm for q in D.VENDOR_ROWS)})
+                      if arm.startswith("cco") and any(q in arm for q in D.LT_ROWS)})
     t = time_back_to_back(steps, calls=1, passes=args.repeats, warmup=1)
     swapped(model, None)
     out = {}
@@ -509,7 +509,7 @@ def per_call_runs(args, comm, device, *, into: list, after_shape=lambda: None) -
                         arms[f"{kept} {JIT_ARM}"] = slow_launches(arms[kept])
                 if args.python_arms:
                     arms[f"cco {q} {PY_ARM}"] = python_path(arms[f"cco {q}"])
-                if args.lt_arms and q in D.VENDOR_ROWS:
+                if args.lt_arms and q in D.LT_ROWS:
                     arms[f"cco {q} {LT_ARM}"] = without_lt(arms[f"cco {q}"])
             record = {"shape": name, "n": n, "k": k, "m": m, "world": world}
             with torch.no_grad():

@@ -49,7 +49,7 @@ def main(argv=None) -> None:
                 grid = (-(-m_out // QZ.GROUP_BLOCK_M), -(-k // QZ.GROUP_BLOCK_K))
                 launches = {name: (lambda kernel=kernel: kernel[grid](
                     x, q, s, m, m_out, k, k, x.stride(0), _TINY, FP8_MAX, quant == "mxfp8", group, QZ.GROUP_BLOCK_M,
-                    QZ.GROUP_BLOCK_K, False, num_warps=QZ.NUM_WARPS))
+                    QZ.GROUP_BLOCK_K, m_out <= QZ.SKIP_ZEROS_MAX_M, False, num_warps=QZ.NUM_WARPS))
                     for name, kernel in (("specialized", plain), ("M unspecialized", loose))}
                 timed = graph_timings(launches, args.calls, args.passes, time_arms)
                 per = {name: [u / args.calls for u in t.pass_us] for name, t in timed.items()}

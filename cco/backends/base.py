@@ -26,6 +26,8 @@ Interface changes (kept backward compatible once published):
   own share was complete must not return while a peer fails the call (its put to that peer lost).
 - v1.8 (2026-12-03): no method changed: ``_scale_rows`` (rows of an all-gathered scale slot) moved
   here from the CPU backend, which the CUDA backend's all-gather reads alike.
+- v1.9 (2026-12-04): ``vendor_weight()`` (the weight as the vendor GEMM holds it, per weight; default
+  None), which the layers' decode path reads for mxfp8's rows (``GemmAllReduceOp.vendor_weight``).
 
 Division of work. The op owns everything that is the same on every device: public validation
 (``cco.validate``), the layout (``cco.layout``: config, window regions, chunk rows, tile table,
@@ -80,6 +82,7 @@ on the host (CPU backend), or through a watchdog that releases the device's wait
 from __future__ import annotations
 
 import abc
+import weakref
 from typing import TYPE_CHECKING, ClassVar
 
 from cco import layout
@@ -131,6 +134,52 @@ class TensorDerived:
         value = derive()
         if keep():
             self._aliases, self._key, self._value = tuple(t.detach() for t in sources), key, value
+        return value
+
+
+# weights an op keeps something for (its plain launches, a vendor GEMM's copy of the weight): every
+# layer of its shape in a large model (the layers of one shape share one op, cco.nn.WindowPool)
+KEPT_WEIGHTS = 512
+
+
+class WeightDerived:
+    """One value derived per weight (a tuple of tensors, such as ``(b_pre, b_scale)``), up to
+    ``kept`` weights: the layers of one shape share one op and a model calls them in turn, so a
+    store of the last weight alone (:class:`TensorDerived`) would derive anew on every call. A
+    value is reused while the caller passes the same tensor objects with the same version counters,
+    addresses and strides. An entry lives as long as its tensor objects do (they are held weakly;
+    it goes when either dies), so an ``id`` in the key always names the live tensor it came from
+    and a replaced weight leaves nothing behind; it also holds aliases of their bytes, as
+    :class:`TensorDerived` does, so that ``t.data = other`` (no counter moves) cannot put another
+    tensor's bytes at a kept address. The oldest entry goes first past ``kept``."""
+
+    def __init__(self, kept: int = KEPT_WEIGHTS):
+        self._kept = kept
+        self._entries: dict = {}  # (id, ...) -> (weak references, stamp, value, aliases)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, sources, derive, *, keep=lambda: True):
+        """``derive()``'s value for ``sources``: the kept one if they are its tensors, unchanged;
+        else a new one, kept if ``keep()`` (asked on a miss only)."""
+        key = tuple(id(t) for t in sources)
+        stamp = TensorDerived._key_of(sources)
+        entry = self._entries.get(key)
+        if entry is not None and entry[1] == stamp and all(ref() is t for ref, t in zip(entry[0], sources)):
+            return entry[2]
+        value = derive()
+        if keep():
+            entries = self._entries
+            entries.pop(key, None)
+            while len(entries) >= self._kept:
+                entries.pop(next(iter(entries)))
+
+            def drop(_, key=key):  # either tensor died: its entry goes (only if it is still this one's)
+                if entries.get(key, (None,))[0] is refs:
+                    del entries[key]
+            refs = tuple(weakref.ref(t, drop) for t in sources)
+            entries[key] = (refs, stamp, value, tuple(t.detach() for t in sources))
         return value
 
 
@@ -242,6 +291,12 @@ class Backend(abc.ABC):
         which the op calls instead of :meth:`gemm_out` while the weight's tensors come back
         unchanged and ``plain_epoch`` stays (it checks both); None (the default): the op calls
         :meth:`gemm_out`."""
+        return None
+
+    def vendor_weight(self, b_pre, b_scale):
+        """The weight as this backend's vendor GEMM holds it, kept per weight (CUDA:
+        ``kernels_fused.hopper.vendor.VendorWeight``, mxfp8's ``dense`` the bf16 copy its calls
+        read), or None (the default: no vendor GEMM). The caller passes a weight of the op's shape."""
         return None
 
     def gemm_out(self, a, b_pre, a_scale, b_scale, *, plan: "CallPlan") -> "torch.Tensor":

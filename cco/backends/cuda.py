@@ -80,7 +80,7 @@ import time
 import torch
 
 from cco import layout
-from cco.backends.base import Backend, TensorDerived, row_major_readings
+from cco.backends.base import Backend, TensorDerived, WeightDerived, row_major_readings
 from cco.preshuffle import unshuffle_b
 from cco.transport.base import REJECTED_M, unstamp_seq_m
 from cco.transport.protocol import PeerMismatchError
@@ -368,7 +368,9 @@ class CudaBackend(Backend):
         self._tables: dict[int, torch.Tensor] = {}
         self._plain_configs: dict[int, object] = {}  # M -> PLAIN_RULE's config
         self._weight = TensorDerived()  # the preshuffled weight unshuffled for the Triton kernels
-        self._vendor_weight = TensorDerived()  # ... and as the vendor GEMM takes it
+        # ... and as the vendor GEMM takes it, per weight: mxfp8's is a bf16 copy, which the layers of
+        # this shape (one op) would otherwise derive anew at every call of a model's decode step
+        self._vendor_weight = WeightDerived()
         self.lsa_max_elements = 0 if drops is not None else lsa_max_elements(cfg)
         if self.lsa_max_elements != 0:
             self._init_lsa(base)
@@ -413,7 +415,7 @@ class CudaBackend(Backend):
 
     def _vendor(self, b_pre: torch.Tensor, b_scale: torch.Tensor) -> "vendor.VendorWeight":
         """The weight as the vendor GEMM takes it (``kernels_fused.hopper.vendor.prepare_weight``:
-        views, or mxfp8's bf16 copy), kept while the weight and its scales are unchanged (the op
+        views, or mxfp8's bf16 copy), kept per weight while it and its scales are unchanged (the op
         checked their shapes: the same for every call)."""
         return self._vendor_weight.get(
             (b_pre, b_scale), lambda: vendor.prepare_weight(self._unshuffled(b_pre), b_scale, self.config.quant),
@@ -562,6 +564,9 @@ class CudaBackend(Backend):
             return
         hopper_gemm.fp8_gemm(a, self._unshuffled(b_pre), a_scale, b_scale, quant=self.config.quant, out=out,
                              config=cfg, validated=True)
+
+    def vendor_weight(self, b_pre, b_scale):
+        return self._vendor(b_pre, b_scale)
 
     def plain_launcher(self, b_pre, b_scale, m):
         """The eager plain call's path where ``PLAIN_RULE`` takes the vendor GEMM: cuBLAS with the

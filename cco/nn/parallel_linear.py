@@ -172,6 +172,9 @@ class _ParallelLinear(torch.nn.Module):
         # quant and K (kernels_fused.hopper.decode.decode_max_m), or set by the caller where
         # decode_gemm_for offers the kernel. Bound once: an import per call costs a microsecond.
         self._decode_gemm = decode_gemm_for(self)
+        # mxfp8's calls of 2+ rows pass the decode GEMM the weight's bf16 copy that the op's vendor GEMM
+        # holds (decode.VENDOR_ROWS: its general path's launches, without its Python around them)
+        self._dense_rows = self._decode_gemm is not None and quant == "mxfp8"
         self.decode_rows = 0
         if self._decode_gemm is not None:
             from kernels_fused.hopper.decode import decode_max_m
@@ -212,6 +215,8 @@ class _ParallelLinear(torch.nn.Module):
         if self._decode_gemm is None:
             raise RuntimeError(f"{self._name()}: decode_rows={self.decode_rows} but the decode GEMM runs only on one "
                                f"rank's local GEMM on an NVIDIA GPU (set decode_rows = 0)")
+        if self._dense_rows and x.numel() > self.in_features_per_rank:
+            qweight = self.op.vendor_weight(qweight, scale).dense
         return self._decode_gemm(x, qweight, scale, self.quant, n=self.out_features, bias=bias)
 
     def _name(self) -> str:

@@ -27,10 +27,12 @@ between them (``decode_ptpc_kernel``): one launch and one allocation less on the
 stream beside another, where the wait's counter would be shared). blockscale's rows (``VENDOR_ROWS``,
 at a K that cuBLAS takes) are the layer's own two launches, the quantizer's into rows padded to
 cuBLAS's multiple of 4 and cuBLAS's blockwise GEMM: here only so that the C++ table takes the call
-whole, which saves its host time and not its device time. The rows kernel, which quantizes the
-rows (padded to a power of two, repeated to the MMA's 16) in every program, takes the rest: that
-costs more than the weight's read, so mxfp8's rule (and blockscale's at a K cuBLAS refuses) keeps
-one row.
+whole, which saves its host time and not its device time. So are mxfp8's rows where the caller
+passes the weight's bf16 copy as ``w`` (the layers do, from the op's vendor GEMM): the quantizer's
+launch, the rows' dequantization to bf16 and cuBLAS's bf16 GEMM over the copy. The rows kernel,
+which quantizes the rows (padded to a power of two, repeated to the MMA's 16) in every program,
+takes the rest: that costs more than the weight's read, so blockscale's rule at a K cuBLAS refuses
+keeps one row.
 
 The host side keeps, per call shape and device, the launches (``kernels_fused.hopper.launch``: the
 compiled kernel's launcher called directly, most of a Triton launch's host cost saved). The key holds
@@ -73,11 +75,12 @@ from kernels_fused.hopper.quantize import (SPLIT_NUM_WARPS, _interpreting, _pow2
 # at M = 16..64 24.5-28.8 / 7.2-9.3 / 63.5-68.3 us against the two launches' 39.1-42.1 / 14.4-14.8 /
 # 76.6-83.0 (0.72-0.79x / 0.73-1.00x / 0.52-0.54x of bf16), the layer's eager call 41-54 us of host
 # time against 78-96: so ptpc up to 64 rows (MMA_ROWS_MAX).
-# blockscale takes 2..64 rows too, through VENDOR_ROWS below (where cuBLAS takes the K: decode_max_m).
-# mxfp8 keeps one row: its MMA over quantized rows (e8m0 scales per 32 columns on both operands) ran
-# 2.2-2.8x of bf16's device time at 8B down and 2..16 rows, the two launches 1.1x (2026-12-04,
-# docs/decode.md "mxfp8's rows over the fp8 weight"; reverted).
-DECODE_MAX_M = {"ptpc": 64, "blockscale": 64, "mxfp8": 1}
+# blockscale takes 2..64 rows too, through VENDOR_ROWS below (where cuBLAS takes the K: decode_max_m);
+# so does mxfp8, whose calls then pass the weight's bf16 copy as ``w`` (the layers do: VENDOR_ROWS).
+# Its own MMA over quantized rows (e8m0 scales per 32 columns on both operands) ran 2.2-2.8x of bf16's
+# device time at 8B down and 2..16 rows, the two launches 1.1x (2026-12-04, docs/decode.md "mxfp8's
+# rows over the fp8 weight"; reverted).
+DECODE_MAX_M = {"ptpc": 64, "blockscale": 64, "mxfp8": 64}
 # Per quant, the best M = 1 config of that run: BLOCK_N output features per program (one program per
 # BLOCK_N and row: no split of K, so no second pass); BLOCK_K columns per step, in groups of the
 # format's scale group (GROUP); warps. ROW_K: ptpc's amax load.
@@ -127,13 +130,18 @@ ONE_SLICE_K = 16384
 # device time against ~30-40 us of host time), where the one launch only adds; 8B down (59 MB:
 # 23-28 us device, 25-50 us host) and smaller are bound by the host.
 ONE_LAUNCH_MAX_BYTES = 64 << 20
-# Quants whose calls of 2+ rows take the activation quantizer's launch into rows padded to cuBLAS's
-# multiple (vendor.BLOCKWISE_ROW_MULTIPLE) and cuBLAS's GEMM: the launches the layer's general path
-# runs, bit for bit, without its Python around them, so that the C++ table takes the call whole.
-# blockscale's own MMA over quantized rows was 1.1-1.9x slower than cuBLAS's blockwise GEMM on the
-# device (docs/decode.md); its rows kernel 1.4-4.9x. mxfp8 is not here: on Hopper its vendor GEMM is
-# bf16 over a bf16 copy of the weight, which the decode GEMM is not given.
-VENDOR_ROWS = {"blockscale"}
+# Quants whose calls of 2+ rows take the launches of the layer's general path, bit for bit, without
+# its Python around them, so that the C++ table takes the call whole (its host time saved, not its
+# device time). blockscale: the activation quantizer's launch into rows padded to cuBLAS's multiple
+# (vendor.BLOCKWISE_ROW_MULTIPLE) and cuBLAS's blockwise GEMM; its own MMA over quantized rows was
+# 1.1-1.9x slower on the device (docs/decode.md), its rows kernel 1.4-4.9x. mxfp8, where the caller
+# passes the weight's bf16 copy as ``w`` (``vendor.VendorWeight.dense``: cuBLAS on Hopper has no e8m0
+# scaling): the quantizer's launch, the rows dequantized to bf16 (``vendor.mx_to_bf16``'s kernel) and
+# cuBLAS's bf16 GEMM over the copy; over the fp8 weight its rows take the rows kernel.
+VENDOR_ROWS = {"blockscale", "mxfp8"}
+# ... of which the C++ table keeps a cuBLASLt call per call shape (blockscale's: torch rebuilds its
+# descriptor and asks the heuristic on every _scaled_mm call; mxfp8's bf16 GEMM is a plain at::mm)
+LT_ROWS = {"blockscale"}
 # False (``CCO_DECODE_ONE_LAUNCH=0``): ptpc's rows always take the two launches (read per call: a
 # benchmark times both in the same passes; a job whose GPU share refuses cooperative launches may
 # set it, although a refused launch already falls back by itself).
@@ -154,13 +162,15 @@ def decode_max_m(quant: str, k_padded: int) -> int:
 
 
 def lt_workspace_bytes(device: int) -> int:
-    """The workspace bound torch's own cuBLASLt call offers its heuristic on ``device`` (torch 2.9+,
-    ``at::cuda::getCUDABlasLtWorkspaceSize``): the heuristic's pick depends on it, and the C++ table's
-    kept cuBLASLt call must pick torch's algorithm to give its bits. ``CUBLASLT_WORKSPACE_SIZE`` (KiB)
-    where set, else cuBLAS's workspace (``CUBLAS_WORKSPACE_CONFIG``'s ``:KiB:count`` pairs, else 32
-    MiB on Hopper and Blackwell, 8 MiB + 128 KiB before), capped at cuBLAS's where the two are
-    unified (torch's default, ``TORCH_CUBLASLT_UNIFIED_WORKSPACE``). test_cuda_nn's
-    check_decode_vendor holds the bits equal on the installed torch."""
+    """The workspace bound torch's own cuBLASLt call offers its heuristic on ``device``
+    (``at::cuda::getCUDABlasLtWorkspaceSize``): the heuristic's pick depends on it, and the C++
+    table's kept cuBLASLt call must pick torch's algorithm to give its bits. ``CUBLASLT_WORKSPACE_SIZE``
+    (KiB) where set, else 1 MiB, capped at cuBLAS's workspace (``CUBLAS_WORKSPACE_CONFIG``'s
+    ``:KiB:count`` pairs, else 32 MiB on Hopper and Blackwell, 8 MiB + 128 KiB before) while the two
+    are unified (torch's default, ``TORCH_CUBLASLT_UNIFIED_WORKSPACE``). torch 2.11 asked with 1 MiB on
+    an H200 (cuBLASLt's API log, docs/decode.md); a bound of 32 MiB picked another kernel at 32 and 64
+    rows of K 14336. test_cuda_nn's check_decode_vendor holds the bits equal on the installed torch,
+    and ``_same_bits`` guards each new plan against a torch whose rule moved."""
     major = torch.cuda.get_device_capability(device)[0]
     config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     pairs = re.findall(r":([0-9]+):([0-9]+)", config or "")
@@ -169,14 +179,17 @@ def lt_workspace_bytes(device: int) -> int:
     unified = os.environ.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "1").strip().lower() not in ("0", "false", "off",
                                                                                             "no", "n")
     lt = os.environ.get("CUBLASLT_WORKSPACE_SIZE", "").strip()
-    size = int(lt) * 1024 if lt.isdigit() else cublas if unified else 1 << 20
+    size = int(lt) * 1024 if lt.isdigit() else 1 << 20
     return min(size, cublas) if unified else size
 
 
-def vendor_rows(quant: str, m: int, k_padded: int, device: int) -> int:
-    """Rows the quantizer writes for a call of ``m`` rows on ``device`` that takes cuBLAS
-    (``VENDOR_ROWS``): ``m`` padded with zero rows to cuBLAS's multiple; 0 where the call takes a
-    decode kernel (on the CPU too: Triton's interpreter, no cuBLAS)."""
+def vendor_rows(quant: str, m: int, k_padded: int, device: int, dense: bool = False) -> int:
+    """Rows the quantizer writes for a call of ``m`` rows on ``device`` that takes the vendor GEMM
+    (``VENDOR_ROWS``), 0 where it takes a decode kernel. blockscale: ``m`` padded with zero rows to
+    cuBLAS's multiple, 0 at one row and on the CPU (Triton's interpreter: no blockwise GEMM). mxfp8:
+    ``m`` where the weight is its bf16 copy (``dense``; torch's matmul on the CPU too), else 0."""
+    if quant == "mxfp8":
+        return m if dense else 0
     if quant not in VENDOR_ROWS or m < 2 or device < 0:
         return 0
     rows = -(-m // vendor.BLOCKWISE_ROW_MULTIPLE) * vendor.BLOCKWISE_ROW_MULTIPLE
@@ -232,9 +245,12 @@ def check_operands(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, quan
     if quant not in QUANTS:
         raise ValueError(f"{fn}: quant={quant!r} is not supported; pass one of {', '.join(QUANTS)}")
     check_rows(x, fn)
-    if w.dtype != FP8 or w.dim() != 2 or not w.is_contiguous() or w.shape[1] % SCALE_BLOCK or w.shape[1] < x.shape[1]:
-        raise ValueError(f"{fn}: w must be a contiguous row-major e4m3 [N_pad, K_pad] weight with K_pad a multiple of "
-                         f"{SCALE_BLOCK} and >= K={x.shape[1]}, got {w.dtype} {list(w.shape)}")
+    dense = quant == "mxfp8" and w.dtype == torch.bfloat16  # its bf16 copy (VENDOR_ROWS)
+    if (w.dtype != FP8 and not dense) or w.dim() != 2 or not w.is_contiguous() or w.shape[1] % SCALE_BLOCK \
+            or w.shape[1] < x.shape[1]:
+        also = " (mxfp8: or its bf16 copy)" if quant == "mxfp8" else ""
+        raise ValueError(f"{fn}: w must be a contiguous row-major e4m3 [N_pad, K_pad] weight{also} with K_pad a "
+                         f"multiple of {SCALE_BLOCK} and >= K={x.shape[1]}, got {w.dtype} {list(w.shape)}")
     if not 0 < n <= w.shape[0]:
         raise ValueError(f"{fn}: n={n} must be in 1..{w.shape[0]} (the weight's rows)")
     if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
@@ -246,11 +262,13 @@ def decode_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, quant: 
     """bf16 ``[..., n]``: ``x [..., K]`` (``M`` rows in all) quantized as ``quant``
     (``kernels_fused.hopper.quantize``'s bytes, columns ``K..K_pad`` zero) times the first ``n`` rows
     of the fp8 weight ``w [N_pad, K_pad]`` (row-major, ``cco.quant``'s scales ``w_scale``), rounded to
-    bf16, plus ``bias`` (rounded again, as ``out += bias``). One launch (ptpc at 2..``MMA_ROWS_MAX``
-    rows two, the quantizer's and the MMA's, where the grid does not fit the GPU at once, the weight
-    is over ``ONE_LAUNCH_MAX_BYTES``, ``ONE_LAUNCH`` is off, or under a graph capture; blockscale at
-    2+ rows the quantizer's and cuBLAS's, ``VENDOR_ROWS``); meant for ``M <= decode_max_m(quant,
-    K_pad)`` rows (more run, slower than the vendor GEMM). Operands are checked
+    bf16, plus ``bias`` (rounded again, as ``out += bias``). mxfp8's ``w`` may be the weight's bf16
+    copy instead (``mx_to_bf16(w, w_scale)``, ``vendor.VendorWeight.dense``; ``w_scale`` is then
+    only checked): the layer's general path's three launches run (``VENDOR_ROWS``). One launch (ptpc
+    at 2..``MMA_ROWS_MAX`` rows two, the quantizer's and the MMA's, where the grid does not fit the
+    GPU at once, the weight is over ``ONE_LAUNCH_MAX_BYTES``, ``ONE_LAUNCH`` is off, or under a graph
+    capture; blockscale at 2+ rows the quantizer's and cuBLAS's, ``VENDOR_ROWS``); meant for ``M <=
+    decode_max_m(quant, K_pad)`` rows (more run, slower than the vendor GEMM). Operands are checked
     by :func:`check_operands` once per call shape (the key holds the column stride too); a shape's
     later calls go through ``native``'s C++ table where it is built."""
     table = native.TABLE
@@ -277,14 +295,15 @@ def decode_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, quant: 
         m, row_stride = x.shape[0], x.stride(0)
     if not m:
         return out
-    key = (m, k, x.dtype, row_stride, x.stride(-1), x.data_ptr() % 16, w.shape, w.data_ptr() % 16,
+    key = (m, k, x.dtype, row_stride, x.stride(-1), x.data_ptr() % 16, w.shape, w.dtype, w.data_ptr() % 16,
            w_scale.stride(0), w_scale.data_ptr() % 16, n, quant,
            None if bias is None else (bias.dtype, bias.data_ptr() % 16),
            x.get_device())  # a compiled kernel is loaded on one device: a process may drive several
     launch = _LAUNCHES.get(key)
     if launch is None:  # bounded (launch.LAUNCHES_KEPT)
         check_operands(x.view(-1, k) if x.dim() != 2 else x, w, w_scale, quant, n, bias)
-        launch = keep(_LAUNCHES, key, _Launch(m, k, w.shape[1], n, quant, bias is not None, key[-1]))
+        launch = keep(_LAUNCHES, key, _Launch(m, k, w.shape[1], n, quant, bias is not None, key[-1],
+                                              dense=w.dtype == torch.bfloat16))
     launch(x, row_stride, w, w_scale, bias, out)
     if key[-1] >= 0 and native.ENABLED:
         _plan(launch, x, row_stride, w, w_scale, bias, n, quant)
@@ -306,12 +325,14 @@ def _plan(launch, x, row_stride, w, w_scale, bias, n, quant) -> None:
     try:
         one, two, scratch_one, scratch_two = launch.plan(row_stride, w_scale.stride(0))
         # (a capture cannot compare the kept call's bits, below: its shape keeps torch's call)
-        lt_workspace = lt_workspace_bytes(device) if launch.vendor and CUBLASLT and not _capturing(device) else 0
+        lt = launch.vendor and quant in LT_ROWS and CUBLASLT and not _capturing(device)
+        lt_workspace = lt_workspace_bytes(device) if lt else 0
         add = functools.partial(table.add, x, w, w_scale, bias, n, _QUANT_CODE[quant], one, two, scratch_one,
                                 scratch_two, launch.vendor)
-        add(lt_workspace, (launch.one, launch.quantize, launch.kernel))
+        launches = (launch.one, launch.quantize, launch.kernel)  # held by the plan: its kernels stay loaded
+        add(lt_workspace, launches)
         if lt_workspace and not table.lt_error() and not _same_bits(table, x, w, w_scale, bias, n, quant, device):
-            add(0, (launch.one, launch.quantize, launch.kernel))  # torch's own call for this shape from now on
+            add(0, launches)  # torch's own call for this shape from now on
     except ValueError as err:  # a launch the table cannot replay (another Triton's ABI): stays here
         warnings.warn(f"decode_gemm: this call shape stays on the Python path ({err})", RuntimeWarning, stacklevel=3)
 
@@ -325,9 +346,10 @@ def _same_bits(table, x, w, w_scale, bias, n, quant, device) -> bool:
     """Whether a new vendor plan's kept cuBLASLt call gives torch's bits on this call's rows: both
     run once through the table and are compared (one wait for the device, once per call shape).
     At Llama-3-8B's and -70B's down_proj with 32 and 64 rows the two differed on an H200
-    (2026-12-04): torch 2.11 bounds its heuristic's workspace at 1 MiB where ``lt_workspace_bytes``
-    gives 32 MiB, and the heuristic then picks another kernel (docs/decode.md, "The kept cuBLASLt
-    call's bits"). Where they differ the shape keeps torch's call."""
+    (2026-12-04) while ``lt_workspace_bytes`` gave 32 MiB and torch 2.11 asked with 1 MiB: the
+    heuristic picks by the bound (docs/decode.md, "The kept cuBLASLt call's bits"). The rule now
+    gives torch's bound; this guards a torch whose rule moves again. Where they differ the shape
+    keeps torch's call."""
     stream = torch._C._cuda_getCurrentRawStream(device)
     kept = table.run(x, w, w_scale, bias, n, _QUANT_CODE[quant], False, True, stream)
     theirs = table.run(x, w, w_scale, bias, n, _QUANT_CODE[quant], False, False, stream)
@@ -391,14 +413,30 @@ def vendor_gemm(q, sa, w, w_scale, bias, out, m: int, n: int) -> None:
         out += bias
 
 
+def dense_gemm(a, w, bias, out, m: int, n: int) -> None:
+    """``out [..., n] = (a @ w.T)[:, :n] (+ bias)``: mxfp8's rows ``a`` dequantized to bf16 [m, K_pad]
+    times the weight's bf16 copy ``w`` [N_pad, K_pad] by cuBLAS's bf16 GEMM, as the layer's general
+    path computes it (``vendor.bound_gemm``, its ``[:, :n]`` share, then ``out += bias``); the C++
+    table makes the same calls (``csrc/decode_calls.cpp``, ``dense_gemm``)."""
+    rows = out.view(m, n)
+    if w.shape[0] == n:
+        torch.matmul(a, w.t(), out=rows)
+    else:  # the weight's padded features: the call's share copied out
+        rows.copy_(torch.matmul(a, w.t())[:, :n])
+    if bias is not None:
+        out += bias
+
+
 class _Launch:
     """One call shape's launches: the kernel that takes ``m`` rows (the one-row kernel per row, the
     rows kernel, or, for ``QUANTIZED_ROWS``, the quantizer's launch then the MMA over its rows, in
     one launch where the grid is resident at once), the integer arguments and the constants."""
 
-    __slots__ = ("kernel", "quantize", "q_args", "ints", "consts", "one", "one_args", "where", "planned", "vendor")
+    __slots__ = ("kernel", "quantize", "q_args", "ints", "consts", "one", "one_args", "where", "planned", "vendor",
+                 "quant")
 
-    def __init__(self, m: int, k: int, k_padded: int, n: int, quant: str, has_bias: bool, device: int):
+    def __init__(self, m: int, k: int, k_padded: int, n: int, quant: str, has_bias: bool, device: int, *,
+                 dense: bool = False):
         rows = 1 < m <= rows_max(quant)  # every row in one program: the MMA over quantized rows, or the rows kernel
         table_n, table_k, table_warps, table_stages = tables(quant, m)
         block_n = table_n[quant]
@@ -407,10 +445,16 @@ class _Launch:
         self.quantize = self.q_args = self.one = self.one_args = self.planned = self.kernel = None
         self.where = torch.device("cuda", device) if device >= 0 else torch.device("cpu")  # the scratch's device
         self.ints = (m, n, k, k_padded)
-        self.vendor = vendor_rows(quant, m, k_padded, device)
+        self.quant = quant
+        self.vendor = vendor_rows(quant, m, k_padded, device, dense)
         if self.vendor:  # the quantizer's launch (the layer's, into zero-padded rows), then cuBLAS
             self.quantize, consts = launch_for(quant, False, self.vendor, k, k_padded)
             self.q_args = ((m, self.vendor, k, k_padded), consts)
+            if quant == "mxfp8":  # ... after the rows' dequantization to bf16 (vendor.mx_to_bf16's kernel)
+                from kernels_fused.hopper import kernels as tk
+
+                self.consts = (self.vendor * k_padded // vendor.MX_GROUP, vendor.MX_GROUP, vendor.MX_BLOCK)
+                self.kernel = Kernel(tk.mx_to_bf16_kernel, (-(-self.consts[0] // vendor.MX_BLOCK),))
             return
         if rows:
             step = table_k[quant]
@@ -421,9 +465,9 @@ class _Launch:
                 grid, row_block, slice_k = split_launch(m, k, k_padded)
                 self.quantize = Kernel(_quantize_kernel(), grid, num_warps=SPLIT_NUM_WARPS)
                 # the quantizer's M, M_OUT, K, K_PAD and (after x's row stride, tiny, fp8_max) its
-                # ROW_BLOCK, SLICE_K, ROUND_IN_FP32; the MMA's M, N, K_PAD and HAS_BIAS, BLOCK_N, BLOCK_K,
-                # ROWS, ROUND_IN_FP32
-                self.q_args = ((m, m, k, k_padded), (row_block, slice_k, _interpreting()))
+                # ROW_BLOCK, SLICE_K, SKIP_ZEROS, ROUND_IN_FP32; the MMA's M, N, K_PAD and HAS_BIAS,
+                # BLOCK_N, BLOCK_K, ROWS, ROUND_IN_FP32
+                self.q_args = ((m, m, k, k_padded), (row_block, slice_k, True, _interpreting()))
                 self.ints = (m, n, k_padded)
                 self.consts = (has_bias, block_n, min(step, k_padded), max(16, _pow2(m)), _interpreting())
                 programs = -(-n // block_n)
@@ -464,8 +508,13 @@ class _Launch:
                 self.one = None
         if self.quantize is not None:  # the rows quantized once (new tensors: safe on any stream), then the GEMM
             sizes = self.q_args[0]  # (M, M_OUT, K, K_PAD)
-            q, sa = empty_activation("blockscale" if self.vendor else "ptpc", sizes[1], sizes[3], self.where)
+            q, sa = empty_activation(self.quant, sizes[1], sizes[3], self.where)
             self.quantize(device, *self._quantize(x, q, sa, row_stride))
+            if self.vendor and self.kernel is not None:  # mxfp8: the rows in bf16, then cuBLAS over w's bf16 copy
+                a = torch.empty(sizes[1], sizes[3], dtype=torch.bfloat16, device=self.where)
+                self.kernel(device, *self._dequantize(q, sa, a))
+                dense_gemm(a, w, bias, out, sizes[0], self.ints[1])
+                return
             if self.vendor:  # (blockscale's scales M-major, as cuBLAS reads them)
                 vendor_gemm(q, sa, w, w_scale, bias, out, sizes[0], self.ints[1])
                 return
@@ -481,6 +530,9 @@ class _Launch:
     def _quantize(self, x, q, sa, row_stride) -> tuple:
         sizes, consts = self.q_args  # (M, M_OUT, K, K_PAD), the quantizer's constants
         return (x, q, sa, *sizes, row_stride, _TINY, FP8_MAX, *consts)
+
+    def _dequantize(self, q, sa, a) -> tuple:
+        return (q, sa, a, *self.consts)  # (groups, GROUP, BLOCK)
 
     def _mma(self, q, sa, w, scale, b, out) -> tuple:
         return (q, sa, w, scale, b, out, *self.ints, *self.consts)
@@ -507,9 +559,12 @@ class _Launch:
         one, two, scratch_two = [], [], 0
         if self.one is not None and self.one.compiled is not None:
             one = [nv.describe(self.one, self._one(x, P(nv.SCRATCH), w, scale, b, out, P(nv.SYNC), row_stride))]
-        if self.vendor:  # the quantizer into the table's own q and M-major scales; cuBLAS's call follows it there
-            if self.quantize.compiled is not None:
-                two = [nv.describe(self.quantize, self._quantize(x, P(nv.SCRATCH), P(nv.A_SCALE), row_stride))]
+        if self.vendor:  # the quantizer into the table's own q and scales (mxfp8: then into its bf16 rows); cuBLAS's
+            q, sa = P(nv.SCRATCH), P(nv.A_SCALE)  # call follows them there
+            if self.quantize.compiled is not None and (self.kernel is None or self.kernel.compiled is not None):
+                two = [nv.describe(self.quantize, self._quantize(x, q, sa, row_stride))]
+                if self.kernel is not None:
+                    two.append(nv.describe(self.kernel, self._dequantize(q, sa, P(nv.ROWS))))
         elif self.quantize is not None:
             sizes = self.q_args[0]
             q, sa = P(nv.SCRATCH), P(nv.SCRATCH, sizes[1] * sizes[3])  # the scales after the rows (16-byte aligned)
@@ -521,5 +576,5 @@ class _Launch:
             two = [nv.describe(self.kernel, self._row(x, w, scale, b, out, row_stride, scale_stride))]
         return one, two, self.scratch_one() if one else 0, scratch_two
 
-__all__ = ["DECODE_MAX_M", "VENDOR_ROWS", "block_k", "check_operands", "decode_gemm", "decode_max_m",
+__all__ = ["DECODE_MAX_M", "LT_ROWS", "VENDOR_ROWS", "block_k", "check_operands", "decode_gemm", "decode_max_m",
            "lt_workspace_bytes", "resident_programs", "rows_max", "tables", "vendor_rows"]

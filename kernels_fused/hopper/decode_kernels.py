@@ -12,6 +12,9 @@ import triton.language as tl
 
 from kernels_fused.hopper.quantize_kernels import _div_rn, _to_e4m3, quantize_row_slice
 
+# (every division of an activation value here skips the zeros, _div_rn's SKIP_ZEROS: at decode
+# sizes the padded rows and columns are many of the values read)
+
 
 @triton.jit
 def _to_bf16(v, ROUND_IN_FP32: tl.constexpr):
@@ -64,10 +67,10 @@ def decode_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, K_PAD, 
     for k0 in range(0, K_PAD, G * GS):
         x = tl.load(x_row + k0 + k_in, mask=k0 + k_in < K, other=0.0).to(tl.float32)  # [G, GS]
         if QUANT == 0:
-            a = _to_e4m3(tl.clamp(_div_rn(x, sa), -fp8_max, fp8_max), ROUND_IN_FP32).to(tl.float32)
+            a = _to_e4m3(tl.clamp(_div_rn(x, sa, True), -fp8_max, fp8_max), ROUND_IN_FP32).to(tl.float32)
         elif QUANT == 1:
             s_g = _div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), tiny), tl.zeros((G,), dtype=tl.float32) + fp8_max)
-            q = _to_e4m3(tl.clamp(_div_rn(x, s_g[:, None]), -fp8_max, fp8_max), ROUND_IN_FP32).to(tl.float32)
+            q = _to_e4m3(tl.clamp(_div_rn(x, s_g[:, None], True), -fp8_max, fp8_max), ROUND_IN_FP32).to(tl.float32)
             sb = tl.load(ws_ptr + (tl.program_id(0) * BLOCK_N // 128) * stride_ws + k0 // 128 + g_idx)
             a = q * s_g[:, None] * sb[:, None]
         else:
@@ -152,11 +155,11 @@ def decode_rows_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, K_PAD, 
         x = tl.load(x_rows + k0 + kk[None, :], mask=r_ok[:, None] & (k0 + kk < K)[None, :], other=0.0).to(tl.float32)
         w = tl.load(w_rows + k0, mask=n_ok[:, None], other=0.0)  # e4m3 [BLOCK_N, BLOCK_K]
         if QUANT == 0:
-            q = _to_e4m3(tl.clamp(_div_rn(x, sa[:, None]), -fp8_max, fp8_max), ROUND_IN_FP32)
+            q = _to_e4m3(tl.clamp(_div_rn(x, sa[:, None], True), -fp8_max, fp8_max), ROUND_IN_FP32)
             acc = tl.dot(w, tl.trans(_rows16(q, ROWS)), acc)
         elif QUANT == 1:
             s_g = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), tiny), tl.zeros((ROWS,), dtype=tl.float32) + fp8_max)
-            q = _to_e4m3(tl.clamp(_div_rn(x, s_g[:, None]), -fp8_max, fp8_max), ROUND_IN_FP32)
+            q = _to_e4m3(tl.clamp(_div_rn(x, s_g[:, None], True), -fp8_max, fp8_max), ROUND_IN_FP32)
             sb = tl.load(ws_ptr + (tl.program_id(0) * BLOCK_N // 128) * stride_ws + k0 // 128)
             acc += tl.dot(w, tl.trans(_rows16(q, ROWS))) * (_rows16_1d(s_g, ROWS) * sb)[None, :]
         else:
@@ -249,7 +252,7 @@ def decode_ptpc_kernel(x_ptr, q_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, sync_ptr,
         gen = tl.atomic_add(sync_ptr + 1, 0, sem="relaxed", scope="gpu")  # this call's generation, read before arriving
         for item in range(tl.program_id(0), M * SLICES, tl.num_programs(0)):
             quantize_row_slice(x_ptr, q_ptr, sa_ptr, item // SLICES, item % SLICES, M, M, K, K_PAD, stride_x, tiny,
-                               fp8_max, ROW_BLOCK, SLICE_K, ROUND_IN_FP32)
+                               fp8_max, ROW_BLOCK, SLICE_K, True, ROUND_IN_FP32)
         if PHASES == 3:
             _grid_wait(sync_ptr, gen)
     if PHASES != 1:

@@ -16,8 +16,10 @@ How it stays the Python path's launch, bit for bit:
   against the function's parameters as the driver reports them (``cuFuncGetParamInfo``): a count or
   size that disagrees refuses the plan, and the call stays on the Python path.
 - blockscale's rows through cuBLAS (``decode.VENDOR_ROWS``): the plan is the quantizer's launch,
-  after which the table calls ``at::_scaled_mm`` (and the copy and bias add) as
-  ``decode.vendor_gemm`` does, on the same tensors.
+  after which the table calls ``at::_scaled_mm`` (or its kept cuBLASLt call; and the copy and bias
+  add) as ``decode.vendor_gemm`` does, on the same tensors. mxfp8's rows over the weight's bf16
+  copy: the quantizer's launch and the rows' dequantization to bf16 (``ROWS``), then ``at::mm`` as
+  ``decode.dense_gemm`` does.
 - A call the table does not take returns None and runs the Python path: no plan for its key yet,
   the current device not x's, a graph capture where the plan has no two-launch path yet, a launch
   hook set (a profiler), ``ENABLED`` or ``launch.FAST_LAUNCH`` off.
@@ -59,7 +61,7 @@ _done = threading.Event()
 
 # The C++ table's parameter kinds and pointer roles (csrc/decode_calls.cpp, Kind and Role).
 POINTER, BITS32, BITS64 = 0, 1, 2
-X, W, SCALE, BIAS_OR_OUT, OUT, SCRATCH, SYNC, NULL, A_SCALE = range(9)
+X, W, SCALE, BIAS_OR_OUT, OUT, SCRATCH, SYNC, NULL, A_SCALE, ROWS = range(10)
 
 
 class Pointer:

@@ -56,6 +56,11 @@ NUM_WARPS = 4
 # SPLIT_SLICE_MIN columns, with about SPLIT_PROGRAMS programs in all (every program re-reads its
 # row's amax from L2, so more programs than SMs only adds L2 reads). docs/decode.md times it.
 PTPC_SPLIT_MAX_M = 256
+# Calls of at most this many rows skip dividing zeros (quantize_kernels._div_rn's SKIP_ZEROS): at
+# decode sizes padded rows and columns are most of what a program reads, and NVIDIA's IEEE division
+# of a zero takes its slow path (blockscale 5.7-6.3 us against 2.3-3.2 at 1..2 rows); at 4096 and
+# 16384 rows the selects cost ptpc and blockscale 1.1-1.8x (H200, 2026-12-04, docs/decode.md).
+SKIP_ZEROS_MAX_M = 64
 SPLIT_ROW_BLOCK = 16384
 SPLIT_SLICE_MIN = 1024
 SPLIT_PROGRAMS = 256
@@ -147,14 +152,15 @@ def launch_for(quant: str, split: bool, m_out: int, k: int, k_padded: int) -> tu
     """The kernel that quantizes ``m_out`` rows as ``quant`` (``split``: ptpc's split-row kernel), with
     its constexprs in the kernel's order (``kernels_fused.hopper.decode`` launches it too)."""
     ptpc, groups, split_kernel = _kernels()
+    skip = m_out <= SKIP_ZEROS_MAX_M
     if split:
         grid, row_block, slice_k = split_launch(m_out, k, k_padded)
-        return Kernel(split_kernel, grid, num_warps=SPLIT_NUM_WARPS), (row_block, slice_k, _interpreting())
+        return Kernel(split_kernel, grid, num_warps=SPLIT_NUM_WARPS), (row_block, slice_k, skip, _interpreting())
     if quant == "ptpc":
         return (Kernel(ptpc, (-(-m_out // PTPC_BLOCK_M),), num_warps=NUM_WARPS),
-                (PTPC_BLOCK_M, PTPC_BLOCK_K, _interpreting()))
+                (PTPC_BLOCK_M, PTPC_BLOCK_K, skip, _interpreting()))
     # GROUP_BLOCK_K is a whole number of groups of either format: tiles never split a group
     grid = (-(-m_out // GROUP_BLOCK_M), -(-k_padded // GROUP_BLOCK_K))
     group = SCALE_BLOCK if quant == "blockscale" else MX_GROUP
     return (Kernel(groups, grid, num_warps=NUM_WARPS),
-            (quant == "mxfp8", group, GROUP_BLOCK_M, GROUP_BLOCK_K, _interpreting()))
+            (quant == "mxfp8", group, GROUP_BLOCK_M, GROUP_BLOCK_K, skip, _interpreting()))

@@ -15,15 +15,19 @@ def _load_rows(x_ptr, rows, cols, M, K, stride_x):
 
 
 @triton.jit
-def _div_rn(x, y):
+def _div_rn(x, y, SKIP_ZEROS: tl.constexpr = False):
     """IEEE ``x / y`` for ``y > 0``, broadcast (Triton's ``/`` divides approximately on NVIDIA: 2 ulp;
-    torch rounds). A zero ``x`` is returned as it is (its sign too: the quotient's bits) without
-    dividing: NVIDIA's IEEE division takes a slow path for a zero dividend, and the zeros a quantizer
-    reads (rows past M, columns past K, padded tiles) made blockscale's group quantizer take 5.7-6.3
-    us instead of 2.5 at one row and at K = 1792 on an H200 (docs/decode.md)."""
+    torch rounds). ``SKIP_ZEROS``: a zero ``x`` is returned as it is (its sign too: the quotient's
+    bits) without dividing. NVIDIA's IEEE division takes a slow path for a zero dividend, and the
+    zeros a decode-sized call reads (rows past M, columns past K, padded tiles) made blockscale's
+    group quantizer take 5.7-6.3 us instead of 2.5 at one row and at K = 1792 on an H200; at
+    thousands of rows, where few values are zero, the selects made the ptpc and blockscale
+    quantizers 1.3-1.8x slower (docs/decode.md), so large calls divide every value."""
     x, y = tl.broadcast(x, y)
-    zero = x == 0.0
-    return tl.where(zero, x, tl.div_rn(tl.where(zero, 1.0, x), y))
+    if SKIP_ZEROS:
+        zero = x == 0.0
+        return tl.where(zero, x, tl.div_rn(tl.where(zero, 1.0, x), y))
+    return tl.div_rn(x, y)
 
 
 @triton.jit
@@ -46,7 +50,8 @@ def _to_e4m3(v, ROUND_IN_FP32: tl.constexpr):
 
 @triton.jit
 def quantize_ptpc_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, K_PAD, stride_x, tiny, fp8_max,
-                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SKIP_ZEROS: tl.constexpr,
+                         ROUND_IN_FP32: tl.constexpr):
     """Per-token: one fp32 scale ``max(amax(row), tiny) / fp8_max`` per row, then the row divided by
     it (IEEE division, as torch divides), clamped and rounded to e4m3. Two passes over the row: the
     amax, then the quantization (the second pass reads from L2 at the row lengths of a layer).
@@ -60,7 +65,7 @@ def quantize_ptpc_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, K_PAD, stride_x, tiny
     scale = _div_rn(tl.maximum(amax, tiny), tl.zeros_like(amax) + fp8_max)
     for k0 in range(0, K_PAD, BLOCK_K):
         x = _load_rows(x_ptr, rows, k0 + cols, M, K, stride_x)
-        q = tl.clamp(_div_rn(x, scale[:, None]), -fp8_max, fp8_max)
+        q = tl.clamp(_div_rn(x, scale[:, None], SKIP_ZEROS), -fp8_max, fp8_max)
         mask = (rows[:, None] < M_OUT) & ((k0 + cols)[None, :] < K_PAD)
         tl.store(q_ptr + rows[:, None] * K_PAD + (k0 + cols)[None, :], _to_e4m3(q, ROUND_IN_FP32), mask=mask)
     tl.store(s_ptr + rows, scale, mask=rows < M_OUT)
@@ -68,19 +73,21 @@ def quantize_ptpc_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, K_PAD, stride_x, tiny
 
 @triton.jit
 def quantize_ptpc_split_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, K_PAD, stride_x, tiny, fp8_max,
-                               ROW_BLOCK: tl.constexpr, SLICE_K: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+                               ROW_BLOCK: tl.constexpr, SLICE_K: tl.constexpr, SKIP_ZEROS: tl.constexpr,
+                               ROUND_IN_FP32: tl.constexpr):
     """Per-token as :func:`quantize_ptpc_kernel` (the same bytes), each row split over programs:
     program ``(m, s)`` quantizes slice ``s`` of row ``m`` (:func:`quantize_row_slice`). So a
     decode-sized call (a few rows of up to 16384 columns) runs on ``M * K_PAD / SLICE_K`` SMs with
     one round trip to memory per load, instead of one program walking its rows twice in ``BLOCK_K``
     steps."""
     quantize_row_slice(x_ptr, q_ptr, s_ptr, tl.program_id(0), tl.program_id(1), M, M_OUT, K, K_PAD, stride_x, tiny,
-                       fp8_max, ROW_BLOCK, SLICE_K, ROUND_IN_FP32)
+                       fp8_max, ROW_BLOCK, SLICE_K, SKIP_ZEROS, ROUND_IN_FP32)
 
 
 @triton.jit
 def quantize_row_slice(x_ptr, q_ptr, s_ptr, row, s, M, M_OUT, K, K_PAD, stride_x, tiny, fp8_max,
-                       ROW_BLOCK: tl.constexpr, SLICE_K: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+                       ROW_BLOCK: tl.constexpr, SLICE_K: tl.constexpr, SKIP_ZEROS: tl.constexpr,
+                       ROUND_IN_FP32: tl.constexpr):
     """Columns ``[s * SLICE_K, (s + 1) * SLICE_K)`` of row ``row``, per-token: the amax of the whole
     row first (``ROW_BLOCK`` columns a load; a row's other slices read it again, from L2), then
     the slice divided by the row's scale, clamped and rounded; slice 0 stores the scale. Each value's
@@ -95,7 +102,7 @@ def quantize_row_slice(x_ptr, q_ptr, s_ptr, row, s, M, M_OUT, K, K_PAD, stride_x
     scale = _div_rn(tl.maximum(amax, tiny), tl.zeros_like(amax) + fp8_max)
     mine = s * SLICE_K + tl.arange(0, SLICE_K)
     x = _load_rows(x_ptr, rows, mine, M, K, stride_x)
-    q = tl.clamp(_div_rn(x, scale[:, None]), -fp8_max, fp8_max)
+    q = tl.clamp(_div_rn(x, scale[:, None], SKIP_ZEROS), -fp8_max, fp8_max)
     mask = (rows[:, None] < M_OUT) & (mine[None, :] < K_PAD)
     tl.store(q_ptr + rows[:, None] * K_PAD + mine[None, :], _to_e4m3(q, ROUND_IN_FP32), mask=mask)
     if s == 0:
@@ -105,7 +112,7 @@ def quantize_row_slice(x_ptr, q_ptr, s_ptr, row, s, M, M_OUT, K, K_PAD, stride_x
 @triton.jit
 def quantize_groups_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, K_PAD, stride_x, tiny, fp8_max,
                            MX: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_K: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+                           BLOCK_K: tl.constexpr, SKIP_ZEROS: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
     """One scale per row and ``GROUP`` columns, one pass: a [BLOCK_M, BLOCK_K] tile seen as
     [BLOCK_M, BLOCK_K / GROUP, GROUP].
 
@@ -124,7 +131,7 @@ def quantize_groups_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, K_PAD, stride_x, ti
     groups = k0 // GROUP + tl.arange(0, G)
     s_mask = (rows[:, None] < M_OUT) & (groups[None, :] < K_PAD // GROUP)
     if not MX:
-        q = _div_rn(x, ratio[:, :, None])
+        q = _div_rn(x, ratio[:, :, None], SKIP_ZEROS)
         tl.store(s_ptr + groups[None, :] * M_OUT + rows[:, None], ratio, mask=s_mask)
     else:
         bits = ratio.to(tl.int32, bitcast=True)

@@ -98,13 +98,15 @@ class VendorWeight:
     quant: str
     b_t: torch.Tensor  # [K, N] column-major: the e4m3 weight transposed (a view), mxfp8's bf16 copy
     scale_b: torch.Tensor | None  # ptpc [1, N]; blockscale [K/128, N/128] (a view); mxfp8 None
+    dense: torch.Tensor | None = None  # mxfp8: the bf16 copy [N, K] row-major (b_t is its transpose)
 
 
 def prepare_weight(b: torch.Tensor, b_scale: torch.Tensor, quant: str) -> VendorWeight:
     """``b`` is the row-major weight [N, K] (not preshuffled) and ``b_scale`` its scales in
     ``quant``'s layout (``cco.quant``); mxfp8 dequantizes here, the others take views."""
     if quant == "mxfp8":
-        return VendorWeight(quant, mx_to_bf16(b, b_scale).t(), None)
+        dense = mx_to_bf16(b, b_scale)
+        return VendorWeight(quant, dense.t(), None, dense)
     if quant == "ptpc":
         return VendorWeight(quant, b.t(), b_scale.reshape(1, -1))
     if quant == "blockscale":

@@ -258,10 +258,10 @@ class LtGemm {
 // A kernel parameter: a pointer taken per call (ROLE), or 4 / 8 bytes fixed per call shape.
 enum Kind : int64_t { kPointer = 0, kBits32 = 1, kBits64 = 2 };
 // Which pointer: the call's tensors, the scratch (plus a byte offset), the stream's wait counter,
-// none (Triton's global and profile scratch, unused by these kernels), or a vendor plan's M-major
-// activation scales (its scratch holds the quantized rows).
+// none (Triton's global and profile scratch, unused by these kernels), a vendor plan's activation
+// scales (its scratch holds the quantized rows), or a dense vendor plan's rows in bf16.
 enum Role : int64_t {
-  kX = 0, kW = 1, kScale = 2, kBiasOrOut = 3, kOut = 4, kScratch = 5, kSync = 6, kNull = 7, kAScale = 8
+  kX = 0, kW = 1, kScale = 2, kBiasOrOut = 3, kOut = 4, kScratch = 5, kSync = 6, kNull = 7, kAScale = 8, kRows = 9
 };
 
 struct Param {
@@ -281,8 +281,11 @@ struct Plan {
   std::vector<Launch> two;  // the path under a graph capture or with the one launch off (may be empty)
   int64_t scratch_one = 0, scratch_two = 0;  // bytes of scratch each path allocates
   // > 0: a vendor plan (decode.py's VENDOR_ROWS): ``two`` is the quantizer's launch into this many
-  // zero-padded rows, then cuBLAS's blockwise GEMM (vendor_gemm below)
+  // zero-padded rows, then cuBLAS's blockwise GEMM (vendor_gemm below); over a bf16 weight (mxfp8's
+  // copy: ``dense``) the quantizer's launch and the rows' dequantization, then cuBLAS's bf16 GEMM
+  // (dense_gemm below)
   int64_t vendor_rows = 0;
+  bool dense = false;
   std::shared_ptr<LtGemm> lt;  // a vendor plan's kept cuBLASLt call (eager calls; null: at::_scaled_mm)
   py::object keep;  // the compiled kernels: their functions stay loaded while the plan is kept
 };
@@ -310,6 +313,7 @@ std::array<int64_t, 3> rows_of(const at::Tensor& x) {
 int64_t align16(const at::Tensor& t) { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16); }
 
 constexpr int64_t kScaleBlock = 128;  // blockscale's activation scale group
+constexpr int64_t kMxGroup = 32;      // mxfp8's
 
 // Whether ``device`` is the current one (the driver's context): a launch and a cuBLASLt handle are
 // made for the current device only.
@@ -341,6 +345,19 @@ void vendor_gemm(const at::Tensor& q, const at::Tensor& sa, const at::Tensor& w,
     rows.copy_(at::_scaled_mm(q, w.t(), sa, scale.t(), std::nullopt, std::nullopt, at::kBFloat16, false)
                    .narrow(0, 0, m)
                    .narrow(1, 0, n));
+  }
+  if (bias.has_value() && bias->defined()) out.add_(*bias);
+}
+
+// decode.py's dense_gemm, call for call: out [..., n] = (a @ w.T)[:, :n] (+ bias) by cuBLAS's bf16
+// GEMM over the weight's bf16 copy w [N_pad, K_pad].
+void dense_gemm(const at::Tensor& a, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor& out,
+                int64_t m, int64_t n) {
+  at::Tensor rows = out.view({m, n});
+  if (w.size(0) == n) {
+    at::mm_out(rows, a, w.t());
+  } else {
+    rows.copy_(at::mm(a, w.t()).narrow(1, 0, n));
   }
   if (bias.has_value() && bias->defined()) out.add_(*bias);
 }
@@ -397,11 +414,17 @@ class Table {
     base[kBiasOrOut] = (bias.has_value() && bias->defined()) ? bias->data_ptr() : out.data_ptr();
     base[kScratch] = scratch_bytes > 0 ? scratch.data_ptr() : nullptr;
     base[kNull] = nullptr;
-    at::Tensor q, sa;  // a vendor plan's quantized rows and their M-major scales, as decode.py allocates them
+    at::Tensor q, sa, a;  // a vendor plan's quantized rows and their scales (and bf16 rows), as decode.py allocates them
     if (plan.vendor_rows > 0) {
       const int64_t k_padded = w.size(1);
       q = at::empty({plan.vendor_rows, k_padded}, x.options().dtype(at::kFloat8_e4m3fn));
-      sa = m_major_scales(x, plan.vendor_rows, k_padded);
+      if (plan.dense) {  // mxfp8's e8m0 bytes per 32 columns, row-major
+        sa = at::empty({plan.vendor_rows, k_padded / kMxGroup}, x.options().dtype(at::kByte));
+        a = at::empty({plan.vendor_rows, k_padded}, x.options().dtype(at::kBFloat16));
+        base[kRows] = a.data_ptr();
+      } else {
+        sa = m_major_scales(x, plan.vendor_rows, k_padded);
+      }
       base[kScratch] = q.data_ptr();
       base[kAScale] = sa.data_ptr();
     }
@@ -432,7 +455,9 @@ class Table {
         throw std::runtime_error("decode_gemm: a kernel launch failed: " + d.error(r));
       }
     }
-    if (plan.vendor_rows > 0) {
+    if (plan.dense) {
+      dense_gemm(a, w, bias, out, key[0], n);
+    } else if (plan.vendor_rows > 0) {
       // kept_lt: the caller's switch (decode.CUBLASLT); a capture records torch's own call
       LtGemm* kept = kept_lt && capturing == 0 ? plan.lt.get() : nullptr;
       vendor_gemm(q, sa, w, scale, bias, out, key[0], n, kept, s);
@@ -468,8 +493,13 @@ class Table {
     plan.scratch_one = scratch_one;
     plan.scratch_two = scratch_two;
     plan.vendor_rows = vendor_rows;
-    if (vendor_rows > 0 && (!plan.one.empty() || w.size(1) % kScaleBlock != 0))
-      throw py::value_error("decode_calls: a vendor plan has the quantizer's launch alone, over K a multiple of 128");
+    plan.dense = vendor_rows > 0 && w.scalar_type() == at::kBFloat16;
+    if (vendor_rows > 0 && (!plan.one.empty() || w.size(1) % kScaleBlock != 0 ||
+                          (!plan.two.empty() && plan.two.size() != 1u + plan.dense)))
+      throw py::value_error("decode_calls: a vendor plan has the quantizer's launch (over a bf16 weight, then the "
+                            "rows' dequantization) alone, over K a multiple of 128");
+    if (plan.dense && lt_workspace > 0)
+      throw py::value_error("decode_calls: a dense vendor plan keeps no cuBLASLt call");
     if (vendor_rows > 0 && lt_workspace > 0 && !current_is(driver(), x.get_device())) {
       lt_error_ = "planned while another device was current: cuBLASLt's handle is made for the current one";
     } else if (vendor_rows > 0 && lt_workspace > 0) {
@@ -503,7 +533,7 @@ class Table {
   }
 
  private:
-  static constexpr size_t kRoles = 9;
+  static constexpr size_t kRoles = 10;
   static constexpr size_t kMaxParams = 40;
 
   std::vector<Launch> launches_of(const py::list& described) {

@@ -91,11 +91,16 @@ def test_mxfp8_exponent_is_the_exact_ceiling_of_log2():
 
 @pytest.mark.skipif(not INTERPRETED, reason="interpreted Triton only (see above)")
 @pytest.mark.parametrize("quant, split", [("ptpc", False), ("ptpc", True), ("blockscale", False), ("mxfp8", False)])
-def test_zeros_keep_their_bytes(quant, split):
-    """Zeros and negative zeros among the values, a zero 128-column group, a zero row: each is
-    quantized without a division (``_div_rn``) and must give ``quantize_a``'s bytes, sign bit too."""
+@pytest.mark.parametrize("skip", [True, False], ids=["zeros-skipped", "zeros-divided"])
+def test_zeros_keep_their_bytes(quant, split, skip, monkeypatch):
+    """Zeros and negative zeros among the values, a zero 128-column group, a zero row: each must give
+    ``quantize_a``'s bytes, sign bit too, whether the call skips dividing zeros (``_div_rn``'s
+    SKIP_ZEROS: decode-sized calls) or divides them (large calls)."""
+    from kernels_fused.hopper import quantize as hq
     from kernels_fused.hopper.quantize import quantize_activation
 
+    monkeypatch.setattr(hq, "SKIP_ZEROS_MAX_M", 64 if skip else 0)
+    monkeypatch.setattr(hq, "_LAUNCHES", {})  # (its launches are kept by call shape, not by this rule)
     x = activations(5, 384, seed=9, dtype=torch.float32)
     x[0, ::7], x[1, 1::5] = 0.0, -0.0
     x[2, 128:256] = -0.0

@@ -423,11 +423,14 @@ def check_decode_native(comm, log):
     cases = 0
     for quant in Q.QUANTS:
         # check_decode's shape (its kernels are compiled); blockscale's rows through cuBLAS at a K it
-        # takes, with the weight's padded features copied out and without
+        # takes, with the weight's padded features copied out and without; mxfp8's there over the
+        # weight's bf16 copy (the layers pass it for 2+ rows; one row runs the vendor path too)
         shapes = ((N, K_RANK),) + (((N, 512), (1024, 512)) if quant in D.VENDOR_ROWS else ())
         for n, k in shapes:
             wq, ws = Q.quantize_b(torch.randn(-(-n // 128) * 128, -(-k // 128) * 128, generator=g) * 0.05, quant)
             wq, ws = wq.to(comm.device), ws.to(comm.device)
+            if quant == "mxfp8" and k == 512:
+                wq = D.vendor.mx_to_bf16(wq, ws)
             bias = torch.randn(n, generator=g).to(torch.bfloat16).to(comm.device)
             for m in DECODE_MS:
                 x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(comm.device)
@@ -491,7 +494,9 @@ def check_decode_vendor(comm, log):
     and the op's cuBLAS call) bit for bit at every M, with a bias, first through the Python path and
     then through the C++ table, whose calls run the plan's kept cuBLASLt call (torch's descriptor and
     heuristic pick made once: the same kernel, so the same bits) and, switched off, at::_scaled_mm;
-    the rule gives 64 rows where cuBLAS takes the K and one where not."""
+    the rule gives 64 rows where cuBLAS takes the K and one where not. mxfp8's 2..64 rows likewise
+    (the quantizer, the rows' dequantization and cuBLAS's bf16 GEMM over the bf16 copy of the weight
+    that the op holds, one per weight)."""
     import torch.distributed as dist
 
     from cco.comm import Communicator
@@ -508,30 +513,52 @@ def check_decode_vendor(comm, log):
         raise AssertionError(f"decode vendor: decode_rows {layer.decode_rows} at K {k} (64 expected), "
                              f"{narrow.decode_rows} at K {narrow.k_padded} (1 expected)")
     ms = [m for m in DECODE_MS if m > 1]
-    # and Llama-3-8B's down_proj at 8, 32 and 64 rows, where the kept call's algorithm was not torch's at 32
-    # and 64 (another workspace bound: docs/decode.md); those shapes must keep torch's call and its bits
+    # and Llama-3-8B's down_proj at 8, 32 and 64 rows, where a kept call asked with 32 MiB of workspace
+    # picked another kernel than torch's 1 MiB at 32 and 64 rows (docs/decode.md): with the rule's bound
+    # none may differ
     big = RowParallelLinear(14336, 4096, group=solo, quant="blockscale", bias=True, m_max=M_MAX)
-    differed = set()
-    for each, rows, may_differ in ((layer, ms, False), (big, (8, 32, 64), True)):
-        differed.update(check_vendor_layer(each, rows, g, comm.device, may_differ))
-    for closing in (layer, narrow, big, solo):
+    for each, rows in ((layer, ms), (big, (8, 32, 64))):
+        check_vendor_layer(each, rows, g, comm.device, may_differ=False)
+    # the guard (decode._same_bits) on a plan asked with another bound than torch's, 32 MiB, at
+    # Llama-3-70B's down_proj: a shape whose kept call gives other bits keeps torch's call and its bits
+    wide = RowParallelLinear(28672, 8192, group=solo, quant="blockscale", bias=True, m_max=M_MAX)
+    rule = D.lt_workspace_bytes
+    D.lt_workspace_bytes = lambda device: 32 << 20
+    try:
+        differed = check_vendor_layer(wide, (8, 32, 64), g, comm.device, may_differ=True)
+    finally:
+        D.lt_workspace_bytes = rule
+    # mxfp8's rows over the bf16 copy of the weight that the op's vendor GEMM holds (N 1000: its padded
+    # features copied out), and over a second weight of the same shape, whose layer shares the op
+    mx = [RowParallelLinear(k, N, group=solo, quant="mxfp8", bias=True, m_max=M_MAX) for _ in range(2)]
+    if mx[0].op is not mx[1].op or mx[0].decode_rows != 64:
+        raise AssertionError(f"decode vendor mxfp8: the layers' op shared {mx[0].op is mx[1].op}, decode_rows "
+                             f"{mx[0].decode_rows} (64 expected)")
+    for each in mx:
+        check_vendor_layer(each, ms, g, comm.device, may_differ=False)
+    copies = {id(each.op.vendor_weight(*each.quantized_weight()).dense) for each in mx for _ in range(2)}
+    if len(copies) != 2:
+        raise AssertionError(f"decode vendor mxfp8: {len(copies)} bf16 copies for two weights (one each expected)")
+    for closing in (layer, narrow, big, wide, *mx, solo):
         closing.close()
     bound = D.lt_workspace_bytes(torch.cuda.current_device())
     log(f"ok decode vendor (blockscale): M {ms} at K 512 and M 8, 32, 64 at 8B down_proj == the layer's general "
-        f"path, Python path and C++ table (its kept cuBLASLt call, workspace bound {bound} bytes; shapes whose kept "
-        f"call gave other bits at their first call and so keep torch's: {sorted(differed) or 'none'}); "
-        f"at::_scaled_mm with it off")
+        f"path, Python path and C++ table (its kept cuBLASLt call, workspace bound {bound} bytes, torch's bits "
+        f"at every shape); at::_scaled_mm with it off; 70B down_proj planned under a 32 MiB bound: shapes whose "
+        f"kept call gave other bits and so keep torch's call and bits: {sorted(differed) or 'none'}; mxfp8 M {ms} "
+        f"over the op's bf16 copy (one per weight, two layers sharing the op) == the general path, Python and C++")
 
 
 def check_vendor_layer(layer, ms, g, device, may_differ):
     """check_decode_vendor's comparisons for one layer at each M of ``ms``; returns the call shapes
     whose kept cuBLASLt call gave other bits than torch's at their first call (``decode.LT_DIFFERED``:
-    they keep torch's call, and must still give its bits), which only ``may_differ`` allows."""
+    they keep torch's call, and must still give its bits), which only ``may_differ`` allows. mxfp8
+    keeps no cuBLASLt call (its rows: torch's bf16 GEMM over the weight's copy)."""
     from kernels_fused.hopper import decode as D, native as NV
     from scripts.bench_decode import switched_off
 
     n, k = layer.out_features, layer.in_features_per_rank
-    where = f"decode vendor N={n} K={k}"
+    where, lt = f"decode vendor {layer.quant} N={n} K={k}", layer.quant == "blockscale"
     layer.load_weight((torch.randn(n, k, generator=g) / k ** 0.5).to(torch.bfloat16).to(device))
     with torch.no_grad():
         layer.bias.copy_(torch.randn(n, generator=g).to(torch.bfloat16))
@@ -549,12 +576,14 @@ def check_vendor_layer(layer, ms, g, device, may_differ):
             table = layer(x)
             if NV.TABLE.taken() != taken + 1:
                 raise AssertionError(f"{where} M={m}: the call did not go through the C++ table")
-            if NV.TABLE.lt_taken() != kept + (shape not in D.LT_DIFFERED):  # the kept call, not at::_scaled_mm
+            if NV.TABLE.lt_taken() != kept + (lt and shape not in D.LT_DIFFERED):  # the kept call, not at::_scaled_mm
                 raise AssertionError(f"{where} M={m}: the table's call did not run its kept cuBLASLt call "
                                      f"({NV.TABLE.lt_error() or 'no error recorded'})")
             if not torch.equal(python, want) or not torch.equal(table, want):
                 raise AssertionError(f"{where} M={m}: the decode path differs from the layer's general path "
                                      f"(Python path equal: {torch.equal(python, want)})")
+        if not lt:
+            return set()
         # the kept call switched off (CCO_DECODE_CUBLASLT=0): the table's at::_scaled_mm, the same bits
         taken, kept = NV.TABLE.taken(), NV.TABLE.lt_taken()
         table = switched_off(lambda: layer(x), D, "CUBLASLT")()

@@ -277,42 +277,80 @@ def test_ptpc_one_launch_refused_falls_back_to_two():
 def test_vendor_rows_rule():
     """blockscale's rows take cuBLAS through the decode path (``VENDOR_ROWS``) where cuBLAS takes the
     K (a multiple of 4 scale blocks: 512 columns, not 384 or 2304), padded to its multiple of 4 rows;
-    one row, the CPU (the interpreter has no cuBLAS) and the other quants take a decode kernel. The
-    layers' rule follows: 64 rows where the vendor path takes the K, one where it does not."""
+    one row and the CPU (the interpreter has no cuBLAS) take a decode kernel. mxfp8's take it where
+    the weight passed is its bf16 copy (``dense``), at every M and on the CPU too (torch's matmul).
+    ptpc never does. The layers' rule follows: 64 rows where the vendor path takes the K, one where
+    it does not (mxfp8: the layers pass the copy)."""
     from kernels_fused.hopper import decode as D
 
     assert [D.vendor_rows("blockscale", m, 512, 0) for m in (1, 2, 4, 5, 17, 64)] == [0, 4, 4, 8, 20, 64]
     assert D.vendor_rows("blockscale", 5, 384, 0) == D.vendor_rows("blockscale", 5, 2304, 0) == 0
     assert D.vendor_rows("blockscale", 5, 512, -1) == 0
-    assert D.vendor_rows("ptpc", 5, 512, 0) == D.vendor_rows("mxfp8", 5, 512, 0) == 0
+    assert D.vendor_rows("ptpc", 5, 512, 0) == D.vendor_rows("ptpc", 5, 512, 0, True) == 0
+    assert D.vendor_rows("mxfp8", 5, 512, 0) == 0
+    assert [D.vendor_rows("mxfp8", m, 512, d, True) for m, d in ((2, 0), (5, 0), (64, -1))] == [2, 5, 64]
     assert [D.decode_max_m("blockscale", k) for k in (384, 512, 2304, 14336)] == [1, 64, 1, 64]
-    assert (D.decode_max_m("ptpc", 384), D.decode_max_m("mxfp8", 512)) == (64, 1)
+    assert (D.decode_max_m("ptpc", 384), D.decode_max_m("mxfp8", 512)) == (64, 64)
+
+
+@pytest.mark.parametrize("m, n, k, k_padded", [(2, 64, 256, 256), (5, 200, 300, 384), (17, 136, 640, 640)],
+                         ids=lambda v: str(v))
+def test_mxfp8_rows_over_the_bf16_copy(m, n, k, k_padded):
+    """mxfp8 with the weight's bf16 copy as ``w`` (``VENDOR_ROWS``): the layer's general path's three
+    launches bit for bit, the activation quantizer's bytes, ``vendor.mx_to_bf16`` of them and the
+    matmul over the copy (its ``[:, :n]`` share where N is padded), then ``+= bias``; the fp8 weight
+    at the same M takes the rows kernel (another key: the weight's dtype)."""
+    from kernels_fused.hopper import decode as D
+    from kernels_fused.hopper.quantize import quantize_activation
+    from kernels_fused.hopper.vendor import mx_to_bf16
+
+    x = activations(m, k, seed=m + 3)
+    wq, ws = weight(n, k, k_padded, "mxfp8")
+    dense = mx_to_bf16(wq, ws)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    a, s = quantize_activation(x, "mxfp8", k_padded=k_padded)
+    want = torch.matmul(mx_to_bf16(a, s), dense.t())[:, :n].contiguous()
+    want += bias
+    D._LAUNCHES.clear()
+    got = D.decode_gemm(x, dense, ws, "mxfp8", n=n, bias=bias)
+    assert got.shape == (m, n) and torch.equal(got, want)
+    (launch,) = D._LAUNCHES.values()
+    assert launch.vendor == m and launch.kernel is not None and launch.kernel.fn.__name__ == "mx_to_bf16_kernel"
+    fp8 = D.decode_gemm(x, wq, ws, "mxfp8", n=n, bias=bias)  # the rows kernel: within the fp8 budget of the same
+    assert len(D._LAUNCHES) == 2 and float((fp8.float() - want.float()).abs().max()) <= 0.02 * float(
+        want.float().abs().max())
+    with pytest.raises(ValueError, match="e4m3 .* got torch.bfloat16"):  # another quant's w must be e4m3
+        D.decode_gemm(x, dense, ws, "ptpc", n=n)
+    D._LAUNCHES.clear()
 
 
 def test_lt_workspace_rule(monkeypatch):
     """The workspace bound the C++ table's kept cuBLASLt call offers the heuristic is torch's own
-    (its pick depends on it, and the call must pick torch's algorithm to give its bits): cuBLAS's
-    32 MiB on Hopper, 8 MiB + 128 KiB on an older GPU, ``CUBLAS_WORKSPACE_CONFIG``'s pairs summed,
-    ``CUBLASLT_WORKSPACE_SIZE`` (KiB) capped at cuBLAS's while the two are unified, and 1 MiB where
-    they are not."""
+    (its pick depends on it, and the call must pick torch's algorithm to give its bits): 1 MiB by
+    default on every GPU, ``CUBLASLT_WORKSPACE_SIZE`` (KiB) where set, capped at cuBLAS's workspace
+    (32 MiB on Hopper, 8 MiB + 128 KiB on an older GPU, ``CUBLAS_WORKSPACE_CONFIG``'s pairs summed)
+    while the two are unified, and not capped where they are not."""
     from kernels_fused.hopper import decode as D
 
     capability = [(9, 0)]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
     for name in ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE", "TORCH_CUBLASLT_UNIFIED_WORKSPACE"):
         monkeypatch.delenv(name, raising=False)
-    assert D.lt_workspace_bytes(0) == 32 << 20
+    assert D.lt_workspace_bytes(0) == 1 << 20  # what torch 2.11 asked with on an H200
     capability[0] = (8, 0)
+    assert D.lt_workspace_bytes(0) == 1 << 20
+    monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", "65536")  # more than an older GPU's cuBLAS workspace: capped
     assert D.lt_workspace_bytes(0) == (8 << 20) + (128 << 10)
     capability[0] = (9, 0)
+    assert D.lt_workspace_bytes(0) == 32 << 20
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2:16:8")
-    assert D.lt_workspace_bytes(0) == (8 << 20) + (128 << 10)
-    monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", "65536")  # more than cuBLAS's: capped
     assert D.lt_workspace_bytes(0) == (8 << 20) + (128 << 10)
     monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", "2048")
     assert D.lt_workspace_bytes(0) == 2 << 20
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # 128 KiB of cuBLAS workspace caps the default too
+    monkeypatch.delenv("CUBLASLT_WORKSPACE_SIZE")
+    assert D.lt_workspace_bytes(0) == 128 << 10
     monkeypatch.setenv("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "0")
+    assert D.lt_workspace_bytes(0) == 1 << 20
     monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", "65536")
     assert D.lt_workspace_bytes(0) == 64 << 20
-    monkeypatch.delenv("CUBLASLT_WORKSPACE_SIZE")
-    assert D.lt_workspace_bytes(0) == 1 << 20

@@ -153,7 +153,7 @@ def test_vendor_plan_is_the_quantizers_launch(monkeypatch):
     its A_SCALE, the call's M and padded rows in their bits), the cuBLAS call following it in C++.
     (The interpreter has no cuBLAS: the path is forced here and ``vendor_gemm`` recorded.)"""
     n, k, k_padded, m, padded = 64, 300, 512, 5, 8
-    monkeypatch.setattr(D, "vendor_rows", lambda quant, rows, kp, device: padded)
+    monkeypatch.setattr(D, "vendor_rows", lambda quant, rows, kp, device, dense=False: padded)
     gemms = []
     monkeypatch.setattr(D, "vendor_gemm", lambda q, sa, w, ws, bias, out, rows, cols: gemms.append((q, sa, rows, cols)))
     x = activations(m, k, seed=9)
@@ -179,6 +179,49 @@ def test_vendor_plan_is_the_quantizers_launch(monkeypatch):
     params = two[0][5]
     assert params[:-2] == roles_of(keep, x=x, w=wq, w_scale=ws, bias=None, out=None, scratch_role=scratch_role)
     assert (NV.BITS32, m, 0) in params and (NV.BITS32, padded, 0) in params
+    D._LAUNCHES.clear()
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the decode path runs under Triton's interpreter here only without a GPU")
+def test_dense_vendor_plan_is_the_quantizer_then_the_dequantization(monkeypatch):
+    """mxfp8's rows over the weight's bf16 copy (``decode.VENDOR_ROWS``): the Python path quantizes
+    into M rows and their e8m0 bytes, dequantizes them to bf16 rows, then calls ``dense_gemm``; the
+    plan is those two launches (x by its role, the rows into the table's scratch, the bytes into its
+    A_SCALE, the bf16 rows into its ROWS; the group count in its bits), the GEMM following in C++."""
+    n, k, k_padded, m = 64, 300, 384, 5
+    gemms = []
+    real = D.dense_gemm
+    monkeypatch.setattr(D, "dense_gemm", lambda a, w, bias, out, rows, cols: (gemms.append((a, w, rows, cols)),
+                                                                             real(a, w, bias, out, rows, cols)))
+    x = activations(m, k, seed=9)
+    wq, ws = weight(n, k, k_padded, "mxfp8")
+    dense = D.vendor.mx_to_bf16(wq, ws)
+    D._LAUNCHES.clear()
+    calls = recorded_calls(monkeypatch)
+    D.decode_gemm(x, dense, ws, "mxfp8", n=n)
+    (launch,) = D._LAUNCHES.values()
+    (quantize, q_args), (dequantize, d_args) = calls
+    ((a, w, rows, cols),) = gemms
+    assert launch.vendor == m and (quantize, dequantize) == (launch.quantize, launch.kernel)
+    assert (a.shape, a.dtype, w.data_ptr(), rows, cols) == ((m, k_padded), torch.bfloat16, dense.data_ptr(), m, n)
+    want_q, want_s = quantize_activation(x, "mxfp8", k_padded=k_padded)  # the layer's bytes, and their bf16 rows
+    assert torch.equal(q_args[1].view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(q_args[2], want_s.view(torch.uint8)) and torch.equal(a, D.vendor.mx_to_bf16(want_q, want_s))
+    for kernel, args in calls:
+        kernel.compiled = fake_compiled(kernel, args)
+    one, two, scratch_one, scratch_two = launch.plan(x.stride(0), ws.stride(0))
+    assert one == [] and (scratch_one, scratch_two) == (0, 0) and len(two) == 2
+    q, sa = q_args[1], q_args[2]
+
+    def scratch_role(t):
+        return (NV.POINTER, {q.data_ptr(): NV.SCRATCH, sa.data_ptr(): NV.A_SCALE, a.data_ptr(): NV.ROWS}[t.data_ptr()],
+                0)
+
+    for (kernel, args), planned in zip(calls, two):
+        keep = [v for v, p in zip(args, kernel.compiled.src.signature.values()) if p != "constexpr"]
+        assert planned[5][:-2] == roles_of(keep, x=x, w=dense, w_scale=ws, bias=None, out=None,
+                                           scratch_role=scratch_role)
+    assert (NV.BITS32, m * k_padded // Q.MX_GROUP, 0) in two[1][5]
     D._LAUNCHES.clear()
 
 

@@ -5,7 +5,7 @@ weight at the same address, version 0, and used the zero weight's unshuffled cop
 
 import torch
 
-from cco.backends.base import TensorDerived
+from cco.backends.base import TensorDerived, WeightDerived
 
 
 def test_a_new_tensor_where_a_freed_one_was_is_not_taken_for_it():
@@ -61,3 +61,51 @@ def test_a_value_made_without_keep_is_not_kept():
     cache.get((w,), lambda: w + 1, keep=lambda: False)
     assert not cache._aliases
     assert torch.equal(cache.get((w,), lambda: w + 2), w + 2)
+
+
+def test_weight_derived_keeps_one_value_per_weight():
+    """The per-weight store (the CUDA backend's vendor weights: the layers of one shape share one op
+    and a model calls them in turn): each weight's value is kept while it is unchanged, an in-place
+    write or other tensor objects derive anew, a weight that dies takes its entry with it, and past
+    ``kept`` weights the oldest goes."""
+    cache, calls = WeightDerived(kept=3), []
+
+    def derived(w):
+        first, second = w
+
+        def derive():
+            calls.append(1)
+            return float(first.sum() + second.sum())
+        return derive
+
+    ws = [(torch.full((8,), float(i)), torch.ones(2)) for i in range(3)]
+    for _ in range(3):  # called in turn, as a decode step calls its layers
+        for w in ws:
+            assert cache.get(w, derived(w)) == float(w[0].sum() + 2)
+    assert len(calls) == 3 and len(cache) == 3
+    ws[1][0].add_(1)  # an in-place write: that weight alone derives again
+    assert cache.get(ws[1], derived(ws[1])) == 18.0 and len(calls) == 4
+    del ws[0], w  # a weight that dies takes its entry along
+    assert len(cache) == 2
+    view = (ws[1][0].view(2, 4), ws[1][1])  # other tensor objects (a view of the same bytes): another entry
+    cache.get(view, derived(view))
+    assert len(calls) == 5 and len(cache) == 3
+    extra = (torch.zeros(8), torch.ones(2))
+    cache.get(extra, derived(extra))
+    assert len(calls) == 6 and len(cache) == 3  # past kept: the oldest entry (ws[1]'s) went
+    cache.get(ws[0], derived(ws[0]))  # (written since, re-kept: not the oldest)
+    assert len(calls) == 6
+    cache.get(ws[1], derived(ws[1]))
+    assert len(calls) == 7
+
+
+def test_weight_derived_is_not_fooled_by_swapped_data():
+    """``w.data = other`` moves the bytes under the same object and bumps no counter: the address
+    in the stamp misses, and the kept alias keeps the old bytes taken meanwhile."""
+    cache = WeightDerived()
+    w = torch.full((4096,), 1.0)
+    ptr = w.data_ptr()
+    cache.get((w,), lambda: w * 2)
+    w.data = torch.full((4096,), 2.0)
+    assert all(torch.full((4096,), 3.0).data_ptr() != ptr for _ in range(8))
+    assert torch.equal(cache.get((w,), lambda: w * 2), torch.full((4096,), 4.0))
