@@ -8,7 +8,8 @@ equal to 1) and with ``M`` and ``M_OUT`` left unspecialized, in the same passes.
 What it showed (one H200, 2026-12-04, docs/decode.md "The quantizer's zeros"): both arms equal in
 every cell, so not the specialization; the slow cells were those whose tiles hold zeros (rows past
 M, columns past K), which the IEEE division took a slow path for. ``_div_rn`` no longer divides a
-zero, and the same probe then gave 2.3-3.2 us at every cell.
+zero in calls of at most ``quantize.SKIP_ZEROS_MAX_M`` rows (every cell here), and the same probe
+then gave 2.3-3.2 us at every cell.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ def _div_rn(x, y, SKIP_ZEROS: tl.constexpr = False):
     zeros a decode-sized call reads (rows past M, columns past K, padded tiles) made blockscale's
     group quantizer take 5.7-6.3 us instead of 2.5 at one row and at K = 1792 on an H200; at
     thousands of rows, where few values are zero, the selects made the ptpc and blockscale
-    quantizers 1.3-1.8x slower (docs/decode.md), so large calls divide every value."""
+    quantizers 1.1-1.8x slower (docs/decode.md), so large calls divide every value."""
     x, y = tl.broadcast(x, y)
     if SKIP_ZEROS:
         zero = x == 0.0
