@@ -14,8 +14,8 @@ runs eager (``eager``) and as a replay of a CUDA graph captured from it (``graph
 every linear`` (also every ``q/k/v_proj`` and ``gate/up_proj`` replaced by ``cco.nn.ColumnParallelLinear``:
 the whole decoder's weights in fp8, the lm_head bf16), and ``fp8 unfused
 <quant>`` (the same layers as a model runs fp8 today without cco: ``cco.quant.quantize_a`` in torch,
-then ``torch._scaled_mm``; cuBLAS's blockwise recipe refuses M % 4 != 0, so blockscale at batch 1
-has no such arm). Per arm and mode: ms/token over ``--repeats`` decodes of ``--tokens`` tokens from
+then ``torch._scaled_mm``; cuBLAS's blockwise recipe refuses M % 4 != 0, so blockscale's rows are
+padded with zero rows to a multiple of 4 there, as the cco layer pads them). Per arm and mode: ms/token over ``--repeats`` decodes of ``--tokens`` tokens from
 the same prefilled cache (``cco.bench.timing.time_back_to_back``, one decode per pass, the arms
 alternating per pass in rotated order, so a drift of the clocks over the run lands on every arm):
 median and min..max; the first decode step's logits against the bf16 arm's (relative L2); and
@@ -83,10 +83,10 @@ def parse_args(argv=None):
     p.add_argument("--python-arms", action="store_true",
                    help="each cco arm also with the decode GEMM's C++ call path off (kernels_fused.hopper.native: "
                         "the Python path's kept launches), eager only, in the same passes")
-    p.add_argument("--lt-arms", action="store_true",
-                   help="each cco arm of a quant whose rows take the C++ table's kept cuBLASLt call (blockscale) "
-                        "also with it off (decode.CUBLASLT: at::_scaled_mm as torch's call), eager only, in the "
-                        "same passes")
+    p.add_argument("--kept-arms", "--lt-arms", dest="kept_arms", action="store_true",
+                   help="each cco arm of a quant whose rows take the C++ table's kept vendor call (blockscale's "
+                        "cuBLASLt call, mxfp8's cublasGemmEx) also with it off (decode.KEPT_CALL: torch's "
+                        "at::_scaled_mm / at::mm), eager only, in the same passes")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--profile-calls", type=int, default=200)
     p.add_argument("--json")
@@ -123,7 +123,9 @@ def shapes(selection: str) -> dict[str, tuple[int, int]]:
 # arms
 # --------------------------------------------------------------------------------------------------
 class UnfusedFp8Linear(torch.nn.Module):
-    """An fp8 linear as a model runs it without cco: ``quantize_a`` (torch) then ``torch._scaled_mm``."""
+    """An fp8 linear as a model runs it without cco: ``quantize_a`` (torch) then ``torch._scaled_mm``
+    (blockscale: the rows padded with zero rows to cuBLAS's multiple, which its blockwise recipe
+    needs, and the call's rows taken back)."""
 
     def __init__(self, linear: torch.nn.Linear, quant: str):
         super().__init__()
@@ -136,8 +138,12 @@ class UnfusedFp8Linear(torch.nn.Module):
             raise ValueError(why)
 
     def forward(self, x):
-        a, a_scale = Q.quantize_a(x.reshape(-1, self.k), quant=self.quant)
-        return self.gemm(a, a_scale).view(*x.shape[:-1], -1)
+        rows = x.reshape(-1, self.k)
+        m = rows.shape[0]
+        if self.quant == "blockscale" and m % 4:
+            rows = torch.nn.functional.pad(rows, (0, 0, 0, 4 - m % 4))
+        a, a_scale = Q.quantize_a(rows, quant=self.quant)
+        return self.gemm(a, a_scale)[:m].view(*x.shape[:-1], -1)
 
 
 def cco_layer(linear: torch.nn.Linear, quant: str, comm, m_max: int):
@@ -392,9 +398,9 @@ def time_decode(model, dec, built: dict, args, time_back_to_back) -> dict:
     steps = {arm: (lambda made=made: eager(made=made)) for arm, (made, _) in built.items()}
     if args.python_arms:
         steps.update({f"{arm} {PY_ARM}": python_path(steps[arm]) for arm in built if arm.startswith("cco")})
-    if args.lt_arms:  # (the quants whose rows take the C++ table's kept cuBLASLt call)
-        steps.update({f"{arm} {LT_ARM}": without_lt(steps[arm]) for arm in built
-                      if arm.startswith("cco") and any(q in arm for q in D.LT_ROWS)})
+    if args.kept_arms:  # (the quants whose rows take the C++ table's kept vendor call)
+        steps.update({f"{arm} {KEPT_ARM}": without_kept_call(steps[arm]) for arm in built
+                      if arm.startswith("cco") and any(q in arm for q in D.VENDOR_ROWS)})
     t = time_back_to_back(steps, calls=1, passes=args.repeats, warmup=1)
     swapped(model, None)
     out = {}
@@ -509,8 +515,8 @@ def per_call_runs(args, comm, device, *, into: list, after_shape=lambda: None) -
                         arms[f"{kept} {JIT_ARM}"] = slow_launches(arms[kept])
                 if args.python_arms:
                     arms[f"cco {q} {PY_ARM}"] = python_path(arms[f"cco {q}"])
-                if args.lt_arms and q in D.LT_ROWS:
-                    arms[f"cco {q} {LT_ARM}"] = without_lt(arms[f"cco {q}"])
+                if args.kept_arms and q in D.VENDOR_ROWS:
+                    arms[f"cco {q} {KEPT_ARM}"] = without_kept_call(arms[f"cco {q}"])
             record = {"shape": name, "n": n, "k": k, "m": m, "world": world}
             with torch.no_grad():
                 if world == 1:  # the layer's output against the bf16 linear's
@@ -524,7 +530,7 @@ def per_call_runs(args, comm, device, *, into: list, after_shape=lambda: None) -
                 if world == 1:  # (the JITFunction.run and Python-path arms differ on the host only)
                     record["graph_us"] = graph_device_us({a: fn for a, fn in arms.items()
                                                           if JIT_ARM not in a and PY_ARM not in a
-                                                          and LT_ARM not in a},
+                                                          and KEPT_ARM not in a},
                                                          args, time_arms)
             rows.append(record)
             if comm.rank == 0:
@@ -546,15 +552,15 @@ def per_call_runs(args, comm, device, *, into: list, after_shape=lambda: None) -
 
 JIT_ARM = "via JITFunction.run"  # the suffix of --jit-arms' arms
 PY_ARM = "via the Python path"  # the suffix of --python-arms' arms
-LT_ARM = "via at::_scaled_mm"  # the suffix of --lt-arms' arms
+KEPT_ARM = "via torch's op"  # the suffix of --kept-arms' arms
 
 
-def without_lt(fn):
-    """``fn`` with the C++ table's kept cuBLASLt call off for its call (``decode.CUBLASLT``): its
-    vendor plans call ``at::_scaled_mm``, as torch's call does."""
+def without_kept_call(fn):
+    """``fn`` with the C++ table's kept vendor call off for its call (``decode.KEPT_CALL``): its
+    vendor plans call torch's op (``at::_scaled_mm``, ``at::mm``), as the Python path does."""
     from kernels_fused.hopper import decode as D
 
-    return switched_off(fn, D, "CUBLASLT")
+    return switched_off(fn, D, "KEPT_CALL")
 
 
 def python_path(fn):

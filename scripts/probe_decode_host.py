@@ -58,6 +58,8 @@ def main() -> None:
                     timed("decode_gemm(dense) via table", lambda: D.decode_gemm(x, dense, sc, quant, n=n))
                     stream = torch.cuda.current_stream().cuda_stream
                     timed("table.run alone", lambda: NV.TABLE.run(x, dense, sc, None, n, 2, True, True, stream))
+                    timed("table.run, kept call off (at::mm)",
+                          lambda: NV.TABLE.run(x, dense, sc, None, n, 2, True, False, stream))
                     a, s = quantize_activation(x, quant, k_padded=k)
                     ab = mx_to_bf16(a, s)
                     out = torch.empty(8, n, dtype=torch.bfloat16, device="cuda")
@@ -68,7 +70,7 @@ def main() -> None:
                     timed("F.linear(ab, dense)", lambda: torch.nn.functional.linear(ab, dense))
                 else:
                     timed("decode_gemm(fp8) via table", lambda: D.decode_gemm(x, qw, sc, quant, n=n))
-            print("taken", NV.TABLE.taken(), NV.TABLE.lt_taken(), flush=True)
+            print("taken", NV.TABLE.taken(), NV.TABLE.kept_taken(), flush=True)
             layer.close()
 
 

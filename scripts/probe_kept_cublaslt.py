@@ -48,7 +48,7 @@ def main(argv=None) -> int:
                 same += kept is not None and bool(torch.equal(kept, theirs))
             differs += same != args.tries
             print(f"N {n} K {k} M {m}: kept call == torch's in {same} of {args.tries} tries "
-                  f"({table.lt_error() or 'kept call planned'})", flush=True)
+                  f"({table.kept_error() or 'kept call planned'})", flush=True)
     return 1 if differs else 0
 
 

@@ -177,71 +177,72 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     # the sweep runs the Python path's launches: the C++ table would replay a call shape's first
     # config whatever config is set (and leave no kept launch to time)
-    native_enabled, NV.ENABLED = NV.ENABLED, False
     every = (*D.tables("ptpc", 1), *D.tables("ptpc", 2), *D.tables("ptpc", D.MMA_ROWS_MAX))
     defaults = tuple(dict(table) for table in every)
-    out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "gpu": torch.cuda.get_device_name(),
-           "command": "python3 -m scripts.tune_decode " + " ".join(sys.argv[1:] if argv is None else argv),
-           "torch": torch.__version__, "rows": [], "checks": [], "host": {}}
-    failures = 0
-    for name in [] if args.host_only else args.shapes:
-        n, k, w, w_bf16 = shape_weight(name, dev)
-        for quant in args.quant:
-            wq, ws = Q.quantize_b(w, quant)
-            vw = vendor.prepare_weight(wq, ws, quant)
-            for m in args.m:
-                x = torch.randn(m, k, device=dev).to(torch.bfloat16)
-                # restore the defaults for the checks
-                for table, saved in zip(every, defaults):
-                    table.update(saved)
-                D._LAUNCHES.clear()
-                a, s = quantize_activation(x, quant, k_padded=k)
-                ad, wd = Q.dequantize_a(a, s, quant), Q.dequantize_b(wq, ws, quant)
-                ref, dot_abs = ad @ wd.t(), ad.abs() @ wd.abs().t()
-                got = D.decode_gemm(x, wq, ws, quant, n=n)
-                got2 = D.decode_gemm(x, wq, ws, quant, n=n)  # through the kept launches
-                D._LAUNCHES.clear()
-                slow = slow_launches(lambda x=x, wq=wq, ws=ws, quant=quant: D.decode_gemm(x, wq, ws, quant, n=n))()
-                check = {"shape": name, "m": m, "quant": quant, "outside_budget": gemm_mismatches(got, ref, dot_abs),
-                         "rel_l2": float((got.float() - ref).norm() / ref.norm()),
-                         "fast_equals_jit": bool(torch.equal(got2, slow)), "repeat_equal": bool(torch.equal(got, got2))}
-                ok = check["outside_budget"] == 0 and check["fast_equals_jit"] and check["repeat_equal"]
-                failures += not ok
-                out["checks"].append(check)
-                print(("ok  " if ok else "BAD ") + json.dumps(check), flush=True)
-                arms = {"nn.Linear bf16": lambda: torch.nn.functional.linear(x, w_bf16)}
-                rows_v = -(-m // 4) * 4 if quant == "blockscale" else m
+    native_enabled, NV.ENABLED = NV.ENABLED, False
+    try:
+        out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "gpu": torch.cuda.get_device_name(),
+               "command": "python3 -m scripts.tune_decode " + " ".join(sys.argv[1:] if argv is None else argv),
+               "torch": torch.__version__, "rows": [], "checks": [], "host": {}}
+        failures = 0
+        for name in [] if args.host_only else args.shapes:
+            n, k, w, w_bf16 = shape_weight(name, dev)
+            for quant in args.quant:
+                wq, ws = Q.quantize_b(w, quant)
+                vw = vendor.prepare_weight(wq, ws, quant)
+                for m in args.m:
+                    x = torch.randn(m, k, device=dev).to(torch.bfloat16)
+                    # restore the defaults for the checks
+                    for table, saved in zip(every, defaults):
+                        table.update(saved)
+                    D._LAUNCHES.clear()
+                    a, s = quantize_activation(x, quant, k_padded=k)
+                    ad, wd = Q.dequantize_a(a, s, quant), Q.dequantize_b(wq, ws, quant)
+                    ref, dot_abs = ad @ wd.t(), ad.abs() @ wd.abs().t()
+                    got = D.decode_gemm(x, wq, ws, quant, n=n)
+                    got2 = D.decode_gemm(x, wq, ws, quant, n=n)  # through the kept launches
+                    D._LAUNCHES.clear()
+                    slow = slow_launches(lambda x=x, wq=wq, ws=ws, quant=quant: D.decode_gemm(x, wq, ws, quant, n=n))()
+                    check = {"shape": name, "m": m, "quant": quant, "outside_budget": gemm_mismatches(got, ref, dot_abs),
+                             "rel_l2": float((got.float() - ref).norm() / ref.norm()),
+                             "fast_equals_jit": bool(torch.equal(got2, slow)), "repeat_equal": bool(torch.equal(got, got2))}
+                    ok = check["outside_budget"] == 0 and check["fast_equals_jit"] and check["repeat_equal"]
+                    failures += not ok
+                    out["checks"].append(check)
+                    print(("ok  " if ok else "BAD ") + json.dumps(check), flush=True)
+                    arms = {"nn.Linear bf16": lambda: torch.nn.functional.linear(x, w_bf16)}
+                    rows_v = -(-m // 4) * 4 if quant == "blockscale" else m
 
-                def two_launches(x=x, quant=quant, rows_v=rows_v, vw=vw):
-                    a, s = quantize_activation(x, quant, k_padded=k, m_padded=rows_v)
-                    return vendor.vendor_gemm(a, s, vw)
-                arms["quantizer + vendor GEMM"] = two_launches
-                for cfg in configs(quant, m):
-                    with_config(cfg, quant, m)
-                    try:
-                        D.decode_gemm(x, wq, ws, quant, n=n)
-                        torch.cuda.synchronize()
-                    except Exception as err:  # a config that does not compile (resources): recorded
-                        out["rows"].append({"shape": name, "m": m, "quant": quant, "config": cfg,
-                                            "error": f"{type(err).__name__}: {str(err)[:200]}"})
-                        continue
-                    launch = D._LAUNCHES[next(iter(D._LAUNCHES))]
-                    arms[f"decode {cfg}"] = (lambda launch=launch, x=x, wq=wq, ws=ws, n=n, m=m: launch(
-                        x, x.stride(0), wq, ws, None, torch.empty(m, n, dtype=torch.bfloat16, device=dev)))
-                timed = graph_us(arms, args.graph_calls, args.passes)
-                best = min((v, a) for a, v in timed.items() if a.startswith("decode"))
-                row = {"shape": name, "n": n, "k": k, "m": m, "quant": quant, "us": timed, "best": best[1],
-                       "best_us": best[0]}
-                out["rows"].append(row)
-                base = timed["nn.Linear bf16"]
-                print(f"{name:14s} M={m:3d} {quant:10s} bf16 {base:6.1f} | two launches "
-                      f"{timed['quantizer + vendor GEMM']:6.1f} | best decode {best[0]:6.1f} ({best[0] / base:.2f}x) "
-                      f"{best[1]}", flush=True)
-    # restore
-    for table, saved in zip(every, defaults):
-        table.update(saved)
-    D._LAUNCHES.clear()
-    NV.ENABLED = native_enabled
+                    def two_launches(x=x, quant=quant, rows_v=rows_v, vw=vw):
+                        a, s = quantize_activation(x, quant, k_padded=k, m_padded=rows_v)
+                        return vendor.vendor_gemm(a, s, vw)
+                    arms["quantizer + vendor GEMM"] = two_launches
+                    for cfg in configs(quant, m):
+                        with_config(cfg, quant, m)
+                        try:
+                            D.decode_gemm(x, wq, ws, quant, n=n)
+                            torch.cuda.synchronize()
+                        except Exception as err:  # a config that does not compile (resources): recorded
+                            out["rows"].append({"shape": name, "m": m, "quant": quant, "config": cfg,
+                                                "error": f"{type(err).__name__}: {str(err)[:200]}"})
+                            continue
+                        launch = D._LAUNCHES[next(iter(D._LAUNCHES))]
+                        arms[f"decode {cfg}"] = (lambda launch=launch, x=x, wq=wq, ws=ws, n=n, m=m: launch(
+                            x, x.stride(0), wq, ws, None, torch.empty(m, n, dtype=torch.bfloat16, device=dev)))
+                    timed = graph_us(arms, args.graph_calls, args.passes)
+                    best = min((v, a) for a, v in timed.items() if a.startswith("decode"))
+                    row = {"shape": name, "n": n, "k": k, "m": m, "quant": quant, "us": timed, "best": best[1],
+                           "best_us": best[0]}
+                    out["rows"].append(row)
+                    base = timed["nn.Linear bf16"]
+                    print(f"{name:14s} M={m:3d} {quant:10s} bf16 {base:6.1f} | two launches "
+                          f"{timed['quantizer + vendor GEMM']:6.1f} | best decode {best[0]:6.1f} ({best[0] / base:.2f}x) "
+                          f"{best[1]}", flush=True)
+    finally:  # (also where the sweep raises: the caller's settings and the C++ path back)
+        for table, saved in zip(every, defaults):
+            table.update(saved)
+        D._LAUNCHES.clear()
+        NV.ENABLED = native_enabled
     out["best_configs"] = best_configs(out["rows"])
     for name, best in out["best_configs"].items():
         print(f"best {name}: {best['config']} ({best['ratio']:.3f}x of bf16, geometric mean over {best['cells']} "

@@ -29,7 +29,8 @@ at a K that cuBLAS takes) are the layer's own two launches, the quantizer's into
 cuBLAS's multiple of 4 and cuBLAS's blockwise GEMM: here only so that the C++ table takes the call
 whole, which saves its host time and not its device time. So are mxfp8's rows where the caller
 passes the weight's bf16 copy as ``w`` (the layers do, from the op's vendor GEMM): the quantizer's
-launch, the rows' dequantization to bf16 and cuBLAS's bf16 GEMM over the copy. The rows kernel,
+launch, writing the rows quantized and dequantized to bf16, and cuBLAS's bf16 GEMM over the copy. The
+C++ table makes these vendor GEMMs' calls itself (``KEPT_CALL``). The rows kernel,
 which quantizes the rows (padded to a power of two, repeated to the MMA's 16) in every program,
 takes the rest: that costs more than the weight's read, so blockscale's rule at a K cuBLAS refuses
 keeps one row.
@@ -136,20 +137,23 @@ ONE_LAUNCH_MAX_BYTES = 64 << 20
 # (vendor.BLOCKWISE_ROW_MULTIPLE) and cuBLAS's blockwise GEMM; its own MMA over quantized rows was
 # 1.1-1.9x slower on the device (docs/decode.md), its rows kernel 1.4-4.9x. mxfp8, where the caller
 # passes the weight's bf16 copy as ``w`` (``vendor.VendorWeight.dense``: cuBLAS on Hopper has no e8m0
-# scaling): the quantizer's launch, the rows dequantized to bf16 (``vendor.mx_to_bf16``'s kernel) and
-# cuBLAS's bf16 GEMM over the copy; over the fp8 weight its rows take the rows kernel.
+# scaling): the quantizer's launch writing the rows quantized and dequantized to bf16 (the bytes of the
+# general path's quantizer and ``vendor.mx_to_bf16``, in one launch instead of two) and cuBLAS's bf16
+# GEMM over the copy; over the fp8 weight its rows take the rows kernel.
 VENDOR_ROWS = {"blockscale", "mxfp8"}
-# ... of which the C++ table keeps a cuBLASLt call per call shape (blockscale's: torch rebuilds its
-# descriptor and asks the heuristic on every _scaled_mm call; mxfp8's bf16 GEMM is a plain at::mm)
+# The C++ table makes their vendor GEMM's call itself (KEPT_CALL): blockscale's cuBLASLt call kept
+# per call shape (LT_ROWS; torch rebuilds its descriptor and asks the heuristic on every _scaled_mm
+# call), mxfp8's cublasGemmEx on torch's own handle with torch's arguments and flags (at::mm's
+# dispatcher, checks and resize saved: ~10 us of an eager call's host time, docs/decode.md).
 LT_ROWS = {"blockscale"}
 # False (``CCO_DECODE_ONE_LAUNCH=0``): ptpc's rows always take the two launches (read per call: a
 # benchmark times both in the same passes; a job whose GPU share refuses cooperative launches may
 # set it, although a refused launch already falls back by itself).
 ONE_LAUNCH = os.environ.get("CCO_DECODE_ONE_LAUNCH", "1") != "0"
-# False (``CCO_DECODE_CUBLASLT=0``): a VENDOR_ROWS call through the C++ table calls ``at::_scaled_mm``
-# as the Python path does, instead of its plan's kept cuBLASLt call (read per call, so a benchmark
-# may time both in the same passes; a shape planned while it is False keeps no cuBLASLt call).
-CUBLASLT = os.environ.get("CCO_DECODE_CUBLASLT", "1") != "0"
+# False (``CCO_DECODE_KEPT_CALL=0``): a VENDOR_ROWS call through the C++ table calls torch's op as the
+# Python path does (``at::_scaled_mm``, ``at::mm``), instead of its plan's kept call (read per call,
+# so a benchmark may time both in the same passes; a shape planned while it is False keeps none).
+KEPT_CALL = os.environ.get("CCO_DECODE_KEPT_CALL", "1") != "0"
 
 
 def decode_max_m(quant: str, k_padded: int) -> int:
@@ -264,7 +268,8 @@ def decode_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, quant: 
     of the fp8 weight ``w [N_pad, K_pad]`` (row-major, ``cco.quant``'s scales ``w_scale``), rounded to
     bf16, plus ``bias`` (rounded again, as ``out += bias``). mxfp8's ``w`` may be the weight's bf16
     copy instead (``mx_to_bf16(w, w_scale)``, ``vendor.VendorWeight.dense``; ``w_scale`` is then
-    only checked): the layer's general path's three launches run (``VENDOR_ROWS``). One launch (ptpc
+    only checked): the layer's general path's bytes, the quantizer writing the rows dequantized to
+    bf16, then cuBLAS's bf16 GEMM (``VENDOR_ROWS``). One launch (ptpc
     at 2..``MMA_ROWS_MAX`` rows two, the quantizer's and the MMA's, where the grid does not fit the
     GPU at once, the weight is over ``ONE_LAUNCH_MAX_BYTES``, ``ONE_LAUNCH`` is off, or under a graph
     capture; blockscale at 2+ rows the quantizer's and cuBLAS's, ``VENDOR_ROWS``); meant for ``M <=
@@ -276,7 +281,7 @@ def decode_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, quant: 
         device = x.get_device()
         if device >= 0:  # the C++ table's call: None where it does not take it (native's module)
             try:
-                out = table.run(x, w, w_scale, bias, n, _QUANT_CODE.get(quant, -1), ONE_LAUNCH, CUBLASLT,
+                out = table.run(x, w, w_scale, bias, n, _QUANT_CODE.get(quant, -1), ONE_LAUNCH, KEPT_CALL,
                                 torch._C._cuda_getCurrentRawStream(device))
             except RuntimeError as err:  # its cooperative launch refused: the path below warns and plans anew
                 if "cooperative" not in str(err):
@@ -325,37 +330,38 @@ def _plan(launch, x, row_stride, w, w_scale, bias, n, quant) -> None:
     try:
         one, two, scratch_one, scratch_two = launch.plan(row_stride, w_scale.stride(0))
         # (a capture cannot compare the kept call's bits, below: its shape keeps torch's call)
-        lt = launch.vendor and quant in LT_ROWS and CUBLASLT and not _capturing(device)
-        lt_workspace = lt_workspace_bytes(device) if lt else 0
+        kept = launch.vendor and KEPT_CALL and not _capturing(device)
+        kept_call = (lt_workspace_bytes(device) if quant in LT_ROWS else 1) if kept else 0
         add = functools.partial(table.add, x, w, w_scale, bias, n, _QUANT_CODE[quant], one, two, scratch_one,
                                 scratch_two, launch.vendor)
         launches = (launch.one, launch.quantize, launch.kernel)  # held by the plan: its kernels stay loaded
-        add(lt_workspace, launches)
-        if lt_workspace and not table.lt_error() and not _same_bits(table, x, w, w_scale, bias, n, quant, device):
+        add(kept_call, launches)
+        if kept_call and not table.kept_error() and not _same_bits(table, x, w, w_scale, bias, n, quant, device):
             add(0, launches)  # torch's own call for this shape from now on
     except ValueError as err:  # a launch the table cannot replay (another Triton's ABI): stays here
         warnings.warn(f"decode_gemm: this call shape stays on the Python path ({err})", RuntimeWarning, stacklevel=3)
 
 
-# Call shapes (M, K_pad, N) whose kept cuBLASLt call gave other bits than torch's call on their first
-# call (_same_bits): they keep torch's call. Bounded as the table's plans are.
-LT_DIFFERED: dict = {}
+# Call shapes (M, K_pad, N) whose kept call gave other bits than torch's call on their first call
+# (_same_bits): they keep torch's call. Bounded as the table's plans are.
+KEPT_DIFFERED: dict = {}
 
 
 def _same_bits(table, x, w, w_scale, bias, n, quant, device) -> bool:
-    """Whether a new vendor plan's kept cuBLASLt call gives torch's bits on this call's rows: both
-    run once through the table and are compared (one wait for the device, once per call shape).
-    At Llama-3-8B's and -70B's down_proj with 32 and 64 rows the two differed on an H200
+    """Whether a new vendor plan's kept call gives torch's bits on this call's rows: both run once
+    through the table and are compared (one wait for the device, once per call shape). At
+    Llama-3-8B's and -70B's down_proj with 32 and 64 rows blockscale's two differed on an H200
     (2026-12-04) while ``lt_workspace_bytes`` gave 32 MiB and torch 2.11 asked with 1 MiB: the
     heuristic picks by the bound (docs/decode.md, "The kept cuBLASLt call's bits"). The rule now
-    gives torch's bound; this guards a torch whose rule moves again. Where they differ the shape
-    keeps torch's call."""
+    gives torch's bound, and mxfp8's call is torch's own on torch's handle; this guards a torch whose
+    calls move (another BLAS library preferred, another rule). Where they differ the shape keeps
+    torch's call."""
     stream = torch._C._cuda_getCurrentRawStream(device)
     kept = table.run(x, w, w_scale, bias, n, _QUANT_CODE[quant], False, True, stream)
     theirs = table.run(x, w, w_scale, bias, n, _QUANT_CODE[quant], False, False, stream)
     same = kept is not None and theirs is not None and torch.equal(kept, theirs)
     if not same:
-        keep(LT_DIFFERED, (x.numel() // x.shape[-1], w.shape[1], n), True, native.PLANS_KEPT)
+        keep(KEPT_DIFFERED, (x.numel() // x.shape[-1], w.shape[1], n), True, native.PLANS_KEPT)
     return same
 
 
@@ -400,17 +406,27 @@ def rows_and_scales(rows: int, k_padded: int) -> int:
     return rows * (k_padded + 4)
 
 
+def into_out(out, m: int, n: int, q_rows: int, n_padded: int, bias, gemm) -> None:
+    """What :func:`vendor_gemm` and :func:`dense_gemm` share: ``gemm(full)`` writes the vendor GEMM's
+    whole product [q_rows, n_padded] into ``full``, which is the call's own ``out`` [m, n] where the
+    shapes agree, else a new tensor whose share ``[:m, :n]`` is copied out (zero rows padded for
+    cuBLAS, the weight's padded features); then ``out += bias`` (the C++ table's ``into_out``)."""
+    rows = out.view(m, n)
+    whole = q_rows == m and n_padded == n
+    full = rows if whole else torch.empty(q_rows, n_padded, dtype=torch.bfloat16, device=out.device)
+    gemm(full)
+    if not whole:
+        rows.copy_(full[:m, :n])
+    if bias is not None:
+        out += bias
+
+
 def vendor_gemm(q, sa, w, w_scale, bias, out, m: int, n: int) -> None:
     """``out [..., n] = (q @ dequant(w).T)[:m, :n] (+ bias)`` by cuBLAS's blockwise GEMM, as the layer's
     general path computes it (``vendor.bound_gemm``, then ``out += bias``); the C++ table makes the
     same calls (``csrc/decode_calls.cpp``, ``vendor_gemm``)."""
-    rows = out.view(m, n)
-    if q.shape[0] == m and w.shape[0] == n:
-        torch._scaled_mm(q, w.t(), scale_a=sa, scale_b=w_scale.t(), out_dtype=torch.bfloat16, out=rows)
-    else:  # zero rows padded for cuBLAS, or the weight's padded features: the call's share copied out
-        rows.copy_(torch._scaled_mm(q, w.t(), scale_a=sa, scale_b=w_scale.t(), out_dtype=torch.bfloat16)[:m, :n])
-    if bias is not None:
-        out += bias
+    into_out(out, m, n, q.shape[0], w.shape[0], bias, lambda full: torch._scaled_mm(
+        q, w.t(), scale_a=sa, scale_b=w_scale.t(), out_dtype=torch.bfloat16, out=full))
 
 
 def dense_gemm(a, w, bias, out, m: int, n: int) -> None:
@@ -418,13 +434,7 @@ def dense_gemm(a, w, bias, out, m: int, n: int) -> None:
     times the weight's bf16 copy ``w`` [N_pad, K_pad] by cuBLAS's bf16 GEMM, as the layer's general
     path computes it (``vendor.bound_gemm``, its ``[:, :n]`` share, then ``out += bias``); the C++
     table makes the same calls (``csrc/decode_calls.cpp``, ``dense_gemm``)."""
-    rows = out.view(m, n)
-    if w.shape[0] == n:
-        torch.matmul(a, w.t(), out=rows)
-    else:  # the weight's padded features: the call's share copied out
-        rows.copy_(torch.matmul(a, w.t())[:, :n])
-    if bias is not None:
-        out += bias
+    into_out(out, m, n, a.shape[0], w.shape[0], bias, lambda full: torch.matmul(a, w.t(), out=full))
 
 
 class _Launch:
@@ -447,14 +457,10 @@ class _Launch:
         self.ints = (m, n, k, k_padded)
         self.quant = quant
         self.vendor = vendor_rows(quant, m, k_padded, device, dense)
-        if self.vendor:  # the quantizer's launch (the layer's, into zero-padded rows), then cuBLAS
-            self.quantize, consts = launch_for(quant, False, self.vendor, k, k_padded)
+        if self.vendor:  # the quantizer's launch (the layer's, into zero-padded rows), then cuBLAS; mxfp8's
+            # quantizer writes the rows dequantized to bf16 (the bytes of the quantizer, then mx_to_bf16)
+            self.quantize, consts = launch_for(quant, False, self.vendor, k, k_padded, dequantize=quant == "mxfp8")
             self.q_args = ((m, self.vendor, k, k_padded), consts)
-            if quant == "mxfp8":  # ... after the rows' dequantization to bf16 (vendor.mx_to_bf16's kernel)
-                from kernels_fused.hopper import kernels as tk
-
-                self.consts = (self.vendor * k_padded // vendor.MX_GROUP, vendor.MX_GROUP, vendor.MX_BLOCK)
-                self.kernel = Kernel(tk.mx_to_bf16_kernel, (-(-self.consts[0] // vendor.MX_BLOCK),))
             return
         if rows:
             step = table_k[quant]
@@ -508,13 +514,13 @@ class _Launch:
                 self.one = None
         if self.quantize is not None:  # the rows quantized once (new tensors: safe on any stream), then the GEMM
             sizes = self.q_args[0]  # (M, M_OUT, K, K_PAD)
-            q, sa = empty_activation(self.quant, sizes[1], sizes[3], self.where)
-            self.quantize(device, *self._quantize(x, q, sa, row_stride))
-            if self.vendor and self.kernel is not None:  # mxfp8: the rows in bf16, then cuBLAS over w's bf16 copy
+            if self.vendor and self.quant == "mxfp8":  # the rows in bf16, then cuBLAS over w's bf16 copy
                 a = torch.empty(sizes[1], sizes[3], dtype=torch.bfloat16, device=self.where)
-                self.kernel(device, *self._dequantize(q, sa, a))
+                self.quantize(device, *self._quantize(x, a, a, row_stride))  # (no scales stored)
                 dense_gemm(a, w, bias, out, sizes[0], self.ints[1])
                 return
+            q, sa = empty_activation(self.quant, sizes[1], sizes[3], self.where)
+            self.quantize(device, *self._quantize(x, q, sa, row_stride))
             if self.vendor:  # (blockscale's scales M-major, as cuBLAS reads them)
                 vendor_gemm(q, sa, w, w_scale, bias, out, sizes[0], self.ints[1])
                 return
@@ -530,9 +536,6 @@ class _Launch:
     def _quantize(self, x, q, sa, row_stride) -> tuple:
         sizes, consts = self.q_args  # (M, M_OUT, K, K_PAD), the quantizer's constants
         return (x, q, sa, *sizes, row_stride, _TINY, FP8_MAX, *consts)
-
-    def _dequantize(self, q, sa, a) -> tuple:
-        return (q, sa, a, *self.consts)  # (groups, GROUP, BLOCK)
 
     def _mma(self, q, sa, w, scale, b, out) -> tuple:
         return (q, sa, w, scale, b, out, *self.ints, *self.consts)
@@ -559,12 +562,10 @@ class _Launch:
         one, two, scratch_two = [], [], 0
         if self.one is not None and self.one.compiled is not None:
             one = [nv.describe(self.one, self._one(x, P(nv.SCRATCH), w, scale, b, out, P(nv.SYNC), row_stride))]
-        if self.vendor:  # the quantizer into the table's own q and scales (mxfp8: then into its bf16 rows); cuBLAS's
-            q, sa = P(nv.SCRATCH), P(nv.A_SCALE)  # call follows them there
-            if self.quantize.compiled is not None and (self.kernel is None or self.kernel.compiled is not None):
+        if self.vendor:  # the quantizer into the table's own q and scales (mxfp8: its bf16 rows); cuBLAS's
+            q, sa = (P(nv.ROWS), P(nv.ROWS)) if self.quant == "mxfp8" else (P(nv.SCRATCH), P(nv.A_SCALE))
+            if self.quantize.compiled is not None:  # call follows them there
                 two = [nv.describe(self.quantize, self._quantize(x, q, sa, row_stride))]
-                if self.kernel is not None:
-                    two.append(nv.describe(self.kernel, self._dequantize(q, sa, P(nv.ROWS))))
         elif self.quantize is not None:
             sizes = self.q_args[0]
             q, sa = P(nv.SCRATCH), P(nv.SCRATCH, sizes[1] * sizes[3])  # the scales after the rows (16-byte aligned)
@@ -576,5 +577,5 @@ class _Launch:
             two = [nv.describe(self.kernel, self._row(x, w, scale, b, out, row_stride, scale_stride))]
         return one, two, self.scratch_one() if one else 0, scratch_two
 
-__all__ = ["DECODE_MAX_M", "LT_ROWS", "VENDOR_ROWS", "block_k", "check_operands", "decode_gemm", "decode_max_m",
+__all__ = ["DECODE_MAX_M", "KEPT_CALL", "LT_ROWS", "VENDOR_ROWS", "block_k", "check_operands", "decode_gemm", "decode_max_m",
            "lt_workspace_bytes", "resident_programs", "rows_max", "tables", "vendor_rows"]

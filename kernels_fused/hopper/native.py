@@ -18,8 +18,10 @@ How it stays the Python path's launch, bit for bit:
 - blockscale's rows through cuBLAS (``decode.VENDOR_ROWS``): the plan is the quantizer's launch,
   after which the table calls ``at::_scaled_mm`` (or its kept cuBLASLt call; and the copy and bias
   add) as ``decode.vendor_gemm`` does, on the same tensors. mxfp8's rows over the weight's bf16
-  copy: the quantizer's launch and the rows' dequantization to bf16 (``ROWS``), then ``at::mm`` as
-  ``decode.dense_gemm`` does.
+  copy: the quantizer's launch writing the rows dequantized to bf16 (``ROWS``), then cuBLAS's bf16
+  GEMM as ``decode.dense_gemm`` calls it (``cublasGemmEx`` on torch's handle as ``at::mm`` calls it,
+  or ``at::mm`` itself). A kept call whose first call gives other bits than torch's op is not kept
+  (``decode._same_bits``).
 - A call the table does not take returns None and runs the Python path: no plan for its key yet,
   the current device not x's, a graph capture where the plan has no two-launch path yet, a launch
   hook set (a profiler), ``ENABLED`` or ``launch.FAST_LAUNCH`` off.

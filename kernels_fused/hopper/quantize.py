@@ -148,9 +148,14 @@ def quantize_activation(x: torch.Tensor, quant: str, *, k_padded: int | None = N
 _LAUNCHES: dict = {}  # quantize_activation's kept launches (kernels_fused.hopper.launch), by call shape
 
 
-def launch_for(quant: str, split: bool, m_out: int, k: int, k_padded: int) -> tuple[Kernel, tuple]:
+def launch_for(quant: str, split: bool, m_out: int, k: int, k_padded: int, *,
+               dequantize: bool = False) -> tuple[Kernel, tuple]:
     """The kernel that quantizes ``m_out`` rows as ``quant`` (``split``: ptpc's split-row kernel), with
-    its constexprs in the kernel's order (``kernels_fused.hopper.decode`` launches it too)."""
+    its constexprs in the kernel's order (``kernels_fused.hopper.decode`` launches it too).
+    ``dequantize`` (mxfp8): the rows are written as bf16, quantized and dequantized
+    (``quantize_groups_kernel``'s ``DEQUANTIZE``), and no scales."""
+    if dequantize and quant != "mxfp8":
+        raise ValueError(f"launch_for: dequantize is mxfp8's (a bf16 GEMM over its rows), not {quant}'s")
     ptpc, groups, split_kernel = _kernels()
     skip = m_out <= SKIP_ZEROS_MAX_M
     if split:
@@ -163,4 +168,4 @@ def launch_for(quant: str, split: bool, m_out: int, k: int, k_padded: int) -> tu
     grid = (-(-m_out // GROUP_BLOCK_M), -(-k_padded // GROUP_BLOCK_K))
     group = SCALE_BLOCK if quant == "blockscale" else MX_GROUP
     return (Kernel(groups, grid, num_warps=NUM_WARPS),
-            (quant == "mxfp8", group, GROUP_BLOCK_M, GROUP_BLOCK_K, skip, _interpreting()))
+            (quant == "mxfp8", group, GROUP_BLOCK_M, GROUP_BLOCK_K, skip, _interpreting(), dequantize))

@@ -112,7 +112,8 @@ def quantize_row_slice(x_ptr, q_ptr, s_ptr, row, s, M, M_OUT, K, K_PAD, stride_x
 @triton.jit
 def quantize_groups_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, K_PAD, stride_x, tiny, fp8_max,
                            MX: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_K: tl.constexpr, SKIP_ZEROS: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+                           BLOCK_K: tl.constexpr, SKIP_ZEROS: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
+                           DEQUANTIZE: tl.constexpr = False):
     """One scale per row and ``GROUP`` columns, one pass: a [BLOCK_M, BLOCK_K] tile seen as
     [BLOCK_M, BLOCK_K / GROUP, GROUP].
 
@@ -120,7 +121,13 @@ def quantize_groups_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, K_PAD, stride_x, ti
     stride (1, M)), the layout the GEMM reads. mxfp8 (GROUP 32): the smallest power of two ``2**e``
     with ``amax / 2**e <= fp8_max``, ``e`` taken exactly from the bits of ``amax / fp8_max`` (no
     log2 approximation), stored as e8m0 bits ``e + 127`` row-major [M, K/32]; the values are
-    multiplied by ``2**-e``, which is exact. Rows ``M <= m < M_OUT`` read as zeros."""
+    multiplied by ``2**-e``, which is exact. Rows ``M <= m < M_OUT`` read as zeros.
+
+    ``DEQUANTIZE`` (mxfp8): ``q_ptr`` takes bf16 ``[M_OUT, K_PAD]``, each e4m3 value times its
+    group's ``2**(e8m0 - 127)`` as ``vendor.mx_to_bf16``'s kernel computes it from the stored bytes
+    (the same bits), and no scale is stored: the rows a bf16 GEMM over the weight's bf16 copy reads
+    (``kernels_fused.hopper.decode``), in one launch instead of the quantizer's and the
+    dequantization's."""
     G: tl.constexpr = BLOCK_K // GROUP
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     k0 = tl.program_id(1) * BLOCK_K
@@ -140,7 +147,15 @@ def quantize_groups_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, K_PAD, stride_x, ti
         inv = ((127 - exp) << 23).to(tl.float32, bitcast=True)  # 2**-exp
         q = x * inv[:, :, None]
         e8m0 = tl.minimum(tl.maximum(exp + 127, 0), 254).to(tl.uint8)
-        tl.store(s_ptr + rows[:, None] * (K_PAD // GROUP) + groups[None, :], e8m0, mask=s_mask)
-    q = _to_e4m3(tl.reshape(tl.clamp(q, -fp8_max, fp8_max), (BLOCK_M, BLOCK_K)), ROUND_IN_FP32)
+        if DEQUANTIZE:  # the group's power of two from its e8m0 byte, as mx_to_bf16_kernel reads it
+            power = (e8m0.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+            q = _to_e4m3(tl.clamp(q, -fp8_max, fp8_max), ROUND_IN_FP32).to(tl.float32) * power[:, :, None]
+        else:
+            tl.store(s_ptr + rows[:, None] * (K_PAD // GROUP) + groups[None, :], e8m0, mask=s_mask)
     mask = (rows[:, None] < M_OUT) & (cols[None, :] < K_PAD)
-    tl.store(q_ptr + rows[:, None] * K_PAD + cols[None, :], q, mask=mask)
+    if DEQUANTIZE:
+        tl.store(q_ptr + rows[:, None] * K_PAD + cols[None, :], tl.reshape(q, (BLOCK_M, BLOCK_K)).to(tl.bfloat16),
+                 mask=mask)
+    else:
+        q = _to_e4m3(tl.reshape(tl.clamp(q, -fp8_max, fp8_max), (BLOCK_M, BLOCK_K)), ROUND_IN_FP32)
+        tl.store(q_ptr + rows[:, None] * K_PAD + cols[None, :], q, mask=mask)

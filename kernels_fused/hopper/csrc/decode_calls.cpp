@@ -3,9 +3,9 @@
 // packing, driver launch) instead of a dozen Python steps. Built and described by
 // kernels_fused/hopper/native.py; a call it cannot take returns None and the Python path runs.
 //
-// Built against torch's CPU headers only: the CUDA driver and cuBLASLt are reached through dlopen,
-// the stream comes from the caller, so no CUDA toolkit is needed to build it (and CI builds it on a
-// CPU).
+// Built against torch's CPU headers only: the CUDA driver, cuBLAS and cuBLASLt are reached through
+// dlopen, the stream comes from the caller, so no CUDA toolkit is needed to build it (and CI builds
+// it on a CPU).
 #include <torch/extension.h>
 
 #include <dlfcn.h>
@@ -14,6 +14,7 @@
 #include <initializer_list>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -158,6 +159,80 @@ void* lt_handle(int64_t device) {
   return handles[device] = handle;
 }
 
+// cuBLAS's bf16 GEMM as torch's at::mm calls it (ATen's CUDA BLAS wrapper for bf16): on torch's own
+// handle for the current device and stream (at::cuda::getCurrentCUDABlasHandle, which also sets the
+// handle's stream and torch's workspace), with torch's math-mode flags around cublasGemmEx. The same
+// handle, workspace, arguments and flags as torch's call, so the same kernel and bits (held by
+// decode.py's first-call comparison, _same_bits); what it saves is the dispatcher, mm's checks and its
+// output's resize.
+constexpr int kCublasDefaultMath = 0, kCublasDisallowReducedReduction = 16;  // cublasMath_t
+constexpr int kCompute32FLegacy = 68;   // CUBLAS_COMPUTE_32F (torch passes CUDA_R_32F, migrated to it)
+constexpr int kGemmDefaultTensorOp = 99;  // CUBLAS_GEMM_DEFAULT_TENSOR_OP
+
+struct Cublas {
+  void* (*current_handle)() = nullptr;  // at::cuda::getCurrentCUDABlasHandle()
+  int (*set_math_mode)(void*, int) = nullptr;
+  int (*gemm_ex)(void*, int, int, int, int, int, const void*, const void*, int, int, const void*, int, int,
+                 const void*, void*, int, int, int, int) = nullptr;
+  std::string missing;
+
+  Cublas() {
+    void* blas = open_library({"libcublas.so.13", "libcublas.so.12"});  // the one torch loaded
+    void* torch_cuda = open_library({"libtorch_cuda.so"});
+    if (blas == nullptr || torch_cuda == nullptr) {
+      missing = blas == nullptr ? "libcublas cannot be loaded" : "libtorch_cuda.so is not loaded";
+      return;
+    }
+    bind(blas, set_math_mode, "cublasSetMathMode", "cuBLAS", missing);
+    bind(blas, gemm_ex, "cublasGemmEx", "cuBLAS", missing);
+    bind(torch_cuda, current_handle, "_ZN2at4cuda24getCurrentCUDABlasHandleEv", "libtorch_cuda.so", missing);
+  }
+};
+
+const Cublas& cublas() {
+  static const Cublas c;
+  return c;
+}
+
+// torch's setting as "reduced-precision reduction allowed" (1), disallowed (0), or a setting cuBLAS's
+// call refuses (-1): a bool in older torch, CuBLASReductionOption since (a template, so that only the
+// installed torch's branch is compiled).
+template <typename Option>
+int reduction_allowed(Option option) {
+  if constexpr (std::is_same_v<Option, bool>) {
+    return option ? 1 : 0;
+  } else {
+    if (option == Option::DisallowReducedPrecisionDisallowSplitK) return -1;  // torch refuses it on cuBLAS
+    return option == Option::AllowReducedPrecisionWithSplitK ? 1 : 0;
+  }
+}
+
+// Whether torch's at::mm of bf16 calls cuBLAS's GemmEx now (its preferred BLAS library; not under
+// deterministic algorithms, where torch's call checks the workspace configuration first), and with
+// which math-mode flags (torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction).
+bool torch_mm_is_gemm_ex(int& flags) {
+  auto& context = at::globalContext();
+  if (context.blasPreferredBackend() != at::BlasBackend::Cublas || context.deterministicAlgorithms()) return false;
+  const int allowed = reduction_allowed(context.allowBF16ReductionCuBLAS());
+  if (allowed < 0) return false;
+  flags = allowed ? kCublasDefaultMath : kCublasDisallowReducedReduction;
+  return true;
+}
+
+// out [rows, N] (contiguous bf16) = a [rows, K] times w [N, K]^T, both bf16 row-major: cuBLAS's
+// column-major out^T [N, rows] = w^T' [N, K] . a^T [K, rows] ("t", "n"), as torch passes mm(a, w.t()).
+void gemm_ex(const at::Tensor& a, const at::Tensor& w, at::Tensor& out, int flags) {
+  const Cublas& c = cublas();
+  void* handle = c.current_handle();
+  const float alpha = 1.0f, beta = 0.0f;
+  const int n = static_cast<int>(w.size(0)), rows = static_cast<int>(a.size(0)), k = static_cast<int>(a.size(1));
+  lt_check(c.set_math_mode(handle, flags), "cublasSetMathMode");
+  const int status = c.gemm_ex(handle, kOpT, kOpN, n, rows, k, &alpha, w.data_ptr(), kR16BF, k, a.data_ptr(), kR16BF,
+                               k, &beta, out.data_ptr(), kR16BF, n, kCompute32FLegacy, kGemmDefaultTensorOp);
+  c.set_math_mode(handle, kCublasDefaultMath);  // as torch leaves it
+  if (status != 0) throw std::runtime_error("cuBLAS cublasGemmEx returned status " + std::to_string(status));
+}
+
 // torch's blockwise _scaled_mm of rows [rows, K] by a weight [N, K] (128x128 scales) into bf16
 // [rows, N], made once per call shape: the descriptor, the four layouts and the algorithm its
 // heuristic picks, asked as torch asks it (the same attributes, layouts and workspace bound), so
@@ -282,11 +357,12 @@ struct Plan {
   int64_t scratch_one = 0, scratch_two = 0;  // bytes of scratch each path allocates
   // > 0: a vendor plan (decode.py's VENDOR_ROWS): ``two`` is the quantizer's launch into this many
   // zero-padded rows, then cuBLAS's blockwise GEMM (vendor_gemm below); over a bf16 weight (mxfp8's
-  // copy: ``dense``) the quantizer's launch and the rows' dequantization, then cuBLAS's bf16 GEMM
-  // (dense_gemm below)
+  // copy: ``dense``) the quantizer's launch into bf16 rows (quantized, then dequantized), then
+  // cuBLAS's bf16 GEMM (dense_gemm below)
   int64_t vendor_rows = 0;
   bool dense = false;
   std::shared_ptr<LtGemm> lt;  // a vendor plan's kept cuBLASLt call (eager calls; null: at::_scaled_mm)
+  bool gemm_ex = false;        // a dense plan's eager calls call cuBLAS's GemmEx as torch's at::mm does
   py::object keep;  // the compiled kernels: their functions stay loaded while the plan is kept
 };
 
@@ -313,7 +389,6 @@ std::array<int64_t, 3> rows_of(const at::Tensor& x) {
 int64_t align16(const at::Tensor& t) { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16); }
 
 constexpr int64_t kScaleBlock = 128;  // blockscale's activation scale group
-constexpr int64_t kMxGroup = 32;      // mxfp8's
 
 // Whether ``device`` is the current one (the driver's context): a launch and a cuBLASLt handle are
 // made for the current device only.
@@ -328,38 +403,45 @@ at::Tensor m_major_scales(const at::Tensor& x, int64_t rows, int64_t k_padded) {
   return at::empty({k_padded / kScaleBlock, rows}, x.options().dtype(at::kFloat)).t();
 }
 
+// What decode.py's vendor_gemm and dense_gemm share: ``gemm(full)`` computes the vendor GEMM's whole
+// product [q_rows, N_pad] into ``full``, which is the call's own out [m, n] where the shapes agree,
+// else a new tensor whose share [:m, :n] is copied out (zero rows padded for cuBLAS, the weight's
+// padded features); then out += bias.
+template <typename Gemm>
+void into_out(at::Tensor& out, int64_t m, int64_t n, int64_t q_rows, int64_t n_padded,
+              const std::optional<at::Tensor>& bias, Gemm gemm) {
+  at::Tensor rows = out.view({m, n});
+  const bool whole = q_rows == m && n_padded == n;
+  at::Tensor full = whole ? rows : at::empty({q_rows, n_padded}, out.options());
+  gemm(full);
+  if (!whole) rows.copy_(full.narrow(0, 0, m).narrow(1, 0, n));
+  if (bias.has_value() && bias->defined()) out.add_(*bias);
+}
+
 // decode.py's vendor_gemm, call for call: out [..., n] = (q @ dequant(w).T)[:m, :n] (+ bias); through
 // the plan's kept cuBLASLt call where it has one (eager), else through at::_scaled_mm as torch's call.
 void vendor_gemm(const at::Tensor& q, const at::Tensor& sa, const at::Tensor& w, const at::Tensor& scale,
                  const std::optional<at::Tensor>& bias, at::Tensor& out, int64_t m, int64_t n, LtGemm* kept,
                  CUstream stream) {
-  at::Tensor rows = out.view({m, n});
-  const bool whole = q.size(0) == m && w.size(0) == n;  // else zero rows or padded features: the share copied
-  if (kept != nullptr) {
-    at::Tensor full = whole ? rows : at::empty({q.size(0), w.size(0)}, out.options());
-    kept->run(q, sa, w, scale, full, stream);
-    if (!whole) rows.copy_(full.narrow(0, 0, m).narrow(1, 0, n));
-  } else if (whole) {
-    at::_scaled_mm_out(rows, q, w.t(), sa, scale.t(), std::nullopt, std::nullopt, at::kBFloat16, false);
-  } else {
-    rows.copy_(at::_scaled_mm(q, w.t(), sa, scale.t(), std::nullopt, std::nullopt, at::kBFloat16, false)
-                   .narrow(0, 0, m)
-                   .narrow(1, 0, n));
-  }
-  if (bias.has_value() && bias->defined()) out.add_(*bias);
+  into_out(out, m, n, q.size(0), w.size(0), bias, [&](at::Tensor& full) {
+    if (kept != nullptr)
+      kept->run(q, sa, w, scale, full, stream);
+    else
+      at::_scaled_mm_out(full, q, w.t(), sa, scale.t(), std::nullopt, std::nullopt, at::kBFloat16, false);
+  });
 }
 
 // decode.py's dense_gemm, call for call: out [..., n] = (a @ w.T)[:, :n] (+ bias) by cuBLAS's bf16
-// GEMM over the weight's bf16 copy w [N_pad, K_pad].
+// GEMM over the weight's bf16 copy w [N_pad, K_pad]: cublasGemmEx as torch calls it where ``flags``
+// >= 0 (its math-mode flags), else at::mm.
 void dense_gemm(const at::Tensor& a, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor& out,
-                int64_t m, int64_t n) {
-  at::Tensor rows = out.view({m, n});
-  if (w.size(0) == n) {
-    at::mm_out(rows, a, w.t());
-  } else {
-    rows.copy_(at::mm(a, w.t()).narrow(1, 0, n));
-  }
-  if (bias.has_value() && bias->defined()) out.add_(*bias);
+                int64_t m, int64_t n, int flags) {
+  into_out(out, m, n, a.size(0), w.size(0), bias, [&](at::Tensor& full) {
+    if (flags >= 0)
+      gemm_ex(a, w, full, flags);
+    else
+      at::mm_out(full, a, w.t());
+  });
 }
 
 bool key_of(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const std::optional<at::Tensor>& bias,
@@ -382,10 +464,11 @@ class Table {
   // bf16 [..., n] for the call, or None where this table does not take it (no plan for its key,
   // x on another device than the current one, a path the plan lacks): the caller's Python path
   // runs then. Raises RuntimeError where the driver refuses a launch ("cooperative" in the
-  // message where it refused the one launch; the plan is dropped then). kept_lt: a vendor plan's
-  // eager call runs its kept cuBLASLt call where it has one (else at::_scaled_mm).
+  // message where it refused the one launch; the plan is dropped then). kept: a vendor plan's eager
+  // call makes its vendor GEMM's call itself where the plan keeps one (blockscale's cuBLASLt call,
+  // mxfp8's cublasGemmEx), else torch's (at::_scaled_mm, at::mm).
   py::object run(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-                 const std::optional<at::Tensor>& bias, int64_t n, int64_t quant, bool one, bool kept_lt,
+                 const std::optional<at::Tensor>& bias, int64_t n, int64_t quant, bool one, bool kept,
                  uint64_t stream) {
     Key key;
     if (!key_of(x, w, scale, bias, n, quant, key)) return py::none();
@@ -414,17 +497,13 @@ class Table {
     base[kBiasOrOut] = (bias.has_value() && bias->defined()) ? bias->data_ptr() : out.data_ptr();
     base[kScratch] = scratch_bytes > 0 ? scratch.data_ptr() : nullptr;
     base[kNull] = nullptr;
-    at::Tensor q, sa, a;  // a vendor plan's quantized rows and their scales (and bf16 rows), as decode.py allocates them
-    if (plan.vendor_rows > 0) {
-      const int64_t k_padded = w.size(1);
-      q = at::empty({plan.vendor_rows, k_padded}, x.options().dtype(at::kFloat8_e4m3fn));
-      if (plan.dense) {  // mxfp8's e8m0 bytes per 32 columns, row-major
-        sa = at::empty({plan.vendor_rows, k_padded / kMxGroup}, x.options().dtype(at::kByte));
-        a = at::empty({plan.vendor_rows, k_padded}, x.options().dtype(at::kBFloat16));
-        base[kRows] = a.data_ptr();
-      } else {
-        sa = m_major_scales(x, plan.vendor_rows, k_padded);
-      }
+    at::Tensor q, sa, a;  // a vendor plan's quantized rows and their scales (mxfp8: bf16 rows), as decode.py allocates them
+    if (plan.dense) {  // the quantizer writes mxfp8's rows dequantized, no scales
+      a = at::empty({plan.vendor_rows, w.size(1)}, x.options().dtype(at::kBFloat16));
+      base[kRows] = a.data_ptr();
+    } else if (plan.vendor_rows > 0) {
+      q = at::empty({plan.vendor_rows, w.size(1)}, x.options().dtype(at::kFloat8_e4m3fn));
+      sa = m_major_scales(x, plan.vendor_rows, w.size(1));
       base[kScratch] = q.data_ptr();
       base[kAScale] = sa.data_ptr();
     }
@@ -455,23 +534,27 @@ class Table {
         throw std::runtime_error("decode_gemm: a kernel launch failed: " + d.error(r));
       }
     }
+    // kept: the caller's switch (decode.KEPT_CALL); a capture records torch's own call
     if (plan.dense) {
-      dense_gemm(a, w, bias, out, key[0], n);
+      int flags = -1;
+      if (!(kept && capturing == 0 && plan.gemm_ex && torch_mm_is_gemm_ex(flags))) flags = -1;
+      dense_gemm(a, w, bias, out, key[0], n, flags);
+      if (flags >= 0) ++kept_taken_;
     } else if (plan.vendor_rows > 0) {
-      // kept_lt: the caller's switch (decode.CUBLASLT); a capture records torch's own call
-      LtGemm* kept = kept_lt && capturing == 0 ? plan.lt.get() : nullptr;
-      vendor_gemm(q, sa, w, scale, bias, out, key[0], n, kept, s);
-      if (kept != nullptr) ++lt_taken_;
+      LtGemm* lt = kept && capturing == 0 ? plan.lt.get() : nullptr;
+      vendor_gemm(q, sa, w, scale, bias, out, key[0], n, lt, s);
+      if (lt != nullptr) ++kept_taken_;
     }
     ++taken_;
     return py::cast(out);
   }
 
   // How many calls this table took (tests: a call that should take it did), and how many of them
-  // ran a kept cuBLASLt call; why the last vendor plan has none ("" where it has one).
+  // made their vendor GEMM's call themselves (a kept call); why the last vendor plan keeps none (""
+  // where it keeps one).
   int64_t taken() const { return taken_; }
-  int64_t lt_taken() const { return lt_taken_; }
-  std::string lt_error() const { return lt_error_; }
+  int64_t kept_taken() const { return kept_taken_; }
+  std::string kept_error() const { return kept_error_; }
 
   // The wait's counter of x's device and ``stream`` (tests: the one launch counted).
   at::Tensor sync_for(const at::Tensor& x, uint64_t stream) { return sync_of(x, stream); }
@@ -479,12 +562,14 @@ class Table {
   // Keep the plan of the call (x, w, scale, bias, n, quant) (its key computed as run computes it).
   // one / two: per launch (function, (gx, gy, gz), threads, shared bytes, cooperative,
   // [(kind, value, offset), ...]); each is checked against the function's parameters as the driver
-  // reports them, and a plan that disagrees is refused (ValueError, nothing kept). A vendor plan
-  // with lt_workspace > 0 makes its cuBLASLt call, asked with that workspace bound (torch's; 0: none,
-  // at::_scaled_mm runs); where cuBLASLt refuses, lt_error says why and at::_scaled_mm runs.
+  // reports them, and a plan that disagrees is refused (ValueError, nothing kept). kept_call > 0: a
+  // vendor plan keeps its own call of the vendor GEMM: blockscale's cuBLASLt call, asked with
+  // kept_call bytes of workspace bound (torch's), a dense plan's cublasGemmEx (any value > 0); 0:
+  // torch's call (at::_scaled_mm, at::mm). Where cuBLAS(Lt) cannot be opened or refuses, kept_error
+  // says why and torch's call runs.
   void add(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const std::optional<at::Tensor>& bias,
            int64_t n, int64_t quant, const py::list& one, const py::list& two, int64_t scratch_one,
-           int64_t scratch_two, int64_t vendor_rows, int64_t lt_workspace, py::object keep) {
+           int64_t scratch_two, int64_t vendor_rows, int64_t kept_call, py::object keep) {
     Key key;
     if (!key_of(x, w, scale, bias, n, quant, key)) throw py::value_error("decode_calls: this call cannot be planned");
     Plan plan;
@@ -494,22 +579,21 @@ class Table {
     plan.scratch_two = scratch_two;
     plan.vendor_rows = vendor_rows;
     plan.dense = vendor_rows > 0 && w.scalar_type() == at::kBFloat16;
-    if (vendor_rows > 0 && (!plan.one.empty() || w.size(1) % kScaleBlock != 0 ||
-                          (!plan.two.empty() && plan.two.size() != 1u + plan.dense)))
-      throw py::value_error("decode_calls: a vendor plan has the quantizer's launch (over a bf16 weight, then the "
-                            "rows' dequantization) alone, over K a multiple of 128");
-    if (plan.dense && lt_workspace > 0)
-      throw py::value_error("decode_calls: a dense vendor plan keeps no cuBLASLt call");
-    if (vendor_rows > 0 && lt_workspace > 0 && !current_is(driver(), x.get_device())) {
-      lt_error_ = "planned while another device was current: cuBLASLt's handle is made for the current one";
-    } else if (vendor_rows > 0 && lt_workspace > 0) {
+    if (vendor_rows > 0 && (!plan.one.empty() || w.size(1) % kScaleBlock != 0 || plan.two.size() > 1))
+      throw py::value_error("decode_calls: a vendor plan has the quantizer's launch alone, over K a multiple of 128");
+    if (plan.dense && kept_call > 0) {
+      plan.gemm_ex = cublas().missing.empty();
+      kept_error_ = cublas().missing;
+    } else if (vendor_rows > 0 && kept_call > 0 && !current_is(driver(), x.get_device())) {
+      kept_error_ = "planned while another device was current: cuBLASLt's handle is made for the current one";
+    } else if (vendor_rows > 0 && kept_call > 0) {
       try {  // the scales' pointers as a call's (the heuristic may read their alignment); each call sets its own
         at::Tensor sa = m_major_scales(x, vendor_rows, w.size(1));
         plan.lt = std::make_shared<LtGemm>(x.get_device(), vendor_rows, w.size(0), w.size(1),
-                                           static_cast<size_t>(lt_workspace), scale.data_ptr(), sa.data_ptr());
-        lt_error_.clear();
+                                           static_cast<size_t>(kept_call), scale.data_ptr(), sa.data_ptr());
+        kept_error_.clear();
       } catch (const std::exception& err) {
-        lt_error_ = err.what();
+        kept_error_ = err.what();
       }
     }
     plan.keep = std::move(keep);
@@ -585,8 +669,8 @@ class Table {
     }
   };
 
-  int64_t kept_, sync_kept_, taken_ = 0, lt_taken_ = 0;
-  std::string lt_error_;
+  int64_t kept_, sync_kept_, taken_ = 0, kept_taken_ = 0;
+  std::string kept_error_;
   std::unordered_map<Key, Plan, KeyHash> plans_;
   std::unordered_map<std::pair<int64_t, uint64_t>, at::Tensor, PairHash> syncs_;
 };
@@ -600,10 +684,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add", &Table::add)
       .def("size", &Table::size)
       .def("taken", &Table::taken)
-      .def("lt_taken", &Table::lt_taken)
-      .def("lt_error", &Table::lt_error)
+      .def("kept_taken", &Table::kept_taken)
+      .def("kept_error", &Table::kept_error)
       .def("sync_for", &Table::sync_for)
       .def_static("param_sizes", &Table::param_sizes);
   m.def("driver_missing", []() { return driver().missing; });
   m.def("cublaslt_missing", []() { return lt().missing; });
+  m.def("cublas_missing", []() { return cublas().missing; });
 }

@@ -495,8 +495,9 @@ def check_decode_vendor(comm, log):
     then through the C++ table, whose calls run the plan's kept cuBLASLt call (torch's descriptor and
     heuristic pick made once: the same kernel, so the same bits) and, switched off, at::_scaled_mm;
     the rule gives 64 rows where cuBLAS takes the K and one where not. mxfp8's 2..64 rows likewise
-    (the quantizer, the rows' dequantization and cuBLAS's bf16 GEMM over the bf16 copy of the weight
-    that the op holds, one per weight)."""
+    (the quantizer writing the rows dequantized to bf16, and cuBLAS's bf16 GEMM over the bf16 copy of
+    the weight that the op holds, one per weight; the table's kept call: cublasGemmEx on torch's
+    handle)."""
     import torch.distributed as dist
 
     from cco.comm import Communicator
@@ -536,6 +537,8 @@ def check_decode_vendor(comm, log):
                              f"{mx[0].decode_rows} (64 expected)")
     for each in mx:
         check_vendor_layer(each, ms, g, comm.device, may_differ=False)
+    big_mx = RowParallelLinear(14336, 4096, group=solo, quant="mxfp8", bias=True, m_max=M_MAX)  # 8B down_proj
+    check_vendor_layer(big_mx, (8, 32, 64), g, comm.device, may_differ=False)
     # (the copies held here while compared: a freed one's id could come back for the next)
     dense = [each.op.vendor_weight(*each.quantized_weight()).dense for each in mx for _ in range(2)]
     kept = len(mx[0].op._backend._vendor_weight)
@@ -543,26 +546,29 @@ def check_decode_vendor(comm, log):
         raise AssertionError(f"decode vendor mxfp8: not one bf16 copy per weight (same tensor per layer: "
                              f"{dense[0] is dense[1]}, {dense[2] is dense[3]}; shared: {dense[0] is dense[2]}; "
                              f"the op keeps {kept})")
-    for closing in (layer, narrow, big, wide, *mx, solo):
+    for closing in (layer, narrow, big, wide, *mx, big_mx, solo):
         closing.close()
     bound = D.lt_workspace_bytes(torch.cuda.current_device())
     log(f"ok decode vendor (blockscale): M {ms} at K 512 and M 8, 32, 64 at 8B down_proj == the layer's general "
         f"path, Python path and C++ table (its kept cuBLASLt call, workspace bound {bound} bytes, torch's bits "
         f"at every shape); at::_scaled_mm with it off; 70B down_proj planned under a 32 MiB bound: shapes whose "
         f"kept call gave other bits and so keep torch's call and bits: {sorted(differed) or 'none'}; mxfp8 M {ms} "
-        f"over the op's bf16 copy (one per weight, two layers sharing the op) == the general path, Python and C++")
+        f"and M 8, 32, 64 at 8B down_proj over the op's bf16 copy (one per weight, two layers sharing the op) == "
+        f"the general path, Python and C++ (its kept cublasGemmEx; at::mm with it off or cuBLASLt preferred)")
 
 
 def check_vendor_layer(layer, ms, g, device, may_differ):
     """check_decode_vendor's comparisons for one layer at each M of ``ms``; returns the call shapes
-    whose kept cuBLASLt call gave other bits than torch's at their first call (``decode.LT_DIFFERED``:
-    they keep torch's call, and must still give its bits), which only ``may_differ`` allows. mxfp8
-    keeps no cuBLASLt call (its rows: torch's bf16 GEMM over the weight's copy)."""
+    whose kept call gave other bits than torch's at their first call (``decode.KEPT_DIFFERED``: they
+    keep torch's call, and must still give its bits), which only ``may_differ`` allows. The kept call:
+    blockscale's cuBLASLt call, mxfp8's cublasGemmEx on torch's handle (its rows: the bf16 GEMM over
+    the weight's copy); mxfp8's is also shown to step aside where torch's mm would not call it (the
+    cuBLASLt library preferred)."""
     from kernels_fused.hopper import decode as D, native as NV
     from scripts.bench_decode import switched_off
 
     n, k = layer.out_features, layer.in_features_per_rank
-    where, lt = f"decode vendor {layer.quant} N={n} K={k}", layer.quant == "blockscale"
+    where = f"decode vendor {layer.quant} N={n} K={k}"
     layer.load_weight((torch.randn(n, k, generator=g) / k ** 0.5).to(torch.bfloat16).to(device))
     with torch.no_grad():
         layer.bias.copy_(torch.randn(n, generator=g).to(torch.bfloat16))
@@ -574,27 +580,40 @@ def check_vendor_layer(layer, ms, g, device, may_differ):
             python = switched_off(lambda: layer(x), NV, "ENABLED")()  # (with the table off nothing is planned)
             layer(x)  # plans the shape where it is new (and compares the kept call's bits with torch's)
             shape = (m, layer.k_padded, n)
-            if shape in D.LT_DIFFERED and not may_differ:
-                raise AssertionError(f"{where} M={m}: the kept cuBLASLt call gave other bits than torch's")
-            taken, kept = NV.TABLE.taken(), NV.TABLE.lt_taken()
+            if shape in D.KEPT_DIFFERED and not may_differ:
+                raise AssertionError(f"{where} M={m}: the kept call gave other bits than torch's")
+            taken, kept = NV.TABLE.taken(), NV.TABLE.kept_taken()
             table = layer(x)
             if NV.TABLE.taken() != taken + 1:
                 raise AssertionError(f"{where} M={m}: the call did not go through the C++ table")
-            if NV.TABLE.lt_taken() != kept + (lt and shape not in D.LT_DIFFERED):  # the kept call, not at::_scaled_mm
-                raise AssertionError(f"{where} M={m}: the table's call did not run its kept cuBLASLt call "
-                                     f"({NV.TABLE.lt_error() or 'no error recorded'})")
+            if NV.TABLE.kept_taken() != kept + (shape not in D.KEPT_DIFFERED):  # the kept call, not torch's op
+                raise AssertionError(f"{where} M={m}: the table's call did not run its kept call "
+                                     f"({NV.TABLE.kept_error() or 'no error recorded'})")
             if not torch.equal(python, want) or not torch.equal(table, want):
                 raise AssertionError(f"{where} M={m}: the decode path differs from the layer's general path "
                                      f"(Python path equal: {torch.equal(python, want)})")
-        if not lt:
-            return set()
-        # the kept call switched off (CCO_DECODE_CUBLASLT=0): the table's at::_scaled_mm, the same bits
-        taken, kept = NV.TABLE.taken(), NV.TABLE.lt_taken()
-        table = switched_off(lambda: layer(x), D, "CUBLASLT")()
-        if (NV.TABLE.taken(), NV.TABLE.lt_taken()) != (taken + 1, kept) or not torch.equal(table, want):
-            raise AssertionError(f"{where} M={m}, cuBLASLt off: taken {NV.TABLE.taken() - taken}, kept calls "
-                                 f"{NV.TABLE.lt_taken() - kept} (1 and 0 expected), equal {torch.equal(table, want)}")
-    return {shape for shape in D.LT_DIFFERED if shape[1:] == (layer.k_padded, n) and shape[0] in ms}
+        # the kept call switched off (CCO_DECODE_KEPT_CALL=0): the table's torch op, the same bits
+        taken, kept = NV.TABLE.taken(), NV.TABLE.kept_taken()
+        table = switched_off(lambda: layer(x), D, "KEPT_CALL")()
+        if (NV.TABLE.taken(), NV.TABLE.kept_taken()) != (taken + 1, kept) or not torch.equal(table, want):
+            raise AssertionError(f"{where} M={m}, kept call off: taken {NV.TABLE.taken() - taken}, kept calls "
+                                 f"{NV.TABLE.kept_taken() - kept} (1 and 0 expected), equal {torch.equal(table, want)}")
+        if layer.quant == "mxfp8":  # torch's mm on cuBLASLt: the table calls at::mm, torch's bits again
+            preferred = torch.backends.cuda.preferred_blas_library()
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+            try:
+                layer.decode_rows = 0
+                want = layer(x)
+                layer.decode_rows = 64
+                taken, kept = NV.TABLE.taken(), NV.TABLE.kept_taken()
+                table = layer(x)
+            finally:
+                torch.backends.cuda.preferred_blas_library(preferred)
+            if (NV.TABLE.taken(), NV.TABLE.kept_taken()) != (taken + 1, kept) or not torch.equal(table, want):
+                raise AssertionError(f"{where} M={m}, cuBLASLt preferred: taken {NV.TABLE.taken() - taken}, kept "
+                                     f"calls {NV.TABLE.kept_taken() - kept} (1 and 0 expected), equal "
+                                     f"{torch.equal(table, want)}")
+    return {shape for shape in D.KEPT_DIFFERED if shape[1:] == (layer.k_padded, n) and shape[0] in ms}
 
 
 def rank_main():

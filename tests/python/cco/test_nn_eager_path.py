@@ -125,3 +125,41 @@ def test_blockscale_rows_padded_to_the_vendor_multiple_give_the_same_output():
     unpadded call's."""
     (outs,) = check_outcomes(spawn(_padded_rows, world=1, timeout_s=120))
     assert outs == {m: ((m, 128), True) for m in (1, 3, 5, 7, 8)}
+
+
+def _dense_copies(comm):
+    from cco.nn import RowParallelLinear
+
+    layer = RowParallelLinear(128, 64, group=comm, quant="mxfp8", m_max=8)
+    layer.load_weight(torch.randn(64, 128, generator=torch.Generator().manual_seed(3)))
+    derived = []
+
+    class Copy:  # what the op's vendor_weight returns: its bf16 copy as ``dense``
+        def __init__(self, qweight, scale):
+            derived.append(qweight.clone())
+            self.dense = qweight.float().to(torch.bfloat16)
+
+    layer.op.vendor_weight = Copy
+    qweight, scale = layer.quantized_weight()
+    first = layer._dense_copy(qweight, scale)
+    again = layer._dense_copy(qweight, scale)
+    counts = [len(derived)]
+    qweight.copy_(torch.zeros_like(qweight))  # written in place: its version moves
+    rewritten = layer._dense_copy(qweight, scale)
+    counts.append(len(derived))
+    qweight.data = qweight.data.clone()  # new bytes, no version moved
+    moved = layer._dense_copy(qweight, scale)
+    counts.append(len(derived))
+    layer._dense_copy(qweight.clone(), scale)  # another tensor
+    counts.append(len(derived))
+    layer.close()
+    return counts, again is first, bool(rewritten.eq(0).all()), moved is not rewritten, layer._dense is None
+
+
+def test_the_layers_remembered_bf16_copy_follows_its_weight():
+    """mxfp8's decode rows read the bf16 copy the op's vendor GEMM holds; the layer remembers the
+    last one (the op's lookup costs a decode call ~3 us) for the same tensors, at the same versions
+    and address only: a weight written in place, given new bytes (``.data``) or another tensor is
+    derived anew, and ``close`` forgets it."""
+    ((counts, same, zeros, moved, forgotten),) = check_outcomes(spawn(_dense_copies, world=1, timeout_s=120))
+    assert counts == [1, 2, 3, 4] and same and zeros and moved and forgotten
