@@ -31,7 +31,7 @@ then the host times are real and the device times are time-sliced) runs the per-
 
 ``--profile``: a cProfile of ``--profile-calls`` eager calls at the first shape, per quant and M:
 the layer (its rule's path), ``nn.Linear``, and once ``torch.ops.cco.row_parallel_linear``; the top
-functions by own time, written beside the JSON (``<json>_profile.txt``: rank 0's, every rank calling);
+functions by own time, then the project's own by cumulative time, written beside the JSON (``<json>_profile.txt``: rank 0's, every rank calling);
 with the model (world 1), also ``--tokens`` eager decode steps per arm at the first batch
 (``<json>_model_profile.txt``, ``profile_model``); ``--model-only`` profiles the model alone.
 ``--jit-arms``: the per-call table's layer and op of each quant also with the kept launches off
@@ -663,6 +663,7 @@ def profile_calls(args, comm, device, path: str) -> None:
             torch.cuda.synchronize()
             s = io.StringIO()
             pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
+            pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(r"cco/|kernels_fused/", 40)
             f.write(f"==== {name}, world {comm.world}, rank {comm.rank}: {spent:.1f} us/call under the profiler, "
                     f"{args.profile_calls} calls\n{s.getvalue()}\n")
             if comm.rank == 0:

@@ -144,7 +144,7 @@ VENDOR_ROWS = {"blockscale", "mxfp8"}
 # The C++ table makes their vendor GEMM's call itself (KEPT_CALL): blockscale's cuBLASLt call kept
 # per call shape (LT_ROWS; torch rebuilds its descriptor and asks the heuristic on every _scaled_mm
 # call), mxfp8's cublasGemmEx on torch's own handle with torch's arguments and flags (at::mm's
-# dispatcher, checks and resize saved: ~10 us of an eager call's host time, docs/decode.md).
+# dispatcher, checks and resize saved: 2-5 us of an eager call's host time on an H200, docs/decode.md).
 LT_ROWS = {"blockscale"}
 # False (``CCO_DECODE_ONE_LAUNCH=0``): ptpc's rows always take the two launches (read per call: a
 # benchmark times both in the same passes; a job whose GPU share refuses cooperative launches may

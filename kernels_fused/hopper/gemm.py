@@ -471,6 +471,19 @@ class LsaWindow:
     status: torch.Tensor  # int64 [1]
     ticket: torch.Tensor  # int64 [1], zero between launches (launch="ticket"; local, one per op)
 
+    @functools.cached_property
+    def launch_args(self) -> tuple:
+        """``(tensors, key)``: the window's arguments of the lsa kernel in their order (the ticket;
+        partial, recv, gather, the gather scale (the gather itself for a bf16 gather), the scatter
+        and gather flag planes, deltas, status) and what a kept launch keys them by
+        (``launch.specialization``), made once: the window's regions are fixed for its life (a
+        frozen dataclass), and keying ten tensors and slicing the flags anew cost every
+        decode-sized call host time (docs/decode.md, "World 2, the profile again")."""
+        tensors = (self.ticket, self.partial, self.recv, self.gather,
+                   self.gather if self.gather_scale is None else self.gather_scale, self.tile_flags[0],
+                   self.tile_flags[1], self.deltas, self.status)
+        return tensors, specialization(tensors)
+
 
 def lsa_walk_rows(cfg, *, m: int, rank: int, width: int, interleave: bool = False) -> list[list[int]]:
     """The ``lsa`` kernel's walk as ``[chunk, dest, row0, col0]`` rows of ``width`` layout tiles.
@@ -572,11 +585,11 @@ def fp8_gemm_lsa(a, b, a_scale, b_scale, *, quant: str, out: torch.Tensor, win: 
         raise ValueError(f"fp8_gemm_lsa: out must be bf16 [{m}, {n}] with unit column stride, got "
                          f"{out.dtype} {list(out.shape)}")
     fp8 = win.gather_scale is not None
-    gscale = win.gather_scale if fp8 else win.gather
+    (ticket, partial, recv, gather, gscale, scatter_flags, gather_flags, deltas, status), fixed = win.launch_args
     n_tiles = tile_table.shape[0]
     programs = min(persistent_programs(out.device), n_tiles) if config.launch == "persistent" else 0
-    args = (win.ticket, n_tiles, a_src, b_src, a_scale, b_scale, out, win.partial,
-            win.recv, win.gather, gscale, win.tile_flags[0], win.tile_flags[1], win.deltas, win.status, tile_table,
+    args = (ticket, n_tiles, a_src, b_src, a_scale, b_scale, out, partial, recv, gather, gscale, scatter_flags,
+            gather_flags, deltas, status, tile_table,
             rank, stamp, m, n, k, strides[0], strides[1], out.stride(0), n_slice,
             win.recv.stride(0), win.tile_flags.stride(1), gscale.stride(0) if fp8 else 0, *strides[2:],
             # the constexprs, in the kernel's order: QUANT, USE_TMA, MX_BF16, PRECISE_ACC, BLOCK_M, BLOCK_N,
@@ -585,10 +598,11 @@ def fp8_gemm_lsa(a, b, a_scale, b_scale, *, quant: str, out: torch.Tensor, win: 
             config.block_k, SCALE_BLOCK, world, fp8, GATHER_GROUP, bool(from_partial), bool(move_bytes), programs)
     # the launch kept per what Triton specializes on (every argument but the stamp, new each call: the
     # kernel's do_not_specialize), the launch options and the device: a decode-sized call's host time
-    # is mostly its launch (docs/decode.md, "World 2 and more")
+    # is mostly its launch (docs/decode.md, "World 2 and more"). The window's tensors are keyed once per
+    # window (LsaWindow.launch_args); the call's own (operands, out, tile table) and every integer here.
     device = out.get_device()
-    key = (specialization(args, unspecialized=(_LSA_STAMP,)), programs or n_tiles, config.num_warps,
-           config.num_stages, device)
+    key = (fixed, specialization(args[2:7] + (tile_table,)), n_tiles, rank, args[_LSA_STAMP + 1:],
+           programs or n_tiles, config.num_warps, config.num_stages, device)
     launch = _LSA_LAUNCHES.get(key)
     if launch is None:
         launch = keep(_LSA_LAUNCHES, key, Kernel(_kernels()[1], (programs or n_tiles,), num_warps=config.num_warps,

@@ -168,3 +168,54 @@ def test_lsa_kernel_from_partial_is_the_self_tests_all_reduce():
     for out, flags_left, status in (o.value for o in outcomes):
         assert flags_left == 0 and status == 0
         assert torch.equal(out, expect)
+
+
+def test_lsa_launch_is_kept_per_call_shape_with_the_windows_arguments_keyed_once(monkeypatch):
+    """``fp8_gemm_lsa``'s kept launch: the window's ten tensor arguments are taken and keyed once per
+    window (``LsaWindow.launch_args``, the same tensor objects on every call); a call that differs
+    only in its stamp reuses the launch, one whose output lies at another 16-byte alignment (what
+    Triton specializes on) or another window of other alignment gets a launch of its own."""
+    from kernels_fused.hopper import gemm as G
+
+    made, calls = [], []
+
+    class Launch:  # stands in for launch.Kernel: records what would be compiled and launched
+        def __init__(self, fn, grid, **options):
+            made.append(grid)
+
+        def __call__(self, device, *args):
+            calls.append(args)
+
+    monkeypatch.setattr(G, "Kernel", Launch)
+    G._LSA_LAUNCHES.clear()
+    world, rows = 2, M
+
+    def window(offset=0):
+        flags = torch.zeros(2 * world * 3 * 2 + offset, dtype=torch.int64)[offset:].view(2, world, 3, 2)
+        return G.LsaWindow(partial=torch.zeros(world, rows, SLICE, dtype=torch.bfloat16),
+                           recv=torch.zeros(world, rows, SLICE, dtype=torch.bfloat16),
+                           gather=torch.zeros(world, rows, SLICE, dtype=torch.bfloat16), gather_scale=None,
+                           tile_flags=flags, deltas=torch.zeros(world, dtype=torch.int64),
+                           status=torch.zeros(1, dtype=torch.int64), ticket=torch.zeros(1, dtype=torch.int64))
+
+    win = window()
+    p = Q.random_problem(M, SLICE * world, K, "ptpc", seed=0)
+    table = torch.zeros(4, 4, dtype=torch.int32)
+    config = G.GemmConfig(block_m=32, block_n=128, num_warps=4, num_stages=1, tma=False)
+    buffer = torch.zeros(M * SLICE * world + 8, dtype=torch.bfloat16)
+
+    def call(stamp, win=win, offset=0):
+        out = buffer[offset:offset + M * SLICE * world].view(M, SLICE * world)
+        G.fp8_gemm_lsa(p.a, p.b, p.a_scale, p.b_scale, quant="ptpc", out=out, win=win, tile_table=table, rank=0,
+                       stamp=stamp, config=config)
+
+    call(5)
+    call(6)
+    assert len(made) == 1 and len(calls) == 2 and calls[0][G._LSA_STAMP] == 5 and calls[1][G._LSA_STAMP] == 6
+    assert all(a is b for a, b in zip(calls[0][7:15], calls[1][7:15])) and calls[0][11] is win.launch_args[0][5]
+    call(7, offset=1)  # out 2 bytes on: another alignment
+    assert len(made) == 2
+    call(8, win=window(offset=1))  # the flags 8 bytes on: another window's specialization
+    call(9, win=window())  # another window of the same alignment: the same kernel
+    assert len(made) == 3 and len(calls) == 5
+    G._LSA_LAUNCHES.clear()
