@@ -160,14 +160,23 @@ class WeightDerived:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, sources, derive, *, keep=lambda: True):
+    def get(self, sources, derive, *, keep=lambda: True, refresh=None):
         """``derive()``'s value for ``sources``: the kept one if they are its tensors, unchanged;
-        else a new one, kept if ``keep()`` (asked on a miss only)."""
+        else a new one, kept if ``keep()`` (asked on a miss only). ``refresh(value)``: where the
+        kept value's own tensors changed (written in place, given new bytes), it is brought up to
+        date in place and stays the kept value, rather than replaced by a new one: a CUDA graph
+        captured over it keeps reading live memory, which the next eager call has refreshed (a
+        replaced value would be freed under the graph)."""
         key = tuple(id(t) for t in sources)
         stamp = TensorDerived._key_of(sources)
         entry = self._entries.get(key)
-        if entry is not None and entry[1] == stamp and all(ref() is t for ref, t in zip(entry[0], sources)):
+        same = entry is not None and all(ref() is t for ref, t in zip(entry[0], sources))
+        if same and entry[1] == stamp:
             return entry[2]
+        if same and refresh is not None and keep():
+            value = refresh(entry[2])
+            self._entries[key] = (entry[0], stamp, value, tuple(t.detach() for t in sources))
+            return value
         value = derive()
         if keep():
             entries = self._entries

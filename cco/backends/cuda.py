@@ -417,9 +417,13 @@ class CudaBackend(Backend):
         """The weight as the vendor GEMM takes it (``kernels_fused.hopper.vendor.prepare_weight``:
         views, or mxfp8's bf16 copy), kept per weight while it and its scales are unchanged (the op
         checked their shapes: the same for every call)."""
+        quant = self.config.quant
         return self._vendor_weight.get(
-            (b_pre, b_scale), lambda: vendor.prepare_weight(self._unshuffled(b_pre), b_scale, self.config.quant),
-            keep=_not_capturing)
+            (b_pre, b_scale), lambda: vendor.prepare_weight(self._unshuffled(b_pre), b_scale, quant),
+            keep=_not_capturing,
+            # mxfp8's bf16 copy: a weight written in place is dequantized into the same copy, which a
+            # CUDA graph captured after an eager call reads (replacing it would free it under the graph)
+            refresh=lambda kept: vendor.prepare_weight(self._unshuffled(b_pre), b_scale, quant, into=kept))
 
     def _plain_config(self, m: int):
         """The plain GEMM's config for ``m`` rows: ``gemm_config``, else ``PLAIN_RULE``'s (kept per M)."""

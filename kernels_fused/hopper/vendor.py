@@ -64,17 +64,21 @@ def takes_rows(quant: str, rows, k: int) -> bool:
     return all(n % BLOCKWISE_ROW_MULTIPLE == 0 for n in counts)
 
 
-def mx_to_bf16(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def mx_to_bf16(x: torch.Tensor, scale: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """An mxfp8 operand ``x`` (e4m3 [R, K]) times its e8m0 group scales ([R, K/32]) as bf16 [R, K]:
-    exact for every value at or above bf16's normal range (``kernels_fused.hopper.gemm``). One pass."""
+    exact for every value at or above bf16's normal range (``kernels_fused.hopper.gemm``). One pass,
+    into ``out`` (contiguous bf16 [R, K]) where given."""
     from kernels_fused.hopper import kernels as tk
 
     rows, k = x.shape
     if scale.shape != (rows, k // MX_GROUP):
         raise ValueError(f"mx_to_bf16: scale must be [{rows}, {k // MX_GROUP}] for x [{rows}, {k}], "
                          f"got {list(scale.shape)}")
+    if out is not None and (out.shape != (rows, k) or out.dtype != torch.bfloat16 or not out.is_contiguous()):
+        raise ValueError(f"mx_to_bf16: out must be a contiguous bf16 [{rows}, {k}] tensor, got {out.dtype} "
+                         f"{list(out.shape)}")
     x, bits = x.contiguous(), scale.contiguous().view(torch.uint8)
-    y = torch.empty(rows, k, dtype=torch.bfloat16, device=x.device)
+    y = torch.empty(rows, k, dtype=torch.bfloat16, device=x.device) if out is None else out
     groups, device = x.numel() // MX_GROUP, x.get_device()
     if groups:
         # kept per what Triton specializes on (the group count's value, the pointers' alignment) and the
@@ -101,10 +105,16 @@ class VendorWeight:
     dense: torch.Tensor | None = None  # mxfp8: the bf16 copy [N, K] row-major (b_t is its transpose)
 
 
-def prepare_weight(b: torch.Tensor, b_scale: torch.Tensor, quant: str) -> VendorWeight:
+def prepare_weight(b: torch.Tensor, b_scale: torch.Tensor, quant: str, *,
+                   into: VendorWeight | None = None) -> VendorWeight:
     """``b`` is the row-major weight [N, K] (not preshuffled) and ``b_scale`` its scales in
-    ``quant``'s layout (``cco.quant``); mxfp8 dequantizes here, the others take views."""
+    ``quant``'s layout (``cco.quant``); mxfp8 dequantizes here, the others take views. ``into``: an
+    earlier value for this weight, brought up to date in place where it is mxfp8's copy (its
+    tensors stay the ones a CUDA graph may have captured), else replaced by views of ``b``."""
     if quant == "mxfp8":
+        if into is not None and into.dense is not None and into.dense.shape == b.shape:
+            mx_to_bf16(b, b_scale, out=into.dense)
+            return into
         dense = mx_to_bf16(b, b_scale)
         return VendorWeight(quant, dense.t(), None, dense)
     if quant == "ptpc":

@@ -557,6 +557,55 @@ def check_decode_vendor(comm, log):
         f"the general path, Python and C++ (its kept cublasGemmEx; at::mm with it off or cuBLASLt preferred)")
 
 
+def check_mxfp8_copy_under_graphs(comm, log):
+    """mxfp8's bf16 copy of the weight (the op's vendor GEMM's, which the decode rows read too) under
+    CUDA graphs: a graph captured after an eager call reads the kept copy; after the weight is
+    written in place (``load_weight``) and one eager call, the copy is the same tensor brought up
+    to date, so a replay gives the new weight's output, for the decode rows (8) and the vendor GEMM's
+    rows (128). Replacing the copy instead would free it under the graph (the replay then reads
+    freed memory) and keeping it unchanged would replay the old weight."""
+    import torch.distributed as dist
+
+    from cco.comm import Communicator
+    from cco.nn import RowParallelLinear
+
+    singles = [dist.new_group([r], backend="gloo") for r in range(comm.world)]
+    solo = Communicator.from_group(singles[comm.rank], device=comm.device)
+    g = torch.Generator().manual_seed(53 + comm.rank)
+    n, k = 1000, 512
+    layer = RowParallelLinear(k, n, group=solo, quant="mxfp8", bias=True, m_max=256)
+    layer.load_weight((torch.randn(n, k, generator=g) / k ** 0.5).to(torch.bfloat16).to(comm.device))
+    with torch.no_grad():
+        layer.bias.copy_(torch.randn(n, generator=g).to(torch.bfloat16))
+        for m in (8, 128):
+            x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(comm.device)
+            layer(x)  # eager: the copy made and kept
+            copy = layer.op.vendor_weight(*layer.quantized_weight()).dense
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                layer(x)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static = layer(x)
+            layer.load_weight((torch.randn(n, k, generator=g) / k ** 0.5).to(torch.bfloat16).to(comm.device))
+            want = layer(x)  # eager: the copy brought up to date in place
+            static.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            now = layer.op.vendor_weight(*layer.quantized_weight()).dense
+            if now is not copy:
+                raise AssertionError(f"mxfp8 copy under graphs M={m}: the reloaded weight's copy is a new tensor")
+            if not torch.equal(static, want):
+                raise AssertionError(f"mxfp8 copy under graphs M={m}: the replay after a reload differs from the "
+                                     f"eager call ({int((static != want).sum())} elements)")
+    layer.close()
+    solo.close()
+    log("ok mxfp8 copy under graphs: M 8 (decode rows) and 128 (vendor GEMM): a weight reloaded in place, one eager "
+        "call, then the graph captured before replays the new weight (the same copy, brought up to date)")
+
+
 def check_vendor_layer(layer, ms, g, device, may_differ):
     """check_decode_vendor's comparisons for one layer at each M of ``ms``; returns the call shapes
     whose kept call gave other bits than torch's at their first call (``decode.KEPT_DIFFERED``: they
@@ -633,7 +682,7 @@ def rank_main():
               lambda: check_compiled_and_graphs(comm, log, None), lambda: check_compiled_and_graphs(comm, log, "dma"),
               lambda: check_backward(comm, log), lambda: check_decode(comm, log),
               lambda: check_decode_one_launch(comm, log), lambda: check_decode_native(comm, log),
-              lambda: check_decode_vendor(comm, log)]
+              lambda: check_decode_vendor(comm, log), lambda: check_mxfp8_copy_under_graphs(comm, log)]
     failures = []
     for check in checks:  # keep going so one run reports every failing check
         try:

@@ -109,3 +109,59 @@ def test_weight_derived_is_not_fooled_by_swapped_data():
     w.data = torch.full((4096,), 2.0)
     assert all(torch.full((4096,), 3.0).data_ptr() != ptr for _ in range(8))
     assert torch.equal(cache.get((w,), lambda: w * 2), torch.full((4096,), 4.0))
+
+
+def test_weight_derived_refreshes_its_value_in_place_where_asked():
+    """With ``refresh``, a kept weight's value is brought up to date in place when the weight is
+    written in place or given new bytes (the same value object: a CUDA graph captured over it keeps
+    reading live memory), derived afresh for another tensor or where ``keep()`` says no (a capture);
+    without it the value is replaced (a new object)."""
+    store = WeightDerived()
+    w, s = torch.ones(4), torch.ones(2)
+    made, refreshed = [], []
+
+    def derive():
+        made.append(w.clone())
+        return [w.clone()]
+
+    def refresh(value):
+        refreshed.append(1)
+        value[0].copy_(w)
+        return value
+
+    first = store.get((w, s), derive, refresh=refresh)
+    w.add_(1)  # written in place: its version moves
+    again = store.get((w, s), derive, refresh=refresh)
+    assert again is first and torch.equal(again[0], w) and (len(made), len(refreshed)) == (1, 1)
+    assert store.get((w, s), derive, refresh=refresh) is first and len(refreshed) == 1  # unchanged: a hit
+    w.data = torch.full((4,), 7.0)  # new bytes, no version moved
+    assert store.get((w, s), derive, refresh=refresh) is first and torch.equal(first[0], w) and len(refreshed) == 2
+    w.add_(1)
+    fresh = store.get((w, s), derive, keep=lambda: False, refresh=refresh)  # (a capture): derived, not kept
+    assert fresh is not first and len(made) == 2 and len(refreshed) == 2
+    other = torch.ones(4)
+    assert store.get((other, s), derive, refresh=refresh) is not first and len(made) == 3
+    plain = WeightDerived()
+    kept = plain.get((w, s), derive)
+    w.add_(1)
+    assert plain.get((w, s), derive) is not kept  # without refresh: replaced
+
+
+def test_mxfp8_copy_is_refreshed_into_the_same_tensor():
+    """``vendor.prepare_weight(..., into=)``: mxfp8's bf16 copy of a changed weight is written into
+    the kept copy's tensor, bit for bit a fresh copy; the other quants' views are made anew."""
+    from cco import quant as Q
+    from kernels_fused.hopper import vendor
+
+    g = torch.Generator().manual_seed(2)
+    wq, ws = Q.quantize_b(torch.randn(64, 128, generator=g), "mxfp8")
+    kept = vendor.prepare_weight(wq, ws, "mxfp8")
+    wq2, ws2 = Q.quantize_b(torch.randn(64, 128, generator=g), "mxfp8")
+    wq.copy_(wq2)
+    ws.copy_(ws2)
+    again = vendor.prepare_weight(wq, ws, "mxfp8", into=kept)
+    assert again is kept and torch.equal(kept.dense.view(torch.int16),
+                                         vendor.prepare_weight(wq, ws, "mxfp8").dense.view(torch.int16))
+    pq, ps = Q.quantize_b(torch.randn(64, 128, generator=g), "ptpc")
+    old = vendor.prepare_weight(pq, ps, "ptpc")
+    assert vendor.prepare_weight(pq, ps, "ptpc", into=old).b_t.data_ptr() == pq.data_ptr()
