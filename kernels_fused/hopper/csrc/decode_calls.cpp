@@ -207,16 +207,16 @@ int reduction_allowed(Option option) {
   }
 }
 
-// Whether torch's at::mm of bf16 calls cuBLAS's GemmEx now (its preferred BLAS library; not under
-// deterministic algorithms, where torch's call checks the workspace configuration first), and with
-// which math-mode flags (torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction).
-bool torch_mm_is_gemm_ex(int& flags) {
+// The math-mode flags with which torch's at::mm of bf16 calls cuBLAS's GemmEx now
+// (torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction), or -1 where it would not call
+// it so: another preferred BLAS library, deterministic algorithms (torch's call checks the workspace
+// configuration first), a reduction setting cuBLAS refuses.
+int torch_gemm_ex_flags() {
   auto& context = at::globalContext();
-  if (context.blasPreferredBackend() != at::BlasBackend::Cublas || context.deterministicAlgorithms()) return false;
+  if (context.blasPreferredBackend() != at::BlasBackend::Cublas || context.deterministicAlgorithms()) return -1;
   const int allowed = reduction_allowed(context.allowBF16ReductionCuBLAS());
-  if (allowed < 0) return false;
-  flags = allowed ? kCublasDefaultMath : kCublasDisallowReducedReduction;
-  return true;
+  if (allowed < 0) return -1;
+  return allowed ? kCublasDefaultMath : kCublasDisallowReducedReduction;
 }
 
 // out [rows, N] (contiguous bf16) = a [rows, K] times w [N, K]^T, both bf16 row-major: cuBLAS's
@@ -536,8 +536,7 @@ class Table {
     }
     // kept: the caller's switch (decode.KEPT_CALL); a capture records torch's own call
     if (plan.dense) {
-      int flags = -1;
-      if (!(kept && capturing == 0 && plan.gemm_ex && torch_mm_is_gemm_ex(flags))) flags = -1;
+      const int flags = kept && capturing == 0 && plan.gemm_ex ? torch_gemm_ex_flags() : -1;
       dense_gemm(a, w, bias, out, key[0], n, flags);
       if (flags >= 0) ++kept_taken_;
     } else if (plan.vendor_rows > 0) {
