@@ -52,9 +52,17 @@ def preshuffle_b(b: torch.Tensor) -> torch.Tensor:
     return mark_layout(blocks.permute(0, 2, 3, 1, 4).contiguous().view(n, k), "bpreshuffle")
 
 
-def unshuffle_b(b_pre: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`preshuffle_b`."""
+def unshuffle_b(b_pre: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of :func:`preshuffle_b`; into ``out`` (contiguous, ``b_pre``'s shape and dtype) where
+    given: a kept row-major copy that a CUDA graph may read stays the same tensor when its weight
+    is written (``cco.backends.cuda``)."""
     _check(b_pre, "unshuffle_b")
     n, k = b_pre.shape
-    blocks = b_pre.contiguous().view(n // ROWS, k // K_CHUNK, 2, ROWS, BYTES)
-    return mark_layout(blocks.permute(0, 3, 1, 2, 4).contiguous().view(n, k), "row-major")
+    rows = b_pre.contiguous().view(n // ROWS, k // K_CHUNK, 2, ROWS, BYTES).permute(0, 3, 1, 2, 4)
+    if out is None:
+        return mark_layout(rows.contiguous().view(n, k), "row-major")
+    if out.shape != b_pre.shape or out.dtype != b_pre.dtype or not out.is_contiguous():
+        raise ValueError(f"unshuffle_b: out must be a contiguous {b_pre.dtype} {list(b_pre.shape)} tensor, got "
+                         f"{out.dtype} {list(out.shape)} stride {out.stride()}")
+    out.view(n // ROWS, ROWS, k // K_CHUNK, 2, BYTES).copy_(rows)
+    return mark_layout(out, "row-major")

@@ -104,37 +104,14 @@ def row_major_readings(partial: "torch.Tensor", cfg: "OpConfig") -> tuple["torch
             partial.as_strided(partial.shape, layout.partial_strides(cfg, by_rows=True)))
 
 
-class TensorDerived:
-    """One value derived from some tensors (a weight laid out for a kernel), reused while the same
-    tensors come back unchanged. The key is each tensor's address, version counter and strides
-    (the callers validated the shapes); an in-place write, or a call with other tensors, derives
-    anew. It holds aliases of the tensors it was derived from: a key of addresses alone would take
-    a new tensor that the allocator placed where a freed one was (its version 0 again) for the
-    freed one, and hand back the freed one's value. Holding them keeps those addresses taken (an
-    alias, not the caller's object: ``t.data = other`` would free the bytes under that one)."""
-
-    def __init__(self):
-        self._aliases: tuple = ()
-        self._key = None
-        self._value = None
-
-    @staticmethod
-    def _key_of(sources) -> tuple:
-        key = ()
-        for t in sources:  # (flat and short: an eager call pays for this key)
-            key += (t.data_ptr(), t._version, t.stride())
-        return key
-
-    def get(self, sources, derive, *, keep=lambda: True):
-        """``derive()``'s value for ``sources`` (a sequence of tensors): the kept one if they are the
-        kept value's tensors, unchanged; else a new one, kept if ``keep()`` (asked on a miss only)."""
-        key = self._key_of(sources)
-        if self._aliases and key == self._key:
-            return self._value
-        value = derive()
-        if keep():
-            self._aliases, self._key, self._value = tuple(t.detach() for t in sources), key, value
-        return value
+def _stamp(sources) -> tuple:
+    """What says a tensor is unchanged since a value was derived from it: each tensor's address,
+    version counter and strides (the callers validated the shapes). Flat and short: an eager call
+    pays for it."""
+    key = ()
+    for t in sources:
+        key += (t.data_ptr(), t._version, t.stride())
+    return key
 
 
 # weights an op keeps something for (its plain launches, a vendor GEMM's copy of the weight): every
@@ -145,12 +122,14 @@ KEPT_WEIGHTS = 512
 class WeightDerived:
     """One value derived per weight (a tuple of tensors, such as ``(b_pre, b_scale)``), up to
     ``kept`` weights: the layers of one shape share one op and a model calls them in turn, so a
-    store of the last weight alone (:class:`TensorDerived`) would derive anew on every call. A
+    store of the last weight alone would derive anew on every call. A
     value is reused while the caller passes the same tensor objects with the same version counters,
     addresses and strides. An entry lives as long as its tensor objects do (they are held weakly;
     it goes when either dies), so an ``id`` in the key always names the live tensor it came from
-    and a replaced weight leaves nothing behind; it also holds aliases of their bytes, as
-    :class:`TensorDerived` does, so that ``t.data = other`` (no counter moves) cannot put another
+    and a replaced weight leaves nothing behind (the fault that asked for this: a rank rejected a
+    call and ran it on a zero weight of its own making, and its next good call got a new weight at
+    that address, version 0, and the zero weight's copy). It also holds aliases of their bytes (not
+    the caller's objects), so that ``t.data = other`` (no counter moves) cannot put another
     tensor's bytes at a kept address. The oldest entry goes first past ``kept``."""
 
     def __init__(self, kept: int = KEPT_WEIGHTS):
@@ -168,7 +147,7 @@ class WeightDerived:
         captured over it keeps reading live memory, which the next eager call has refreshed (a
         replaced value would be freed under the graph)."""
         key = tuple(id(t) for t in sources)
-        stamp = TensorDerived._key_of(sources)
+        stamp = _stamp(sources)
         entry = self._entries.get(key)
         same = entry is not None and all(ref() is t for ref, t in zip(entry[0], sources))
         if same and entry[1] == stamp:

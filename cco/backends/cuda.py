@@ -80,7 +80,7 @@ import time
 import torch
 
 from cco import layout
-from cco.backends.base import Backend, TensorDerived, WeightDerived, row_major_readings
+from cco.backends.base import Backend, WeightDerived, row_major_readings
 from cco.preshuffle import unshuffle_b
 from cco.transport.base import REJECTED_M, unstamp_seq_m
 from cco.transport.protocol import PeerMismatchError
@@ -367,9 +367,11 @@ class CudaBackend(Backend):
         self.schedule.load_kernels(tuple(p for p in (self.partial, self.partial_by_rows) if p is not None))
         self._tables: dict[int, torch.Tensor] = {}
         self._plain_configs: dict[int, object] = {}  # M -> PLAIN_RULE's config
-        self._weight = TensorDerived()  # the preshuffled weight unshuffled for the Triton kernels
-        # ... and as the vendor GEMM takes it, per weight: mxfp8's is a bf16 copy, which the layers of
-        # this shape (one op) would otherwise derive anew at every call of a model's decode step
+        # the preshuffled weight unshuffled for the Triton kernels and the vendor GEMM, and the weight
+        # as the vendor GEMM takes it (mxfp8's is a bf16 copy): per weight, since the layers of this
+        # shape (one op) would otherwise derive them anew at every call of a model's decode step, and
+        # a copy a CUDA graph read must outlive another weight's call
+        self._weight = WeightDerived()
         self._vendor_weight = WeightDerived()
         self.lsa_max_elements = 0 if drops is not None else lsa_max_elements(cfg)
         if self.lsa_max_elements != 0:
@@ -410,8 +412,10 @@ class CudaBackend(Backend):
     def _unshuffled(self, b_pre: torch.Tensor) -> torch.Tensor:
         if self.config.weight_layout == "row-major":  # laid out once by its owner (cco.nn)
             return b_pre
-        # (a copy made while capturing holds its bytes only once the graph replays: not kept)
-        return self._weight.get((b_pre,), lambda: unshuffle_b(b_pre), keep=_not_capturing)
+        # (a copy made while capturing holds its bytes only once the graph replays: not kept; a weight
+        # written in place is unshuffled into the same copy, which a graph captured before reads)
+        return self._weight.get((b_pre,), lambda: unshuffle_b(b_pre), keep=_not_capturing,
+                                refresh=lambda kept: unshuffle_b(b_pre, out=kept))
 
     def _vendor(self, b_pre: torch.Tensor, b_scale: torch.Tensor) -> "vendor.VendorWeight":
         """The weight as the vendor GEMM takes it (``kernels_fused.hopper.vendor.prepare_weight``:
@@ -424,6 +428,12 @@ class CudaBackend(Backend):
             # mxfp8's bf16 copy: a weight written in place is dequantized into the same copy, which a
             # CUDA graph captured after an eager call reads (replacing it would free it under the graph)
             refresh=lambda kept: vendor.prepare_weight(self._unshuffled(b_pre), b_scale, quant, into=kept))
+
+    def _dense_b(self, b_pre: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor | None:
+        """mxfp8's kept bf16 copy of the weight (``_vendor``) for the own Triton kernels, which
+        otherwise dequantize the whole weight on every call (they run bf16 MMAs for mxfp8: Hopper has
+        no e8m0 one); None for the other quants, whose kernels read the fp8 weight."""
+        return self._vendor(b_pre, b_scale).dense if self.config.quant == "mxfp8" else None
 
     def _plain_config(self, m: int):
         """The plain GEMM's config for ``m`` rows: ``gemm_config``, else ``PLAIN_RULE``'s (kept per M)."""
@@ -465,7 +475,8 @@ class CudaBackend(Backend):
         fp8_gemm_lsa(None if from_partial else a, None if from_partial else self._unshuffled(b_pre), a_scale, b_scale,
                      quant=self.config.quant, out=out, win=self.lsa_window, tile_table=self._lsa_table(plan),
                      rank=self.rank, stamp=sch.stamp_of(plan), config=self.lsa_config,
-                     from_partial=from_partial, move_bytes=not silent, validated=True)
+                     from_partial=from_partial, move_bytes=not silent, validated=True,
+                     b_dense=None if from_partial else self._dense_b(b_pre, b_scale))
         if sch.marks is not None:
             sch.marks.leave(sch._write, sch.main)
 
@@ -533,7 +544,7 @@ class CudaBackend(Backend):
             if rows == 0:
                 return
             if not vendor.takes_rows(quant, rows, self.config.k):
-                hopper_gemm.fp8_gemm(a, b, a_scale, b_scale, quant=quant, out=out, validated=True)
+                hopper_gemm.fp8_gemm(a, b, a_scale, b_scale, quant=quant, out=out, validated=True, b_dense=weight.dense)
                 return
             a_scale = dense_block_scales(quant, a_scale, rows)
             if quant == "ptpc" and a_scale.data_ptr() % vendor.SCALE_ALIGNMENT:
@@ -558,7 +569,8 @@ class CudaBackend(Backend):
         hopper_gemm.fp8_gemm(a, self._unshuffled(b_pre), a_scale, b_scale, quant=self.config.quant, out=self.partial,
                              fuse=True, tile_table=self._table(plan), counters=self.counters,
                              tile_weight=self.tile_weight, config=self.fused_config, reduce=reduce,
-                             slice_rows=plan.slice_m if by_rows else None, validated=True)
+                             slice_rows=plan.slice_m if by_rows else None, validated=True,
+                             b_dense=self._dense_b(b_pre, b_scale))
 
     # ---- modes --------------------------------------------------------------------------------------
     def gemm(self, a, b_pre, a_scale, b_scale, *, out, plan):
@@ -567,7 +579,7 @@ class CudaBackend(Backend):
             vendor.vendor_gemm(a, a_scale, self._vendor(b_pre, b_scale), out=out, fast_accum=not cfg.precise_acc)
             return
         hopper_gemm.fp8_gemm(a, self._unshuffled(b_pre), a_scale, b_scale, quant=self.config.quant, out=out,
-                             config=cfg, validated=True)
+                             config=cfg, validated=True, b_dense=self._dense_b(b_pre, b_scale))
 
     def vendor_weight(self, b_pre, b_scale):
         return self._vendor(b_pre, b_scale)

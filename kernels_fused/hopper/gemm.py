@@ -66,7 +66,8 @@ import torch
 from cco.quant import QUANTS, SCALE_BLOCK
 from cco.validate import GemmShape, check_operands
 from kernels_fused.hopper.launch import Kernel, keep, specialization
-from kernels_fused.hopper.vendor import BLOCKWISE_KBLOCK_MULTIPLE, BLOCKWISE_ROW_MULTIPLE, mx_to_bf16, prepare_weight, takes_rows, vendor_gemm
+from kernels_fused.hopper.vendor import (BLOCKWISE_KBLOCK_MULTIPLE, BLOCKWISE_ROW_MULTIPLE, VendorWeight, mx_to_bf16,
+                                         prepare_weight, takes_rows, vendor_gemm)
 
 QUANT_ID = {"ptpc": 0, "blockscale": 1, "mxfp8": 2}
 COUNTER_DTYPE = torch.int32
@@ -190,13 +191,14 @@ def _kernels():
     return tk.fp8_gemm_kernel, tk.fp8_gemm_lsa_kernel, tk.fp8_gemm_ws_kernel
 
 
-def _operands(a, b, a_scale, b_scale, *, quant: str, config: GemmConfig):
+def _operands(a, b, a_scale, b_scale, *, quant: str, config: GemmConfig, b_dense=None):
     """The kernels' operand arguments: (A source, B source, A scale, B scale, strides), the sources
     TMA descriptors when ``config.tma``; mxfp8 operands dequantized to bf16 (:func:`mx_to_bf16`; the
-    scale arguments are then unread); strides are (A row, B row, A scale row / column, B scale row /
-    column; 0 for a 1-D scale)."""
+    scale arguments are then unread), B from ``b_dense`` where the caller keeps that copy
+    (:func:`check_dense_b`); strides are (A row, B row, A scale row / column, B scale row / column;
+    0 for a 1-D scale)."""
     if quant == "mxfp8":
-        a, b = mx_to_bf16(a, a_scale), mx_to_bf16(b, b_scale)
+        a, b = mx_to_bf16(a, a_scale), (mx_to_bf16(b, b_scale) if b_dense is None else b_dense)
         a_scale, b_scale = a, b  # unread: any tensor will do
     strides = (a.stride(0), b.stride(0), a_scale.stride(0), a_scale.stride(1) if a_scale.dim() == 2 else 0,
                b_scale.stride(0), b_scale.stride(1) if b_scale.dim() == 2 else 0)
@@ -206,6 +208,20 @@ def _operands(a, b, a_scale, b_scale, *, quant: str, config: GemmConfig):
 
     return (TensorDescriptor.from_tensor(a, [config.block_m, config.block_k]),
             TensorDescriptor.from_tensor(b, [config.block_n, config.block_k]), a_scale, b_scale, strides)
+
+
+def check_dense_b(b_dense, *, quant: str, n: int, k: int, fn: str) -> None:
+    """``b_dense``: mxfp8's weight already dequantized to bf16 (``vendor.prepare_weight``'s copy,
+    which the CUDA backend keeps per weight), so that a call does not dequantize the whole weight
+    again (a read of the fp8 weight, a write and a read of [N, K] bf16, and an allocation per call).
+    The caller vouches that it is ``b`` times ``b_scale``; its shape and layout are checked here."""
+    if b_dense is None:
+        return
+    if quant != "mxfp8":
+        raise ValueError(f"{fn}: b_dense is mxfp8's bf16 copy of the weight; quant={quant!r} reads b itself")
+    if b_dense.dtype != torch.bfloat16 or tuple(b_dense.shape) != (n, k) or not b_dense.is_contiguous():
+        raise ValueError(f"{fn}: b_dense must be the contiguous bf16 [N={n}, K={k}] copy of b, got "
+                         f"{b_dense.dtype} {list(b_dense.shape)} stride {b_dense.stride()}")
 
 
 def _shape(a: torch.Tensor, b: torch.Tensor) -> GemmShape:
@@ -234,6 +250,7 @@ def fp8_gemm(
     reduce: "ReduceEpilogue | None" = None,
     slice_rows: int | None = None,
     validated: bool = False,
+    b_dense: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``dequant(a) @ dequant(b).T`` in bf16, on the current CUDA stream.
 
@@ -259,12 +276,15 @@ def fp8_gemm(
       epilogue instead of stored into ``partial[rank]``.
     * ``validated``: the caller has run ``cco.validate.check_operands`` on these operands (the op
       does, once per call; a second pass cost an eager call ~11 us of host time on an H200 host).
+    * ``b_dense`` (mxfp8 only): ``b`` already dequantized to bf16 [N, K], read instead of ``b`` and
+      ``b_scale`` (:func:`check_dense_b`).
     """
     from cco.layout import GATHER_GROUP, MAX_CHUNKS
 
     fn = "fp8_gemm"
     shape = _shape(a, b) if validated else check_operands(a, b, a_scale, b_scale, quant=quant, fn=fn)
     m, n, k = shape.m, shape.n, shape.k
+    check_dense_b(b_dense, quant=quant, n=n, k=k, fn=fn)
     cfg = config or default_config(quant, plain=not fuse, m=m, k=k, interpret=_interpreting())
     if cfg.launch in ("ws", "cublas") and fuse:
         raise ValueError(f"{fn}: launch={cfg.launch!r} is the plain GEMM's; fuse=True walks a tile table "
@@ -322,16 +342,18 @@ def fp8_gemm(
                                  f"and ceil(K/128) % {BLOCKWISE_KBLOCK_MULTIPLE} == 0 (cuBLAS's blockwise recipe "
                                  f"refuses M={m} or is not trusted at K={k}: vendor.takes_rows); pass config=None "
                                  f"(the own kernel then) or pad A's rows")
-            return vendor_gemm(a, a_scale, prepare_weight(b, b_scale, quant), out=out, fast_accum=not cfg.precise_acc)
+            weight = prepare_weight(b, b_scale, quant) if b_dense is None else VendorWeight(quant, b_dense.t(), None,
+                                                                                              b_dense)
+            return vendor_gemm(a, a_scale, weight, out=out, fast_accum=not cfg.precise_acc)
         tiles_m, tiles_n = cfg.tiles(m, n)
         grid = tiles_m * tiles_n
         if cfg.launch == "ws":
-            _warp_specialized(a, b, a_scale, b_scale, quant=quant, out=out, config=cfg, tiles=grid)
+            _warp_specialized(a, b, a_scale, b_scale, quant=quant, out=out, config=cfg, tiles=grid, b_dense=b_dense)
             return out
         if cfg.launch != "grid":
             if n % cfg.block_n:
                 raise ValueError(f"{fn}: launch={cfg.launch!r} needs block_n={cfg.block_n} to divide N={n}")
-            _walked(a, b, a_scale, b_scale, quant=quant, out=out, config=cfg)
+            _walked(a, b, a_scale, b_scale, quant=quant, out=out, config=cfg, b_dense=b_dense)
             return out
         n_slice, dest_stride, stride_c = n, 0, out.stride(0)
         row_step, col_step, rows_out = 0, 0, m
@@ -343,7 +365,8 @@ def fp8_gemm(
     else:
         world, fp8_gather = reduce.recv.shape[0], reduce.gather_scale is not None
 
-    a_src, b_src, a_scale, b_scale, strides = _operands(a, b, a_scale, b_scale, quant=quant, config=cfg)
+    a_src, b_src, a_scale, b_scale, strides = _operands(a, b, a_scale, b_scale, quant=quant, config=cfg,
+                                                        b_dense=b_dense)
     _kernels()[0][(grid,)](
         a_src, b_src, out, a_scale, b_scale, tile_table, counters, *red,
         m, n, k, strides[0], strides[1], stride_c, n_slice, dest_stride, row_step, col_step, rows_out, *strides[2:],
@@ -409,7 +432,7 @@ def tma_storable(out: torch.Tensor) -> bool:
     return out.stride(0) % 8 == 0 and out.data_ptr() % 16 == 0
 
 
-def _warp_specialized(a, b, a_scale, b_scale, *, quant, out, config, tiles) -> None:
+def _warp_specialized(a, b, a_scale, b_scale, *, quant, out, config, tiles, b_dense=None) -> None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     if not config.tma:
@@ -417,7 +440,8 @@ def _warp_specialized(a, b, a_scale, b_scale, *, quant, out, config, tiles) -> N
     if not tma_storable(out):
         raise ValueError(f"fp8_gemm: launch='ws' stores through TMA: out needs 16-byte aligned rows (row stride "
                          f"{out.stride(0)} elements at {out.data_ptr():#x}); pass a fresh out or launch='grid'")
-    a_src, b_src, a_scale, b_scale, strides = _operands(a, b, a_scale, b_scale, quant=quant, config=config)
+    a_src, b_src, a_scale, b_scale, strides = _operands(a, b, a_scale, b_scale, quant=quant, config=config,
+                                                        b_dense=b_dense)
     c_desc = TensorDescriptor.from_tensor(out, [config.block_m, config.block_n // 2])
     programs = min(persistent_programs(out.device), tiles)
     _kernels()[2][(programs,)](
@@ -447,13 +471,13 @@ def _world_of_one(m: int, n: int, device: str) -> "LsaWindow":
                      status=words(), ticket=words())
 
 
-def _walked(a, b, a_scale, b_scale, *, quant, out, config) -> None:
+def _walked(a, b, a_scale, b_scale, *, quant, out, config, b_dense=None) -> None:
     """Plain GEMM through the lsa kernel with a world of one (no peer, nothing to wait for)."""
     m, n = out.shape
     dev = str(out.device)
     fp8_gemm_lsa(a, b, a_scale, b_scale, quant=quant, out=out, win=_world_of_one(m, n, dev),
                  tile_table=_row_major_table(m, n, config.block_m, config.block_n, dev), rank=0, stamp=1,
-                 config=config)
+                 config=config, b_dense=b_dense)
 
 
 @dataclass(frozen=True)
@@ -541,7 +565,8 @@ def _multiprocessors(device: torch.device) -> int:
 
 def fp8_gemm_lsa(a, b, a_scale, b_scale, *, quant: str, out: torch.Tensor, win: LsaWindow,
                  tile_table: torch.Tensor, rank: int, stamp: int, config: GemmConfig,
-                 from_partial: bool = False, move_bytes: bool = True, validated: bool = False) -> None:
+                 from_partial: bool = False, move_bytes: bool = True, validated: bool = False,
+                 b_dense: torch.Tensor | None = None) -> None:
     """The ``lsa`` fused launch: GEMM, scatter, reduce, gather and assemble in one kernel.
 
     Programs claim tiles per ``config.launch`` (:class:`GemmConfig`) along ``tile_table``
@@ -560,7 +585,7 @@ def fp8_gemm_lsa(a, b, a_scale, b_scale, *, quant: str, out: torch.Tensor, win: 
     walk than every earlier entry of its rank (tickets, or a persistent program's stride), so those
     are held by running programs. ``from_partial`` replaces the GEMM by the tiles found in
     ``win.partial`` (the self test); ``move_bytes=False`` releases flags without storing data (the
-    silent-transport fault); ``validated``: as :func:`fp8_gemm`'s.
+    silent-transport fault); ``validated``, ``b_dense``: as :func:`fp8_gemm`'s.
     """
     from cco.layout import GATHER_GROUP
 
@@ -579,7 +604,9 @@ def fp8_gemm_lsa(a, b, a_scale, b_scale, *, quant: str, out: torch.Tensor, win: 
         m, k = shape.m, shape.k
         if shape.n != n:
             raise ValueError(f"fp8_gemm_lsa: b has N={shape.n} rows but the window holds {world} x {n_slice} columns")
-        a_src, b_src, a_scale, b_scale, strides = _operands(a, b, a_scale, b_scale, quant=quant, config=config)
+        check_dense_b(b_dense, quant=quant, n=shape.n, k=k, fn="fp8_gemm_lsa")
+        a_src, b_src, a_scale, b_scale, strides = _operands(a, b, a_scale, b_scale, quant=quant, config=config,
+                                                        b_dense=b_dense)
         use_tma = config.tma
     if out.dtype != torch.bfloat16 or tuple(out.shape) != (m, n) or out.stride(1) != 1:
         raise ValueError(f"fp8_gemm_lsa: out must be bf16 [{m}, {n}] with unit column stride, got "

@@ -606,6 +606,75 @@ def check_mxfp8_copy_under_graphs(comm, log):
         "call, then the graph captured before replays the new weight (the same copy, brought up to date)")
 
 
+def check_preshuffled_copy_under_graphs(comm, log):
+    """An op built with ``weight_layout="bpreshuffle"`` (the op's default) reads a row-major copy of
+    the weight on NVIDIA (``CudaBackend._unshuffled``). Under CUDA graphs: a graph captured after an
+    eager call reads that copy; an eager call with another weight must not free it (the replay
+    still gives the captured weight's product, with the freed bytes overwritten), and after the
+    weight is written in place and one eager call, the copy is the same tensor brought up to date,
+    so a replay gives the new weight's product. ptpc and blockscale, at 8 rows (the own kernel) and
+    256 (the vendor GEMM)."""
+    import torch.distributed as dist
+
+    from cco import GemmAllReduceOp
+    from cco import quant as Q
+    from cco.comm import Communicator
+    from cco.preshuffle import preshuffle_b
+
+    singles = [dist.new_group([r], backend="gloo") for r in range(comm.world)]
+    solo = Communicator.from_group(singles[comm.rank], device=comm.device)
+    g = torch.Generator().manual_seed(71 + comm.rank)
+    n, k, dev = 1024, 512, comm.device
+
+    def weight(quant):
+        q, scale = Q.quantize_b(torch.randn(n, k, generator=g) / k ** 0.5, quant)
+        return preshuffle_b(q).to(dev), scale.to(dev)
+
+    for quant in ("ptpc", "blockscale"):
+        with GemmAllReduceOp(solo, n=n, k=k, m_max=256, quant=quant, weight_layout="bpreshuffle") as op:
+            for m in (8, 256):
+                b_pre, b_scale = weight(quant)
+                a, a_scale = (t.to(dev) for t in Q.quantize_a(torch.randn(m, k, generator=g), quant))
+                op(a, b_pre, a_scale, b_scale)  # eager: the copy made and kept
+                copy = op._backend._unshuffled(b_pre)
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    op(a, b_pre, a_scale, b_scale)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    static = op(a, b_pre, a_scale, b_scale)
+                first = op(a, b_pre, a_scale, b_scale).clone()
+                other = weight(quant)
+                op(a, other[0], a_scale, other[1])  # another weight, eagerly: the captured copy must outlive it
+                junk = [torch.full((n, k), 0x7F, dtype=torch.uint8, device=dev) for _ in range(4)]
+                static.fill_(float("nan"))
+                graph.replay()
+                torch.cuda.synchronize()
+                del junk
+                if not torch.equal(static, first):
+                    raise AssertionError(f"preshuffled copy under graphs {quant} M={m}: after another weight's call "
+                                         f"the replay differs ({int((static != first).sum())} elements)")
+                new_q, new_s = weight(quant)
+                b_pre.copy_(new_q)
+                b_scale.copy_(new_s)
+                want = op(a, b_pre, a_scale, b_scale)  # eager: the copy brought up to date in place
+                static.fill_(float("nan"))
+                graph.replay()
+                torch.cuda.synchronize()
+                if op._backend._unshuffled(b_pre) is not copy:
+                    raise AssertionError(f"preshuffled copy under graphs {quant} M={m}: the rewritten weight's copy "
+                                         f"is a new tensor")
+                if not torch.equal(static, want) or torch.equal(want, first):
+                    raise AssertionError(f"preshuffled copy under graphs {quant} M={m}: the replay after the weight "
+                                         f"was written differs from the eager call "
+                                         f"({int((static != want).sum())} elements)")
+    solo.close()
+    log("ok preshuffled copy under graphs: ptpc and blockscale, M 8 and 256: another weight's call leaves the "
+        "captured copy alive; a weight written in place, one eager call, then the replay gives the new weight")
+
+
 def check_vendor_layer(layer, ms, g, device, may_differ):
     """check_decode_vendor's comparisons for one layer at each M of ``ms``; returns the call shapes
     whose kept call gave other bits than torch's at their first call (``decode.KEPT_DIFFERED``: they
@@ -682,7 +751,8 @@ def rank_main():
               lambda: check_compiled_and_graphs(comm, log, None), lambda: check_compiled_and_graphs(comm, log, "dma"),
               lambda: check_backward(comm, log), lambda: check_decode(comm, log),
               lambda: check_decode_one_launch(comm, log), lambda: check_decode_native(comm, log),
-              lambda: check_decode_vendor(comm, log), lambda: check_mxfp8_copy_under_graphs(comm, log)]
+              lambda: check_decode_vendor(comm, log), lambda: check_mxfp8_copy_under_graphs(comm, log),
+              lambda: check_preshuffled_copy_under_graphs(comm, log)]
     failures = []
     for check in checks:  # keep going so one run reports every failing check
         try:

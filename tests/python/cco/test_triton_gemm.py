@@ -53,6 +53,41 @@ def test_plain_gemm_matches_reference(quant):
     _assert_close(out, p.reference(), quant, f"{quant} gemm-only")
 
 
+def test_mxfp8_kernels_read_a_kept_bf16_weight_where_given():
+    """``b_dense`` (the CUDA backend's kept bf16 copy of an mxfp8 weight) is what the plain, fused
+    and lsa-walk launches multiply instead of dequantizing ``b`` again: the copy of the weight gives
+    the reference, a copy of another weight gives that weight's product (so it is read, not ``b``),
+    and a copy that is not [N, K] contiguous bf16, or one given for another quant, is refused."""
+    from kernels_fused.hopper.gemm import GemmConfig, default_config, fp8_gemm, tile_table_tensor
+    from kernels_fused.hopper.vendor import mx_to_bf16
+
+    p, other = Q.random_problem(M, N, K, "mxfp8", seed=11), Q.random_problem(M, N, K, "mxfp8", seed=12)
+    dense, other_dense = mx_to_bf16(p.b, p.b_scale), mx_to_bf16(other.b, other.b_scale)
+    swapped = Q.dequantize_a(p.a, p.a_scale, "mxfp8").float() @ other_dense.float().t()
+    walk = GemmConfig(block_m=32, block_n=128, num_warps=4, num_stages=1, launch="ticket")
+    for cfg in (None, walk):
+        assert torch.equal(fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="mxfp8", config=cfg, b_dense=dense),
+                           fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="mxfp8", config=cfg))
+        _assert_close(fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="mxfp8", config=cfg, b_dense=other_dense),
+                      swapped.to(torch.bfloat16), "mxfp8", f"b_dense read ({cfg})")
+    world, gc = 2, default_config("mxfp8", interpret=True)
+    cfg = layout.build_config(n=N, k=K, m_max=M, world=world, quant="mxfp8", chunks=2,
+                              block_m=gc.block_m, block_n=gc.block_n)
+    plan = layout.plan_call(cfg, m=M, seq=1, rank=0, counter_base=layout.zero_counters(world))
+    partial = torch.zeros(world, cfg.m_max_padded, cfg.n_slice, dtype=torch.bfloat16)
+    fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="mxfp8", out=partial, fuse=True,
+             tile_table=tile_table_tensor(layout.tile_table_rows(plan.tiles), device="cpu"),
+             counters=torch.zeros(world * layout.MAX_CHUNKS, dtype=torch.int64), config=gc, b_dense=other_dense)
+    _assert_close(partial.permute(1, 0, 2).reshape(cfg.m_max_padded, N)[:M], swapped.to(torch.bfloat16), "mxfp8",
+                  "fused b_dense")
+    for bad in (dense.t().contiguous().t(), dense[:, :K // 2], dense.float()):
+        with pytest.raises(ValueError, match="b_dense must be the contiguous bf16"):
+            fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="mxfp8", b_dense=bad)
+    q = Q.random_problem(M, N, K, "ptpc", seed=13)
+    with pytest.raises(ValueError, match="b_dense is mxfp8's"):
+        fp8_gemm(q.a, q.b, q.a_scale, q.b_scale, quant="ptpc", b_dense=dense)
+
+
 @pytest.mark.parametrize("quant", Q.QUANTS)
 def test_warp_specialized_launch_computes_what_the_grid_one_does(quant):
     """GemmConfig.launch="ws" (ptpc's own plain kernel on Hopper): persistent programs striding the
