@@ -170,6 +170,25 @@ def check_layers(comm, log):
     b.close()
 
 
+
+def captured(fn, *, sync=None):
+    """``(graph, output)``: ``fn()`` run once on a side stream (what a capture must not be the first
+    to do: compile, plan, keep launches), then captured into a CUDA graph. ``sync()``, where given,
+    runs between the two (the ranks' barrier, when every rank must be past its warm-up first)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    if sync is not None:
+        torch.cuda.synchronize()
+        sync()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def check_compiled_and_graphs(comm, log, transport):
     layer = _layer(comm, "ptpc", transport=transport)
     dev = comm.device
@@ -191,16 +210,7 @@ def check_compiled_and_graphs(comm, log, transport):
     log(f"ok {transport}: torch.compile(fullgraph=True) == eager bytes, both within the budget")
 
     static = xs[0].clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        compiled(static)  # warm outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    comm.barrier()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = compiled(static)
+    graph, out = captured(lambda: compiled(static), sync=comm.barrier)
     torch.cuda.synchronize()
     comm.barrier()
     for i in range(REPLAYS):
@@ -314,14 +324,7 @@ def check_decode(comm, log):
                 if not torch.equal(compiled(x), fast):
                     raise AssertionError(f"decode {quant} {name}: compiled differs from eager")
                 static_x = x.clone()
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    layer(static_x)
-                torch.cuda.current_stream().wait_stream(s)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    static_out = layer(static_x)
+                graph, static_out = captured(lambda: layer(static_x))
                 for i in range(4):
                     new = torch.randn(3, K_RANK, generator=g).to(torch.bfloat16).to(comm.device)
                     static_x.copy_(new)
@@ -466,14 +469,7 @@ def check_decode_native(comm, log):
                                                          NV, "ENABLED")(), D, "ONE_LAUNCH")()
                 for capture in range(2):
                     taken = table.taken()
-                    side = torch.cuda.Stream()
-                    side.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(side):
-                        D.decode_gemm(static_x, wq, ws, quant, n=n)
-                    torch.cuda.current_stream().wait_stream(side)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        static_out = D.decode_gemm(static_x, wq, ws, quant, n=n)
+                    graph, static_out = captured(lambda: D.decode_gemm(static_x, wq, ws, quant, n=n))
                     static_out.fill_(float("nan"))
                     graph.replay()
                     torch.cuda.synchronize()
@@ -581,14 +577,7 @@ def check_mxfp8_copy_under_graphs(comm, log):
             x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(comm.device)
             layer(x)  # eager: the copy made and kept
             copy = layer.op.vendor_weight(*layer.quantized_weight()).dense
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                layer(x)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                static = layer(x)
+            graph, static = captured(lambda: layer(x))
             layer.load_weight((torch.randn(n, k, generator=g) / k ** 0.5).to(torch.bfloat16).to(comm.device))
             want = layer(x)  # eager: the copy brought up to date in place
             static.fill_(float("nan"))
@@ -637,14 +626,7 @@ def check_preshuffled_copy_under_graphs(comm, log):
                 a, a_scale = (t.to(dev) for t in Q.quantize_a(torch.randn(m, k, generator=g), quant))
                 op(a, b_pre, a_scale, b_scale)  # eager: the copy made and kept
                 copy = op._backend._unshuffled(b_pre)
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    op(a, b_pre, a_scale, b_scale)
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    static = op(a, b_pre, a_scale, b_scale)
+                graph, static = captured(lambda: op(a, b_pre, a_scale, b_scale))
                 first = op(a, b_pre, a_scale, b_scale).clone()
                 other = weight(quant)
                 op(a, other[0], a_scale, other[1])  # another weight, eagerly: the captured copy must outlive it
