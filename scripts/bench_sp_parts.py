@@ -11,13 +11,15 @@ window local (``scripts.bench_gemm.local_window``), the op's own config for the 
 a call issues:
 
 - ``rs-rows``: the producer of the reduce-scatter along rows (``CudaBackend._produce``) as the
-  backend's rule picks it (``RS_ROWS_PRODUCER``, by the rows of a chunk), and each producer forced:
-  ``rs-rows vendor`` (counters zeroed, the call's stamp, one vendor GEMM per (owner, chunk) of A's
-  rows into ``partial[owner]``, the peers' slices first, each followed by its counter's release,
-  dealt to ``cco.cuda.dma.PRODUCER_STREAMS`` streams; W*C GEMMs of M/(W*C) rows) and ``rs-rows
-  kernel`` (one tile-table launch of the own Triton GEMM walking the row slices, each tile's add
-  releasing its counter). Timed until every slice is released. The puts to the peers are not
-  issued: one GPU has no link to time them on. The line shows the rule's arm, then both producers.
+  backend's rule picks it (``RS_ROWS_PRODUCER``, by the rows of the vendor producer's GEMM), and
+  each producer forced: ``rs-rows vendor`` (counters zeroed, the call's stamp, one vendor GEMM per
+  group of an owner's consecutive chunks, ``RS_PRODUCER_ROWS``, of A's rows into ``partial[owner]``,
+  the peers' slices first, each followed by its chunks' counters' release, dealt to
+  ``cco.cuda.dma.PRODUCER_STREAMS`` streams), ``rs-rows vendor chunks`` (the same with a GEMM per
+  (owner, chunk): W*C GEMMs of M/(W*C) rows) and ``rs-rows kernel`` (one tile-table launch of the
+  own Triton GEMM walking the row slices, each tile's add releasing its counter). Timed until every
+  slice is released. The puts to the peers are not issued: one GPU has no link to time them on. The
+  line shows the rule's arm, then the forced ones.
 - ``ag``: the all-gather's call (``CudaBackend.all_gather_gemm``) with the peers' rows already in
   the window's slots: the own rows copied into the own slot and their GEMM, then a GEMM per group of
   each peer's consecutive chunks in the order their flags would arrive (``AG_CONSUMER_ROWS``, the
@@ -56,7 +58,7 @@ import torch
 
 from cco import layout
 from cco import quant as Q
-from cco.backends.cuda import AG_CONSUMER_ROWS, PRODUCERS, consumer_groups, rows_producer
+from cco.backends.cuda import AG_CONSUMER_ROWS, PRODUCERS, RS_PRODUCER_ROWS, consumer_groups, rows_producer
 
 MODELS = {"llama3-70b": (8192, 28672), "deepseek-v3": (7168, 18432)}  # (hidden, intermediate) of the MLP
 PATTERNS = {"rs-rows": "reduce-scatter-rows", "ag": "all-gather"}  # this script's names -> cco's
@@ -217,13 +219,13 @@ def sp_arms(pattern: str, backend, sets: list[Q.Problem], m: int, dev) -> dict:
     if pattern == "rs-rows":
         plan = layout.plan_call(cfg, m=m, seq=1, rank=rank, counter_base=base)
 
-        def producing(producer):
+        def producing(producer, least=None):
             def rs(i):
-                p, backend.producer = sets[i], producer
+                p, backend.producer, backend.producer_rows = sets[i], producer, least
                 try:
                     return backend._produce(p.a, p.b, p.a_scale, p.b_scale, plan)
                 finally:
-                    backend.producer = None
+                    backend.producer = backend.producer_rows = None
             return rs
 
         def rs_read(planes, idx):
@@ -231,10 +233,12 @@ def sp_arms(pattern: str, backend, sets: list[Q.Problem], m: int, dev) -> dict:
             wrong = sum(counted[d][c] != plan.target(d, c) for d in range(world) for c in range(plan.chunks))
             return planes[idx // plan.slice_m, idx % plan.slice_m], wrong
 
-        # the rule's pick (RS_ROWS_PRODUCER), and each producer forced: the rule's data
+        # the rule's pick (RS_ROWS_PRODUCER), and each producer forced: the rule's data; the vendor
+        # producer at RS_PRODUCER_ROWS's groups of a slice's chunks, and with a GEMM per chunk
         arms[pattern] = (producing(None), rs_read)
         for producer in PRODUCERS:
             arms[f"{pattern} {producer}"] = (producing(producer), rs_read)
+        arms[f"{pattern} vendor chunks"] = (producing("vendor", 1), rs_read)
         return arms
     rows = m // world
     plan = layout.plan_call(cfg, m=rows, seq=1, rank=rank, counter_base=base)
@@ -274,11 +278,12 @@ CONSUMERS = {"": None, "chunks": 1, "sources": 1 << 40}
 
 def gemm_count(pattern: str, world: int, chunks, producer: str = "vendor", quant: str = "ptpc") -> int:
     """GEMM launches one call of the pattern's arm issues (``cco.backends.cuda``): the reduce-scatter's
-    vendor producer one per (owner, chunk), its kernel producer one; the all-gather's consumer one
+    vendor producer one per group of an owner's chunks (``RS_PRODUCER_ROWS``), its kernel producer
+    one; the all-gather's consumer one
     for the own rows and one per group of each peer's chunks (``consumer_groups`` of ``chunks``,
     the call's ``CallPlan.rows``, at ``AG_CONSUMER_ROWS``)."""
     if pattern == "rs-rows":
-        return world * len(chunks) if producer == "vendor" else 1
+        return world * len(consumer_groups(chunks, RS_PRODUCER_ROWS[quant])) if producer == "vendor" else 1
     return 1 + (world - 1) * len(consumer_groups(chunks, AG_CONSUMER_ROWS[quant]))
 
 

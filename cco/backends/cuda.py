@@ -54,8 +54,9 @@ inputs runs the call all the same, on NaN data, with its peers' M and a rejected
 
 Patterns (``cco.layout.PATTERNS``; ``cco.cuda.dma``'s module note has the streams): the
 reduce-scatter runs the all-reduce's dma schedule without the gather's data (fused and split; along
-columns the same producers, along rows the kernel producer walking row slices or one GEMM per (dest, chunk)
-of A's rows, ``RS_ROWS_PRODUCER`` by the rows of a chunk: ``_produce``);
+columns the same producers, along rows the kernel producer walking row slices or one GEMM per group of
+a dest's consecutive chunks of A's rows, ``RS_PRODUCER_ROWS``; ``RS_ROWS_PRODUCER`` picks by the rows
+of such a GEMM: ``_produce``);
 the all-gather puts its rows and scales on the copy engines and runs the GEMM of each peer's chunks
 as they land, its own rows first (fused: one GEMM per group of a source's consecutive chunks,
 ``AG_CONSUMER_ROWS``), or of every row once all landed (split). Both run on the
@@ -138,6 +139,13 @@ RS_ROWS_PRODUCER = {
     "blockscale": ((128, "kernel"), (None, "vendor")),
     "mxfp8": ((128, "kernel"), (None, "vendor")),
 }
+# the vendor producer of the reduce-scatter along rows, per quant: the fewest rows one GEMM over a
+# dest's consecutive chunks takes (``consumer_groups`` over the slice's chunks); the group's counters
+# are released together after its GEMM. The slices are produced one after another, peers first and
+# the own one last, so a group's puts still overlap the later slices' GEMMs and the last peer's puts
+# the own slice's: what a group gives up is the finer start of its own first chunks' puts, while
+# W * C GEMMs of M / (W C) rows become fewer, fuller ones. 1: a GEMM per chunk.
+RS_PRODUCER_ROWS = {"ptpc": 512, "blockscale": 512, "mxfp8": 512}
 PRODUCERS = ("kernel", "vendor")
 # the all-gather's consumer (``all_gather_gemm``), per quant: the fewest rows one GEMM over a peer's
 # landed chunks takes. Consecutive chunks of one source go to one GEMM until they reach it
@@ -173,15 +181,18 @@ def dma_producer(quant: str, m: int, rule: dict = DMA_PRODUCER) -> str:
     return next(producer for largest, producer in rule[quant] if largest is None or m <= largest)
 
 
-def rows_producer(cfg: layout.OpConfig, m: int) -> str:
+def rows_producer(cfg: layout.OpConfig, m: int, least: int | None = None) -> str:
     """The producer ``RS_ROWS_PRODUCER`` picks for a reduce-scatter along rows of ``m`` rows: by
-    its largest chunk's rows (``cco.layout.chunk_rows``), what each of the vendor producer's GEMMs
-    would take."""
-    return dma_producer(cfg.quant, max(r1 - r0 for r0, r1 in layout.chunk_rows(cfg, m)), RS_ROWS_PRODUCER)
+    the rows of the vendor producer's largest GEMM (its groups of a slice's chunks,
+    ``cco.layout.chunk_rows``, at ``least`` rows, else ``RS_PRODUCER_ROWS``'s)."""
+    rows = layout.chunk_rows(cfg, m)
+    groups = consumer_groups(rows, RS_PRODUCER_ROWS[cfg.quant] if least is None else least)
+    return dma_producer(cfg.quant, max(rows[c1 - 1][1] - rows[c0][0] for c0, c1 in groups), RS_ROWS_PRODUCER)
 
 
 def consumer_groups(rows, least: int) -> tuple[tuple[int, int], ...]:
-    """The all-gather consumer's GEMMs over one source's chunks: ``[c0, c1)`` ranges of consecutive
+    """The all-gather consumer's GEMMs over one source's chunks (and the reduce-scatter's vendor
+    producer's over one dest's slice): ``[c0, c1)`` ranges of consecutive
     chunks (``rows``: each chunk's ``(r0, r1)``, ``CallPlan.rows``), each closed once its rows reach
     ``least``; a last range short of it joins the one before (no GEMM smaller than ``least`` rows
     unless the source has fewer). ``least <= 1``: one GEMM per chunk."""
@@ -250,6 +261,7 @@ class CudaBackend(Backend):
     producer = "kernel"  # who fills the partial region on the dma path (PRODUCERS); None: DMA_PRODUCER per call
     weight_layouts = ("row-major", "bpreshuffle")  # the Triton kernels read row-major: taken as is
     consumer_rows: int | None = None  # the all-gather's least rows a GEMM: None AG_CONSUMER_ROWS, 1 one per chunk
+    producer_rows: int | None = None  # the reduce-scatter's vendor producer's: None RS_PRODUCER_ROWS
     # every pattern, on the copy engines; the lsa kernel runs the all-reduce only (config_error)
     patterns = tuple(layout.PATTERNS)
     # calls marked and watched (cco.cuda.watchdog); False only for the cost measurement's "before"
@@ -487,7 +499,7 @@ class CudaBackend(Backend):
         reduced into it in the kernel producer's epilogue (which the rule then always takes)."""
         by_rows = self.config.pattern_spec.owner_by == "rows"
         if by_rows:
-            producer = self.producer or rows_producer(self.config, plan.m)
+            producer = self.producer or rows_producer(self.config, plan.m, self.producer_rows)
         else:
             producer = self.producer or ("kernel" if reduce_into is not None else
                                          dma_producer(self.config.quant, plan.m))
@@ -512,23 +524,25 @@ class CudaBackend(Backend):
 
     def _produce_rows(self, a, b_pre, a_scale, b_scale, plan) -> torch.Tensor:
         """The vendor producer of the reduce-scatter along rows: slice d is rows ``d * M/W ..`` of
-        the product, every column, so chunk c of it is one GEMM of those rows of A into
-        ``partial[d][rows c]`` (the dest-major planes, which the puts and the reduce read as they
-        are), then its counter released; every peer's slices before the own one, so the puts
-        start on the first. (The kernel producer walks the same slices' tiles in one launch:
-        ``fp8_gemm(slice_rows=)``.)"""
+        the product, every column, so a group of its consecutive chunks (``RS_PRODUCER_ROWS``) is
+        one GEMM of those rows of A into ``partial[d][rows]`` (the dest-major planes, which the
+        puts and the reduce read as they are), then the group's counters released; every peer's
+        slices before the own one, so the puts start on the first. (The kernel producer walks the
+        same slices' tiles in one launch: ``fp8_gemm(slice_rows=)``.)"""
         self.counters.zero_()  # see the module note: consumed words, zero at the call's start
         self.schedule.begin(plan)
         gemm = self._rows_gemm(b_pre, b_scale)
         sm = plan.slice_m
+        least = RS_PRODUCER_ROWS[self.config.quant] if self.producer_rows is None else self.producer_rows
 
-        def unit(d, c):
-            r0, r1 = plan.rows[c]
+        def unit(d, c0, c1):
+            r0, r1 = plan.rows[c0][0], plan.rows[c1 - 1][1]
             lo, hi = d * sm + r0, d * sm + r1
             return lambda: gemm(a[lo:hi], a_scale[lo:hi], self.partial[d][r0:r1])
 
-        self.schedule.produce(plan, [(unit(d, c), [(d, c)]) for d in layout.dest_order(self.rank, self.world)
-                                     for c in range(plan.chunks)])
+        self.schedule.produce(plan, [(unit(d, c0, c1), [(d, c) for c in range(c0, c1)])
+                                     for d in layout.dest_order(self.rank, self.world)
+                                     for c0, c1 in consumer_groups(plan.rows, least)])
         return self.partial
 
     def _rows_gemm(self, b_pre, b_scale):

@@ -115,7 +115,8 @@ def test_arms_issue_the_backends_gemm_calls_and_pass_their_checks(monkeypatch, p
 
     monkeypatch.setattr(vendor, "vendor_gemm", recording)
     arms = sp.sp_arms(pattern, backend, sets, m, cpu)
-    assert list(arms) == (["whole", pattern, f"{pattern} kernel", f"{pattern} vendor"] if pattern == "rs-rows"
+    assert list(arms) == (["whole", pattern, f"{pattern} kernel", f"{pattern} vendor", f"{pattern} vendor chunks"]
+                          if pattern == "rs-rows"
                           else ["whole", pattern, f"{pattern} chunks", f"{pattern} sources"])
     idx = sp.check_rows(m)
     ref, dot_abs = sp.sampled_terms(sets[0], idx)
@@ -136,6 +137,7 @@ def test_arms_issue_the_backends_gemm_calls_and_pass_their_checks(monkeypatch, p
         from cco.backends.cuda import rows_producer
 
         assert issued[f"{pattern} kernel"] == []  # one tile-table launch, no vendor GEMM
+        assert len(issued[f"{pattern} vendor chunks"]) == world * plan.chunks  # a GEMM per (owner, chunk)
         assert issued[pattern] == issued[f"{pattern} {rows_producer(cfg, m)}"]
         arm_calls = issued[f"{pattern} vendor"]
         backend.producer = "vendor"  # the backend's own call with the producer the arm compares

@@ -390,9 +390,9 @@ def test_cuda_backend_reduce_scatter_rows_produces_each_slice_from_its_rows_on_t
                                                                                        producer):
     """The reduce-scatter along rows on the CUDA backend, run on the host: slice d is rows
     d*M/W.. of the product in ``partial[d]``, every counter at its target, the peers' slices before
-    the own one; the reduce reads the dest-major planes. The vendor producer: one GEMM per (dest,
-    chunk) (the own kernel where cuBLAS's blockwise recipe refuses the row count), each counter
-    released once by a write; the kernel producer (under Triton's interpreter): one tile-table
+    the own one; the reduce reads the dest-major planes. The vendor producer: one GEMM per group of
+    a dest's chunks (the own kernel where cuBLAS's blockwise recipe refuses the row count), each
+    counter released once by a write; the kernel producer (under Triton's interpreter): one tile-table
     launch walking the row slices, whose tiles' adds reach the targets (no write releases them)."""
     from cco import quant as Q
     from cco.preshuffle import preshuffle_b
@@ -422,6 +422,57 @@ def test_cuda_backend_reduce_scatter_rows_produces_each_slice_from_its_rows_on_t
         assert [row[1] for row in table] == sorted((row[1] for row in table), key=layout.dest_order(RANK, WORLD).index)
     reduce = [op[2:] for op in log.ops if op[1] == "reduce_kernel"]
     assert reduce == [(rows, sched.partial.data_ptr(), sched.partial.stride(), "no gather", 0) for rows in plan.rows]
+
+
+@pytest.mark.parametrize("least", [1, "slice", None], ids=["per-chunk", "slice", "rule"])
+def test_cuda_backend_reduce_scatter_rows_vendor_gemm_per_group_of_a_slices_chunks(monkeypatch, least):
+    """The vendor producer of the reduce-scatter along rows issues one GEMM per group of a dest's
+    consecutive chunks (``consumer_groups`` at ``producer_rows``, else ``RS_PRODUCER_ROWS``): its
+    rows of A into ``partial[d]``'s rows, then each chunk of the group released once, before the
+    next group's GEMM; the peers' slices first. The slices are the product's rows either way."""
+    from cco import quant as Q
+    from cco.backends.cuda import RS_PRODUCER_ROWS, consumer_groups
+    from cco.preshuffle import preshuffle_b
+
+    log = _Log()
+    backend, sched = _host_backend(monkeypatch, log, pattern="reduce-scatter-rows", quant="ptpc")
+    backend.producer = "vendor"
+    cfg = backend.config
+    inner = backend._rows_gemm
+
+    def rows_gemm(b_pre, b_scale):  # the backend's row GEMM, recorded in the schedule's log
+        gemm = inner(b_pre, b_scale)
+
+        def recorded(a, a_scale, out):
+            log.ops.append(("any", "gemm", a.shape[0], out.data_ptr()))
+            gemm(a, a_scale, out)
+        return recorded
+
+    monkeypatch.setattr(backend, "_rows_gemm", rows_gemm)
+    m = M
+    plan = layout.plan_call(cfg, m=m, seq=1, rank=RANK, counter_base=layout.zero_counters(WORLD))
+    assert plan.chunks == 2  # the cases below: a GEMM per chunk, or one per slice (the rule's, at these rows)
+    backend.producer_rows = {1: 1, "slice": plan.slice_m, None: None}[least]
+    groups = consumer_groups(plan.rows, RS_PRODUCER_ROWS["ptpc"] if least is None else backend.producer_rows)
+    assert len(groups) == (plan.chunks if least == 1 else 1)
+    p = Q.random_problem(m, cfg.n, cfg.k, "ptpc", seed=9)
+    backend.partial.fill_(float("nan"))
+    backend.fused(p.a, preshuffle_b(p.b), p.a_scale, p.b_scale,
+                  out=torch.zeros(*layout.out_shape(cfg, m), dtype=torch.bfloat16), plan=plan)
+    sm, want = plan.slice_m, p.reference()
+    for d in range(WORLD):
+        assert Q.count_mismatches(backend.partial[d][:sm], want[d * sm:(d + 1) * sm]) == 0, d
+    counter_of = {_addr(sched.counters, layout.counter_index(d, c)): (d, c) for d in range(WORLD)
+                  for c in range(plan.chunks)}
+    seen = [("gemm", op[2], op[3]) if op[1] == "gemm" else ("release", counter_of[op[2]])
+            for op in log.ops if op[1] == "gemm" or (op[1] == "write" and op[2] in counter_of and op[3])]
+    want_seen = []
+    for d in layout.dest_order(RANK, WORLD):
+        for c0, c1 in groups:
+            r0, r1 = plan.rows[c0][0], plan.rows[c1 - 1][1]
+            want_seen += [("gemm", r1 - r0, backend.partial[d][r0:].data_ptr())]
+            want_seen += [("release", (d, c)) for c in range(c0, c1)]
+    assert seen == want_seen
 
 
 def test_cuda_backend_reduce_scatter_rows_passes_cublas_aligned_ptpc_scales(monkeypatch):
