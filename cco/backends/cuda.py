@@ -638,8 +638,9 @@ class CudaBackend(Backend):
         if self.consumer_merge is None:
             return whole and len(groups) == 1
         if self.consumer_merge and not whole:
-            raise ValueError(f"CudaBackend: consumer_merge=True needs a call of m_max_padded={self.config.m_max_padded} "
-                             f"rows per rank (the slots then hold no pad rows); this one has {plan.m}")
+            raise ValueError(f"CudaBackend: consumer_merge=True needs a call of m_max_padded="
+                             f"{self.config.m_max_padded} rows per rank (the slots then hold no pad rows); "
+                             f"this one has {plan.m}")
         return bool(self.consumer_merge)
 
     def all_gather_gemm(self, a, b_pre, a_scale, b_scale, *, out, plan, gathered=None):
