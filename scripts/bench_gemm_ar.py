@@ -61,7 +61,9 @@ output is [M, N]). Their arms (``all`` runs every one; split-sdma / fused-sdma a
         symm_mem            torch symm-mem fused_all_gather_scaled_matmul (ptpc)
         split, fused        AllGatherGemmOp(mode=...) on the copy engines
         fused-per-chunk,    (by name only) fused with the consumer forced to a GEMM per chunk / per
-        fused-per-peer      peer (CudaBackend.consumer_rows; fused runs AG_CONSUMER_ROWS's groups)
+        fused-per-peer,     peer / one over every peer's slots after the last wait (CudaBackend
+        fused-merged        .consumer_rows, .consumer_merge; fused runs AG_CONSUMER_ROWS's groups,
+                            merged where each peer's rows are one group)
 
 ``--check-only``: the self tests and the output checks, no timing; ranks that share a GPU may run it
 (the arms NCCL refuses there are left out, saying so): how the commands are checked on one H200.
@@ -128,9 +130,12 @@ MORI_NAMES = {"gemm-only": ("gemm-only",), "split-sdma": ("split",), "fused-sdma
 PATTERNS = {"ar": "all-reduce", "rs": "reduce-scatter-rows", "ag": "all-gather"}
 SP_ARMS = {"rs": ("scaled_mm+nccl", "symm_mem", "split", "fused"),
            "ag": ("nccl-fp8+scaled_mm", "nccl-bf16+scaled_mm", "symm_mem", "split", "fused")}
-# named only in a comma list: the all-gather's consumer forced to a GEMM per chunk or per peer
-# (CudaBackend.consumer_rows; "fused" runs AG_CONSUMER_ROWS's groups), the data for that rule on a link
-SP_ALTERNATIVES = {"ag": {"fused-per-chunk": 1, "fused-per-peer": 1 << 40}}
+# named only in a comma list: the all-gather's consumer forced to a GEMM per chunk or per peer (both
+# unmerged) or to one over every peer's slots (CudaBackend.consumer_rows, .consumer_merge; "fused"
+# runs the rule: AG_CONSUMER_ROWS's groups, merged where each peer is one), the data for it on a link
+SP_ALTERNATIVES = {"ag": {"fused-per-chunk": {"consumer_rows": 1, "consumer_merge": False},
+                          "fused-per-peer": {"consumer_rows": 1 << 40, "consumer_merge": False},
+                          "fused-merged": {"consumer_merge": True}}}
 NCCL_ARMS = ("scaled_mm+nccl", "symm_mem", "nccl-fp8+scaled_mm", "nccl-bf16+scaled_mm")  # not on a shared GPU
 
 
@@ -385,7 +390,7 @@ def build_sp_arms(names, prob: Problem, comm, *, chunks, m_max):
                       chunks=chunks)
             op = GemmReduceScatterOp(comm, scatter_dim=0, **kw) if prob.pattern == "rs" else AllGatherGemmOp(comm, **kw)
             if consumer:
-                override(op._backend, {"consumer_rows": consumer}, what=name)
+                override(op._backend, consumer, what=name)
             ops[name] = op
             fn = _op_arm(op, prob)
         arms[name] = fn

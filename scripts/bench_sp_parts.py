@@ -21,11 +21,15 @@ a call issues:
   slice is released. The puts to the peers are not issued: one GPU has no link to time them on. The
   line shows the rule's arm, then the forced ones.
 - ``ag``: the all-gather's call (``CudaBackend.all_gather_gemm``) with the peers' rows already in
-  the window's slots: the own rows copied into the own slot and their GEMM, then a GEMM per group of
-  each peer's consecutive chunks in the order their flags would arrive (``AG_CONSUMER_ROWS``, the
-  rule), the stamp check; and both ends forced: ``ag chunks`` a GEMM per chunk (1 + (W-1)*C GEMMs),
-  ``ag sources`` a GEMM per peer (1 + (W-1)). The puts and the waits for the peers' flags are dropped
-  (:class:`NoPeers`): no peer sends them here.
+  the window's slots: the own rows copied into the own slot and their GEMM, then the rule's GEMMs
+  over the peers' rows in the order their flags would arrive, the stamp check. The rule: a GEMM per
+  group of each peer's consecutive chunks (``AG_CONSUMER_ROWS``), or, where each peer's rows are one
+  group, one GEMM over every peer's slots after the last wait (``CudaBackend.consumer_merges``; rank
+  0 here: the peers' slots are one block, 2 GEMMs in all). Forced: ``ag chunks`` a GEMM per chunk
+  (1 + (W-1)*C GEMMs), ``ag sources`` a GEMM per peer (1 + (W-1)), ``ag merged`` the peers' GEMM
+  merged whatever the groups (2). The all-gather's window is built per M with ``m_max`` = M, so each
+  call fills the slots (no pad rows between them, which the merge needs). The puts and the waits
+  for the peers' flags are dropped (:class:`NoPeers`): no peer sends them here.
 - ``whole``: one vendor GEMM of all M rows (the backend's prepared weight and accumulation), the
   baseline of both; where ``vendor.takes_rows`` keeps a shape off cuBLAS (blockscale at a K of
   ceil(K/128) % 4 != 0: DeepSeek-V3's down projection at TP 8, K = 2304), the plain GEMM the library
@@ -255,36 +259,45 @@ def sp_arms(pattern: str, backend, sets: list[Q.Problem], m: int, dev) -> dict:
     own = [rows_of(p, rank * rows, (rank + 1) * rows) for p in sets]
     out = torch.empty(m, cfg.n, dtype=torch.bfloat16, device=dev)
 
-    def consuming(least):
+    def consuming(knobs):
         def ag(i):
-            p, backend.consumer_rows = own[i], least
+            p = own[i]
+            for knob, value in knobs.items():
+                setattr(backend, knob, value)
             try:
                 backend.all_gather_gemm(p.a, p.b, p.a_scale, p.b_scale, out=out, plan=plan)
             finally:
-                backend.consumer_rows = None
+                backend.consumer_rows = backend.consumer_merge = None
             return out
         return ag
 
-    # the rule's groups (AG_CONSUMER_ROWS), and both ends forced: the rule's data
-    for name, least in CONSUMERS.items():
-        arms[f"{pattern} {name}".strip()] = (consuming(least), lambda got, idx: (got[idx], 0))
+    # the rule (AG_CONSUMER_ROWS's groups, merged where each peer is one), and its choices forced
+    for name, knobs in CONSUMERS.items():
+        arms[f"{pattern} {name}".strip()] = (consuming(knobs), lambda got, idx: (got[idx], 0))
     return arms
 
 
-# the all-gather's arms: the consumer's least rows a GEMM (CudaBackend.consumer_rows): the rule's, a
-# GEMM per chunk, a GEMM per source (all its chunks: more rows than any call has)
-CONSUMERS = {"": None, "chunks": 1, "sources": 1 << 40}
+# the all-gather's arms: the consumer's knobs (CudaBackend.consumer_rows, .consumer_merge): the rule's,
+# a GEMM per chunk, a GEMM per source (all its chunks: more rows than any call has), and the peers'
+# GEMMs merged into one after the last wait; the first two forced unmerged (the rule would merge
+# a source of one chunk)
+CONSUMERS = {"": {}, "chunks": {"consumer_rows": 1, "consumer_merge": False},
+             "sources": {"consumer_rows": 1 << 40, "consumer_merge": False}, "merged": {"consumer_merge": True}}
 
 
-def gemm_count(pattern: str, world: int, chunks, producer: str = "vendor", quant: str = "ptpc") -> int:
+def gemm_count(pattern: str, world: int, chunks, producer: str = "vendor", quant: str = "ptpc",
+               padded: bool = False) -> int:
     """GEMM launches one call of the pattern's arm issues (``cco.backends.cuda``): the reduce-scatter's
     vendor producer one per group of an owner's chunks (``RS_PRODUCER_ROWS``), its kernel producer
-    one; the all-gather's consumer one
-    for the own rows and one per group of each peer's chunks (``consumer_groups`` of ``chunks``,
-    the call's ``CallPlan.rows``, at ``AG_CONSUMER_ROWS``)."""
+    one; the all-gather's consumer one for the own rows and one per group of each peer's chunks
+    (``consumer_groups`` of ``chunks``,
+    the call's ``CallPlan.rows``, at ``AG_CONSUMER_ROWS``), or where each peer's rows are one group
+    and the call fills the slots (``padded``: its rows are ``m_max_padded``) one for the peers' slots
+    (rank 0: one block after the own slot)."""
     if pattern == "rs-rows":
         return world * len(consumer_groups(chunks, RS_PRODUCER_ROWS[quant])) if producer == "vendor" else 1
-    return 1 + (world - 1) * len(consumer_groups(chunks, AG_CONSUMER_ROWS[quant]))
+    groups = len(consumer_groups(chunks, AG_CONSUMER_ROWS[quant]))
+    return 2 if padded and groups == 1 else 1 + (world - 1) * groups
 
 
 def run_shape(args, backend, pattern, sets, m, dev, label) -> dict:
@@ -328,33 +341,36 @@ def _failed(pattern: str, label: dict, err: Exception) -> dict:
 
 def measure(args, dev) -> list[dict]:
     """Every (pattern, quant, model, TP, M) of ``args``: one backend and one set of operands per
-    (pattern, quant, model, TP), every M a row prefix of them; the records."""
+    (pattern, quant, model, TP), every M a row prefix of them, but per M for the all-gather (its
+    window of M rows: each call fills the slots, as the consumer's merge needs); the records."""
     runs = []
-    todo = [(pat, q, model, tp) for pat in args.pattern for q in args.quant for model in args.model for tp in args.tp]
-    done, total = 0, len(todo) * len(args.m)
+    todo = [(pat, q, model, tp, ms) for pat in args.pattern for q in args.quant for model in args.model
+            for tp in args.tp for ms in ([[m] for m in args.m] if pat == "ag" else [args.m])]
+    done, total = 0, sum(len(ms) for *_, ms in todo)
     print("One GPU, W owners as rank 0 of W: no puts, no waits on peers (no link to time). rs-rows: the "
           "producer until every slice is released; ag: the consumer's GEMMs, own rows first; whole: one vendor "
           "GEMM of every row.\n"
           "pattern  quant      shape (per-rank GEMM)                  M        W (GEMMs issued): arm us (whole us) | "
           "arm/whole, lower is better | range over passes", flush=True)
-    for pattern, quant, model, tp in todo:
+    for pattern, quant, model, tp, ms in todo:
         n, k, layer = layer_shape(pattern, model, tp)
         label = {"quant": quant, "model": model, "layer": layer, "tp": tp, "world": tp, "n": n, "k": k,
                  "shape": f"{model} {layer} TP{tp} N={n} K={k}"}
         backend = full = None
         try:
-            cfg = sp_config(pattern, quant, n, k, max(args.m), tp)
+            cfg = sp_config(pattern, quant, n, k, max(ms), tp)
             backend = sp_backend(cfg, dev)
-            full = device_problems(max(args.m), n, k, quant, args.rotate, dev)
+            full = device_problems(max(ms), n, k, quant, args.rotate, dev)
         except (RuntimeError, ValueError) as err:  # (torch.cuda.OutOfMemoryError is a RuntimeError)
-            runs += [_failed(pattern, {**label, "m": m}, err) for m in args.m]
-            done += len(args.m)
-        for m in args.m if full is not None else ():
+            runs += [_failed(pattern, {**label, "m": m}, err) for m in ms]
+            done += len(ms)
+        for m in ms if full is not None else ():
             done += 1
             print(f"[{done}/{total}] {pattern} {quant} {label['shape']} M={m}", file=sys.stderr, flush=True)
             chunks = layout.chunk_rows(cfg, m if pattern == "rs-rows" else m // tp)
             producer = rows_producer(cfg, m) if pattern == "rs-rows" else "vendor"
-            shape = {**label, "chunks": len(chunks), "gemms": gemm_count(pattern, tp, chunks, producer, quant)}
+            padded = pattern == "ag" and m // tp == cfg.m_max_padded
+            shape = {**label, "chunks": len(chunks), "gemms": gemm_count(pattern, tp, chunks, producer, quant, padded)}
             if pattern == "rs-rows":
                 shape["producer"] = producer
             try:  # a failure (cuBLAS refusing a call, memory) ends this shape only

@@ -59,7 +59,9 @@ a dest's consecutive chunks of A's rows, ``RS_PRODUCER_ROWS``; ``RS_ROWS_PRODUCE
 of such a GEMM: ``_produce``);
 the all-gather puts its rows and scales on the copy engines and runs the GEMM of each peer's chunks
 as they land, its own rows first (fused: one GEMM per group of a source's consecutive chunks,
-``AG_CONSUMER_ROWS``), or of every row once all landed (split). Both run on the
+``AG_CONSUMER_ROWS``, or where each source is one group and the slots hold no pad rows one GEMM
+over the peers' slots on each side of the own one after the last wait: ``CudaBackend.consumer_merges``),
+or of every row once all landed (split). Both run on the
 ``dma`` transport only: ``transport="auto"`` takes it, ``"lsa"`` is refused at construction (the lsa
 kernel's epilogue knows the all-reduce only), with the same verdict on every rank.
 
@@ -163,6 +165,13 @@ PRODUCERS = ("kernel", "vendor")
 # Its arm, re-measured (13:24 UTC, docs/results/2026-12-03_sp_ag_consumer_rule_h200.json): W 8 4096
 # 1.21-2.27, W 8 16384 1.04-1.26, W 4 4096 1.04-1.25, W 4 16384 1.05-1.12, W 2 1.01-1.08.
 AG_CONSUMER_ROWS = {"ptpc": 2048, "blockscale": 2048, "mxfp8": 2048}
+# Where that gives each source ONE group, every peer's GEMM waits for the peer's last chunk, and the
+# puts are chunk-major (chunk 0 to every peer, then chunk 1, ...: gather_inputs), so the peers' last
+# chunks all land at about the end of the gather: one GEMM over every peer's rows after the last wait
+# (at most two: the rows before the own slot and after it) loses about no overlap with the link and
+# replaces W-1 GEMMs of M/W rows, which fill the GPU badly (the table above, W 8 at 4096 tokens), by
+# one or two large ones. It needs the peers' slots to be one block of rows, i.e. no pad rows between
+# them: a call of ``m_max_padded`` rows per rank (``CudaBackend.consumer_merges``). Not measured yet.
 LSA_LAUNCH = "ticket"  # GemmConfig.launch of the lsa kernel (docs/experiments.md compares the choices)
 # transport="auto": the lsa kernel while a rank's output has at most this many elements (M * N), the
 # copy engines above. Measured on 2 H200 at N=7168, K=2048, ptpc (docs/BENCHMARKS.md, sweep): bf16
@@ -262,6 +271,10 @@ class CudaBackend(Backend):
     weight_layouts = ("row-major", "bpreshuffle")  # the Triton kernels read row-major: taken as is
     consumer_rows: int | None = None  # the all-gather's least rows a GEMM: None AG_CONSUMER_ROWS, 1 one per chunk
     producer_rows: int | None = None  # the reduce-scatter's vendor producer's: None RS_PRODUCER_ROWS
+    # the all-gather's peers' GEMMs merged into one over their slots after the last wait: None the rule
+    # (one group per source and no pad rows: consumer_merges), True always (refused where the slots hold
+    # pad rows), False never (a GEMM per group of each source's chunks)
+    consumer_merge: bool | None = None
     # every pattern, on the copy engines; the lsa kernel runs the all-reduce only (config_error)
     patterns = tuple(layout.PATTERNS)
     # calls marked and watched (cco.cuda.watchdog); False only for the cost measurement's "before"
@@ -628,37 +641,78 @@ class CudaBackend(Backend):
         """(rows, scales) slots of source ``src``'s input in this rank's window."""
         return self.schedule.a_rows[src], self.schedule.a_scales[src]
 
+    def _sources_block(self, s0: int, s1: int):
+        """(rows, scales) of sources ``s0 .. s1-1``'s slots as one block of rows, as a GEMM reads it.
+        Only for a call of ``m_max_padded`` rows per rank: the slots are consecutive in the window,
+        so without pad rows their rows are one ``[(s1 - s0) * m, K]`` view, and so are ptpc's and
+        mxfp8's scales (``[rows]``, ``[rows, K/32]`` per slot). Blockscale's scale slots are
+        ``[K/128, rows]`` each (``layout.input_scale_shape``): their block is copied to one
+        ``[K/128, (s1 - s0) * m]`` and read transposed, column stride its row count, as cuBLAS's
+        blockwise recipe and the gfx950 kernel want (``dense_block_scales`` then copies nothing)."""
+        rows, scales = self.schedule.a_rows[s0:s1], self.schedule.a_scales[s0:s1]
+        rows = rows.reshape(-1, self.config.k)
+        if self.config.quant == "blockscale":
+            return rows, scales.permute(1, 0, 2).reshape(scales.shape[1], -1).t()
+        return rows, scales.reshape(-1, *scales.shape[2:])
+
+    def consumer_merges(self, plan, groups) -> bool:
+        """Whether the all-gather's fused consumer issues one GEMM over every peer's slots after the
+        last wait instead of one per group of each source's chunks (``groups``: ``consumer_groups``
+        of ``plan.rows``): ``consumer_merge``, or where None the rule (``AG_CONSUMER_ROWS``'s note):
+        every source's chunks form one group and the slots hold no pad rows."""
+        whole = plan.m == self.config.m_max_padded  # else pad rows between the slots: no one block
+        if self.consumer_merge is None:
+            return whole and len(groups) == 1
+        if self.consumer_merge and not whole:
+            raise ValueError(f"CudaBackend: consumer_merge=True needs a call of m_max_padded="
+                             f"{self.config.m_max_padded} rows per rank (the slots then hold no pad rows); "
+                             f"this one has {plan.m}")
+        return bool(self.consumer_merge)
+
     def all_gather_gemm(self, a, b_pre, a_scale, b_scale, *, out, plan, gathered=None):
         """The all-gather + GEMM (``cco.cuda.dma.CopyEngineSchedule.gather_inputs``): the own rows
         into the window's own slot (the puts read them there, so the side work's addresses are the
         same every call), the own rows' GEMM while the puts fly, then each peer's chunks as they land, a
         GEMM per group of them (``consumer_groups``: at least ``AG_CONSUMER_ROWS`` rows each) once the
-        group's last chunk is in."""
+        group's last chunk is in; or, where each peer's rows are one group and the slots hold no pad
+        rows (``consumer_merges``), one GEMM over the peers' slots before the own one and one over
+        those after it, once the last chunk of the wait order is in."""
         m, rank, sch = plan.m, self.rank, self.schedule
+        least = AG_CONSUMER_ROWS[self.config.quant] if self.consumer_rows is None else self.consumer_rows
+        groups = consumer_groups(plan.rows, least)
+        fused = self.config.mode == "fused"
+        merged = fused and self.consumer_merges(plan, groups)  # (a refusal before the call's first step)
         sch.begin(plan)
         rows, scales = self._slots(rank)
         rows[:m].copy_(a)
         own_scales = self._scale_rows(scales, 0, m)
         own_scales.copy_(a_scale.reshape(own_scales.shape))
         gemm = self._rows_gemm(b_pre, b_scale)
-        least = AG_CONSUMER_ROWS[self.config.quant] if self.consumer_rows is None else self.consumer_rows
-        first_of = {c1 - 1: c0 for c0, c1 in consumer_groups(plan.rows, least)}
 
-        def chunk(src, c):  # after the wait for (src, c): the GEMM of src's group that c ends, if it ends one
-            if c not in first_of:
-                return
-            r0, r1 = plan.rows[first_of[c]][0], plan.rows[c][1]
-            src_rows, src_scales = self._slots(src)
-            gemm(src_rows[r0:r1], self._scale_rows(src_scales, r0, r1), out[src * m + r0:src * m + r1])
+        def sources(s0, s1):  # one GEMM of sources s0 .. s1-1 (m == m_max_padded: one block of rows)
+            if s0 < s1:
+                gemm(*self._sources_block(s0, s1), out[s0 * m:s1 * m])
+
+        if merged:
+            last = (layout.input_order(rank, self.world)[-1], plan.chunks - 1)  # gather_inputs' last wait
+
+            def chunk(src, c):  # after the wait for (src, c): every peer's rows once the last one is in
+                if (src, c) == last:
+                    sources(0, rank)
+                    sources(rank + 1, self.world)
+        else:
+            first_of = {c1 - 1: c0 for c0, c1 in groups}
+
+            def chunk(src, c):  # after the wait for (src, c): the GEMM of src's group that c ends, if it ends one
+                if c not in first_of:
+                    return
+                r0, r1 = plan.rows[first_of[c]][0], plan.rows[c][1]
+                src_rows, src_scales = self._slots(src)
+                gemm(src_rows[r0:r1], self._scale_rows(src_scales, r0, r1), out[src * m + r0:src * m + r1])
 
         def every_row():  # split: one GEMM of the whole region where the slots hold no pad rows
             if m == self.config.m_max_padded:
-                all_rows, all_scales = sch.a_rows.view(-1, self.config.k), sch.a_scales
-                if self.config.quant == "blockscale":
-                    all_scales = all_scales.permute(1, 0, 2).reshape(all_scales.shape[1], -1).t()
-                else:
-                    all_scales = all_scales.reshape(self.world * m, *all_scales.shape[2:])
-                gemm(all_rows, all_scales, out)
+                sources(0, self.world)
                 return
             for src in range(self.world):
                 src_rows, src_scales = self._slots(src)
@@ -672,7 +726,6 @@ class CudaBackend(Backend):
                 into = scale_all[src * m:(src + 1) * m]  # (ptpc: [m] or [m, 1], as the caller's a_scale)
                 into.copy_(self._scale_rows(src_scales, 0, m).reshape(into.shape))
 
-        fused = self.config.mode == "fused"
         sch.gather_inputs(plan, out=out,
                           consume_own=(lambda: gemm(a, a_scale, out[rank * m:(rank + 1) * m])) if fused else None,
                           consume=chunk if fused else None, consume_all=None if fused else every_row,

@@ -153,9 +153,9 @@ def test_sequence_parallel_patterns_select_their_own_arms():
             with pytest.raises(SystemExit, match=f"not an arm of --pattern {pattern}"):
                 select_arms(bad, "ptpc", pattern)
     # the all-gather consumer's forced ends: by name only, and only for ag
-    assert select_arms("fused,fused-per-chunk,fused-per-peer", "ptpc", "ag") == ["fused", "fused-per-chunk",
-                                                                                  "fused-per-peer"]
-    assert not {"fused-per-chunk", "fused-per-peer"} & set(select_arms("all", "ptpc", "ag"))
+    assert select_arms("fused,fused-per-chunk,fused-per-peer,fused-merged", "ptpc", "ag") == [
+        "fused", "fused-per-chunk", "fused-per-peer", "fused-merged"]
+    assert not {"fused-per-chunk", "fused-per-peer", "fused-merged"} & set(select_arms("all", "ptpc", "ag"))
     with pytest.raises(SystemExit, match="not an arm of --pattern rs"):
         select_arms("fused-per-chunk", "ptpc", "rs")
 

@@ -117,7 +117,7 @@ def test_arms_issue_the_backends_gemm_calls_and_pass_their_checks(monkeypatch, p
     arms = sp.sp_arms(pattern, backend, sets, m, cpu)
     assert list(arms) == (["whole", pattern, f"{pattern} kernel", f"{pattern} vendor", f"{pattern} vendor chunks"]
                           if pattern == "rs-rows"
-                          else ["whole", pattern, f"{pattern} chunks", f"{pattern} sources"])
+                          else ["whole", pattern, f"{pattern} chunks", f"{pattern} sources", f"{pattern} merged"])
     idx = sp.check_rows(m)
     ref, dot_abs = sp.sampled_terms(sets[0], idx)
     outputs, issued = {}, {}
@@ -143,12 +143,16 @@ def test_arms_issue_the_backends_gemm_calls_and_pass_their_checks(monkeypatch, p
         backend.producer = "vendor"  # the backend's own call with the producer the arm compares
     else:
         arm_calls = issued[pattern]
-        # the forced ends: a GEMM per peer chunk, a GEMM per peer; the rule's arm the backend's own groups
+        # the forced ends: a GEMM per peer chunk, a GEMM per peer, the peers' slots in one GEMM (rank 0:
+        # they are one block); the rule's arm the backend's own: here merged (the call fills the slots
+        # and each peer's rows are one group)
         assert len(issued[f"{pattern} chunks"]) == 1 + (world - 1) * plan.chunks
         assert len(issued[f"{pattern} sources"]) == world
+        assert [c[2][0] for c in issued[f"{pattern} merged"]] == [rows, (world - 1) * rows]
+        assert issued[pattern] == issued[f"{pattern} merged"] and rows == cfg.m_max_padded
         assert plan.chunks > 1 or world > 2  # at world 2 the two ends differ
     assert {c[5] for c in arm_calls} == {whole_accum}  # the baseline is the same GEMM recipe
-    assert len(arm_calls) == sp.gemm_count(pattern, world, plan.rows, quant=quant)
+    assert len(arm_calls) == sp.gemm_count(pattern, world, plan.rows, quant=quant, padded=pattern == "ag")
     assert isinstance(sched.memops, sp.NoPeers) == (pattern == "ag")
     if pattern == "ag":  # the op's call as it runs with peers (the recorder's waits pass)
         sched.memops = sched.memops.memops
@@ -209,10 +213,13 @@ def test_measure_checks_and_records_every_shape_on_the_host(monkeypatch, capsys)
     from tests.python.cco.test_dma_schedule import _host_backend, _Log
 
     schedule_class = dma.CopyEngineSchedule
+    built = []
 
     def backend_for(cfg, dev):
+        built.append((cfg.pattern, cfg.m_max))
         monkeypatch.setattr(dma, "CopyEngineSchedule", schedule_class)  # _host_backend leaves it patched
-        backend, sched = _host_backend(monkeypatch, _Log(), pattern=cfg.pattern, quant=cfg.quant, world=cfg.world)
+        backend, sched = _host_backend(monkeypatch, _Log(), pattern=cfg.pattern, quant=cfg.quant, world=cfg.world,
+                                       m_max=cfg.m_max)
         backend.config = dataclasses.replace(backend.config, weight_layout="row-major")
         sched.memops = _HostMemops(_Log())
         return backend
@@ -235,6 +242,9 @@ def test_measure_checks_and_records_every_shape_on_the_host(monkeypatch, capsys)
     out, err = capsys.readouterr()
     assert all("error" not in r for r in runs), [r.get("error") for r in runs]
     assert [(r["pattern"], r["m"]) for r in runs] == [("rs-rows", 256), ("rs-rows", 512), ("ag", 256), ("ag", 512)]
+    # the all-gather's window per M, of M rows: its calls fill the slots, so the merged arm runs at every M
+    assert built == [("reduce-scatter-rows", 512), ("all-gather", 256), ("all-gather", 512)]
+    assert all(set(r["ratios"]) == {"ag chunks", "ag sources", "ag merged"} for r in runs if r["pattern"] == "ag")
     assert all(r["ratio"] == {"median": pytest.approx(1.2), "min": pytest.approx(1.1), "max": pytest.approx(1.3)}
                for r in runs)
     # the rows at these M are few per chunk: the reduce-scatter's rule takes the kernel producer, one

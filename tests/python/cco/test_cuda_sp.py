@@ -390,8 +390,9 @@ def check_op(ctx, pattern, quant, mode, log, producer=None, consumer_rows=None):
     the self test; every rank's errors raised on every rank. ``producer``: the CUDA backend's
     producer forced (the reduce-scatter along rows: its rule picks by the rows of a chunk, the kernel
     producer for the small calls here). ``consumer_rows``: the all-gather's least rows a consumer GEMM
-    forced (its rule, ``AG_CONSUMER_ROWS``, takes all of a peer's chunks at once at these sizes; 1:
-    a GEMM per chunk)."""
+    forced (its rule, ``AG_CONSUMER_ROWS``, takes all of a peer's chunks at once at these sizes, and
+    a call that fills the slots merges the peers' GEMMs: ``CudaBackend.consumer_merges``; 1: a GEMM
+    per chunk)."""
     from tests.python.cco import fault_scenarios
 
     comm, d, dev = ctx["comm"], ctx["op_dims"], ctx["comm"].device

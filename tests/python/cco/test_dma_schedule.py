@@ -97,17 +97,18 @@ class _Memops:
         self.log.ops.append((stream, "copy_2d", dst, dst_pitch, src, src_pitch, width, height))
 
 
-def _schedule(monkeypatch, log, *, gather, lanes=1, world=WORLD, pattern="all-reduce", quant="ptpc"):
+def _schedule(monkeypatch, log, *, gather, lanes=1, world=WORLD, pattern="all-reduce", quant="ptpc", rank=RANK,
+              m_max=M):
     from cco.cuda import dma
     from cco.window import Window
 
     k = 512 if quant == "blockscale" else 256  # blockscale: 4 scale columns, a K cuBLAS is sent (vendor.takes_rows)
-    cfg = layout.build_config(n=512 * world, k=k, m_max=M, world=world, quant=quant, transport="dma",
+    cfg = layout.build_config(n=512 * world, k=k, m_max=m_max, world=world, quant=quant, transport="dma",
                               gather_dtype=gather, block_m=128, block_n=128, pattern=pattern)
 
     class HostWindow(Window):
         def __init__(self):
-            super().__init__(comm=types.SimpleNamespace(rank=RANK, world=world), layout=cfg.window)
+            super().__init__(comm=types.SimpleNamespace(rank=rank, world=world), layout=cfg.window)
             self._buffers = [torch.zeros(cfg.window.nbytes, dtype=torch.uint8) for _ in range(world)]
 
         @property
@@ -142,8 +143,8 @@ def _schedule(monkeypatch, log, *, gather, lanes=1, world=WORLD, pattern="all-re
     window = HostWindow()
     sched = dma.CopyEngineSchedule(config=cfg, window=window, device=torch.device("cpu"), memops=_Memops(log),
                                    lanes=lanes)
-    m = cfg.slice_m_max if cfg.pattern_spec.gathers_input else M  # the all-gather's M: rows per rank
-    plan = layout.plan_call(cfg, m=m, seq=1, rank=RANK, counter_base=layout.zero_counters(world))
+    m = cfg.slice_m_max if cfg.pattern_spec.gathers_input else m_max  # the all-gather's M: rows per rank
+    plan = layout.plan_call(cfg, m=m, seq=1, rank=rank, counter_base=layout.zero_counters(world))
     return sched, plan, window
 
 
@@ -364,16 +365,17 @@ def test_cuda_backend_takes_the_kernel_producer_where_cublas_refuses_the_rows(mo
     assert reduce == [(rows, planes.data_ptr(), planes.stride()) for rows in plan.rows]
 
 
-def _host_backend(monkeypatch, log, *, pattern, quant, mode="fused", world=WORLD):
+def _host_backend(monkeypatch, log, *, pattern, quant, mode="fused", world=WORLD, rank=RANK, m_max=M):
     """A CudaBackend of ``pattern`` over the recorders above, its vendor GEMM torch's CPU one (the
     blockwise recipe: test_triton_gemm's model of it), its own kernel under Triton's interpreter;
-    rank ``RANK`` of ``world``."""
+    rank ``rank`` of ``world``, ``m_max`` rows at most."""
     from cco.backends.cuda import CudaBackend
 
     pytest.importorskip("triton")
     from tests.python.cco.test_triton_gemm import _blockwise_scaled_mm
 
-    sched, _, window = _schedule(monkeypatch, log, gather="bf16", pattern=pattern, quant=quant, world=world)
+    sched, _, window = _schedule(monkeypatch, log, gather="bf16", pattern=pattern, quant=quant, world=world,
+                                 rank=rank, m_max=m_max)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     if quant == "blockscale":
         monkeypatch.setattr(torch, "_scaled_mm", _blockwise_scaled_mm)  # the CPU build has no blockwise recipe
@@ -614,6 +616,119 @@ def test_cuda_backend_all_gather_gemm_on_the_host(monkeypatch, quant, mode, leas
     assert main.index(gemms[0]) < waits[0]  # the own rows while the puts fly
     for (c0, c1), gemm in zip(groups, gemms[1:]):
         assert waits[c1 - 1] < main.index(gemm) and (c1 == plan.chunks or main.index(gemm) < waits[c1])
+
+
+def _recorded_row_gemms(monkeypatch, backend, log):
+    """The backend's row GEMM, each call logged on the call's stream as ("main", "gemm", rows,
+    output address) before it runs."""
+    inner = backend._rows_gemm
+
+    def rows_gemm(b_pre, b_scale):
+        gemm = inner(b_pre, b_scale)
+
+        def recorded(a, a_scale, out):
+            log.ops.append(("main", "gemm", a.shape[0], out.data_ptr()))
+            gemm(a, a_scale, out)
+        return recorded
+
+    monkeypatch.setattr(backend, "_rows_gemm", rows_gemm)
+
+
+# (world, rank, the merged GEMMs' [s0, s1) source ranges): the peers' slots before and after the own one
+MERGED = [(4, 0, [(1, 4)]), (4, 1, [(0, 1), (2, 4)]), (4, 3, [(0, 3)]), (2, 0, [(1, 2)]), (2, 1, [(0, 1)])]
+
+
+@pytest.mark.parametrize("case", ["merged", "pad-rows", "groups", "forced-off"])
+@pytest.mark.parametrize("world, rank, ranges", MERGED, ids=[f"W{w}-rank{r}" for w, r, _ in MERGED])
+@pytest.mark.parametrize("quant", ["ptpc", "blockscale", "mxfp8"])
+def test_all_gather_merges_the_peers_gemms_after_the_last_wait(monkeypatch, quant, world, rank, ranges, case):
+    """The all-gather's fused consumer on the host, 2 chunks per peer. Where each peer's rows are one
+    group (``AG_CONSUMER_ROWS`` > a peer's rows) and the call fills the slots (m == m_max_padded, no
+    pad rows between them): the own rows' GEMM, then nothing until the last wait of the loop (the
+    last chunk of the last source), then one GEMM per run of peer slots on each side of the own one,
+    covering every peer row exactly once. Otherwise (pad rows; two groups per peer;
+    ``consumer_merge=False``) today's GEMM per group, after its last chunk's wait. ``out`` is every
+    source's rows times the weight in each case (the merged block's scales: ptpc's rows,
+    blockscale's ``[K/128, rows]`` slots joined, mxfp8's ``[rows, K/32]``)."""
+    from cco import quant as Q
+    from cco.backends.cuda import consumer_groups
+    from cco.preshuffle import preshuffle_b
+
+    log = _Log()
+    backend, sched = _host_backend(monkeypatch, log, pattern="all-gather", quant=quant, world=world, rank=rank,
+                                   m_max=256 * world)
+    cfg = backend.config
+    _recorded_row_gemms(monkeypatch, backend, log)
+    m = cfg.m_max_padded - (4 if case == "pad-rows" else 0)
+    plan = layout.plan_call(cfg, m=m, seq=1, rank=rank, counter_base=layout.zero_counters(world))
+    assert plan.chunks == 2 and cfg.m_max_padded == 256
+    backend.consumer_rows = 128 if case == "groups" else None  # a group per chunk
+    backend.consumer_merge = False if case == "forced-off" else None
+    inputs = [Q.random_problem(m, cfg.n, cfg.k, quant, seed=10 + src) for src in range(world)]
+    for src in range(world):  # the peers' rows where their puts would have left them
+        if src != rank:
+            rows, scales = sched.a_rows[src], sched.a_scales[src]
+            rows[:m] = inputs[src].a
+            into = backend._scale_rows(scales, 0, m)
+            into.copy_(inputs[src].a_scale.reshape(into.shape))
+    mine = inputs[rank]
+    out = torch.full((world * m, cfg.n), float("nan"), dtype=torch.bfloat16)
+    backend.all_gather_gemm(mine.a, preshuffle_b(mine.b), mine.a_scale, mine.b_scale, out=out, plan=plan)
+    for src in range(world):
+        want = Q.Problem(quant, inputs[src].a, mine.b, inputs[src].a_scale, mine.b_scale).reference()
+        assert Q.count_mismatches(out[src * m:(src + 1) * m], want) == 0, src
+
+    def at(row):  # a GEMM's output address -> its first row of out
+        return out[row:].data_ptr()
+
+    flags = {_addr(sched.scatter_flags, layout.counter_index(src, c)): (src, c)
+             for src in range(world) for c in range(plan.chunks)}
+    got = [op[1:] for op in log.ops if op[0] == "main" and (op[1] == "gemm" or op[1] == "wait" and op[2] in flags)]
+    order = [(src, c) for c in range(plan.chunks) for src in layout.input_order(rank, world)[1:]]
+    want = [("gemm", m, at(rank * m))]
+    groups = consumer_groups(plan.rows, 128 if case == "groups" else 10 ** 6)
+    assert len(groups) == (2 if case == "groups" else 1)
+    for src, c in order:
+        want.append(("wait", _addr(sched.scatter_flags, layout.counter_index(src, c)), 1))
+        if case == "merged":
+            if (src, c) == order[-1]:
+                want += [("gemm", (s1 - s0) * m, at(s0 * m)) for s0, s1 in ranges]
+        else:
+            want += [("gemm", plan.rows[c1 - 1][1] - plan.rows[c0][0], at(src * m + plan.rows[c0][0]))
+                     for c0, c1 in groups if c1 - 1 == c]
+    assert got == want
+    covered = sorted(row for op in got[1:] if op[0] == "gemm"
+                     for row in range((op[2] - out.data_ptr()) // out.stride(0) // 2,
+                                      (op[2] - out.data_ptr()) // out.stride(0) // 2 + op[1]))
+    assert covered == sorted(set(range(world * m)) - set(range(rank * m, (rank + 1) * m)))  # each peer row once
+    if case == "merged":
+        assert len(got) - len(order) == 1 + (1 if rank in (0, world - 1) else 2)
+
+
+def test_all_gather_merge_forced_on_needs_slots_without_pad_rows(monkeypatch):
+    """``consumer_merge=True`` merges even two groups per peer (the benchmark's forced arm), and
+    refuses a call whose slots hold pad rows (its peers' rows are no one block) before any work."""
+    from cco import quant as Q
+    from cco.preshuffle import preshuffle_b
+
+    log = _Log()
+    backend, sched = _host_backend(monkeypatch, log, pattern="all-gather", quant="ptpc", world=4, rank=1,
+                                   m_max=1024)
+    _recorded_row_gemms(monkeypatch, backend, log)
+    cfg = backend.config
+    backend.consumer_merge, backend.consumer_rows = True, 1  # a group per chunk, merged all the same
+    for m, gemms in ((cfg.m_max_padded, [256, 256, 512]), (cfg.m_max_padded - 4, None)):
+        plan = layout.plan_call(cfg, m=m, seq=1, rank=1, counter_base=layout.zero_counters(4))
+        p = Q.random_problem(m, cfg.n, cfg.k, "ptpc", seed=3)
+        out = torch.empty(4 * m, cfg.n, dtype=torch.bfloat16)
+        log.ops.clear()
+        if gemms is None:
+            with pytest.raises(ValueError, match="m_max_padded"):
+                backend.all_gather_gemm(p.a, preshuffle_b(p.b), p.a_scale, p.b_scale, out=out, plan=plan)
+            assert log.ops == []
+        else:
+            backend.all_gather_gemm(p.a, preshuffle_b(p.b), p.a_scale, p.b_scale, out=out, plan=plan)
+            assert [op[2] for op in log.ops if op[1] == "gemm"] == gemms
 
 
 def _specialization(fn, args, kwargs) -> tuple:

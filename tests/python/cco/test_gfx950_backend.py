@@ -555,9 +555,11 @@ def test_row_gemm_launches_on_the_stream_current_at_the_call(host_launches):
 @pytest.mark.parametrize("quant", SP_QUANTS)
 def test_all_gather_computes_every_ranks_rows(host_launches, quant, mode):
     """The all-gather's GEMM on gfx950: the plain FlyDSL launch on the own rows (fused: before any
-    peer's chunk lands), then on each source's chunk in the window slot it landed in, or on every
-    row at once (split; one launch over the whole region when the slots hold no pad rows), into
-    ``out``'s rows of that source, for changing M. Checked against the GEMM of the gathered rows."""
+    peer's chunk lands), then on each source's chunk in the window slot it landed in (or, at M =
+    m_max_padded, where each peer's rows are one group, on the peers' slots before the own one and
+    after it: CudaBackend.consumer_merges), or on every row at once (split; one launch over the
+    whole region when the slots hold no pad rows), into ``out``'s rows of that source, for changing
+    M. Checked against the GEMM of the gathered rows."""
     world, rank = 4, 1
     cfg = _config(world, quant=quant, n=512, k=256, m_max=world * 512, chunks=2, mode=mode, pattern="all-gather")
     backend = _backend(cfg, rank=rank)
@@ -585,8 +587,11 @@ def test_all_gather_computes_every_ranks_rows(host_launches, quant, mode):
         want = reference_gemm(a_all, unshuffle_b(b_pre), s_all, b_scale, quant)
         assert count_mismatches(out, want) == 0, f"seq {seq}"
         rows_launched = [lm for _, lm, _ in host_launches.launches[before:]]
-        if mode == "fused":  # own rows whole, then each (group of chunks, source) block
-            groups = consumer_groups(plan.rows, AG_CONSUMER_ROWS[quant])
+        groups = consumer_groups(plan.rows, AG_CONSUMER_ROWS[quant])
+        if mode == "fused" and m == cfg.m_max_padded:  # one group a peer, no pad rows: the peers' slots
+            assert len(groups) == 1  # before the own one and after it, each one launch (consumer_merges)
+            assert rows_launched == [m, rank * m, (world - 1 - rank) * m]
+        elif mode == "fused":  # own rows whole, then each (group of chunks, source) block
             assert rows_launched == [m] + [plan.rows[c1 - 1][1] - plan.rows[c0][0] for c0, c1 in groups
                                            for _ in range(world - 1)]
         else:
