@@ -136,6 +136,14 @@ DMA_PRODUCER = {
 #   blockscale        1.08-1.68 / 1.78-1.95  1.70 / 1.20-1.24       1.06-1.72 / 1.06-1.18    1.57-1.63 / 1.01-1.15
 #   mxfp8             1.27-1.29 / 1.81-1.94  1.23-1.28 / 1.17-1.24  1.07-1.25 / 1.00-1.12    1.06-1.23 / 0.97-1.03
 # (ptpc at 512 rows: the kernel wins three of the four cells, by up to 0.12; vendor the fourth by 0.08.)
+# Since the vendor producer's GEMMs take groups of a slice's chunks (RS_PRODUCER_ROWS, below), the
+# rule reads the rows of a group's GEMM (2026-12-04 16:40 UTC, the same command, raw
+# docs/results/2026-12-04_late_session/sp_rs.json; rule / kernel / vendor in groups / a GEMM a chunk):
+#   W 8, 4096 tokens (one group of 512 a slice): ptpc 1.26-1.31 / same / 1.26-1.47 / 2.04-2.56;
+#   blockscale 1.18-1.22 / 1.09-1.68 / 1.18-1.20 / 1.85-1.94; mxfp8 1.10-1.20 / 1.18-1.22 / 1.11-1.21 / 1.87-1.92
+#   W 4, 4096 (two groups of 512): ptpc 1.14-1.20 (kernel); blockscale 1.14-1.19, mxfp8 1.15-1.16 (vendor)
+# so blockscale and mxfp8 take the vendor GEMM at every group of 512 rows and more, and the kernel
+# where cuBLAS does not take the K (DeepSeek-V3 at TP 8, K 2304: 1.09 against 1.20).
 RS_ROWS_PRODUCER = {
     "ptpc": ((512, "kernel"), (None, "vendor")),
     "blockscale": ((128, "kernel"), (None, "vendor")),
@@ -193,10 +201,15 @@ def dma_producer(quant: str, m: int, rule: dict = DMA_PRODUCER) -> str:
 def rows_producer(cfg: layout.OpConfig, m: int, least: int | None = None) -> str:
     """The producer ``RS_ROWS_PRODUCER`` picks for a reduce-scatter along rows of ``m`` rows: by
     the rows of the vendor producer's largest GEMM (its groups of a slice's chunks,
-    ``cco.layout.chunk_rows``, at ``least`` rows, else ``RS_PRODUCER_ROWS``'s)."""
+    ``cco.layout.chunk_rows``, at ``least`` rows, else ``RS_PRODUCER_ROWS``'s); the kernel where the
+    vendor GEMM does not take those rows or that K (``vendor.takes_rows``: its GEMMs would be the own
+    kernel's, one launch each, where one launch walks them all)."""
     rows = layout.chunk_rows(cfg, m)
-    groups = consumer_groups(rows, RS_PRODUCER_ROWS[cfg.quant] if least is None else least)
-    return dma_producer(cfg.quant, max(rows[c1 - 1][1] - rows[c0][0] for c0, c1 in groups), RS_ROWS_PRODUCER)
+    groups = [(rows[c0][0], rows[c1 - 1][1]) for c0, c1 in
+              consumer_groups(rows, RS_PRODUCER_ROWS[cfg.quant] if least is None else least)]
+    if not vendor.takes_rows(cfg.quant, groups, cfg.k):
+        return "kernel"
+    return dma_producer(cfg.quant, max(r1 - r0 for r0, r1 in groups), RS_ROWS_PRODUCER)
 
 
 def consumer_groups(rows, least: int) -> tuple[tuple[int, int], ...]:

@@ -547,6 +547,25 @@ def test_consumer_groups_close_at_the_least_rows_and_fold_a_short_tail():
     assert consumer_groups((), 1024) == ()
 
 
+def test_rows_producer_reads_the_vendor_gemms_groups_and_takes_the_kernel_where_cublas_refuses():
+    """``rows_producer``: the reduce-scatter along rows' producer by the rows of the vendor
+    producer's GEMM (a group of a slice's chunks), and the kernel where cuBLAS's blockwise recipe
+    does not take the K (the vendor producer's GEMMs would each be the own kernel's launch)."""
+    from cco.backends.cuda import RS_PRODUCER_ROWS, RS_ROWS_PRODUCER, dma_producer, rows_producer
+
+    for quant in ("ptpc", "blockscale", "mxfp8"):
+        for k in (2048, 2304):  # 16 and 18 scale columns: cuBLAS's blockwise recipe takes the first only
+            cfg = layout.build_config(n=4096, k=k, m_max=4096, world=8, quant=quant, transport="dma",
+                                      pattern="reduce-scatter-rows")
+            rows = layout.chunk_rows(cfg, 4096)
+            assert rows[0][1] - rows[0][0] < RS_PRODUCER_ROWS[quant] <= cfg.slice_m_max  # a group of chunks
+            per_chunk = rows_producer(cfg, 4096, least=1)
+            want = "kernel" if quant == "blockscale" and k == 2304 else dma_producer(quant, 512, RS_ROWS_PRODUCER)
+            assert rows_producer(cfg, 4096) == want, (quant, k)
+            assert per_chunk == ("kernel" if quant == "blockscale" and k == 2304 else
+                                 dma_producer(quant, rows[0][1] - rows[0][0], RS_ROWS_PRODUCER))
+
+
 @pytest.mark.parametrize("least", [None, 1, "chunk"], ids=["rule", "per-chunk", "chunk-rows"])
 @pytest.mark.parametrize("mode", ["fused", "split"])
 @pytest.mark.parametrize("quant", ["ptpc", "blockscale", "mxfp8"])
