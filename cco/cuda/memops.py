@@ -8,14 +8,6 @@ addresses of a symmetric window are ordinary unified addresses). All take an int
 handle (``torch.cuda.Stream.cuda_stream``) and integer device addresses, and are captured into a
 CUDA graph like any other stream work. Every driver result is checked.
 
-:func:`write`, :func:`wait_geq` and :func:`copy` are the decode extension's C++ functions once that
-is loaded (``kernels_fused.hopper.native``: ``csrc/stream_memops.cpp``, the same driver calls with the
-same flags, a failure the same RuntimeError): cuda-python builds three objects per call and checks a
-result tuple, ~8% of a decode-sized call's host time at world 2 (docs/decode.md). Nothing here
-starts that build (a process's first decode GEMM call does); until it is loaded, and where it is
-not (``CCO_DECODE_NATIVE=0``, no compiler), they are the cuda-python functions below.
-``CCO_MEMOPS_NATIVE=0`` keeps the cuda-python ones even where it is loaded.
-
 The window of ranks that share a GPU (``cco.window.IpcWindow``) is allocated and mapped here too, with
 the driver's IPC calls.
 """
@@ -23,10 +15,7 @@ the driver's IPC calls.
 from __future__ import annotations
 
 import functools
-import os
 import sys
-
-from kernels_fused.hopper import native as _native
 
 
 @functools.cache
@@ -47,46 +36,25 @@ def _check(result, what: str):
     return result[1:] if isinstance(result, tuple) and len(result) > 1 else None
 
 
-def _cuda_wait_geq(stream: int, addr: int, value: int) -> None:
+def wait_geq(stream: int, addr: int, value: int) -> None:
     """Work enqueued on ``stream`` after this waits until the int64 at ``addr`` is >= ``value``."""
     d = _driver()
     _check(d.cuStreamWaitValue64(d.CUstream(stream), d.CUdeviceptr(addr), d.cuuint64_t(value),
                                  d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue64")
 
 
-def _cuda_write(stream: int, addr: int, value: int) -> None:
+def write(stream: int, addr: int, value: int) -> None:
     """Write the int64 ``value`` to ``addr`` once every earlier operation of ``stream`` is done."""
     d = _driver()
     _check(d.cuStreamWriteValue64(d.CUstream(stream), d.CUdeviceptr(addr), d.cuuint64_t(value),
                                   d.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT), "cuStreamWriteValue64")
 
 
-def _cuda_copy(stream: int, dst: int, src: int, nbytes: int) -> None:
+def copy(stream: int, dst: int, src: int, nbytes: int) -> None:
     """Copy ``nbytes`` from ``src`` to ``dst`` on the copy engines (any mix of local and peer)."""
     if nbytes:
         d = _driver()
         _check(d.cuMemcpyAsync(d.CUdeviceptr(dst), d.CUdeviceptr(src), nbytes, d.CUstream(stream)), "cuMemcpyAsync")
-
-
-# False (``CCO_MEMOPS_NATIVE=0``): the cuda-python functions even where the C++ ones are loaded.
-NATIVE = os.environ.get("CCO_MEMOPS_NATIVE", "1") != "0"
-# write(stream, addr, value), wait_geq(stream, addr, value), copy(stream, dst, src, nbytes): module
-# globals that _route rebinds once, so a call (``self.memops.write`` in the schedule) costs no test
-wait_geq, write, copy = _cuda_wait_geq, _cuda_write, _cuda_copy
-
-
-def _route(module) -> None:
-    """:func:`write`, :func:`wait_geq` and :func:`copy` through ``module``'s C++ functions (the
-    decode extension once loaded), or the cuda-python ones where ``module`` is None or
-    :data:`NATIVE` is off."""
-    global wait_geq, write, copy
-    if module is not None and NATIVE:
-        wait_geq, write, copy = module.stream_wait_value64_geq, module.stream_write_value64, module.memcpy_async
-    else:
-        wait_geq, write, copy = _cuda_wait_geq, _cuda_write, _cuda_copy
-
-
-_native.on_load(_route)  # through the decode extension once it loads (now where it is); starts no build
 
 
 def fill(stream: int, dst: int, byte: int, nbytes: int) -> None:

@@ -26,11 +26,6 @@ How it stays the Python path's launch, bit for bit:
   the current device not x's, a graph capture where the plan has no two-launch path yet, a launch
   hook set (a profiler), ``ENABLED`` or ``launch.FAST_LAUNCH`` off.
 
-The same extension holds the dma schedule's stream memory operations (``csrc/stream_memops.cpp``:
-``stream_write_value64``, ``stream_wait_value64_geq``, ``memcpy_async``), which ``cco.cuda.memops``
-takes in place of its cuda-python calls once the module is loaded (:func:`on_load`; the module is
-:data:`MODULE`): one build for both, and the same driver opened the same way.
-
 It is built at a process's first CUDA decode call by a separate process (``python -m
 kernels_fused.hopper.native --build``: torch's C++ extension build, ~20-60 s once per machine,
 cached under ``TORCH_EXTENSIONS_DIR``), which a background thread waits for before it loads the
@@ -38,8 +33,7 @@ build; calls take the Python path until then. A separate process, because a buil
 (a job that exits first, a killed rank) would leave torch's build lock behind and no process on the
 machine would build it again; the builder finishes in its own session whatever happens to the job. It needs a C++ compiler and ninja, but no CUDA toolkit (the driver is
 opened with dlopen, the stream comes from the caller); where the build fails, a warning says why
-and every call keeps the Python path (and memops its cuda-python calls). ``CCO_DECODE_NATIVE=0``
-switches it off, for both.
+and every call keeps the Python path. ``CCO_DECODE_NATIVE=0`` switches it off.
 """
 
 from __future__ import annotations
@@ -60,15 +54,9 @@ PLANS_KEPT = 1024
 SYNC_KEPT = 64
 NAME = "cco_decode_calls"
 SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "decode_calls.cpp")
-# The stream memory operations (csrc/stream_memops.cpp), compiled into the same module: one build.
-SOURCES = [SOURCE, os.path.join(os.path.dirname(__file__), "csrc", "stream_memops.cpp")]
 
 # The built extension's Table once loaded (None before, and where the build failed).
 TABLE = None
-# The built extension module once loaded (None before, and where the build failed).
-MODULE = None
-_hooks: list = []  # on_load's callbacks not yet called
-_hooks_lock = threading.Lock()
 _started = False
 _error: str | None = None
 _done = threading.Event()
@@ -92,7 +80,7 @@ def build():
     """The extension module, built (or loaded from torch's extension cache)."""
     from torch.utils.cpp_extension import load
 
-    return load(name=NAME, sources=SOURCES, extra_cflags=["-O2"], extra_ldflags=["-ldl"], verbose=False)
+    return load(name=NAME, sources=[SOURCE], extra_cflags=["-O2"], extra_ldflags=["-ldl"], verbose=False)
 
 
 def start(wait: float | None = None) -> bool:
@@ -105,34 +93,6 @@ def start(wait: float | None = None) -> bool:
     if wait is not None and _started:  # (nothing to wait for where no build was started)
         _done.wait(wait)
     return TABLE is not None
-
-
-def on_load(fn) -> None:
-    """Call ``fn(module)`` with the extension module once it is loaded: now where it is, else on the
-    loading thread right after it loads (never where it is not built). Starts no build: a user of
-    the module's other functions (``cco.cuda.memops``) swaps its own functions once, here, instead
-    of checking per call whether the module is there."""
-    with _hooks_lock:
-        if MODULE is None:
-            _hooks.append(fn)
-            return
-    fn(MODULE)
-
-
-def _publish(module) -> None:
-    """``module`` loaded: :data:`MODULE`, then each :func:`on_load` callback (one that raises warns,
-    the others still run)."""
-    global MODULE
-    with _hooks_lock:  # (so that on_load either queues a callback before this or sees MODULE)
-        MODULE = module
-        hooks = _hooks[:]
-        _hooks.clear()
-    for fn in hooks:
-        try:
-            fn(module)
-        except Exception as err:
-            warnings.warn(f"{NAME}: a callback of the loaded extension failed ({type(err).__name__}: {err})",
-                          RuntimeWarning, stacklevel=1)
 
 
 def error() -> str | None:
@@ -149,9 +109,7 @@ def _load() -> None:
                                start_new_session=True)  # finishes the build whatever happens to this process
         if built.returncode:
             raise RuntimeError((built.stderr or built.stdout).strip()[-2000:])
-        module = build()  # built: torch's cache check and the import
-        TABLE = module.Table(PLANS_KEPT, SYNC_KEPT)
-        _publish(module)
+        TABLE = build().Table(PLANS_KEPT, SYNC_KEPT)  # built: torch's cache check and the import
     except Exception as err:  # no compiler, no ninja, a read-only cache: the Python path stays
         _error = f"{type(err).__name__}: {err}"
         warnings.warn(f"decode_gemm: the C++ call path could not be built ({_error}); decode calls take the "
@@ -194,7 +152,7 @@ def describe(kernel, args) -> tuple:
     return (compiled.function, grid, meta.num_warps * 32, meta.shared, bool(meta.launch_cooperative_grid), params)
 
 
-__all__ = ["ENABLED", "MODULE", "Pointer", "TABLE", "build", "describe", "error", "on_load", "start"]
+__all__ = ["ENABLED", "Pointer", "TABLE", "build", "describe", "error", "start"]
 
 
 if __name__ == "__main__":

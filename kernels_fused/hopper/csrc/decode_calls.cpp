@@ -676,10 +676,6 @@ class Table {
 
 }  // namespace
 
-// csrc/stream_memops.cpp: the dma schedule's stream write, wait and copy (cco.cuda.memops), built
-// into this module so that one build serves both.
-void add_stream_memops(py::module_& m);
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Table>(m, "Table")
       .def(py::init<int64_t, int64_t>())
@@ -694,5 +690,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("driver_missing", []() { return driver().missing; });
   m.def("cublaslt_missing", []() { return lt().missing; });
   m.def("cublas_missing", []() { return cublas().missing; });
-  add_stream_memops(m);
 }

@@ -25,8 +25,7 @@ Guards, per check:
   operands (``cco.bench.timing.gemm_mismatches``), the bias the layer's ``out += bias``; its compiled-kernel launch gives ``JITFunction.run``'s bytes; the layer's call
   compiled, and captured in a CUDA graph replayed on new rows, gives the eager bytes;
 - ptpc's one-launch decode GEMM (2..64 rows, a grid-wide wait inside) gives the two launches'
-  bytes, and without its wait reads rows not yet written (the race shown, then shown gone);
-- the stream write, wait and copy through the decode extension (``check_memops_native``).
+  bytes, and without its wait reads rows not yet written (the race shown, then shown gone).
 """
 
 from __future__ import annotations
@@ -484,45 +483,6 @@ def check_decode_native(comm, log):
         f"one launch or two, [B, S, K]), graph captures through it")
 
 
-def check_memops_native(comm, log):
-    """The dma schedule's stream memory operations through the decode extension (``cco.cuda.memops``
-    routed to ``csrc/stream_memops.cpp`` once it is loaded): a write of a word past 32 bits lands
-    whole; a wait holds a stream's later copy until another stream writes the word it waits for,
-    and the copy then gives the bytes; a graph captures and replays a write and a wait."""
-    from cco.cuda import memops
-    from kernels_fused.hopper import native as NV
-
-    if not NV.start(wait=300):
-        raise AssertionError(f"memops native: the extension was not built: {NV.error()}")
-    module = NV.MODULE
-    if (memops.write, memops.wait_geq, memops.copy) != (
-            module.stream_write_value64, module.stream_wait_value64_geq, module.memcpy_async):
-        raise AssertionError(f"memops native: memops is not routed to the extension (CCO_MEMOPS_NATIVE="
-                             f"{'0' if not memops.NATIVE else 'unset'}, driver: {module.memops_missing()!r})")
-    device = torch.device("cuda", torch.cuda.current_device())
-    words = torch.zeros(2, dtype=torch.int64, device=device)
-    value = (1 << 40) + 5  # a word a 32-bit value or a swapped argument would not give
-    src = torch.randint(0, 256, (4099,), dtype=torch.uint8, device=device)
-    dst = torch.zeros_like(src)
-    writer, waiter = torch.cuda.Stream(device), torch.cuda.Stream(device)
-    torch.cuda.synchronize(device)
-    memops.write(writer.cuda_stream, words.data_ptr(), value)
-    memops.wait_geq(waiter.cuda_stream, words.data_ptr() + 8, 7)
-    memops.copy(waiter.cuda_stream, dst.data_ptr(), src.data_ptr(), src.numel())
-    writer.synchronize()
-    time.sleep(0.05)
-    held = not waiter.query()  # the copy waits behind the unwritten word
-    with torch.cuda.stream(writer):  # released by a kernel, which cannot fail to enqueue (no hang here)
-        words[1:].fill_(7)
-    torch.cuda.synchronize(device)
-    if not (words.tolist() == [value, 7] and held and torch.equal(dst, src)):
-        raise AssertionError(f"memops native: words {words.tolist()} ([{value}, 7] expected), the wait held the copy "
-                             f"{held}, the copy gave the bytes {torch.equal(dst, src)}")
-    if not memops.capture_probe(memops, device.index):
-        raise AssertionError("memops native: a graph did not capture and replay the write and the wait")
-    log("ok memops native: write, wait and copy through the extension; a graph captures them")
-
-
 def check_decode_vendor(comm, log):
     """blockscale's 2..64 rows in the decode path (``decode.VENDOR_ROWS``: the activation
     quantizer's launch into rows padded to cuBLAS's multiple of 4, then cuBLAS's blockwise GEMM):
@@ -773,7 +733,6 @@ def rank_main():
               lambda: check_compiled_and_graphs(comm, log, None), lambda: check_compiled_and_graphs(comm, log, "dma"),
               lambda: check_backward(comm, log), lambda: check_decode(comm, log),
               lambda: check_decode_one_launch(comm, log), lambda: check_decode_native(comm, log),
-              lambda: check_memops_native(comm, log),
               lambda: check_decode_vendor(comm, log), lambda: check_mxfp8_copy_under_graphs(comm, log),
               lambda: check_preshuffled_copy_under_graphs(comm, log)]
     failures = []
