@@ -421,7 +421,7 @@ class Gfx950Backend(CudaBackend):
     def _produce_rows(self, a, b_pre, a_scale, b_scale, plan):
         """The reduce-scatter along rows: the same fused launch (its tiles start at A row
         ``dest * M/W`` and B row 0, the launcher passes the slice origins), walking this pattern's
-        tile table, instead of CudaBackend's GEMM per (dest, chunk)."""
+        tile table, instead of CudaBackend's vendor GEMM per group of a dest's chunks."""
         self._fused_gemm(a, b_pre, a_scale, b_scale, plan)
         return self.partial
 

@@ -67,7 +67,7 @@ the own slice into ``out`` (column 0; nothing into ``gather``), its last G step 
 (``gather_flags[r, 0]``, "this rank finished the call") and its last assemble step only waits for
 every peer's (module ``cco.backends.base``, v1.7: a rank whose own share was complete must not
 return while a peer fails the same call). Along rows (``scatter_dim=0``) a slice is M/W rows of
-every column, produced by one GEMM per (dest, chunk) (:meth:`CopyEngineSchedule.produce`). The
+every column, produced by one GEMM per group of a dest's chunks (:meth:`CopyEngineSchedule.produce`). The
 all-gather (:meth:`CopyEngineSchedule.gather_inputs`) moves inputs instead::
 
     main      : stamp | own rows -> a_rows[r] (+ scales) | event inputs_ready | GEMM own rows
@@ -404,8 +404,9 @@ class CopyEngineSchedule:
         """A producer of whole slots: ``units`` is a list of ``(gemm, slots)``, in order; ``gemm()``
         enqueues its rows on the current stream, then each ``(dest, chunk)`` of ``slots`` gets its
         counter raised to its target on that stream (``produce_by_chunks``: a unit per chunk, every
-        dest; the reduce-scatter along rows: a unit per (dest, chunk), the peers' first, since each
-        slice is its own rows of A). Units are dealt to ``producer_streams`` streams in turn."""
+        dest; the reduce-scatter along rows: a unit per group of a dest's chunks, the peers' first,
+        since each slice is its own rows of A). Units are dealt to ``producer_streams`` streams in
+        turn."""
         main = self.main
         if main is None:
             raise RuntimeError("CopyEngineSchedule.produce: call begin() first")
