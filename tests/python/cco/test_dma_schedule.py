@@ -440,17 +440,7 @@ def test_cuda_backend_reduce_scatter_rows_vendor_gemm_per_group_of_a_slices_chun
     backend, sched = _host_backend(monkeypatch, log, pattern="reduce-scatter-rows", quant="ptpc")
     backend.producer = "vendor"
     cfg = backend.config
-    inner = backend._rows_gemm
-
-    def rows_gemm(b_pre, b_scale):  # the backend's row GEMM, recorded in the schedule's log
-        gemm = inner(b_pre, b_scale)
-
-        def recorded(a, a_scale, out):
-            log.ops.append(("any", "gemm", a.shape[0], out.data_ptr()))
-            gemm(a, a_scale, out)
-        return recorded
-
-    monkeypatch.setattr(backend, "_rows_gemm", rows_gemm)
+    _recorded_row_gemms(monkeypatch, backend, log)
     m = M
     plan = layout.plan_call(cfg, m=m, seq=1, rank=RANK, counter_base=layout.zero_counters(WORLD))
     assert plan.chunks == 2  # the cases below: a GEMM per chunk, or one per slice (the rule's, at these rows)
@@ -583,17 +573,7 @@ def test_cuda_backend_all_gather_gemm_on_the_host(monkeypatch, quant, mode, leas
     log = _Log()
     backend, sched = _host_backend(monkeypatch, log, pattern="all-gather", quant=quant, mode=mode)
     cfg = backend.config
-    inner = backend._rows_gemm
-
-    def rows_gemm(b_pre, b_scale):  # the backend's row GEMM, recorded on the call's stream
-        gemm = inner(b_pre, b_scale)
-
-        def recorded(a, a_scale, out):
-            log.ops.append(("main", "gemm", a.shape[0], out.data_ptr()))
-            gemm(a, a_scale, out)
-        return recorded
-
-    monkeypatch.setattr(backend, "_rows_gemm", rows_gemm)
+    _recorded_row_gemms(monkeypatch, backend, log)
     m = cfg.slice_m_max - (0 if mode == "split" else 4)  # split at full slots: one GEMM of every row
     plan = layout.plan_call(cfg, m=m, seq=1, rank=RANK, counter_base=layout.zero_counters(WORLD))
     backend.consumer_rows = min(r1 - r0 for r0, r1 in plan.rows) if least == "chunk" else least
