@@ -90,6 +90,7 @@ from cco import layout
 from cco import quant as Q
 from cco.bench.timing import (allreduce_mismatches, allreduce_terms, budget_terms, cublas_gemm, gemm_mismatches, graphed,
                            idle_check, override, require_a_gpu_per_rank, tflops, time_arms)
+from scripts.bench_sp_parts import CONSUMERS
 
 SWEEP_M = (2048, 4096, 8192, 16384, 32768)
 # cuBLAS arms accumulate like the Triton ptpc kernel (fp8 tensor-core accumulation, no promotion)
@@ -131,11 +132,11 @@ PATTERNS = {"ar": "all-reduce", "rs": "reduce-scatter-rows", "ag": "all-gather"}
 SP_ARMS = {"rs": ("scaled_mm+nccl", "symm_mem", "split", "fused"),
            "ag": ("nccl-fp8+scaled_mm", "nccl-bf16+scaled_mm", "symm_mem", "split", "fused")}
 # named only in a comma list: the all-gather's consumer forced to a GEMM per chunk or per peer (both
-# unmerged) or to one over every peer's slots (CudaBackend.consumer_rows, .consumer_merge; "fused"
-# runs the rule: AG_CONSUMER_ROWS's groups, merged where each peer is one), the data for it on a link
-SP_ALTERNATIVES = {"ag": {"fused-per-chunk": {"consumer_rows": 1, "consumer_merge": False},
-                          "fused-per-peer": {"consumer_rows": 1 << 40, "consumer_merge": False},
-                          "fused-merged": {"consumer_merge": True}}}
+# unmerged) or to one over every peer's slots: the one-GPU benchmark's forced consumers
+# (scripts.bench_sp_parts.CONSUMERS; "fused" runs the rule: AG_CONSUMER_ROWS's groups, merged where
+# each peer is one), the data for it on a link
+SP_ALTERNATIVES = {"ag": {"fused-per-chunk": CONSUMERS["chunks"], "fused-per-peer": CONSUMERS["sources"],
+                          "fused-merged": CONSUMERS["merged"]}}
 NCCL_ARMS = ("scaled_mm+nccl", "symm_mem", "nccl-fp8+scaled_mm", "nccl-bf16+scaled_mm")  # not on a shared GPU
 
 
