@@ -179,7 +179,9 @@ AG_CONSUMER_ROWS = {"ptpc": 2048, "blockscale": 2048, "mxfp8": 2048}
 # (at most two: the rows before the own slot and after it) loses about no overlap with the link and
 # replaces W-1 GEMMs of M/W rows, which fill the GPU badly (the table above, W 8 at 4096 tokens), by
 # one or two large ones. It needs the peers' slots to be one block of rows, i.e. no pad rows between
-# them: a call of ``m_max_padded`` rows per rank (``CudaBackend.consumer_merges``). Not measured yet.
+# them: a call of ``m_max_padded`` rows per rank (``CudaBackend.consumer_merges``). Measured on one H200
+# (2026-12-04 16:42 UTC, the same command, docs/results/2026-12-04_late_session/sp_ag.json): W 8 4096
+# 1.13-1.55 (a GEMM per peer in the same run 1.21-2.20), W 8 16384 1.01-1.15, W 4 4096 1.02-1.17.
 LSA_LAUNCH = "ticket"  # GemmConfig.launch of the lsa kernel (docs/experiments.md compares the choices)
 # transport="auto": the lsa kernel while a rank's output has at most this many elements (M * N), the
 # copy engines above. Measured on 2 H200 at N=7168, K=2048, ptpc (docs/BENCHMARKS.md, sweep): bf16
