@@ -138,10 +138,12 @@ class UnfusedFp8Linear(torch.nn.Module):
             raise ValueError(why)
 
     def forward(self, x):
+        from kernels_fused.hopper.vendor import BLOCKWISE_ROW_MULTIPLE
+
         rows = x.reshape(-1, self.k)
         m = rows.shape[0]
-        if self.quant == "blockscale" and m % 4:
-            rows = torch.nn.functional.pad(rows, (0, 0, 0, 4 - m % 4))
+        if self.quant == "blockscale" and m % BLOCKWISE_ROW_MULTIPLE:
+            rows = torch.nn.functional.pad(rows, (0, 0, 0, -m % BLOCKWISE_ROW_MULTIPLE))
         a, a_scale = Q.quantize_a(rows, quant=self.quant)
         return self.gemm(a, a_scale)[:m].view(*x.shape[:-1], -1)
 
