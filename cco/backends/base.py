@@ -104,7 +104,7 @@ def row_major_readings(partial: "torch.Tensor", cfg: "OpConfig") -> tuple["torch
             partial.as_strided(partial.shape, layout.partial_strides(cfg, by_rows=True)))
 
 
-def _stamp(sources) -> tuple:
+def weight_stamp(sources) -> tuple:
     """What says a tensor is unchanged since a value was derived from it: each tensor's address,
     version counter and strides (the callers validated the shapes). Flat and short: an eager call
     pays for it."""
@@ -147,7 +147,7 @@ class WeightDerived:
         captured over it keeps reading live memory, which the next eager call has refreshed (a
         replaced value would be freed under the graph)."""
         key = tuple(id(t) for t in sources)
-        stamp = _stamp(sources)
+        stamp = weight_stamp(sources)
         entry = self._entries.get(key)
         same = entry is not None and all(ref() is t for ref, t in zip(entry[0], sources))
         if same and entry[1] == stamp:

@@ -30,6 +30,7 @@ import torch
 
 from cco import library
 from cco import quant as Q
+from cco.backends.base import weight_stamp
 from cco.comm import Communicator
 from cco.nn import checkpoint as C
 from cco.nn import sequence
@@ -222,11 +223,13 @@ class _ParallelLinear(torch.nn.Module):
 
     def _dense_copy(self, qweight, scale) -> torch.Tensor:
         """mxfp8's bf16 copy of ``(qweight, scale)`` that the op's vendor GEMM holds, remembered for
-        the same tensors at the same versions and address (the op's per-weight lookup costs an eager
-        decode call ~3 us of host time; docs/decode.md). The layer holds the last copy it used until
-        its next decode call; the op keeps it as long as the weight lives anyway."""
+        the same tensors at the same versions, addresses and strides (the op's per-weight lookup
+        costs an eager decode call ~3 us of host time; docs/decode.md): the stamp the op's own store
+        takes (``WeightDerived``), so that new bytes given to either tensor (``t.data = other``, which
+        moves no version counter) are seen too. The layer holds the last copy it used until its
+        next decode call; the op keeps it as long as the weight lives anyway."""
         kept = self._dense
-        stamp = (qweight._version, scale._version, qweight.data_ptr())
+        stamp = weight_stamp((qweight, scale))
         if kept is not None and kept[0] is qweight and kept[1] is scale and kept[2] == stamp:
             return kept[3]
         dense = self.op.vendor_weight(qweight, scale).dense

@@ -150,16 +150,21 @@ def _dense_copies(comm):
     qweight.data = qweight.data.clone()  # new bytes, no version moved
     moved = layer._dense_copy(qweight, scale)
     counts.append(len(derived))
+    scale.data = scale.data.clone()  # the scales' new bytes, no version moved, the weight's address kept
+    rescaled = layer._dense_copy(qweight, scale)
+    counts.append(len(derived))
     layer._dense_copy(qweight.clone(), scale)  # another tensor
     counts.append(len(derived))
     layer.close()
-    return counts, again is first, bool(rewritten.eq(0).all()), moved is not rewritten, layer._dense is None
+    return (counts, again is first, bool(rewritten.eq(0).all()), moved is not rewritten, rescaled is not moved,
+            layer._dense is None)
 
 
 def test_the_layers_remembered_bf16_copy_follows_its_weight():
     """mxfp8's decode rows read the bf16 copy the op's vendor GEMM holds; the layer remembers the
     last one (the op's lookup costs a decode call ~3 us) for the same tensors, at the same versions
-    and address only: a weight written in place, given new bytes (``.data``) or another tensor is
-    derived anew, and ``close`` forgets it."""
-    ((counts, same, zeros, moved, forgotten),) = check_outcomes(spawn(_dense_copies, world=1, timeout_s=120))
-    assert counts == [1, 2, 3, 4] and same and zeros and moved and forgotten
+    and addresses only: a weight written in place, a weight or its scales given new bytes
+    (``.data``) or another tensor is derived anew, and ``close`` forgets it."""
+    ((counts, same, zeros, moved, rescaled, forgotten),) = check_outcomes(
+        spawn(_dense_copies, world=1, timeout_s=120))
+    assert counts == [1, 2, 3, 4, 5] and same and zeros and moved and rescaled and forgotten
