@@ -28,7 +28,8 @@ One call on rank r (W ranks, C chunks; ``p`` ranges over peers, ``c`` over chunk
                 kernel; a Triton copy kernel measured the same); fp8: dequant kernel
 
 Waits are stream memory operations (``cuStreamWaitValue64``), writes are ``cuStreamWriteValue64``
-(ordered after the stream's earlier copies), copies are ``cuMemcpyAsync`` on the copy engines. No
+(ordered after the stream's earlier copies), copies are ``cuMemcpyAsync`` on the copy engines, a
+consumed flag's reset is a memset (``cuMemsetD8Async``: half a write-value's device time). No
 SM spins, so nothing here can starve the GEMM of multiprocessors (the one-warp spin kernels of
 ``memops`` stand in only where a driver cannot capture stream memory operations into a graph).
 "Set" a peer's flag is a write of ``FLAG_SET`` into its memory or (``flag_by_copy``) an 8-byte
@@ -46,8 +47,10 @@ Graph safety: a wait's value is baked into a captured graph, so a monotonic word
 replayed wait at once. Each word therefore has exactly one waiter and is back at zero before the
 next call can write it: the counters are zeroed on the main stream at each call's start, before the
 GEMM and every side stream; a scatter or gather flag is zeroed by its waiter (the owner of the
-window) right after its wait (with ``reduced_in_gemm``, the scatter flags every own tile of a chunk
-reads are zeroed by the reduce stream once the chunk's counter shows every reader done). Every
+window) after its wait, on the waiting stream, by a memset (``_consume``; the all-gather's main
+stream zeroes each source's flags of the call with one memset after the call's last wait; with
+``reduced_in_gemm``, the scatter flags every own tile of a chunk reads are zeroed by the reduce
+stream once the chunk's counter shows every reader done). Every
 rewrite of a flag happens-after its reset: a rank starts call s+1 only after its own call s joined,
 and a peer's call-(s+1) write needs that rank's call-(s+1) data. So a set flag is 1 (``FLAG_SET``),
 not the call's seq, and the only per-call value, the (seq, M) stamp a peer's reduce checks, travels
@@ -71,7 +74,8 @@ every column, produced by one GEMM per group of a dest's chunks (:meth:`CopyEngi
 all-gather (:meth:`CopyEngineSchedule.gather_inputs`) moves inputs instead::
 
     main      : stamp | own rows -> a_rows[r] (+ scales) | event inputs_ready | GEMM own rows
-                | for c, for src: wait scatter_flags[src,c] >= 1 (then = 0) ; GEMM rows c of src
+                | for c, for src: wait scatter_flags[src,c] >= 1 ; GEMM rows c of src
+                | scatter_flags[src, 0..C-1] = 0 (each src, one memset)
                 | set peer.gather_flags[r,0] (each peer) ; wait gather_flags[p,0] >= 1 (each, then = 0)
                 | join the put streams | stamp check (NaN out, status, on another (seq, M))
     put[p][l] : wait inputs_ready ; for c: (first: copy stamp -> peer.scatter_m[r]) ; copy rows c
@@ -356,6 +360,14 @@ class CopyEngineSchedule:
         else:
             self.memops.write(stream.cuda_stream, addr, value)
 
+    def _consume(self, stream: torch.cuda.Stream, words: torch.Tensor, index: int, count: int = 1) -> None:
+        """Zero ``count`` consecutive flags from ``words[index]`` on ``stream``, after their waits
+        there (module note, "Graph safety"): one memset, not a write-value per word. A stream
+        write-value holds its stream ~1.8 us of device time and a memset of a few words ~0.9 us
+        (graph replay on an H200, 2026-12-04); a flag needs no fence (it announces no data of this
+        stream), and a memset is captured where stream memory operations are not."""
+        self.memops.fill(stream.cuda_stream, self._addr(words, index), 0, count * _WORD)
+
     # ---- one call -----------------------------------------------------------------------------------
     def begin(self, plan: layout.CallPlan) -> None:
         """The call's (seq, M) stamp word, on the current stream. Peers check the stamp (copied into
@@ -503,13 +515,14 @@ class CopyEngineSchedule:
             self.done[s].record(s)
         if consume_own is not None:
             consume_own()
+        sources = layout.input_order(self.rank, self.world)[1:]
         for c in range(plan.chunks):  # the order the peers' puts arrive in (layout.input_order)
-            for src in layout.input_order(self.rank, self.world)[1:]:
-                flag = self._addr(self.scatter_flags, layout.counter_index(src, c))
-                self._wait(main, flag, FLAG_SET)
-                self._write(main, flag, 0)
+            for src in sources:
+                self._wait(main, self._addr(self.scatter_flags, layout.counter_index(src, c)), FLAG_SET)
                 if consume is not None:
                     consume(src, c)
+        for src in sources:  # consumed after the last wait: one memset per source (its chunks' flags are
+            self._consume(main, self.scatter_flags, layout.counter_index(src, 0), plan.chunks)  # consecutive)
         if consume_all is not None:
             consume_all()
         for p in self.peers:  # this rank has every peer's rows: tell them, then wait for theirs
@@ -675,10 +688,9 @@ class CopyEngineSchedule:
         with torch.cuda.stream(s):
             self._wait(s, self._addr(self.counters, layout.counter_index(r, c)), self._tiles(plan, r, c))
             for src in layout.reduce_order(r, self.world):
-                flag = self._addr(self.scatter_flags, layout.counter_index(src, c))
                 if not in_gemm:
-                    self._wait(s, flag, FLAG_SET)
-                self._write(s, flag, 0)
+                    self._wait(s, self._addr(self.scatter_flags, layout.counter_index(src, c)), FLAG_SET)
+                self._consume(s, self.scatter_flags, layout.counter_index(src, c))
             if not in_gemm:
                 kernels.reduce_chunk(partial=partial, recv=self.recv, gather=self.gather if self.gathers else None,
                                      gather_scale=self.gather_scale, out=out, scatter_m=self.scatter_m,
@@ -690,9 +702,8 @@ class CopyEngineSchedule:
         """Wait until every peer finished the call (its ``gather_flags[p, 0]`` here, then = 0): the
         end of a call of a pattern without a gather phase (module note)."""
         for o in self.peers:
-            flag = self._addr(self.gather_flags, layout.counter_index(o, 0))
-            self._wait(stream, flag, FLAG_SET)
-            self._write(stream, flag, 0)
+            self._wait(stream, self._addr(self.gather_flags, layout.counter_index(o, 0)), FLAG_SET)
+            self._consume(stream, self.gather_flags, layout.counter_index(o, 0))
 
     def _assemble_chunk(self, plan, out, c):
         r, s, ns = self.rank, self.assemble, self.cfg.n_slice
@@ -703,9 +714,8 @@ class CopyEngineSchedule:
             return
         with torch.cuda.stream(s):
             for o in self.peers:
-                flag = self._addr(self.gather_flags, layout.counter_index(o, c))
-                self._wait(s, flag, FLAG_SET)
-                self._write(s, flag, 0)
+                self._wait(s, self._addr(self.gather_flags, layout.counter_index(o, c)), FLAG_SET)
+                self._consume(s, self.gather_flags, layout.counter_index(o, c))
             r0, r1 = plan.rows[c]
             if self.gather_scale is not None or self.side_programs is not None:
                 kernels.dequant_chunk(gather=self.gather, gather_scale=self.gather_scale, out=out, rank=r, rows=(r0, r1),

@@ -80,6 +80,10 @@ class _HostMemops:
         self.recorder.write(stream, addr, value)
         ctypes.c_int64.from_address(addr).value = value
 
+    def fill(self, stream, dst, byte, nbytes):
+        self.recorder.fill(stream, dst, byte, nbytes)
+        ctypes.memset(dst, byte, nbytes)
+
 
 def _bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).numpy().tobytes()

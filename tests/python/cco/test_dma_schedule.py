@@ -90,6 +90,9 @@ class _Memops:
     def write(self, stream, addr, value):
         self.log.ops.append((stream, "write", addr, value))
 
+    def fill(self, stream, dst, byte, nbytes):
+        self.log.ops.append((stream, "fill", dst, byte, nbytes))
+
     def copy(self, stream, dst, src, nbytes):
         self.log.ops.append((stream, "copy", dst, src, nbytes))
 
@@ -181,7 +184,7 @@ def test_reduce_stream_and_peer_flags(monkeypatch, in_gemm, flag_by_copy, lanes)
     for c in range(plan.chunks):
         counter = ("wait", _addr(sched.counters, layout.counter_index(RANK, c)), sched._tiles(plan, RANK, c))
         flag_wait = ("wait", _addr(sched.scatter_flags, layout.counter_index(peer, c)), 1)
-        flag_zero = ("write", _addr(sched.scatter_flags, layout.counter_index(peer, c)), 0)
+        flag_zero = ("fill", _addr(sched.scatter_flags, layout.counter_index(peer, c)), 0, 8)
         reduced = ("record", sched.reduced[c].name)
         assert counter in reduce and flag_zero in reduce and reduced in reduce
         assert reduce.index(counter) < reduce.index(flag_zero) < reduce.index(reduced)
@@ -833,13 +836,13 @@ def test_reduce_scatter_runs_the_all_reduce_steps_without_the_gathers_data(monke
     assert last_scatter_flag < put.index(done)
     assemble = [op[1:] for op in log.ops if op[0] == sched.assemble.name]
     flag = _addr(sched.gather_flags, layout.counter_index(peer, 0))
-    assert [op for op in assemble if op[0] in ("wait", "write", "copy", "copy_2d")] == [("wait", flag, 1),
-                                                                                        ("write", flag, 0)]
+    assert [op for op in assemble if op[0] in ("wait", "write", "fill", "copy", "copy_2d")] == [("wait", flag, 1),
+                                                                                                ("fill", flag, 0, 8)]
     # the reduce's own stream still consumes every scatter flag once
     for c in range(plan.chunks):
         word = _addr(sched.scatter_flags, layout.counter_index(peer, c))
         reduce_ops = [op[1:] for op in log.ops if op[0] == sched.reduce.name]
-        assert reduce_ops.index(("wait", word, 1)) < reduce_ops.index(("write", word, 0))
+        assert reduce_ops.index(("wait", word, 1)) < reduce_ops.index(("fill", word, 0, 8))
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "split"])
@@ -848,8 +851,9 @@ def test_all_gather_puts_rows_before_any_wait_and_consumes_each_chunk_after_its_
     """The all-gather on the copy engines (``gather_inputs``). Guards: every put (data, then its flag;
     the stamp before the first flag) is submitted before the call's first wait, and each put stream
     starts only after the own rows are in the window (``inputs_ready``); a chunk's GEMM is enqueued
-    after the wait for its flag (fused), or every GEMM after every wait (split); each flag is zeroed
-    by its one waiter; the call ends by telling every peer and waiting for each, and the stamp
+    after the wait for its flag (fused), or every GEMM after every wait (split); each source's flags
+    of the call are zeroed by their one waiter with one memset after the call's last wait and
+    before the peers are told (nothing else in the window zeroed); the call ends by telling every peer and waiting for each, and the stamp
     check runs after every wait. The scales go as a 2-D copy where the slot is column blocks
     (blockscale)."""
     log = _Log()
@@ -892,10 +896,9 @@ def test_all_gather_puts_rows_before_any_wait_and_consumes_each_chunk_after_its_
                 sched.flag_set.data_ptr(), 8)
         assert put.index(rows) < put.index(flag) and put.index(scales) < put.index(flag)
         word = _addr(sched.scatter_flags, layout.counter_index(peer, c))
-        wait, zero = main.index(("wait", word, 1)), main.index(("write", word, 0))
-        assert wait < zero
+        wait = main.index(("wait", word, 1))
         if fused:
-            assert zero < main.index(("gemm", peer, c))
+            assert wait < main.index(("gemm", peer, c))
             later = [i for i, op in enumerate(main) if op[0] == "wait" and i > wait]
             assert not later or main.index(("gemm", peer, c)) < later[0]  # consumed as it lands
     if fused:
@@ -907,11 +910,18 @@ def test_all_gather_puts_rows_before_any_wait_and_consumes_each_chunk_after_its_
         assert main.index(("gemm", None, None)) > last_wait
     done = ("copy", _peer_words(sched, window, "gather_flags", peer, layout.counter_index(RANK, 0)),
             sched.flag_set.data_ptr(), 8)
+    # the source's flags of the call: one memset, after its last wait (the call's last scatter-flag
+    # wait) and before the peer is told this rank has its rows; no other scatter flag is touched
+    zero = ("fill", _addr(sched.scatter_flags, layout.counter_index(peer, 0)), 0, plan.chunks * 8)
+    flag_words = {_addr(sched.scatter_flags, i) for i in range(sched.scatter_flags.numel())}
+    assert [op for op in main if op[0] in ("fill", "write") and op[1] in flag_words] == [zero]
+    last_flag_wait = max(i for i, op in enumerate(main) if op[0] == "wait" and op[1] in flag_words)
+    assert last_flag_wait < main.index(zero) < main.index(done)
     finish = _addr(sched.gather_flags, layout.counter_index(peer, 0))
     gemms = [i for i, op in enumerate(main) if op[0] == "gemm"]
-    assert max(gemms) < main.index(done) < main.index(("wait", finish, 1)) < main.index(("write", finish, 0))
+    assert max(gemms) < main.index(done) < main.index(("wait", finish, 1)) < main.index(("fill", finish, 0, 8))
     check = main.index(("check_stamps", out.data_ptr()))
-    assert check > main.index(("write", finish, 0)) and check > main.index(("wait_event", sched.done[
+    assert check > main.index(("fill", finish, 0, 8)) and check > main.index(("wait_event", sched.done[
         sched.put[peer][0]].name))
 
 
@@ -1004,6 +1014,9 @@ class _Sim:
 
             def write(self, stream, addr, value):
                 sim.enqueue(stream, lambda: setattr(word(addr), "value", value))
+
+            def fill(self, stream, dst, byte, nbytes):
+                sim.enqueue(stream, lambda: ctypes.memset(dst, byte, nbytes))
 
             def copy(self, stream, dst, src, nbytes):
                 sim.enqueue(stream, lambda: ctypes.memmove(dst, src, nbytes))
