@@ -29,7 +29,10 @@ a call issues:
   (1 + (W-1)*C GEMMs), ``ag sources`` a GEMM per peer (1 + (W-1)), ``ag merged`` the peers' GEMM
   merged whatever the groups (2). The all-gather's window is built per M with ``m_max`` = M, so each
   call fills the slots (no pad rows between them, which the merge needs). The puts and the waits
-  for the peers' flags are dropped (:class:`NoPeers`): no peer sends them here.
+  for the peers' flags are dropped (:class:`NoPeers`): no peer sends them here. ``--flags-landed``
+  keeps the waits and sets every peer's flags of a call before it (:class:`LandedPeers`): the
+  call's cost once every peer's rows have landed, its waits included (each stream wait holds the
+  call's stream ~1.9 us even on a flag already set; ``scripts/probe_stream_ops.py``).
 - ``whole``: one vendor GEMM of all M rows (the backend's prepared weight and accumulation), the
   baseline of both; where ``vendor.takes_rows`` keeps a shape off cuBLAS (blockscale at a K of
   ceil(K/128) % 4 != 0: DeepSeek-V3's down projection at TP 8, K = 2304), the plain GEMM the library
@@ -99,6 +102,9 @@ def parse_args(argv=None):
     p.add_argument("--passes", type=int, default=5)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--rotate", type=int, default=2, help="input sets the calls cycle through")
+    p.add_argument("--flags-landed", action="store_true",
+                   help="ag: set every peer's flags of a call before it and run its waits on them (the call's "
+                        "waits once every peer's rows have landed), instead of dropping the waits")
     p.add_argument("--json", help="write every record here")
     p.add_argument("--plot", help="write the ratios over M to this PNG")
     p.add_argument("--from", dest="from_json", help="plot these --json files (comma list) instead of measuring")
@@ -147,7 +153,21 @@ class NoPeers:
     def _dropped(self, *args, **kwargs):
         return None
 
-    wait_geq = wait_geq_kernel = copy = copy_2d = _dropped
+    wait_geq = wait_geq_kernel = wait_block_kernel = copy = copy_2d = _dropped
+
+
+class LandedPeers(NoPeers):
+    """``--flags-landed``: the waits on the peers' flags run, on flags the benchmark set before the
+    call (as if every peer's rows had landed by then): what the call's stream pays for its waits."""
+
+    def wait_geq(self, *args, **kwargs):
+        return self.memops.wait_geq(*args, **kwargs)
+
+    def wait_geq_kernel(self, *args, **kwargs):
+        return self.memops.wait_geq_kernel(*args, **kwargs)
+
+    def wait_block_kernel(self, *args, **kwargs):
+        return self.memops.wait_block_kernel(*args, **kwargs)
 
 
 def rows_of(p: Q.Problem, r0: int, r1: int) -> Q.Problem:
@@ -199,7 +219,7 @@ def sampled_terms(p: Q.Problem, idx: torch.Tensor):
     return budget_terms(Q.Problem(p.quant, _pick(p.a, idx), p.b, _pick(p.a_scale, idx), p.b_scale))
 
 
-def sp_arms(pattern: str, backend, sets: list[Q.Problem], m: int, dev) -> dict:
+def sp_arms(pattern: str, backend, sets: list[Q.Problem], m: int, dev, landed: bool = False) -> dict:
     """name -> (call(i), read(output of call, rows idx) -> (those rows of the [M, N] product, wrong
     counters)): the pattern's arm through ``backend`` and ``whole``; ``sets`` share one weight and
     have ``m`` rows, the tokens of the whole sequence."""
@@ -247,8 +267,10 @@ def sp_arms(pattern: str, backend, sets: list[Q.Problem], m: int, dev) -> dict:
     rows = m // world
     plan = layout.plan_call(cfg, m=rows, seq=1, rank=rank, counter_base=base)
     sch = backend.schedule
-    if not isinstance(sch.memops, NoPeers):
-        sch.memops = NoPeers(sch.memops)
+    peers = LandedPeers if landed else NoPeers
+    if type(sch.memops) is not peers:
+        sch.memops = peers(getattr(sch.memops, "memops", sch.memops))
+    flags = [sch.scatter_flags.view(world, -1)[:, :plan.chunks], sch.gather_flags.view(world, -1)[:, :1]]
     for src in range(world):  # the peers' rows and stamps, where their puts would have left them
         if src != rank:
             slot_rows, slot_scales = backend._slots(src)
@@ -264,6 +286,9 @@ def sp_arms(pattern: str, backend, sets: list[Q.Problem], m: int, dev) -> dict:
             p = own[i]
             for knob, value in knobs.items():
                 setattr(backend, knob, value)
+            if landed:  # every peer's flags of the call set, as their puts would leave them
+                for f in flags:
+                    f.fill_(1)
             try:
                 backend.all_gather_gemm(p.a, p.b, p.a_scale, p.b_scale, out=out, plan=plan)
             finally:
@@ -304,7 +329,7 @@ def run_shape(args, backend, pattern, sets, m, dev, label) -> dict:
     """One (pattern, quant, shape, M, W): the arms checked, timed and printed; the record."""
     from cco.bench.timing import gemm_mismatches, graphed, per_pass_ratio, time_arms
 
-    arms = sp_arms(pattern, backend, sets, m, dev)
+    arms = sp_arms(pattern, backend, sets, m, dev, landed=args.flags_landed)
     idx = check_rows(m).to(dev)
     ref, dot_abs = sampled_terms(sets[0], idx)
     bad = {}

@@ -691,7 +691,7 @@ class CudaBackend(Backend):
         GEMM per group of them (``consumer_groups``: at least ``AG_CONSUMER_ROWS`` rows each) once the
         group's last chunk is in; or, where each peer's rows are one group and the slots hold no pad
         rows (``consumer_merges``), one GEMM over the peers' slots before the own one and one over
-        those after it, once the last chunk of the wait order is in."""
+        those after it, once every chunk is in (one wait for all of them: ``gather_inputs``)."""
         m, rank, sch = plan.m, self.rank, self.schedule
         least = AG_CONSUMER_ROWS[self.config.quant] if self.consumer_rows is None else self.consumer_rows
         groups = consumer_groups(plan.rows, least)
@@ -708,14 +708,11 @@ class CudaBackend(Backend):
             if s0 < s1:
                 gemm(*self._sources_block(s0, s1), out[s0 * m:s1 * m])
 
-        if merged:
-            last = (layout.input_order(rank, self.world)[-1], plan.chunks - 1)  # gather_inputs' last wait
+        def every_peer():  # merged: the GEMMs of every peer's rows, after one wait for all of them
+            sources(0, rank)
+            sources(rank + 1, self.world)
 
-            def chunk(src, c):  # after the wait for (src, c): every peer's rows once the last one is in
-                if (src, c) == last:
-                    sources(0, rank)
-                    sources(rank + 1, self.world)
-        else:
+        if not merged:
             first_of = {c1 - 1: c0 for c0, c1 in groups}
 
             def chunk(src, c):  # after the wait for (src, c): the GEMM of src's group that c ends, if it ends one
@@ -743,7 +740,8 @@ class CudaBackend(Backend):
 
         sch.gather_inputs(plan, out=out,
                           consume_own=(lambda: gemm(a, a_scale, out[rank * m:(rank + 1) * m])) if fused else None,
-                          consume=chunk if fused else None, consume_all=None if fused else every_row,
+                          consume=chunk if fused and not merged else None,
+                          consume_all=every_peer if merged else (None if fused else every_row),
                           assemble=assemble if gathered is not None else None)
 
     def gather_inputs_window(self, *, plan):

@@ -172,6 +172,9 @@ class MemOps(Protocol):
 
     def write_kernel(self, stream, addr: int, value: int) -> None: ...
 
+    def wait_block_kernel(self, stream, words, row: int, rows: tuple[int, int], cols: tuple[int, int], skip: int,
+                          value: int) -> None: ...
+
 
 @functools.cache
 def _hip():
@@ -205,7 +208,8 @@ class HipMemOps:
     - ``copy_2d``: ``hipMemcpy2DAsync`` device to device (local pitched assemble copy; the runtime
       may use a blit kernel, as the CUDA driver does).
     - ``fill``: ``hipMemsetD8Async`` (the watchdog's NaN fills: no copy from host memory).
-    - the spin/store kernel fallbacks are the Triton kernels of ``cco.cuda.memops`` (device-neutral).
+    - the spin/store kernel fallbacks and the block wait are the Triton kernels of ``cco.cuda.memops``
+      (device-neutral).
 
     Nothing is imported until the first call.
     """
@@ -250,6 +254,12 @@ class HipMemOps:
         from cco.cuda import memops
 
         memops.write_kernel(stream, addr, value)
+
+    def wait_block_kernel(self, stream, words, row: int, rows: tuple[int, int], cols: tuple[int, int], skip: int,
+                          value: int) -> None:
+        from cco.cuda import memops
+
+        memops.wait_block_kernel(stream, words, row, rows, cols, skip, value)
 
     def supported(self, device_index: int) -> str | None:
         """``None`` when the device runs 64-bit stream waits, else why not."""

@@ -30,8 +30,13 @@ One call on rank r (W ranks, C chunks; ``p`` ranges over peers, ``c`` over chunk
 Waits are stream memory operations (``cuStreamWaitValue64``), writes are ``cuStreamWriteValue64``
 (ordered after the stream's earlier copies), copies are ``cuMemcpyAsync`` on the copy engines, a
 consumed flag's reset is a memset (``cuMemsetD8Async``: half a write-value's device time). No
-SM spins, so nothing here can starve the GEMM of multiprocessors (the one-warp spin kernels of
-``memops`` stand in only where a driver cannot capture stream memory operations into a graph).
+SM spins beside the GEMM, so nothing here can starve it of multiprocessors (the one-warp spin
+kernels of ``memops`` stand in only where a driver cannot capture stream memory operations into a
+graph). The one spin by design is the all-gather's block wait (``_wait_block``) on the call's own
+stream, between the own rows' GEMM and the peers' (and before its end's wait for every peer): the
+call runs nothing on the multiprocessors while it waits, and its puts need none. A spin on a side
+stream could take the multiprocessor a persistent GEMM's last block needs, whose tiles a peer
+waits for before it sets what the spin waits for.
 "Set" a peer's flag is a write of ``FLAG_SET`` into its memory or (``flag_by_copy``) an 8-byte
 copy of a local word holding it, queued on the copy engine behind the data (``FLAG_BY_COPY``).
 
@@ -75,6 +80,7 @@ all-gather (:meth:`CopyEngineSchedule.gather_inputs`) moves inputs instead::
 
     main      : stamp | own rows -> a_rows[r] (+ scales) | event inputs_ready | GEMM own rows
                 | for c, for src: wait scatter_flags[src,c] >= 1 ; GEMM rows c of src
+                  (or one spin launch waiting for every flag, then the GEMMs: _wait_block)
                 | scatter_flags[src, 0..C-1] = 0 (each src, one memset)
                 | set peer.gather_flags[r,0] (each peer) ; wait gather_flags[p,0] >= 1 (each, then = 0)
                 | join the put streams | stamp check (NaN out, status, on another (seq, M))
@@ -294,6 +300,10 @@ class CopyEngineSchedule:
             self.memops.write_kernel(None, scratch.data_ptr(), 1)
             self.memops.wait_geq_kernel(None, scratch.data_ptr(), 1)
             torch.cuda.synchronize(device)
+        if config.pattern_spec.gathers_input:  # the all-gather's block wait (_wait_block), on words already set
+            scratch = torch.zeros(self.world * layout.MAX_CHUNKS, dtype=torch.int64, device=device)
+            self.memops.wait_block_kernel(None, scratch, layout.MAX_CHUNKS, (0, self.world), (0, 1), -1, 0)
+            torch.cuda.synchronize(device)
         with torch.cuda.device(device):
             lo, hi = torch.cuda.Stream.priority_range()
             self.put = {p: [torch.cuda.Stream(device=device) for _ in range(self.lanes_made)] for p in self.peers}
@@ -359,6 +369,16 @@ class CopyEngineSchedule:
                 self.memops.write_kernel(stream, addr, value)
         else:
             self.memops.write(stream.cuda_stream, addr, value)
+
+    def _wait_block(self, stream: torch.cuda.Stream, words: torch.Tensor, chunks: int) -> None:
+        """Wait on ``stream`` until every peer's first ``chunks`` flags in ``words`` are set: one
+        spin launch polling them all (``memops.wait_block_kernel``) where a call waits for every
+        one before it goes on, instead of a stream wait per flag, each of which holds the stream
+        ~1.9 us of device time even once the flag is set (module note): an all-gather at W = 8
+        with 4 chunks waited 28 times, ~52 us, after its last chunk had landed."""
+        with torch.cuda.stream(stream):
+            self.memops.wait_block_kernel(stream, words, layout.MAX_CHUNKS, (0, self.world), (0, chunks), self.rank,
+                                          FLAG_SET)
 
     def _consume(self, stream: torch.cuda.Stream, words: torch.Tensor, index: int, count: int = 1) -> None:
         """Zero ``count`` consecutive flags from ``words[index]`` on ``stream``, after their waits
@@ -490,8 +510,9 @@ class CopyEngineSchedule:
         """The all-gather's call after :meth:`begin` and the own rows' copy into ``a_rows[rank]``
         (module note): the puts of the own rows to every peer, chunk by chunk, on the put streams;
         on the call's stream ``consume_own()`` (the own rows' GEMM), then per (chunk, source) the
-        wait for its rows and ``consume(src, chunk)`` (that chunk's GEMM); or (split mode) every
-        wait first and ``consume_all()``; then the end of the call: every peer told this rank has
+        wait for its rows and ``consume(src, chunk)`` (that chunk's GEMM); or (``consume`` None:
+        split mode, or a consumer that merges every peer's rows) one wait for every chunk and
+        ``consume_all()``; then the end of the call: every peer told this rank has
         its rows, the wait for every peer's word, ``assemble()`` (the gathered input), the stamp
         check into ``out`` (None: the self test, which checks the bytes itself)."""
         main = self.main
@@ -516,10 +537,12 @@ class CopyEngineSchedule:
         if consume_own is not None:
             consume_own()
         sources = layout.input_order(self.rank, self.world)[1:]
-        for c in range(plan.chunks):  # the order the peers' puts arrive in (layout.input_order)
-            for src in sources:
-                self._wait(main, self._addr(self.scatter_flags, layout.counter_index(src, c)), FLAG_SET)
-                if consume is not None:
+        if consume is None:  # nothing consumed before every chunk is in: one wait for all of them
+            self._wait_block(main, self.scatter_flags, plan.chunks)
+        else:
+            for c in range(plan.chunks):  # the order the peers' puts arrive in (layout.input_order)
+                for src in sources:
+                    self._wait(main, self._addr(self.scatter_flags, layout.counter_index(src, c)), FLAG_SET)
                     consume(src, c)
         for src in sources:  # consumed after the last wait: one memset per source (its chunks' flags are
             self._consume(main, self.scatter_flags, layout.counter_index(src, 0), plan.chunks)  # consecutive)
@@ -701,8 +724,12 @@ class CopyEngineSchedule:
     def _finish_wait(self, stream) -> None:
         """Wait until every peer finished the call (its ``gather_flags[p, 0]`` here, then = 0): the
         end of a call of a pattern without a gather phase (module note)."""
+        block = stream is self.main and len(self.peers) > 1  # (module note: no spin beside the call's GEMM)
+        if block:
+            self._wait_block(stream, self.gather_flags, 1)
         for o in self.peers:
-            self._wait(stream, self._addr(self.gather_flags, layout.counter_index(o, 0)), FLAG_SET)
+            if not block:
+                self._wait(stream, self._addr(self.gather_flags, layout.counter_index(o, 0)), FLAG_SET)
             self._consume(stream, self.gather_flags, layout.counter_index(o, 0))
 
     def _assemble_chunk(self, plan, out, c):

@@ -209,6 +209,50 @@ def write_kernel(stream, addr: int, value: int) -> None:
     write_[(1,)](_word(addr), value, num_warps=1)
 
 
+@functools.cache
+def _block_wait_kernel():
+    import triton
+    import triton.language as tl
+
+    # the block's bounds and the value are run-time values (one compiled kernel per row length)
+    @triton.jit(do_not_specialize=["s0", "s1", "skip", "c0", "c1", "value"])
+    def _wait_block_kernel(words, s0, s1, skip, c0, c1, value, ROW: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        s, c = i // ROW, i % ROW
+        mask = (s >= s0) & (s < s1) & (s != skip) & (c >= c0) & (c < c1)
+        seen = tl.atomic_add(words + i, 0, mask=mask, sem="acquire", scope="sys")
+        short = tl.sum(tl.where(mask & (seen - value < 0), 1, 0))  # cyclic >=, as _wait_kernel's
+        while short > 0:
+            seen = tl.atomic_add(words + i, 0, mask=mask, sem="acquire", scope="sys")
+            short = tl.sum(tl.where(mask & (seen - value < 0), 1, 0))
+
+    return _wait_block_kernel
+
+
+_block_waits: dict = {}  # (device index, row, block) -> its kept launch (kernels_fused.hopper.launch.Kernel)
+
+
+def wait_block_kernel(stream, words, row: int, rows: tuple[int, int], cols: tuple[int, int], skip: int,
+                      value: int) -> None:
+    """Work enqueued on the current stream after this waits until every int64 word
+    ``words[s * row + c]`` with ``s`` in ``rows`` but ``skip`` and ``c`` in ``cols`` (half-open
+    ranges) is >= ``value``, as :func:`wait_geq_kernel` waits for one: one one-warp spin launch
+    (``stream`` must be current) that polls the whole block, instead of a :func:`wait_geq` per word.
+    A stream wait holds its stream ~1.9 us of device time even on a word already set, a launch
+    ~1-2 (graph replay on an H200, ``scripts/probe_stream_ops.py``), and the launch is kept
+    (``kernels_fused.hopper.launch``: a few us of host time). Its first launch on a device compiles
+    the kernel: make it outside any graph capture (``cco.cuda.dma`` does at construction)."""
+    from kernels_fused.hopper.launch import Kernel
+
+    device = words.device.index
+    block = 1 << max(0, (words.numel() - 1).bit_length())
+    key = (device, row, block)
+    launch = _block_waits.get(key)
+    if launch is None:
+        launch = _block_waits[key] = Kernel(_block_wait_kernel(), (1,), num_warps=1)
+    launch(device, words, rows[0], rows[1], skip, cols[0], cols[1], value, row, block)
+
+
 def capture_probe(ops, device_index: int) -> bool:
     """Whether a graph captures and replays ``ops.write`` then ``ops.wait_geq`` on this device; ``ops``
     is this module or any object with the same functions (the ROCm backend's HIP memops)."""

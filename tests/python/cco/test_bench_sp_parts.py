@@ -187,11 +187,21 @@ def test_no_peers_drops_waits_and_copies_and_keeps_writes():
     ops = sp.NoPeers(Recorder())
     ops.wait_geq(0, 8, 1)
     ops.wait_geq_kernel(None, 8, 1)
+    ops.wait_block_kernel(None, None, 8, (0, 2), (0, 1), 0, 1)
     ops.copy(0, 8, 16, 8)
     ops.copy_2d(0, dst=8, dst_pitch=8, src=16, src_pitch=8, width=8, height=1)
     ops.write(0, 8, 0)
     ops.write_kernel(None, 8, 0)
     assert seen == ["write", "write_kernel"]
+    seen.clear()  # --flags-landed: the waits run (on flags the benchmark set), the puts stay dropped
+    ops = sp.LandedPeers(Recorder())
+    ops.wait_geq(0, 8, 1)
+    ops.wait_geq_kernel(None, 8, 1)
+    ops.wait_block_kernel(None, None, 8, (0, 2), (0, 1), 0, 1)
+    ops.copy(0, 8, 16, 8)
+    ops.copy_2d(0, dst=8, dst_pitch=8, src=16, src_pitch=8, width=8, height=1)
+    ops.write(0, 8, 0)
+    assert seen == ["wait_geq", "wait_geq_kernel", "wait_block_kernel", "write"]
 
 
 def test_plot_from_json_writes_a_png(tmp_path):
@@ -217,7 +227,7 @@ def test_measure_checks_and_records_every_shape_on_the_host(monkeypatch, capsys)
     from tests.python.cco.test_dma_schedule import _host_backend, _Log
 
     schedule_class = dma.CopyEngineSchedule
-    built = []
+    built, logs = [], []
 
     def backend_for(cfg, dev):
         built.append((cfg.pattern, cfg.m_max))
@@ -225,7 +235,8 @@ def test_measure_checks_and_records_every_shape_on_the_host(monkeypatch, capsys)
         backend, sched = _host_backend(monkeypatch, _Log(), pattern=cfg.pattern, quant=cfg.quant, world=cfg.world,
                                        m_max=cfg.m_max)
         backend.config = dataclasses.replace(backend.config, weight_layout="row-major")
-        sched.memops = _HostMemops(_Log())
+        logs.append(_Log())
+        sched.memops = _HostMemops(logs[-1])
         return backend
 
     def time_arms(arms, *, passes, iters, rotate, flush_l2):
@@ -261,8 +272,8 @@ def test_measure_checks_and_records_every_shape_on_the_host(monkeypatch, capsys)
 
     real = sp.sp_arms  # an arm that writes the wrong rows is caught, and only that shape fails
 
-    def wrong(pattern, backend, sets, m, dev):
-        arms = real(pattern, backend, sets, m, dev)
+    def wrong(pattern, backend, sets, m, dev, landed=False):
+        arms = real(pattern, backend, sets, m, dev, landed=landed)
         call, read = arms[pattern]
         arms[pattern] = (call, lambda got, idx: read(got, idx.flip(0)))
         return arms
@@ -272,3 +283,13 @@ def test_measure_checks_and_records_every_shape_on_the_host(monkeypatch, capsys)
                                      "-m", "512", "--passes", "3"]), torch.device("cpu"))
     assert runs[0]["error"] == "check failed" and runs[0]["bad"]["ag"] > 0 and runs[0]["bad"]["whole"] == 0
     assert "not timed" in capsys.readouterr().out
+
+    # --flags-landed: the peer's flags set before each call, the waits on them run (dropped otherwise)
+    monkeypatch.setattr(sp, "sp_arms", real)
+    for landed in (False, True):
+        runs = sp.measure(sp.parse_args(["--pattern", "ag", "--quant", "ptpc", "--model", "llama3-70b", "--tp", "2",
+                                         "-m", "512", "--passes", "3"] + ["--flags-landed"] * landed),
+                          torch.device("cpu"))
+        assert "error" not in runs[0]
+        waits = [op for op in logs[-1].ops if op[1] in ("wait", "wait_block")]
+        assert bool(waits) == landed, (landed, waits[:3])

@@ -93,6 +93,12 @@ class _Memops:
     def fill(self, stream, dst, byte, nbytes):
         self.log.ops.append((stream, "fill", dst, byte, nbytes))
 
+    def wait_block_kernel(self, stream, words, row, rows, cols, skip, value):
+        # one spin launch on the current stream: recorded with the words it waits for
+        name = self.log.current.name if self.log.current is not None else "current"
+        addrs = tuple(words.data_ptr() + (s * row + c) * 8 for s in range(*rows) if s != skip for c in range(*cols))
+        self.log.ops.append((name, "wait_block", addrs, value))
+
     def copy(self, stream, dst, src, nbytes):
         self.log.ops.append((stream, "copy", dst, src, nbytes))
 
@@ -646,8 +652,8 @@ MERGED = [(4, 0, [(1, 4)]), (4, 1, [(0, 1), (2, 4)]), (4, 3, [(0, 3)]), (2, 0, [
 def test_all_gather_merges_the_peers_gemms_after_the_last_wait(monkeypatch, quant, world, rank, ranges, case):
     """The all-gather's fused consumer on the host, 2 chunks per peer. Where each peer's rows are one
     group (``AG_CONSUMER_ROWS`` > a peer's rows) and the call fills the slots (m == m_max_padded, no
-    pad rows between them): the own rows' GEMM, then nothing until the last wait of the loop (the
-    last chunk of the last source), then one GEMM per run of peer slots on each side of the own one,
+    pad rows between them): the own rows' GEMM, then one wait for every peer's every chunk (a block
+    wait: every flag of the call but the own row's), then one GEMM per run of peer slots on each side of the own one,
     covering every peer row exactly once. Otherwise (pad rows; two groups per peer;
     ``consumer_merge=False``) today's GEMM per group, after its last chunk's wait. ``out`` is every
     source's rows times the weight in each case (the merged block's scales: ptpc's rows,
@@ -685,26 +691,27 @@ def test_all_gather_merges_the_peers_gemms_after_the_last_wait(monkeypatch, quan
 
     flags = {_addr(sched.scatter_flags, layout.counter_index(src, c)): (src, c)
              for src in range(world) for c in range(plan.chunks)}
-    got = [op[1:] for op in log.ops if op[0] == "main" and (op[1] == "gemm" or op[1] == "wait" and op[2] in flags)]
+    got = [op[1:] for op in log.ops if op[0] == "main" and (
+        op[1] == "gemm" or op[1] == "wait" and op[2] in flags or op[1] == "wait_block" and set(op[2]) <= set(flags))]
     order = [(src, c) for c in range(plan.chunks) for src in layout.input_order(rank, world)[1:]]
     want = [("gemm", m, at(rank * m))]
     groups = consumer_groups(plan.rows, 128 if case == "groups" else 10 ** 6)
     assert len(groups) == (2 if case == "groups" else 1)
-    for src, c in order:
+    if case == "merged":  # one wait for every peer's every chunk, then the merged GEMMs
+        want.append(("wait_block", tuple(sorted(a for a, (src, c) in flags.items() if src != rank)), 1))
+        want += [("gemm", (s1 - s0) * m, at(s0 * m)) for s0, s1 in ranges]
+    for src, c in order if case != "merged" else ():
         want.append(("wait", _addr(sched.scatter_flags, layout.counter_index(src, c)), 1))
-        if case == "merged":
-            if (src, c) == order[-1]:
-                want += [("gemm", (s1 - s0) * m, at(s0 * m)) for s0, s1 in ranges]
-        else:
-            want += [("gemm", plan.rows[c1 - 1][1] - plan.rows[c0][0], at(src * m + plan.rows[c0][0]))
-                     for c0, c1 in groups if c1 - 1 == c]
+        want += [("gemm", plan.rows[c1 - 1][1] - plan.rows[c0][0], at(src * m + plan.rows[c0][0]))
+                 for c0, c1 in groups if c1 - 1 == c]
+    got = [(op[0], tuple(sorted(op[1])), op[2]) if op[0] == "wait_block" else op for op in got]
     assert got == want
     covered = sorted(row for op in got[1:] if op[0] == "gemm"
                      for row in range((op[2] - out.data_ptr()) // out.stride(0) // 2,
                                       (op[2] - out.data_ptr()) // out.stride(0) // 2 + op[1]))
     assert covered == sorted(set(range(world * m)) - set(range(rank * m, (rank + 1) * m)))  # each peer row once
     if case == "merged":
-        assert len(got) - len(order) == 1 + (1 if rank in (0, world - 1) else 2)
+        assert len(got) - 1 == 1 + (1 if rank in (0, world - 1) else 2)
 
 
 def test_all_gather_merge_forced_on_needs_slots_without_pad_rows(monkeypatch):
@@ -861,6 +868,8 @@ def test_all_gather_puts_rows_before_any_wait_and_consumes_each_chunk_after_its_
     sched.flag_by_copy = True
     peer, cfg = 1 - RANK, sched.cfg
     out = torch.zeros(*layout.out_shape(cfg, plan.m), dtype=torch.bfloat16)
+    assert [op[1] for op in log.ops] == ["wait_block"]  # the construction's warm-up of the block wait
+    del log.ops[:]
     sched.begin(plan)
 
     def consume(src, c):
@@ -872,10 +881,18 @@ def test_all_gather_puts_rows_before_any_wait_and_consumes_each_chunk_after_its_
     assert plan.chunks == 2
     main = [op[1:] for op in log.ops if op[0] == "main"]
     put = [op[1:] for op in log.ops if op[0] == sched.put[peer][0].name]
+
+    def waited(op):  # the words a wait of main waits for: a stream wait's one, a block wait's every one
+        return {op[1]} if op[0] == "wait" else set(op[1]) if op[0] == "wait_block" else set()
+
+    def wait_for(word):  # main's index of the wait for ``word`` (exactly one)
+        (i,) = [i for i, op in enumerate(main) if word in waited(op) and op[-1] == 1]
+        return i
+
     assert put[0] == ("wait_event", sched.inputs_ready.name)
-    assert main.index(("record", sched.inputs_ready.name)) < main.index(("wait", _addr(
-        sched.scatter_flags, layout.counter_index(peer, 0)), 1))
-    first_wait = next(i for i, op in enumerate(log.ops) if op[0] == "main" and op[1] == "wait")
+    assert main.index(("record", sched.inputs_ready.name)) < wait_for(_addr(
+        sched.scatter_flags, layout.counter_index(peer, 0)))
+    first_wait = next(i for i, op in enumerate(log.ops) if op[0] == "main" and op[1] in ("wait", "wait_block"))
     last_put = max(i for i, op in enumerate(log.ops) if op[0] == sched.put[peer][0].name and op[1] != "record")
     assert last_put < first_wait  # submitted before any wait that (through the peer) depends on it
     rows_slot, scale_slot = sched.peer[peer]["a_rows"][RANK], sched.peer[peer]["a_scales"][RANK]
@@ -896,30 +913,31 @@ def test_all_gather_puts_rows_before_any_wait_and_consumes_each_chunk_after_its_
                 sched.flag_set.data_ptr(), 8)
         assert put.index(rows) < put.index(flag) and put.index(scales) < put.index(flag)
         word = _addr(sched.scatter_flags, layout.counter_index(peer, c))
-        wait = main.index(("wait", word, 1))
+        wait = wait_for(word)
         if fused:
-            assert wait < main.index(("gemm", peer, c))
+            assert main[wait][0] == "wait" and wait < main.index(("gemm", peer, c))  # a stream wait per chunk
             later = [i for i, op in enumerate(main) if op[0] == "wait" and i > wait]
             assert not later or main.index(("gemm", peer, c)) < later[0]  # consumed as it lands
+    flag_words = {_addr(sched.scatter_flags, i) for i in range(sched.scatter_flags.numel())}
     if fused:
-        first_wait = ("wait", _addr(sched.scatter_flags, layout.counter_index(peer, 0)), 1)
-        assert main.index(("gemm", RANK, None)) < main.index(first_wait)  # the own rows first, while the puts fly
-    else:
-        last_wait = max(i for i, op in enumerate(main) if op[0] == "wait" and op[1] != _addr(
-            sched.gather_flags, layout.counter_index(peer, 0)))
-        assert main.index(("gemm", None, None)) > last_wait
+        first_wait = wait_for(_addr(sched.scatter_flags, layout.counter_index(peer, 0)))
+        assert main.index(("gemm", RANK, None)) < first_wait  # the own rows first, while the puts fly
+    else:  # one wait for every chunk (nothing consumed before all are in), then the GEMM
+        (block,) = [op for op in main if waited(op) & flag_words]
+        assert block == ("wait_block", tuple(_addr(sched.scatter_flags, layout.counter_index(peer, c))
+                                             for c in range(plan.chunks)), 1)
+        assert main.index(("gemm", None, None)) > main.index(block)
     done = ("copy", _peer_words(sched, window, "gather_flags", peer, layout.counter_index(RANK, 0)),
             sched.flag_set.data_ptr(), 8)
     # the source's flags of the call: one memset, after its last wait (the call's last scatter-flag
     # wait) and before the peer is told this rank has its rows; no other scatter flag is touched
     zero = ("fill", _addr(sched.scatter_flags, layout.counter_index(peer, 0)), 0, plan.chunks * 8)
-    flag_words = {_addr(sched.scatter_flags, i) for i in range(sched.scatter_flags.numel())}
     assert [op for op in main if op[0] in ("fill", "write") and op[1] in flag_words] == [zero]
-    last_flag_wait = max(i for i, op in enumerate(main) if op[0] == "wait" and op[1] in flag_words)
+    last_flag_wait = max(i for i, op in enumerate(main) if waited(op) & flag_words)
     assert last_flag_wait < main.index(zero) < main.index(done)
     finish = _addr(sched.gather_flags, layout.counter_index(peer, 0))
     gemms = [i for i, op in enumerate(main) if op[0] == "gemm"]
-    assert max(gemms) < main.index(done) < main.index(("wait", finish, 1)) < main.index(("fill", finish, 0, 8))
+    assert max(gemms) < main.index(done) < wait_for(finish) < main.index(("fill", finish, 0, 8))
     check = main.index(("check_stamps", out.data_ptr()))
     assert check > main.index(("fill", finish, 0, 8)) and check > main.index(("wait_event", sched.done[
         sched.put[peer][0]].name))
@@ -1017,6 +1035,12 @@ class _Sim:
 
             def fill(self, stream, dst, byte, nbytes):
                 sim.enqueue(stream, lambda: ctypes.memset(dst, byte, nbytes))
+
+            def wait_block_kernel(self, stream, words, row, rows, cols, skip, value):
+                at = [s * row + c for s in range(*rows) if s != skip for c in range(*cols)]
+                # a launch on the current stream; the tensor is read when the wait is tested (kept alive)
+                sim.enqueue(sim.current, lambda: None,
+                            lambda: all(word(words.data_ptr() + i * 8).value >= value for i in at))
 
             def copy(self, stream, dst, src, nbytes):
                 sim.enqueue(stream, lambda: ctypes.memmove(dst, src, nbytes))
@@ -1144,19 +1168,24 @@ def _reduce_scatter_calls(monkeypatch, pattern, mode, calls, seed):
                 assert not getattr(scheds[r], name).any(), (seq, r, name)
 
 
-@pytest.mark.parametrize("mode", ["fused", "split"])
+@pytest.mark.parametrize("mode", ["fused", "split", "merged"])
 @pytest.mark.parametrize("quant", ["ptpc", "blockscale", "mxfp8"])
 def test_all_gather_schedule_delivers_every_rows_chunk_on_two_host_ranks(monkeypatch, quant, mode):
     """Both ranks' all-gather schedules executed together (the "GEMM" copies the slot's rows it
     consumes into ``out``): every rank ends with every rank's rows and scales bit-exact in rank
     order, call after call with other Ms, every flag consumed; a rank's rows copied into its slot
-    after the puts were enqueued still reach the peers (the ``inputs_ready`` gate)."""
+    after the puts were enqueued still reach the peers (the ``inputs_ready`` gate). ``merged``: the
+    own rows consumed first, then every peer's after one block wait (the backend's merged consumer);
+    at four ranks too, whose end waits for three peers with one block wait."""
     for seed in range(SIM_SEEDS):
         _all_gather_calls(monkeypatch, quant, mode, seed)
+        if mode != "fused":
+            _all_gather_calls(monkeypatch, quant, mode, seed, world=4)
 
 
-def _all_gather_calls(monkeypatch, quant, mode, seed):
-    sim, cfg, scheds = _sim_ranks(monkeypatch, pattern="all-gather", quant=quant)
+def _all_gather_calls(monkeypatch, quant, mode, seed, world=WORLD):
+    WORLD = world  # noqa: N806 (the ranks of this run)
+    sim, cfg, scheds = _sim_ranks(monkeypatch, pattern="all-gather", quant=quant, world=world)
     sim.seed = seed
     k = cfg.k
     for seq, m in enumerate((cfg.slice_m_max, 70, 3), start=1):
@@ -1178,13 +1207,15 @@ def _all_gather_calls(monkeypatch, quant, mode, seed):
                 _on(sim, sim.current, lambda: outs[r][src * m + r0:src * m + r1].copy_(
                     sched.a_rows[src].view(torch.uint8)[r0:r1]))
 
-            def every(r=r):
+            def every(r=r, peers_only=False):
                 for src in range(WORLD):
-                    consume(src, None, r=r)
+                    if not (peers_only and src == r):
+                        consume(src, None, r=r)
             sched.gather_inputs(plan, out=torch.zeros(WORLD * m, 4, dtype=torch.bfloat16),
-                                consume_own=(lambda: consume(r, None)) if mode == "fused" else None,
+                                consume_own=(lambda: consume(r, None)) if mode != "split" else None,
                                 consume=consume if mode == "fused" else None,
-                                consume_all=None if mode == "fused" else every)
+                                consume_all={"fused": None, "split": every,
+                                             "merged": lambda r=r: every(r, peers_only=True)}[mode])
         sim.run()
         for r in range(WORLD):
             assert torch.equal(outs[r], torch.cat(rows)), (seed, seq, r)
