@@ -175,16 +175,18 @@ def test_arms_issue_the_backends_gemm_calls_and_pass_their_checks(monkeypatch, p
         assert gemm_mismatches(got, ref, dot_abs) > 0
 
 
-def test_no_peers_drops_waits_and_copies_and_keeps_writes():
+@pytest.mark.parametrize("landed", [False, True], ids=["no-peers", "flags-landed"])
+def test_no_peers_drops_waits_and_copies_and_keeps_writes(landed):
     """The all-gather arm's memory operations: a wait for a peer's flag would hang one GPU and a
-    put would time a copy to nobody; the own words' writes (stamp, flags zeroed) still run."""
+    put would time a copy to nobody; the own words' writes (stamp, flags zeroed) still run. With
+    ``--flags-landed`` the waits run (on flags the benchmark set) and the puts stay dropped."""
     seen = []
 
     class Recorder:
         def __getattr__(self, name):
             return lambda *args, **kwargs: seen.append(name)
 
-    ops = sp.NoPeers(Recorder())
+    ops = (sp.LandedPeers if landed else sp.NoPeers)(Recorder())
     ops.wait_geq(0, 8, 1)
     ops.wait_geq_kernel(None, 8, 1)
     ops.wait_block_kernel(None, None, 8, (0, 2), (0, 1), 0, 1)
@@ -192,16 +194,8 @@ def test_no_peers_drops_waits_and_copies_and_keeps_writes():
     ops.copy_2d(0, dst=8, dst_pitch=8, src=16, src_pitch=8, width=8, height=1)
     ops.write(0, 8, 0)
     ops.write_kernel(None, 8, 0)
-    assert seen == ["write", "write_kernel"]
-    seen.clear()  # --flags-landed: the waits run (on flags the benchmark set), the puts stay dropped
-    ops = sp.LandedPeers(Recorder())
-    ops.wait_geq(0, 8, 1)
-    ops.wait_geq_kernel(None, 8, 1)
-    ops.wait_block_kernel(None, None, 8, (0, 2), (0, 1), 0, 1)
-    ops.copy(0, 8, 16, 8)
-    ops.copy_2d(0, dst=8, dst_pitch=8, src=16, src_pitch=8, width=8, height=1)
-    ops.write(0, 8, 0)
-    assert seen == ["wait_geq", "wait_geq_kernel", "wait_block_kernel", "write"]
+    waits = ["wait_geq", "wait_geq_kernel", "wait_block_kernel"] if landed else []
+    assert seen == waits + ["write", "write_kernel"]
 
 
 def test_plot_from_json_writes_a_png(tmp_path):
