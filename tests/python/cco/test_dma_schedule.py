@@ -1184,16 +1184,15 @@ def test_all_gather_schedule_delivers_every_rows_chunk_on_two_host_ranks(monkeyp
 
 
 def _all_gather_calls(monkeypatch, quant, mode, seed, world=WORLD):
-    WORLD = world  # noqa: N806 (the ranks of this run)
     sim, cfg, scheds = _sim_ranks(monkeypatch, pattern="all-gather", quant=quant, world=world)
     sim.seed = seed
     k = cfg.k
     for seq, m in enumerate((cfg.slice_m_max, 70, 3), start=1):
-        plans = [layout.plan_call(cfg, m=m, seq=seq, rank=r, counter_base=layout.zero_counters(WORLD))
-                 for r in range(WORLD)]
+        plans = [layout.plan_call(cfg, m=m, seq=seq, rank=r, counter_base=layout.zero_counters(world))
+                 for r in range(world)]
         rows = [torch.randint(0, 120, (m, k), generator=torch.Generator().manual_seed(10 * seq + r), dtype=torch.uint8)
-                for r in range(WORLD)]
-        outs = [torch.full((WORLD * m, k), 255, dtype=torch.uint8) for _ in range(WORLD)]
+                for r in range(world)]
+        outs = [torch.full((world * m, k), 255, dtype=torch.uint8) for _ in range(world)]
         for r, (sched, plan) in enumerate(zip(scheds, plans)):
             sim.current = main = sim.mains[r]
             sched.begin(plan)
@@ -1208,18 +1207,18 @@ def _all_gather_calls(monkeypatch, quant, mode, seed, world=WORLD):
                     sched.a_rows[src].view(torch.uint8)[r0:r1]))
 
             def every(r=r, peers_only=False):
-                for src in range(WORLD):
+                for src in range(world):
                     if not (peers_only and src == r):
                         consume(src, None, r=r)
-            sched.gather_inputs(plan, out=torch.zeros(WORLD * m, 4, dtype=torch.bfloat16),
+            sched.gather_inputs(plan, out=torch.zeros(world * m, 4, dtype=torch.bfloat16),
                                 consume_own=(lambda: consume(r, None)) if mode != "split" else None,
                                 consume=consume if mode == "fused" else None,
                                 consume_all={"fused": None, "split": every,
                                              "merged": lambda r=r: every(r, peers_only=True)}[mode])
         sim.run()
-        for r in range(WORLD):
+        for r in range(world):
             assert torch.equal(outs[r], torch.cat(rows)), (seed, seq, r)
-            for src in range(WORLD):
+            for src in range(world):
                 got = scheds[r].a_scales[src].view(torch.uint8)
                 got = got[:, :m] if quant == "blockscale" else got[:m]
                 assert (got == seq * 16 + src).all(), (seq, r, src)
