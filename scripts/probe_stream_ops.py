@@ -1,8 +1,9 @@
 """Device time of the copy-engine schedule's stream operations, each kind in a captured CUDA graph
 (what a replayed or eager schedule pays on its stream, host time aside): stream write-values, stream
 waits on words already set, a wait and a write per word (a consumed flag before 2026-12-04), memsets
-of a flag row (a consumed flag since), 8-byte copies (a peer's flag set by copy) and a torch fill of
-the same words, against an empty graph. The words are the flags of an all-gather call at W = 8 with
+of a flag row (a consumed flag since), 8-byte copies (a peer's flag set by copy), a torch fill of the
+same words and the all-gather's block wait over them (``memops.wait_block_kernel``, one spin
+launch), against an empty graph. The words are the flags of an all-gather call at W = 8 with
 4 chunks (7 sources x 4 chunks = 28 words, rows of ``MAX_CHUNKS``)::
 
     python3 -m scripts.probe_stream_ops --json stream_ops.json
@@ -56,9 +57,13 @@ def arms(words: torch.Tensor, one: torch.Tensor, *, sources: int, chunks: int):
     def torch_fill(st):
         words[1:sources + 1, :chunks].zero_()
 
+    def block_wait(st):  # the all-gather's one wait for every chunk (on words already set: 0 >= 0)
+        memops.wait_block_kernel(st, words.view(-1), words.stride(0), (1, sources + 1), (0, chunks), -1, 0)
+
     return {"empty": lambda st: None, f"{len(flags)} write-values": writes, f"{len(flags)} waits (set)": waits,
             f"{len(flags)} wait + write": wait_and_write, f"{sources} memsets of {chunks} words": memset_per_source,
-            f"{sources} 8-byte copies": copies_per_source, "1 torch fill (kernel)": torch_fill}
+            f"{sources} 8-byte copies": copies_per_source, "1 torch fill (kernel)": torch_fill,
+            f"1 block wait of {len(flags)} words (set)": block_wait}
 
 
 def main(argv=None) -> None:

@@ -238,10 +238,11 @@ def wait_block_kernel(stream, words, row: int, rows: tuple[int, int], cols: tupl
     ``words[s * row + c]`` with ``s`` in ``rows`` but ``skip`` and ``c`` in ``cols`` (half-open
     ranges) is >= ``value``, as :func:`wait_geq_kernel` waits for one: one one-warp spin launch
     (``stream`` must be current) that polls the whole block, instead of a :func:`wait_geq` per word.
-    A stream wait holds its stream ~1.9 us of device time even on a word already set (graph replay
-    on an H200, ``scripts/probe_stream_ops.py``); this launch replaced 28 of them in an all-gather
-    call at W = 8 for 43-54 us less a call (``bench_sp_parts --flags-landed``, docs/BENCHMARKS.md),
-    and it is kept (``kernels_fused.hopper.launch``: a few us of host time). Its first launch on a device compiles
+    A stream wait holds its stream ~1.6-1.9 us of device time even on a word already set, this launch
+    ~1.1 us for 28 set words (graph replay on an H200, ``scripts/probe_stream_ops.py``); in an
+    all-gather call at W = 8 it replaced 28 stream waits for 43-54 us less a call (``bench_sp_parts
+    --flags-landed``, docs/BENCHMARKS.md), and it is kept (``kernels_fused.hopper.launch``: a few
+    us of host time). Its first launch on a device compiles
     the kernel: make it outside any graph capture (``cco.cuda.dma`` does at construction)."""
     from kernels_fused.hopper.launch import Kernel
 
