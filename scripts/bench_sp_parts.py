@@ -140,9 +140,11 @@ def sp_backend(cfg: layout.OpConfig, dev):
     return Unwatched(config=cfg, comm=None, window=local_window(cfg, dev), deadline_s=60.0)
 
 
-class NoPeers:
-    """The stream memory operations of a rank whose peers are absent: waits on words only a peer
-    would set and copies to peers are dropped, the rest (own words' writes) runs."""
+class LandedPeers:
+    """The stream memory operations of a rank whose peers are absent and whose peers' flags the
+    benchmark set before the call (``--flags-landed``: as if every peer's rows had landed by then):
+    copies to peers are dropped, the waits and the own words' writes run, so the call's stream pays
+    for its waits."""
 
     def __init__(self, memops):
         self.memops = memops
@@ -153,21 +155,14 @@ class NoPeers:
     def _dropped(self, *args, **kwargs):
         return None
 
-    wait_geq = wait_geq_kernel = wait_block_kernel = copy = copy_2d = _dropped
+    copy = copy_2d = _dropped
 
 
-class LandedPeers(NoPeers):
-    """``--flags-landed``: the waits on the peers' flags run, on flags the benchmark set before the
-    call (as if every peer's rows had landed by then): what the call's stream pays for its waits."""
+class NoPeers(LandedPeers):
+    """The stream memory operations of a rank whose peers are absent: waits on words only a peer
+    would set and copies to peers are dropped, the rest (own words' writes) runs."""
 
-    def wait_geq(self, *args, **kwargs):
-        return self.memops.wait_geq(*args, **kwargs)
-
-    def wait_geq_kernel(self, *args, **kwargs):
-        return self.memops.wait_geq_kernel(*args, **kwargs)
-
-    def wait_block_kernel(self, *args, **kwargs):
-        return self.memops.wait_block_kernel(*args, **kwargs)
+    wait_geq = wait_geq_kernel = wait_block_kernel = LandedPeers._dropped
 
 
 def rows_of(p: Q.Problem, r0: int, r1: int) -> Q.Problem:
