@@ -138,12 +138,11 @@ class UnfusedFp8Linear(torch.nn.Module):
             raise ValueError(why)
 
     def forward(self, x):
-        from kernels_fused.hopper.vendor import BLOCKWISE_ROW_MULTIPLE
+        from kernels_fused.hopper.vendor import padded_rows
 
         rows = x.reshape(-1, self.k)
         m = rows.shape[0]
-        if self.quant == "blockscale" and m % BLOCKWISE_ROW_MULTIPLE:
-            rows = torch.nn.functional.pad(rows, (0, 0, 0, -m % BLOCKWISE_ROW_MULTIPLE))
+        rows = torch.nn.functional.pad(rows, (0, 0, 0, padded_rows(self.quant, m) - m))
         a, a_scale = Q.quantize_a(rows, quant=self.quant)
         return self.gemm(a, a_scale)[:m].view(*x.shape[:-1], -1)
 

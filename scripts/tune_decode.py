@@ -211,7 +211,7 @@ def main(argv=None) -> int:
                     out["checks"].append(check)
                     print(("ok  " if ok else "BAD ") + json.dumps(check), flush=True)
                     arms = {"nn.Linear bf16": lambda: torch.nn.functional.linear(x, w_bf16)}
-                    rows_v = -(-m // vendor.BLOCKWISE_ROW_MULTIPLE) * vendor.BLOCKWISE_ROW_MULTIPLE if quant == "blockscale" else m
+                    rows_v = vendor.padded_rows(quant, m)
 
                     def two_launches(x=x, quant=quant, rows_v=rows_v, vw=vw):
                         a, s = quantize_activation(x, quant, k_padded=k, m_padded=rows_v)

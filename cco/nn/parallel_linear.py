@@ -30,7 +30,6 @@ import torch
 
 from cco import library
 from cco import quant as Q
-from cco.backends.base import weight_stamp
 from cco.comm import Communicator
 from cco.nn import checkpoint as C
 from cco.nn import sequence
@@ -176,7 +175,6 @@ class _ParallelLinear(torch.nn.Module):
         # mxfp8's calls of 2+ rows pass the decode GEMM the weight's bf16 copy that the op's vendor GEMM
         # holds (decode.VENDOR_ROWS: its general path's launches, without its Python around them)
         self._dense_rows = self._decode_gemm is not None and quant == "mxfp8"
-        self._dense = None  # (qweight, scale, their versions and address, the bf16 copy): _dense_copy
         self.decode_rows = 0
         if self._decode_gemm is not None:
             from kernels_fused.hopper.decode import decode_max_m
@@ -218,23 +216,10 @@ class _ParallelLinear(torch.nn.Module):
             raise RuntimeError(f"{self._name()}: decode_rows={self.decode_rows} but the decode GEMM runs only on one "
                                f"rank's local GEMM on an NVIDIA GPU (set decode_rows = 0)")
         if self._dense_rows and x.numel() > self.in_features_per_rank:
-            qweight = self._dense_copy(qweight, scale)
+            # mxfp8's bf16 copy of the weight, the one the op's own calls read (kept per weight, and
+            # refreshed where the weight or its scales changed: cco.backends.base.WeightDerived)
+            qweight = self.op.vendor_weight(qweight, scale).dense
         return self._decode_gemm(x, qweight, scale, self.quant, n=self.out_features, bias=bias)
-
-    def _dense_copy(self, qweight, scale) -> torch.Tensor:
-        """mxfp8's bf16 copy of ``(qweight, scale)`` that the op's vendor GEMM holds, remembered for
-        the same tensors at the same versions, addresses and strides (the op's per-weight lookup
-        costs an eager decode call ~3 us of host time; docs/decode.md): the stamp the op's own store
-        takes (``WeightDerived``), so that new bytes given to either tensor (``t.data = other``, which
-        moves no version counter) are seen too. The layer holds the last copy it used until its
-        next decode call; the op keeps it as long as the weight lives anyway."""
-        kept = self._dense
-        stamp = weight_stamp((qweight, scale))
-        if kept is not None and kept[0] is qweight and kept[1] is scale and kept[2] == stamp:
-            return kept[3]
-        dense = self.op.vendor_weight(qweight, scale).dense
-        self._dense = (qweight, scale, stamp, dense)
-        return dense
 
     def _name(self) -> str:
         sp = ", sequence parallel" if self.sequence_parallel else ""
@@ -420,7 +405,6 @@ class _ParallelLinear(torch.nn.Module):
     def close(self) -> None:
         """Release the shared op (the last layer of a family frees its window). Idempotent; local."""
         self._closed = True
-        self._dense = None
         library.unregister(self._handle)
         if self._dual is not None:
             self._dual.close()

@@ -196,7 +196,7 @@ def vendor_rows(quant: str, m: int, k_padded: int, device: int, dense: bool = Fa
         return m if dense else 0
     if quant not in VENDOR_ROWS or m < 2 or device < 0:
         return 0
-    rows = -(-m // vendor.BLOCKWISE_ROW_MULTIPLE) * vendor.BLOCKWISE_ROW_MULTIPLE
+    rows = vendor.padded_rows(quant, m)
     return rows if vendor.takes_rows(quant, rows, k_padded) else 0
 
 

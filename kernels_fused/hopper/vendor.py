@@ -64,6 +64,15 @@ def takes_rows(quant: str, rows, k: int) -> bool:
     return all(n % BLOCKWISE_ROW_MULTIPLE == 0 for n in counts)
 
 
+def padded_rows(quant: str, m: int) -> int:
+    """The rows a vendor GEMM of ``quant`` is called on for ``m`` rows of a product: blockscale's
+    ``m`` rounded up to ``BLOCKWISE_ROW_MULTIPLE`` (the caller writes the extra rows as zeros and
+    drops their output rows), every other quant's ``m``."""
+    if quant != "blockscale":
+        return m
+    return -(-m // BLOCKWISE_ROW_MULTIPLE) * BLOCKWISE_ROW_MULTIPLE
+
+
 def mx_to_bf16(x: torch.Tensor, scale: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """An mxfp8 operand ``x`` (e4m3 [R, K]) times its e8m0 group scales ([R, K/32]) as bf16 [R, K]:
     exact for every value at or above bf16's normal range (``kernels_fused.hopper.gemm``). One pass,
@@ -213,4 +222,4 @@ _PACK_INDEX: dict = {}
 
 
 __all__ = ["BLOCKWISE_KBLOCK_MULTIPLE", "BLOCKWISE_ROW_MULTIPLE", "VendorWeight", "chunk_scales", "mx_to_bf16",
-           "prepare_weight", "row_chunks", "takes_rows", "vendor_gemm"]
+           "padded_rows", "prepare_weight", "row_chunks", "takes_rows", "vendor_gemm"]

@@ -282,7 +282,10 @@ def test_vendor_rows_rule():
     ptpc never does. The layers' rule follows: 64 rows where the vendor path takes the K, one where
     it does not (mxfp8: the layers pass the copy)."""
     from kernels_fused.hopper import decode as D
+    from kernels_fused.hopper import vendor
 
+    assert [vendor.padded_rows(q, m) for q in ("ptpc", "blockscale", "mxfp8") for m in (1, 4, 5)] == [
+        1, 4, 5, 4, 4, 8, 1, 4, 5]  # (the benchmarks pad with it too)
     assert [D.vendor_rows("blockscale", m, 512, 0) for m in (1, 2, 4, 5, 17, 64)] == [0, 4, 4, 8, 20, 64]
     assert D.vendor_rows("blockscale", 5, 384, 0) == D.vendor_rows("blockscale", 5, 2304, 0) == 0
     assert D.vendor_rows("blockscale", 5, 512, -1) == 0

@@ -943,6 +943,40 @@ def test_all_gather_puts_rows_before_any_wait_and_consumes_each_chunk_after_its_
         sched.put[peer][0]].name))
 
 
+@pytest.mark.parametrize("rank", [0, 1, 3])
+def test_all_gather_zeroes_every_sources_flags_and_the_peers_finish_words_with_one_memset_each(monkeypatch, rank):
+    """At four ranks the all-gather's main stream zeroes the call's scatter flags of all three
+    sources with ONE memset spanning their rows (after the last wait, before any peer is told), and
+    the three peers' finish words with one (after the end's block wait, before the stamp check):
+    two memsets where six were issued. The span covers exactly the rows from the lowest source to
+    the highest, its last row up to the call's chunks; no other word of the window is zeroed."""
+    log = _Log()
+    world = 4
+    sched, plan, window = _schedule(monkeypatch, log, gather="bf16", pattern="all-gather", world=world, rank=rank)
+    sched.flag_by_copy = True
+    out = torch.zeros(*layout.out_shape(sched.cfg, plan.m), dtype=torch.bfloat16)
+    del log.ops[:]
+    sched.begin(plan)
+    sched.gather_inputs(plan, out=out, consume_own=lambda: None, consume=None,
+                        consume_all=lambda: log.ops.append((log.current.name, "gemm")))
+    main = [op[1:] for op in log.ops if op[0] == "main"]
+    sources = [s for s in range(world) if s != rank]
+    lo, hi = min(sources), max(sources)
+    fills = [op for op in main if op[0] == "fill"]
+    scatter = ("fill", _addr(sched.scatter_flags, layout.counter_index(lo, 0)), 0,
+               (layout.counter_index(hi, plan.chunks - 1) + 1 - layout.counter_index(lo, 0)) * 8)
+    finish = ("fill", _addr(sched.gather_flags, layout.counter_index(lo, 0)), 0,
+              (layout.counter_index(hi, 0) + 1 - layout.counter_index(lo, 0)) * 8)
+    assert fills == [scatter, finish]
+    blocks = [i for i, op in enumerate(main) if op[0] == "wait_block"]
+    assert len(blocks) == 2  # every peer's rows, then every peer's finish word
+    told = [i for i, op in enumerate(main) if op[0] == "copy" and op[3] == 8 and op[1] in {
+        _peer_words(sched, window, "gather_flags", p, layout.counter_index(rank, 0)) for p in sources}]
+    assert len(told) == 3
+    assert blocks[0] < main.index(scatter) < min(told) and max(told) < blocks[1] < main.index(finish)
+    assert main.index(finish) < main.index(("check_stamps", out.data_ptr()))
+
+
 # --------------------------------------------------------------------------------------------------
 # the sequence-parallel schedules run by two ranks on the host: streams, events and memory
 # operations executed, not only recorded

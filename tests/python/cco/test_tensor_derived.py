@@ -68,6 +68,44 @@ def test_weight_derived_is_not_fooled_by_swapped_data():
     assert torch.equal(cache.get((w,), lambda: w * 2), torch.full((4096,), 4.0))
 
 
+def test_weight_derived_last_entry_is_checked_like_any_and_holds_nothing_let_go():
+    """The entry the last call returned is tried first (a decode layer asks for its own weight on
+    every call): it is returned only for the same tensor objects at the same stamp (a write in place,
+    the scales given new bytes alone, or another tensor misses it), and it holds nothing the store
+    has let go: the value of a weight that died, or of one pushed out past ``kept``, is freed."""
+    import gc
+    import weakref
+
+    store, made = WeightDerived(kept=2), []
+
+    def derive():
+        made.append(1)
+        return torch.zeros(1024)
+
+    w = (torch.ones(4), torch.ones(2))
+    first = store.get(w, derive)
+    assert store.get(w, derive) is first and store.get(w, derive) is first and len(made) == 1
+    w[1].data = w[1].data.clone()  # the scales' new bytes alone, no version moved
+    second = store.get(w, derive)
+    assert second is not first and len(made) == 2
+    w[0].add_(1)
+    assert store.get(w, derive) is not second and len(made) == 3
+    assert store.get((w[0].view(4), w[1]), derive) is not None and len(made) == 4  # other objects, the same stamp
+    value = weakref.ref(store.get(w, derive))  # (the last call's entry again: w's)
+    assert len(made) == 4
+    del w, first, second
+    gc.collect()
+    assert value() is None  # the weight died: its value went, the last entry too
+    a, b, c = ((torch.full((4,), float(i)), torch.ones(2)) for i in range(3))
+    value = weakref.ref(store.get(a, derive))
+    store.get(b, derive)
+    store.get(a, derive)  # a is the last entry again ...
+    store.get(c, derive)  # ... and c pushes one out past kept=2
+    gc.collect()
+    kept = {id(x) for x in (store.get(b, derive), store.get(c, derive))}
+    assert len(kept) == 2 and value() is None  # a, the oldest, went: its value is freed
+
+
 def test_weight_derived_refreshes_its_value_in_place_where_asked():
     """With ``refresh``, a kept weight's value is brought up to date in place when the weight is
     written in place or given new bytes (the same value object: a CUDA graph captured over it keeps
