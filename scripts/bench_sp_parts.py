@@ -21,8 +21,9 @@ a call issues:
   slice is released. The puts to the peers are not issued: one GPU has no link to time them on. The
   line shows the rule's arm, then the forced ones.
 - ``ag``: the all-gather's call (``CudaBackend.all_gather_gemm``) with the peers' rows already in
-  the window's slots: the own rows copied into the own slot and their GEMM, then the rule's GEMMs
-  over the peers' rows in the order their flags would arrive, the stamp check. The rule: a GEMM per
+  the window's slots: the own rows copied into the own slot and their GEMM (on a stream of its own,
+  beside the rest: ``cco.cuda.dma``'s module note), the rule's GEMMs over the peers' rows in the
+  order their flags would arrive, the stamp check. The rule: a GEMM per
   group of each peer's consecutive chunks (``AG_CONSUMER_ROWS``), or, where each peer's rows are one
   group, one GEMM over every peer's slots after the last wait (``CudaBackend.consumer_merges``; rank
   0 here: the peers' slots are one block, 2 GEMMs in all). Forced: ``ag chunks`` a GEMM per chunk
@@ -108,7 +109,11 @@ def parse_args(argv=None):
     p.add_argument("--json", help="write every record here")
     p.add_argument("--plot", help="write the ratios over M to this PNG")
     p.add_argument("--from", dest="from_json", help="plot these --json files (comma list) instead of measuring")
+    p.add_argument("--compare", help="BEFORE.json,AFTER.json: with --plot, draw each cell's ratio in both runs side "
+                                     "by side instead of measuring")
     args = p.parse_args(argv)
+    if args.compare and (len(args.compare.split(",")) != 2 or not args.plot):
+        p.error("--compare takes two --json files, BEFORE,AFTER, and needs --plot")
     if any(w < 2 for w in args.tp):
         p.error(f"--tp {args.tp}: a collective needs at least 2 owners")
     uneven = [(m, w) for m in args.m for w in args.tp if m % w or m < w]
@@ -368,8 +373,8 @@ def measure(args, dev) -> list[dict]:
             for tp in args.tp for ms in ([[m] for m in args.m] if pat == "ag" else [args.m])]
     done, total = 0, sum(len(ms) for *_, ms in todo)
     print("One GPU, W owners as rank 0 of W: no puts, no waits on peers (no link to time). rs-rows: the "
-          "producer until every slice is released; ag: the consumer's GEMMs, own rows first; whole: one vendor "
-          "GEMM of every row.\n"
+          "producer until every slice is released; ag: the consumer's GEMMs, own rows beside the peers'; "
+          "whole: one vendor GEMM of every row.\n"
           "pattern  quant      shape (per-rank GEMM)                  M        W (GEMMs issued): arm us (whole us) | "
           "arm/whole, lower is better | range over passes", flush=True)
     for pattern, quant, model, tp, ms in todo:
@@ -437,14 +442,54 @@ def plot(runs: list[dict], path: str) -> None:
         ax.set_xlabel("M (tokens of the sequence)")
         ax.set_ylabel("time / whole vendor GEMM (lower is better)")
         ax.set_title("reduce-scatter rows: producer until every slice is released" if pattern == "rs-rows" else
-                     "all-gather: the consumer's GEMMs (own rows first)", fontsize=10)
+                     "all-gather: the consumer's GEMMs (own rows beside the peers')", fontsize=10)
         ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def plot_compare(before: list[dict], after: list[dict], path: str, labels=("before", "after")) -> None:
+    """Each cell (pattern, quant, shape, M) of both runs: its ratio to the whole GEMM in ``before``
+    and ``after`` side by side (error bars the range over passes), one panel per M, the target
+    dashed: 36 pairs read as a picture, not a table."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def cells(runs):
+        return {(r["pattern"], r["quant"], r["shape"], r["m"]): r["ratio"] for r in runs if "ratio" in r}
+
+    old, new = cells(before), cells(after)
+    keys = [k for k in old if k in new]
+    ms = sorted({k[3] for k in keys})
+    fig, axes = plt.subplots(len(ms), 1, figsize=(14, 4.5 * len(ms)), squeeze=False)
+    for ax, m in zip(axes[:, 0], ms):
+        mine = [k for k in keys if k[3] == m]
+        for shift, runs, label, color in ((-0.18, old, labels[0], "tab:gray"), (0.18, new, labels[1], "tab:blue")):
+            y = [runs[k]["median"] for k in mine]
+            err = [[v - runs[k]["min"] for v, k in zip(y, mine)], [runs[k]["max"] - v for v, k in zip(y, mine)]]
+            ax.errorbar([i + shift for i in range(len(mine))], y, yerr=err, fmt="o", capsize=2, color=color,
+                        label=label)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.axhline(TARGET, color="red", linewidth=0.8, linestyle="--", label=f"target {TARGET}")
+        ax.set_xticks(range(len(mine)))
+        ax.set_xticklabels([f"{q}\n{shape.split()[0]}\n{shape.split()[2]}" for _, q, shape, _ in mine], fontsize=7)
+        ax.set_ylabel("time / whole vendor GEMM (lower is better)")
+        ax.set_title(f"M = {m} tokens", fontsize=10)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.compare:
+        from scripts.bench_gemm import runs_from_json
+
+        before, after = args.compare.split(",")
+        plot_compare(runs_from_json(before), runs_from_json(after), args.plot)
+        return
     if args.from_json:
         from scripts.bench_gemm import runs_from_json
 

@@ -33,10 +33,12 @@ consumed flag's reset is a memset (``cuMemsetD8Async``: half a write-value's dev
 SM spins beside the GEMM, so nothing here can starve it of multiprocessors (the one-warp spin
 kernels of ``memops`` stand in only where a driver cannot capture stream memory operations into a
 graph). The one spin by design is the all-gather's block wait (``_wait_block``) on the call's own
-stream, between the own rows' GEMM and the peers' (and before its end's wait for every peer): the
-call runs nothing on the multiprocessors while it waits, and its puts need none. A spin on a side
-stream could take the multiprocessor a persistent GEMM's last block needs, whose tiles a peer
-waits for before it sets what the spin waits for.
+stream, before the peers' GEMMs (and before its end's wait for every peer): its puts need no
+multiprocessor, and the one GEMM that may run beside it, the own rows', is awaited by no peer (the
+puts carry input rows, not its output), so an SM the spin holds can only delay it. A spin beside a
+GEMM whose tiles a peer waits for (the all-reduce's, the reduce-scatter's) could take the
+multiprocessor that GEMM's last block needs while the peer waits for those tiles before it sets
+what the spin waits for: those patterns keep stream waits.
 "Set" a peer's flag is a write of ``FLAG_SET`` into its memory or (``flag_by_copy``) an 8-byte
 copy of a local word holding it, queued on the copy engine behind the data (``FLAG_BY_COPY``).
 
@@ -79,17 +81,24 @@ return while a peer fails the same call). Along rows (``scatter_dim=0``) a slice
 every column, produced by one GEMM per group of a dest's chunks (:meth:`CopyEngineSchedule.produce`). The
 all-gather (:meth:`CopyEngineSchedule.gather_inputs`) moves inputs instead::
 
-    main      : stamp | own rows -> a_rows[r] (+ scales) | event inputs_ready | GEMM own rows
+    main      : stamp | own rows -> a_rows[r] (+ scales) | event inputs_ready
                 | for c, for src: wait scatter_flags[src,c] >= 1 ; GEMM rows c of src
                   (or one spin launch waiting for every flag, then the GEMMs: _wait_block)
                 | scatter_flags[src, 0..C-1] = 0 (every src: one memset over their rows)
                 | set peer.gather_flags[r,0] (each peer) ; wait gather_flags[p,0] >= 1 (each, then = 0)
-                | join the put streams | stamp check (NaN out, status, on another (seq, M))
+                | join the put streams and the own GEMM's | stamp check (NaN out, status, on another
+                  (seq, M))
+    own       : wait inputs_ready ; GEMM own rows (``produce_sides[0]``)
     put[p][l] : wait inputs_ready ; for c: (first: copy stamp -> peer.scatter_m[r]) ; copy rows c
                 (+ scales) -> peer.a_rows[r] ; set peer.scatter_flags[r,c]
 
 Its waits sit on the call's stream (the GEMM of a chunk needs them there anyway); every put is
-submitted before the first of them (``submission_order``'s rule).
+submitted before the first of them (``submission_order``'s rule). The own rows' GEMM runs on a
+stream of its own, beside the waits and the peers' GEMMs rather than before them: it overlaps the
+puts either way, and where the peers' rows land before it ends (a fast link; every peer's at once,
+one GPU timing the consumer) the peers' GEMM fills the multiprocessors its last partial wave leaves
+idle instead of waiting for it (DeepSeek-V3 at W = 8, 4096 tokens: 512 own rows, 72 tiles of 132
+SMs; docs/BENCHMARKS.md).
 
 Deadlines (``marks``, ``cco.cuda.watchdog``): the assemble stream writes the call's "in call" mark
 before any wait of the call and, once the reduce stream's last chunk is done and its own waits
@@ -546,8 +555,12 @@ class CopyEngineSchedule:
                 self._put(plan, p, c, lane, self._input_blocks(plan, p, c), stamp=c < self.lanes)
         for s in puts:
             self.done[s].record(s)
-        if consume_own is not None:
-            consume_own()
+        own = self.produce_sides[0]
+        if consume_own is not None:  # beside the peers' GEMMs, not before them (module note)
+            own.wait_event(self.inputs_ready)
+            with torch.cuda.stream(own):
+                consume_own()
+            self.produced[0].record(own)
         sources = layout.input_order(self.rank, self.world)[1:]
         if consume is None:  # nothing consumed before every chunk is in: one wait for all of them
             self._wait_block(main, self.scatter_flags, plan.chunks)
@@ -564,6 +577,8 @@ class CopyEngineSchedule:
         self._finish_wait(main, block=True)
         for s in puts:
             main.wait_event(self.done[s])
+        if consume_own is not None:
+            main.wait_event(self.produced[0])
         if assemble is not None:
             assemble()
         if out is not None:
@@ -735,8 +750,8 @@ class CopyEngineSchedule:
     def _finish_wait(self, stream, *, block: bool = False) -> None:
         """Wait until every peer finished the call (its ``gather_flags[p, 0]`` here, then = 0): the
         end of a call of a pattern without a gather phase (module note). ``block``: one spin launch
-        for every peer's word (``_wait_block``) where there are two or more; only where ``stream``
-        is the call's own and no GEMM of the call runs beside it (the all-gather's end: module note)."""
+        for every peer's word (``_wait_block``) where there are two or more; only where no GEMM
+        that a peer waits for runs beside it (the all-gather's end: module note)."""
         if block and len(self.peers) > 1:
             self._wait_block(stream, self.gather_flags, 1)
         else:

@@ -211,6 +211,25 @@ def test_plot_from_json_writes_a_png(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_compare_draws_two_runs_cells_side_by_side(tmp_path, capsys):
+    """``--compare BEFORE,AFTER --plot`` draws the cells both runs hold (a cell one run lacks, or a
+    failed one, is left out) without a GPU; it needs exactly two files and a --plot."""
+    def run(shift, extra=()):
+        rows = [{"pattern": "ag", "quant": q, "model": "llama3-70b", "shape": f"llama3-70b gate_up TP{w} N=1 K=1",
+                 "world": w, "m": m, "ratio": {"median": 1.1 - shift, "min": 1.0, "max": 1.2}}
+                for q in ("ptpc", "mxfp8") for w in (4, 8) for m in (4096, 16384)]
+        return {"runs": rows + list(extra)}
+    before, after, png = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "cmp.png"
+    before.write_text(json.dumps(run(0.0, [{"pattern": "ag", "quant": "blockscale", "error": "check failed"}])))
+    after.write_text(json.dumps(run(0.05)))
+    sp.main(["--compare", f"{before},{after}", "--plot", str(png)])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for argv in (["--compare", str(before), "--plot", str(png)], ["--compare", f"{before},{after}"]):
+        with pytest.raises(SystemExit):
+            sp.parse_args(argv)
+        assert "--compare" in capsys.readouterr().err
+
+
 def test_measure_checks_and_records_every_shape_on_the_host(monkeypatch, capsys):
     """The sweep's driver end to end on the host (the backend of test_dma_schedule at small shapes,
     graph capture and timing replaced by one call of each arm and made-up pass times): one line per

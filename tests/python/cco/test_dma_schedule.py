@@ -613,6 +613,12 @@ def test_cuda_backend_all_gather_gemm_on_the_host(monkeypatch, quant, mode, leas
     if mode == "split":
         assert [g[1] for g in gemms] == ([WORLD * m] if m == cfg.slice_m_max else [m] * WORLD)
         return
+    # the own rows' GEMM on its own stream, issued before the first wait on a peer (module note)
+    own = [op[1:] for op in log.ops if op[0] == sched.produce_sides[0].name and op[1] == "gemm"]
+    first_wait = next(i for i, op in enumerate(log.ops) if op[0] == "main" and op[1] in ("wait", "wait_block")
+                      and op[3] == 1)  # (not the construction's warm-up of the block wait)
+    assert log.ops.index((sched.produce_sides[0].name, *own[0])) < first_wait
+    gemms = own + gemms
     groups = consumer_groups(plan.rows, AG_CONSUMER_ROWS[quant] if least is None else backend.consumer_rows)
     assert len(groups) == (1 if least is None else plan.chunks if least == 1 else len(groups))
     assert plan.chunks == 2 and (least != "chunk" or len(groups) == 2)  # the cases this test means to cover
@@ -621,21 +627,20 @@ def test_cuda_backend_all_gather_gemm_on_the_host(monkeypatch, quant, mode, leas
         for c0, c1 in groups]
     waits = [i for i, op in enumerate(main) if op[0] == "wait" and op[1] in
              [_addr(sched.scatter_flags, layout.counter_index(peer, c)) for c in range(plan.chunks)]]
-    assert main.index(gemms[0]) < waits[0]  # the own rows while the puts fly
     for (c0, c1), gemm in zip(groups, gemms[1:]):
         assert waits[c1 - 1] < main.index(gemm) and (c1 == plan.chunks or main.index(gemm) < waits[c1])
 
 
 def _recorded_row_gemms(monkeypatch, backend, log):
-    """The backend's row GEMM, each call logged on the call's stream as ("main", "gemm", rows,
-    output address) before it runs."""
+    """The backend's row GEMM, each call logged on the stream it is issued on as (stream name,
+    "gemm", rows, output address) before it runs."""
     inner = backend._rows_gemm
 
     def rows_gemm(b_pre, b_scale):
         gemm = inner(b_pre, b_scale)
 
         def recorded(a, a_scale, out):
-            log.ops.append(("main", "gemm", a.shape[0], out.data_ptr()))
+            log.ops.append((log.current.name, "gemm", a.shape[0], out.data_ptr()))
             gemm(a, a_scale, out)
         return recorded
 
@@ -691,7 +696,9 @@ def test_all_gather_merges_the_peers_gemms_after_the_last_wait(monkeypatch, quan
 
     flags = {_addr(sched.scatter_flags, layout.counter_index(src, c)): (src, c)
              for src in range(world) for c in range(plan.chunks)}
-    got = [op[1:] for op in log.ops if op[0] == "main" and (
+    own = sched.produce_sides[0].name  # the own rows' GEMM's stream (module note), the rest on the call's
+    assert [op[1:] for op in log.ops if op[0] == own and op[1] == "gemm"] == [("gemm", m, at(rank * m))]
+    got = [op[1:] for op in log.ops if op[0] in ("main", own) and (
         op[1] == "gemm" or op[1] == "wait" and op[2] in flags or op[1] == "wait_block" and set(op[2]) <= set(flags))]
     order = [(src, c) for c in range(plan.chunks) for src in layout.input_order(rank, world)[1:]]
     want = [("gemm", m, at(rank * m))]
@@ -919,9 +926,17 @@ def test_all_gather_puts_rows_before_any_wait_and_consumes_each_chunk_after_its_
             later = [i for i, op in enumerate(main) if op[0] == "wait" and i > wait]
             assert not later or main.index(("gemm", peer, c)) < later[0]  # consumed as it lands
     flag_words = {_addr(sched.scatter_flags, i) for i in range(sched.scatter_flags.numel())}
-    if fused:
-        first_wait = wait_for(_addr(sched.scatter_flags, layout.counter_index(peer, 0)))
-        assert main.index(("gemm", RANK, None)) < first_wait  # the own rows first, while the puts fly
+    if fused:  # the own rows' GEMM on a stream of its own, started after the own rows are in the
+        # window (inputs_ready) and before any wait (so beside the puts and the peers' GEMMs), joined
+        # into the call's stream before the stamp check writes out
+        own = sched.produce_sides[0].name
+        own_ops = [op[1:] for op in log.ops if op[0] == own]
+        assert own_ops == [("wait_event", sched.inputs_ready.name), ("gemm", RANK, None),
+                           ("record", sched.produced[0].name)]
+        at = log.ops.index((own, "gemm", RANK, None))
+        assert at < next(i for i, op in enumerate(log.ops) if op[0] == "main" and op[1] in ("wait", "wait_block"))
+        assert ("gemm", RANK, None) not in main
+        assert main.index(("wait_event", sched.produced[0].name)) < main.index(("check_stamps", out.data_ptr()))
     else:  # one wait for every chunk (nothing consumed before all are in), then the GEMM
         (block,) = [op for op in main if waited(op) & flag_words]
         assert block == ("wait_block", tuple(_addr(sched.scatter_flags, layout.counter_index(peer, c))
