@@ -58,7 +58,7 @@ columns the same producers, along rows the kernel producer walking row slices or
 a dest's consecutive chunks of A's rows, ``RS_PRODUCER_ROWS``; ``RS_ROWS_PRODUCER`` picks by the rows
 of such a GEMM: ``_produce``);
 the all-gather puts its rows and scales on the copy engines and runs the GEMM of each peer's chunks
-as they land, its own rows first (fused: one GEMM per group of a source's consecutive chunks,
+as they land, its own rows' GEMM beside them on a stream of its own (fused: one GEMM per group of a source's consecutive chunks,
 ``AG_CONSUMER_ROWS``, or where each source is one group and the slots hold no pad rows one GEMM
 over the peers' slots on each side of the own one after the last wait: ``CudaBackend.consumer_merges``),
 or of every row once all landed (split). Both run on the
@@ -687,7 +687,8 @@ class CudaBackend(Backend):
     def all_gather_gemm(self, a, b_pre, a_scale, b_scale, *, out, plan, gathered=None):
         """The all-gather + GEMM (``cco.cuda.dma.CopyEngineSchedule.gather_inputs``): the own rows
         into the window's own slot (the puts read them there, so the side work's addresses are the
-        same every call), the own rows' GEMM while the puts fly, then each peer's chunks as they land, a
+        same every call), the own rows' GEMM while the puts fly (on a stream of its own, so that it also
+        runs beside the peers' GEMMs), then each peer's chunks as they land, a
         GEMM per group of them (``consumer_groups``: at least ``AG_CONSUMER_ROWS`` rows each) once the
         group's last chunk is in; or, where each peer's rows are one group and the slots hold no pad
         rows (``consumer_merges``), one GEMM over the peers' slots before the own one and one over

@@ -530,8 +530,9 @@ class CopyEngineSchedule:
                       assemble=None) -> None:
         """The all-gather's call after :meth:`begin` and the own rows' copy into ``a_rows[rank]``
         (module note): the puts of the own rows to every peer, chunk by chunk, on the put streams;
-        on the call's stream ``consume_own()`` (the own rows' GEMM), then per (chunk, source) the
-        wait for its rows and ``consume(src, chunk)`` (that chunk's GEMM); or (``consume`` None:
+        ``consume_own()`` (the own rows' GEMM) on a stream of its own, beside what follows; on the
+        call's stream per (chunk, source) the wait for its rows and ``consume(src, chunk)`` (that
+        chunk's GEMM); or (``consume`` None:
         split mode, or a consumer that merges every peer's rows) one wait for every chunk and
         ``consume_all()``; then the end of the call: every peer told this rank has
         its rows, the wait for every peer's word, ``assemble()`` (the gathered input), the stamp
