@@ -67,6 +67,7 @@ import torch
 from cco import layout
 from cco import quant as Q
 from cco.backends.cuda import AG_CONSUMER_ROWS, PRODUCERS, RS_PRODUCER_ROWS, consumer_groups, rows_producer
+from cco.cuda.dma import MAX_PRODUCER_STREAMS
 
 MODELS = {"llama3-70b": (8192, 28672), "deepseek-v3": (7168, 18432)}  # (hidden, intermediate) of the MLP
 PATTERNS = {"rs-rows": "reduce-scatter-rows", "ag": "all-gather"}  # this script's names -> cco's
@@ -106,6 +107,9 @@ def parse_args(argv=None):
     p.add_argument("--flags-landed", action="store_true",
                    help="ag: set every peer's flags of a call before it and run its waits on them (the call's "
                         "waits once every peer's rows have landed), instead of dropping the waits")
+    p.add_argument("--producer-streams", type=_list(int, range(1, MAX_PRODUCER_STREAMS + 1)), default=[],
+                   help="rs-rows: the vendor producer also dealt to each of these many streams (extra arms; "
+                        "the call's own: cco.cuda.dma.PRODUCER_STREAMS)")
     p.add_argument("--json", help="write every record here")
     p.add_argument("--plot", help="write the ratios over M to this PNG")
     p.add_argument("--from", dest="from_json", help="plot these --json files (comma list) instead of measuring")
@@ -219,10 +223,12 @@ def sampled_terms(p: Q.Problem, idx: torch.Tensor):
     return budget_terms(Q.Problem(p.quant, _pick(p.a, idx), p.b, _pick(p.a_scale, idx), p.b_scale))
 
 
-def sp_arms(pattern: str, backend, sets: list[Q.Problem], m: int, dev, landed: bool = False) -> dict:
+def sp_arms(pattern: str, backend, sets: list[Q.Problem], m: int, dev, landed: bool = False,
+            streams=()) -> dict:
     """name -> (call(i), read(output of call, rows idx) -> (those rows of the [M, N] product, wrong
     counters)): the pattern's arm through ``backend`` and ``whole``; ``sets`` share one weight and
-    have ``m`` rows, the tokens of the whole sequence."""
+    have ``m`` rows, the tokens of the whole sequence. ``streams``: rs-rows' vendor producer also
+    dealt to each of these many producer streams (``CopyEngineSchedule.producer_streams``)."""
     from kernels_fused.hopper import vendor
 
     cfg, world, rank = backend.config, backend.world, backend.rank
@@ -243,13 +249,17 @@ def sp_arms(pattern: str, backend, sets: list[Q.Problem], m: int, dev, landed: b
     if pattern == "rs-rows":
         plan = layout.plan_call(cfg, m=m, seq=1, rank=rank, counter_base=base)
 
-        def producing(producer, least=None):
+        sch, dealt = backend.schedule, backend.schedule.producer_streams
+
+        def producing(producer, least=None, on=None):
             def rs(i):
                 p, backend.producer, backend.producer_rows = sets[i], producer, least
+                sch.producer_streams = dealt if on is None else on
                 try:
                     return backend._produce(p.a, p.b, p.a_scale, p.b_scale, plan)
                 finally:
                     backend.producer = backend.producer_rows = None
+                    sch.producer_streams = dealt
             return rs
 
         def rs_read(planes, idx):
@@ -263,6 +273,8 @@ def sp_arms(pattern: str, backend, sets: list[Q.Problem], m: int, dev, landed: b
         for producer in PRODUCERS:
             arms[f"{pattern} {producer}"] = (producing(producer), rs_read)
         arms[f"{pattern} vendor chunks"] = (producing("vendor", 1), rs_read)
+        for on in streams:
+            arms[f"{pattern} vendor streams{on}"] = (producing("vendor", on=on), rs_read)
         return arms
     rows = m // world
     plan = layout.plan_call(cfg, m=rows, seq=1, rank=rank, counter_base=base)
@@ -329,7 +341,7 @@ def run_shape(args, backend, pattern, sets, m, dev, label) -> dict:
     """One (pattern, quant, shape, M, W): the arms checked, timed and printed; the record."""
     from cco.bench.timing import gemm_mismatches, graphed, per_pass_ratio, time_arms
 
-    arms = sp_arms(pattern, backend, sets, m, dev, landed=args.flags_landed)
+    arms = sp_arms(pattern, backend, sets, m, dev, landed=args.flags_landed, streams=args.producer_streams)
     idx = check_rows(m).to(dev)
     ref, dot_abs = sampled_terms(sets[0], idx)
     bad = {}

@@ -14,6 +14,7 @@ import torch
 
 from cco import layout
 from cco import quant as Q
+from cco.cuda import dma
 from scripts import bench_sp_parts as sp
 
 
@@ -118,8 +119,9 @@ def test_arms_issue_the_backends_gemm_calls_and_pass_their_checks(monkeypatch, p
         return real(a, a_scale, weight, out=out, fast_accum=fast_accum)
 
     monkeypatch.setattr(vendor, "vendor_gemm", recording)
-    arms = sp.sp_arms(pattern, backend, sets, m, cpu)
-    assert list(arms) == (["whole", pattern, f"{pattern} kernel", f"{pattern} vendor", f"{pattern} vendor chunks"]
+    arms = sp.sp_arms(pattern, backend, sets, m, cpu, streams=(1, 3))
+    assert list(arms) == (["whole", pattern, f"{pattern} kernel", f"{pattern} vendor", f"{pattern} vendor chunks",
+                           f"{pattern} vendor streams1", f"{pattern} vendor streams3"]
                           if pattern == "rs-rows"
                           else ["whole", pattern, f"{pattern} chunks", f"{pattern} sources", f"{pattern} merged"])
     idx = sp.check_rows(m)
@@ -144,6 +146,9 @@ def test_arms_issue_the_backends_gemm_calls_and_pass_their_checks(monkeypatch, p
         assert len(issued[f"{pattern} vendor chunks"]) == world * plan.chunks  # a GEMM per (owner, chunk)
         assert issued[pattern] == issued[f"{pattern} {rows_producer(cfg, m)}"]
         arm_calls = issued[f"{pattern} vendor"]
+        # the same GEMMs dealt to other streams (the call's own count restored after each)
+        assert issued[f"{pattern} vendor streams1"] == issued[f"{pattern} vendor streams3"] == arm_calls
+        assert sched.producer_streams == dma.PRODUCER_STREAMS
         backend.producer = "vendor"  # the backend's own call with the producer the arm compares
     else:
         arm_calls = issued[pattern]
@@ -285,8 +290,8 @@ def test_measure_checks_and_records_every_shape_on_the_host(monkeypatch, capsys)
 
     real = sp.sp_arms  # an arm that writes the wrong rows is caught, and only that shape fails
 
-    def wrong(pattern, backend, sets, m, dev, landed=False):
-        arms = real(pattern, backend, sets, m, dev, landed=landed)
+    def wrong(pattern, backend, sets, m, dev, landed=False, streams=()):
+        arms = real(pattern, backend, sets, m, dev, landed=landed, streams=streams)
         call, read = arms[pattern]
         arms[pattern] = (call, lambda got, idx: read(got, idx.flip(0)))
         return arms
