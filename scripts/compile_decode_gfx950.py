@@ -1,0 +1,217 @@
+"""The decode path's Triton kernels compiled for gfx950 (MI355X) on the host, no GPU::
+
+    python3 -m scripts.compile_decode_gfx950 [--quant ptpc] [-m 1,8] [--shapes 8b-down] [--json out.json]
+
+The layer's decode calls (``kernels_fused.hopper.decode``: the one-row GEMM, the rows kernel, ptpc's
+MMA over quantized rows and its one-launch form, the activation quantizer's launches) are Triton,
+which targets gfx950 too, but only NVIDIA runs them today (``cco.nn.parallel_linear.decode_gemm_for``)
+and no AMD GPU is here to run them. This compiles, for each quant, row count and shape below, every
+launch the decode path builds for it (its kernel, launch options and constexprs, taken from
+``decode._Launch`` and ``quantize.launch_for`` as built for a call, not restated here) for
+``GPUTarget("hip", "gfx950", 64)``, and reads the code object's resource counts: VGPRs / AGPRs,
+SGPRs, spills, scratch, LDS, and whether the MMA kernels use gfx950's fp8 MFMA. A launch fails the
+check where it does not compile, spills VGPRs, needs scratch, needs more LDS than a gfx950 CU has
+(160 KiB), or where an MMA kernel issues no fp8 MFMA (a fallback to FMAs). Nothing compiled here is
+launched. Integer arguments are specialized as a launch would (1 as a constant, multiples of 16 as
+divisible), pointers as 16-byte aligned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+import torch
+
+from cco.quant import _TINY, FP8, FP8_MAX, QUANTS
+
+SHAPES = {"8b-down": (4096, 14336), "8b-o": (4096, 4096), "70b-down-tp8": (8192, 3584)}  # (N, K)
+ROWS = (1, 8, 32, 64)  # one row, the rows kernel's or MMA's 16 wide, its 32 and 64 wide forms
+MMA_KERNELS = ("decode_rows_kernel", "decode_mma_rows_kernel", "decode_ptpc_kernel")  # tensor-core kernels
+LDS_BYTES = 160 * 1024  # a gfx950 CU's local data share
+TARGET = ("hip", "gfx950", 64)
+_TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", FP8: "fp8e4nv", torch.uint8: "u8", torch.int32: "i32"}
+
+
+def _decode():
+    from kernels_fused.hopper import decode as D
+
+    return D
+
+
+def launches(quant: str, m: int, n: int, k: int, dense: bool | None = None) -> list[tuple[str, object, tuple]]:
+    """``(label, Kernel, args)`` of every launch a decode call of ``m`` rows of ``quant`` over an
+    [n, k] weight (with a bias) builds, and of the activation quantizer's launches for ``m`` rows (the
+    general path's), args in the kernel's order with dummy tensors of the real dtypes. ``dense``
+    (mxfp8): the weight passed is its bf16 copy (None: as the layers pass it, from two rows on)."""
+    from kernels_fused.hopper import quantize as QZ
+
+    D = _decode()
+    e = torch.empty
+    x, w, bias = e(1, dtype=torch.bfloat16), e(1, dtype=FP8), e(1, dtype=torch.bfloat16)
+    w_scale = e(1, dtype=torch.uint8) if quant == "mxfp8" else e(1, dtype=torch.float32)
+    out, q, sa = e(1, dtype=torch.bfloat16), e(1, dtype=FP8), e(1, dtype=torch.float32)
+    resident, D.resident_programs = D.resident_programs, lambda device: 256  # gfx950: 256 CUs, one program each
+    try:
+        if dense is None:
+            dense = quant == "mxfp8" and m > 1  # the layers pass mxfp8's rows the weight's bf16 copy
+        launch = D._Launch(m, k, k, n, quant, True, -1, dense=dense)
+    finally:
+        D.resident_programs = resident
+    found = []
+    if launch.one is not None:
+        found.append(("decode one launch", launch.one, launch._one(x, q, w, w_scale, bias, out,
+                                                                   e(1, dtype=torch.int32), k)))
+    scales = e(1, dtype=torch.uint8) if quant == "mxfp8" else sa  # the quantizer's scales (mxfp8: e8m0 bits)
+    if launch.quantize is not None:
+        if launch.vendor and quant == "mxfp8":  # the rows written dequantized to bf16, no scales
+            rows_bf16 = e(1, dtype=torch.bfloat16)
+            found.append(("decode quantizer (bf16 rows)", launch.quantize, launch._quantize(x, rows_bf16, rows_bf16, k)))
+        else:
+            found.append(("decode quantizer", launch.quantize, launch._quantize(x, q, scales, k)))
+    if launch.kernel is not None:
+        if launch.quantize is not None:
+            found.append(("decode MMA over quantized rows", launch.kernel, launch._mma(q, sa, w, w_scale, bias, out)))
+        else:
+            scale_stride = {"ptpc": 1, "blockscale": k // 128, "mxfp8": k // 32}[quant]  # w_scale's row stride
+            name = "decode rows kernel" if 1 < m <= D.rows_max(quant) else "decode one-row GEMM (a program a row)"
+            found.append((name, launch.kernel, launch._row(x, w, w_scale, bias, out, k, scale_stride)))
+    for split in ((False, True) if quant == "ptpc" else (False,)):
+        kernel, consts = QZ.launch_for(quant, split, m, k, k)
+        found.append((f"quantizer{' (split rows)' if split else ''}", kernel,
+                      (x, q, scales, m, m, k, k, k, _TINY, FP8_MAX, *consts)))
+    return found
+
+
+def signature(fn, args) -> tuple[dict, dict, dict]:
+    """Triton's signature, constexprs and attributes for calling ``fn`` with ``args`` as a launch
+    specializes them: tensors as 16-byte aligned pointers of their dtype, an int 1 as a constant,
+    an int that 16 divides as divisible, floats fp32."""
+    if len(args) != len(fn.params):
+        raise ValueError(f"{fn.__name__}: {len(args)} arguments for {len(fn.params)} parameters")
+    sig, consts, attrs = {}, {}, {}
+    for i, (param, value) in enumerate(zip(fn.params, args)):
+        name = param.name
+        if param.is_constexpr:
+            sig[name], consts[name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            sig[name] = "*" + _TYPES[value.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, bool):
+            sig[name], consts[name] = "constexpr", value
+        elif isinstance(value, int):
+            if value == 1:
+                sig[name], consts[name] = "constexpr", 1
+            else:
+                sig[name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
+                if value % 16 == 0:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "fp32"
+    return sig, consts, attrs
+
+
+def compile_gfx950(kernel, args) -> dict:
+    """Compile ``kernel`` (a ``launch.Kernel``) with ``args`` for gfx950; its resource counts."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    jit = kernel.fn
+    sig, consts, attrs = signature(jit, args)
+    options = {key: value for key, value in kernel.options.items() if key in ("num_warps", "num_stages")}
+    compiled = triton.compile(ASTSource(fn=jit, signature=sig, constexprs=consts, attrs=attrs),
+                              target=GPUTarget(*TARGET), options=options)
+    asm = compiled.asm["amdgcn"]
+
+    def count(key: str) -> int:
+        found = re.findall(rf"\.{key}:\s*(\d+)", asm)
+        return int(found[0]) if found else 0
+
+    return {"kernel": jit.__name__, "options": options,
+            "vgpr": count("vgpr_count"), "agpr": count("agpr_count"), "sgpr": count("sgpr_count"),
+            "vgpr_spills": count("vgpr_spill_count"), "sgpr_spills": count("sgpr_spill_count"),
+            "scratch": count("private_segment_fixed_size"), "lds": int(compiled.metadata.shared),
+            "fp8_mfma": len(re.findall(r"v_mfma\w*f8", asm)), "mfma": len(re.findall(r"v_mfma", asm))}
+
+
+def faults(row: dict) -> list[str]:
+    """What fails the check in a compiled launch's counts (module note)."""
+    bad = []
+    if row["vgpr_spills"]:
+        bad.append(f"{row['vgpr_spills']} VGPR spills")
+    if row["scratch"]:
+        bad.append(f"{row['scratch']} bytes of scratch")
+    if row["lds"] > LDS_BYTES:
+        bad.append(f"{row['lds']} bytes of LDS > {LDS_BYTES}")
+    if row["kernel"] in MMA_KERNELS:  # (mxfp8's rows kernel multiplies bf16: any MFMA)
+        if not (row["fp8_mfma"] or row["mfma"] and row["quant"] == "mxfp8"):
+            bad.append("no fp8 MFMA: the MMA fell back to FMAs")
+    return bad
+
+
+def check(quants=QUANTS, rows=ROWS, shapes=SHAPES, mma_stages: int | None = None) -> list[dict]:
+    """Every launch of every (quant, rows, shape), compiled; a row each, ``faults`` filled in.
+    ``mma_stages``: the tensor-core kernels with this many pipeline stages instead of the layer's."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise RuntimeError("compile_decode_gfx950: TRITON_INTERPRET=1 makes every kernel an interpreted one, "
+                           "which compiles to nothing; run without it")
+    results = []
+    for quant in quants:
+        for m in rows:
+            for shape, (n, k) in shapes.items():
+                built = launches(quant, m, n, k)
+                if quant == "mxfp8" and 1 < m <= _decode().rows_max(quant):  # its rows over the fp8 weight too
+                    built += [(label + " (fp8 weight)", kernel, args)
+                              for label, kernel, args in launches(quant, m, n, k, dense=False) if "decode" in label]
+                for label, kernel, args in built:
+                    if mma_stages is not None and kernel.fn.__name__ in MMA_KERNELS:
+                        kernel.options = {**kernel.options, "num_stages": mma_stages}
+                    row = {"quant": quant, "m": m, "shape": shape, "launch": label}
+                    try:
+                        row.update(compile_gfx950(kernel, args))
+                        row["faults"] = faults(row)
+                    except Exception as err:  # recorded: a launch that does not compile fails the check
+                        row["faults"] = [f"does not compile: {type(err).__name__}: {str(err)[:300]}"]
+                    results.append(row)
+                    print(("ok  " if not row["faults"] else "BAD ") + _line(row), flush=True)
+    return results
+
+
+def _line(row: dict) -> str:
+    head = f"{row['quant']:10s} M={row['m']:<3d} {row['shape']:13s} {row['launch']:38s}"
+    if "vgpr" not in row:
+        return head + " " + "; ".join(row["faults"])
+    return (head + f" {row['kernel']:28s} vgpr {row['vgpr']:3d} agpr {row['agpr']:3d} sgpr {row['sgpr']:3d} "
+            f"spills {row['vgpr_spills']}/{row['sgpr_spills']} lds {row['lds']:6d} fp8-mfma {row['fp8_mfma']}"
+            + (f"  <- {'; '.join(row['faults'])}" if row["faults"] else ""))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quant", default=",".join(QUANTS))
+    p.add_argument("-m", default=",".join(map(str, ROWS)), help="rows of a call")
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)}")
+    p.add_argument("--mma-stages", type=int, help="the tensor-core kernels with this many pipeline stages instead "
+                                                  "of the layer's (what a CU's LDS allows)")
+    p.add_argument("--json", help="write every launch's counts here")
+    args = p.parse_args(argv)
+    unknown = [q for q in args.quant.split(",") if q not in QUANTS] + [
+        name for name in args.shapes.split(",") if name not in SHAPES]
+    if unknown:
+        p.error(f"{unknown}: pick quants from {', '.join(QUANTS)} and shapes from {', '.join(SHAPES)}")
+    results = check(args.quant.split(","), [int(v) for v in args.m.split(",")],
+                    {name: SHAPES[name] for name in args.shapes.split(",")}, args.mma_stages)
+    bad = [r for r in results if r["faults"]]
+    print(f"{len(results) - len(bad)} of {len(results)} launches compile for gfx950 within its budget")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"target": TARGET, "results": results}, f, indent=1)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
