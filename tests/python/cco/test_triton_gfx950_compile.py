@@ -1,6 +1,7 @@
-"""The decode path's Triton kernels compiled for gfx950 on the host (``scripts.compile_decode_gfx950``):
-every launch a decode call builds compiles for ``GPUTarget("hip", "gfx950", 64)`` without VGPR
-spills or scratch, within a CU's LDS, and the tensor-core kernels issue gfx950's fp8 MFMA. Nothing
+"""The Triton kernels of the gfx950 paths compiled for gfx950 on the host (``scripts.compile_triton_gfx950``):
+every launch a decode call builds, and the copy-engine schedule's reduce, dequant, stamp check and
+memory-operation kernels, compile for ``GPUTarget("hip", "gfx950", 64)`` without VGPR spills or
+scratch, within a CU's LDS, and the decode's tensor-core kernels issue gfx950's fp8 MFMA. Nothing
 is launched (no AMD GPU here). The compiles run in a child process without ``TRITON_INTERPRET``
 (this suite's conftest sets it, and under it Triton compiles nothing)."""
 
@@ -16,7 +17,7 @@ if os.environ.get("CI"):  # CI must compile these: a Triton without its AMD back
 else:
     pytest.importorskip("triton.backends.amd", reason="needs Triton's AMD backend (the compile to gfx950 ISA)")
 
-from scripts import compile_decode_gfx950 as C  # noqa: E402
+from scripts import compile_triton_gfx950 as C  # noqa: E402
 
 pytestmark = pytest.mark.compile
 
@@ -24,17 +25,19 @@ pytestmark = pytest.mark.compile
 def _run(tmp_path, *argv) -> tuple[int, list[dict], str]:
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     out = tmp_path / "gfx950.json"
-    done = subprocess.run([sys.executable, "-m", "scripts.compile_decode_gfx950", *argv, "--json", str(out)],
+    done = subprocess.run([sys.executable, "-m", "scripts.compile_triton_gfx950", *argv, "--json", str(out)],
                           env=env, capture_output=True, text=True, timeout=300)
     return done.returncode, json.loads(out.read_text())["results"] if out.exists() else [], done.stdout + done.stderr
 
 
-def test_every_decode_launch_of_llama_8b_down_compiles_for_gfx950_within_its_budget(tmp_path):
+def test_every_decode_and_transport_launch_compiles_for_gfx950_within_its_budget(tmp_path):
     """One row (the one-row GEMM), 8 rows (ptpc's one launch and its two: quantizer + MMA; the rows
     kernel of blockscale, and of mxfp8 over the fp8 weight) and 64 (ptpc's MMA 64 wide) at Llama-3-8B
-    down_proj's shape, every quant, and the activation quantizer's launches."""
+    down_proj's shape, every quant, and the activation quantizer's launches; every transport case."""
     rc, rows, said = _run(tmp_path, "-m", "1,8,64", "--shapes", "8b-down")
     assert rc == 0 and rows and [r for r in rows if r["faults"]] == [], said
+    transport = {r["kernel"] for r in rows if r["shape"] == "transport"}
+    assert transport == {"_reduce", "_dequant", "_check", "_wait_kernel", "_write_kernel", "_wait_block_kernel"}
     kernels = {(r["quant"], r["m"], r["kernel"]) for r in rows}
     assert {("ptpc", 1, "decode_gemv_kernel"), ("ptpc", 8, "decode_ptpc_kernel"),
             ("ptpc", 8, "quantize_ptpc_split_kernel"), ("ptpc", 64, "decode_mma_rows_kernel"),
@@ -47,7 +50,8 @@ def test_every_decode_launch_of_llama_8b_down_compiles_for_gfx950_within_its_bud
 def test_the_check_fails_a_launch_over_the_lds(tmp_path):
     """ptpc's 64-row MMA with five pipeline stages, one more than the layer's (165 KB of LDS where a CU
     holds 160; a real compile), fails the check, and the script's exit status says so."""
-    rc, rows, said = _run(tmp_path, "--quant", "ptpc", "-m", "64", "--shapes", "8b-down", "--mma-stages", "5")
+    rc, rows, said = _run(tmp_path, "--part", "decode", "--quant", "ptpc", "-m", "64", "--shapes", "8b-down",
+                          "--mma-stages", "5")
     over = [r for r in rows if r.get("kernel") == "decode_mma_rows_kernel"]
     assert rc == 1 and over and over[0]["lds"] > C.LDS_BYTES, said
     assert any("LDS" in f for f in over[0]["faults"])
@@ -71,6 +75,7 @@ def test_the_script_refuses_the_interpreter_and_unknown_names(monkeypatch, capsy
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         C.check(["ptpc"], [1], {"8b-o": C.SHAPES["8b-o"]})
-    with pytest.raises(SystemExit):
-        C.main(["--shapes", "8b-up"])
-    assert "8b-up" in capsys.readouterr().err
+    for bad in (["--shapes", "8b-up"], ["--part", "gemm"]):
+        with pytest.raises(SystemExit):
+            C.main(bad)
+        assert bad[1] in capsys.readouterr().err

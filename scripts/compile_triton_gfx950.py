@@ -1,19 +1,26 @@
-"""The decode path's Triton kernels compiled for gfx950 (MI355X) on the host, no GPU::
+"""Every Triton kernel that the gfx950 paths launch, compiled for gfx950 (MI355X) on the host, no GPU::
 
-    python3 -m scripts.compile_decode_gfx950 [--quant ptpc] [-m 1,8] [--shapes 8b-down] [--json out.json]
+    python3 -m scripts.compile_triton_gfx950 [--part decode,transport] [--quant ptpc] [-m 1,8]
+                                             [--shapes 8b-down] [--json out.json]
 
-The layer's decode calls (``kernels_fused.hopper.decode``: the one-row GEMM, the rows kernel, ptpc's
-MMA over quantized rows and its one-launch form, the activation quantizer's launches) are Triton,
-which targets gfx950 too, but only NVIDIA runs them today (``cco.nn.parallel_linear.decode_gemm_for``)
-and no AMD GPU is here to run them. This compiles, for each quant, row count and shape below, every
-launch the decode path builds for it (its kernel, launch options and constexprs, taken from
-``decode._Launch`` and ``quantize.launch_for`` as built for a call, not restated here) for
-``GPUTarget("hip", "gfx950", 64)``, and reads the code object's resource counts: VGPRs / AGPRs,
-SGPRs, spills, scratch, LDS, and whether the MMA kernels use gfx950's fp8 MFMA. A launch fails the
-check where it does not compile, spills VGPRs, needs scratch, needs more LDS than a gfx950 CU has
-(160 KiB), or where an MMA kernel issues no fp8 MFMA (a fallback to FMAs). Nothing compiled here is
-launched. Integer arguments are specialized as a launch would (1 as a constant, multiples of 16 as
-divisible), pointers as 16-byte aligned.
+Two parts. ``decode``: the layer's decode calls (``kernels_fused.hopper.decode``: the one-row GEMM,
+the rows kernel, ptpc's MMA over quantized rows and its one-launch form, the activation quantizer's
+launches) are Triton, which targets gfx950 too, but only NVIDIA runs them today
+(``cco.nn.parallel_linear.decode_gemm_for``); for each quant, row count and shape below, every
+launch the decode path builds for that call (its kernel, launch options and constexprs, taken from
+``decode._Launch`` and ``quantize.launch_for`` as built for a call, not restated here).
+``transport``: the copy-engine schedule's Triton kernels, which ``Gfx950Backend`` launches on ROCm
+through the same ``cco.cuda.dma`` schedule (``cco.cuda.kernels``' reduce, fp8 dequant and stamp
+check, as ``reduce_chunk`` / ``dequant_chunk`` / ``check_stamps`` build their launches for each
+pattern's regions; ``cco.cuda.memops``' spin wait, store and block wait).
+
+Each is compiled for ``GPUTarget("hip", "gfx950", 64)`` and the code object's resource counts read:
+VGPRs / AGPRs, SGPRs, spills, scratch, LDS, and whether the MMA kernels use gfx950's fp8 MFMA. A
+launch fails the check where it does not compile, spills VGPRs, needs scratch, needs more LDS than a
+gfx950 CU has (160 KiB), or where an MMA kernel issues no fp8 MFMA (a fallback to FMAs). Nothing
+compiled here is launched, and nothing says how fast it would run. Integer arguments are specialized
+as a launch would (1 as a constant, multiples of 16 as divisible; none of a kernel's
+``do_not_specialize``), pointers as 16-byte aligned.
 """
 
 from __future__ import annotations
@@ -33,7 +40,77 @@ ROWS = (1, 8, 32, 64)  # one row, the rows kernel's or MMA's 16 wide, its 32 and
 MMA_KERNELS = ("decode_rows_kernel", "decode_mma_rows_kernel", "decode_ptpc_kernel")  # tensor-core kernels
 LDS_BYTES = 160 * 1024  # a gfx950 CU's local data share
 TARGET = ("hip", "gfx950", 64)
-_TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", FP8: "fp8e4nv", torch.uint8: "u8", torch.int32: "i32"}
+_TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", FP8: "fp8e4nv", torch.uint8: "u8", torch.int32: "i32",
+          torch.int64: "i64"}
+# the transport's cases: (pattern, world, N of a rank's output slice, gather dtype); the all-reduce's
+# reduce with a bf16 or fp8 gather (and the fp8 gather's dequant), the reduce-scatter's reduce into
+# out, the all-gather's stamp check and block wait, at the sweeps' N (7168, Llama-3-70B's 8192 at TP 8)
+TRANSPORT = (("all-reduce", 2, 7168 // 2, "bf16"), ("all-reduce", 8, 8192 // 8, "fp8"),
+             ("reduce-scatter", 4, 7168, None), ("all-gather", 2, 7168, None), ("all-gather", 8, 7168, None))
+PARTS = ("decode", "transport")
+
+
+class _Launch:
+    """A transport kernel's launch as ``compile_gfx950`` takes one (``launch.Kernel``'s fields)."""
+
+    def __init__(self, fn, options):
+        self.fn, self.options = fn, options
+
+
+def transport_launches(pattern: str, world: int, n_slice: int, gather: str | None) -> list[tuple[str, object, tuple]]:
+    """``(label, launch, args)`` of the copy-engine schedule's Triton launches for one call of
+    ``pattern`` (``cco.cuda.kernels``' functions building them on CPU tensors of the window's
+    dtypes and shapes, their launch captured instead of run; ``cco.cuda.memops``' kernels with a
+    flag's and a counter's value)."""
+    from cco.cuda import kernels as K
+    from cco.cuda import memops
+
+    rows, m, e = 64, 128, torch.empty
+    captured = []
+
+    def capture(kernel, grid, args, kwargs, load_only):
+        options = {key: kwargs[key] for key in ("num_warps", "num_stages") if key in kwargs}
+        constexprs = [kwargs[p.name] for p in kernel.params[len(args):]]
+        captured.append((kernel, options, (*args, *constexprs)))
+
+    region = e(world, rows, n_slice, dtype=torch.bfloat16)
+    words = dict(scatter_m=e(world, dtype=torch.int64), status=e(K.STATUS_WORDS, dtype=torch.int64),
+                 stamp=e(1, dtype=torch.int64))
+    launch, K._launch = K._launch, capture
+    try:
+        if pattern == "all-gather":
+            K.check_stamps(out=e(m, n_slice, dtype=torch.bfloat16), rank=1, world=world, **words)
+        else:
+            fp8 = gather == "fp8"
+            gathered = e(world, rows, n_slice, dtype=FP8 if fp8 else torch.bfloat16) if gather else None
+            scales = e(world, rows, K.gather_scale_cols(n_slice), dtype=torch.float32) if fp8 else None
+            out = e(m, n_slice * (world if gather else 1), dtype=torch.bfloat16)
+            K.reduce_chunk(partial=region, recv=region, gather=gathered, gather_scale=scales, out=out, rank=1,
+                           rows=(0, rows), out_col0=None if gather else 0, **words)
+            if fp8:
+                K.dequant_chunk(gather=gathered, gather_scale=scales, out=out, rank=1, rows=(0, rows))
+    finally:
+        K._launch = launch
+    found = [(f"{pattern} W={world} {kernel.__name__}", _Launch(kernel, options), args)
+             for kernel, options, args in captured]
+    if pattern == "all-gather":  # its one spin by design (cco.cuda.dma's module note): [W, MAX_CHUNKS] words
+        flags = e(world * 8, dtype=torch.int64)
+        found.append((f"{pattern} W={world} block wait", _Launch(memops._block_wait_kernel(), {"num_warps": 1}),
+                      (flags, 0, world, 1, 0, 4, 1, 8, world * 8)))
+    return found
+
+
+def word_launches() -> list[tuple[str, object, tuple]]:
+    """``cco.cuda.memops``' one-word spin wait and store (the stream memory operations' stand-ins
+    where a driver cannot capture those into a graph), for a flag's value (1, which a launch
+    specializes to a constant) and a counter's."""
+    from cco.cuda import memops
+
+    wait, write = memops._word_kernels()
+    word = torch.empty(1, dtype=torch.int64)
+    return [(f"{what} of {value}", _Launch(kernel, {"num_warps": 1}), (word, value))
+            for value in (1, 7) for what, kernel in (("spin wait", wait), ("store", write))]
+
 
 
 def _decode():
@@ -89,13 +166,17 @@ def launches(quant: str, m: int, n: int, k: int, dense: bool | None = None) -> l
 def signature(fn, args) -> tuple[dict, dict, dict]:
     """Triton's signature, constexprs and attributes for calling ``fn`` with ``args`` as a launch
     specializes them: tensors as 16-byte aligned pointers of their dtype, an int 1 as a constant,
-    an int that 16 divides as divisible, floats fp32."""
+    an int that 16 divides as divisible (neither for ``fn``'s ``do_not_specialize``), floats fp32."""
     if len(args) != len(fn.params):
         raise ValueError(f"{fn.__name__}: {len(args)} arguments for {len(fn.params)} parameters")
+    names = [p.name for p in fn.params]
+    plain = {names[i] if isinstance(i, int) else i for i in getattr(fn, "do_not_specialize", ()) or ()}
     sig, consts, attrs = {}, {}, {}
     for i, (param, value) in enumerate(zip(fn.params, args)):
         name = param.name
-        if param.is_constexpr:
+        if name in plain and isinstance(value, int) and not isinstance(value, bool):
+            sig[name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
+        elif param.is_constexpr:
             sig[name], consts[name] = "constexpr", value
         elif isinstance(value, torch.Tensor):
             sig[name] = "*" + _TYPES[value.dtype]
@@ -153,13 +234,31 @@ def faults(row: dict) -> list[str]:
     return bad
 
 
-def check(quants=QUANTS, rows=ROWS, shapes=SHAPES, mma_stages: int | None = None) -> list[dict]:
-    """Every launch of every (quant, rows, shape), compiled; a row each, ``faults`` filled in.
-    ``mma_stages``: the tensor-core kernels with this many pipeline stages instead of the layer's."""
+def _compiled(row: dict, kernel, args) -> dict:
+    """``row`` with ``kernel``'s counts for ``args`` and its faults (a compile error is one)."""
+    try:
+        row.update(compile_gfx950(kernel, args))
+        row["faults"] = faults(row)
+    except Exception as err:  # recorded: a launch that does not compile fails the check
+        row["faults"] = [f"does not compile: {type(err).__name__}: {str(err)[:300]}"]
+    print(("ok  " if not row["faults"] else "BAD ") + _line(row), flush=True)
+    return row
+
+
+def check(quants=QUANTS, rows=ROWS, shapes=SHAPES, mma_stages: int | None = None, parts=PARTS) -> list[dict]:
+    """Every launch of every (quant, rows, shape) (part ``decode``) and of every ``TRANSPORT`` case
+    (part ``transport``), compiled; a row each, ``faults`` filled in. ``mma_stages``: the
+    tensor-core kernels with this many pipeline stages instead of the layer's."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        raise RuntimeError("compile_decode_gfx950: TRITON_INTERPRET=1 makes every kernel an interpreted one, "
+        raise RuntimeError("compile_triton_gfx950: TRITON_INTERPRET=1 makes every kernel an interpreted one, "
                            "which compiles to nothing; run without it")
     results = []
+    if "transport" in parts:
+        for label, kernel, args in [*word_launches(), *(launch for case in TRANSPORT
+                                                        for launch in transport_launches(*case))]:
+            results.append(_compiled({"quant": "-", "m": 0, "shape": "transport", "launch": label}, kernel, args))
+    if "decode" not in parts:
+        return results
     for quant in quants:
         for m in rows:
             for shape, (n, k) in shapes.items():
@@ -170,19 +269,14 @@ def check(quants=QUANTS, rows=ROWS, shapes=SHAPES, mma_stages: int | None = None
                 for label, kernel, args in built:
                     if mma_stages is not None and kernel.fn.__name__ in MMA_KERNELS:
                         kernel.options = {**kernel.options, "num_stages": mma_stages}
-                    row = {"quant": quant, "m": m, "shape": shape, "launch": label}
-                    try:
-                        row.update(compile_gfx950(kernel, args))
-                        row["faults"] = faults(row)
-                    except Exception as err:  # recorded: a launch that does not compile fails the check
-                        row["faults"] = [f"does not compile: {type(err).__name__}: {str(err)[:300]}"]
-                    results.append(row)
-                    print(("ok  " if not row["faults"] else "BAD ") + _line(row), flush=True)
+                    results.append(_compiled({"quant": quant, "m": m, "shape": shape, "launch": label}, kernel,
+                                             args))
     return results
 
 
 def _line(row: dict) -> str:
-    head = f"{row['quant']:10s} M={row['m']:<3d} {row['shape']:13s} {row['launch']:38s}"
+    head = (f"transport  {row['launch']:58s}" if row["shape"] == "transport" else
+            f"{row['quant']:10s} M={row['m']:<3d} {row['shape']:13s} {row['launch']:38s}")
     if "vgpr" not in row:
         return head + " " + "; ".join(row["faults"])
     return (head + f" {row['kernel']:28s} vgpr {row['vgpr']:3d} agpr {row['agpr']:3d} sgpr {row['sgpr']:3d} "
@@ -192,6 +286,7 @@ def _line(row: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--part", default=",".join(PARTS), help=f"of {', '.join(PARTS)}")
     p.add_argument("--quant", default=",".join(QUANTS))
     p.add_argument("-m", default=",".join(map(str, ROWS)), help="rows of a call")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)}")
@@ -200,11 +295,13 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write every launch's counts here")
     args = p.parse_args(argv)
     unknown = [q for q in args.quant.split(",") if q not in QUANTS] + [
-        name for name in args.shapes.split(",") if name not in SHAPES]
+        name for name in args.shapes.split(",") if name not in SHAPES] + [
+        part for part in args.part.split(",") if part not in PARTS]
     if unknown:
-        p.error(f"{unknown}: pick quants from {', '.join(QUANTS)} and shapes from {', '.join(SHAPES)}")
+        p.error(f"{unknown}: pick quants from {', '.join(QUANTS)}, shapes from {', '.join(SHAPES)} and parts from "
+                f"{', '.join(PARTS)}")
     results = check(args.quant.split(","), [int(v) for v in args.m.split(",")],
-                    {name: SHAPES[name] for name in args.shapes.split(",")}, args.mma_stages)
+                    {name: SHAPES[name] for name in args.shapes.split(",")}, args.mma_stages, args.part.split(","))
     bad = [r for r in results if r["faults"]]
     print(f"{len(results) - len(bad)} of {len(results)} launches compile for gfx950 within its budget")
     if args.json:
