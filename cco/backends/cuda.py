@@ -58,8 +58,9 @@ columns the same producers, along rows the kernel producer walking row slices or
 a dest's consecutive chunks of A's rows, ``RS_PRODUCER_ROWS``; ``RS_ROWS_PRODUCER`` picks by the rows
 of such a GEMM: ``_produce``);
 the all-gather puts its rows and scales on the copy engines and runs the GEMM of each peer's chunks
-as they land, its own rows' GEMM beside them on a stream of its own (fused: one GEMM per group of a source's consecutive chunks,
-``AG_CONSUMER_ROWS``, or where each source is one group and the slots hold no pad rows one GEMM
+as they land, its own rows' GEMM beside them on a stream of its own (fused: one GEMM per group of a
+source's consecutive chunks, ``AG_CONSUMER_ROWS``, or where each source is one group and the slots
+hold no pad rows one GEMM
 over the peers' slots on each side of the own one after the last wait: ``CudaBackend.consumer_merges``),
 or of every row once all landed (split). Both run on the
 ``dma`` transport only: ``transport="auto"`` takes it, ``"lsa"`` is refused at construction (the lsa
