@@ -5,19 +5,24 @@
 #
 #   bash scripts/gpu_suite.sh [LOG_DIR]          # logs per module under LOG_DIR (default: gpu-suite-logs)
 #   CCO_GPU_SUITE_SKIP="cuda_hf" bash scripts/gpu_suite.sh   # all but the named modules
+#   CCO_GPU_SUITE_LIST=1 CCO_GPU_SUITE_PART=1 bash scripts/gpu_suite.sh  # the modules it would run, no GPU
 #   CCO_GPU_SUITE_BUDGET=580 bash scripts/gpu_suite.sh        # the whole run within 580 s: a module gets at
 #                                                              # most what is left, one not started is FAILED
-#   CCO_GPU_SUITE_PART=1 bash scripts/gpu_suite.sh            # the build and the first six modules (~480 s, one H200)
-#   CCO_GPU_SUITE_PART=2 bash scripts/gpu_suite.sh            # the sequence-parallel fault jobs (196 s)
+#   CCO_GPU_SUITE_PART=1 bash scripts/gpu_suite.sh            # the build, the all-reduce's op, layer and fault
+#                                                              # jobs and the all-gather's (~330-440 s, one H200)
+#   CCO_GPU_SUITE_PART=2 bash scripts/gpu_suite.sh            # the build, the sequence-parallel ops, the
+#                                                              # transformers checks, the reduce-scatter's
+#                                                              # fault jobs (~320-410 s)
 #
-# All nine modules one after another take ~700 s on one H200 with two ranks sharing it, more than one
-# 10-minute call of a lent machine: there, run part 1 and part 2 as two calls on the same tree.
+# All ten modules one after another take ~650-850 s on one H200 with two ranks sharing it (a slow lend
+# ran each module 10-45% longer: 2026-12-04 night, docs/experiments.md), more than one 10-minute call of
+# a lent machine: there, run part 1 and part 2 as two calls on the same tree (each part builds, or
+# finds, the C++ decode table first).
 #
 # Add a module to MODULES when it joins the suite. NVLink multicast stays off.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 log_dir="${1:-gpu-suite-logs}"
-mkdir -p "$log_dir"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 PY=${PYTHON:-python3}
 
@@ -37,11 +42,12 @@ MODULES=(  # the long-standing modules first, so a bound on the whole run cuts t
   "cuda_faults_rs_cols|170|$FAULTS --pattern reduce-scatter-cols"
   "cuda_faults_ag|170|$FAULTS --pattern all-gather"
 )
-PART2="cuda_faults_rs_rows cuda_faults_rs_cols cuda_faults_ag"
+PART1="cuda_nn cuda_op cuda_faults_dma cuda_faults_lsa cuda_faults_ag"  # (native_build: in both parts)
+PART2="cuda_sp cuda_hf cuda_faults_rs_rows cuda_faults_rs_cols"
 case "${CCO_GPU_SUITE_PART:-all}" in
   all) part_skip="" ;;
   1) part_skip="$PART2" ;;
-  2) part_skip="native_build cuda_nn cuda_op cuda_faults_dma cuda_faults_lsa cuda_sp cuda_hf" ;;
+  2) part_skip="$PART1" ;;
   *) echo "CCO_GPU_SUITE_PART must be 1, 2 or all, got '$CCO_GPU_SUITE_PART'" >&2; exit 2 ;;
 esac
 skip=" ${CCO_GPU_SUITE_SKIP:-} $part_skip "  # module names to leave out of this run (say so where a run is quoted)
@@ -51,6 +57,11 @@ MODULES=("${kept[@]}")
 for extra in ${CCO_GPU_SUITE_EXTRA:-}; do  # more modules: "name|bound|command" words, ';' for spaces
   MODULES+=("${extra//;/ }")
 done
+if [ -n "${CCO_GPU_SUITE_LIST:-}" ]; then  # the modules this run would run, a name a line; runs nothing
+  printf '%s\n' "${MODULES[@]%%|*}"
+  exit 0
+fi
+mkdir -p "$log_dir"
 
 start_all=$(date +%s)
 budget=${CCO_GPU_SUITE_BUDGET:-0}  # 0: no bound on the whole run

@@ -1,0 +1,33 @@
+"""``scripts/gpu_suite.sh`` (the NVIDIA GPU suite, which CI cannot run): its two parts, each sized for
+one 10-minute call of a lent machine, run every module of the whole suite between them, none twice
+but the C++ table's build, which each part needs first; a skipped name and an unknown part do what
+they say. ``CCO_GPU_SUITE_LIST=1`` lists the modules a run would run and runs nothing (no GPU)."""
+
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _modules(**env) -> list[str]:
+    done = subprocess.run(["bash", "scripts/gpu_suite.sh", "/nonexistent/logs"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "CCO_GPU_SUITE_LIST": "1", **env})
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+def test_the_two_parts_run_every_module_once_and_each_builds_first():
+    whole = _modules()
+    one, two = _modules(CCO_GPU_SUITE_PART="1"), _modules(CCO_GPU_SUITE_PART="2")
+    assert whole[0] == one[0] == two[0] == "native_build" and len(set(whole)) == len(whole) == 10
+    assert sorted(one[1:] + two[1:]) == sorted(whole[1:])  # each module in exactly one part
+    assert {"cuda_nn", "cuda_op", "cuda_sp", "cuda_hf", "cuda_faults_ag"} <= set(whole)
+    assert not Path("/nonexistent/logs").exists()  # listing makes no log folder
+
+
+def test_skip_and_an_unknown_part():
+    assert "cuda_hf" not in _modules(CCO_GPU_SUITE_SKIP="cuda_hf") and len(_modules(CCO_GPU_SUITE_SKIP="cuda_hf")) == 9
+    done = subprocess.run(["bash", "scripts/gpu_suite.sh"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "CCO_GPU_SUITE_LIST": "1", "CCO_GPU_SUITE_PART": "3"})
+    assert done.returncode == 2 and "must be 1, 2 or all" in done.stderr
