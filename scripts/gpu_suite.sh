@@ -12,10 +12,10 @@
 #                                                              # jobs and the all-gather's (~330-440 s, one H200)
 #   CCO_GPU_SUITE_PART=2 bash scripts/gpu_suite.sh            # the build, the sequence-parallel ops, the
 #                                                              # transformers checks, the reduce-scatter's
-#                                                              # fault jobs (~320-410 s)
+#                                                              # fault jobs (~320-420 s)
 #
 # All ten modules one after another take ~650-850 s on one H200 with two ranks sharing it (a slow lend
-# ran each module 10-45% longer: 2026-12-04 night, docs/experiments.md), more than one 10-minute call of
+# ran each module 5-60% longer: 2026-12-04 night, docs/experiments.md), more than one 10-minute call of
 # a lent machine: there, run part 1 and part 2 as two calls on the same tree (each part builds, or
 # finds, the C++ decode table first).
 #
