@@ -50,13 +50,6 @@ TRANSPORT = (("all-reduce", 2, 7168 // 2, "bf16"), ("all-reduce", 8, 8192 // 8, 
 PARTS = ("decode", "transport")
 
 
-class _Launch:
-    """A transport kernel's launch as ``compile_gfx950`` takes one (``launch.Kernel``'s fields)."""
-
-    def __init__(self, fn, options):
-        self.fn, self.options = fn, options
-
-
 def transport_launches(pattern: str, world: int, n_slice: int, gather: str | None) -> list[tuple[str, object, tuple]]:
     """``(label, launch, args)`` of the copy-engine schedule's Triton launches for one call of
     ``pattern`` (``cco.cuda.kernels``' functions building them on CPU tensors of the window's
@@ -64,6 +57,7 @@ def transport_launches(pattern: str, world: int, n_slice: int, gather: str | Non
     flag's and a counter's value)."""
     from cco.cuda import kernels as K
     from cco.cuda import memops
+    from kernels_fused.hopper.launch import Kernel
 
     rows, m, e = 64, 128, torch.empty
     captured = []
@@ -71,7 +65,7 @@ def transport_launches(pattern: str, world: int, n_slice: int, gather: str | Non
     def capture(kernel, grid, args, kwargs, load_only):
         options = {key: kwargs[key] for key in ("num_warps", "num_stages") if key in kwargs}
         constexprs = [kwargs[p.name] for p in kernel.params[len(args):]]
-        captured.append((kernel, options, (*args, *constexprs)))
+        captured.append((kernel, grid, options, (*args, *constexprs)))
 
     region = e(world, rows, n_slice, dtype=torch.bfloat16)
     words = dict(scatter_m=e(world, dtype=torch.int64), status=e(K.STATUS_WORDS, dtype=torch.int64),
@@ -91,11 +85,11 @@ def transport_launches(pattern: str, world: int, n_slice: int, gather: str | Non
                 K.dequant_chunk(gather=gathered, gather_scale=scales, out=out, rank=1, rows=(0, rows))
     finally:
         K._launch = launch
-    found = [(f"{pattern} W={world} {kernel.__name__}", _Launch(kernel, options), args)
-             for kernel, options, args in captured]
+    found = [(f"{pattern} W={world} {kernel.__name__}", Kernel(kernel, grid, **options), args)
+             for kernel, grid, options, args in captured]
     if pattern == "all-gather":  # its one spin by design (cco.cuda.dma's module note): [W, MAX_CHUNKS] words
         flags = e(world * 8, dtype=torch.int64)
-        found.append((f"{pattern} W={world} block wait", _Launch(memops._block_wait_kernel(), {"num_warps": 1}),
+        found.append((f"{pattern} W={world} block wait", Kernel(memops._block_wait_kernel(), (1,), num_warps=1),
                       (flags, 0, world, 1, 0, 4, 1, 8, world * 8)))
     return found
 
@@ -105,12 +99,12 @@ def word_launches() -> list[tuple[str, object, tuple]]:
     where a driver cannot capture those into a graph), for a flag's value (1, which a launch
     specializes to a constant) and a counter's."""
     from cco.cuda import memops
+    from kernels_fused.hopper.launch import Kernel
 
     wait, write = memops._word_kernels()
     word = torch.empty(1, dtype=torch.int64)
-    return [(f"{what} of {value}", _Launch(kernel, {"num_warps": 1}), (word, value))
+    return [(f"{what} of {value}", Kernel(kernel, (1,), num_warps=1), (word, value))
             for value in (1, 7) for what, kernel in (("spin wait", wait), ("store", write))]
-
 
 
 def _decode():
@@ -174,21 +168,18 @@ def signature(fn, args) -> tuple[dict, dict, dict]:
     sig, consts, attrs = {}, {}, {}
     for i, (param, value) in enumerate(zip(fn.params, args)):
         name = param.name
-        if name in plain and isinstance(value, int) and not isinstance(value, bool):
-            sig[name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
-        elif param.is_constexpr:
+        if param.is_constexpr or isinstance(value, bool):
             sig[name], consts[name] = "constexpr", value
         elif isinstance(value, torch.Tensor):
             sig[name] = "*" + _TYPES[value.dtype]
             attrs[(i,)] = [["tt.divisibility", 16]]
-        elif isinstance(value, bool):
-            sig[name], consts[name] = "constexpr", value
         elif isinstance(value, int):
-            if value == 1:
+            specialized = name not in plain
+            if specialized and value == 1:
                 sig[name], consts[name] = "constexpr", 1
             else:
                 sig[name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
-                if value % 16 == 0:
+                if specialized and value % 16 == 0:
                     attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[name] = "fp32"
@@ -196,7 +187,8 @@ def signature(fn, args) -> tuple[dict, dict, dict]:
 
 
 def compile_gfx950(kernel, args) -> dict:
-    """Compile ``kernel`` (a ``launch.Kernel``) with ``args`` for gfx950; its resource counts."""
+    """Compile ``kernel`` (a ``kernels_fused.hopper.launch.Kernel``: its function and launch options) with
+    ``args`` for gfx950; its resource counts."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
