@@ -9,13 +9,23 @@ world 1 or under torchrun (two ranks may share one GPU: the host time is real th
 
 Writes ``OUT/rank{r}.txt`` (the profile) and prints each rank's host and wall us per call (the
 first line of that file).
+
+``--parts`` adds, per rank, the host time of what a call is made of, each on an idle queue (median
+and 10th..90th percentile): ``nn.Linear``'s call of the same shape (the control: a GPU shared by two
+ranks slows every launch, not only the layer's), the activation quantizer alone, the op alone on
+quantized rows, the layer, one stream write-value and one event record; then the layer's calls again
+with the functions of its path timed inclusively (``PARTS_TIMED``: us per layer call, a function
+called twice a call counts twice; ~0.3 us of the timer itself per wrapped call). Written to
+``OUT/parts_rank{r}.json`` and appended to the rank's text.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib
 import io
+import json
 import os
 import pstats
 import time
@@ -32,6 +42,7 @@ def main(argv=None) -> None:
     p.add_argument("--calls", type=int, default=200, help="calls per measurement (three: back to back, each on an "
                                                          "idle queue, each on an idle queue under cProfile)")
     p.add_argument("--out", default="profile_decode_call")
+    p.add_argument("--parts", action="store_true", help="also time the call's parts and nn.Linear's call (see above)")
     args = p.parse_args(argv)
     if min(args.n, args.k, args.m, args.calls) < 1:
         raise SystemExit("profile_decode_call: -n, -k, -m and --calls must be >= 1")
@@ -85,8 +96,122 @@ def main(argv=None) -> None:
     with open(os.path.join(args.out, f"rank{comm.rank}.txt"), "w") as f:
         f.write(head + "\n\n" + text.getvalue())
     print(head, flush=True)
+    if args.parts:
+        with torch.no_grad():
+            found = parts(layer, x, comm, args.calls, sync)
+        lines = [f"rank {comm.rank}/{comm.world} parts, host us per call on an idle queue (median, 10th..90th):"]
+        lines += [f"  {name:<24} {v['median']:8.1f}  ({v['p10']:.1f}..{v['p90']:.1f})" for name, v in found["arms"].items()]
+        lines.append("  inside the layer's call (inclusive us per call, mean):")
+        lines += [f"    {name:<44} {us:8.1f}  ({calls:g} calls)" for name, (us, calls) in found["timed"].items()]
+        with open(os.path.join(args.out, f"rank{comm.rank}.txt"), "a") as f:
+            f.write("\n" + "\n".join(lines) + "\n")
+        with open(os.path.join(args.out, f"parts_rank{comm.rank}.json"), "w") as f:
+            json.dump(dict(rank=comm.rank, world=comm.world, quant=args.quant, n=args.n, k=args.k, m=args.m,
+                           calls=args.calls, **found), f, indent=1)
+        print("\n".join(lines), flush=True)
     layer.close()
     comm.close()
+
+
+# The functions of a decode-sized call's path timed by ``--parts`` (module, attribute path): each is
+# looked up where its callers look it up (a name imported into a module is timed in that module).
+PARTS_TIMED = (
+    ("cco.nn.linear", "quantize_activation"),
+    ("cco.op", "ScatterGemmOp.__call__"),
+    ("cco.op", "CollectiveGemmOp._call"),
+    ("cco.op", "CollectiveGemmOp._collective"),
+    ("cco.layout", "plan_call"),
+    ("cco.backends.cuda", "CudaBackend.fused"),
+    ("cco.backends.cuda", "CudaBackend._lsa"),
+    ("cco.backends.cuda", "CudaBackend.raise_failed"),
+    ("cco.backends.cuda", "CudaBackend.raise_deferred"),
+    ("cco.cuda.dma", "CopyEngineSchedule.begin"),
+    ("cco.cuda.memops", "write"),
+    ("cco.cuda.watchdog", "CallMarks.enter"),
+    ("cco.cuda.watchdog", "CallMarks.leave"),
+    ("kernels_fused.hopper.gemm", "fp8_gemm_lsa"),
+    ("kernels_fused.hopper.gemm", "_operands"),
+    ("kernels_fused.hopper.gemm", "specialization"),
+    ("kernels_fused.hopper.launch", "Kernel.__call__"),
+)
+
+
+def _idle_times(fn, calls: int, sync) -> dict:
+    """Host us of ``fn()`` per call, each issued on an idle queue: median and 10th / 90th percentile."""
+    times = []
+    for _ in range(calls):
+        sync()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e6)
+    sync()
+    times.sort()
+    return dict(median=times[len(times) // 2], p10=times[len(times) // 10], p90=times[-1 - len(times) // 10])
+
+
+def parts(layer, x, comm, calls: int, sync) -> dict:
+    """``--parts``: the arms' idle-queue host times and the layer's path timed function by function
+    (see the module note). Every rank runs the same arms in the same order (the op and the layer
+    are collective calls)."""
+    from cco.nn.linear import quantize_activation
+
+    device = x.device
+    qweight, scale = layer.quantized_weight()
+    rows = layer._rows_for(x.shape[0]) if layer.op is not None else x.shape[0]
+    a, a_scale = quantize_activation(x, layer.quant, k_padded=layer.k_padded, m_padded=rows)
+    linear = torch.nn.Linear(x.shape[1], layer.out_features, bias=False, device=device, dtype=torch.bfloat16)
+    arms = {"nn.Linear": lambda: linear(x),
+            "quantizer": lambda: quantize_activation(x, layer.quant, k_padded=layer.k_padded, m_padded=rows),
+            "layer": lambda: layer(x)}
+    if layer.op is not None:
+        arms["op on quantized rows"] = lambda: layer.op(a, qweight, a_scale, scale)
+    if device.type == "cuda":
+        from cco.cuda import memops
+
+        word = torch.zeros(1, dtype=torch.int64, device=device)
+        event = torch.cuda.Event()
+        arms["stream write-value"] = lambda: memops.write(torch.cuda.current_stream().cuda_stream, word.data_ptr(), 1)
+        arms["event record"] = lambda: event.record()
+    found = {}
+    for name, fn in arms.items():
+        for _ in range(10):  # warm
+            fn()
+        comm.barrier()
+        found[name] = _idle_times(fn, calls, sync)
+    # the layer's path, function by function
+    spent: dict[str, list] = {}
+    undo = []
+    for module_name, path in PARTS_TIMED:
+        owner = importlib.import_module(module_name)
+        *outer, attr = path.split(".")
+        for part in outer:
+            owner = getattr(owner, part, None)
+        original = getattr(owner, attr, None) if owner is not None else None
+        if original is None:
+            continue
+        cell = spent.setdefault(path, [0.0, 0])
+
+        def timed(*a, _fn=original, _cell=cell, **kw):
+            start = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                _cell[0] += time.perf_counter() - start
+                _cell[1] += 1
+
+        setattr(owner, attr, timed)
+        undo.append((owner, attr, original))
+    try:
+        for cell in spent.values():
+            cell[:] = [0.0, 0]
+        comm.barrier()
+        whole = _idle_times(lambda: layer(x), calls, sync)
+    finally:
+        for owner, attr, original in reversed(undo):
+            setattr(owner, attr, original)
+    found["layer, its parts timed"] = whole
+    timed = {path: (total / calls * 1e6, n / calls) for path, (total, n) in spent.items() if n}
+    return dict(arms=found, timed=timed)
 
 
 if __name__ == "__main__":

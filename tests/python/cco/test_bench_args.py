@@ -290,5 +290,17 @@ def test_profile_decode_call_writes_each_ranks_profile(tmp_path):
     text = (out / "rank0.txt").read_text()
     assert text.startswith("rank 0/1 ptpc N=64 K=128 M=2: back to back host")
     assert "idle queue: median" in text and "cumulative" in text and "cco/nn/linear.py" in text
+    # --parts: every arm timed, the layer's path function by function, and every wrapper undone after
+    import json
+
+    from cco import op as op_module
+    before = op_module.ScatterGemmOp.__call__
+    P.main(["--quant", "ptpc", "-n", "64", "-k", "128", "-m", "2", "--calls", "3", "--out", str(out), "--parts"])
+    parts = json.loads((out / "parts_rank0.json").read_text())
+    assert set(parts["arms"]) >= {"nn.Linear", "quantizer", "layer", "layer, its parts timed"}
+    assert all(v["p10"] <= v["median"] <= v["p90"] for v in parts["arms"].values())
+    assert parts["timed"]["quantize_activation"][1] == 1 and "plan_call" not in parts["timed"]  # world 1: no plan
+    assert op_module.ScatterGemmOp.__call__ is before
+    assert "inside the layer's call" in (out / "rank0.txt").read_text()
     with pytest.raises(SystemExit, match="must be >= 1"):
         P.main(["-m", "0"])
