@@ -13,10 +13,11 @@ first line of that file).
 ``--parts`` adds, per rank, the host time of what a call is made of, each on an idle queue (median
 and 10th..90th percentile): ``nn.Linear``'s call of the same shape (the control: a GPU shared by two
 ranks slows every launch, not only the layer's), the activation quantizer alone, the op alone on
-quantized rows, the layer, one stream write-value and one event record; then the layer's calls again
-with the functions of its path timed inclusively (``PARTS_TIMED``: us per layer call, a function
-called twice a call counts twice; ~0.3 us of the timer itself per wrapped call). Written to
-``OUT/parts_rank{r}.json`` and appended to the rank's text.
+quantized rows, the layer, one stream write-value, one event record, an allocation and a reshape
+(host operations without a launch); then the layer's calls again with the functions of its path
+timed inclusively (``PARTS_TIMED``: us per layer call, a function called twice a call counts twice;
+~0.3 us of the timer itself per wrapped call). Written to ``OUT/parts_rank{r}.json`` and appended
+to the rank's text.
 """
 
 from __future__ import annotations
@@ -161,6 +162,10 @@ def parts(layer, x, comm, calls: int, sync) -> dict:
     a, a_scale = quantize_activation(x, layer.quant, k_padded=layer.k_padded, m_padded=rows)
     linear = torch.nn.Linear(x.shape[1], layer.out_features, bias=False, device=device, dtype=torch.bfloat16)
     arms = {"nn.Linear": lambda: linear(x),
+            # two host operations without a launch: an allocation from the caching allocator, and a
+            # view (pure CPU: slower here than at world 1 means the host itself, not the driver)
+            "torch.empty": lambda: torch.empty(x.shape[0], layer.out_features, dtype=torch.bfloat16, device=device),
+            "reshape": lambda: x.reshape(-1, x.shape[-1]),
             "quantizer": lambda: quantize_activation(x, layer.quant, k_padded=layer.k_padded, m_padded=rows),
             "layer": lambda: layer(x)}
     if layer.op is not None:
