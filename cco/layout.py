@@ -363,18 +363,7 @@ def build_config(*, n: int, k: int, m_max: int, world: int, quant: str = "ptpc",
     block_m = DEFAULT_BLOCK_M if block_m is None else block_m
     if block_m < 1:
         raise ValueError(f"block_m={block_m} must be a positive int")
-    if chunks is None:
-        chunks = DEFAULT_CHUNKS
-    if isinstance(chunks, list):
-        chunks = tuple(chunks)
-    if isinstance(chunks, tuple):
-        if not 1 <= len(chunks) <= MAX_CHUNKS or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1
-                                                         for w in chunks):
-            raise ValueError(f"chunks={chunks!r} is not supported; relative chunk sizes are 1..{MAX_CHUNKS} "
-                             f"positive ints, e.g. (1, 2, 2, 1)")
-    elif not isinstance(chunks, int) or isinstance(chunks, bool) or not 1 <= chunks <= MAX_CHUNKS:
-        raise ValueError(f"chunks={chunks!r} is not supported; pass an int in 1..{MAX_CHUNKS}, a tuple of relative "
-                         f"chunk sizes or None")
+    chunks = check_chunks(DEFAULT_CHUNKS if chunks is None else chunks)
     return OpConfig(n=n, k=k, m_max=m_max, world=world, quant=quant, mode=mode, transport=transport,
                     gather_dtype=gather_dtype, chunks=chunks, block_m=block_m, block_n=block_n,
                     weight_layout=weight_layout, pattern=pattern)
@@ -479,6 +468,35 @@ def input_order(rank: int, world: int) -> tuple[int, ...]:
 def chunk_weights(cfg: OpConfig) -> tuple[int, ...]:
     """Relative sizes of a call's chunks: ``cfg.chunks`` equal ones, or the sizes it names."""
     return cfg.chunks if isinstance(cfg.chunks, tuple) else (1,) * cfg.chunks
+
+
+def check_chunks(chunks):
+    """``chunks`` as an op takes it (a list as its tuple), or ValueError: an int in 1..MAX_CHUNKS, a
+    tuple of 1..MAX_CHUNKS relative sizes (positive ints), or None (the backend's default)."""
+    if chunks is None:
+        return None
+    if isinstance(chunks, list):
+        chunks = tuple(chunks)
+    if isinstance(chunks, tuple):
+        if not 1 <= len(chunks) <= MAX_CHUNKS or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1
+                                                         for w in chunks):
+            raise ValueError(f"chunks={chunks!r} is not supported; relative chunk sizes are 1..{MAX_CHUNKS} "
+                             f"positive ints, e.g. (1, 2, 2, 1)")
+    elif not isinstance(chunks, int) or isinstance(chunks, bool) or not 1 <= chunks <= MAX_CHUNKS:
+        raise ValueError(f"chunks={chunks!r} is not supported; pass an int in 1..{MAX_CHUNKS}, a tuple of relative "
+                         f"chunk sizes or None")
+    return chunks
+
+
+def check_call_options(*, transport=None, gather_dtype: str = "bf16", chunks=None) -> None:
+    """ValueError for an op option that no backend and no shape takes (a layer checks these at
+    construction: a misspelt transport is the caller's error, not a reason to run unfused, which a
+    backend's refusal of a shape is)."""
+    if transport is not None and transport not in TRANSPORTS:
+        raise ValueError(f"transport={transport!r} is not supported; pass one of {', '.join(TRANSPORTS)} or None")
+    if gather_dtype not in GATHER_DTYPES:
+        raise ValueError(f"gather_dtype={gather_dtype!r} is not supported; pass one of {', '.join(GATHER_DTYPES)}")
+    check_chunks(chunks)
 
 
 def call_chunks(cfg: OpConfig, m: int) -> int:

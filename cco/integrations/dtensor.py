@@ -68,9 +68,22 @@ def _check_mesh(device_mesh, fn: str) -> int:
     return device_mesh.size()
 
 
+def _token_dim(layer, placement: Shard, x: DTensor, world: int, fn: str, what: str) -> int:
+    """:func:`_sequence_dim`, and where it refuses, this rank's share of the layer's collective call
+    taken as a rejected one first: ``x``'s global shape is built from this rank's local shape
+    (``from_local(run_check=False)``), so one rank's uneven tokens may fail here alone, and its peers
+    must fail the same call rather than pair it with this rank's next one."""
+    try:
+        return _sequence_dim(placement, x, world, fn, what)
+    except ValueError as err:
+        if layer.op is not None:
+            layer.op.reject(err)
+        raise
+
+
 def _sequence_dim(placement: Shard, x: DTensor, world: int, fn: str, what: str) -> int:
-    """The token dimension ``placement`` shards in ``x``'s global shape, checked (global shapes and
-    ``world`` only: the same verdict on every rank)."""
+    """The token dimension ``placement`` shards in ``x``'s global shape, checked (that shape and
+    ``world`` only)."""
     d = placement.dim + x.ndim if placement.dim < 0 else placement.dim
     if x.ndim < 2 or not 0 <= d < x.ndim - 1:
         raise ValueError(f"{fn}: {what}={placement!r} on an input of shape {list(x.shape)}: the sharded dimension must "
@@ -91,7 +104,7 @@ def _row_forward(layer, mesh, x):
 
 def _row_sp_forward(layer, mesh, placement, x):
     """Row-wise into a sequence-sharded output: ``x`` is a ``Shard(-1)`` DTensor with every token."""
-    d = _sequence_dim(placement, x, mesh.size(), _ROW, "output_layouts")
+    d = _token_dim(layer, placement, x, mesh.size(), _ROW, "output_layouts")
     x_local = x.to_local().movedim(d, 0)  # tokens first: the layer reduce-scatters its first dimension
     y = run_fused(layer, x_local).movedim(0, d)  # this rank's tokens, back in the caller's order (a view)
     return DTensor.from_local(y, mesh, [Shard(d)], run_check=False)
@@ -102,7 +115,7 @@ def _col_sp_forward(layer, mesh, placement, x):
     annotated a plain tensor; a DTensor in another layout is redistributed here, as torch's does)."""
     if not isinstance(x, DTensor):
         x = DTensor.from_local(x, mesh, [placement], run_check=False)
-    d = _sequence_dim(placement, x, mesh.size(), _COL, "input_layouts")
+    d = _token_dim(layer, placement, x, mesh.size(), _COL, "input_layouts")
     if x.placements != (Shard(d),):
         x = x.redistribute(placements=[Shard(d)])
     y = run_fused(layer, x.to_local().movedim(d, 0)).movedim(0, d)  # every rank's tokens, this rank's N slice

@@ -114,12 +114,8 @@ class ColumnParallelLinear(_ParallelLinear):
         for the replicated ``x [M, ..., in_features]`` (local)."""
         if self._decode_call(x):  # as RowParallelLinear's: an eager call of a few rows, one launch
             return self._decode(x, *self.quantized_weight(), self._parameters.get("bias"))
-        if x.shape[-1] != self.in_features:
-            err = ValueError(f"{_FN}: x has {x.shape[-1]} features in its last dimension but the layer takes "
-                             f"in_features={self.in_features}")
-            if self.op is not None and self.sequence_parallel:
-                self.op.reject(err)
-            raise err
+        self._check_input(x, features=self.in_features, name="in_features", hint="",
+                          collective=self.sequence_parallel)
         rows_factor = 1
         if self.sequence_parallel:
             check_token_rows(self, x, _FN, gathers=True)

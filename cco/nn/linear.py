@@ -133,12 +133,8 @@ class RowParallelLinear(_ParallelLinear):
         with the same leading shape."""
         if self._decode_call(x):  # bias: nn.Module's lookup costs a decode call a microsecond
             return self._decode(x, *self.quantized_weight(), self._parameters.get("bias"))
-        if x.shape[-1] != self.in_features_per_rank:
-            err = ValueError(f"{_FN}: x has {x.shape[-1]} features in its last dimension but the layer takes "
-                             f"in_features_per_rank={self.in_features_per_rank}; pass this rank's slice of the input")
-            if self.op is not None:  # still this rank's share of the collective call: the peers fail it too
-                self.op.reject(err)
-            raise err
+        self._check_input(x, features=self.in_features_per_rank, name="in_features_per_rank",
+                          hint="; pass this rank's slice of the input", collective=True)
         qweight, scale = self.quantized_weight()
         if self.sequence_parallel:
             return sequence.row_parallel_forward(self, x, qweight, scale)

@@ -28,7 +28,7 @@ import logging
 
 import torch
 
-from cco import library
+from cco import layout, library
 from cco import quant as Q
 from cco.comm import Communicator
 from cco.nn import checkpoint as C
@@ -38,6 +38,8 @@ from cco.preshuffle import preshuffle_b, unshuffle_b
 
 log = logging.getLogger("cco.nn")
 MODES = ("fused", "split", "unfused")
+# the activations a layer takes (and quantizes itself); fp8 or integer rows are refused, not read as values
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def quantize_activation(x: torch.Tensor, quant: str, *, k_padded: int, m_padded: int | None = None):
@@ -82,7 +84,10 @@ def decode_gemm_for(layer):
     return decode_gemm
 
 
-def _check_arguments(fn: str, sizes: dict, *, mode, quant, backward) -> None:
+def _check_arguments(fn: str, sizes: dict, *, mode, quant, backward, deadline_s, options: dict) -> None:
+    """Arguments no backend could take, whatever the shape (``options``: the op's transport,
+    gather_dtype, chunks as passed): a ValueError at construction on every rank, never a reason to
+    run unfused (only a backend's refusal of the shape is one)."""
     for name, value in sizes.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{fn}: {name}={value!r} must be a positive int")
@@ -90,6 +95,12 @@ def _check_arguments(fn: str, sizes: dict, *, mode, quant, backward) -> None:
         raise ValueError(f"{fn}: mode={mode!r} is not supported; pass one of {', '.join(MODES)}")
     Q.check_quant(quant, fn=fn)
     sequence.check_backward(backward, fn)
+    if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) or not deadline_s > 0:
+        raise ValueError(f"{fn}: deadline_s={deadline_s!r} must be > 0 seconds")
+    try:
+        layout.check_call_options(**options)
+    except ValueError as err:
+        raise ValueError(f"{fn}: {err}") from None
 
 
 def _mib(nbytes: int) -> str:
@@ -120,7 +131,9 @@ class _ParallelLinear(torch.nn.Module):
         self.comm = self._pool.communicator(group)
         error = None
         try:
-            _check_arguments(self._FN, sizes, mode=mode, quant=quant, backward=backward)
+            _check_arguments(self._FN, sizes, mode=mode, quant=quant, backward=backward, deadline_s=deadline_s,
+                             options=dict(transport=transport, chunks=chunks,
+                                          gather_dtype=arguments.get("gather_dtype", "bf16")))
         except (TypeError, ValueError) as err:
             error = err
         # construction is collective: every rank of the group agrees on the arguments first
@@ -197,7 +210,32 @@ class _ParallelLinear(torch.nn.Module):
         """Whether ``forward(x)`` is an eager call of at most ``decode_rows`` rows, which goes
         straight to :meth:`_decode`: ahead of the general path, whose checks, reshapes and lookups
         cost a decode call more host time than the decode GEMM's launch (docs/decode.md)."""
-        return 0 < x.numel() <= self._decode_numel and x.shape[-1] == self.in_features_per_rank and self._eager(x)
+        return (type(x) is torch.Tensor and 0 < x.numel() <= self._decode_numel and x.dtype in ACTIVATION_DTYPES
+                and x.ndim and x.shape[-1] == self.in_features_per_rank and self._eager(x))
+
+    def _check_input(self, x, *, features: int, name: str, hint: str, collective: bool) -> None:
+        """Raise for an input no call takes (not a tensor, 0-d, not a float activation, another
+        feature count); where the call is ``collective``, this rank still takes part in it as a
+        rejected one first (``op.reject``), so that its peers fail the same call and every rank
+        stays in step (a rank that raised without it would pair its next call with the peers' this one)."""
+        err = None
+        if not isinstance(x, torch.Tensor):
+            err = TypeError(f"{self._FN}: x must be a torch.Tensor [..., {name}], got {type(x).__name__}")
+        elif x.dim() == 0:
+            err = ValueError(f"{self._FN}: x is a 0-d tensor; pass [..., {name}={features}]")
+        elif x.dtype not in ACTIVATION_DTYPES:
+            err = TypeError(f"{self._FN}: x is {x.dtype}; the layer takes float activations ("
+                            f"{', '.join(str(d).removeprefix('torch.') for d in ACTIVATION_DTYPES)}) and quantizes "
+                            f"them itself (rows already in fp8 with their scales go to the op: cco.GemmAllReduceOp "
+                            f"and its siblings)")
+        elif x.shape[-1] != features:
+            err = ValueError(f"{self._FN}: x has {x.shape[-1]} features in its last dimension but the layer takes "
+                             f"{name}={features}{hint}")
+        if err is None:
+            return
+        if collective and self.op is not None:
+            self.op.reject(err)
+        raise err
 
     def _eager(self, x: torch.Tensor) -> bool:
         """Whether a forward on ``x`` runs the layer's body directly (an inference call that nothing

@@ -237,3 +237,47 @@ def test_a_blank_local_column_layer_raises_on_its_own_rank():
     (kind1, msg1), err1 = outcomes[1].value
     assert kind0 == "returned" and kind1 == "RuntimeError" and "load_fp8" in msg1, (kind0, kind1, msg1)
     assert err0 < 0.05 and err1 < 0.05, (err0, err1)
+
+
+# --------------------------------------------------------------------------------------------------
+# options no backend takes: the caller's error on every rank, never a reason to run unfused
+BAD_OPTIONS = (("transport", "nvlink", "transport='nvlink' is not supported"),
+               ("gather_dtype", "fp16", "gather_dtype='fp16' is not supported"),
+               ("chunks", 0, "chunks=0 is not supported"),
+               ("chunks", (1, 0), "chunks=(1, 0) is not supported"),
+               ("deadline_s", -1, "deadline_s=-1 must be > 0 seconds"))
+
+
+def _build_with_bad_options(comm):
+    """Every (layer, mode, bad option) built on this rank: {case: (error type, first line)}."""
+    found = {}
+    for layer in ("row", "row-sp", "column-sp"):
+        for mode in ("fused", "unfused"):
+            for option, value, _ in BAD_OPTIONS:
+                if layer == "column-sp" and option == "gather_dtype":
+                    continue  # the column layer takes no gather_dtype (its all-gather moves fp8 input rows)
+                case = (layer, mode, option, repr(value))
+                build = _build_column if layer == "column-sp" else _build_layer
+                extra = {"sequence_parallel": True} if layer == "row-sp" else {}
+                try:
+                    build(comm, {comm.rank: {option: value, "mode": mode, **extra}})
+                    found[case] = ("built", "")
+                except Exception as err:
+                    found[case] = (type(err).__name__, str(err).splitlines()[0])
+    return found
+
+
+def test_layer_options_no_backend_takes_raise_on_every_rank():
+    """Before, a misspelt transport, gather_dtype='fp16' or chunks=0 built a layer that logged
+    "runs unfused" (the backend's refusal of the shape taken for a fallback reason) and ran the slow
+    path; deadline_s=-1 raised naming GemmAllReduceOp, and not at all with mode='unfused'. Now each
+    is a ValueError naming the layer, on every rank, in every mode, for both layers."""
+    outcomes = spawn(_build_with_bad_options, world=2, timeout_s=300)
+    says = {option + repr(value): text for option, value, text in BAD_OPTIONS}
+    for o in outcomes:
+        assert o.error is None, (o.rank, o.error_type, o.error)
+        assert len(o.value) == 3 * 2 * len(BAD_OPTIONS) - 2
+        for (layer, mode, option, value), (kind, head) in o.value.items():
+            name = "ColumnParallelLinear" if layer == "column-sp" else "RowParallelLinear"
+            assert kind == "ValueError" and head.startswith(f"{name}:") and says[option + value] in head, \
+                (o.rank, layer, mode, option, value, kind, head)

@@ -147,6 +147,10 @@ def _rank_main(comm):
         MLPBlock().down, mesh, FusedRowwiseParallel(output_layouts=Shard(2), m_max=M_MAX))(
             torch.randn(2, 16, INTER // WORLD).to(torch.bfloat16)))
     out["row_too_many"] = error_of(lambda: row(torch.randn(4, 32, INTER // WORLD).to(torch.bfloat16)))
+    # one rank's sequence does not split (its global shape is built from its own local one): that
+    # rank raises, its peer fails the same call, and the next call pairs rightly
+    seq = 15 if comm.rank == 1 else 16
+    out["row_odd_one_rank"] = error_of(lambda: row(torch.randn(2, seq, INTER // WORLD).to(torch.bfloat16)))
     out["in_step_after_errors"] = comm.all_gather_object(comm.rank)
     # the layers still run after the refused calls; a replicated DTensor input is redistributed to Shard(1)
     xr = torch.randn(2, 16, H, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
@@ -203,5 +207,11 @@ def test_refused_cases_raise_on_every_rank_and_the_ranks_stay_in_step(ranks):
     for r in ranks:
         for key, prefix in expected.items():
             assert r[key].startswith(prefix), (key, r[key])
+    # before the rejection, rank 0's call returned (paired with rank 1's next call's rows) and rank 0
+    # waited out its deadline a call later
+    assert ranks[1]["row_odd_one_rank"].startswith(expected["row_odd_seq"]), ranks[1]["row_odd_one_rank"]
+    assert ranks[0]["row_odd_one_rank"].startswith("PeerRejectedError") and "rank 1" in ranks[0]["row_odd_one_rank"], \
+        ranks[0]["row_odd_one_rank"]
+    for r in ranks:
         assert r["in_step_after_errors"] == list(range(WORLD))
         assert r["after_errors"] < FP8_TOL

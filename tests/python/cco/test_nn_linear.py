@@ -316,36 +316,58 @@ def test_layers_of_one_shape_share_one_window():
 
 
 # --------------------------------------------------------------------------------------------------
+BAD_INPUTS = {  # what rank 1 passes instead of its slice: (the error it raises, a word of its message)
+    "one feature too few": ("ValueError", "features"),
+    "0-d": ("ValueError", "0-d"),
+    "int32": ("TypeError", "torch.int32"),
+    "fp8": ("TypeError", "float8_e4m3fn"),
+    "not a tensor": ("TypeError", "torch.Tensor"),
+}
+
+
+def _bad(kind, xs):
+    return {"one feature too few": lambda: xs[:, :-1], "0-d": lambda: xs[0, 0],
+            "int32": lambda: xs.to(torch.int32), "fp8": lambda: xs.to(torch.float8_e4m3fn),
+            "not a tensor": lambda: xs.tolist()}[kind]()
+
+
 def _one_rank_passes_a_bad_input(comm):
+    """Per bad input: (this rank's verdict on the call where rank 1 passes it, the next call's output)."""
     from cco.transport.protocol import PeerRejectedError
 
     w, x, bias = problem(256, 512, lead=(4,))
     layer = _layer(comm, "ptpc", 256, 512, bias=False)
     layer.load_weight(shard(w, comm.rank, comm.world))
     xs = shard(x, comm.rank, comm.world)
-    first = xs[:, :-1] if comm.rank == 1 else xs  # rank 1 passes one feature too few
-    try:
+    found = {}
+    for kind in BAD_INPUTS:
+        first = _bad(kind, xs) if comm.rank == 1 else xs
+        try:
+            with torch.no_grad():
+                layer(first)
+            verdict = "returned"
+        except PeerRejectedError as err:
+            verdict = f"PeerRejectedError: {err}"
+        except (TypeError, ValueError) as err:
+            verdict = f"{type(err).__name__}: {err}"
         with torch.no_grad():
-            layer(first)
-        verdict = "returned"
-    except PeerRejectedError as err:
-        verdict = f"PeerRejectedError: {err}"
-    except ValueError as err:
-        verdict = f"ValueError: {err}"
-    with torch.no_grad():
-        second = layer(xs)  # the ranks are still in step: the next call is good everywhere
-    return verdict, second
+            found[kind] = verdict, layer(xs)  # the ranks are still in step: the next call is good everywhere
+    return found
 
 
 def test_a_rank_whose_input_the_layer_rejects_fails_the_call_on_every_rank():
     """Guards: a layer whose own input check raises on one rank before it reaches the op. Without
     taking part in the call, the peer waits out its deadline and the ranks' calls fall out of
     step (the next call pairs different calls or fails too); with the rejection the peer raises
-    PeerRejectedError naming rank 1 at once and the next call is correct on both ranks."""
+    PeerRejectedError naming rank 1 at once and the next call is correct on both ranks. A 0-d
+    input raised IndexError and a list TypeError before the check (no rejection: the peer's call
+    paired with rank 1's next one and returned its result), and int32 and fp8 inputs ran, fp8's
+    bytes read as their values (a caller's pre-quantized rows lost their scales with no word)."""
     outs = check_outcomes(spawn(_one_rank_passes_a_bad_input, world=2, timeout_s=120))
     w, x, _ = problem(256, 512, lead=(4,))
     ref = reference(w, x, None, 2, "ptpc", 256, 256)
-    (verdict0, second0), (verdict1, second1) = outs
-    assert verdict1.startswith("ValueError") and "features" in verdict1
-    assert verdict0.startswith("PeerRejectedError") and "rank 1" in verdict0, verdict0
-    assert Q.count_mismatches(second0, ref) == 0 and torch.equal(second0, second1)
+    for kind, (error, word) in BAD_INPUTS.items():
+        (verdict0, second0), (verdict1, second1) = outs[0][kind], outs[1][kind]
+        assert verdict1.startswith(error) and word in verdict1, (kind, verdict1)
+        assert verdict0.startswith("PeerRejectedError") and "rank 1" in verdict0, (kind, verdict0)
+        assert Q.count_mismatches(second0, ref) == 0 and torch.equal(second0, second1), kind
