@@ -49,7 +49,7 @@ class ColumnParallelLinear(_ParallelLinear):
     Arguments (all but the sizes keyword-only):
       in_features:   K, the layer's input features (every rank takes all of them).
       out_features_per_rank: N_r, this rank's output features (its rows of the weight).
-      group, quant, bias, m_max, mode, transport, chunks, deadline_s, trainable, pool: as
+      group, cpu_group, quant, bias, m_max, mode, transport, chunks, deadline_s, trainable, pool: as
                      :class:`cco.nn.RowParallelLinear` (``m_max``: the gathered tokens one call takes;
                      a sequence-parallel call is never split).
       sequence_parallel: the input is this rank's tokens (first dimension) and the output every
@@ -80,7 +80,7 @@ class ColumnParallelLinear(_ParallelLinear):
     def __init__(self, in_features: int, out_features_per_rank: int, *, group=None, quant: str = "ptpc",
                  bias: bool = False, m_max: int = 4096, mode: str = "fused", sequence_parallel: bool = False,
                  transport: str | None = None, chunks=None, deadline_s: float = DEFAULT_DEADLINE_S,
-                 trainable: bool = False, pool: WindowPool | None = None, backward: str = "bf16"):
+                 trainable: bool = False, pool: WindowPool | None = None, backward: str = "bf16", cpu_group=None):
         super().__init__()
         if sequence_parallel:
             from cco.all_gather import AllGatherGemmOp
@@ -98,9 +98,10 @@ class ColumnParallelLinear(_ParallelLinear):
                                    bias=bias, m_max=m_max, mode=mode, sequence_parallel=sequence_parallel,
                                    transport=transport, chunks=chunks, deadline_s=deadline_s, trainable=trainable,
                                    backward=backward),
-                    group=group, quant=quant, bias=bias, m_max=m_max, mode=mode, transport=transport, chunks=chunks,
-                    deadline_s=deadline_s, trainable=trainable, pool=pool, sequence_parallel=sequence_parallel,
-                    backward=backward, op_class=op_class, op_options=op_options, shape_options=shape_options)
+                    group=group, cpu_group=cpu_group, quant=quant, bias=bias, m_max=m_max, mode=mode,
+                    transport=transport, chunks=chunks, deadline_s=deadline_s, trainable=trainable, pool=pool,
+                    sequence_parallel=sequence_parallel, backward=backward, op_class=op_class, op_options=op_options,
+                    shape_options=shape_options)
         # the layer's own names of the shard's sizes (the base's out_features / in_features_per_rank: N, K)
         self.in_features, self.out_features_per_rank = in_features, out_features_per_rank
 

@@ -60,6 +60,9 @@ class RowParallelLinear(_ParallelLinear):
       out_features:  N, the layer's output features (every rank returns all of them).
       group:         a torch.distributed group (the tensor-parallel group; None: the world) or a
                      :class:`cco.comm.Communicator`. Construction is collective over it.
+      cpu_group:     a gloo group of the same ranks, for the bootstrap where ``group``'s backend
+                     carries no CPU tensors (an NCCL-only group: ``Communicator.from_group``); the
+                     unfused path's collectives still run on ``group``.
       quant:         "ptpc" | "blockscale" | "mxfp8" (``cco.quant``).
       bias:          add a bf16 bias of ``out_features`` after the all-reduce.
       m_max:         rows (tokens) one op call takes; sizes the shared window. Calls with more rows
@@ -101,7 +104,7 @@ class RowParallelLinear(_ParallelLinear):
                  bias: bool = False, m_max: int = 4096, mode: str = "fused", transport: str | None = None,
                  gather_dtype: str = "bf16", chunks=None, deadline_s: float = DEFAULT_DEADLINE_S,
                  trainable: bool = False, pool: WindowPool | None = None, sequence_parallel: bool = False,
-                 backward: str = "bf16"):
+                 backward: str = "bf16", cpu_group=None):
         super().__init__()
         op_options = dict(quant=quant, mode="fused" if mode == "unfused" else mode, transport=transport,
                           gather_dtype=gather_dtype, chunks=chunks)
@@ -114,9 +117,10 @@ class RowParallelLinear(_ParallelLinear):
                                    bias=bias, m_max=m_max, mode=mode, transport=transport, gather_dtype=gather_dtype,
                                    chunks=chunks, deadline_s=deadline_s, trainable=trainable,
                                    sequence_parallel=sequence_parallel, backward=backward),
-                    group=group, quant=quant, bias=bias, m_max=m_max, mode=mode, transport=transport, chunks=chunks,
-                    deadline_s=deadline_s, trainable=trainable, pool=pool, sequence_parallel=sequence_parallel,
-                    backward=backward, op_class=op_class, op_options=op_options, shape_options=shape_options)
+                    group=group, cpu_group=cpu_group, quant=quant, bias=bias, m_max=m_max, mode=mode,
+                    transport=transport, chunks=chunks, deadline_s=deadline_s, trainable=trainable, pool=pool,
+                    sequence_parallel=sequence_parallel, backward=backward, op_class=op_class, op_options=op_options,
+                    shape_options=shape_options)
         self._row_multiple = 1  # rows a call is padded to a multiple of (zero rows, see _rows)
         if (self.op is not None and quant == "blockscale" and not self.sequence_parallel
                 and self.device.type == "cuda" and not getattr(torch.version, "hip", None)):

@@ -121,14 +121,15 @@ class _ParallelLinear(torch.nn.Module):
     _COLLECTIVE_WITHOUT_SP = True  # a call is collective without sequence parallelism too
     _UNFUSED = ("", "")          # what runs unfused: (without, with) sequence parallelism, for the log
 
-    def _build(self, *, n: int, k: int, sizes: dict, arguments: dict, group, quant: str, bias: bool, m_max: int,
+    def _build(self, *, n: int, k: int, sizes: dict, arguments: dict, group, cpu_group, quant: str, bias: bool,
+               m_max: int,
                mode: str, transport, chunks, deadline_s: float, trainable: bool, pool: WindowPool | None,
                sequence_parallel: bool, backward: str, op_class, op_options: dict, shape_options: dict) -> None:
         """Construction, collective over ``group``: ``sizes`` (name -> value) checked and ``arguments``
         agreed on every rank before anything is built, then the verdict, the op, the buffers."""
         self.sequence_parallel = bool(sequence_parallel)
         self._pool = pool or DEFAULT_POOL
-        self.comm = self._pool.communicator(group)
+        self.comm = self._pool.communicator(group, cpu_group=cpu_group)
         error = None
         try:
             _check_arguments(self._FN, sizes, mode=mode, quant=quant, backward=backward, deadline_s=deadline_s,

@@ -47,15 +47,19 @@ class WindowPool:
         self._comms: dict[int, tuple[object, Communicator]] = {}  # id(group) -> (group, comm)
         self._ops: dict[tuple, list] = {}  # family key -> [op, users]
 
-    def communicator(self, group=None) -> Communicator:
+    def communicator(self, group=None, *, cpu_group=None) -> Communicator:
         """``group`` itself when it is a Communicator; else the communicator of a torch.distributed
-        group (None: the world), built on first use (collective over the group)."""
+        group (None: the world), built on first use (collective over the group) with ``cpu_group``
+        for its bootstrap where given (``Communicator.from_group``)."""
         if isinstance(group, Communicator):
+            if cpu_group is not None:
+                raise ValueError("cpu_group goes with a torch.distributed group; a Communicator has its bootstrap "
+                                 "group already (Communicator.from_group(group, cpu_group=...))")
             return group
         group = dist.group.WORLD if group is None else group
         entry = self._comms.get(id(group))
         if entry is None:
-            entry = self._comms[id(group)] = (group, Communicator.from_group(group))
+            entry = self._comms[id(group)] = (group, Communicator.from_group(group, cpu_group=cpu_group))
         return entry[1]
 
     def acquire(self, comm: Communicator, *, op_class=GemmAllReduceOp, **options) -> GemmAllReduceOp:

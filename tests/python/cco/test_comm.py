@@ -155,3 +155,54 @@ def test_torchrun_launch_runs_the_demo(tmp_path):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "launcher=torchrun world=2" in proc.stdout and "PASS" in proc.stdout, proc.stdout
+
+
+def _layers_take_cpu_group(comm):
+    """Both layers built with ``group`` and a gloo ``cpu_group`` of the same ranks: the bootstrap
+    on ``cpu_group``, the unfused path's collectives on ``group``, and the outputs right."""
+    import torch
+    import torch.distributed as dist
+
+    from cco import quant as Q
+    from cco.nn import ColumnParallelLinear, RowParallelLinear, WindowPool
+
+    group, cpu = dist.new_group([0, 1], backend="gloo"), dist.new_group([0, 1], backend="gloo")
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(256, 512, generator=g), torch.randn(8, 512, generator=g)
+    found = {}
+    for name, build in (("row fused", lambda: RowParallelLinear(256, 256, group=group, cpu_group=cpu, m_max=8,
+                                                                pool=WindowPool())),
+                        ("row unfused", lambda: RowParallelLinear(256, 256, group=group, cpu_group=cpu, m_max=8,
+                                                                  mode="unfused", pool=WindowPool())),
+                        ("column sp", lambda: ColumnParallelLinear(512, 128, group=group, cpu_group=cpu, m_max=8,
+                                                                   sequence_parallel=True, pool=WindowPool()))):
+        layer = build()
+        if name.startswith("row"):
+            layer.load_weight(w[:, comm.rank * 256:(comm.rank + 1) * 256])
+            with torch.no_grad():
+                y = layer(x[:, comm.rank * 256:(comm.rank + 1) * 256])
+            ref = x @ w.t()
+        else:
+            layer.load_weight(w[comm.rank * 128:(comm.rank + 1) * 128])
+            with torch.no_grad():
+                y = layer(x[comm.rank * 4:(comm.rank + 1) * 4])
+            ref = x @ w[comm.rank * 128:(comm.rank + 1) * 128].t()
+        found[name] = (layer.comm.group is cpu, layer._reduce_group is group, Q.rel_l2(y, ref))
+        layer.close()
+    try:
+        RowParallelLinear(256, 256, group=Communicator.from_group(group), cpu_group=cpu, m_max=8, pool=WindowPool())
+        found["communicator and cpu_group"] = "built"
+    except ValueError as err:
+        found["communicator and cpu_group"] = str(err)
+    return found
+
+
+def test_layers_take_a_cpu_group_beside_their_group():
+    """The README and the guide tell a job whose TP group is NCCL-only to pass ``cpu_group=``; the
+    layers took no such argument (TypeError), so the advice could only be followed by building the
+    communicator by hand. Now both layers pass it to ``Communicator.from_group``."""
+    for found in check_outcomes(spawn(_layers_take_cpu_group, world=2, timeout_s=120)):
+        for name in ("row fused", "row unfused", "column sp"):
+            bootstrap, reduce, err = found[name]
+            assert bootstrap and reduce and err < 0.1, (name, found[name])
+        assert "cpu_group goes with a torch.distributed group" in found["communicator and cpu_group"]
