@@ -57,6 +57,29 @@ MODELS = {"8b": (4096, 14336), "70b": (8192, 28672)}
 TPS = (1, 2, 8)
 
 
+def _ints(text: str) -> list[int]:
+    """A comma list of integers >= 1 (``--batch``, ``-m``), or an argparse error."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of integers") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be >= 1")
+    return values
+
+
+def _quants(text: str) -> list[str]:
+    quants = [q for q in text.split(",") if q]
+    bad = [q for q in quants if q not in Q.QUANTS]
+    if bad or not quants:
+        raise argparse.ArgumentTypeError(f"{bad or text!r}: pick from {', '.join(Q.QUANTS)}")
+    return quants
+
+
+SIZES = ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "prompt", "tokens", "repeats",
+         "graph_calls", "calls", "profile_calls")  # each >= 1
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=8)
@@ -65,12 +88,12 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--vocab", type=int, default=128256)
-    p.add_argument("--batch", default="1,8")
+    p.add_argument("--batch", type=_ints, default=[1, 8])
     p.add_argument("--prompt", type=int, default=16)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--quant", default=",".join(Q.QUANTS))
-    p.add_argument("-m", default="1,8,64,256", help="per-call table: row counts")
+    p.add_argument("--quant", type=_quants, default=list(Q.QUANTS), help="comma list of " + ", ".join(Q.QUANTS))
+    p.add_argument("-m", type=_ints, default=[1, 8, 64, 256], help="per-call table: row counts")
     p.add_argument("--shapes", default="all", help="per-call table: all, or a comma list such as 8b-down-tp1")
     p.add_argument("--graph-calls", type=int, default=10)
     p.add_argument("--calls", type=int, default=50)
@@ -97,9 +120,15 @@ def parse_args(argv=None):
                                                     "(no GPU)")
     p.add_argument("--smoke", action="store_true", help="CPU: run every arm's decode step once, tiny model, no timing")
     args = p.parse_args(argv)
-    args.batch = [int(v) for v in args.batch.split(",")]
-    args.m = [int(v) for v in args.m.split(",")]
-    args.quant = [q for q in args.quant.split(",") if q]
+    small = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in SIZES if getattr(args, name) < 1]
+    if small:
+        p.error(f"{', '.join(small)}: must be >= 1")
+    if args.passes < 3:
+        p.error(f"--passes {args.passes}: >= 3 (a spread needs them)")
+    for flag in ("json", "plot", "plot_per_call"):
+        where = os.path.dirname(getattr(args, flag) or "")
+        if where and not os.path.isdir(where):
+            p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: directory {where} does not exist")
     return args
 
 
@@ -342,7 +371,9 @@ def model_runs(args, comm, device) -> list[dict]:
             print(f"batch {batch} {arm:22s} " + " | ".join(
                 f"{mode} {r['ms_per_token']:.2f} ms/token ({r['min']:.2f}..{r['max']:.2f})"
                 for mode, r in record.get("modes", {}).items()) + (f" ERROR {record['error']}" if "error" in record
-                                                                     else "") + (" ok" if record.get("ok") else ""),
+                                                                     else "") + (" ok" if record.get("ok") else
+                                                                                 " NOT OK: non-finite logits"
+                                                                                 if record.get("ok") is False else ""),
                   flush=True)
             runs.append(record)
         swapped(model, None)
@@ -740,7 +771,13 @@ def plot_per_call(per_call_rows, path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
-def main(argv=None):
+def smoke_failures(runs: list[dict]) -> list[str]:
+    """The ``--smoke`` records (``model_runs``) of arms that raised or decoded non-finite logits."""
+    return [f"batch {r['batch']} {r['arm']}: " + (r["error"] if "error" in r else "non-finite logits")
+            for r in runs if "error" in r or not r.get("ok")]
+
+
+def main(argv=None) -> int:
     args = parse_args(argv)
 
     if args.from_json:  # plots of an earlier run: no GPU, no ranks
@@ -758,8 +795,12 @@ def main(argv=None):
                 raise SystemExit(f"bench_decode: {args.from_json} has no {key} rows to draw")
             if wanted:
                 draw()
-        return
+        return 0
 
+    if not args.smoke:
+        from cco.bench.timing import require_cuda
+
+        require_cuda("bench_decode")  # (--smoke runs on the CPU)
     if args.smoke:
         args.hidden, args.intermediate, args.heads, args.kv_heads, args.vocab, args.layers = 256, 512, 4, 2, 512, 2
     device = torch.device("cpu") if args.smoke else torch.device("cuda", torch.cuda.current_device())
@@ -797,7 +838,12 @@ def main(argv=None):
         save()
         if comm.rank == 0:
             print("RESULT_JSON " + json.dumps(result), flush=True)
+    # --smoke: any arm that raised or decoded non-finite logits fails the run (world 1: the model runs there only)
+    failed = smoke_failures(result.get("model", {}).get("runs", [])) if args.smoke else []
+    if failed:
+        print("bench_decode --smoke: FAILED: " + "; ".join(failed), file=sys.stderr, flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -40,7 +40,8 @@ Baseline arms: ``scaled_mm`` (cuBLAS: ptpc with default accumulation, blockscale
 "ticket" and "persistent" run the lsa kernel on a world of one, which shows what its tile walk
 costs the GEMM; "cublas": the vendor GEMM); ``--configs default`` is the own kernel's plain config
 (``TRITON_PLAIN``), launch included. Every arm's output is checked against the fp32 reference first
-(``cco.bench.timing.gemm_mismatches``); a wrong arm posts no time. Timing is ``cco.bench.timing.time_arms``
+(``cco.bench.timing.gemm_mismatches``); a wrong arm posts no time, is listed as WRONG and the run
+exits 1. Timing is ``cco.bench.timing.time_arms``
 (arms alternate inside each pass, median over iterations, spread over passes; the ratio also pass by
 pass, ``vs_baseline_paired``: its median and range over passes); each (quant, M)
 ends in a line ``RESULT_JSON {...}``; ``--json`` writes them all in one file.
@@ -51,6 +52,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 
@@ -58,7 +60,7 @@ import torch
 
 from cco import quant as Q
 from cco.bench.timing import (allreduce_mismatches, budget_terms, cublas_gemm, gemm_mismatches, graphed, idle_check,
-                              per_pass_ratio, tflops, time_arms)
+                              per_pass_ratio, require_cuda, tflops, time_arms)
 
 
 def _ints(text: str) -> list[int]:
@@ -105,6 +107,22 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.epilogue and args.producer:
         p.error("--epilogue and --producer time different arm sets; pick one")
+    small = [f"{flag} {v}" for flag, vs in (("-m", args.m), ("-n", [args.n]), ("-k", [args.k])) for v in vs if v < 1]
+    if small:
+        p.error(f"{', '.join(small)}: sizes must be >= 1")
+    if args.passes < 3 or args.iters < 1 or args.rotate < 1:
+        p.error("--passes >= 3 (a spread needs them), --iters >= 1 and --rotate >= 1")
+    from cco import layout
+    from cco.cuda.dma import MAX_PRODUCER_STREAMS
+
+    if not all(1 <= c <= layout.MAX_CHUNKS for c in args.chunks):
+        p.error(f"--chunks {args.chunks}: each 1..{layout.MAX_CHUNKS}")
+    if not all(1 <= s <= MAX_PRODUCER_STREAMS for s in args.producer_streams):
+        p.error(f"--producer-streams {args.producer_streams}: each 1..{MAX_PRODUCER_STREAMS}")
+    for flag in ("json", "plot"):
+        where = os.path.dirname(getattr(args, flag) or "")
+        if where and not os.path.isdir(where):
+            p.error(f"--{flag} {getattr(args, flag)}: directory {where} does not exist")
     return args
 
 
@@ -344,6 +362,9 @@ def run_one(args, dev) -> dict:
             ratio = f" | {row['vs_baseline']:.3f}x {baseline}, pass by pass {med:.3f}x ({lo:.3f}-{hi:.3f})"
         rows[name] = row
         print(f"  {name:32s} {t.median_us:8.1f} us (spread {100 * t.spread:4.1f}%) | {row['tflops']:7.1f} TFLOP/s{ratio}")
+    for name, bad in checked.items():  # the dropped arms, in the table too: a wrong arm never vanishes
+        if bad:
+            print(f"  {name:32s} WRONG, not timed: {bad} elements outside the GEMM budget")
     payload = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
                "m": args.m, "n": args.n, "k": args.k, "quant": args.quant, "graph": args.graph,
                "kind": "producer" if args.producer else "epilogue" if args.epilogue else "plain", "baseline": baseline,
@@ -397,13 +418,20 @@ def runs_from_json(paths: str) -> list[dict]:
     return runs
 
 
-def main(argv=None):
+def failures(runs: list[dict]) -> list[str]:
+    """Every arm of ``runs`` (``run_one``'s records) whose output check failed: ``"<quant> M=<m> <arm>: ..."``."""
+    return [f"{r['quant']} M={r['m']} {name}: {bad} elements outside the GEMM budget"
+            for r in runs for name, bad in r.get("bad_elements", {}).items() if bad]
+
+
+def main(argv=None) -> int:
     args = parse_args(argv)
     if args.from_json:
         runs = runs_from_json(args.from_json)
         if args.plot:
             plot(runs, args.plot)
-        return
+        return 0
+    require_cuda("bench_gemm")
     dev = torch.device("cuda", torch.cuda.current_device())
     idle_before = idle_check()  # the device idle around the whole sweep (each check waits ~1 s)
     runs = []
@@ -419,7 +447,11 @@ def main(argv=None):
                        "idle_before": idle_before, "idle_after": idle_after, "runs": runs}, f, indent=1)
     if args.plot:
         plot(runs, args.plot)
+    failed = failures(runs)
+    if failed:  # after the JSON and the plot: what was measured is kept, the run still fails
+        print("bench_gemm: FAILED, not timed: " + "; ".join(failed), file=sys.stderr, flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

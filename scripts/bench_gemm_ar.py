@@ -70,7 +70,8 @@ output is [M, N]). Their arms (``all`` runs every one; split-sdma / fused-sdma a
 
 Before timing: every op runs ``self_test()`` (bytes really move), and every arm's output is checked
 against the fp32 reference sum (relative L2 and element-wise), so a wrong or silent arm cannot post a
-time. Timing is ``cco.bench.timing.time_arms`` (arms alternate inside each pass, >= 3 passes, median over
+time: it is listed in the table (WRONG, or SELF TEST FAILED) and every rank exits 1 (``--check-only``
+too). Timing is ``cco.bench.timing.time_arms`` (arms alternate inside each pass, >= 3 passes, median over
 iterations, max over ranks, rotating input sets, idle check before and after). ``--graph`` times
 CUDA-graph replays of each arm instead of eager calls. The last line is ``RESULT_JSON {...}``.
 """
@@ -89,7 +90,7 @@ import torch.distributed as dist
 from cco import layout
 from cco import quant as Q
 from cco.bench.timing import (allreduce_mismatches, allreduce_terms, budget_terms, cublas_gemm, gemm_mismatches, graphed,
-                           idle_check, override, require_a_gpu_per_rank, tflops, time_arms)
+                           idle_check, override, require_a_gpu_per_rank, require_cuda, tflops, time_arms)
 from scripts.bench_sp_parts import CONSUMERS
 
 SWEEP_M = (2048, 4096, 8192, 16384, 32768)
@@ -162,7 +163,19 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None, help="also write the result JSON here (rank 0)")
     p.add_argument("--trace", default=None, help="chrome trace of 3 calls of --trace-arm (rank 0), after timing")
     p.add_argument("--trace-arm", default="fused", help="the arm --trace profiles")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    small = [f"-{name} {getattr(args, name)}" for name in ("m", "n", "k") if getattr(args, name) < 1]
+    if small:
+        p.error(f"{', '.join(small)}: sizes must be >= 1")
+    if args.passes < 3 or args.iters < 1 or args.rotate < 1:
+        p.error("--passes >= 3 (a spread needs them), --iters >= 1 and --rotate >= 1")
+    if args.chunks is not None and not 1 <= args.chunks <= layout.MAX_CHUNKS:
+        p.error(f"--chunks {args.chunks}: pick 1..{layout.MAX_CHUNKS}")
+    for flag in ("json", "plot", "trace"):
+        where = os.path.dirname(getattr(args, flag) or "")
+        if where and not os.path.isdir(where):
+            p.error(f"--{flag} {getattr(args, flag)}: directory {where} does not exist")
+    return args
 
 
 def select_arms(mode: str, quant: str, pattern: str = "ar") -> list[str]:
@@ -509,6 +522,9 @@ def print_table(res, file=sys.stdout):
             print(f"  {name:20s} {'ok' if r['ok'] else 'WRONG'}: rel L2 {r['rel_l2']:.2e}, {r['bad_elements']} "
                   f"elements off{'; self test: ' + test.get('error', 'passed') if name in res['self_test'] else ''}",
                   file=file)
+        for name, test in res["self_test"].items():  # (an arm whose bytes did not move is not checked)
+            if name not in res["correctness"] and "error" in test:
+                print(f"  {name:20s} SELF TEST FAILED, not checked: {test.get('error', '?')}", file=file)
         return
     print(f"[{res['m']}, {res['n']}] K={res['k']} {res['quant']} --pattern {res.get('pattern', 'ar')} "
           f"world={res['world']} {'graph' if res['graph'] else 'eager'} chunks={res['chunks']}", file=file)
@@ -516,6 +532,37 @@ def print_table(res, file=sys.stdout):
         extra = f" | {r['tflops']:7.1f} TFLOP/s" if "tflops" in r else ""
         ratio = f" | {r['x_split_baseline']:.3f}x scaled_mm+nccl" if "x_split_baseline" in r else ""
         print(f"  {name:16s} {r['median_us']:9.1f} us (spread {100 * r['spread']:4.1f}%){extra}{ratio}", file=file)
+    for name in res.get("dropped_for_wrong_output", ()):
+        r = res["correctness"][name]
+        print(f"  {name:16s} WRONG, not timed: rel L2 {r['rel_l2']:.2e}, {r['bad_elements']} elements off", file=file)
+    for name, test in res.get("self_test", {}).items():
+        if "error" in test:
+            timed = "timed" if name in res["arms"] else "not timed"
+            print(f"  {name:16s} SELF TEST FAILED ({timed}): {test['error']}", file=file)
+
+
+def failures(results) -> list[str]:
+    """Every arm whose output check or self test failed in ``results`` (``run_shape``'s records):
+    ``"M=<m> <arm>: <what>"``; empty when every check passed."""
+    out = []
+    for res in results:
+        for name, r in res.get("correctness", {}).items():
+            if not r["ok"]:
+                out.append(f"M={res['m']} {name}: wrong output (rel L2 {r['rel_l2']:.2e}, {r['bad_elements']} "
+                           f"elements off)")
+        for name, test in res.get("self_test", {}).items():
+            if "error" in test:
+                out.append(f"M={res['m']} {name}: self test failed: {test['error']}")
+    return out
+
+
+def exit_status(comm, results) -> int:
+    """1 where any rank saw an arm fail its check or self test (each rank checks its own output), else
+    0: the same status on every rank, so a launcher reports the job as one."""
+    failed = bool(failures(results))
+    if comm is not None and comm.world > 1:
+        failed = any(comm.all_gather_object(failed))
+    return 1 if failed else 0
 
 
 def plot(results, path):
@@ -541,11 +588,16 @@ def plot(results, path):
     fig.savefig(path, dpi=120)
 
 
-def main(argv=None):
+def main(argv=None) -> int:
     args = parse_args(argv)
     from cco.comm import Communicator
 
+    require_cuda("bench_gemm_ar")  # (run_shape's checks run on CPU ranks in tests; main times on GPUs)
     comm = Communicator.from_env()
+    if comm.device.type != "cuda":
+        comm.close()
+        raise SystemExit(f"bench_gemm_ar: rank {comm.rank} got device {comm.device}; the benchmark needs a CUDA "
+                         f"GPU per rank")
     torch.cuda.set_device(comm.device)
     arms_wanted = select_arms(args.mode, args.quant, args.pattern)
     if not args.check_only:
@@ -588,9 +640,14 @@ def main(argv=None):
             with open(args.json, "w") as f:
                 json.dump(payload, f, indent=1)
         print("RESULT_JSON " + json.dumps(payload))
+    status = exit_status(comm, results)  # (a collective: every rank calls it)
+    if status and comm.rank == 0:
+        print("bench_gemm_ar: FAILED: " + ("; ".join(failures(results)) or "a check failed on another rank"),
+              file=sys.stderr)
     comm.barrier()
     comm.close()
+    return status
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -46,7 +46,8 @@ column-parallel gate+up projection (N = 2 * intermediate/TP, K = hidden); M coun
 the whole sequence (the GEMM's rows before the scatter, after the gather).
 
 Every arm's output (sampled rows, every chunk's first and last) and, for ``rs-rows``, every
-counter are checked first; a wrong arm posts no time. Timing is ``cco.bench.timing.time_arms`` on
+counter are checked first; a wrong arm posts no time, and a shape that posted none exits 1 (after the
+JSON). Timing is ``cco.bench.timing.time_arms`` on
 CUDA-graph replays (the arms of a shape alternate in each pass, L2 flushed before each call: the
 ``ag`` arm's peer rows sit in one place, the baseline's inputs rotate). Per (pattern, quant, shape,
 M, W) one line: the arm's median time, its ratio to ``whole`` (taken pass by pass: median and
@@ -59,6 +60,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 
@@ -125,6 +127,10 @@ def parse_args(argv=None):
         p.error(f"-m/--tp: every M must be a positive multiple of every TP (the tokens split evenly); not {uneven}")
     if args.passes < 3 or args.iters < 1 or args.rotate < 1:
         p.error("--passes >= 3 (a spread needs them), --iters >= 1 and --rotate >= 1")
+    for flag in ("json", "plot"):
+        where = os.path.dirname(getattr(args, flag) or "")
+        if where and not os.path.isdir(where):
+            p.error(f"--{flag} {getattr(args, flag)}: directory {where} does not exist")
     return args
 
 
@@ -494,24 +500,30 @@ def plot_compare(before: list[dict], after: list[dict], path: str, labels=("befo
     fig.savefig(path, dpi=100)
 
 
-def main(argv=None):
+def failures(runs: list[dict]) -> list[str]:
+    """The records of ``runs`` that posted no time (a failed check, or a shape that raised): one line each."""
+    return [f"{r['pattern']} {r['quant']} {r['shape']} M={r['m']}: {r['error']}" for r in runs if "error" in r]
+
+
+def main(argv=None) -> int:
     args = parse_args(argv)
     if args.compare:
         from scripts.bench_gemm import runs_from_json
 
         before, after = args.compare.split(",")
         plot_compare(runs_from_json(before), runs_from_json(after), args.plot)
-        return
+        return 0
     if args.from_json:
         from scripts.bench_gemm import runs_from_json
 
         runs = runs_from_json(args.from_json)
         if args.plot:
             plot(runs, args.plot)
-        return
-    import triton
+        return 0
+    from cco.bench.timing import idle_check, require_cuda
 
-    from cco.bench.timing import idle_check
+    require_cuda("bench_sp_parts")
+    import triton
 
     dev = torch.device("cuda", torch.cuda.current_device())
     props = torch.cuda.get_device_properties(dev)
@@ -531,7 +543,11 @@ def main(argv=None):
                        "idle_before": idle_before, "idle_after": idle_after, "runs": runs}, f, indent=1)
     if args.plot:
         plot(runs, args.plot)
+    failed = failures(runs)
+    if failed:  # after the JSON and the plot: what was measured is kept, the run still fails
+        print(f"bench_sp_parts: FAILED, {len(failed)} not timed: " + "; ".join(failed), file=sys.stderr, flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

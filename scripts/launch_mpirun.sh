@@ -10,7 +10,12 @@
 # gloo group; after that the op runs exactly as under torchrun. Multi-host: add a host file
 # (-f hosts for MPICH, --hostfile hosts for Open MPI).
 set -euo pipefail
-np="${1:-2}"
-shift || true
+# NP only where the first argument is a positive integer; anything else goes to cco.demo
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then
+    echo "usage: scripts/launch_mpirun.sh [NP] [cco.demo arguments...]"
+    echo "  NP: a positive integer, default 2; the demo's arguments: python -m cco.demo --help"
+    exit 0
+fi
+if [[ ${1:-} =~ ^[1-9][0-9]*$ ]]; then np=$1; shift; else np=2; fi
 cd "$(dirname "$0")/.."
 exec "${MPIEXEC:-mpiexec}" -n "$np" "${PYTHON:-python}" -m cco.demo "$@"

@@ -15,7 +15,12 @@
 #
 # Multi-node: replace --standalone with --nnodes, --node-rank and --rdzv-endpoint (see torchrun --help).
 set -euo pipefail
-nproc="${1:-2}"
-shift || true
+# NPROC only where the first argument is a positive integer; anything else goes to cco.demo
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then
+    echo "usage: scripts/launch_torchrun.sh [NPROC] [cco.demo arguments...]"
+    echo "  NPROC: a positive integer, default 2; the demo's arguments: python -m cco.demo --help"
+    exit 0
+fi
+if [[ ${1:-} =~ ^[1-9][0-9]*$ ]]; then nproc=$1; shift; else nproc=2; fi
 cd "$(dirname "$0")/.."
 exec "${PYTHON:-python}" -m torch.distributed.run --standalone --nproc-per-node "$nproc" -m cco.demo "$@"

@@ -1,10 +1,11 @@
 """Predicted gemm-ar times at world 2, 4 and 8 from the cost model ``cco.bench.perf_model`` (calibrated on
 the 2x H200 measurements of docs/BENCHMARKS.md and docs/experiments.md). These are predictions, not measurements.
 
-    python -m scripts.predict_scaling                      # the table + docs/predicted_scaling_w8.png
+    python -m scripts.predict_scaling                      # the table
+    python -m scripts.predict_scaling --plot docs/predicted_scaling_w8.png   # and the W=8 plot
     python -m scripts.predict_scaling --check              # the model against the 2-GPU figures
     python -m scripts.predict_scaling --sensitivity        # W=8 [16384, 7168] ratio if an assumption is off
-    python -m scripts.predict_scaling --worlds 8 -m 16384 --no-plot
+    python -m scripts.predict_scaling --worlds 8 -m 16384
     python -m scripts.predict_scaling --variants --worlds 2 -m 16384   # put lanes x chunk sizes
 
 The table: one row per (world, quant, M); times in us; ratios against ``scaled_mm+nccl`` (cuBLAS,
@@ -25,7 +26,6 @@ SWEEP_M = (2048, 4096, 8192, 16384, 32768)
 # (label, chunks, put lanes): the copy-engine variants scripts/bench_gemm_ar.py has arms for
 VARIANTS = (("4 chunks", 4, 1), ("8 chunks", 8, 1), ("taper", layout.TAPERED_CHUNKS, 1), ("two lanes", 4, 2),
             ("8 chunks, two lanes", 8, 2), ("taper, two lanes", layout.TAPERED_CHUNKS, 2))
-DEFAULT_PLOT = os.path.join("docs", "predicted_scaling_w8.png")
 
 
 def parse_args(argv=None):
@@ -33,14 +33,20 @@ def parse_args(argv=None):
     p.add_argument("-m", type=int, nargs="+", default=list(SWEEP_M), help="M values (within 2048..32768)")
     p.add_argument("--worlds", type=int, nargs="+", default=list(P.WORLDS), help="world sizes (2..8, dividing N)")
     p.add_argument("--quant", nargs="+", default=list(P.QUANTS), choices=P.QUANTS)
-    p.add_argument("--plot", default=DEFAULT_PLOT, help="PNG of predicted time vs M per arm at W=8")
-    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--plot", default=None, help="PNG of predicted time vs M per arm at W=8 (none unless given; "
+                   "the docs' is docs/predicted_scaling_w8.png)")
+    p.add_argument("--no-plot", action="store_true", help="no plot even with --plot (the default draws none)")
     p.add_argument("--check", action="store_true", help="print the model against the 2-GPU measurements instead")
     p.add_argument("--sensitivity", action="store_true", help="print the W=8 ratio under changed assumptions instead")
     p.add_argument("--variants", action="store_true",
                    help="print fused and fused-fp8 per put-lane count and chunk sizes instead (ptpc)")
     p.add_argument("--json", default=None, help="also write the predictions here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for flag in ("json", "plot"):
+        where = os.path.dirname(getattr(args, flag) or "")
+        if where and not os.path.isdir(where):
+            p.error(f"--{flag} {getattr(args, flag)}: directory {where} does not exist")
+    return args
 
 
 def print_predictions(preds, cal, file=None):
@@ -147,7 +153,7 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump([{**p.__dict__, "fused_ratio": p.fused_ratio, "fused_fp8_ratio": p.fused_fp8_ratio}
                        for p in preds], f, indent=1)
-    if not args.no_plot:
+    if args.plot and not args.no_plot:
         plot(cal, args.plot)
         print(f"plot: {args.plot}")
 

@@ -93,6 +93,13 @@ def idle_check(device: int | None = None) -> dict:
     return {"available": True, "util_pct": util, "other_pids": others, "busy": util > 5 or bool(others)}
 
 
+def require_cuda(script: str) -> None:
+    """Refuse, with one line rather than a traceback, to run a GPU-only benchmark where torch has no CUDA."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script}: needs a CUDA GPU (torch.cuda.is_available() is False); python -m cco.demo "
+                         f"runs on the CPU")
+
+
 def require_a_gpu_per_rank(comm, what: str) -> None:
     """Refuse to time ranks that share a GPU: their bytes never cross a link, the GPU time-slices the
     processes, and NCCL (a baseline) refuses them."""
