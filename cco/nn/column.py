@@ -138,6 +138,8 @@ class ColumnParallelLinear(_ParallelLinear):
         if 0 < x2.shape[0] <= self.decode_rows:  # the local GEMM of a few rows: the decode GEMM, one launch
             return self._decode(x2, qweight, scale, bias).view(*x.shape[:-1], n)
         if x2.shape[0] == 0:
+            if self.sequence_parallel:  # collective: a call of no rows, agreed (a peer with rows fails it)
+                self._agree_rows(0)
             out = torch.zeros(0, n, dtype=torch.bfloat16, device=x.device)
         elif self.sequence_parallel or x2.shape[0] <= self.m_max:
             out = self._rows(x2, qweight, scale)[:, :n]
@@ -150,7 +152,9 @@ class ColumnParallelLinear(_ParallelLinear):
         return out.view(x.shape[0] * factor, *x.shape[1:-1], n)
 
     def _rows(self, x2, qweight, scale) -> torch.Tensor:
-        if not self._loaded:
+        if self.op is None and self.sequence_parallel:  # unfused: the rows (and the weights) agreed before
+            self._agree_rows(x2.shape[0])  # the all-gather, whose sizes nobody checks
+        elif not self._loaded:
             self._require_loaded()
         a, a_scale = quantize_activation(x2, self.quant, k_padded=self.k_padded)
         if self.op is not None:

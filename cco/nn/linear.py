@@ -162,19 +162,24 @@ class RowParallelLinear(_ParallelLinear):
         if m <= self.m_max and m > 0:
             out = self._rows(x2, qweight, scale)
             out = out if self.n_padded == n else out[:, :n].contiguous()
-        else:  # no rows (every rank alike: nothing to reduce), or more than one call takes
+        else:  # no rows (every rank alike, agreed: nothing to reduce), or more than one call takes
+            if m == 0:
+                self._agree_rows(0)
             out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
             for r0 in range(0, m, self.m_max):
-                out[r0:r0 + self.m_max] = self._rows(x2[r0:r0 + self.m_max], qweight, scale)[:, :n]
+                out[r0:r0 + self.m_max] = self._rows(x2[r0:r0 + self.m_max], qweight, scale, total=m)[:, :n]
         if bias is not None:
             out += bias
         return out.view(*lead, n)
 
-    def _rows(self, x2, qweight, scale) -> torch.Tensor:
-        """bf16 [rows, n_padded]: one collective call."""
-        if not self._loaded:
-            self._require_loaded()
+    def _rows(self, x2, qweight, scale, total: int | None = None) -> torch.Tensor:
+        """bf16 [rows, n_padded]: one collective call (``total``: the forward's rows, where it runs
+        in pieces)."""
         m = x2.shape[0]
+        if self.op is None:  # unfused: the rows (and the weights) agreed before the all-reduce, whose sizes
+            self._agree_rows(m, total=total)  # nobody checks
+        elif not self._loaded:
+            self._require_loaded()
         if self.op is not None:
             # cuBLAS's blockwise GEMM takes a multiple of 4 rows only: quantize into zero rows up to one
             # (no copy; every rank pads alike) rather than fall back to the own kernel at decode sizes

@@ -141,6 +141,7 @@ class _ParallelLinear(torch.nn.Module):
         self.comm.agree(self._FN, arguments, error=error)
         self.out_features, self.in_features_per_rank = n, k  # the shard [N, K], whatever the subclass calls them
         self.quant, self.m_max, self.mode = quant, m_max, mode
+        self._deadline_s = deadline_s
         self.device = self.comm.device
         # the group the unfused path's collectives run on: the caller's, whose backend carries the
         # device's tensors (NCCL on NVIDIA); the communicator's bootstrap group where a Communicator was given
@@ -154,8 +155,8 @@ class _ParallelLinear(torch.nn.Module):
         self.op = None
         if self.fallback_reason is None:
             self.weight_layout = weight_layout
-            self.op = self._pool.acquire(self.comm, op_class=op_class, n=self.n_padded, k=self.k_padded, m_max=m_max,
-                                         deadline_s=deadline_s, weight_layout=weight_layout, **op_options)
+            self.op = self._pool.acquire(self.comm, op_class=op_class, fn=self._FN, n=self.n_padded, k=self.k_padded,
+                                         m_max=m_max, deadline_s=deadline_s, weight_layout=weight_layout, **op_options)
         else:
             self.weight_layout = "row-major"  # no kernel reads it: the unfused GEMM's own layout
             log.warning("%s", f"{self._name()}: runs unfused ({self._UNFUSED[self.sequence_parallel]}): "
@@ -234,9 +235,67 @@ class _ParallelLinear(torch.nn.Module):
                              f"{name}={features}{hint}")
         if err is None:
             return
-        if collective and self.op is not None:
-            self.op.reject(err)
+        if collective:
+            self._refuse_call(err)
         raise err
+
+    def _refuse_call(self, err: Exception) -> None:
+        """This rank's share of a collective call whose input it refused with ``err``: the op's
+        rejected call, or on the unfused path the call's header with the rejection (:meth:`_agree_rows`,
+        which raises ``err``)."""
+        if self.op is not None:
+            self.op.reject(err)
+        else:
+            self._agree_rows(0, error=err)
+
+    def _agree_rows(self, m: int, *, total: int | None = None, error: Exception | None = None) -> None:
+        """The header of a collective call that runs no op (the unfused path's, and a call of no
+        rows): every rank's ``m`` and whether it refused its input, exchanged on the communicator's
+        CPU group (one gather of two int64 per rank) before the call's data collective, so that
+        every rank reaches the same verdict. NCCL and gloo do not check a collective's sizes: a peer
+        with other rows hangs or aborts the job (gloo: "Received data size doesn't match"), and a
+        peer that raised before the collective pairs this call with its next one and returns its
+        result. ``total``: the rows of the whole forward where it runs in pieces of ``m`` (compared
+        too: pieces of one size in calls of different sizes would pair). Raises ``error`` (this
+        rank's own) after the exchange; else ``PeerRejectedError`` where a peer refused,
+        ``PeerMismatchError`` where the ranks' rows differ, on every rank; a
+        peer that never comes (it called the op instead: a call of rows against one of none) raises
+        ``CommTimeoutError`` after ``deadline_s``, as the op's waits do. One rank: nothing to agree."""
+        import datetime
+
+        import torch.distributed as dist
+
+        from cco.transport.protocol import CommTimeoutError, PeerMismatchError, PeerRejectedError
+
+        comm = self.comm
+        blank = not self._loaded and not self._weight_written()
+        mine = torch.tensor([m, m if total is None else total, error is not None, blank], dtype=torch.int64)
+        every = [mine]
+        if comm.world > 1:
+            every = [torch.empty(4, dtype=torch.int64) for _ in range(comm.world)]
+            work = dist.all_gather(every, mine, group=comm.group, async_op=True)
+            try:
+                work.wait(timeout=datetime.timedelta(seconds=self._deadline_s))
+            except RuntimeError as err:
+                raise CommTimeoutError(
+                    f"{self._name()}: the peers did not take part in this call's header within deadline_s="
+                    f"{self._deadline_s:g} s (a peer died, stalled, or called with rows where this rank had none): "
+                    f"{err}") from None
+        if error is not None:
+            raise error
+        blank = [r for r, t in enumerate(every) if int(t[3])]
+        if blank:  # (the unfused path's blank check: every rank raises)
+            raise self._blank_error(blank)
+        self._loaded = True
+        rows = [(int(t[0]), int(t[1])) for t in every]
+        refused = [r for r, t in enumerate(every) if int(t[2])]
+        if refused:
+            raise PeerRejectedError(f"{self._name()}: rank(s) {refused} refused their input to this call (each raised "
+                                    f"its own error); rank {comm.rank} raises too, and the ranks stay in step")
+        if len(set(rows)) > 1:
+            raise PeerMismatchError(f"{self._name()}: the ranks called with different rows: " + ", ".join(
+                f"{m_r}{f' (a piece of {t_r})' if t_r != m_r else ''} on rank {r}" for r, (m_r, t_r) in enumerate(rows))
+                + "; every rank must pass the same tokens")
 
     def _eager(self, x: torch.Tensor) -> bool:
         """Whether a forward on ``x`` runs the layer's body directly (an inference call that nothing
@@ -407,6 +466,30 @@ class _ParallelLinear(torch.nn.Module):
                 self.weight_scale.copy_(s)
         return self
 
+    # ---- state_dict: the weight row-major, whatever this layer's backend reads ------------------------
+    # nn.Module's per-module state_dict version: 2 saves ``qweight`` row-major (what load_fp8 takes, and
+    # what a layer of any backend turns into its own layout on load), so a state_dict saved where the
+    # backend reads bpreshuffle (the CPU reference, gfx950) loads right where it reads row-major (CUDA,
+    # the unfused path), and back. Version 1 (earlier saves) stored the saving layer's layout, which the
+    # state_dict does not name: such a ``qweight`` is loaded as it is, as before.
+    _version = 2
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        key = prefix + "qweight"
+        if self.weight_layout == "bpreshuffle" and key in destination:
+            destination[key] = unshuffle_b(self.qweight.detach())
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        key = prefix + "qweight"
+        q = state_dict.get(key)
+        if (self.weight_layout == "bpreshuffle" and local_metadata.get("version", 1) >= 2
+                and isinstance(q, torch.Tensor) and tuple(q.shape) == tuple(self.qweight.shape)):
+            state_dict[key] = preshuffle_b(q.to(self.qweight.device))  # a shape torch refuses stays for its message
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
     # ---- the blank check ---------------------------------------------------------------------------
     def _weight_written(self) -> bool:
         return self.qweight._version != self._blank[0] or (
@@ -416,24 +499,24 @@ class _ParallelLinear(torch.nn.Module):
         """Raise if this rank's weight was never written (a blank layer would return zeros); in a
         collective call on every rank of the group if any rank's was not. Fused: the blank rank
         rejects its share of the call, so its peers fail it with PeerRejectedError; unfused: the
-        ranks agree first, since their next step is a collective that a raising rank would leave
-        its peers waiting in. A local call (the column-parallel layer without sequence parallelism)
-        raises on its own rank only."""
+        call's header (:meth:`_agree_rows`) carries it, and every rank raises. A local call (the
+        column-parallel layer without sequence parallelism) raises on its own rank only."""
         written = self._weight_written()
-        collective = self.comm.world > 1 and (self.sequence_parallel or self._COLLECTIVE_WITHOUT_SP)
-        if collective and self.op is None:
-            blank = [r for r, ok in enumerate(self.comm.all_gather_object(written)) if not ok]
-        else:
-            blank = [] if written else [self.comm.rank]
-        if not blank:
+        if written:
             self._loaded = True
             return
-        err = RuntimeError(f"{self._name()}: called before its weight was loaded (rank(s) {blank} hold the blank "
-                           f"weight, which would return zeros); call load_weight(w_shard) or load_fp8(w_q, w_scale) "
-                           f"(or load_state_dict) on every rank before the first forward")
-        if collective and not written and self.op is not None:
+        collective = self.comm.world > 1 and (self.sequence_parallel or self._COLLECTIVE_WITHOUT_SP)
+        if collective and self.op is None:  # the unfused path agrees in its call's header
+            raise AssertionError(f"{self._name()}: an unfused collective call checks its weight in _agree_rows")
+        err = self._blank_error([self.comm.rank])
+        if collective:
             self.op.reject(err)
         raise err
+
+    def _blank_error(self, blank: list[int]) -> RuntimeError:
+        return RuntimeError(f"{self._name()}: called before its weight was loaded (rank(s) {blank} hold the blank "
+                            f"weight, which would return zeros); call load_weight(w_shard), load_fp8(w_q, w_scale), "
+                            f"load_checkpoint(...) or load_state_dict on every rank before the first forward")
 
     # ---- lifetime ---------------------------------------------------------------------------------
     @property

@@ -62,13 +62,21 @@ class WindowPool:
             entry = self._comms[id(group)] = (group, Communicator.from_group(group, cpu_group=cpu_group))
         return entry[1]
 
-    def acquire(self, comm: Communicator, *, op_class=GemmAllReduceOp, **options) -> GemmAllReduceOp:
+    def acquire(self, comm: Communicator, *, op_class=GemmAllReduceOp, fn: str = "WindowPool.acquire",
+                **options) -> GemmAllReduceOp:
         """The op of ``comm``, ``op_class`` (a pattern's op: GemmAllReduceOp, GemmReduceScatterOp,
-        AllGatherGemmOp) and ``options`` (its keywords), built on first use (collective over
-        ``comm``); release it with :meth:`release`."""
+        AllGatherGemmOp) and ``options`` (its keywords), built on first use; release it with
+        :meth:`release`. Collective over ``comm``: whether this pool holds that op already must be
+        the same on every rank (a layer closed on one rank only releases its op there, and the next
+        layer of its family would build a new op, a collective construction, on that rank alone
+        while its peers reuse theirs: the build would wait for peers that never come), so the
+        ranks agree on it first and, where they differ, every rank raises ``ArgumentMismatchError``
+        (``fn`` names the caller)."""
         key = (id(comm), op_class.__name__,
                tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in options.items())))
         entry = self._ops.get(key)
+        comm.agree(fn, {"an open op of this family in the pool (a layer closed on some ranks only?)":
+                        entry is not None})
         if entry is None:
             entry = self._ops[key] = [op_class(comm, **options), 0]
         entry[1] += 1

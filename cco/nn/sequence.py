@@ -63,8 +63,7 @@ def check_token_rows(layer, x: torch.Tensor, fn: str, *, gathers: bool = False) 
                          f"with m_max={layer.m_max}; a sequence-parallel call is not split, build the layer with "
                          f"m_max >= {total}")
     if err is not None:
-        if layer.op is not None:
-            layer.op.reject(err)
+        layer._refuse_call(err)
         raise err
 
 
@@ -79,11 +78,13 @@ def row_parallel_body(layer, x, qweight, scale, bias, quantize) -> torch.Tensor:
     """``reduce_scatter(x_r @ W_r.T, dim=0) + bias``: bf16 ``[x.shape[0] / W, ..., out_features]``;
     ``quantize``: the layer's activation quantizer (``cco.nn.linear.quantize_activation``)."""
     world, n = layer.comm.world, layer.out_features
-    if not layer._loaded:
-        layer._require_loaded()
     x2 = x.reshape(-1, layer.in_features_per_rank)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
+    if layer.op is None:  # unfused: the rows (and the weights) agreed before the reduce-scatter, whose sizes
+        layer._agree_rows(x2.shape[0])  # nobody checks
+    elif not layer._loaded:
+        layer._require_loaded()
     a, a_scale = quantize(x2, layer.quant, k_padded=layer.k_padded)
     if layer.op is not None:
         out = layer.op(a, qweight, a_scale, scale)
@@ -136,7 +137,8 @@ class DualGemm:
         self.op, self._pool = None, pool
         if self.reason is None:
             extra = {"scatter_dim": 0} if pattern == "reduce-scatter-rows" else {}
-            self.op = pool.acquire(comm, op_class=op_class, n=self.n_padded, k=self.k_padded, m_max=layer.m_max,
+            self.op = pool.acquire(comm, op_class=op_class, fn=layer._FN, n=self.n_padded, k=self.k_padded,
+                                   m_max=layer.m_max,
                                    deadline_s=deadline_s, weight_layout=self.weight_layout, **opts, **extra)
 
     def weight(self, w: torch.Tensor):

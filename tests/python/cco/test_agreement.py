@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from cco import quant as Q
-from cco.comm import spawn
+from cco.comm import check_outcomes, spawn
 
 pytestmark = pytest.mark.multirank
 
@@ -134,6 +134,53 @@ def _state_dict_counts_as_loaded(comm):
 def test_a_state_dict_load_counts_as_loaded():
     outcomes = spawn(_state_dict_counts_as_loaded, world=1, timeout_s=120)
     assert outcomes[0].ok and outcomes[0].value is True, (outcomes[0].error_type, outcomes[0].error)
+
+
+def _state_dict_across_layouts(comm, quant):
+    """A layer whose backend reads bpreshuffle (the CPU's) and an unfused one (row-major) of the
+    same weight, their state_dicts swapped; and a version-1 state_dict (the saver's layout)."""
+    from cco.nn import RowParallelLinear, WindowPool
+    from cco.preshuffle import preshuffle_b
+
+    torch.manual_seed(0)
+    w, x = torch.randn(256, 256), torch.randn(4, 256).to(torch.bfloat16)
+    pool = WindowPool()
+
+    def layer(mode="fused"):
+        return RowParallelLinear(256, 256, group=comm, quant=quant, m_max=8, mode=mode, pool=pool)
+
+    fused, unfused = layer(), layer("unfused")
+    fused.load_weight(w)
+    unfused.load_weight(w)
+    found = {"layouts": (fused.weight_layout, unfused.weight_layout),
+             "saved alike": torch.equal(fused.state_dict()["qweight"].view(torch.uint8),
+                                        unfused.state_dict()["qweight"].view(torch.uint8))}
+    into_unfused, into_fused = layer("unfused"), layer()
+    into_unfused.load_state_dict(fused.state_dict())
+    into_fused.load_state_dict(unfused.state_dict())
+    found["fused -> unfused"] = torch.equal(into_unfused(x), unfused(x))
+    found["unfused -> fused"] = torch.equal(into_fused(x), fused(x))
+    old = fused.state_dict()  # as version 1 saved it: the saving layer's own layout
+    old["qweight"] = preshuffle_b(old["qweight"])
+    old._metadata[""]["version"] = 1
+    from_v1 = layer()
+    from_v1.load_state_dict(old)
+    found["version 1 as it is"] = torch.equal(from_v1(x), fused(x))
+    for module in (fused, unfused, into_unfused, into_fused, from_v1):
+        module.close()
+    return found
+
+
+@pytest.mark.host
+@pytest.mark.parametrize("quant", ["ptpc", "blockscale"])
+def test_a_state_dict_loads_right_into_a_layer_of_the_other_weight_layout(quant):
+    """Before, ``qweight`` was saved in the saving layer's layout (bpreshuffle on the CPU and gfx950,
+    row-major on CUDA and unfused) and loaded as the loading layer's: a fused CPU layer's state_dict
+    loaded into an unfused one gave a relative error of 1.41 with no word. Now it is saved row-major
+    (state_dict version 2) and laid out on load; a version-1 state_dict loads as it did."""
+    found = check_outcomes(spawn(_state_dict_across_layouts, world=1, args=(quant,), timeout_s=120))[0]
+    assert found == {"layouts": ("bpreshuffle", "row-major"), "saved alike": True, "fused -> unfused": True,
+                     "unfused -> fused": True, "version 1 as it is": True}, found
 
 
 def _wrong_layout(comm):
@@ -281,3 +328,32 @@ def test_layer_options_no_backend_takes_raise_on_every_rank():
             name = "ColumnParallelLinear" if layer == "column-sp" else "RowParallelLinear"
             assert kind == "ValueError" and head.startswith(f"{name}:") and says[option + value] in head, \
                 (o.rank, layer, mode, option, value, kind, head)
+
+
+# --------------------------------------------------------------------------------------------------
+# the window pool: whether a family's op is open must be the same on every rank
+def _closed_on_one_rank(comm):
+    from cco.nn import RowParallelLinear, WindowPool
+
+    pool = WindowPool()
+    args = dict(group=comm, quant="ptpc", m_max=8, deadline_s=DEADLINE_S, pool=pool)
+    a = RowParallelLinear(128, 256, **args)
+    if comm.rank == 1:
+        a.close()  # local: releases rank 1's op, the family's last user there
+    try:
+        RowParallelLinear(128, 256, **args)
+        return "built"
+    except Exception as err:
+        return f"{type(err).__name__}: {str(err).splitlines()[0]}"
+
+
+def test_a_layer_closed_on_one_rank_fails_the_next_build_of_its_family_on_every_rank():
+    """Before, rank 1 (whose pool held no op of the family any more) built a new op, a collective
+    construction, while rank 0 reused its pooled one: rank 1 waited in the build until rank 0's
+    process ended (the spawn's timeout here) and rank 0's later calls timed out. Now the ranks
+    agree on whether the pool holds the op first, and both raise naming the mismatch."""
+    outcomes = spawn(_closed_on_one_rank, world=2, timeout_s=120)
+    for o in outcomes:
+        assert o.error is None, (o.rank, o.error_type, o.error)
+        assert o.value.startswith("ArgumentMismatchError: RowParallelLinear:") and "an open op of this family" in \
+            o.value and "True on rank 0" in o.value and "False on rank 1" in o.value, (o.rank, o.value)

@@ -371,3 +371,109 @@ def test_a_rank_whose_input_the_layer_rejects_fails_the_call_on_every_rank():
         assert verdict1.startswith(error) and word in verdict1, (kind, verdict1)
         assert verdict0.startswith("PeerRejectedError") and "rank 1" in verdict0, (kind, verdict0)
         assert Q.count_mismatches(second0, ref) == 0 and torch.equal(second0, second1), kind
+
+
+# --------------------------------------------------------------------------------------------------
+# the unfused path's header, and calls of no rows: one verdict on every rank
+def _unfused_faults(comm):
+    """Per case, this rank's verdict ("ok", or the error's type and first line) on the faulty
+    call, and whether the next good call is right (the ranks still in step)."""
+    from cco.nn import ColumnParallelLinear, RowParallelLinear, WindowPool
+
+    torch.manual_seed(0)
+    w, x = torch.randn(256, 512), torch.randn(8, 512)
+    ref_row = x @ w.t()
+    pool = WindowPool()
+    row = RowParallelLinear(256, 256, group=comm, quant="ptpc", m_max=8, mode="unfused", pool=pool, deadline_s=10)
+    row.load_weight(w[:, comm.rank * 256:(comm.rank + 1) * 256])
+    sp_row = RowParallelLinear(256, 256, group=comm, quant="ptpc", m_max=8, mode="unfused", sequence_parallel=True,
+                               pool=pool, deadline_s=10)
+    sp_row.load_weight(w[:, comm.rank * 256:(comm.rank + 1) * 256])
+    col = ColumnParallelLinear(512, 128, group=comm, quant="ptpc", m_max=8, mode="unfused", sequence_parallel=True,
+                               pool=pool, deadline_s=10)
+    col.load_weight(w[comm.rank * 128:(comm.rank + 1) * 128])
+    xr = x[:, comm.rank * 256:(comm.rank + 1) * 256]
+    good = {"row": (row, xr, ref_row), "sp row": (sp_row, xr, ref_row[comm.rank * 4:(comm.rank + 1) * 4]),
+            "column": (col, x[comm.rank * 4:(comm.rank + 1) * 4], x @ w[comm.rank * 128:(comm.rank + 1) * 128].t())}
+    one = comm.rank == 1
+    cases = {  # (layer, what this rank passes)
+        "row: rank 1 one feature short": ("row", xr[:, :-1] if one else xr),
+        "row: rank 1 other rows": ("row", xr[:6] if one else xr),
+        "row: rank 1 no rows": ("row", xr[:0] if one else xr),
+        "row: rank 1 in two pieces": ("row", torch.cat([xr, xr]) if one else xr),  # 16 rows: two calls of 8
+        "sp row: rank 1 other rows": ("sp row", xr[:6] if one else xr),
+        "column: rank 1 other rows": ("column", good["column"][1][:2] if one else good["column"][1]),
+        "column: rank 1 int32": ("column", good["column"][1].int() if one else good["column"][1]),
+    }
+    found = {}
+    with torch.no_grad():
+        for case, (name, bad) in cases.items():
+            layer, xg, ref = good[name]
+            try:
+                layer(bad)
+                verdict = "ok"
+            except Exception as err:
+                verdict = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+            found[case] = (verdict, Q.rel_l2(layer(xg), ref) < 0.1)
+        found["row: no rows anywhere"] = (tuple(row(xr[:0]).shape), Q.rel_l2(row(xr), ref_row) < 0.1)
+    for layer in (row, sp_row, col):
+        layer.close()
+    return found
+
+
+def test_the_unfused_path_agrees_its_rows_before_its_collective():
+    """The unfused path (``mode="unfused"``, and every layer a backend refuses) ran torch's
+    collectives straight, which check no sizes. Before, rank 1's input refused by the layer (one
+    feature short, int32) raised there alone and rank 0's call paired with rank 1's next call,
+    returning its result; other rows, or none, aborted the gloo job ("Received data size doesn't
+    match") or paired calls; a call of 16 rows in two pieces against one of 8 paired its first
+    piece. Now a header goes first (every rank's rows, the forward's total, a refusal) and every
+    rank raises, and the next call is right."""
+    outs = check_outcomes(spawn(_unfused_faults, world=2, timeout_s=180))
+    expect = {
+        "row: rank 1 one feature short": ("ValueError: RowParallelLinear: x has 255 features", "PeerRejectedError"),
+        "row: rank 1 other rows": ("PeerMismatchError", "PeerMismatchError"),
+        "row: rank 1 no rows": ("PeerMismatchError", "PeerMismatchError"),
+        "row: rank 1 in two pieces": ("PeerMismatchError", "PeerMismatchError"),
+        "sp row: rank 1 other rows": ("PeerMismatchError", "PeerMismatchError"),
+        "column: rank 1 other rows": ("PeerMismatchError", "PeerMismatchError"),
+        "column: rank 1 int32": ("TypeError: ColumnParallelLinear: x is torch.int32", "PeerRejectedError"),
+    }
+    for case, (on_rank1, on_rank0) in expect.items():
+        for rank, prefix in ((0, on_rank0), (1, on_rank1)):
+            verdict, next_right = outs[rank][case]
+            assert verdict.startswith(prefix), (case, rank, verdict)
+            assert next_right, (case, rank)
+    for rank in (0, 1):
+        assert outs[rank]["row: rank 1 other rows"][0].endswith("every rank must pass the same tokens")
+        assert "8 (a piece of 16) on rank 1" in outs[1]["row: rank 1 in two pieces"][0]
+        assert outs[rank]["row: no rows anywhere"] == ((0, 256), True)
+
+
+def _fused_empty_on_one_rank(comm):
+    from cco.nn import RowParallelLinear, WindowPool
+
+    torch.manual_seed(0)
+    w, x = torch.randn(256, 512), torch.randn(8, 512)
+    layer = RowParallelLinear(256, 256, group=comm, quant="ptpc", m_max=8, pool=WindowPool(), deadline_s=4)
+    layer.load_weight(w[:, comm.rank * 256:(comm.rank + 1) * 256])
+    xr = x[:, comm.rank * 256:(comm.rank + 1) * 256]
+    with torch.no_grad():
+        empty_everywhere = tuple(layer(xr[:0]).shape)
+        try:
+            layer(xr[:0] if comm.rank == 1 else xr)
+            verdict = "ok"
+        except Exception as err:
+            verdict = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+    return empty_everywhere, verdict
+
+
+def test_a_fused_call_of_no_rows_on_one_rank_fails_on_every_rank():
+    """Before, a rank with no rows skipped the call (nothing to reduce) while its peer called the
+    op: the peer's call paired with that rank's next call and returned its result. Now a call of no
+    rows is agreed: where every rank has none, each returns [0, N]; against a peer's op call it
+    times out after deadline_s on both ranks, and nothing is returned."""
+    outs = check_outcomes(spawn(_fused_empty_on_one_rank, world=2, timeout_s=120))
+    for rank, (empty, verdict) in enumerate(outs):
+        assert empty == (0, 256), (rank, empty)
+        assert verdict.startswith("CommTimeoutError"), (rank, verdict)
