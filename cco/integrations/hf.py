@@ -282,8 +282,9 @@ def parallelize(model: PreTrainedModel, *, quant: str | None = None, m_max: int 
         raise RuntimeError(f"{fn}: torch.distributed is not initialized; call dist.init_process_group first "
                            f"(torchrun: backend 'gloo' on CPUs, 'cpu:gloo,cuda:nccl' on GPUs)")
     if getattr(model, "_device_mesh", None) is not None:
-        raise ValueError(f"{fn}: the model is already distributed (it was loaded with a distributed_config); its "
-                         f"plan decides: pass cco_hf.tp_plan(...) to from_pretrained instead")
+        raise ValueError(f"{fn}: the model is already distributed (parallelize ran on it, or it was loaded with a "
+                         f"distributed_config, whose plan decides): parallelize a model once, or pass "
+                         f"cco_hf.tp_plan(...) to from_pretrained instead")
     if checkpoint is not None and not isinstance(checkpoint, Fp8Checkpoint):
         checkpoint = Fp8Checkpoint(checkpoint)
     if quant is None:  # the checkpoint's fp8 format where it has one, as tp_plan(path) does

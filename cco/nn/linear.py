@@ -163,8 +163,11 @@ class RowParallelLinear(_ParallelLinear):
             out = self._rows(x2, qweight, scale)
             out = out if self.n_padded == n else out[:, :n].contiguous()
         else:  # no rows (every rank alike, agreed: nothing to reduce), or more than one call takes
-            if m == 0:
-                self._agree_rows(0)
+            if m == 0 or self.op is not None:
+                # agreed first (the unfused pieces carry the total in their own headers): the op's
+                # stamps compare each piece's rows only, and pieces of one size in forwards of
+                # different sizes would pair; a prefill-sized forward pays one small exchange
+                self._agree_rows(min(m, self.m_max), total=m)
             out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
             for r0 in range(0, m, self.m_max):
                 out[r0:r0 + self.m_max] = self._rows(x2[r0:r0 + self.m_max], qweight, scale, total=m)[:, :n]

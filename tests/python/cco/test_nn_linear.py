@@ -458,22 +458,34 @@ def _fused_empty_on_one_rank(comm):
     layer = RowParallelLinear(256, 256, group=comm, quant="ptpc", m_max=8, pool=WindowPool(), deadline_s=4)
     layer.load_weight(w[:, comm.rank * 256:(comm.rank + 1) * 256])
     xr = x[:, comm.rank * 256:(comm.rank + 1) * 256]
+    found = {}
     with torch.no_grad():
-        empty_everywhere = tuple(layer(xr[:0]).shape)
-        try:
-            layer(xr[:0] if comm.rank == 1 else xr)
-            verdict = "ok"
-        except Exception as err:
-            verdict = f"{type(err).__name__}: {str(err).splitlines()[0]}"
-    return empty_everywhere, verdict
+        found["no rows anywhere"] = tuple(layer(xr[:0]).shape)
+        pieces = torch.cat([xr, xr, xr])  # 24 rows: three pieces of m_max = 8
+        found["pieces alike"] = Q.rel_l2(layer(pieces[:16]), torch.cat([x @ w.t()] * 2)) < 0.1
+        for case, mine in (("16 rows against 24, in pieces", pieces[:24] if comm.rank == 1 else pieces[:16]),
+                           ("no rows against 8", xr[:0] if comm.rank == 1 else xr),
+                           ("16 rows in pieces against 8", pieces[:16] if comm.rank == 1 else xr)):
+            try:
+                layer(mine)
+                found[case] = "ok"
+            except Exception as err:
+                found[case] = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+    return found
 
 
-def test_a_fused_call_of_no_rows_on_one_rank_fails_on_every_rank():
+def test_a_fused_forward_of_no_rows_or_in_pieces_is_agreed_on_every_rank():
     """Before, a rank with no rows skipped the call (nothing to reduce) while its peer called the
-    op: the peer's call paired with that rank's next call and returned its result. Now a call of no
-    rows is agreed: where every rank has none, each returns [0, N]; against a peer's op call it
-    times out after deadline_s on both ranks, and nothing is returned."""
-    outs = check_outcomes(spawn(_fused_empty_on_one_rank, world=2, timeout_s=120))
-    for rank, (empty, verdict) in enumerate(outs):
-        assert empty == (0, 256), (rank, empty)
-        assert verdict.startswith("CommTimeoutError"), (rank, verdict)
+    op, and a forward of 16 rows (two op calls of m_max = 8) met a peer's forward of 8: either way
+    the peer's call paired with another call of this rank and returned its result (the op's stamps
+    compare one call's rows). Now a forward of no rows or in pieces agrees its rows first: where
+    every rank has none each returns [0, N]; forwards in pieces of other totals raise
+    PeerMismatchError on both ranks; against a peer's single op call both time out after
+    deadline_s; nothing is returned."""
+    outs = check_outcomes(spawn(_fused_empty_on_one_rank, world=2, timeout_s=180))
+    for rank, found in enumerate(outs):
+        assert found["no rows anywhere"] == (0, 256) and found["pieces alike"], (rank, found)
+        assert found["16 rows against 24, in pieces"].startswith("PeerMismatchError"), (rank, found)
+        assert "8 (a piece of 16) on rank 0, 8 (a piece of 24) on rank 1" in found["16 rows against 24, in pieces"]
+        for case in ("no rows against 8", "16 rows in pieces against 8"):
+            assert found[case].startswith("CommTimeoutError"), (rank, case, found[case])
