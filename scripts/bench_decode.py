@@ -31,7 +31,8 @@ then the host times are real and the device times are time-sliced) runs the per-
 
 ``--profile``: a cProfile of ``--profile-calls`` eager calls at the first shape, per quant and M:
 the layer (its rule's path), ``nn.Linear``, and once ``torch.ops.cco.row_parallel_linear``; the top
-functions by own time, then the project's own by cumulative time, written beside the JSON (``<json>_profile.txt``: rank 0's, every rank calling);
+functions by own time, then the project's own by cumulative time, written beside the JSON
+(``<json>_profile.txt``; ``bench_decode_profile.txt`` without ``--json``: rank 0's, every rank calling);
 with the model (world 1), also ``--tokens`` eager decode steps per arm at the first batch
 (``<json>_model_profile.txt``, ``profile_model``); ``--model-only`` profiles the model alone.
 ``--jit-arms``: the per-call table's layer and op of each quant also with the kept launches off
@@ -80,26 +81,43 @@ SIZES = ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "prom
          "graph_calls", "calls", "profile_calls")  # each >= 1
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults shown, except None (an output not written): "(default: None)" says nothing."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+PROFILE_STEM = "bench_decode"  # --profile's files without --json: bench_decode_profile.txt, ..._model_profile.txt
+
+
+def profile_path(args, what: str) -> str:
+    """Where ``--profile`` writes its ``what`` tables ("profile", "model_profile"): beside ``--json``
+    (``<json>_<what>.txt``), else ``bench_decode_<what>.txt`` in the working directory."""
+    return f"{os.path.splitext(args.json)[0] if args.json else PROFILE_STEM}_{what}.txt"
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--intermediate", type=int, default=14336)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=128256)
-    p.add_argument("--batch", type=_ints, default=[1, 8])
-    p.add_argument("--prompt", type=int, default=16)
-    p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=5)
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()).replace("``", ""),
+                                formatter_class=_Help)
+    p.add_argument("--layers", type=int, default=8, help="the model: decoder layers")
+    p.add_argument("--hidden", type=int, default=4096, help="the model: hidden size")
+    p.add_argument("--intermediate", type=int, default=14336, help="the model: MLP intermediate size")
+    p.add_argument("--heads", type=int, default=32, help="the model: attention heads")
+    p.add_argument("--kv-heads", type=int, default=8, help="the model: key/value heads")
+    p.add_argument("--vocab", type=int, default=128256, help="the model: vocabulary size")
+    p.add_argument("--batch", type=_ints, default=[1, 8], help="the model: comma list of batch sizes")
+    p.add_argument("--prompt", type=int, default=16, help="the model: prompt tokens per sequence")
+    p.add_argument("--tokens", type=int, default=64, help="the model: greedy decode steps per timed decode")
+    p.add_argument("--repeats", type=int, default=5, help="the model: timed decodes per arm and mode")
     p.add_argument("--quant", type=_quants, default=list(Q.QUANTS), help="comma list of " + ", ".join(Q.QUANTS))
     p.add_argument("-m", type=_ints, default=[1, 8, 64, 256], help="per-call table: row counts")
     p.add_argument("--shapes", default="all", help="per-call table: all, or a comma list such as 8b-down-tp1")
-    p.add_argument("--graph-calls", type=int, default=10)
-    p.add_argument("--calls", type=int, default=50)
-    p.add_argument("--passes", type=int, default=3)
-    p.add_argument("--per-call-only", action="store_true")
-    p.add_argument("--model-only", action="store_true")
+    p.add_argument("--graph-calls", type=int, default=10, help="per-call table: calls per captured CUDA graph")
+    p.add_argument("--calls", type=int, default=50, help="per-call table: eager calls per arm and pass")
+    p.add_argument("--passes", type=int, default=3, help="per-call table: timing passes (>= 3)")
+    p.add_argument("--per-call-only", action="store_true", help="the per-call table alone, no model")
+    p.add_argument("--model-only", action="store_true", help="the model alone, no per-call table")
     p.add_argument("--jit-arms", action="store_true",
                    help="per-call table: each quant's layer and op also with the kept launches off (every Triton "
                         "launch through JITFunction.run), eager only, in the same passes")
@@ -110,9 +128,13 @@ def parse_args(argv=None):
                    help="each cco arm of a quant whose rows take the C++ table's kept vendor call (blockscale's "
                         "cuBLASLt call, mxfp8's cublasGemmEx) also with it off (decode.KEPT_CALL: torch's "
                         "at::_scaled_mm / at::mm), eager only, in the same passes")
-    p.add_argument("--profile", action="store_true")
-    p.add_argument("--profile-calls", type=int, default=200)
-    p.add_argument("--json")
+    p.add_argument("--profile", action="store_true",
+                   help="cProfile of eager calls at the first shape into <json>_profile.txt and, with the model, "
+                        "of eager decode steps into "
+                        "<json>_model_profile.txt; without --json into bench_decode_profile.txt and "
+                        "bench_decode_model_profile.txt")
+    p.add_argument("--profile-calls", type=int, default=200, help="--profile: eager calls profiled per arm")
+    p.add_argument("--json", help="write the results here (after every section and shape)")
     p.add_argument("--plot", help="a PNG of the model's ms/token per arm")
     p.add_argument("--plot-per-call", help="a PNG of the per-call table: each quant's host and device time "
                                            "against nn.Linear's over M, per shape, with the targets")
@@ -125,6 +147,14 @@ def parse_args(argv=None):
         p.error(f"{', '.join(small)}: must be >= 1")
     if args.passes < 3:
         p.error(f"--passes {args.passes}: >= 3 (a spread needs them)")
+    if args.model_only and args.per_call_only:
+        p.error("--model-only and --per-call-only: each leaves out what the other runs; pass one (neither: both)")
+    if args.plot and args.per_call_only:
+        p.error("--plot draws the model's ms/token, --per-call-only runs no model: use --plot-per-call")
+    if args.plot_per_call and args.model_only:
+        p.error("--plot-per-call draws the per-call table, --model-only runs none: use --plot")
+    if args.profile and args.smoke:
+        p.error("--profile times calls on the GPU, --smoke runs each arm once on the CPU: pass one or the other")
     for flag in ("json", "plot", "plot_per_call"):
         where = os.path.dirname(getattr(args, flag) or "")
         if where and not os.path.isdir(where):
@@ -361,8 +391,8 @@ def model_runs(args, comm, device) -> list[dict]:
             finally:
                 swapped(model, None)
                 close(made)
-        if built and args.profile and args.json and batch == args.batch[0]:
-            profile_model(model, dec, built, args, os.path.splitext(args.json)[0] + "_model_profile.txt")
+        if built and args.profile and batch == args.batch[0]:
+            profile_model(model, dec, built, args, profile_path(args, "model_profile"))
         if built:
             timed = time_decode(model, dec, built, args, time_back_to_back)
             for arm, modes in timed.items():  # a Python-path arm gets a record of its own
@@ -786,6 +816,9 @@ def main(argv=None) -> int:
                 earlier = json.load(f)
         except (OSError, ValueError) as err:
             raise SystemExit(f"bench_decode: --from {args.from_json}: {err}")
+        if not isinstance(earlier, dict):
+            raise SystemExit(f"bench_decode: --from {args.from_json}: not a bench_decode --json (an object with "
+                             f"'model' and/or 'per_call'), a {type(earlier).__name__}")
         if not (args.plot or args.plot_per_call):
             raise SystemExit("bench_decode: --from draws plots: pass --plot and/or --plot-per-call")
         for wanted, key, draw in ((args.plot, "model", lambda: plot(earlier["model"]["runs"], args.plot)),
@@ -828,8 +861,8 @@ def main(argv=None) -> int:
             save()
             if args.plot and comm.rank == 0:
                 plot(result["model"]["runs"], args.plot)
-        if args.profile and args.json and not args.model_only:  # every rank calls (collective); rank 0 writes
-            profile_calls(args, comm, device, os.path.splitext(args.json)[0] + "_profile.txt")
+        if args.profile and not args.model_only:  # every rank calls (collective); rank 0 writes
+            profile_calls(args, comm, device, profile_path(args, "profile"))
         if not args.model_only and not args.smoke:
             result["per_call"] = []
             per_call_runs(args, comm, device, into=result["per_call"], after_shape=save)

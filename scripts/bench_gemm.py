@@ -79,7 +79,7 @@ def _quants(text: str) -> list[str]:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()).replace("``", ""))
     p.add_argument("--quant", type=_quants, default=["ptpc"], help="comma list of " + ", ".join(Q.QUANTS))
     p.add_argument("-m", type=_ints, default=[16384], help="comma list of row counts")
     p.add_argument("-n", type=int, default=7168)
@@ -105,6 +105,8 @@ def parse_args(argv=None):
     p.add_argument("--plot", help="write the ratios against the baseline per M to this PNG")
     p.add_argument("--from", dest="from_json", help="plot these --json files (comma list) instead of measuring")
     args = p.parse_args(argv)
+    if args.from_json and not args.plot:
+        p.error(f"--from {args.from_json} draws --plot from those files; pass --plot PNG (nothing to do without it)")
     if args.epilogue and args.producer:
         p.error("--epilogue and --producer time different arm sets; pick one")
     small = [f"{flag} {v}" for flag, vs in (("-m", args.m), ("-n", [args.n]), ("-k", [args.k])) for v in vs if v < 1]
@@ -409,12 +411,23 @@ def plot(runs: list[dict], path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
-def runs_from_json(paths: str) -> list[dict]:
-    """The records of the ``--json`` files ``paths`` (a comma list), in order: ``--from``'s input."""
+def runs_from_json(paths: str, *, who: str = "bench_gemm", keys=("kind", "quant", "m", "arms")) -> list[dict]:
+    """The records of the ``--json`` files ``paths`` (a comma list), in order: ``--from``'s input. A
+    file that is missing, not JSON, or not ``who``'s ``--json`` (an object whose "runs" are records
+    with ``keys``) is a one-line ``SystemExit`` naming it."""
     runs = []
     for path in paths.split(","):
-        with open(path) as f:
-            runs += json.load(f)["runs"]
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+        except (OSError, ValueError) as err:
+            raise SystemExit(f"{who}: --from {path}: {err}") from None
+        records = doc.get("runs") if isinstance(doc, dict) else None
+        if not isinstance(records, list) or not all(isinstance(r, dict) and all(k in r for k in keys)
+                                                    for r in records):
+            raise SystemExit(f"{who}: --from {path}: not a {who} --json (expected an object whose 'runs' are "
+                             f"records with {', '.join(keys)})")
+        runs += records
     return runs
 
 
@@ -427,9 +440,7 @@ def failures(runs: list[dict]) -> list[str]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.from_json:
-        runs = runs_from_json(args.from_json)
-        if args.plot:
-            plot(runs, args.plot)
+        plot(runs_from_json(args.from_json), args.plot)  # (parse_args: --from needs --plot)
         return 0
     require_cuda("bench_gemm")
     dev = torch.device("cuda", torch.cuda.current_device())

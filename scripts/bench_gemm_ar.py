@@ -3,7 +3,7 @@
 Launch one process per GPU with torchrun (the world comes from it)::
 
     torchrun --nproc-per-node 2 -m scripts.bench_gemm_ar --mode all --quant ptpc -m 16384 -n 7168 -k 2048
-    torchrun --nproc-per-node 2 -m scripts.bench_gemm_ar --mode all --sweep --plot out/sweep.png
+    torchrun --nproc-per-node 2 -m scripts.bench_gemm_ar --mode all --sweep --plot sweep.png
 
 Arms (``--mode`` picks; ``all`` runs every one; mori's names are accepted: gemm-only, split-sdma,
 fused-sdma, fused-lsa; split-lsa is refused, it is not implemented on CUDA). The op's arms name their
@@ -141,29 +141,68 @@ SP_ALTERNATIVES = {"ag": {"fused-per-chunk": CONSUMERS["chunks"], "fused-per-pee
 NCCL_ARMS = ("scaled_mm+nccl", "symm_mem", "nccl-fp8+scaled_mm", "nccl-bf16+scaled_mm")  # not on a shared GPU
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults shown, except None (an output not written, a value the run picks): "(default: None)" says nothing."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def description(doc: str) -> str:
+    """The first paragraph of a module's docstring in one line: ``--help``'s description."""
+    text = " ".join(doc.split("\n\n")[0].split()).replace("``", "")
+    return text[:-2] + "." if text.endswith("::") else text
+
+
+def mode_help() -> str:
+    """``--mode``'s help, from the arm tables (ARMS, ALTERNATIVES, MORI_NAMES, SP_ARMS, SP_ALTERNATIVES)."""
+    sp_names = "; ".join(f"--pattern {pattern}: {', '.join(arms)}"
+                         + (f" (by name only: {', '.join(SP_ALTERNATIVES[pattern])})" if pattern in SP_ALTERNATIVES
+                            else "") for pattern, arms in SP_ARMS.items())
+    return (f"all (every arm of the pattern), baselines (its cuBLAS, NCCL and symm-mem arms), or a comma list of arms. "
+            f"--pattern ar: {', '.join(ARMS)}; by name only: {', '.join(ALTERNATIVES)}; mori's names: "
+            f"{', '.join(MORI_NAMES)}. {sp_names}; split-sdma and fused-sdma name split and fused there")
+
+
+DEFAULT_M, DEFAULT_TRACE_ARM = 16384, "fused"
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--mode", default="all", help="all | gemm-only | split | fused | fused-fp8 | baselines | "
-                   "comma list of arms | a mori arm name (split-sdma, fused-sdma, ...)")
-    p.add_argument("--quant", default="ptpc", choices=Q.QUANTS)
+    p = argparse.ArgumentParser(description=description(__doc__), formatter_class=_Help)
+    p.add_argument("--mode", default="all", help=mode_help())
+    p.add_argument("--quant", default="ptpc", choices=Q.QUANTS, help="the fp8 recipe")
     p.add_argument("--pattern", default="ar", choices=tuple(PATTERNS),
                    help="ar: GEMM + all-reduce; rs: GEMM + reduce-scatter along tokens; ag: all-gather + GEMM")
     p.add_argument("--check-only", action="store_true",
                    help="self tests and output checks only, no timing (ranks may share a GPU)")
-    p.add_argument("-m", type=int, default=16384)
-    p.add_argument("-n", type=int, default=7168)
-    p.add_argument("-k", type=int, default=2048)
-    p.add_argument("--chunks", type=int, default=None, help=f"row chunks per call (1..{layout.MAX_CHUNKS})")
-    p.add_argument("--passes", type=int, default=3)
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("-m", type=int, default=None,
+                   help=f"the GEMM's M (default: {DEFAULT_M}; --sweep runs its own Ms, so not with it)")
+    p.add_argument("-n", type=int, default=7168, help="the GEMM's N")
+    p.add_argument("-k", type=int, default=2048, help="the GEMM's K")
+    p.add_argument("--chunks", type=int, default=None,
+                   help=f"row chunks per call (1..{layout.MAX_CHUNKS}; default: the backend's)")
+    p.add_argument("--passes", type=int, default=3, help="timing passes (>= 3), the arms alternating in each")
+    p.add_argument("--iters", type=int, default=20, help="timed calls per arm and pass")
     p.add_argument("--rotate", type=int, default=3, help="input sets cycled through (cold L2)")
     p.add_argument("--graph", action="store_true", help="time CUDA-graph replays instead of eager calls")
     p.add_argument("--sweep", action="store_true", help=f"M in {SWEEP_M}")
-    p.add_argument("--plot", default=None, help="PNG path for the --sweep plot (time vs M per arm)")
+    p.add_argument("--plot", default=None, help="PNG path for the --sweep plot (time vs M per arm); needs --sweep")
     p.add_argument("--json", default=None, help="also write the result JSON here (rank 0)")
     p.add_argument("--trace", default=None, help="chrome trace of 3 calls of --trace-arm (rank 0), after timing")
-    p.add_argument("--trace-arm", default="fused", help="the arm --trace profiles")
+    p.add_argument("--trace-arm", default=None,
+                   help=f"the arm --trace profiles, one of --mode's (default: {DEFAULT_TRACE_ARM} where --mode runs "
+                        f"it, else --mode's first arm)")
     args = p.parse_args(argv)
+    if args.sweep and args.m is not None:
+        p.error(f"--sweep runs M in {SWEEP_M}: -m {args.m} would be ignored; pass one or the other")
+    if args.m is None:
+        args.m = DEFAULT_M
+    if args.plot and not args.sweep:
+        p.error("--plot draws the --sweep's time over M: pass --sweep with it (one M is the table)")
+    if args.trace and args.check_only:
+        p.error("--trace profiles timed calls, --check-only times none: pass one or the other")
+    if args.trace_arm is not None and not args.trace:
+        p.error(f"--trace-arm {args.trace_arm} names the arm --trace profiles: pass --trace PATH with it")
     small = [f"-{name} {getattr(args, name)}" for name in ("m", "n", "k") if getattr(args, name) < 1]
     if small:
         p.error(f"{', '.join(small)}: sizes must be >= 1")
@@ -175,6 +214,16 @@ def parse_args(argv=None):
         where = os.path.dirname(getattr(args, flag) or "")
         if where and not os.path.isdir(where):
             p.error(f"--{flag} {getattr(args, flag)}: directory {where} does not exist")
+    if args.trace:
+        try:
+            arms = select_arms(args.mode, args.quant, args.pattern)
+        except SystemExit as err:
+            p.error(str(err))
+        if args.trace_arm is None:
+            args.trace_arm = DEFAULT_TRACE_ARM if DEFAULT_TRACE_ARM in arms or not arms else arms[0]
+        elif args.trace_arm not in arms:
+            p.error(f"--trace-arm {args.trace_arm} is not an arm this run times (--mode {args.mode} --pattern "
+                    f"{args.pattern} --quant {args.quant}: {', '.join(arms) or 'none'})")
     return args
 
 
@@ -470,6 +519,8 @@ def run_shape(args, comm, m, *, arms_wanted, m_max, progress=None) -> dict:
     idle_after = idle_check()
     if args.trace and args.trace_arm in timed:
         trace(timed[args.trace_arm], args.trace, rank=rank)
+    elif args.trace and rank == 0:  # (parse_args took it from --mode's arms: its check or self test failed)
+        print(f"--trace: {args.trace_arm} posted no time at M={m}; no trace written", file=sys.stderr)
     for op in ops.values():
         op.close()
     baseline_gemm = "fp8_gemm" if prob.cublas is None else "cublas"  # what scaled_mm+nccl's GEMM was
@@ -565,6 +616,17 @@ def exit_status(comm, results) -> int:
     return 1 if failed else 0
 
 
+# --pattern -> what a plot's title calls the run
+PATTERN_TITLES = {"ar": "GEMM + all-reduce", "rs": "GEMM + reduce-scatter (rows)", "ag": "all-gather + GEMM"}
+
+
+def plot_title(res: dict) -> str:
+    """The --sweep plot's title: the pattern (an rs or ag run is no all-reduce), shape, quant, world."""
+    pattern = res.get("pattern", "ar")
+    return (f"{PATTERN_TITLES.get(pattern, pattern)} (--pattern {pattern}) N={res['n']} K={res['k']} {res['quant']} "
+            f"world={res['world']}")
+
+
 def plot(results, path):
     import matplotlib
 
@@ -581,7 +643,7 @@ def plot(results, path):
     ax.set_yscale("log")
     ax.set_xlabel("M (rows)")
     ax.set_ylabel("time (us), median over passes, max over ranks")
-    ax.set_title(f"gemm-ar N={r0['n']} K={r0['k']} {r0['quant']} world={r0['world']}")
+    ax.set_title(plot_title(r0))
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -633,7 +695,7 @@ def main(argv=None) -> int:
         payload = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                    "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                    "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]), "results": results}
-        if args.plot and args.sweep:
+        if args.plot:  # (parse_args: only with --sweep)
             plot(results, args.plot)
             payload["plot"] = args.plot
         if args.json:

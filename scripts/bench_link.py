@@ -54,7 +54,7 @@ def _push_tile(src, dst, rows, cols, BM: tl.constexpr, BN: tl.constexpr):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()).replace("``", ""))
     p.add_argument("--rows", type=int, default=16384)
     p.add_argument("--cols", type=int, default=3584)
     p.add_argument("--passes", type=int, default=3)

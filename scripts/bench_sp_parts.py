@@ -97,7 +97,7 @@ def _list(kind, allowed):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()).replace("``", ""))
     p.add_argument("--pattern", type=_list(str, PATTERNS), default=list(PATTERNS))
     p.add_argument("--quant", type=_list(str, Q.QUANTS), default=list(Q.QUANTS))
     p.add_argument("--model", type=_list(str, MODELS), default=list(MODELS))
@@ -118,6 +118,10 @@ def parse_args(argv=None):
     p.add_argument("--compare", help="BEFORE.json,AFTER.json: with --plot, draw each cell's ratio in both runs side "
                                      "by side instead of measuring")
     args = p.parse_args(argv)
+    if args.from_json and not args.plot:
+        p.error(f"--from {args.from_json} draws --plot from those files; pass --plot PNG (nothing to do without it)")
+    if args.from_json and args.compare:
+        p.error("--from and --compare each draw --plot from files of earlier runs: pass one of them")
     if args.compare and (len(args.compare.split(",")) != 2 or not args.plot):
         p.error("--compare takes two --json files, BEFORE,AFTER, and needs --plot")
     if any(w < 2 for w in args.tp):
@@ -505,20 +509,25 @@ def failures(runs: list[dict]) -> list[str]:
     return [f"{r['pattern']} {r['quant']} {r['shape']} M={r['m']}: {r['error']}" for r in runs if "error" in r]
 
 
+FROM = {"who": "bench_sp_parts", "keys": ("pattern", "quant")}  # runs_from_json: what every record of this script has
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.compare:
         from scripts.bench_gemm import runs_from_json
 
         before, after = args.compare.split(",")
-        plot_compare(runs_from_json(before), runs_from_json(after), args.plot)
+        plot_compare(runs_from_json(before, **FROM), runs_from_json(after, **FROM), args.plot)
         return 0
     if args.from_json:
         from scripts.bench_gemm import runs_from_json
 
-        runs = runs_from_json(args.from_json)
-        if args.plot:
-            plot(runs, args.plot)
+        runs = runs_from_json(args.from_json, **FROM)
+        if not any("ratio" in r for r in runs):
+            raise SystemExit(f"bench_sp_parts: --from {args.from_json}: no timed record (every one has an error) "
+                             f"to draw")
+        plot(runs, args.plot)
         return 0
     from cco.bench.timing import idle_check, require_cuda
 

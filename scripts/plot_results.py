@@ -2,7 +2,8 @@
 
 One PNG, two panels sharing the M axis: the time of every arm (median of the pass medians, max over
 ranks; the bar spans the pass medians' min..max), and each arm's ratio against the baseline arm
-(``scaled_mm+nccl`` unless ``--baseline`` says otherwise). Reads only the JSON: no GPU, no torch.
+(``scaled_mm+nccl``, an all-gather sweep's ``nccl-fp8+scaled_mm``, unless ``--baseline`` says
+otherwise). Reads only the JSON: no GPU, no torch.
 
     python3 -m scripts.plot_results docs/results/2026-11-30_sweep_h200x2.json \\
         --out docs/plots/sweep_graph_h200x2.png --mark fused-fp8@32768
@@ -44,11 +45,12 @@ LABEL = {
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()).replace("``", ""))
     p.add_argument("json", help="raw JSON of a gemm-ar sweep (a 'results' list, one entry per M)")
     p.add_argument("--out", required=True, help="PNG to write")
     p.add_argument("--arms", default=None, help="comma list of arms to draw (default: every arm in the file)")
-    p.add_argument("--baseline", default="scaled_mm+nccl", help="arm the ratios are taken against")
+    p.add_argument("--baseline", default=None, help="arm the ratios are taken against (default: the run's "
+                   "pattern's, " + ", ".join(f"{k} {v}" for k, v in BASELINES.items()) + ")")
     p.add_argument("--mark", action="append", default=[], metavar="ARM@M",
                    help="draw this point hollow and label it (repeatable)")
     p.add_argument("--title", default=None, help="figure title (default: from the file)")
@@ -56,10 +58,21 @@ def parse_args(argv=None):
 
 
 def load_sweep(path):
-    """(file dict, results sorted by M, arm names in file order)."""
-    with open(path) as f:
-        doc = json.load(f)
-    results = sorted(doc["results"], key=lambda r: r["m"])
+    """(file dict, results sorted by M, arm names in file order); a file that is missing, not JSON or
+    not a gemm-ar sweep is a one-line ``SystemExit`` naming it."""
+    expected = "a bench_gemm_ar --json (an object whose 'results' are records with m and arms)"
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except OSError as err:
+        raise SystemExit(f"plot_results: {path}: {err.strerror or err}; expected {expected}") from None
+    except ValueError as err:
+        raise SystemExit(f"plot_results: {path}: not JSON ({err}); expected {expected}") from None
+    results = doc.get("results") if isinstance(doc, dict) else None
+    if not isinstance(results, list) or not all(isinstance(r, dict) and "m" in r and isinstance(r.get("arms"), dict)
+                                                for r in results):
+        raise SystemExit(f"plot_results: {path}: not a gemm-ar sweep; expected {expected}")
+    results = sorted(results, key=lambda r: r["m"])
     if not results:
         raise SystemExit(f"{path}: no results")
     names = list(dict.fromkeys(name for r in results for name in r["arms"]))
@@ -75,6 +88,25 @@ def series(results, name, baseline):
             continue
         rows.append((r["m"], arm["median_us"], arm["min_us"], arm["max_us"], arm["median_us"] / base["median_us"]))
     return rows
+
+
+# --pattern of bench_gemm_ar -> (what the title calls the run, the default baseline arm)
+PATTERN_TITLES = {"ar": "GEMM + all-reduce", "rs": "GEMM + reduce-scatter (rows)", "ag": "all-gather + GEMM"}
+BASELINES = {"ar": "scaled_mm+nccl", "rs": "scaled_mm+nccl", "ag": "nccl-fp8+scaled_mm"}
+
+
+def pattern_of(results) -> str:
+    return results[0].get("pattern", "ar")  # (sweeps before --pattern are all-reduce ones)
+
+
+def check_marks(marks, results, names, baseline):
+    """Every ``(arm, M)`` of ``marks`` is a point the plot draws, or a ``SystemExit`` naming the arms
+    and Ms there are."""
+    for arm, m in sorted(marks):
+        if not any(row[0] == m for row in (series(results, arm, baseline) if arm in names else ())):
+            ms = sorted({r["m"] for r in results})
+            raise SystemExit(f"--mark {arm}@{m}: no such point; the arms drawn are {', '.join(names)} and the Ms "
+                             f"{', '.join(map(str, ms))}")
 
 
 def parse_marks(marks):
@@ -95,9 +127,11 @@ def plot(doc, results, names, path, *, baseline, marks=(), title=None):
     from matplotlib.ticker import FuncFormatter
 
     r0 = results[0]
-    mode = "CUDA graph replays" if r0["graph"] else "eager calls"
-    title = title or (f"fused fp8 GEMM + all-reduce, {r0['quant']}, N={r0['n']} K={r0['k']}, world {r0['world']}, "
-                      f"{mode}\n{doc.get('device', '')} x{r0['world']}, {doc.get('date', '')}")
+    mode = "CUDA graph replays" if r0.get("graph") else "eager calls"
+    pattern = pattern_of(results)
+    title = title or (f"fused fp8 {PATTERN_TITLES.get(pattern, pattern)} (--pattern {pattern}), {r0['quant']}, "
+                      f"N={r0['n']} K={r0['k']}, world {r0['world']}, {mode}\n{doc.get('device', '')} "
+                      f"x{r0['world']}, {doc.get('date', '')}")
     fig, (ax_t, ax_r) = plt.subplots(1, 2, figsize=(13, 5.2))
     ms = [r["m"] for r in results]
     for name in names:
@@ -158,9 +192,12 @@ def main(argv=None):
         if missing:
             raise SystemExit(f"{args.json}: no arm {', '.join(missing)} (has {', '.join(names)})")
         names = wanted
-    if not any(args.baseline in r["arms"] for r in results):
-        raise SystemExit(f"{args.json}: no baseline arm {args.baseline!r}")
-    plot(doc, results, names, args.out, baseline=args.baseline, marks=parse_marks(args.mark), title=args.title)
+    baseline = args.baseline or BASELINES.get(pattern_of(results), "scaled_mm+nccl")
+    if not any(baseline in r["arms"] for r in results):
+        raise SystemExit(f"{args.json}: no baseline arm {baseline!r} (has {', '.join(names)}; --baseline picks one)")
+    marks = parse_marks(args.mark)
+    check_marks(marks, results, names, baseline)
+    plot(doc, results, names, args.out, baseline=baseline, marks=marks, title=args.title)
     print(f"wrote {args.out}")
 
 

@@ -29,19 +29,28 @@ VARIANTS = (("4 chunks", 4, 1), ("8 chunks", 8, 1), ("taper", layout.TAPERED_CHU
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()).replace("``", ""))
     p.add_argument("-m", type=int, nargs="+", default=list(SWEEP_M), help="M values (within 2048..32768)")
     p.add_argument("--worlds", type=int, nargs="+", default=list(P.WORLDS), help="world sizes (2..8, dividing N)")
     p.add_argument("--quant", nargs="+", default=list(P.QUANTS), choices=P.QUANTS)
     p.add_argument("--plot", default=None, help="PNG of predicted time vs M per arm at W=8 (none unless given; "
                    "the docs' is docs/predicted_scaling_w8.png)")
     p.add_argument("--no-plot", action="store_true", help="no plot even with --plot (the default draws none)")
-    p.add_argument("--check", action="store_true", help="print the model against the 2-GPU measurements instead")
-    p.add_argument("--sensitivity", action="store_true", help="print the W=8 ratio under changed assumptions instead")
+    p.add_argument("--check", action="store_true",
+                   help="print the model against the 2-GPU measurements instead of the table")
+    p.add_argument("--sensitivity", action="store_true",
+                   help="print the W=8 ratio under changed assumptions instead of the table")
     p.add_argument("--variants", action="store_true",
-                   help="print fused and fused-fp8 per put-lane count and chunk sizes instead (ptpc)")
+                   help="print fused and fused-fp8 per put-lane count and chunk sizes instead of the table (ptpc; "
+                        "-m and --worlds pick the rows). --check, --sensitivity and --variants combine: each "
+                        "printed, in that order")
     p.add_argument("--json", default=None, help="also write the predictions here")
     args = p.parse_args(argv)
+    instead = [f"--{flag}" for flag in ("check", "sensitivity", "variants") if getattr(args, flag)]
+    written = [f"--{flag} {getattr(args, flag)}" for flag in ("json", "plot") if getattr(args, flag)]
+    if instead and written:
+        p.error(f"{', '.join(written)} write the table's predictions, which {' and '.join(instead)} print instead "
+                f"of: pass one or the other")
     for flag in ("json", "plot"):
         where = os.path.dirname(getattr(args, flag) or "")
         if where and not os.path.isdir(where):
@@ -132,17 +141,16 @@ def plot(cal, path, *, world=8, ms=SWEEP_M):
 def main(argv=None):
     args = parse_args(argv)
     cal = P.calibrate()
-    if args.check:
-        print_check(cal)
-        return
-    if args.sensitivity:
-        print_sensitivity(cal)
-        return
-    if args.variants:
-        try:
-            print_variants(cal, args.worlds, args.m)
-        except ValueError as err:
-            raise SystemExit(f"predict_scaling: {err}") from None
+    if args.check or args.sensitivity or args.variants:  # instead of the table; each one asked for, in turn
+        if args.check:
+            print_check(cal)
+        if args.sensitivity:
+            print_sensitivity(cal)
+        if args.variants:
+            try:
+                print_variants(cal, args.worlds, args.m)
+            except ValueError as err:
+                raise SystemExit(f"predict_scaling: {err}") from None
         return
     try:
         preds = [P.predict(m, w, quant=q, cal=cal) for w in args.worlds for q in args.quant for m in args.m]

@@ -35,7 +35,8 @@ import torch
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()).replace("``", "")
+                                .removesuffix("::") + ".")
     p.add_argument("--quant", default="ptpc", choices=("ptpc", "blockscale", "mxfp8"))
     p.add_argument("-n", type=int, default=4096, help="out_features")
     p.add_argument("-k", type=int, default=7168, help="in_features_per_rank")

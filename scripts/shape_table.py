@@ -62,10 +62,12 @@ def markdown(*, m_max: int = 16384, quant: str = "ptpc") -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()).replace("``", ""))
     p.add_argument("--quant", choices=layout.QUANTS, default="ptpc")
-    p.add_argument("--m-max", type=int, default=16384)
+    p.add_argument("--m-max", type=int, default=16384, help="the most rows a call takes (>= 1): sizes the window")
     opts = p.parse_args(argv)
+    if opts.m_max < 1:
+        p.error(f"--m-max {opts.m_max}: must be >= 1 (the most rows a call takes)")
     print(markdown(m_max=opts.m_max, quant=opts.quant))
     return 0
 
