@@ -34,6 +34,7 @@ import torch
 
 from cco import layout
 from cco.op import DEFAULT_DEADLINE_S, CollectiveGemmOp
+from cco.quant import E8M0
 
 _FN = "AllGatherGemmOp"
 _POISON = 0xFF  # the byte a self test fills received slots with (e4m3 and e8m0 NaN; a byte no probe writes)
@@ -89,13 +90,26 @@ class AllGatherGemmOp(CollectiveGemmOp):
     def _gather_call(self, a, b_pre, a_scale, b_scale, m: int, *, with_a: bool = False):
         total = m * self.world
         out = torch.empty(total, self.config.n, dtype=torch.bfloat16, device=self.comm.device)
+        a_scale, as_passed = self._as_slot(a_scale)
         gathered = None
         if with_a:
             gathered = (torch.empty(total, self.config.k, dtype=a.dtype, device=a.device),
                         self._scale_like(a_scale, total))
         self._collective(lambda plan: self._backend.all_gather_gemm(a, b_pre, a_scale, b_scale, out=out, plan=plan,
                                                                    gathered=gathered), m)
-        return out if not with_a else (out, *gathered)
+        return out if not with_a else (out, gathered[0], as_passed(gathered[1]))
+
+    def _as_slot(self, a_scale: torch.Tensor):
+        """(``a_scale`` as the window's scale slot holds it, a function giving a gathered scale back
+        in ``a_scale``'s own form): the forms the checks accept besides the slot's own, mxfp8's uint8
+        bits (a copy into the e8m0 slot would convert their values: every rank's product wrong) and
+        ptpc's ``[M, 1]``, as views."""
+        quant = self.config.quant
+        if quant == "mxfp8" and a_scale.dtype == torch.uint8:
+            return a_scale.view(E8M0), lambda s: s.view(torch.uint8)
+        if quant == "ptpc" and a_scale.dim() == 2:
+            return a_scale.reshape(-1), lambda s: s.view(-1, 1)
+        return a_scale, lambda s: s
 
     def out_shape(self, m: int) -> tuple[int, int]:
         """The output shape of a call with ``m`` rows per rank."""

@@ -92,7 +92,15 @@ def _(a, b, a_scale, b_scale, handle):
 def gemm_all_reduce(op, a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
     """``op(a, b, a_scale, b_scale)`` through ``torch.ops.cco.gemm_all_reduce``: the same result, and
     traceable by ``torch.compile``. ``b`` is in ``op``'s weight layout (``bpreshuffle`` unless the op
-    was built with ``weight_layout="row-major"``)."""
+    was built with ``weight_layout="row-major"``). ``op`` is a ``GemmAllReduceOp``: the op's fake
+    kernel gives the all-reduce's ``[M, N]`` (the other patterns' outputs have other shapes; their
+    traceable way in is the ``cco.nn`` layers)."""
+    from cco.op import GemmAllReduceOp
+
+    if not isinstance(op, GemmAllReduceOp):
+        raise TypeError(f"cco.library.gemm_all_reduce: op must be a GemmAllReduceOp, got {type(op).__name__}; a "
+                        f"reduce-scatter or all-gather op is traced through cco.nn.RowParallelLinear / "
+                        f"ColumnParallelLinear(sequence_parallel=True), or called directly (eager)")
     return torch.ops.cco.gemm_all_reduce(a, b, a_scale, b_scale, op_handle(op))
 
 

@@ -256,19 +256,21 @@ class CollectiveGemmOp:
 
     _FN: str = "CollectiveGemmOp"  # the public class's name, which prefixes every error
 
-    def __init__(self, comm, *, pattern: str, arguments: dict, faults=None):
+    def __init__(self, comm, *, pattern: str, arguments: dict, faults=None, error: Exception | None = None):
         """``arguments``: the public constructor's arguments by name (n, k, m_max, quant, mode,
         transport, gather_dtype, chunks, deadline_s, weight_layout, and the pattern's own): the one
-        place they are together, before any window is mapped (where the ranks agree on them)."""
+        place they are together, before any window is mapped (where the ranks agree on them).
+        ``error``: the pattern's own refusal of its arguments, raised through the agreement as any
+        other (a rank that raised before it would leave its peers waiting in it)."""
         fn = self._FN
         self.comm = comm
         self._closed = True
         self.arguments = dict(arguments)
-        error = None
-        try:
-            backend_cls, self.config = _configure(comm, fn, pattern, self.arguments)
-        except (TypeError, ValueError, NotImplementedError) as err:
-            error = err
+        if error is None:
+            try:
+                backend_cls, self.config = _configure(comm, fn, pattern, self.arguments)
+            except (TypeError, ValueError, NotImplementedError) as err:
+                error = err
         # construction is collective: every rank agrees on the arguments before any window is mapped
         # (faults is a test's per-rank injection, not an argument of the collective)
         comm.agree(fn, {**self.arguments, "pattern": pattern}, error=error)

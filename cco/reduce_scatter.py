@@ -49,12 +49,13 @@ class GemmReduceScatterOp(ScatterGemmOp):
     def __init__(self, comm, *, n: int, k: int, m_max: int, scatter_dim: int = 0, quant: str = "ptpc",
                  mode: str = "fused", transport: str | None = None, chunks: int | None = None,
                  deadline_s: float = DEFAULT_DEADLINE_S, faults=None, weight_layout: str = "bpreshuffle"):
+        error = None
         try:
             pattern = layout.reduce_scatter_pattern(scatter_dim)
-        except ValueError as err:
-            raise ValueError(f"{_FN}: {err}") from None
+        except ValueError as err:  # raised through the ranks' agreement on the arguments, as any refusal
+            pattern, error = None, ValueError(f"{_FN}: {err}")
         self.scatter_dim = scatter_dim
-        super().__init__(comm, pattern=pattern, faults=faults, arguments=dict(
+        super().__init__(comm, pattern=pattern, faults=faults, error=error, arguments=dict(
             n=n, k=k, m_max=m_max, scatter_dim=scatter_dim, quant=quant, mode=mode, transport=transport,
             gather_dtype="bf16", chunks=chunks, deadline_s=deadline_s, weight_layout=weight_layout))
 

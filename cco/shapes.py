@@ -73,21 +73,32 @@ def supports(m: int, n: int, k: int, world: int, *, device=None, backend: str | 
     over ``world`` ranks fused, else the reason and the fix.
 
     ``options`` are ``GemmAllReduceOp``'s (quant, mode, transport, gather_dtype, chunks,
-    weight_layout, m_max; m_max defaults to m). A concrete ``device`` is also asked whether the
-    backend can run there (Triton installed, stream memory operations, a gfx950 GPU)."""
+    weight_layout, m_max; m_max defaults to m), and ``pattern`` (``layout.PATTERNS``) or, as
+    ``GemmReduceScatterOp`` takes it, ``scatter_dim``. ``m`` is a call's rows as the op takes them
+    (the all-gather: this rank's). A concrete ``device`` is also asked whether the backend can run
+    there (Triton installed, stream memory operations, a gfx950 GPU)."""
     try:
         backend_cls = backend_class(device=device, backend=backend)
     except ValueError as err:
         return str(err)
     if not isinstance(m, int) or isinstance(m, bool) or m < 1:
         return f"m={m!r} must be a positive int"
-    m_max = options.pop("m_max", m)
+    if "scatter_dim" in options:
+        if "pattern" in options:
+            return "pass pattern or scatter_dim, not both"
+        try:
+            options["pattern"] = layout.reduce_scatter_pattern(options.pop("scatter_dim"))
+        except ValueError as err:
+            return str(err)
+    gathers = options.get("pattern") == "all-gather"
+    m_max = options.pop("m_max", m * world if gathers else m)
     try:
-        build_for(backend_cls, n=n, k=k, m_max=m_max, world=world, **options)
+        cfg = build_for(backend_cls, n=n, k=k, m_max=m_max, world=world, **options)
     except ValueError as err:
         return str(err)
-    if m > m_max:
-        return f"m={m} exceeds m_max={m_max}; build the op with m_max >= {m}"
+    refused = layout.call_rows_error(cfg, m)
+    if refused is not None:
+        return f"{backend_cls.name}: {refused}"
     if backend is None:
         why = backend_cls.supports_device(default_device() if device is None else torch.device(device))
         if why is not None:
@@ -135,5 +146,9 @@ def layer_shape(n: int, k: int, world: int, *, m_max: int, device=None, backend:
     slices = 1 if pattern is not None and pattern.owner_by == "rows" else world
     n_padded = layout.padded_n(n, slices, quant=quant, block_n=block_n) if quant in layout.QUANTS else n
     k_padded = layout.padded_k(k)
-    reason = supports(m_max, n_padded, k_padded, world, device=device, backend=backend, m_max=m_max, **options)
+    # asked for the largest call the op takes (supports checks a call's rows): the all-gather's
+    # m_max counts every rank's rows, the reduce-scatter along tokens takes multiples of the world
+    name = options.get("pattern", "all-reduce")
+    m = m_max // world if name == "all-gather" else m_max - m_max % world if name == "reduce-scatter-rows" else m_max
+    reason = supports(max(m, 1), n_padded, k_padded, world, device=device, backend=backend, m_max=m_max, **options)
     return LayerShape(backend=backend_cls.name, n=n, k=k, n_padded=n_padded, k_padded=k_padded, reason=reason)

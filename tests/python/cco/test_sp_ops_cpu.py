@@ -246,3 +246,94 @@ def test_self_test_passes_on_a_working_transport_and_fails_on_a_silent_one(which
     silent = check_outcomes(spawn(_self_test, world=world, args=(which, transport, True), timeout_s=60))
     for kind, msg in silent:
         assert kind == "SelfTestError" and "did not arrive" in msg, msg
+
+
+# --------------------------------------------------------------------------------------------------
+# what a direct caller passes: scale forms, a constructor argument on one rank, the library op, supports
+def _gather_scales_in_every_form(comm):
+    """The all-gather's output and returned input with the scale forms the checks accept (mxfp8's
+    uint8 bits, ptpc's [M, 1]) on rank 1 only, against the canonical forms on both ranks."""
+    from cco.quant import E8M0
+
+    found = {}
+    for quant, form in (("mxfp8", lambda s: s.view(torch.uint8)), ("ptpc", lambda s: s.view(-1, 1))):
+        p, b_pre = operands(comm.rank, 16, 256, quant, seed=3)
+        with AllGatherGemmOp(comm, n=256, k=K, m_max=64, quant=quant, chunks=2, deadline_s=DEADLINE_S) as op:
+            ref, ref_a, ref_s = op(p.a, b_pre, p.a_scale, p.b_scale, return_a=True)
+            scale = form(p.a_scale) if comm.rank == 1 else p.a_scale
+            out, a_all, s_all = op(p.a, b_pre, scale, p.b_scale, return_a=True)
+            plain = op(p.a, b_pre, scale, p.b_scale)
+        canonical = s_all.view(E8M0) if quant == "mxfp8" and s_all.dtype == torch.uint8 else s_all.reshape(ref_s.shape)
+        found[quant] = (torch.equal(out, ref), torch.equal(plain, ref), torch.equal(a_all.view(torch.uint8),
+                        ref_a.view(torch.uint8)), torch.equal(canonical.view(torch.uint8) if quant == "mxfp8"
+                                                              else canonical, ref_s.view(torch.uint8)
+                                                              if quant == "mxfp8" else ref_s),
+                        s_all.dtype == scale.dtype and s_all.dim() == scale.dim())
+    return found
+
+
+def test_the_all_gather_takes_every_scale_form_the_checks_accept():
+    """Before, mxfp8's A scale passed as its uint8 bits (which the checks accept) was copied into
+    the e8m0 window slot by value: every rank's output was wrong (relative error ~3e3) with no
+    error; ptpc's [M, 1] scale failed the copy on that rank ("output with shape [16] doesn't match
+    the broadcast shape") and its peer waited out its deadline. Now both are taken as views of the
+    slot's form, and the returned scales come back in the form passed."""
+    for rank, found in enumerate(check_outcomes(spawn(_gather_scales_in_every_form, world=2, timeout_s=120))):
+        for quant, checks in found.items():
+            assert all(checks), (rank, quant, checks)
+
+
+def _scatter_dim_on_one_rank(comm):
+    try:
+        GemmReduceScatterOp(comm, n=256, k=K, m_max=64, scatter_dim=2 if comm.rank == 1 else 0,
+                            deadline_s=DEADLINE_S).close()
+        return "built"
+    except Exception as err:
+        return f"{type(err).__name__}: {str(err).splitlines()[0]}"
+
+
+def test_a_scatter_dim_refused_on_one_rank_fails_the_construction_on_every_rank():
+    """Before, the refusal of ``scatter_dim=2`` raised on rank 1 before the ranks' agreement on the
+    arguments, and rank 0 waited in that agreement until rank 1's process ended (gloo's
+    "Connection closed by peer"); now it goes through the agreement: both ranks raise naming it."""
+    for o in spawn(_scatter_dim_on_one_rank, world=2, timeout_s=60):
+        assert o.ok and o.value.startswith("ArgumentMismatchError: GemmReduceScatterOp:"), (o.rank, o.value, o.error)
+        assert "scatter_dim = 0 on rank 0, 2 on rank 1" in o.value, o.value
+
+
+def _library_op_of_another_pattern(comm):
+    from cco import library
+
+    p, b_pre = operands(0, 16, 256, "ptpc")
+    with GemmReduceScatterOp(comm, n=256, k=K, m_max=64, deadline_s=DEADLINE_S) as op:
+        try:
+            library.gemm_all_reduce(op, p.a, b_pre, p.a_scale, p.b_scale)
+            return "returned"
+        except TypeError as err:
+            return str(err)
+
+
+def test_the_all_reduce_library_op_refuses_another_patterns_op():
+    """Before, ``cco.library.gemm_all_reduce`` ran a reduce-scatter op (eager: its [M/W, N] output
+    from an op named all-reduce; compiled: a fake kernel of [M, N] against it, an inductor assert
+    naming no cco function, or with aot_eager a wrong shape silently)."""
+    said = check_outcomes(spawn(_library_op_of_another_pattern, world=1, timeout_s=60))[0]
+    assert said.startswith("cco.library.gemm_all_reduce: op must be a GemmAllReduceOp, got GemmReduceScatterOp")
+
+
+def test_supports_answers_for_each_pattern_as_its_op_does():
+    """Before, ``cco.supports`` said None for a reduce-scatter along rows of 33 rows at world 2 and
+    an all-gather of 64 rows per rank with m_max=64 (each call raises), and refused the op's own
+    ``scatter_dim`` keyword with a TypeError text."""
+    import cco
+
+    rows = cco.supports(33, 256, 256, 2, backend="cpu", pattern="reduce-scatter-rows")
+    assert rows is not None and "M=33 rows, not a multiple of world=2" in rows, rows
+    assert cco.supports(32, 256, 256, 2, backend="cpu", scatter_dim=0) is None
+    assert "not a multiple of world=2" in cco.supports(33, 256, 256, 2, backend="cpu", scatter_dim=0)
+    assert cco.supports(33, 256, 256, 2, backend="cpu", scatter_dim=1) is None
+    assert "scatter_dim=3 is not supported" in cco.supports(32, 256, 256, 2, backend="cpu", scatter_dim=3)
+    gather = cco.supports(64, 256, 256, 2, backend="cpu", pattern="all-gather", m_max=64)
+    assert gather is not None and "at most 32 per rank" in gather, gather
+    assert cco.supports(64, 256, 256, 2, backend="cpu", pattern="all-gather") is None  # m_max: every rank's rows
+    assert "m_max=256" in cco.supports(300, 512, 256, 4, backend="cpu", m_max=256)
