@@ -187,6 +187,27 @@ class Communicator:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def gather_words(self, words: list[int], *, timeout_s: float, what: str) -> list[list[int]]:
+        """Every rank's ``words`` (a few int64, as many on every rank), in rank order: one gather on
+        the CPU group, waited for at most ``timeout_s`` (a collective call's header: a peer that
+        never comes, because it died or made another call, raises ``CommTimeoutError`` naming
+        ``what`` here instead of blocking until the group's own timeout). After such a timeout the
+        gather stays posted: build a new communicator. One rank: its own words, no exchange."""
+        from cco.transport.protocol import CommTimeoutError
+
+        mine = torch.tensor(words, dtype=torch.int64)
+        if self.world == 1:
+            return [words]
+        every = [torch.empty_like(mine) for _ in range(self.world)]
+        work = dist.all_gather(every, mine, group=self.group, async_op=True)
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as err:
+            raise CommTimeoutError(
+                f"rank {self.rank}: {what}: the peers did not take part within {timeout_s:g} s (a peer died, "
+                f"stalled, or made another call); build a new communicator: {err}") from None
+        return [t.tolist() for t in every]
+
     def agree(self, fn: str, arguments: dict, *, error: BaseException | None = None) -> None:
         """Construction of a collective object (an op, a layer) is collective: every rank calls this
         with the same ``fn`` and the arguments that must match on every rank, before anything is

@@ -92,7 +92,7 @@ import torch
 from cco import layout
 from cco.backends.base import KEPT_WEIGHTS
 from cco.preshuffle import LAYOUT_MARK
-from cco.transport.protocol import SelfTestError
+from cco.transport.protocol import PeerMismatchError, PeerRejectedError, SelfTestError
 from cco.transport.reasons import RejectionNotes
 from cco.validate import check_operands
 from cco.window import open_window
@@ -473,16 +473,38 @@ class CollectiveGemmOp:
         the lsa kernel takes), one collective run each; the result lists them under ``"runs"``.
         """
         fn = f"{self._FN}.self_test"
-        if self._closed:
-            raise RuntimeError(f"{fn}: the op is closed")
-        if self.config.mode == "gemm-only":
+        if self.config.mode == "gemm-only":  # (the same on every rank: construction agreed on it)
             raise RuntimeError(f"{fn}: mode 'gemm-only' moves no data; there is nothing to test")
-        if m is not None and (not 1 <= m <= self.config.m_max or layout.call_rows_error(self.config, m)):
-            raise ValueError(f"{fn}: m={m} must be rows a call may pass: "
-                             f"{layout.call_rows_error(self.config, m) or f'1..m_max={self.config.m_max}'}")
+        error = None
+        if self._closed:
+            error = RuntimeError(f"{fn}: the op is closed")
+        elif m is not None and (not isinstance(m, int) or not 1 <= m <= self.config.m_max
+                                or layout.call_rows_error(self.config, m)):
+            error = ValueError(f"{fn}: m={m} must be rows a call may pass: "
+                               f"{(isinstance(m, int) and layout.call_rows_error(self.config, m)) or f'1..m_max={self.config.m_max}'}")
+        self._agree_self_test(fn, m, error)
         rows = [m] if m is not None else [self._probe_rows(r) for r in self._backend.path_rows()]
         runs = [self._self_test_rows(r, fn) for r in rows]
         return {**runs[0], "runs": runs}
+
+    def _agree_self_test(self, fn: str, m, error: Exception | None) -> None:
+        """The self test is collective from its first step: every rank's ``m`` (0: every path) and its
+        own refusal (``error``) exchanged first, bounded by ``deadline_s``, so that one rank's bad
+        ``m`` or closed op fails the test on every rank (``PeerRejectedError``), ranks asking for
+        different ``m`` raise ``PeerMismatchError`` on every rank, and a peer that is not in a self
+        test at all (it made a call) makes this rank raise ``CommTimeoutError`` after ``deadline_s``
+        instead of waiting in the test's barrier for good."""
+        every = self.comm.gather_words([m if isinstance(m, int) and m > 0 else 0, error is not None],
+                                       timeout_s=self.deadline_s, what=f"{fn}: the ranks' arguments")
+        if error is not None:
+            raise error
+        refused = [r for r, (_, bad) in enumerate(every) if bad]
+        if refused:
+            raise PeerRejectedError(f"{fn}: rank(s) {refused} refused their self_test arguments (each raised its own "
+                                    f"error); rank {self.rank} raises too")
+        if len({m_r for m_r, _ in every}) > 1:
+            raise PeerMismatchError(f"{fn}: the ranks asked for different m: " + ", ".join(
+                f"{m_r or 'None'} on rank {r}" for r, (m_r, _) in enumerate(every)) + "; pass the same m on every rank")
 
     def _probe_rows(self, rows: int) -> int:
         """The most rows a call may pass up to ``rows`` (a backend's path rows are the op's m_max)."""

@@ -250,8 +250,9 @@ class _ParallelLinear(torch.nn.Module):
 
     def _agree_rows(self, m: int, *, total: int | None = None, error: Exception | None = None) -> None:
         """The header of a collective call that runs no op (the unfused path's, and a call of no
-        rows): every rank's ``m`` and whether it refused its input, exchanged on the communicator's
-        CPU group (one gather of two int64 per rank) before the call's data collective, so that
+        rows): every rank's ``m``, whether it refused its input and whether its weight is blank,
+        exchanged on the communicator's CPU group (``Communicator.gather_words``: one gather of four
+        int64 per rank, bounded by ``deadline_s``) before the call's data collective, so that
         every rank reaches the same verdict. NCCL and gloo do not check a collective's sizes: a peer
         with other rows hangs or aborts the job (gloo: "Received data size doesn't match"), and a
         peer that raised before the collective pairs this call with its next one and returns its
@@ -261,34 +262,20 @@ class _ParallelLinear(torch.nn.Module):
         ``PeerMismatchError`` where the ranks' rows differ, on every rank; a
         peer that never comes (it called the op instead: a call of rows against one of none) raises
         ``CommTimeoutError`` after ``deadline_s``, as the op's waits do. One rank: nothing to agree."""
-        import datetime
-
-        import torch.distributed as dist
-
-        from cco.transport.protocol import CommTimeoutError, PeerMismatchError, PeerRejectedError
+        from cco.transport.protocol import PeerMismatchError, PeerRejectedError
 
         comm = self.comm
         blank = not self._loaded and not self._weight_written()
-        mine = torch.tensor([m, m if total is None else total, error is not None, blank], dtype=torch.int64)
-        every = [mine]
-        if comm.world > 1:
-            every = [torch.empty(4, dtype=torch.int64) for _ in range(comm.world)]
-            work = dist.all_gather(every, mine, group=comm.group, async_op=True)
-            try:
-                work.wait(timeout=datetime.timedelta(seconds=self._deadline_s))
-            except RuntimeError as err:
-                raise CommTimeoutError(
-                    f"{self._name()}: the peers did not take part in this call's header within deadline_s="
-                    f"{self._deadline_s:g} s (a peer died, stalled, or called with rows where this rank had none): "
-                    f"{err}") from None
+        every = comm.gather_words([m, m if total is None else total, error is not None, blank],
+                                  timeout_s=self._deadline_s, what=f"{self._name()}: this call's header")
         if error is not None:
             raise error
-        blank = [r for r, t in enumerate(every) if int(t[3])]
+        blank = [r for r, t in enumerate(every) if t[3]]
         if blank:  # (the unfused path's blank check: every rank raises)
             raise self._blank_error(blank)
         self._loaded = True
-        rows = [(int(t[0]), int(t[1])) for t in every]
-        refused = [r for r, t in enumerate(every) if int(t[2])]
+        rows = [(t[0], t[1]) for t in every]
+        refused = [r for r, t in enumerate(every) if t[2]]
         if refused:
             raise PeerRejectedError(f"{self._name()}: rank(s) {refused} refused their input to this call (each raised "
                                     f"its own error); rank {comm.rank} raises too, and the ranks stay in step")

@@ -337,3 +337,35 @@ def test_supports_answers_for_each_pattern_as_its_op_does():
     assert gather is not None and "at most 32 per rank" in gather, gather
     assert cco.supports(64, 256, 256, 2, backend="cpu", pattern="all-gather") is None  # m_max: every rank's rows
     assert "m_max=256" in cco.supports(300, 512, 256, 4, backend="cpu", m_max=256)
+
+
+def _self_test_on_one_rank(comm):
+    """The reduce-scatter's self test: rank 1 passes an m the op refuses; the ranks ask for
+    different m; rank 1 calls it while rank 0 makes a call (deadline 3 s). Each rank's verdicts."""
+    found = {}
+    p, b_pre = operands(comm.rank, 32, 256, "ptpc")
+    with GemmReduceScatterOp(comm, n=256, k=K, m_max=64, deadline_s=3) as op:
+        for case, m in (("rank 1 refuses its m", 33 if comm.rank == 1 else 32),
+                        ("the ranks ask for different m", 16 if comm.rank == 1 else 32)):
+            try:
+                op.self_test(m=m)
+                found[case] = "passed"
+            except Exception as err:
+                found[case] = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+        found["after"] = op.self_test(m=32)["m"]  # in step: the next test passes on both
+    return found
+
+
+def test_a_self_test_refused_on_one_rank_fails_on_every_rank():
+    """Before, ``self_test(m=33)`` on one rank raised there at once and its peer waited in the
+    test's barrier until that process ended (the group's timeout, or gloo's "Connection closed"),
+    and ranks asking for different m ran different probes. Now the test's arguments are exchanged
+    first (bounded by deadline_s): one rank's refusal is PeerRejectedError on its peers, different
+    m is PeerMismatchError on every rank, and the next self test passes."""
+    outs = check_outcomes(spawn(_self_test_on_one_rank, world=2, timeout_s=60))
+    assert outs[1]["rank 1 refuses its m"].startswith("ValueError: GemmReduceScatterOp.self_test: m=33"), outs[1]
+    assert outs[0]["rank 1 refuses its m"].startswith("PeerRejectedError: GemmReduceScatterOp.self_test: rank(s) [1]")
+    for found in outs:
+        assert found["the ranks ask for different m"].startswith("PeerMismatchError") and \
+            "32 on rank 0, 16 on rank 1" in found["the ranks ask for different m"], found
+        assert found["after"] == 32
