@@ -34,7 +34,7 @@ import torch
 
 from cco import quant as Q
 from cco.nn.collectives import all_gather_rows, reduce_scatter_rows
-from cco.nn.parallel_linear import _ParallelLinear, quantize_activation
+from cco.nn.parallel_linear import _ParallelLinear, backward_step, quantize_activation
 from cco.nn.pool import WindowPool
 from cco.nn.sequence import check_token_rows
 from cco.op import DEFAULT_DEADLINE_S, GemmAllReduceOp
@@ -171,6 +171,8 @@ class ColumnParallelLinear(_ParallelLinear):
         the reduce-scatter of grad_x and the all-gather of x along tokens (collective)."""
         world = self.comm.world if self.sequence_parallel else 1
         g = grad.reshape(-1, self.out_features_per_rank).to(torch.bfloat16)
+        if world > 1 and (input_grad or weight_grad):  # collectives below: the ranks agree on the call first
+            self._agree_rows(g.shape[0], step=backward_step(input_grad=input_grad, weight_grad=weight_grad))
         grad_x = grad_w = grad_b = None
         if input_grad and self._dual is not None:  # the GEMM + reduce-scatter, fused, e4m3 operands
             out = self._dual(g, self.dequantized_weight(qweight, scale), quantize_activation)

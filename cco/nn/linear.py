@@ -44,7 +44,7 @@ import torch.distributed as dist
 from cco import quant as Q
 from cco import shapes  # noqa: F401  (cco.nn.linear.shapes: the planner the layers call, as before the base)
 from cco.nn import sequence
-from cco.nn.parallel_linear import MODES, _ParallelLinear, quantize_activation, untraced
+from cco.nn.parallel_linear import MODES, _ParallelLinear, backward_step, quantize_activation, untraced
 from cco.nn.pool import WindowPool
 from cco.op import DEFAULT_DEADLINE_S, GemmAllReduceOp
 
@@ -209,7 +209,8 @@ class RowParallelLinear(_ParallelLinear):
                                                       weight_grad=weight_grad, bias_grad=bias_grad,
                                                       quantize=quantize_activation)
         if self.sequence_parallel:
-            grad = sequence.gather_output_grad(self, grad)
+            grad = sequence.gather_output_grad(self, grad, step=backward_step(input_grad=input_grad,
+                                                                              weight_grad=weight_grad))
         g = grad.reshape(-1, self.out_features).to(torch.bfloat16)
         grad_x = grad_w = grad_b = None
         if input_grad:

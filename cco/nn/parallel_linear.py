@@ -84,6 +84,19 @@ def decode_gemm_for(layer):
     return decode_gemm
 
 
+def backward_step(*, input_grad: bool, weight_grad: bool) -> int:
+    """The header's ``step`` of a backward that runs collectives (``_agree_rows``): which gradients
+    it computes, since each adds its own collective (0 is a forward)."""
+    return 1 + 2 * bool(input_grad) + bool(weight_grad)
+
+
+def step_name(code: int) -> str:
+    if code == 0:
+        return "a forward"
+    grads = [name for name, bit in (("the input's", 2), ("the weight's", 1)) if (code - 1) & bit]
+    return f"a backward ({' and '.join(grads) or 'no'} gradient{'s' if len(grads) > 1 else ''})"
+
+
 def _check_arguments(fn: str, sizes: dict, *, mode, quant, backward, deadline_s, options: dict) -> None:
     """Arguments no backend could take, whatever the shape (``options``: the op's transport,
     gather_dtype, chunks as passed): a ValueError at construction on every rank, never a reason to
@@ -248,7 +261,8 @@ class _ParallelLinear(torch.nn.Module):
         else:
             self._agree_rows(0, error=err)
 
-    def _agree_rows(self, m: int, *, total: int | None = None, error: Exception | None = None) -> None:
+    def _agree_rows(self, m: int, *, total: int | None = None, error: Exception | None = None,
+                    step: int = 0) -> None:
         """The header of a collective call that runs no op (the unfused path's, and a call of no
         rows): every rank's ``m``, whether it refused its input and whether its weight is blank,
         exchanged on the communicator's CPU group (``Communicator.gather_words``: one gather of four
@@ -259,14 +273,16 @@ class _ParallelLinear(torch.nn.Module):
         result. ``total``: the rows of the whole forward where it runs in pieces of ``m`` (compared
         too: pieces of one size in calls of different sizes would pair). Raises ``error`` (this
         rank's own) after the exchange; else ``PeerRejectedError`` where a peer refused,
-        ``PeerMismatchError`` where the ranks' rows differ, on every rank; a
-        peer that never comes (it called the op instead: a call of rows against one of none) raises
-        ``CommTimeoutError`` after ``deadline_s``, as the op's waits do. One rank: nothing to agree."""
+        ``PeerMismatchError`` where the ranks' rows (or ``step``s) differ, on every rank; a peer
+        that never comes (it called the op instead: a call of rows against one of none; it never
+        ran its backward) raises ``CommTimeoutError`` after ``deadline_s``, as the op's waits do.
+        ``step``: which collective call this is (:func:`backward_step`; 0: a forward). One rank:
+        nothing to agree."""
         from cco.transport.protocol import PeerMismatchError, PeerRejectedError
 
         comm = self.comm
         blank = not self._loaded and not self._weight_written()
-        every = comm.gather_words([m, m if total is None else total, error is not None, blank],
+        every = comm.gather_words([m, m if total is None else total, error is not None, blank, step],
                                   timeout_s=self._deadline_s, what=f"{self._name()}: this call's header")
         if error is not None:
             raise error
@@ -279,6 +295,10 @@ class _ParallelLinear(torch.nn.Module):
         if refused:
             raise PeerRejectedError(f"{self._name()}: rank(s) {refused} refused their input to this call (each raised "
                                     f"its own error); rank {comm.rank} raises too, and the ranks stay in step")
+        steps = [t[4] for t in every]
+        if len(set(steps)) > 1:
+            raise PeerMismatchError(f"{self._name()}: the ranks are in different calls: " + ", ".join(
+                f"{step_name(code)} on rank {r}" for r, code in enumerate(steps)))
         if len(set(rows)) > 1:
             raise PeerMismatchError(f"{self._name()}: the ranks called with different rows: " + ", ".join(
                 f"{m_r}{f' (a piece of {t_r})' if t_r != m_r else ''} on rank {r}" for r, (m_r, t_r) in enumerate(rows))

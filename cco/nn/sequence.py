@@ -97,10 +97,13 @@ def row_parallel_body(layer, x, qweight, scale, bias, quantize) -> torch.Tensor:
     return out.view(x.shape[0] // world, *x.shape[1:-1], n)
 
 
-def gather_output_grad(layer, grad: torch.Tensor) -> torch.Tensor:
-    """The backward of the reduce-scatter along tokens: every rank's ``grad_y`` rows, in bf16."""
+def gather_output_grad(layer, grad: torch.Tensor, *, step: int) -> torch.Tensor:
+    """The backward of the reduce-scatter along tokens: every rank's ``grad_y`` rows, in bf16, after
+    the ranks agree on the call (``layer._agree_rows``, ``step`` its backward's: a peer that never
+    runs its backward makes this rank raise after ``deadline_s``, not wait in the all-gather)."""
     world = layer.comm.world
     g = grad.reshape(-1, grad.shape[-1]).to(torch.bfloat16)
+    layer._agree_rows(g.shape[0], step=step)
     return all_gather_rows(g, layer._reduce_group, world).view(grad.shape[0] * world, *grad.shape[1:])
 
 

@@ -241,3 +241,51 @@ def test_column_weight_errors_name_the_column_layer_and_its_shard():
     assert "ColumnParallelLinear.load_weight" in errors[0] and "[out_features_per_rank, in_features]" in errors[0]
     assert "ColumnParallelLinear.load_weight" in errors[1] and "load_fp8" in errors[1]
     assert "ColumnParallelLinear.load_fp8: w_scale" in errors[2], errors
+
+
+# --------------------------------------------------------------------------------------------------
+# a rank that never runs its backward
+def _one_rank_skips_its_backward(comm, layer_kind, mode):
+    """Both ranks run the forward; rank 1 never runs the backward (as after an error between the
+    two) and stays alive 8 s (a peer that exits closes gloo's connection, which ends any wait at
+    once); rank 0's backward: its verdict and how long it took."""
+    import time
+
+    from cco.nn import ColumnParallelLinear, RowParallelLinear, WindowPool
+
+    torch.manual_seed(0)
+    if layer_kind == "column":
+        layer = ColumnParallelLinear(256, 128, group=comm, m_max=16, mode=mode, sequence_parallel=True, deadline_s=2,
+                                     pool=WindowPool())
+        layer.load_weight(torch.randn(128, 256))
+        x = torch.randn(4, 256, requires_grad=True)
+    else:
+        layer = RowParallelLinear(256, 256, group=comm, m_max=16, mode=mode, sequence_parallel=True, deadline_s=2,
+                                  pool=WindowPool())
+        layer.load_weight(torch.randn(256, 256))
+        x = torch.randn(8, 256, requires_grad=True)
+    y = layer(x)
+    if comm.rank == 1:
+        time.sleep(8)
+        return "skipped"
+    start = time.monotonic()
+    try:
+        y.float().sum().backward()
+        verdict = "ran"
+    except Exception as err:
+        verdict = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+    return verdict, time.monotonic() - start
+
+
+@pytest.mark.parametrize("layer_kind,mode", [("column", "unfused"), ("row", "fused")])
+def test_a_rank_that_never_runs_its_backward_fails_its_peers_backward_within_the_deadline(layer_kind, mode):
+    """Before, the peer's backward waited in the bf16 collective of the sequence-parallel backward
+    (the reduce-scatter of grad_x, the all-gather of grad_y) until the group's own timeout (torch's
+    default: 30 minutes on a job's group; here the spawn's timeout), not deadline_s. Now the
+    backward agrees its call first and raises CommTimeoutError after deadline_s (2 s)."""
+    outs = spawn(_one_rank_skips_its_backward, world=2, args=(layer_kind, mode), timeout_s=90)
+    assert outs[1].ok and outs[1].value == "skipped", (outs[1].error_type, outs[1].error)
+    assert outs[0].ok, (outs[0].error_type, outs[0].error)
+    verdict, seconds = outs[0].value
+    assert verdict.startswith("CommTimeoutError") and "this call's header" in verdict, verdict
+    assert seconds < 2 + 4, seconds
