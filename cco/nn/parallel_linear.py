@@ -135,8 +135,7 @@ class _ParallelLinear(torch.nn.Module):
     _UNFUSED = ("", "")          # what runs unfused: (without, with) sequence parallelism, for the log
 
     def _build(self, *, n: int, k: int, sizes: dict, arguments: dict, group, cpu_group, quant: str, bias: bool,
-               m_max: int,
-               mode: str, transport, chunks, deadline_s: float, trainable: bool, pool: WindowPool | None,
+               m_max: int, mode: str, transport, chunks, deadline_s: float, trainable: bool, pool: WindowPool | None,
                sequence_parallel: bool, backward: str, op_class, op_options: dict, shape_options: dict) -> None:
         """Construction, collective over ``group``: ``sizes`` (name -> value) checked and ``arguments``
         agreed on every rank before anything is built, then the verdict, the op, the buffers."""
@@ -263,9 +262,10 @@ class _ParallelLinear(torch.nn.Module):
 
     def _agree_rows(self, m: int, *, total: int | None = None, error: Exception | None = None,
                     step: int = 0) -> None:
-        """The header of a collective call that runs no op (the unfused path's, and a call of no
-        rows): every rank's ``m``, whether it refused its input and whether its weight is blank,
-        exchanged on the communicator's CPU group (``Communicator.gather_words``: one gather of four
+        """The header of a layer's collective call that no op's stamps cover (the unfused path's
+        calls, a call of no rows, a forward in pieces, the sequence-parallel backward's bf16
+        collectives): every rank's ``m``, whether it refused its input and whether its weight is blank,
+        exchanged on the communicator's CPU group (``Communicator.gather_words``: one gather of five
         int64 per rank, bounded by ``deadline_s``) before the call's data collective, so that
         every rank reaches the same verdict. NCCL and gloo do not check a collective's sizes: a peer
         with other rows hangs or aborts the job (gloo: "Received data size doesn't match"), and a

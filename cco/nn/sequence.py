@@ -81,10 +81,12 @@ def row_parallel_body(layer, x, qweight, scale, bias, quantize) -> torch.Tensor:
     x2 = x.reshape(-1, layer.in_features_per_rank)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    if layer.op is None:  # unfused: the rows (and the weights) agreed before the reduce-scatter, whose sizes
-        layer._agree_rows(x2.shape[0])  # nobody checks
-    elif not layer._loaded:
+    if layer.op is None or x2.shape[0] == 0:  # unfused: the rows (and the weights) agreed before the
+        layer._agree_rows(x2.shape[0])  # reduce-scatter, whose sizes nobody checks; no rows: agreed, as the
+    elif not layer._loaded:  # other layers' calls of none (every rank's share of nothing is nothing)
         layer._require_loaded()
+    if x2.shape[0] == 0:
+        return torch.zeros(x.shape[0] // world, *x.shape[1:-1], n, dtype=torch.bfloat16, device=x.device)
     a, a_scale = quantize(x2, layer.quant, k_padded=layer.k_padded)
     if layer.op is not None:
         out = layer.op(a, qweight, a_scale, scale)

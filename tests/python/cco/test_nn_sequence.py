@@ -289,3 +289,31 @@ def test_a_rank_that_never_runs_its_backward_fails_its_peers_backward_within_the
     verdict, seconds = outs[0].value
     assert verdict.startswith("CommTimeoutError") and "this call's header" in verdict, verdict
     assert seconds < 2 + 4, seconds
+
+
+def _sp_row_no_rows(comm, mode):
+    from cco.nn import RowParallelLinear, WindowPool
+
+    layer = RowParallelLinear(256, 256, group=comm, m_max=16, mode=mode, sequence_parallel=True, deadline_s=2,
+                              pool=WindowPool())
+    layer.load_weight(torch.randn(256, 256))
+    found = {}
+    with torch.no_grad():
+        found["none anywhere"] = tuple(layer(torch.randn(0, 256)).shape)
+        try:
+            layer(torch.randn(0 if comm.rank == 1 else 8, 256))
+            found["none against 8"] = "ok"
+        except Exception as err:
+            found["none against 8"] = type(err).__name__
+    return found
+
+
+@pytest.mark.parametrize("mode", ["fused", "unfused"])
+def test_a_sequence_parallel_row_call_of_no_rows_is_agreed(mode):
+    """Before, the fused layer raised ``GemmReduceScatterOp.__call__: a has M=0 rows`` (an op the
+    caller never named) where every rank had none, while the column layer and the all-reduce layer
+    return ``[0, N]``; now it returns ``[0, N]`` too, agreed: against a peer's rows it fails on both
+    ranks (unfused: PeerMismatchError; fused: the peer's op call and this rank's header time out)."""
+    for found in check_outcomes(spawn(_sp_row_no_rows, world=2, args=(mode,), timeout_s=60)):
+        assert found["none anywhere"] == (0, 256), found
+        assert found["none against 8"] == ("PeerMismatchError" if mode == "unfused" else "CommTimeoutError"), found
