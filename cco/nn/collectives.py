@@ -33,3 +33,16 @@ def reduce_scatter_rows(x: torch.Tensor, group, world: int) -> torch.Tensor:
     out = torch.empty(x.shape[0] // world, *x.shape[1:], dtype=x.dtype, device=x.device)
     dist.reduce_scatter_tensor(out, x, group=group)
     return out
+
+
+def backward_step(*, input_grad: bool, weight_grad: bool) -> int:
+    """The header's ``step`` of a backward that runs collectives (``_agree_rows``): which gradients
+    it computes, since each adds its own collective (0 is a forward)."""
+    return 1 + 2 * bool(input_grad) + bool(weight_grad)
+
+
+def step_name(code: int) -> str:
+    if code == 0:
+        return "a forward"
+    grads = [name for name, bit in (("the input's", 2), ("the weight's", 1)) if (code - 1) & bit]
+    return f"a backward ({' and '.join(grads) or 'no'} gradient{'s' if len(grads) > 1 else ''})"

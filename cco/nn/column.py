@@ -23,7 +23,8 @@ of the fp8 rows and scales on the group, then the same GEMM.
 Autograd (straight-through quantization; ``backward="bf16"`` runs the collectives unfused in bf16,
 ``"fp8"`` the fused GEMM + reduce-scatter on e4m3 gradients: ``cco.nn.sequence``)::
 
-    grad_x_r = reduce_scatter(grad_y @ W_r, dim=0)      # sequence parallel; else grad_y @ W_r, no comm
+    grad_x_r = reduce_scatter(grad_y @ W_r, dim=0)      # sequence parallel
+    grad_x   = all_reduce(grad_y @ W_r)                  # else: x is every rank's, so is its gradient
     grad_W_r = grad_y.T @ all_gather(x_r, dim=0)         # trainable=True: a bf16 master weight
     grad_b_r = grad_y.sum(tokens)
 """
@@ -31,10 +32,11 @@ Autograd (straight-through quantization; ``backward="bf16"`` runs the collective
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from cco import quant as Q
-from cco.nn.collectives import all_gather_rows, reduce_scatter_rows
-from cco.nn.parallel_linear import _ParallelLinear, backward_step, quantize_activation
+from cco.nn.collectives import all_gather_rows, backward_step, reduce_scatter_rows
+from cco.nn.parallel_linear import _ParallelLinear, quantize_activation
 from cco.nn.pool import WindowPool
 from cco.nn.sequence import check_token_rows
 from cco.op import DEFAULT_DEADLINE_S, GemmAllReduceOp
@@ -168,11 +170,15 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def _cco_backward(self, grad, x, qweight, scale, *, input_grad: bool, weight_grad: bool, bias_grad: bool):
         """(grad_x, grad_master_weight, grad_bias) for ``grad`` of the output; sequence parallel:
-        the reduce-scatter of grad_x and the all-gather of x along tokens (collective)."""
-        world = self.comm.world if self.sequence_parallel else 1
+        the reduce-scatter of grad_x and the all-gather of x along tokens (collective). Without it
+        the input is replicated (every rank's copy feeds every rank's columns), so its gradient is
+        the sum of every rank's ``grad_y_r @ W_r``: an all-reduce, as Megatron's column-parallel
+        layer and torch's ``ColwiseParallel`` (a Replicate input's Partial gradient) give it; the
+        weight's and the bias's stay local."""
+        world, sp = self.comm.world, self.sequence_parallel
         g = grad.reshape(-1, self.out_features_per_rank).to(torch.bfloat16)
-        if world > 1 and (input_grad or weight_grad):  # collectives below: the ranks agree on the call first
-            self._agree_rows(g.shape[0], step=backward_step(input_grad=input_grad, weight_grad=weight_grad))
+        if world > 1 and (input_grad or (sp and weight_grad)):  # collectives below: the ranks agree first
+            self._agree_rows(g.shape[0], step=backward_step(input_grad=input_grad, weight_grad=weight_grad and sp))
         grad_x = grad_w = grad_b = None
         if input_grad and self._dual is not None:  # the GEMM + reduce-scatter, fused, e4m3 operands
             out = self._dual(g, self.dequantized_weight(qweight, scale), quantize_activation)
@@ -180,12 +186,15 @@ class ColumnParallelLinear(_ParallelLinear):
         elif input_grad:
             w = self.dequantized_weight(qweight, scale).to(torch.bfloat16)
             full = g @ w  # [M, in_features]
-            if self.sequence_parallel:
+            if sp:
                 full = reduce_scatter_rows(full.float(), self._reduce_group, world)
+            elif world > 1:  # the replicated input's gradient: every rank's term, summed in fp32
+                full = full.float()
+                dist.all_reduce(full, group=self._reduce_group)
             grad_x = full.view(x.shape).to(x.dtype)
         if weight_grad:
             x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
-            if self.sequence_parallel:
+            if sp:
                 x2 = all_gather_rows(x2, self._reduce_group, world)
             grad_w = g.t() @ x2
         if bias_grad:

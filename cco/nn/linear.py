@@ -44,7 +44,8 @@ import torch.distributed as dist
 from cco import quant as Q
 from cco import shapes  # noqa: F401  (cco.nn.linear.shapes: the planner the layers call, as before the base)
 from cco.nn import sequence
-from cco.nn.parallel_linear import MODES, _ParallelLinear, backward_step, quantize_activation, untraced
+from cco.nn.collectives import backward_step
+from cco.nn.parallel_linear import MODES, _ParallelLinear, quantize_activation, untraced
 from cco.nn.pool import WindowPool
 from cco.op import DEFAULT_DEADLINE_S, GemmAllReduceOp
 

@@ -33,6 +33,7 @@ from cco import quant as Q
 from cco.comm import Communicator
 from cco.nn import checkpoint as C
 from cco.nn import sequence
+from cco.nn.collectives import step_name
 from cco.nn.pool import DEFAULT_POOL, WindowPool, group_plan
 from cco.preshuffle import preshuffle_b, unshuffle_b
 
@@ -82,19 +83,6 @@ def decode_gemm_for(layer):
         return None
     from kernels_fused.hopper.decode import decode_gemm
     return decode_gemm
-
-
-def backward_step(*, input_grad: bool, weight_grad: bool) -> int:
-    """The header's ``step`` of a backward that runs collectives (``_agree_rows``): which gradients
-    it computes, since each adds its own collective (0 is a forward)."""
-    return 1 + 2 * bool(input_grad) + bool(weight_grad)
-
-
-def step_name(code: int) -> str:
-    if code == 0:
-        return "a forward"
-    grads = [name for name, bit in (("the input's", 2), ("the weight's", 1)) if (code - 1) & bit]
-    return f"a backward ({' and '.join(grads) or 'no'} gradient{'s' if len(grads) > 1 else ''})"
 
 
 def _check_arguments(fn: str, sizes: dict, *, mode, quant, backward, deadline_s, options: dict) -> None:
@@ -185,6 +173,8 @@ class _ParallelLinear(torch.nn.Module):
         self.weight = None
         if trainable:
             self.weight = torch.nn.Parameter(torch.zeros(n, k, dtype=torch.bfloat16, device=self.device))
+        # the master weight's version the stored fp8 weight was quantized from (quantized_weight)
+        self._master_version = None if self.weight is None else self.weight._version
         # versions of the blank weight: any write (load_weight, load_fp8, load_state_dict, an in-place
         # init of the master weight) moves one, so "loaded" costs no flag that a loader could forget
         self._blank = (self.qweight._version, None if self.weight is None else self.weight._version)
@@ -361,6 +351,7 @@ class _ParallelLinear(torch.nn.Module):
         self.weight_scale.copy_(s)
         if self.weight is not None:
             self.weight.copy_(w)
+            self._master_version = self.weight._version  # the stored weight is its quantization
 
     @torch.no_grad()
     def load_fp8(self, w_q: torch.Tensor, w_scale: torch.Tensor) -> None:
@@ -385,6 +376,7 @@ class _ParallelLinear(torch.nn.Module):
         self.weight_scale.copy_(padded.scale)
         if self.weight is not None:
             self.weight.copy_(self.dequantized_weight().to(self.weight.dtype))
+            self._master_version = self.weight._version  # the checkpoint's fp8 bytes stay the stored ones
 
     @torch.no_grad()
     def load_checkpoint(self, tensors, name: str, *, rank: int | None = None, world: int | None = None,
@@ -457,20 +449,31 @@ class _ParallelLinear(torch.nn.Module):
 
     def quantized_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(fp8 weight, scale) the forward multiplies by, padded and laid out: the stored ones, or in
-        training the master weight quantized afresh (it changes every step)."""
-        if self.weight is not None and self.training:
-            with torch.no_grad():  # its gradient comes from the op's backward (straight through)
-                return self._laid_out(self.weight)
+        training the master weight quantized afresh (it changes every step). In eval mode the stored
+        ones follow the master weight: requantized where it was written since (an optimizer step
+        taken in eval mode, a state_dict loaded) and only then."""
+        master = self._parameters.get("weight")  # (not nn.Module's attribute lookup: see below)
+        if master is not None:
+            if self.training:
+                with torch.no_grad():  # its gradient comes from the op's backward (straight through)
+                    return self._laid_out(master)
+            if master._version != self._master_version:
+                self._follow_master()
         buffers = self._buffers  # not nn.Module's attribute lookup: a microsecond of an eager decode call
         return buffers["qweight"], buffers["weight_scale"]
+
+    @torch.no_grad()
+    def _follow_master(self) -> None:
+        """The stored fp8 weight and scale requantized from the master weight (trainable layers)."""
+        q, s = self._laid_out(self.weight)
+        self.qweight.copy_(q)
+        self.weight_scale.copy_(s)
+        self._master_version = self.weight._version
 
     def train(self, mode: bool = True):
         super().train(mode)
         if not mode and self.weight is not None:  # eval(): the stored fp8 weight follows the master
-            with torch.no_grad():
-                q, s = self._laid_out(self.weight)
-                self.qweight.copy_(q)
-                self.weight_scale.copy_(s)
+            self._follow_master()
         return self
 
     # ---- state_dict: the weight row-major, whatever this layer's backend reads ------------------------
@@ -484,7 +487,16 @@ class _ParallelLinear(torch.nn.Module):
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         key = prefix + "qweight"
-        if self.weight_layout == "bpreshuffle" and key in destination:
+        if key not in destination:
+            return
+        master = self._parameters.get("weight")
+        if master is not None and master._version != self._master_version:
+            # a trainable layer's stored fp8 weight may lag its master (trained in train mode, where
+            # each forward quantizes afresh): what it saves is the master's quantization
+            with torch.no_grad():
+                q, destination[prefix + "weight_scale"] = self._laid_out(master)
+            destination[key] = self._row_major(q)
+        elif self.weight_layout == "bpreshuffle":
             destination[key] = unshuffle_b(self.qweight.detach())
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from cco import quant as Q
-from cco.nn.collectives import all_gather_rows, reduce_scatter_rows
+from cco.nn.collectives import all_gather_rows, backward_step, reduce_scatter_rows
 from cco.nn.pool import group_plan
 
 
@@ -171,6 +171,10 @@ def row_parallel_fp8_backward(layer, grad, x, qweight, scale, *, input_grad, wei
     weight and bias gradients (dequantized to bf16)."""
     g_r = grad.reshape(-1, layer.out_features)
     w = layer.dequantized_weight(qweight, scale)  # [N, K_r], fp32
+    # agreed first: the dual op may be the pool's op of another layer's forward (the same family),
+    # whose next call a peer that skipped this backward would pair with this one (one step whatever
+    # gradients are asked for: the dual call is the same)
+    layer._agree_rows(g_r.shape[0], step=backward_step(input_grad=True, weight_grad=True))
     out, g_q, g_s = layer._dual(g_r, w, quantize, return_a=True)
     g = Q.dequantize_a(g_q, g_s, BACKWARD_QUANT)[:, :layer.out_features].to(torch.bfloat16)  # every rank's grad_y
     grad_x = out[:, :layer.in_features_per_rank].reshape(x.shape).to(x.dtype) if input_grad else None

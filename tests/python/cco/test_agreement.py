@@ -357,3 +357,47 @@ def test_a_layer_closed_on_one_rank_fails_the_next_build_of_its_family_on_every_
         assert o.error is None, (o.rank, o.error_type, o.error)
         assert o.value.startswith("ArgumentMismatchError: RowParallelLinear:") and "an open op of this family" in \
             o.value and "True on rank 0" in o.value and "False on rank 1" in o.value, (o.rank, o.value)
+
+
+# --------------------------------------------------------------------------------------------------
+# a trainable layer's stored fp8 weight follows its master weight
+def _master_follows(comm):
+    from cco.nn import RowParallelLinear, WindowPool
+
+    torch.manual_seed(0)
+    w, x = torch.randn(256, 256), torch.randn(4, 256)
+    pool = WindowPool()
+
+    def fresh(weight, trainable=False):
+        layer = RowParallelLinear(256, 256, group=comm, m_max=8, trainable=trainable, pool=pool)
+        layer.load_weight(weight.float())
+        return layer.eval()
+
+    found = {}
+    layer = RowParallelLinear(256, 256, group=comm, m_max=8, trainable=True, pool=pool)
+    layer.load_weight(w)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.5)
+    layer(x).float().square().sum().backward()  # train mode
+    opt.step()
+    saved = layer.state_dict()  # mid-training, still in train mode
+    into_eval = RowParallelLinear(256, 256, group=comm, m_max=8, trainable=True, pool=pool).eval()
+    into_eval.load_state_dict(saved)
+    with torch.no_grad():
+        found["state_dict saved in train mode, loaded in eval"] = torch.equal(into_eval(x), fresh(layer.weight)(x))
+    layer.eval()
+    opt.zero_grad()
+    layer(x).float().square().sum().backward()  # a step taken in eval mode
+    opt.step()
+    with torch.no_grad():
+        found["a step taken in eval mode"] = torch.equal(layer(x), fresh(layer.weight)(x))
+    return found
+
+
+def test_a_trainable_layers_fp8_weight_follows_its_master_weight():
+    """Before, the stored fp8 weight was refreshed from the master only by load_weight and eval():
+    a state_dict saved in train mode carried the fp8 weight of before training (an eval-mode layer
+    loading it served the old weights, no error), and an optimizer step taken in eval mode was
+    ignored by the next eval forward. Now the stored weight follows the master's version, and a
+    state_dict saves the master's quantization."""
+    found = check_outcomes(spawn(_master_follows, world=1, timeout_s=120))[0]
+    assert all(found.values()), found

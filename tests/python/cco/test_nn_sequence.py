@@ -317,3 +317,63 @@ def test_a_sequence_parallel_row_call_of_no_rows_is_agreed(mode):
     for found in check_outcomes(spawn(_sp_row_no_rows, world=2, args=(mode,), timeout_s=60)):
         assert found["none anywhere"] == (0, 256), found
         assert found["none against 8"] == ("PeerMismatchError" if mode == "unfused" else "CommTimeoutError"), found
+
+
+def _fp8_backward_skipped(comm):
+    """A sequence-parallel block with backward="fp8" (ptpc: the row layer's dual all-gather op is
+    the pool's op of the column layer's forward); rank 1 skips the backward and goes on to the next
+    forward. Each rank: what its next step returned or raised."""
+    import torch.nn.functional as F
+
+    from cco.nn import ColumnParallelLinear, RowParallelLinear, WindowPool
+
+    torch.manual_seed(0)
+    pool = WindowPool()
+    kw = dict(group=comm, m_max=8, sequence_parallel=True, trainable=True, backward="fp8", deadline_s=2, pool=pool)
+    col, row = ColumnParallelLinear(128, 128, **kw), RowParallelLinear(128, 128, **kw)
+    col.load_weight(torch.randn(128, 128))
+    row.load_weight(torch.randn(128, 128))
+    x = torch.randn(4, 128)
+    y = row(F.silu(col(x)))
+    try:
+        if comm.rank == 0:
+            y.float().sum().backward()
+        else:
+            with torch.no_grad():
+                col(x)
+        return "returned", row._dual.op is col.op
+    except Exception as err:
+        return type(err).__name__, row._dual.op is col.op
+
+
+def test_a_skipped_fp8_backward_fails_its_peers_next_call_instead_of_pairing_with_it():
+    """Before, rank 0's fp8 backward (the dual all-gather op, which the pool shares with the column
+    layer's forward) paired with rank 1's next forward: rank 1's forward returned a wrong result
+    (relative error ~1) with no error. Now the backward agrees its call first: both ranks raise."""
+    outs = check_outcomes(spawn(_fp8_backward_skipped, world=2, timeout_s=90))
+    assert outs[0][1] and outs[1][1]  # the shared op the fault needs
+    assert outs[0][0] == "CommTimeoutError" and outs[1][0] == "CommTimeoutError", outs
+
+
+def _replicated_input_grad(comm, mode):
+    from cco.nn import ColumnParallelLinear, WindowPool
+
+    torch.manual_seed(0)
+    w, x0 = torch.randn(256, 128), torch.randn(8, 128)  # the whole weight: rank r holds rows r*128..
+    col = ColumnParallelLinear(128, 128, group=comm, m_max=16, mode=mode, pool=WindowPool())
+    col.load_weight(w[comm.rank * 128:(comm.rank + 1) * 128])
+    x = x0.clone().requires_grad_(True)  # replicated: every rank's copy feeds every rank's columns
+    gy = torch.randn(8, 256, generator=torch.Generator().manual_seed(1))  # the whole output's gradient
+    col(x).float().mul(gy[:, comm.rank * 128:(comm.rank + 1) * 128]).sum().backward()
+    ref = gy @ Q.dequantize_b(*Q.quantize_b(w, "ptpc"), "ptpc")  # d/dx of sum(gy * (x @ w.T))
+    return Q.rel_l2(x.grad, ref)
+
+
+@pytest.mark.parametrize("mode", ["fused", "unfused"])
+def test_a_replicated_inputs_gradient_sums_every_ranks_columns(mode):
+    """Before, ColumnParallelLinear without sequence parallelism returned this rank's term of the
+    input's gradient (grad_y_r @ W_r) on each rank: relative error ~0.7 against the input's
+    gradient, and every layer before it trained on a part of its gradient. Now its backward
+    all-reduces it, as Megatron's column-parallel layer and torch's ColwiseParallel do."""
+    for err in check_outcomes(spawn(_replicated_input_grad, world=2, args=(mode,), timeout_s=90)):
+        assert err < 0.05, err
