@@ -420,6 +420,17 @@ def slice_rows(cfg: OpConfig, m: int) -> int:
     return m // cfg.world if cfg.pattern == "reduce-scatter-rows" else m
 
 
+def most_call_rows(pattern: str, rows: int, world: int) -> int:
+    """The most rows one call of ``pattern`` may pass where the op holds ``rows`` (its m_max): the
+    all-gather's a rank's share (``rows // world``), the reduce-scatter along rows' a multiple of the
+    world, every other pattern's ``rows`` (:func:`call_rows_error` says the same of one call)."""
+    if pattern == "all-gather":
+        return rows // world
+    if pattern == "reduce-scatter-rows":
+        return rows - rows % world
+    return rows
+
+
 def call_rows_error(cfg: OpConfig, m: int) -> str | None:
     """None when a call may pass ``m`` rows, else why not (with the fix): at most ``m_max`` rows (the
     all-gather: ``m_max / W`` per rank), and for the reduce-scatter along rows a multiple of W."""

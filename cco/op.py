@@ -478,10 +478,12 @@ class CollectiveGemmOp:
         error = None
         if self._closed:
             error = RuntimeError(f"{fn}: the op is closed")
-        elif m is not None and (not isinstance(m, int) or not 1 <= m <= self.config.m_max
-                                or layout.call_rows_error(self.config, m)):
-            error = ValueError(f"{fn}: m={m} must be rows a call may pass: "
-                               f"{(isinstance(m, int) and layout.call_rows_error(self.config, m)) or f'1..m_max={self.config.m_max}'}")
+        elif m is not None:
+            # (past m_max call_rows_error says so itself)
+            why = (layout.call_rows_error(self.config, m) if isinstance(m, int) and m >= 1
+                   else f"1..m_max={self.config.m_max}")
+            if why is not None:
+                error = ValueError(f"{fn}: m={m} must be rows a call may pass: {why}")
         self._agree_self_test(fn, m, error)
         rows = [m] if m is not None else [self._probe_rows(r) for r in self._backend.path_rows()]
         runs = [self._self_test_rows(r, fn) for r in rows]
@@ -508,7 +510,7 @@ class CollectiveGemmOp:
 
     def _probe_rows(self, rows: int) -> int:
         """The most rows a call may pass up to ``rows`` (a backend's path rows are the op's m_max)."""
-        return rows
+        return layout.most_call_rows(self.config.pattern, rows, self.world)
 
     def _self_test_rows(self, m: int, fn: str) -> dict:
         self._backend.raise_failed()

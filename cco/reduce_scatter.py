@@ -63,8 +63,5 @@ class GemmReduceScatterOp(ScatterGemmOp):
         """The output shape of a call with ``m`` rows."""
         return layout.out_shape(self.config, m)
 
-    def _probe_rows(self, rows: int) -> int:
-        return rows - rows % self.world if self.scatter_dim == 0 else rows
-
     def _repr_extra(self) -> str:
         return f", scatter_dim={self.scatter_dim}"

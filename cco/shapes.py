@@ -146,9 +146,7 @@ def layer_shape(n: int, k: int, world: int, *, m_max: int, device=None, backend:
     slices = 1 if pattern is not None and pattern.owner_by == "rows" else world
     n_padded = layout.padded_n(n, slices, quant=quant, block_n=block_n) if quant in layout.QUANTS else n
     k_padded = layout.padded_k(k)
-    # asked for the largest call the op takes (supports checks a call's rows): the all-gather's
-    # m_max counts every rank's rows, the reduce-scatter along tokens takes multiples of the world
-    name = options.get("pattern", "all-reduce")
-    m = m_max // world if name == "all-gather" else m_max - m_max % world if name == "reduce-scatter-rows" else m_max
+    # asked for the largest call the op takes (supports checks a call's rows)
+    m = layout.most_call_rows(options.get("pattern", "all-reduce"), m_max, world)
     reason = supports(max(m, 1), n_padded, k_padded, world, device=device, backend=backend, m_max=m_max, **options)
     return LayerShape(backend=backend_cls.name, n=n, k=k, n_padded=n_padded, k_padded=k_padded, reason=reason)

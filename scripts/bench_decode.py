@@ -155,10 +155,9 @@ def parse_args(argv=None):
         p.error("--plot-per-call draws the per-call table, --model-only runs none: use --plot")
     if args.profile and args.smoke:
         p.error("--profile times calls on the GPU, --smoke runs each arm once on the CPU: pass one or the other")
-    for flag in ("json", "plot", "plot_per_call"):
-        where = os.path.dirname(getattr(args, flag) or "")
-        if where and not os.path.isdir(where):
-            p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: directory {where} does not exist")
+    from cco.bench.timing import check_output_dirs
+
+    check_output_dirs(p, args, ("json", "plot", "plot_per_call"))
     return args
 
 

@@ -52,15 +52,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 
 import torch
 
 from cco import quant as Q
-from cco.bench.timing import (allreduce_mismatches, budget_terms, cublas_gemm, gemm_mismatches, graphed, idle_check,
-                              per_pass_ratio, require_cuda, tflops, time_arms)
+from cco.bench.timing import (allreduce_mismatches, budget_terms, check_output_dirs, cublas_gemm, gemm_mismatches,
+                              graphed, idle_check, per_pass_ratio, require_cuda, tflops, time_arms)
 
 
 def _ints(text: str) -> list[int]:
@@ -121,10 +120,7 @@ def parse_args(argv=None):
         p.error(f"--chunks {args.chunks}: each 1..{layout.MAX_CHUNKS}")
     if not all(1 <= s <= MAX_PRODUCER_STREAMS for s in args.producer_streams):
         p.error(f"--producer-streams {args.producer_streams}: each 1..{MAX_PRODUCER_STREAMS}")
-    for flag in ("json", "plot"):
-        where = os.path.dirname(getattr(args, flag) or "")
-        if where and not os.path.isdir(where):
-            p.error(f"--{flag} {getattr(args, flag)}: directory {where} does not exist")
+    check_output_dirs(p, args, ("json", "plot"))
     return args
 
 

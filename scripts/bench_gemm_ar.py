@@ -89,8 +89,9 @@ import torch.distributed as dist
 
 from cco import layout
 from cco import quant as Q
-from cco.bench.timing import (allreduce_mismatches, allreduce_terms, budget_terms, cublas_gemm, gemm_mismatches, graphed,
-                           idle_check, override, require_a_gpu_per_rank, require_cuda, tflops, time_arms)
+from cco.bench.timing import (allreduce_mismatches, allreduce_terms, budget_terms, check_output_dirs, cublas_gemm,
+                              gemm_mismatches, graphed, idle_check, override, require_a_gpu_per_rank, require_cuda,
+                              tflops, time_arms)
 from scripts.bench_sp_parts import CONSUMERS
 
 SWEEP_M = (2048, 4096, 8192, 16384, 32768)
@@ -210,10 +211,7 @@ def parse_args(argv=None):
         p.error("--passes >= 3 (a spread needs them), --iters >= 1 and --rotate >= 1")
     if args.chunks is not None and not 1 <= args.chunks <= layout.MAX_CHUNKS:
         p.error(f"--chunks {args.chunks}: pick 1..{layout.MAX_CHUNKS}")
-    for flag in ("json", "plot", "trace"):
-        where = os.path.dirname(getattr(args, flag) or "")
-        if where and not os.path.isdir(where):
-            p.error(f"--{flag} {getattr(args, flag)}: directory {where} does not exist")
+    check_output_dirs(p, args, ("json", "plot", "trace"))
     if args.trace:
         try:
             arms = select_arms(args.mode, args.quant, args.pattern)

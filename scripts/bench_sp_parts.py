@@ -60,7 +60,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 import time
 
@@ -131,10 +130,9 @@ def parse_args(argv=None):
         p.error(f"-m/--tp: every M must be a positive multiple of every TP (the tokens split evenly); not {uneven}")
     if args.passes < 3 or args.iters < 1 or args.rotate < 1:
         p.error("--passes >= 3 (a spread needs them), --iters >= 1 and --rotate >= 1")
-    for flag in ("json", "plot"):
-        where = os.path.dirname(getattr(args, flag) or "")
-        if where and not os.path.isdir(where):
-            p.error(f"--{flag} {getattr(args, flag)}: directory {where} does not exist")
+    from cco.bench.timing import check_output_dirs
+
+    check_output_dirs(p, args, ("json", "plot"))
     return args
 
 

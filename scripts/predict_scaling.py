@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from cco import layout
@@ -51,10 +50,9 @@ def parse_args(argv=None):
     if instead and written:
         p.error(f"{', '.join(written)} write the table's predictions, which {' and '.join(instead)} print instead "
                 f"of: pass one or the other")
-    for flag in ("json", "plot"):
-        where = os.path.dirname(getattr(args, flag) or "")
-        if where and not os.path.isdir(where):
-            p.error(f"--{flag} {getattr(args, flag)}: directory {where} does not exist")
+    from cco.bench.timing import check_output_dirs
+
+    check_output_dirs(p, args, ("json", "plot"))
     return args
 
 

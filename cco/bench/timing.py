@@ -26,6 +26,7 @@ Nothing here asserts a speed; tests never import it for timing.
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 from dataclasses import asdict, dataclass, field
@@ -98,6 +99,16 @@ def require_cuda(script: str) -> None:
     if not torch.cuda.is_available():
         raise SystemExit(f"{script}: needs a CUDA GPU (torch.cuda.is_available() is False); python -m cco.demo "
                          f"runs on the CPU")
+
+
+def check_output_dirs(parser, args, flags) -> None:
+    """At parse time, ``parser.error`` for an output path (``--json``, ``--plot``, ...: the
+    attributes ``flags``) whose directory does not exist, which the run would find only at its end,
+    with its results lost."""
+    for flag in flags:
+        where = os.path.dirname(getattr(args, flag) or "")
+        if where and not os.path.isdir(where):
+            parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: directory {where} does not exist")
 
 
 def require_a_gpu_per_rank(comm, what: str) -> None:

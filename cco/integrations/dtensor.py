@@ -70,14 +70,14 @@ def _check_mesh(device_mesh, fn: str) -> int:
 
 def _token_dim(layer, placement: Shard, x: DTensor, world: int, fn: str, what: str) -> int:
     """:func:`_sequence_dim`, and where it refuses, this rank's share of the layer's collective call
-    taken as a rejected one first: ``x``'s global shape is built from this rank's local shape
+    taken as a refused one first (the layer's ``_refuse_call``: the op's rejected call, or the unfused
+    path's header): ``x``'s global shape is built from this rank's local shape
     (``from_local(run_check=False)``), so one rank's uneven tokens may fail here alone, and its peers
     must fail the same call rather than pair it with this rank's next one."""
     try:
         return _sequence_dim(placement, x, world, fn, what)
     except ValueError as err:
-        if layer.op is not None:
-            layer.op.reject(err)
+        layer._refuse_call(err)
         raise
 
 
