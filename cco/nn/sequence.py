@@ -143,8 +143,8 @@ class DualGemm:
         if self.reason is None:
             extra = {"scatter_dim": 0} if pattern == "reduce-scatter-rows" else {}
             self.op = pool.acquire(comm, op_class=op_class, fn=layer._FN, n=self.n_padded, k=self.k_padded,
-                                   m_max=layer.m_max,
-                                   deadline_s=deadline_s, weight_layout=self.weight_layout, **opts, **extra)
+                                   m_max=layer.m_max, deadline_s=deadline_s, weight_layout=self.weight_layout,
+                                   **opts, **extra)
 
     def weight(self, w: torch.Tensor):
         """(e4m3 W.T laid out, its scale) from the forward's dequantized weight ``w [N, K]``."""
