@@ -516,7 +516,9 @@ class CollectiveGemmOp:
         self._backend.raise_failed()
         seq = self._seq + 1
         self._probe_prepare(m, seq)
-        self.comm.barrier()  # no peer writes into a received region before it is poisoned
+        # no peer writes into a received region before it is poisoned: a barrier bounded by deadline_s
+        # (a stalled peer raises CommTimeoutError here, not after the group's own timeout)
+        self.comm.gather_words([seq], timeout_s=self.deadline_s, what=f"{fn}: the peers' poisoned windows")
         problems = []
         result = None
         try:
@@ -526,9 +528,11 @@ class CollectiveGemmOp:
             problems.append(f"rank {self.rank}: transfers raised {type(err).__name__}: {err}")
         if not problems:
             problems += self._probe_problems(m, seq, result)
-        verdicts = self.comm.all_gather_object(problems)  # every rank raises if any rank failed
-        failed = [p for v in verdicts for p in v]
-        if failed:
+        # every rank raises if any rank failed: who failed in a bounded exchange, what they found (text)
+        # only then, from peers that have just answered
+        flags = self.comm.gather_words([len(problems)], timeout_s=self.deadline_s, what=f"{fn}: the verdicts")
+        if any(count for count, in flags):
+            failed = [p for v in self.comm.all_gather_object(problems) for p in v]
             raise SelfTestError(f"{fn}: transport {self.config.transport!r} did not move the bytes:\n"
                                 + "\n".join(failed))
         return {"seq": seq, "m": m, "world": self.world, "transport": self.config.transport, "mode": self.config.mode,

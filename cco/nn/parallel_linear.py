@@ -476,12 +476,61 @@ class _ParallelLinear(torch.nn.Module):
             self._follow_master()
         return self
 
+    # ---- module conversions: .to(), .half(), .float(), .cuda(), ... ---------------------------------
+    # The layer's four tensors (the fp8 weight, its scales, the bf16 bias and master weight) are what
+    # its kernels read in those dtypes, on the device its group's window lives on. nn.Module's rule
+    # would cast the e4m3 weight (a floating dtype) to bf16 under ``model.to(torch.bfloat16)`` and the
+    # scales with it: the quantized weight lost, or a bf16 tensor handed to an fp8 kernel.
+    _OWN_TENSORS = ("qweight", "weight_scale", "bias", "weight")
+
+    def _apply(self, fn, recurse=True):
+        """A dtype conversion leaves the layer's tensors as they are (it computes in fp8 and returns
+        bf16 whatever its input's dtype); a move to another device raises (the op's window, the
+        communicator and the kernels are bound to ``self.device``: build the layer there); anything
+        else (the same device, ``share_memory``) applies as nn.Module applies it."""
+        # what fn does to a tensor of each one's dtype and device, learnt on an empty one (no copy made)
+        applied = [(t, fn(torch.empty(0, dtype=t.dtype, device=t.device))) for _, t in self._own_tensors()]
+        for t, probe in applied:
+            if probe.device != t.device:
+                raise ValueError(f"{self._name()}: cannot move to {probe.device}: the layer is bound to {t.device} "
+                                 f"(its group's window, communicator and kernels); build it on {probe.device} "
+                                 f"instead (group and tensors there) and load its weight there")
+        if all(probe.dtype == t.dtype for t, probe in applied):
+            return super()._apply(fn, recurse)
+        # a dtype conversion: the rest of the module (its children) converts, the layer's own tensors stay
+        held = [(store, name, store.pop(name)) for store in (self._parameters, self._buffers)
+                for name in self._OWN_TENSORS if store.get(name) is not None]
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            for store, name, t in held:
+                store[name] = t
+
+    def __deepcopy__(self, memo):
+        raise TypeError(self._copy_refused("copied"))
+
+    def __getstate__(self):  # pickle, copy.copy, torch.save(model)
+        raise TypeError(self._copy_refused("pickled"))
+
+    def _copy_refused(self, verb: str) -> str:
+        # a copy would share (or lack) the group's communicator and window: one rank's copy calling
+        # the op would pair with its peers' calls of the original layer
+        return (f"{self._name()}: a tensor-parallel layer cannot be {verb}: it holds its group's communicator and the "
+                f"window it shares with its family. Build another layer on every rank (construction is collective) "
+                f"and load_state_dict(layer.state_dict()); save the weights with torch.save(model.state_dict())")
+
+    def _own_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return [(name, t) for name in self._OWN_TENSORS
+                if (t := self._parameters.get(name, self._buffers.get(name))) is not None]
+
     # ---- state_dict: the weight row-major, whatever this layer's backend reads ------------------------
     # nn.Module's per-module state_dict version: 2 saves ``qweight`` row-major (what load_fp8 takes, and
     # what a layer of any backend turns into its own layout on load), so a state_dict saved where the
     # backend reads bpreshuffle (the CPU reference, gfx950) loads right where it reads row-major (CUDA,
     # the unfused path), and back. Version 1 (earlier saves) stored the saving layer's layout, which the
-    # state_dict does not name: such a ``qweight`` is loaded as it is, as before.
+    # state_dict does not name: such a ``qweight`` is loaded as it is, as before. A state_dict without
+    # its metadata (a plain dict; safetensors keeps none) is read as version 2: every save since is one,
+    # and a version-1 save kept by torch.save still names its version.
     _version = 2
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -501,13 +550,27 @@ class _ParallelLinear(torch.nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        refused = []
+        for name in ("qweight", "weight_scale"):  # the quantized weight: its own dtype, never a cast of another
+            key, own = prefix + name, self._buffers[name]
+            t = state_dict.get(key)
+            if isinstance(t, torch.Tensor) and t.dtype != own.dtype:
+                error_msgs.append(f"{self._name()}: {key} is {t.dtype} in the state_dict but the layer's is {own.dtype} "
+                                  f"(quant={self.quant!r}); a cast would not be its quantization (load a float "
+                                  f"weight with load_weight, an fp8 one with its scales with load_fp8)")
+                refused.append(key)
+                del state_dict[key]
         key = prefix + "qweight"
         q = state_dict.get(key)
-        if (self.weight_layout == "bpreshuffle" and local_metadata.get("version", 1) >= 2
+        if (self.weight_layout == "bpreshuffle" and local_metadata.get("version", self._version) >= 2
                 and isinstance(q, torch.Tensor) and tuple(q.shape) == tuple(self.qweight.shape)):
             state_dict[key] = preshuffle_b(q.to(self.qweight.device))  # a shape torch refuses stays for its message
+        # assign=True would put the state_dict's tensors in place of the layer's (another device, a
+        # bf16 bias as fp32, and a weight the blank check takes for unwritten): copied into them instead
+        local_metadata = {**local_metadata, "assign_to_params_buffers": False}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+        missing_keys[:] = [k for k in missing_keys if k not in refused]  # reported as refused, not missing
 
     # ---- the blank check ---------------------------------------------------------------------------
     def _weight_written(self) -> bool:

@@ -284,3 +284,35 @@ def test_self_test_passes_on_a_working_transport_and_fails_on_a_silent_one(trans
     for kind, msg in silent:
         assert kind == "SelfTestError"
         assert "did not arrive" in msg and "rank 0" in msg
+
+
+def _self_test_with_a_stalled_peer(comm):
+    """Rank 1 stalls for 4 deadlines between the test's agreement and its barrier (a peer stuck in
+    its own work); each rank's error and how long after the test's start it came."""
+    import time
+
+    with GemmAllReduceOp(comm, n=256, k=256, m_max=32, deadline_s=2.0) as op:
+        if comm.rank == 1:
+            prepare = op._probe_prepare
+
+            def stalled(m, seq):
+                time.sleep(4 * op.deadline_s)
+                prepare(m, seq)
+            op._probe_prepare = stalled
+        start = time.monotonic()
+        try:
+            op.self_test(m=32)
+            return "passed", time.monotonic() - start
+        except Exception as err:
+            return type(err).__name__, time.monotonic() - start
+
+
+def test_a_self_test_with_a_stalled_peer_fails_within_its_deadline():
+    """Before, the test's barrier (and its verdict exchange) waited for the group's own timeout (30
+    minutes for gloo): the rank whose peer stalled there passed once the peer came back, 8 s later,
+    and would have hung for good behind a peer stuck for good. Now both are bounded by deadline_s:
+    the waiting rank raises CommTimeoutError within deadline + 2 s, and the stalled one, back,
+    fails too (its peer is no longer in the test)."""
+    (kind0, t0), (kind1, _) = check_outcomes(spawn(_self_test_with_a_stalled_peer, world=2, timeout_s=90))
+    assert kind0 == "CommTimeoutError" and t0 < 2.0 + 2.0, (kind0, t0)
+    assert kind1 != "passed", kind1
