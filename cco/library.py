@@ -105,18 +105,30 @@ def gemm_all_reduce(op, a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor,
 
 
 # --------------------------------------------------------------------------------------------------
-# torch.ops.cco.row_parallel_linear (cco.nn layers: ``_cco_forward`` / ``_cco_backward``)
+# torch.ops.cco.row_parallel_linear (cco.nn layers: ``_op_forward`` / ``_cco_backward``)
 # --------------------------------------------------------------------------------------------------
 @torch.library.custom_op("cco::row_parallel_linear", mutates_args=())
 def _row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                          bias: Optional[torch.Tensor], master_weight: Optional[torch.Tensor], handle: int,
                          out_features: int) -> torch.Tensor:
-    return lookup(handle)._cco_forward(x, weight, weight_scale, bias)
+    return lookup(handle)._op_forward(x, weight, weight_scale, bias)
+
+
+def _lead(x: torch.Tensor) -> tuple:
+    """``x``'s dimensions but the last: the fake kernels' output shape for any input, a bad one too
+    (0-d: none). A traced layer call is checked when its op runs (``_op_forward``), not while traced:
+    a fake kernel that raised would fail the trace on one rank while its peers call the op."""
+    return tuple(x.shape[:-1])
+
+
+def _rows(x: torch.Tensor) -> tuple:
+    lead = _lead(x)
+    return (lead[0] if lead else 0), lead[1:]
 
 
 @_row_parallel_linear.register_fake
 def _(x, weight, weight_scale, bias, master_weight, handle, out_features):
-    return x.new_empty((*x.shape[:-1], out_features), dtype=torch.bfloat16)
+    return x.new_empty((*_lead(x), out_features), dtype=torch.bfloat16)
 
 
 def _setup_context(ctx, inputs, output):
@@ -141,7 +153,7 @@ torch.library.register_autograd("cco::row_parallel_linear", _backward, setup_con
 
 # --------------------------------------------------------------------------------------------------
 # sequence parallelism: torch.ops.cco.sp_row_parallel_linear, torch.ops.cco.column_parallel_linear
-# (cco.nn layers: ``_cco_forward`` / ``_cco_backward``; the backward runs the dual collective)
+# (cco.nn layers: ``_op_forward`` / ``_cco_backward``; the backward runs the dual collective)
 # --------------------------------------------------------------------------------------------------
 @torch.library.custom_op("cco::sp_row_parallel_linear", mutates_args=())
 def _sp_row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -149,12 +161,13 @@ def _sp_row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale:
                             out_features: int, world: int) -> torch.Tensor:
     """``cco.nn.RowParallelLinear(sequence_parallel=True)``: this rank's ``[x.shape[0] / world, ...,
     out_features]`` rows of ``reduce_scatter(x_r @ W_r.T, dim=0) + bias``."""
-    return lookup(handle)._cco_forward(x, weight, weight_scale, bias)
+    return lookup(handle)._op_forward(x, weight, weight_scale, bias)
 
 
 @_sp_row_parallel_linear.register_fake
 def _(x, weight, weight_scale, bias, master_weight, handle, out_features, world):
-    return x.new_empty((x.shape[0] // world, *x.shape[1:-1], out_features), dtype=torch.bfloat16)
+    rows, inner = _rows(x)
+    return x.new_empty((rows // world, *inner, out_features), dtype=torch.bfloat16)
 
 
 @torch.library.custom_op("cco::column_parallel_linear", mutates_args=())
@@ -163,12 +176,15 @@ def _column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale:
                             out_features: int, rows_factor: int) -> torch.Tensor:
     """``cco.nn.ColumnParallelLinear``: ``[x.shape[0] * rows_factor, ..., out_features]``, ``rows_factor``
     the world with sequence parallelism (the input rows are all-gathered), else 1."""
-    return lookup(handle)._cco_forward(x, weight, weight_scale, bias)
+    return lookup(handle)._op_forward(x, weight, weight_scale, bias)
 
 
 @_column_parallel_linear.register_fake
 def _(x, weight, weight_scale, bias, master_weight, handle, out_features, rows_factor):
-    return x.new_empty((x.shape[0] * rows_factor, *x.shape[1:-1], out_features), dtype=torch.bfloat16)
+    if rows_factor == 1:  # the local GEMM: any leading shape, a 1-D x too
+        return x.new_empty((*_lead(x), out_features), dtype=torch.bfloat16)
+    rows, inner = _rows(x)
+    return x.new_empty((rows * rows_factor, *inner, out_features), dtype=torch.bfloat16)
 
 
 def _setup_sp_context(ctx, inputs, output):

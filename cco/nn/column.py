@@ -117,23 +117,25 @@ class ColumnParallelLinear(_ParallelLinear):
         for the replicated ``x [M, ..., in_features]`` (local)."""
         if self._decode_call(x):  # as RowParallelLinear's: an eager call of a few rows, one launch
             return self._decode(x, *self.quantized_weight(), self._parameters.get("bias"))
-        self._check_input(x, features=self.in_features, name="in_features", hint="",
-                          collective=self.sequence_parallel)
-        rows_factor = 1
-        if self.sequence_parallel:
-            check_token_rows(self, x, _FN, gathers=True)
-            rows_factor = self.comm.world
+        if self._checked(x):  # (traced: the op checks when it runs)
+            self._check_call(x)
         qweight, scale = self.quantized_weight()
         if self._eager(x):  # as RowParallelLinear's: an untraced inference call runs the body directly
             return self._cco_forward(x, qweight, scale, self.bias)
         return torch.ops.cco.column_parallel_linear(x, qweight, scale, self.bias, self.weight, self._handle,
-                                                    self.out_features_per_rank, rows_factor)
+                                                    self.out_features_per_rank,
+                                                    self.comm.world if self.sequence_parallel else 1)
+
+    def _check_call(self, x) -> None:
+        self._check_input(x, features=self.in_features, name="in_features", hint="",
+                          collective=self.sequence_parallel)
+        if self.sequence_parallel:
+            check_token_rows(self, x, _FN, gathers=True)
 
     def _cco_forward(self, x, qweight, scale, bias) -> torch.Tensor:
         """The body of ``torch.ops.cco.column_parallel_linear`` (real tensors, outside the compiler)."""
         self._check_open()
         n = self.out_features_per_rank
-        factor = self.comm.world if self.sequence_parallel else 1
         x2 = x.reshape(-1, self.in_features)
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
@@ -151,7 +153,9 @@ class ColumnParallelLinear(_ParallelLinear):
         out = out.contiguous()
         if bias is not None:
             out += bias
-        return out.view(x.shape[0] * factor, *x.shape[1:-1], n)
+        # sequence parallel: every rank's tokens; else the input's leading shape (a 1-D x gives [n])
+        lead = (x.shape[0] * self.comm.world, *x.shape[1:-1]) if self.sequence_parallel else x.shape[:-1]
+        return out.view(*lead, n)
 
     def _rows(self, x2, qweight, scale) -> torch.Tensor:
         if self.op is None and self.sequence_parallel:  # unfused: the rows (and the weights) agreed before

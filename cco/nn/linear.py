@@ -138,15 +138,22 @@ class RowParallelLinear(_ParallelLinear):
         with the same leading shape."""
         if self._decode_call(x):  # bias: nn.Module's lookup costs a decode call a microsecond
             return self._decode(x, *self.quantized_weight(), self._parameters.get("bias"))
-        self._check_input(x, features=self.in_features_per_rank, name="in_features_per_rank",
-                          hint="; pass this rank's slice of the input", collective=True)
+        if self._checked(x):  # (traced: the op checks when it runs)
+            self._check_call(x)
         qweight, scale = self.quantized_weight()
         if self.sequence_parallel:
-            return sequence.row_parallel_forward(self, x, qweight, scale)
+            return torch.ops.cco.sp_row_parallel_linear(x, qweight, scale, self.bias, self.weight, self._handle,
+                                                        self.out_features, self.comm.world)
         if self._eager(x):
             return self._cco_forward(x, qweight, scale, self.bias)
         return torch.ops.cco.row_parallel_linear(x, qweight, scale, self.bias, self.weight, self._handle,
                                                  self.out_features)
+
+    def _check_call(self, x) -> None:
+        self._check_input(x, features=self.in_features_per_rank, name="in_features_per_rank",
+                          hint="; pass this rank's slice of the input", collective=True)
+        if self.sequence_parallel:
+            sequence.check_token_rows(self, x, _FN)
 
     def _cco_forward(self, x, qweight, scale, bias) -> torch.Tensor:
         """The body of ``torch.ops.cco.row_parallel_linear`` (real tensors, outside the compiler)."""

@@ -61,15 +61,19 @@ def _on_gpu():
     return on_gpu
 
 
+def tracing() -> bool:
+    """Whether something records the calls being made: torch.compile / torch.export, a dispatch mode
+    on the stack (make_fx, FakeTensorMode), a functorch transform, ``torch.jit.trace``."""
+    return (torch.compiler.is_compiling() or bool(torch._C._len_torch_dispatch_stack())
+            or torch._C._functorch.maybe_current_level() is not None or torch._C._get_tracing_state() is not None)
+
+
 def untraced(x: torch.Tensor) -> bool:
     """Whether nothing records a call on ``x``: a plain tensor (not a FakeTensor, a functional or
-    proxy tensor, a DTensor or another subclass), outside torch.compile / torch.export, with no
-    dispatch mode on the stack (make_fx, FakeTensorMode), no functorch transform, no
-    ``torch.jit.trace``. There the layers' forward calls their body directly instead of their
-    ``torch.ops.cco`` op: the dispatcher and the op's autograd wrapper cost an eager decode-sized
-    call tens of microseconds of host time (docs/decode.md)."""
-    return (type(x) is torch.Tensor and not torch.compiler.is_compiling() and not torch._C._len_torch_dispatch_stack()
-            and torch._C._functorch.maybe_current_level() is None and torch._C._get_tracing_state() is None)
+    proxy tensor, a DTensor or another subclass) and not :func:`tracing`. There the layers' forward
+    calls their body directly instead of their ``torch.ops.cco`` op: the dispatcher and the op's
+    autograd wrapper cost an eager decode-sized call tens of microseconds of host time (docs/decode.md)."""
+    return type(x) is torch.Tensor and not tracing()
 
 
 def decode_gemm_for(layer):
@@ -104,14 +108,22 @@ def _check_arguments(fn: str, sizes: dict, *, mode, quant, backward, deadline_s,
         raise ValueError(f"{fn}: {err}") from None
 
 
+def _master_mark(master: torch.Tensor) -> tuple[int, int]:
+    """What marks a write of a trainable layer's master weight: its version (an in-place write, an
+    optimizer step, load_state_dict) and its storage (``weight.data = new``). A write through
+    ``weight.data.copy_(...)`` moves neither: call ``eval()`` after it (docs/guide.md)."""
+    return master._version, master.data_ptr()
+
+
 def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB"
 
 
 class _ParallelLinear(torch.nn.Module):
     """The shared body of the tensor-parallel layers (see the module). A subclass sets the class
-    attributes below, builds through :meth:`_build`, and adds ``forward``, ``_cco_forward`` and
-    ``_cco_backward`` (``cco.library`` calls the last two on the layer its handle names)."""
+    attributes below, builds through :meth:`_build`, and adds ``forward``, ``_check_call``,
+    ``_cco_forward`` and ``_cco_backward`` (``cco.library``'s ops call :meth:`_op_forward`, which
+    checks and calls ``_cco_forward``, and ``_cco_backward`` on the layer their handle names)."""
 
     _FN = "_ParallelLinear"
     _SHARD = "[N, K]"            # the weight shard's dimensions in the subclass's names, for errors
@@ -173,8 +185,8 @@ class _ParallelLinear(torch.nn.Module):
         self.weight = None
         if trainable:
             self.weight = torch.nn.Parameter(torch.zeros(n, k, dtype=torch.bfloat16, device=self.device))
-        # the master weight's version the stored fp8 weight was quantized from (quantized_weight)
-        self._master_version = None if self.weight is None else self.weight._version
+        # the master weight's mark (_master_mark) where the stored fp8 weight was quantized from it
+        self._master_seen = None if self.weight is None else _master_mark(self.weight)
         # versions of the blank weight: any write (load_weight, load_fp8, load_state_dict, an in-place
         # init of the master weight) moves one, so "loaded" costs no flag that a loader could forget
         self._blank = (self.qweight._version, None if self.weight is None else self.weight._version)
@@ -265,15 +277,28 @@ class _ParallelLinear(torch.nn.Module):
         rank's own) after the exchange; else ``PeerRejectedError`` where a peer refused,
         ``PeerMismatchError`` where the ranks' rows (or ``step``s) differ, on every rank; a peer
         that never comes (it called the op instead: a call of rows against one of none; it never
-        ran its backward) raises ``CommTimeoutError`` after ``deadline_s``, as the op's waits do.
+        ran its backward) raises ``CommTimeoutError`` after ``deadline_s``, as the op's waits do, and
+        on the fused path first takes part in the op's next call as a rejected one (the peer's call,
+        which then fails too, instead of pairing with this rank's next call).
         ``step``: which collective call this is (:func:`backward_step`; 0: a forward). One rank:
         nothing to agree."""
-        from cco.transport.protocol import PeerMismatchError, PeerRejectedError
+        from cco.transport.protocol import CommTimeoutError, PeerMismatchError, PeerRejectedError
 
         comm = self.comm
         blank = not self._loaded and not self._weight_written()
-        every = comm.gather_words([m, m if total is None else total, error is not None, blank, step],
-                                  timeout_s=self._deadline_s, what=f"{self._name()}: this call's header")
+        try:
+            every = comm.gather_words([m, m if total is None else total, error is not None, blank, step],
+                                      timeout_s=self._deadline_s, what=f"{self._name()}: this call's header")
+        except CommTimeoutError as timeout:
+            if self.op is not None:
+                # the peer that never came is most likely in the op's call (it had rows where this rank
+                # had none, one call where this one has pieces, its next forward where this one runs
+                # a backward): take part in that call as a rejected one, or this rank's next call would
+                # take its seq and pair with it, and both would return a mix of two calls
+                self.op.reject(timeout)
+            if error is not None:
+                raise error from None
+            raise
         if error is not None:
             raise error
         blank = [r for r, t in enumerate(every) if t[3]]
@@ -293,6 +318,30 @@ class _ParallelLinear(torch.nn.Module):
             raise PeerMismatchError(f"{self._name()}: the ranks called with different rows: " + ", ".join(
                 f"{m_r}{f' (a piece of {t_r})' if t_r != m_r else ''} on rank {r}" for r, (m_r, t_r) in enumerate(rows))
                 + "; every rank must pass the same tokens")
+
+    def _check_call(self, x) -> None:
+        """Raise for an input no call takes, where the call is collective on every rank of it (the
+        subclass's checks: :meth:`_check_input`, and with sequence parallelism the token rows)."""
+        raise NotImplementedError
+
+    def _checked(self, x) -> bool:
+        """Whether ``forward`` checks ``x`` itself (:meth:`_check_call`): everywhere but where a tracer
+        records the call. There a refusal could not take part in the collective call (``op.reject``
+        is not traced: the rank would raise the tracer's error and its peers pair their call with
+        its next one), so the registered op checks when it runs (:meth:`_op_forward`)."""
+        return not (isinstance(x, torch.Tensor) and tracing())
+
+    def _op_forward(self, x, qweight, scale, bias) -> torch.Tensor:
+        """The body of the layer's ``torch.ops.cco`` op (real tensors, at run time): the input checked
+        as ``forward`` checks an eager call (a traced ``forward`` does not), the stored fp8 weight
+        brought to the master's where it moved (a traced ``quantized_weight`` cannot read its version),
+        then :meth:`_cco_forward`."""
+        self._check_call(x)
+        master = self._parameters.get("weight")
+        if master is not None and not self.training and _master_mark(master) != self._master_seen:
+            self._follow_master()  # in place; the buffers are what an eval-mode trace passed
+            qweight, scale = self._buffers["qweight"], self._buffers["weight_scale"]
+        return self._cco_forward(x, qweight, scale, bias)
 
     def _eager(self, x: torch.Tensor) -> bool:
         """Whether a forward on ``x`` runs the layer's body directly (an inference call that nothing
@@ -351,7 +400,7 @@ class _ParallelLinear(torch.nn.Module):
         self.weight_scale.copy_(s)
         if self.weight is not None:
             self.weight.copy_(w)
-            self._master_version = self.weight._version  # the stored weight is its quantization
+            self._master_seen = _master_mark(self.weight)  # the stored weight is its quantization
 
     @torch.no_grad()
     def load_fp8(self, w_q: torch.Tensor, w_scale: torch.Tensor) -> None:
@@ -376,7 +425,7 @@ class _ParallelLinear(torch.nn.Module):
         self.weight_scale.copy_(padded.scale)
         if self.weight is not None:
             self.weight.copy_(self.dequantized_weight().to(self.weight.dtype))
-            self._master_version = self.weight._version  # the checkpoint's fp8 bytes stay the stored ones
+            self._master_seen = _master_mark(self.weight)  # the checkpoint's fp8 bytes stay the stored ones
 
     @torch.no_grad()
     def load_checkpoint(self, tensors, name: str, *, rank: int | None = None, world: int | None = None,
@@ -457,7 +506,7 @@ class _ParallelLinear(torch.nn.Module):
             if self.training:
                 with torch.no_grad():  # its gradient comes from the op's backward (straight through)
                     return self._laid_out(master)
-            if master._version != self._master_version:
+            if not tracing() and _master_mark(master) != self._master_seen:  # (traced: _op_forward, at run time)
                 self._follow_master()
         buffers = self._buffers  # not nn.Module's attribute lookup: a microsecond of an eager decode call
         return buffers["qweight"], buffers["weight_scale"]
@@ -468,7 +517,7 @@ class _ParallelLinear(torch.nn.Module):
         q, s = self._laid_out(self.weight)
         self.qweight.copy_(q)
         self.weight_scale.copy_(s)
-        self._master_version = self.weight._version
+        self._master_seen = _master_mark(self.weight)
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -539,7 +588,7 @@ class _ParallelLinear(torch.nn.Module):
         if key not in destination:
             return
         master = self._parameters.get("weight")
-        if master is not None and master._version != self._master_version:
+        if master is not None and _master_mark(master) != self._master_seen:
             # a trainable layer's stored fp8 weight may lag its master (trained in train mode, where
             # each forward quantizes afresh): what it saves is the master's quantization
             with torch.no_grad():

@@ -67,13 +67,6 @@ def check_token_rows(layer, x: torch.Tensor, fn: str, *, gathers: bool = False) 
         raise err
 
 
-def row_parallel_forward(layer, x, qweight, scale) -> torch.Tensor:
-    """``RowParallelLinear.forward`` with ``sequence_parallel=True``."""
-    check_token_rows(layer, x, "RowParallelLinear")
-    return torch.ops.cco.sp_row_parallel_linear(x, qweight, scale, layer.bias, layer.weight, layer._handle,
-                                                layer.out_features, layer.comm.world)
-
-
 def row_parallel_body(layer, x, qweight, scale, bias, quantize) -> torch.Tensor:
     """``reduce_scatter(x_r @ W_r.T, dim=0) + bias``: bf16 ``[x.shape[0] / W, ..., out_features]``;
     ``quantize``: the layer's activation quantizer (``cco.nn.linear.quantize_activation``)."""

@@ -15,6 +15,13 @@ Guards, per test (each was seen failing before its fix; the docstrings say how):
   layers, wrong outputs with nothing said; now it is read as the current version (row-major);
 - a state_dict whose ``qweight`` was not e4m3 (a bf16 weight saved by mistake) was cast into
   the fp8 buffer with nothing said; now the load raises naming both dtypes;
+- a 1-D input ``[in_features]`` (what ``nn.Linear`` takes) raised in the local column layer
+  ("shape '[256, 128]' is invalid for input of size 128": its output took the input's first
+  dimension for the tokens); now both layers return ``[out_features]``, as nn.Linear does;
+- a trainable layer in eval mode kept serving its old fp8 weight after ``weight.data = new`` (the
+  master's version does not move); now its storage is watched too. ``weight.data.copy_(new)`` moves
+  neither (``.data`` bypasses the version counter): the guide says to call ``eval()`` after it,
+  and the test checks that this works;
 - ``copy.deepcopy(layer)`` and pickling failed on the process group deep inside, and ``copy.copy``
   made a second layer on the same op (its ``close`` released the op its original still used);
   now each raises a TypeError that says why and what to do instead.
@@ -198,3 +205,56 @@ def test_a_copy_of_a_layer_is_refused_with_the_way_to_build_one():
     pickle); ``copy.copy`` returned a layer sharing the original's op and handle."""
     found = check_outcomes(spawn(_copies, world=1, timeout_s=120))[0]
     assert set(found.values()) == {True}, found
+
+
+def _one_dimensional(comm):
+    from cco.nn import WindowPool
+
+    found = {}
+    for layer in _layers(comm, "ptpc", WindowPool()):
+        layer.load_weight(torch.randn(128, 256))
+        x = torch.randn(256).to(torch.bfloat16)
+        for how, call in (("eager", lambda: layer(x)), ("with a gradient", lambda: layer(x.requires_grad_())),
+                          ("compiled", lambda: torch.compile(layer, fullgraph=True, backend="eager")(x))):
+            try:
+                y = call()
+                found[(type(layer).__name__, how)] = (tuple(y.shape), torch.equal(y, layer(x[None])[0]))
+            except RuntimeError as err:
+                found[(type(layer).__name__, how)] = str(err)[:120]
+            x = x.detach()
+        layer.close()
+    return found
+
+
+def test_a_one_dimensional_input_gives_a_one_dimensional_output():
+    """Before: the column layer raised "shape '[256, 128]' is invalid for input of size 128"."""
+    found = check_outcomes(spawn(_one_dimensional, world=1, timeout_s=120))[0]
+    assert set(found.values()) == {((128,), True)}, found
+
+
+def _master_data_writes(comm):
+    from cco.nn import WindowPool
+
+    row, col = _layers(comm, "ptpc", WindowPool())
+    x = torch.randn(4, 256).to(torch.bfloat16)
+    row.load_weight(torch.randn(128, 256))
+    row.eval()
+    found = {}
+    with torch.no_grad():
+        new = torch.randn(128, 256).to(torch.bfloat16)
+        row.weight.data = new.clone()
+        found["weight.data = new"] = torch.equal(row(x), row.train()(x))
+        row.eval()
+        row.weight.data.copy_(-new)
+        row.eval()  # the guide's step after a write through .data
+        found["weight.data.copy_ then eval()"] = torch.equal(row(x), row.train()(x))
+    row.close()
+    col.close()
+    return found
+
+
+def test_a_master_replaced_through_data_is_followed_in_eval_mode():
+    """Before: after ``weight.data = new`` the eval-mode call kept the old fp8 weight (relative error
+    1.4 against the new one) while a train-mode call used the new one."""
+    found = check_outcomes(spawn(_master_data_writes, world=1, timeout_s=120))[0]
+    assert found == {"weight.data = new": True, "weight.data.copy_ then eval()": True}, found
