@@ -96,16 +96,26 @@ def _sequence_dim(placement: Shard, x: DTensor, world: int, fn: str, what: str) 
     return d
 
 
+def _features_local(x):
+    """This rank's slice of the features of ``x``: torch's input step annotates a plain tensor with
+    ``input_layouts`` but passes a DTensor on as it is, so one in another layout (``Replicate``, a
+    token ``Shard``) is redistributed here to ``Shard(-1)``, as torch's own row-wise style computes it."""
+    if not isinstance(x, DTensor):
+        return x
+    if x.placements != (Shard(x.ndim - 1),) and x.placements != (Shard(-1),):
+        x = x.redistribute(placements=[Shard(x.ndim - 1)])
+    return x.to_local()
+
+
 def _row_forward(layer, mesh, x):
-    """The swapped module's forward: torch's input step gave a ``Shard(-1)`` DTensor."""
-    x_local = x.to_local() if isinstance(x, DTensor) else x
-    return DTensor.from_local(run_fused(layer, x_local), mesh, [Replicate()], run_check=False)
+    """The swapped module's forward: ``x`` this rank's K slice (:func:`_features_local`)."""
+    return DTensor.from_local(run_fused(layer, _features_local(x)), mesh, [Replicate()], run_check=False)
 
 
 def _row_sp_forward(layer, mesh, placement, x):
-    """Row-wise into a sequence-sharded output: ``x`` is a ``Shard(-1)`` DTensor with every token."""
+    """Row-wise into a sequence-sharded output: ``x`` a DTensor with every token (its K slice here)."""
     d = _token_dim(layer, placement, x, mesh.size(), _ROW, "output_layouts")
-    x_local = x.to_local().movedim(d, 0)  # tokens first: the layer reduce-scatters its first dimension
+    x_local = _features_local(x).movedim(d, 0)  # tokens first: the layer reduce-scatters its first dimension
     y = run_fused(layer, x_local).movedim(0, d)  # this rank's tokens, back in the caller's order (a view)
     return DTensor.from_local(y, mesh, [Shard(d)], run_check=False)
 

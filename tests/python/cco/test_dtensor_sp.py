@@ -157,6 +157,20 @@ def _rank_main(comm):
     y = col(distribute_tensor(xr, mesh, [Replicate()]))
     ref = xr @ MLPBlock().gate.weight.t()
     out["after_errors"] = Q.rel_l2(torch.cat(comm.all_gather_object(y), dim=-1), ref)
+    # a DTensor input in another layout than Shard(-1) is redistributed (torch's input step passes a
+    # DTensor on as it is): the row-wise layer, all-reduce and sequence-parallel, as for Shard(-1)
+    xd = torch.randn(2, 16, INTER, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    want = xd @ MLPBlock().down.weight.t()
+    ar = parallelize_module(MLPBlock().down, mesh, FusedRowwiseParallel(m_max=M_MAX))
+    out["row_dtensor_inputs"] = {}
+    for name, placement in (("Shard(-1)", Shard(-1)), ("Replicate()", Replicate()), ("Shard(0)", Shard(0))):
+        found = []
+        for layer, whole in ((ar, lambda y: y), (row, lambda y: torch.cat(comm.all_gather_object(y), dim=1))):
+            try:
+                found.append(Q.rel_l2(whole(layer(distribute_tensor(xd, mesh, [placement]))), want) < FP8_TOL)
+            except Exception as err:
+                found.append(f"{type(err).__name__}: {str(err)[:100]}")
+        out["row_dtensor_inputs"][name] = found
     return out
 
 
@@ -215,3 +229,13 @@ def test_refused_cases_raise_on_every_rank_and_the_ranks_stay_in_step(ranks):
     for r in ranks:
         assert r["in_step_after_errors"] == list(range(WORLD))
         assert r["after_errors"] < FP8_TOL
+
+
+@pytest.mark.multirank
+def test_a_dtensor_input_in_another_layout_is_redistributed(ranks):
+    """Before: the row-wise styles took ``to_local()`` of whatever DTensor came in, and a
+    ``Replicate()`` or token-sharded input raised "x has 256 features ... but the layer takes
+    in_features_per_rank=128" on both ranks, where torch's own RowwiseParallel gives the product."""
+    for r in ranks:
+        assert r["row_dtensor_inputs"] == {name: [True, True] for name in ("Shard(-1)", "Replicate()", "Shard(0)")}, \
+            r["row_dtensor_inputs"]
