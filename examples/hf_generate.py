@@ -174,7 +174,10 @@ def main(argv=None) -> int:
     folder = [None]
     if opts.model is None and rank == 0:
         folder[0] = tempfile.mkdtemp(prefix="cco-hf-llama-")
-        save_random_model(tiny_llama_config(), folder[0])
+        # transformers' plan splits the attention heads over the ranks: as many KV heads as ranks at least
+        world = dist.get_world_size()
+        save_random_model(tiny_llama_config(num_key_value_heads=max(2, world), num_attention_heads=max(4, 2 * world)),
+                          folder[0])
     dist.broadcast_object_list(folder, src=0)
     path = opts.model or folder[0]
     try:

@@ -75,16 +75,28 @@ class Fp8Checkpoint:
                                  f"checkpoints")
         return self._files
 
+    def _key(self, name: str) -> str:
+        """The checkpoint key of the module weight ``name``: itself, or the one key that ends with it
+        after a prefix (a base model loaded from its task model's checkpoint: ``AutoModel`` names
+        ``layers.0...`` what ``model.layers.0...`` holds, the prefix transformers strips on load)."""
+        files = self.files()
+        if name in files:
+            return name
+        found = [k for k in files if k.endswith("." + name)]
+        if len(found) == 1:
+            return found[0]
+        raise ValueError(f"{_FN}: no tensor {name!r} in {self.folder} ({len(files)} keys"
+                         f"{f'; {len(found)} end with it: ' + ', '.join(found[:4]) if found else ''}); the fused "
+                         f"module's name must be its checkpoint key, or the end of one key only (a checkpoint whose "
+                         f"keys transformers renames on load otherwise is not read here)")
+
     def weight(self, key: str) -> C.Fp8Weight | None:
         """The whole fp8 weight ``key`` with its scale (``read_fp8_weight``), or None where the
         checkpoint holds ``key`` in a float dtype (a module the format leaves unquantized)."""
         from safetensors import safe_open
 
         files = self.files()
-        if key not in files:
-            raise ValueError(f"{_FN}: no tensor {key!r} in {self.folder} ({len(files)} keys); the fused module's "
-                             f"name must be its checkpoint key (a checkpoint whose keys transformers renames on load "
-                             f"is not read here)")
+        key = self._key(key)
         with safe_open(os.path.join(self.folder, files[key]), framework="pt") as f:
             dtype = f.get_slice(key).get_dtype()
             if dtype in ("BF16", "F16", "F32"):

@@ -24,6 +24,7 @@ is refused by every rank before any collective starts.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
@@ -201,15 +202,35 @@ def fuse_linear(module: torch.nn.Linear, *, group, world: int, options: FusedOpt
         layer.load_weight(w)
     if b is not None:
         layer.bias.copy_(b)
-    module.add_module(FUSED_CHILD, layer)
-    # the fp8 copy in the layer is the weight from now on; the framework's shard, its scales and the
-    # bias would only hold memory
-    module.weight = None
-    module.bias = None
+    _hold(module, layer, name)
     for pname in (*SCALE_PARAMS, *ACTIVATION_SCALE_PARAMS):
         if module._parameters.get(pname) is not None:
             module._parameters[pname] = None
     return layer
+
+
+def _hold(module, layer, name: str) -> None:
+    """``layer`` becomes ``module``'s child ``fused`` and its weight from now on: the framework's
+    shard and bias are dropped (they would only hold memory), and so is the module's place in a
+    framework checkpoint (:func:`_refuse_state_dict`)."""
+    module.add_module(FUSED_CHILD, layer)
+    module.weight = None
+    module.bias = None
+    module.register_state_dict_pre_hook(functools.partial(_refuse_state_dict, name=name))
+
+
+def _refuse_state_dict(module, prefix, keep_vars, *, name: str) -> None:
+    """A fused module in a state_dict would save this rank's fp8 shard under ``<name>.fused.*`` in
+    place of ``<name>.weight``: a checkpoint no framework loads (``save_pretrained`` writes rank 0's
+    shard alone, and a reload initializes the weight afresh). Refused, on every rank alike."""
+    path = prefix[:-1]  # the module's name in the state_dict asked for
+    raise RuntimeError(
+        f"{path or name}: fused by cco (its weight is now this rank's fp8 shard in the child "
+        f"'{prefix}{FUSED_CHILD}'), so a state_dict of the model (save_pretrained, torch.distributed.checkpoint) "
+        f"would hold per-rank fp8 shards in place of '{prefix}weight', which the framework cannot load. Save "
+        f"the model before fusing (before cco's fuse / parallelize / parallelize_module, or the first forward of "
+        f"a tp_plan model); the fused layer's own per-rank state is "
+        f"model.get_submodule({path!r}).{FUSED_CHILD}.state_dict()")
 
 
 @torch.no_grad()
@@ -243,9 +264,7 @@ def fuse_column_linear(module: torch.nn.Linear, *, group, world: int, options: F
     layer.load_weight(w)
     if bias is not None:
         layer.bias.copy_(bias.to_local())
-    module.add_module(FUSED_CHILD, layer)
-    module.weight = None
-    module.bias = None
+    _hold(module, layer, name)
     return layer
 
 

@@ -12,7 +12,8 @@ from cco.nn.checkpoint import (Fp8Weight, convert_fp8_weight, dequantize, read_f
                                shard_width)
 from cco.nn.column import ColumnParallelLinear
 from cco.nn.linear import RowParallelLinear
+from cco.nn.parallel_linear import close_layers
 from cco.nn.pool import DEFAULT_POOL, WindowPool
 
 __all__ = ["DEFAULT_POOL", "ColumnParallelLinear", "Fp8Weight", "RowParallelLinear", "WindowPool",
-           "convert_fp8_weight", "dequantize", "read_fp8_weight", "shard_fp8_weight", "shard_width"]
+           "close_layers", "convert_fp8_weight", "dequantize", "read_fp8_weight", "shard_fp8_weight", "shard_width"]

@@ -115,6 +115,18 @@ def _master_mark(master: torch.Tensor) -> tuple[int, int]:
     return master._version, master.data_ptr()
 
 
+def close_layers(module: torch.nn.Module) -> int:
+    """Close every cco layer in ``module``'s tree (``_ParallelLinear.close``: the last layer of a
+    family frees its window); returns how many were open. Deleting a model does not free its
+    windows: the pool holds each family's op until its last layer is closed. Call it on every rank
+    at the same point (a layer closed on some ranks only makes the next build of its family raise
+    on every rank), e.g. before dropping a model to load another."""
+    layers = [m for m in module.modules() if isinstance(m, _ParallelLinear) and not m._closed]
+    for layer in layers:
+        layer.close()
+    return len(layers)
+
+
 def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB"
 

@@ -91,6 +91,24 @@ def test_the_plan_of_an_fp8_checkpoint_takes_its_quant_and_names_it(tmp_path):
     assert Fp8Checkpoint.of(str(tmp_path / "missing")) is None
 
 
+@pytest.mark.host
+def test_a_base_model_reads_its_task_models_checkpoint_keys(tmp_path):
+    """``AutoModel`` (the base model) names its modules ``layers.0...`` where the checkpoint of the
+    causal-LM holds ``model.layers.0...`` (transformers strips the prefix on load). Before, the
+    fused layers' reader looked the base model's name up as it was and every rank raised "no
+    tensor 'layers.0.self_attn.o_proj.weight'"; now a name that ends one key only is that key, and
+    one that ends several is refused, naming them."""
+    write_fp8_llama(str(tmp_path))
+    ckpt = Fp8Checkpoint(str(tmp_path))
+    full, base = "model.layers.0.self_attn.o_proj.weight", "layers.0.self_attn.o_proj.weight"
+    a, b = ckpt.weight(full), ckpt.weight(base)
+    assert torch.equal(a.qweight.view(torch.uint8), b.qweight.view(torch.uint8)) and torch.equal(a.scale, b.scale)
+    with pytest.raises(ValueError, match=r"no tensor 'o_proj.weight' .*2 end with it: model.layers.0.self_attn.o_proj"):
+        ckpt.weight("o_proj.weight")
+    with pytest.raises(ValueError, match=r"no tensor 'layers.9.self_attn.o_proj.weight' in .* keys\); the fused"):
+        ckpt.weight("layers.9.self_attn.o_proj.weight")
+
+
 # ---- two ranks ------------------------------------------------------------------------------------
 def _layer_checks(model, names, tensors, rank):
     """Per fused layer: its weight equal to the checkpoint's shard, its product against x @ W.T."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -153,6 +154,10 @@ def _loaded_model_checks(comm, ckpts):
     logits = whole(ids).logits.float()
     out["in_place"] = {"fused": names, "vs_bf16": Q.rel_l2(logits, ref_logits), "vs_emulated": Q.rel_l2(logits, emu),
                        "tp_size": whole.tp_size, "again": error_of(lambda: cco_hf.parallelize(whole))}
+    # a fused model's checkpoint would hold per-rank fp8 shards where the framework's weights were
+    target = tempfile.mkdtemp()
+    out["saved_after_fusing"] = (error_of(lambda: whole.save_pretrained(target)),
+                                 error_of(lambda: whole.state_dict()), sorted(os.listdir(target)))
     # refused plans: both ranks raise before any collective, then go on in step
     bad = dict(cco_hf.tp_plan(path, m_max=M_MAX))
     bad["model.norm"] = cco_hf.style_name("rowwise", FusedOptions(m_max=M_MAX))
@@ -213,6 +218,7 @@ def _dtensor_checks(comm):
     # a replicated plain input (input_layouts=Replicate()): torch slices it, the layer fuses the rest
     row = parallelize_module(block()[2], mesh, FusedRowwiseParallel(m_max=M_MAX, input_layouts=Replicate()))
     out["replicated_in"] = {"vs_emulated": Q.rel_l2(row(h), emu)}
+    out["state_dict_after_fusing"] = error_of(lambda: row.state_dict())
     out["not_a_linear"] = error_of(lambda: parallelize_module(torch.nn.LayerNorm(128), mesh, FusedRowwiseParallel()))
     out["uneven"] = error_of(lambda: parallelize_module(torch.nn.Linear(129, 64), mesh, FusedRowwiseParallel()))
     out["feature_scatter_output"] = error_of(lambda: FusedRowwiseParallel(output_layouts=Shard(-1)))
@@ -291,3 +297,18 @@ def test_parallelize_module_style_matches_torchs_rowwise_and_its_dtensor_contrac
             assert got["weight_dropped"]
         assert dt["dtensor_in"]["placements"] == (torch.distributed.tensor.Replicate(),)
         assert dt["dtensor_in"]["vs_emulated"] <= EXACT_TOL and dt["replicated_in"]["vs_emulated"] <= EXACT_TOL, dt
+
+
+@pytest.mark.multirank
+def test_a_fused_model_refuses_a_checkpoint_the_framework_could_not_load(ranks):
+    """Before: ``save_pretrained`` after fusing wrote rank 0's padded fp8 shard under
+    ``...down_proj.fused.qweight`` and no ``down_proj.weight``; a reload initialized those weights
+    afresh (transformers' load report: MISSING / UNEXPECTED) and its logits were off by 1.4 (relative)."""
+    for r in ranks:
+        save, state_dict, written = r["hf"]["saved_after_fusing"]
+        for err in (save, state_dict):
+            assert err.startswith("RuntimeError: model.layers.0.self_attn.o_proj: fused by cco") \
+                and "Save the model before fusing" in err, err
+        assert not any(name.endswith(".safetensors") for name in written), written
+        assert r["dtensor"]["state_dict_after_fusing"].startswith(
+            "RuntimeError: Linear under FusedRowwiseParallel: fused by cco"), r["dtensor"]["state_dict_after_fusing"]

@@ -22,6 +22,9 @@ Guards, per test (each was seen failing before its fix; the docstrings say how):
   master's version does not move); now its storage is watched too. ``weight.data.copy_(new)`` moves
   neither (``.data`` bypasses the version counter): the guide says to call ``eval()`` after it,
   and the test checks that this works;
+- a model's layers held their windows after the model was deleted (the pool holds a family's op
+  until its last layer is closed), and nothing closed a model's layers at once: a process loading
+  models in turn grew by every family's window; ``cco.nn.close_layers(model)`` closes them;
 - ``copy.deepcopy(layer)`` and pickling failed on the process group deep inside, and ``copy.copy``
   made a second layer on the same op (its ``close`` released the op its original still used);
   now each raises a TypeError that says why and what to do instead.
@@ -258,3 +261,28 @@ def test_a_master_replaced_through_data_is_followed_in_eval_mode():
     1.4 against the new one) while a train-mode call used the new one."""
     found = check_outcomes(spawn(_master_data_writes, world=1, timeout_s=120))[0]
     assert found == {"weight.data = new": True, "weight.data.copy_ then eval()": True}, found
+
+
+def _close_layers(comm):
+    from cco.nn import WindowPool, close_layers
+
+    pool = WindowPool()
+    row, col = _layers(comm, "ptpc", pool)
+    model = torch.nn.Sequential(row, torch.nn.ReLU(), col)
+    ops = [row.op, col.op]
+    found = {"users before": [pool.users(op) for op in ops], "closed": close_layers(model),
+             "users after": [pool.users(op) for op in ops], "ops closed": [op._closed for op in ops],
+             "again": close_layers(model)}
+    again, _ = _layers(comm, "ptpc", pool)  # the family builds anew on every rank
+    again.load_weight(torch.randn(128, 256))
+    found["a new layer runs"] = tuple(again(torch.randn(2, 256).to(torch.bfloat16)).shape)
+    again.close()
+    pool.close()
+    return found
+
+
+def test_close_layers_frees_every_window_of_a_model():
+    outs = check_outcomes(spawn(_close_layers, world=2, timeout_s=120))
+    for found in outs:
+        assert found == {"users before": [1, 1], "closed": 2, "users after": [0, 0], "ops closed": [True, True],
+                         "again": 0, "a new layer runs": (2, 128)}, found
