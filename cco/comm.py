@@ -33,6 +33,7 @@ import torch.distributed as dist
 DEFAULT_TIMEOUT_S = 120.0  # bootstrap collectives (group creation, window setup)
 _MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
 _MPI_LOCAL_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK")
+_MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE")
 
 
 def _first_env(names) -> str | None:
@@ -79,6 +80,8 @@ class Communicator:
         self.world = world
         self.local_rank = rank if local_rank is None else local_rank
         self.device = torch.device(device) if device is not None else _default_device(self.local_rank)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda": this local rank's GPU
+            self.device = _default_device(self.local_rank) if torch.cuda.is_available() else self.device
         if self.device.type == "cuda":
             # streams, symmetric memory and the kernels' launches all use the current device: without
             # this every local rank would work on device 0
@@ -129,9 +132,10 @@ class Communicator:
         group = dist.group.WORLD if group is None else group
         rank = dist.get_rank(group)
         if rank < 0:
-            raise ValueError(f"{fn}: this process (global rank {dist.get_rank()}) is not a member of the group "
-                             f"(ranks {dist.get_process_group_ranks(group)}); build the communicator on its "
-                             f"members only")
+            # (not the group's ranks: torch gives every non-member one placeholder group, whose ranks
+            # would be another group's)
+            raise ValueError(f"{fn}: this process (global rank {dist.get_rank()}) is not a member of the group; "
+                             f"build the communicator on its members only")
         bootstrap = group if cpu_group is None else cpu_group
         if cpu_group is not None and dist.get_process_group_ranks(cpu_group) != dist.get_process_group_ranks(group):
             raise ValueError(f"{fn}: cpu_group has ranks {dist.get_process_group_ranks(cpu_group)} but group has "
@@ -159,6 +163,13 @@ class Communicator:
             raise RuntimeError("Communicator.from_mpi needs mpi4py (pip install mpi4py mpich)") from err
         world_comm = MPI.COMM_WORLD
         rank, world = world_comm.Get_rank(), world_comm.Get_size()
+        launched = _first_env(_MPI_SIZE_VARS)
+        if launched is not None and launched.isdigit() and int(launched) != world:
+            # mpi4py built against another MPI than the launcher's: each process would be a job of
+            # one rank of its own, run alone and pass
+            raise RuntimeError(f"Communicator.from_mpi: the launcher started {launched} ranks but MPI reports "
+                               f"{world} (mpi4py is built against another MPI than this mpirun's); launch with "
+                               f"the mpirun of mpi4py's MPI (python3 -c 'import mpi4py; print(mpi4py.get_config())')")
         address = None
         if rank == 0:
             with socket.socket() as s:

@@ -140,6 +140,8 @@ def parse_args(argv=None):
         opts.m, opts.n, opts.k = (int(v) for v in opts.shape.lower().split("x"))
     except ValueError:
         p.error(f"--shape={opts.shape!r} must look like 256x512x512 (M x N x K)")
+    if opts.iters < 1:
+        p.error(f"--iters={opts.iters} must be >= 1 (op calls timed)")
     return opts
 
 

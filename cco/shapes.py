@@ -67,6 +67,12 @@ def build_for(backend_cls, *, n: int, k: int, m_max: int, world: int, **options)
     return cfg
 
 
+# the options of ``supports``: the ops' that decide whether a shape runs fused, and the ones that do not
+SUPPORTS_OPTIONS = ("quant", "mode", "transport", "gather_dtype", "chunks", "weight_layout", "m_max", "pattern",
+                    "scatter_dim")
+SHAPELESS_OPTIONS = ("deadline_s", "faults")
+
+
 def supports(m: int, n: int, k: int, world: int, *, device=None, backend: str | None = None,
              **options) -> str | None:
     """``None`` when the backend of ``device`` (or the one named ``backend``) runs ``[m, k] x [n, k]``
@@ -76,7 +82,13 @@ def supports(m: int, n: int, k: int, world: int, *, device=None, backend: str | 
     weight_layout, m_max; m_max defaults to m), and ``pattern`` (``layout.PATTERNS``) or, as
     ``GemmReduceScatterOp`` takes it, ``scatter_dim``. ``m`` is a call's rows as the op takes them
     (the all-gather: this rank's). A concrete ``device`` is also asked whether the backend can run
-    there (Triton installed, stream memory operations, a gfx950 GPU)."""
+    there (Triton installed, stream memory operations, a gfx950 GPU). An option of another name
+    raises TypeError (``deadline_s`` and ``faults`` are taken and have no bearing on the shape)."""
+    unknown = sorted(set(options) - set(SUPPORTS_OPTIONS) - set(SHAPELESS_OPTIONS))
+    if unknown:  # a programming error, not a shape the backend refuses: never a reason to run unfused
+        raise TypeError(f"cco.supports: unknown option(s) {', '.join(unknown)}; it takes the op's "
+                        f"({', '.join(SUPPORTS_OPTIONS + SHAPELESS_OPTIONS)})")
+    options = {k: v for k, v in options.items() if k not in SHAPELESS_OPTIONS}
     try:
         backend_cls = backend_class(device=device, backend=backend)
     except ValueError as err:

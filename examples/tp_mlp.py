@@ -132,9 +132,7 @@ def quantized_down(x, w_gate, w_up, w_down, *, tp: int, quant: str):
 def run(opts, device) -> dict:
     """One rank's run (torch.distributed initialized); returns its errors per arm."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    tp = opts.tp or world
-    if world % tp:
-        raise SystemExit(f"--tp={tp} must divide the world ({world} ranks)")
+    tp = _check_tp(opts.tp, world)
     groups = [dist.new_group(list(range(s, s + tp))) for s in range(0, world, tp)]  # every rank makes every group
     tp_group, tp_rank, replica = groups[rank // tp], rank % tp, rank // tp
     w_gate, w_up, w_down = full_weights(opts.hidden, opts.intermediate)
@@ -216,7 +214,18 @@ def parse_args(argv=None):
     p.add_argument("--sequence-parallel", action="store_true", help="keep each TP rank's block of tokens between "
                    "the layers: ColumnParallelLinear(sequence_parallel=True) fuses the all-gather into gate/up, "
                    "RowParallelLinear(sequence_parallel=True) ends in a reduce-scatter")
-    return p.parse_args(argv)
+    opts = p.parse_args(argv)
+    if opts.tp is not None and opts.tp < 1:
+        p.error(f"--tp={opts.tp} must be a positive divisor of the world")
+    return opts
+
+
+def _check_tp(tp: int | None, world: int) -> int:
+    """The TP size (default: the whole world), a divisor of ``world``."""
+    tp = world if tp is None else tp
+    if tp < 1 or world % tp:
+        raise SystemExit(f"--tp={tp} must be a positive divisor of the world ({world} ranks)")
+    return tp
 
 
 def _rank_main(comm, opts):
@@ -246,6 +255,7 @@ def main(argv=None) -> int:
         raise SystemExit("--device cuda: start the ranks with torchrun (one GPU per local rank, or ranks sharing one)")
     from cco.comm import check_outcomes, spawn
 
+    _check_tp(opts.tp, opts.world)  # before any rank starts
     results = check_outcomes(spawn(_rank_main, world=opts.world, args=(opts,), timeout_s=900))
     return 0 if report(results, opts) else 1
 

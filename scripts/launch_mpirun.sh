@@ -18,4 +18,6 @@ if [[ ${1:-} == -h || ${1:-} == --help ]]; then
 fi
 if [[ ${1:-} =~ ^[1-9][0-9]*$ ]]; then np=$1; shift; else np=2; fi
 cd "$(dirname "$0")/.."
-exec "${MPIEXEC:-mpiexec}" -n "$np" "${PYTHON:-python}" -m cco.demo "$@"
+# python3 -m mpi4py: MPI starts with the process, and a rank's uncaught exception aborts the whole job
+# (a rank that died before MPI_Init would leave its peers waiting in theirs for good)
+exec "${MPIEXEC:-mpiexec}" -n "$np" "${PYTHON:-python3}" -m mpi4py -m cco.demo "$@"

@@ -23,4 +23,4 @@ if [[ ${1:-} == -h || ${1:-} == --help ]]; then
 fi
 if [[ ${1:-} =~ ^[1-9][0-9]*$ ]]; then nproc=$1; shift; else nproc=2; fi
 cd "$(dirname "$0")/.."
-exec "${PYTHON:-python}" -m torch.distributed.run --standalone --nproc-per-node "$nproc" -m cco.demo "$@"
+exec "${PYTHON:-python3}" -m torch.distributed.run --standalone --nproc-per-node "$nproc" -m cco.demo "$@"

@@ -342,7 +342,10 @@ class CudaBackend(Backend):
             return "CudaBackend needs triton (pip install triton)"
         from cco.cuda.memops import supports_mem_ops
 
-        return supports_mem_ops(device.index or 0)
+        try:
+            return supports_mem_ops(device.index or 0)
+        except ImportError as err:  # the CUDA driver's Python bindings (imported at their first use)
+            return f"CudaBackend needs cuda-bindings (pip install cuda-bindings): {err}"
 
     def _take_window(self):
         """How both device backends' ``__init__`` start (gfx950's subclasses this one): refuse a

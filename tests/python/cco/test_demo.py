@@ -16,3 +16,11 @@ def test_demo_check_passes_the_reference_and_flags_a_wrong_tile(gather):
     assert demo._check(wrong, problems, opts, reduced=True)[1] > 0
     alone = problems[0].reference()
     assert demo._check(alone, problems[:1], opts, reduced=False)[1] == 0
+
+
+@pytest.mark.parametrize("iters", ["0", "-2"])
+def test_the_demo_refuses_iters_below_one(iters, capsys):
+    """Before: ``--iters 0`` ran, then every rank raised IndexError (the first call's time of none)."""
+    with pytest.raises(SystemExit) as exit_:
+        demo.parse_args(["--iters", iters])
+    assert exit_.value.code == 2 and f"--iters={iters} must be >= 1" in capsys.readouterr().err

@@ -56,3 +56,12 @@ def test_tp_mlp_sequence_parallel_eager_and_compiled_with_gradients(capsys):
     for line in ("eager    y vs unfused bf16 model", "compiled down grad vs unfused",
                  "compiled gate/up grad vs unfused"):
         assert line in out, out
+
+
+@pytest.mark.parametrize("tp", ["-1", "0", "3"])
+def test_tp_mlp_refuses_a_tp_size_that_does_not_divide_the_world(tp, capsys):
+    """Before: ``--tp -1`` raised IndexError on every rank and ``--tp 0`` ran as TP = world."""
+    with pytest.raises(SystemExit) as exit_:
+        tp_mlp.main(["--world", "2", "--tp", tp, "--compile", "off"])
+    said = str(exit_.value.code) + capsys.readouterr().err
+    assert f"--tp={tp} must be a positive divisor of the world" in said, said

@@ -133,3 +133,33 @@ def test_supports_answers_what_the_cpu_op_builds():
         assert (said is None) == (built is None), (n, k, options, said, built)
         if said is not None:
             assert said.removeprefix("cpu: ") in built, (said, built)
+
+
+def test_supports_raises_for_an_option_it_does_not_know_and_takes_the_shapeless_ones():
+    """Before, an option ``build_config`` does not take (the op's own ``deadline_s``, a misspelt
+    one) came back as a reason ("build_config() got an unexpected keyword argument"): a caller
+    testing ``supports(...) is None`` ran unfused over a programming error."""
+    import cco
+
+    assert cco.supports(64, 256, 256, 2, backend="cpu", deadline_s=5.0, faults=None) is None
+    with pytest.raises(TypeError, match="unknown option.s. qaunt; it takes the op's"):
+        cco.supports(64, 256, 256, 2, backend="cpu", qaunt="ptpc")
+
+
+def test_supports_names_the_missing_cuda_bindings_instead_of_raising(monkeypatch):
+    """Before, ``supports(..., device="cuda")`` on a machine without the CUDA driver's Python
+    bindings raised ``ModuleNotFoundError: No module named 'cuda'`` from the stream-memory probe."""
+    from cco.backends.cuda import CudaBackend
+    from cco.cuda import memops
+
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "triton", sys.modules.get("triton") or types.ModuleType("triton"))  # (checked first)
+
+    def missing():
+        raise ModuleNotFoundError("No module named 'cuda'")
+
+    monkeypatch.setattr(memops, "_driver", missing)
+    why = CudaBackend.supports_device("cuda:0")
+    assert why.startswith("CudaBackend needs cuda-bindings (pip install cuda-bindings)"), why
