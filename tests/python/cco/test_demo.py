@@ -24,3 +24,12 @@ def test_the_demo_refuses_iters_below_one(iters, capsys):
     with pytest.raises(SystemExit) as exit_:
         demo.parse_args(["--iters", iters])
     assert exit_.value.code == 2 and f"--iters={iters} must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.multirank
+def test_gemm_only_checks_against_the_gemms_budget_whatever_the_gather_dtype(capsys):
+    """Before: ``--mode gemm-only --gather-dtype fp8`` checked against the fp8 gather's looser budget
+    (tol 4e-02) although gemm-only gathers nothing."""
+    assert demo.main(["--mode", "gemm-only", "--gather-dtype", "fp8", "--shape", "64x256x256", "--iters", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("(tol 3e-03)") == 2 and "4e-02" not in out, out
