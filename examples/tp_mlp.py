@@ -214,10 +214,7 @@ def parse_args(argv=None):
     p.add_argument("--sequence-parallel", action="store_true", help="keep each TP rank's block of tokens between "
                    "the layers: ColumnParallelLinear(sequence_parallel=True) fuses the all-gather into gate/up, "
                    "RowParallelLinear(sequence_parallel=True) ends in a reduce-scatter")
-    opts = p.parse_args(argv)
-    if opts.tp is not None and opts.tp < 1:
-        p.error(f"--tp={opts.tp} must be a positive divisor of the world")
-    return opts
+    return p.parse_args(argv)
 
 
 def _check_tp(tp: int | None, world: int) -> int:

@@ -117,10 +117,11 @@ class ColumnParallelLinear(_ParallelLinear):
         for the replicated ``x [M, ..., in_features]`` (local)."""
         if self._decode_call(x):  # as RowParallelLinear's: an eager call of a few rows, one launch
             return self._decode(x, *self.quantized_weight(), self._parameters.get("bias"))
-        if self._checked(x):  # (traced: the op checks when it runs)
-            self._check_call(x)
+        if not isinstance(x, torch.Tensor):
+            self._check_call(x)  # as RowParallelLinear's: refused on every rank of the call
         qweight, scale = self.quantized_weight()
         if self._eager(x):  # as RowParallelLinear's: an untraced inference call runs the body directly
+            self._check_call(x)
             return self._cco_forward(x, qweight, scale, self.bias)
         return torch.ops.cco.column_parallel_linear(x, qweight, scale, self.bias, self.weight, self._handle,
                                                     self.out_features_per_rank,

@@ -138,13 +138,15 @@ class RowParallelLinear(_ParallelLinear):
         with the same leading shape."""
         if self._decode_call(x):  # bias: nn.Module's lookup costs a decode call a microsecond
             return self._decode(x, *self.quantized_weight(), self._parameters.get("bias"))
-        if self._checked(x):  # (traced: the op checks when it runs)
-            self._check_call(x)
+        if not isinstance(x, torch.Tensor):
+            self._check_call(x)  # refused on every rank of the call (the op's schema would refuse it here only)
         qweight, scale = self.quantized_weight()
+        # the body checks x where it runs (_check_call): here, or in the registered op (_op_forward)
         if self.sequence_parallel:
             return torch.ops.cco.sp_row_parallel_linear(x, qweight, scale, self.bias, self.weight, self._handle,
                                                         self.out_features, self.comm.world)
         if self._eager(x):
+            self._check_call(x)
             return self._cco_forward(x, qweight, scale, self.bias)
         return torch.ops.cco.row_parallel_linear(x, qweight, scale, self.bias, self.weight, self._handle,
                                                  self.out_features)

@@ -336,22 +336,15 @@ class _ParallelLinear(torch.nn.Module):
         subclass's checks: :meth:`_check_input`, and with sequence parallelism the token rows)."""
         raise NotImplementedError
 
-    def _checked(self, x) -> bool:
-        """Whether ``forward`` checks ``x`` itself (:meth:`_check_call`): everywhere but where a tracer
-        records the call. There a refusal could not take part in the collective call (``op.reject``
-        is not traced: the rank would raise the tracer's error and its peers pair their call with
-        its next one), so the registered op checks when it runs (:meth:`_op_forward`)."""
-        return not (isinstance(x, torch.Tensor) and tracing())
-
     def _op_forward(self, x, qweight, scale, bias) -> torch.Tensor:
         """The body of the layer's ``torch.ops.cco`` op (real tensors, at run time): the input checked
-        as ``forward`` checks an eager call (a traced ``forward`` does not), the stored fp8 weight
-        brought to the master's where it moved (a traced ``quantized_weight`` cannot read its version),
-        then :meth:`_cco_forward`."""
+        here, where the call runs, as ``forward`` checks the calls it runs itself (a traced forward
+        could not: a refusal there could not take part in the collective call, ``op.reject`` is not
+        traced, and the peers would pair their call with this rank's next one); the stored fp8 weight
+        brought to the master's where it moved (a traced ``quantized_weight`` cannot read its
+        version); then :meth:`_cco_forward`."""
         self._check_call(x)
-        master = self._parameters.get("weight")
-        if master is not None and not self.training and _master_mark(master) != self._master_seen:
-            self._follow_master()  # in place; the buffers are what an eval-mode trace passed
+        if self._follow_if_moved():  # in place; the buffers are what an eval-mode trace passed
             qweight, scale = self._buffers["qweight"], self._buffers["weight_scale"]
         return self._cco_forward(x, qweight, scale, bias)
 
@@ -518,10 +511,19 @@ class _ParallelLinear(torch.nn.Module):
             if self.training:
                 with torch.no_grad():  # its gradient comes from the op's backward (straight through)
                     return self._laid_out(master)
-            if not tracing() and _master_mark(master) != self._master_seen:  # (traced: _op_forward, at run time)
-                self._follow_master()
+            if not tracing():  # (traced: _op_forward, at run time)
+                self._follow_if_moved()
         buffers = self._buffers  # not nn.Module's attribute lookup: a microsecond of an eager decode call
         return buffers["qweight"], buffers["weight_scale"]
+
+    def _follow_if_moved(self) -> bool:
+        """In eval mode, :meth:`_follow_master` where the master weight was written since the stored
+        fp8 weight was quantized from it; whether it did."""
+        master = self._parameters.get("weight")
+        if master is None or self.training or _master_mark(master) == self._master_seen:
+            return False
+        self._follow_master()
+        return True
 
     @torch.no_grad()
     def _follow_master(self) -> None:
