@@ -16,12 +16,14 @@ import argparse
 
 from cco import layout, shapes
 
-# (model, hidden size N, ((layer, input features K), ...)) from the models' published configs
+# (model, hidden size N, ((layer, input features K, heads K splits by or None), ...)) from the models' published
+# configs. The attention output's K splits by whole heads: a TP that does not divide the head count is
+# no tensor-parallel layout of that model (Qwen2.5-7B's 28 heads at TP 8), so its row says so.
 MODELS = (
-    ("Llama-3-8B", 4096, (("mlp.down_proj", 14336), ("attn.o_proj", 32 * 128))),
-    ("Llama-3-70B", 8192, (("mlp.down_proj", 28672), ("attn.o_proj", 64 * 128))),
-    ("Qwen2.5-7B", 3584, (("mlp.down_proj", 18944), ("attn.o_proj", 28 * 128))),
-    ("DeepSeek-V3", 7168, (("mlp.down_proj", 18432), ("attn.o_proj", 128 * 128))),  # dense layers; MLA v_head_dim 128
+    ("Llama-3-8B", 4096, (("mlp.down_proj", 14336, None), ("attn.o_proj", 32 * 128, 32))),
+    ("Llama-3-70B", 8192, (("mlp.down_proj", 28672, None), ("attn.o_proj", 64 * 128, 64))),
+    ("Qwen2.5-7B", 3584, (("mlp.down_proj", 18944, None), ("attn.o_proj", 28 * 128, 28))),
+    ("DeepSeek-V3", 7168, (("mlp.down_proj", 18432, None), ("attn.o_proj", 128 * 128, 128))),  # dense; MLA v_head_dim 128
 )
 TPS = (2, 4, 8)
 COLUMNS = ("cuda", "gfx950", "cpu")  # backends, as cco.shapes names them
@@ -45,9 +47,12 @@ def window_mib(n: int, k: int, tp: int, *, m_max: int, quant: str, backend: str)
 def rows(*, m_max: int = 16384, quant: str = "ptpc") -> list[list[str]]:
     out = []
     for model, n, layers in MODELS:
-        for layer, k_total in layers:
+        for layer, k_total, heads in layers:
             for tp in TPS:
                 k = k_total // tp
+                if heads is not None and heads % tp:  # not a layout of this model: no verdict to give
+                    out.append([model, layer, str(tp), "-", *[f"no TP {tp} layout: {heads} heads"] * len(COLUMNS), "-"])
+                    continue
                 cells = [verdict(shapes.layer_shape(n, k, tp, m_max=m_max, backend=b, quant=quant)) for b in COLUMNS]
                 mib = window_mib(n, k, tp, m_max=m_max, quant=quant, backend="cuda")
                 out.append([model, layer, str(tp), f"{n} x {k}", *cells, f"{mib:.0f} MiB"])
