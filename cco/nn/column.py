@@ -52,8 +52,8 @@ class ColumnParallelLinear(_ParallelLinear):
       in_features:   K, the layer's input features (every rank takes all of them).
       out_features_per_rank: N_r, this rank's output features (its rows of the weight).
       group, cpu_group, quant, bias, m_max, mode, transport, chunks, deadline_s, trainable, pool: as
-                     :class:`cco.nn.RowParallelLinear` (``m_max``: the gathered tokens one call takes;
-                     a sequence-parallel call is never split).
+                     :class:`cco.nn.RowParallelLinear` (``m_max``: the gathered tokens one call takes,
+                     at least the group's size; a sequence-parallel call is never split).
       sequence_parallel: the input is this rank's tokens (first dimension) and the output every
                      rank's, through the fused all-gather + GEMM (``cco.all_gather.AllGatherGemmOp``).
                      Without it the input is replicated and the GEMM local (the op's ``gemm-only``).

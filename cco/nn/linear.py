@@ -67,7 +67,8 @@ class RowParallelLinear(_ParallelLinear):
       quant:         "ptpc" | "blockscale" | "mxfp8" (``cco.quant``).
       bias:          add a bf16 bias of ``out_features`` after the all-reduce.
       m_max:         rows (tokens) one op call takes; sizes the shared window. Calls with more rows
-                     run in pieces of ``m_max``.
+                     run in pieces of ``m_max``. Sequence parallel: every rank's tokens, at least
+                     the group's size (a smaller one is refused: no call would fit).
       mode:          "fused" | "split" (the op's modes) | "unfused" (GEMM + all_reduce, the fallback).
       transport, gather_dtype, chunks, deadline_s: the op's (``cco.op.GemmAllReduceOp``).
       trainable:     keep a bf16 master weight (a Parameter) and compute its gradient.

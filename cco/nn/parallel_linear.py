@@ -89,13 +89,18 @@ def decode_gemm_for(layer):
     return decode_gemm
 
 
-def _check_arguments(fn: str, sizes: dict, *, mode, quant, backward, deadline_s, options: dict) -> None:
+def _check_arguments(fn: str, sizes: dict, *, mode, quant, backward, deadline_s, options: dict,
+                     world: int, sequence_parallel: bool) -> None:
     """Arguments no backend could take, whatever the shape (``options``: the op's transport,
     gather_dtype, chunks as passed): a ValueError at construction on every rank, never a reason to
     run unfused (only a backend's refusal of the shape is one)."""
     for name, value in sizes.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{fn}: {name}={value!r} must be a positive int")
+    if sequence_parallel and sizes["m_max"] < world:  # a sequence-parallel call has world x its rows per rank
+        raise ValueError(f"{fn}: m_max={sizes['m_max']} is smaller than the group's {world} ranks; a sequence-parallel "
+                         f"call takes every rank's tokens (at least one each), so no call would fit: pass m_max >= "
+                         f"{world}")
     if mode not in MODES:
         raise ValueError(f"{fn}: mode={mode!r} is not supported; pass one of {', '.join(MODES)}")
     Q.check_quant(quant, fn=fn)
@@ -158,7 +163,8 @@ class _ParallelLinear(torch.nn.Module):
         try:
             _check_arguments(self._FN, sizes, mode=mode, quant=quant, backward=backward, deadline_s=deadline_s,
                              options=dict(transport=transport, chunks=chunks,
-                                          gather_dtype=arguments.get("gather_dtype", "bf16")))
+                                          gather_dtype=arguments.get("gather_dtype", "bf16")),
+                             world=self.comm.world, sequence_parallel=self.sequence_parallel)
         except (TypeError, ValueError) as err:
             error = err
         # construction is collective: every rank of the group agrees on the arguments first

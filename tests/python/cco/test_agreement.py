@@ -232,6 +232,27 @@ def test_column_layer_arguments_that_differ_raise_on_every_rank(argument, other)
         assert head.startswith("ColumnParallelLinear:") and f"{argument} = " in head, head
 
 
+def _build_sequence_parallel(comm, cls_name, m_max):
+    import cco.nn
+
+    layer = getattr(cco.nn, cls_name)(256, 128, group=comm, m_max=m_max, sequence_parallel=True,
+                                      deadline_s=DEADLINE_S, pool=cco.nn.WindowPool())
+    layer.close()
+    return layer.fallback_reason
+
+
+@pytest.mark.parametrize("cls_name", ["RowParallelLinear", "ColumnParallelLinear"])
+def test_a_sequence_parallel_layer_whose_m_max_holds_no_call_is_refused(cls_name):
+    """A sequence-parallel call takes every rank's tokens, so with m_max < world no call fits the op:
+    before, the layer built and ran every call unfused, saying so only in a log warning."""
+    outcomes = spawn(_build_sequence_parallel, world=4, args=(cls_name, 3), timeout_s=120)
+    for o in outcomes:
+        assert o.error_type == "ValueError", (o.rank, o.error_type, o.error)
+        assert o.error.startswith(f"{cls_name}: m_max=3 is smaller than the group's 4 ranks"), o.error
+    fits = check_outcomes(spawn(_build_sequence_parallel, world=4, args=(cls_name, 4), timeout_s=120))
+    assert fits == [None] * 4, fits  # m_max = world: the least that fits, and fused
+
+
 def _column_blank_then_loaded(comm, mode, sequence_parallel, blank_ranks):
     """A column layer called with ``blank_ranks`` never loaded, then loaded everywhere and called
     again: (first outcome, the second call's relative L2 error against the unfused bf16 product)."""
