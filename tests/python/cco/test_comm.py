@@ -81,6 +81,17 @@ def test_spawn_reports_errors_and_deaths_without_hanging():
         check_outcomes(outcomes)
 
 
+def test_spawn_refuses_a_function_its_ranks_cannot_import():
+    """The ranks import ``fn`` by name: a nested function or a lambda killed each of them before it
+    reported anything, and the outcomes said only "Died ... exited with code 1"."""
+    def nested(comm):
+        return comm.rank
+
+    for fn in (nested, lambda comm: comm.rank):
+        with pytest.raises(TypeError, match="has no name to import by"):
+            spawn(fn, world=2, timeout_s=60)
+
+
 def _tp_dp(comm, tp: int):
     """TP x DP on the world: TP groups of consecutive ranks, DP groups across them (every rank
     creates every group, as torch.distributed requires)."""
