@@ -319,8 +319,9 @@ def spawn(fn, *, world: int, args: tuple = (), device="cpu", timeout_s: float = 
           bootstrap_timeout_s: float = 60.0) -> list[RankOutcome]:
     """Run ``fn(comm, *args)`` in ``world`` fresh local rank processes; return one outcome per rank.
 
-    ``fn`` must be importable (a module-level function; a lambda or nested one is a TypeError). Processes come from a forkserver that has
-    already imported torch, so a rank starts in well under a second. A rank still running after
+    ``fn`` must be importable (a module-level function; a lambda or a nested one is a TypeError).
+    Processes come from a forkserver that has already imported torch, so a rank starts in well under
+    a second. A rank still running after
     ``timeout_s`` is killed and reported with ``error_type="SpawnTimeout"``. Use
     :func:`check_outcomes` to turn failures into one exception.
     """
