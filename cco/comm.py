@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 120.0  # bootstrap collectives (group creation, window setup)
+EXCHANGE_WORDS = 8  # int64 per rank in every gather_words exchange: (seq, count, up to six words)
 _MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
 _MPI_LOCAL_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK")
 _MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE")
@@ -96,6 +97,7 @@ class Communicator:
         # showed as two. A CPU tensor keeps it on gloo in a mixed gloo/NCCL group.
         dist.all_reduce(torch.zeros(1), group=self.group)
         self._closed = False
+        self._stale = None  # gather_words' exchange that timed out, still posted: (work, tensors, seq)
 
     # ---- launchers --------------------------------------------------------------------------------
     @classmethod
@@ -198,26 +200,67 @@ class Communicator:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def gather_words(self, words: list[int], *, timeout_s: float, what: str) -> list[list[int]]:
-        """Every rank's ``words`` (a few int64, as many on every rank), in rank order: one gather on
-        the CPU group, waited for at most ``timeout_s`` (a collective call's header: a peer that
-        never comes, because it died or made another call, raises ``CommTimeoutError`` naming
-        ``what`` here instead of blocking until the group's own timeout). After such a timeout the
-        gather stays posted: build a new communicator. One rank: its own words, no exchange."""
+    def gather_words(self, words: list[int], *, seq: int, timeout_s: float, what: str) -> list[list[int]]:
+        """Every rank's ``words`` (at most ``EXCHANGE_WORDS - 2`` ints), in rank order: one gather on the
+        CPU group, waited for at most ``timeout_s`` (a collective call's header: a peer that never
+        comes, because it died or made another call, raises ``CommTimeoutError`` naming ``what``
+        here instead of blocking until the group's own timeout). ``seq`` names the collective call
+        the exchange belongs to (an op's call seq, a layer's header count): ranks that exchange at
+        different seqs made different calls, and every rank raises ``PeerMismatchError``.
+
+        A gather that timed out stays posted (gloo cannot withdraw it), and the peers' next exchange
+        pairs with it. So this rank's next exchange completes it first (within ``timeout_s`` too):
+        where every peer made that same exchange late (its seq), it is spent and this one goes ahead;
+        else the peers made their next exchange against this rank's stale words, and that exchange
+        is this one: their seqs differ, every rank raises ``PeerMismatchError``, and the ranks are in
+        step from the next exchange. (Each exchange has the same size, whatever its words: gloo
+        aborts a gather whose sizes differ.) One rank: its own words, no exchange."""
         from cco.transport.protocol import CommTimeoutError
 
-        mine = torch.tensor(words, dtype=torch.int64)
+        if len(words) > EXCHANGE_WORDS - 2:
+            raise ValueError(f"gather_words: {len(words)} words; at most {EXCHANGE_WORDS - 2}")
         if self.world == 1:
-            return [words]
+            return [list(words)]
+        if self._stale is not None:
+            work, every, stale_seq = self._stale
+            try:
+                work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+            except RuntimeError as err:
+                raise CommTimeoutError(
+                    f"rank {self.rank}: {what}: the peers did not answer this rank's exchange of call seq {stale_seq} "
+                    f"(it timed out before) within {timeout_s:g} s: a peer died or stalled; build a new "
+                    f"communicator: {err}") from None
+            self._stale = None
+            if any(int(t[0]) != stale_seq for t in every):  # the peers' exchange of their next call
+                return self._words_of(every, what)  # (raises: the seqs differ)
+        mine = torch.zeros(EXCHANGE_WORDS, dtype=torch.int64)
+        mine[0], mine[1] = seq, len(words)
+        mine[2:2 + len(words)] = torch.tensor(words, dtype=torch.int64)
         every = [torch.empty_like(mine) for _ in range(self.world)]
         work = dist.all_gather(every, mine, group=self.group, async_op=True)
         try:
             work.wait(timeout=datetime.timedelta(seconds=timeout_s))
         except RuntimeError as err:
+            self._stale = (work, every, seq)
             raise CommTimeoutError(
                 f"rank {self.rank}: {what}: the peers did not take part within {timeout_s:g} s (a peer died, "
-                f"stalled, or made another call); build a new communicator: {err}") from None
-        return [t.tolist() for t in every]
+                f"stalled, or made another call; this rank's next exchange on the communicator completes "
+                f"this one first): {err}") from None
+        return self._words_of(every, what)
+
+    def _words_of(self, every: list[torch.Tensor], what: str) -> list[list[int]]:
+        """The words of a completed exchange (rank order), or ``PeerMismatchError`` on every rank
+        where the ranks' seqs (or word counts) differ: the same verdict, from the same words."""
+        from cco.transport.protocol import PeerMismatchError
+
+        rows = [t.tolist() for t in every]
+        if len({(r[0], r[1]) for r in rows}) > 1:
+            raise PeerMismatchError(
+                f"rank {self.rank}: {what}: the ranks exchanged for different collective calls ("
+                + ", ".join(f"call seq {r[0]} on rank {i}" for i, r in enumerate(rows))
+                + "): one rank's call met another call of its peers (a call of no rows against one with rows, "
+                  "a timed-out call against the next); every rank raises, and the next call is in step")
+        return [r[2:2 + r[1]] for r in rows]
 
     def agree(self, fn: str, arguments: dict, *, error: BaseException | None = None) -> None:
         """Construction of a collective object (an op, a layer) is collective: every rank calls this

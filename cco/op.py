@@ -496,7 +496,7 @@ class CollectiveGemmOp:
         different ``m`` raise ``PeerMismatchError`` on every rank, and a peer that is not in a self
         test at all (it made a call) makes this rank raise ``CommTimeoutError`` after ``deadline_s``
         instead of waiting in the test's barrier for good."""
-        every = self.comm.gather_words([m if isinstance(m, int) and m > 0 else 0, error is not None],
+        every = self.comm.gather_words([m if isinstance(m, int) and m > 0 else 0, error is not None], seq=self._seq,
                                        timeout_s=self.deadline_s, what=f"{fn}: the ranks' arguments")
         if error is not None:
             raise error
@@ -518,7 +518,8 @@ class CollectiveGemmOp:
         self._probe_prepare(m, seq)
         # no peer writes into a received region before it is poisoned: a barrier bounded by deadline_s
         # (a stalled peer raises CommTimeoutError here, not after the group's own timeout)
-        self.comm.gather_words([seq], timeout_s=self.deadline_s, what=f"{fn}: the peers' poisoned windows")
+        self.comm.gather_words([seq], seq=self._seq, timeout_s=self.deadline_s,
+                               what=f"{fn}: the peers' poisoned windows")
         problems = []
         result = None
         try:
@@ -530,7 +531,8 @@ class CollectiveGemmOp:
             problems += self._probe_problems(m, seq, result)
         # every rank raises if any rank failed: who failed in a bounded exchange, what they found (text)
         # only then, from peers that have just answered
-        flags = self.comm.gather_words([len(problems)], timeout_s=self.deadline_s, what=f"{fn}: the verdicts")
+        flags = self.comm.gather_words([len(problems)], seq=self._seq, timeout_s=self.deadline_s,
+                                       what=f"{fn}: the verdicts")
         if any(count for count, in flags):
             failed = [p for v in self.comm.all_gather_object(problems) for p in v]
             raise SelfTestError(f"{fn}: transport {self.config.transport!r} did not move the bytes:\n"

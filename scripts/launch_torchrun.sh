@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Launch ranks of GemmAllReduceOp with torchrun (one process per GPU; CPU ranks where there is none).
+# Launch ranks of GemmAllReduceOp with torchrun (CPU ranks; pass --device auto for one GPU per rank).
 #
 #   scripts/launch_torchrun.sh [NPROC] [cco.demo arguments...]
 #   scripts/launch_torchrun.sh 2 --shape 1024x7168x2048 --mode fused --gather-dtype fp8

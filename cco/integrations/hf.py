@@ -261,9 +261,14 @@ def fuse(model: torch.nn.Module, *, checkpoint=None) -> list[str]:
         checkpoint = Fp8Checkpoint(checkpoint)
     pending = [(name, m) for name, m in model.named_modules() if _PENDING in m.__dict__]
     if not pending and not any(fused_layer(m) is not None for m in model.modules()):
+        tp = getattr(model, "tp_size", None)
+        unsharded = "" if tp not in (None, 1) else (
+            f" (transformers did not shard this model: its tp_size is {tp}; it takes the size from the launcher's "
+            f"WORLD_SIZE, which torchrun sets, or from DistributedConfig(tp_plan=..., tp_size=N): a plan on ranks "
+            f"started otherwise loads the whole model on every rank)")
         raise ValueError("fuse: no module of this model is under a cco style; load it with "
                          "distributed_config=DistributedConfig(tp_plan=cco.integrations.hf.tp_plan(...)) or call "
-                         "cco.integrations.hf.parallelize(model, ...)")
+                         "cco.integrations.hf.parallelize(model, ...)" + unsharded)
     for _, module in pending:
         _build(module, checkpoint)
     return [name for name, _ in pending]

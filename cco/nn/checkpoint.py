@@ -283,6 +283,10 @@ def read_fp8_weight(tensors: Mapping[str, torch.Tensor], name: str, *, config: d
         if layout == "tensor":
             s = s.expand(n)
         s = s.contiguous()
+        bad = int((~torch.isfinite(s)).sum())
+        if bad:  # (as the e8m0 NaN code below: every output that reads such a block would be NaN)
+            raise ValueError(f"{fn}: {seen}: {bad} of the scale's {s.numel()} values are NaN or infinite; the "
+                             f"checkpoint is damaged")
         source = _source(key, layout, scheme)
         if key.endswith(".weight_scale_inv") and layout == "block" and _e8m0_bits(s) is not None:
             source = "deepseek-v3:ue8m0"
@@ -299,8 +303,8 @@ def read_fp8_weight(tensors: Mapping[str, torch.Tensor], name: str, *, config: d
             return Fp8Weight(qweight=w.contiguous(), scale=bits.contiguous().view(Q.E8M0), quant="mxfp8", source=source)
         return Fp8Weight(qweight=w.contiguous(), scale=Q.e8m0_to_float(bits).contiguous(), quant="blockscale",
                          source=source)
-    raise ValueError(f"{fn}: {seen}: a {layout} scale of dtype {scale.dtype} is not served (float scales for "
-                     f"tensor/row/block scales, e8m0 or uint8 for block and group scales); {_SUPPORTED}")
+    raise ValueError(f"{fn}: {seen}: a {layout} scale of dtype {scale.dtype} is not served (fp32, bf16 or fp16 "
+                     f"for tensor, row and block scales; e8m0 or uint8 for block and group scales); {_SUPPORTED}")
 
 
 def _same_map(a: str, b: str, n: int, k: int) -> bool:

@@ -68,8 +68,10 @@ class ColumnParallelLinear(_ParallelLinear):
 
     fp8 checkpoints (:meth:`load_checkpoint`): as :class:`cco.nn.RowParallelLinear`'s, the whole
     ``[N, in_features]`` weight sharded along N instead, in whole scale blocks: build the layer with
-    ``out_features_per_rank = cco.nn.shard_width(w, world=world, dim=0)`` (the last rank's shard
-    may be shorter, padded with zero rows whose outputs the layer drops).
+    ``out_features_per_rank = cco.nn.shard_width(w, world=world, dim=0)``. The last rank's shard
+    may be shorter: it is padded with zero rows, and that rank's output ends in as many zero columns
+    (every rank returns ``out_features_per_rank``; the gathered output's features past N are zeros:
+    drop them, ``[..., :N]``).
     """
 
     _FN = _FN

@@ -209,6 +209,7 @@ class _ParallelLinear(torch.nn.Module):
         # init of the master weight) moves one, so "loaded" costs no flag that a loader could forget
         self._blank = (self.qweight._version, None if self.weight is None else self.weight._version)
         self._loaded = False
+        self._headers = 0  # call headers exchanged (_agree_rows): the unfused path's call seq
         # sequence parallel, backward="fp8": the dual collective fused with grad_y @ W_r (cco.nn.sequence)
         self._dual = sequence.make_dual(self, backward, gathers=self._DUAL_GATHERS, n=k, k=n,
                                         mode="fused" if mode == "unfused" else mode, transport=transport,
@@ -285,7 +286,7 @@ class _ParallelLinear(torch.nn.Module):
         """The header of a layer's collective call that no op's stamps cover (the unfused path's
         calls, a call of no rows, a forward in pieces, the sequence-parallel backward's bf16
         collectives): every rank's ``m``, whether it refused its input and whether its weight is blank,
-        exchanged on the communicator's CPU group (``Communicator.gather_words``: one gather of five
+        exchanged on the communicator's CPU group (``Communicator.gather_words``: one gather of eight
         int64 per rank, bounded by ``deadline_s``) before the call's data collective, so that
         every rank reaches the same verdict. NCCL and gloo do not check a collective's sizes: a peer
         with other rows hangs or aborts the job (gloo: "Received data size doesn't match"), and a
@@ -297,7 +298,9 @@ class _ParallelLinear(torch.nn.Module):
         that never comes (it called the op instead: a call of rows against one of none; it never
         ran its backward) raises ``CommTimeoutError`` after ``deadline_s``, as the op's waits do, and
         on the fused path first takes part in the op's next call as a rejected one (the peer's call,
-        which then fails too, instead of pairing with this rank's next call).
+        which then fails too, instead of pairing with this rank's next call). Its gather stays posted
+        and meets the peers' next header: the exchange carries the call's seq, so that header fails on
+        every rank (``Communicator.gather_words``) and the one after is in step.
         ``step``: which collective call this is (:func:`backward_step`; 0: a forward). One rank:
         nothing to agree."""
         from cco.transport.protocol import CommTimeoutError, PeerMismatchError, PeerRejectedError
@@ -305,7 +308,11 @@ class _ParallelLinear(torch.nn.Module):
         comm = self.comm
         blank = not self._loaded and not self._weight_written()
         try:
-            every = comm.gather_words([m, m if total is None else total, error is not None, blank, step],
+            # the call's seq: the op's (its calls and this layer's headers of the family interleave
+            # alike on every rank), else this layer's own count of headers (every unfused call has one)
+            seq = self.op.calls if self.op is not None else self._headers
+            self._headers += 1
+            every = comm.gather_words([m, m if total is None else total, error is not None, blank, step], seq=seq,
                                       timeout_s=self._deadline_s, what=f"{self._name()}: this call's header")
         except CommTimeoutError as timeout:
             if self.op is not None:

@@ -226,6 +226,11 @@ def test_formats_that_cannot_be_served_raise_naming_the_key_and_what_is_supporte
         "e8m0-nan": lambda: C.read_fp8_weight({NAME: q, NAME.replace(".weight", ".scale"):
                                                torch.full((2, 3), 255, dtype=torch.uint8).view(Q.E8M0)}, NAME),
         "two-scales": lambda: C.read_fp8_weight(other(**{NAME.replace(".weight", ".scale"): t[scale_key]}), NAME),
+        # float scales that no quantizer writes: before, loaded, and every output reading them was NaN
+        "nan-scale": lambda: C.read_fp8_weight(other(**{scale_key: t[scale_key].index_fill(1, torch.tensor([1]),
+                                                                                         float("nan"))}), NAME),
+        "inf-scale": lambda: C.read_fp8_weight(other(**{scale_key: torch.full_like(t[scale_key], float("inf"))}), NAME),
+        "scale-fp64": lambda: C.read_fp8_weight(other(**{scale_key: t[scale_key].double()}), NAME),
     })
     expect = {"fnuz": ["float8_e4m3fnuz", "not OCP e4m3", "half the value", "float8_e4m3fn"],
               "e5m2": ["float8_e5m2", "supported:"],
@@ -234,7 +239,9 @@ def test_formats_that_cannot_be_served_raise_naming_the_key_and_what_is_supporte
               "scale-shape": ["[200, 7]", "[2, 3] (128x128 blocks)", "supported:"],
               "scale-e4m3": ["float8_e4m3fn [2, 3]", "not served"], "block-64": ["[64, 64]", "128x128"],
               "config-says-rows": ["channel", "block"], "float-groups": ["powers of two", "mxfp8"],
-              "e8m0-nan": ["0xFF"], "two-scales": ["several scales", "weight_scale_inv", ".scale"]}
+              "e8m0-nan": ["0xFF"], "two-scales": ["several scales", "weight_scale_inv", ".scale"],
+              "nan-scale": ["2 of the scale's 6 values are NaN or infinite", "damaged"],
+              "inf-scale": ["6 of the scale's 6 values"], "scale-fp64": ["float64", "fp32, bf16 or fp16"]}
     for label, words in expect.items():
         assert errors[label].startswith("read_fp8_weight: "), errors[label]
         if label not in ("missing-key",):

@@ -279,6 +279,8 @@ def test_refused_plans_raise_on_every_rank_and_the_ranks_stay_in_step(ranks):
         assert hf["plan_names_a_norm"].startswith("TypeError: FusedRowwise: 'model.norm' is a LlamaRMSNorm, not a "
                                                   "torch.nn.Linear"), hf["plan_names_a_norm"]
         assert hf["fuse_without_plan"].startswith("ValueError: fuse: no module"), hf["fuse_without_plan"]
+        # a model transformers did not shard (its tp_size None: no plan, or ranks without WORLD_SIZE) says so
+        assert "did not shard this model: its tp_size is None" in hf["fuse_without_plan"], hf["fuse_without_plan"]
         assert dt["not_a_linear"].startswith("TypeError: FusedRowwiseParallel: 'LayerNorm under"), dt["not_a_linear"]
         assert "in_features=129, which does not split evenly over 2 ranks" in dt["uneven"], dt["uneven"]
         assert dt["feature_scatter_output"].startswith("ValueError: FusedRowwiseParallel: output_layouts=Shard(dim=-1)")
