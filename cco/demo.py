@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from cco import layout
 from cco import quant as q
 from cco.comm import Communicator, check_outcomes, spawn
 from cco.layout import GATHER_DTYPES, MODE_ALIASES, MODES, QUANTS, TRANSPORTS
@@ -144,7 +145,33 @@ def parse_args(argv=None):
         p.error(f"--shape={opts.shape!r} must look like 256x512x512 (M x N x K)")
     if opts.iters < 1:
         p.error(f"--iters={opts.iters} must be >= 1 (op calls timed)")
+    if opts.world < 1:
+        p.error(f"--world={opts.world} must be >= 1 (ranks to spawn)")
+    if not opts.deadline > 0:
+        p.error(f"--deadline={opts.deadline} must be > 0 seconds")
+    if min(opts.m, opts.n, opts.k) < 1:
+        p.error(f"--shape={opts.shape!r}: M, N and K must be >= 1")
+    try:
+        layout.check_call_options(transport=opts.transport, gather_dtype=opts.gather_dtype, chunks=opts.chunks)
+    except ValueError as err:
+        p.error(str(err))
+    # what every rank would refuse, said once here rather than in a traceback per rank: the shape's
+    # verdict for the CPU backend's tiles (a GPU backend has tiles of its own: its op says so there)
+    world = _launcher_world() if _launched_externally() else opts.world
+    if opts.device == "cpu" and world is not None:
+        reason = layout.supports(opts.m, opts.n, opts.k, world, quant=opts.quant, mode=opts.mode,
+                                 transport=opts.transport, gather_dtype=opts.gather_dtype, chunks=opts.chunks)
+        if reason is not None:
+            p.error(f"--shape {opts.m}x{opts.n}x{opts.k} at world {world}: {reason}")
     return opts
+
+
+def _launcher_world() -> int | None:
+    """The ranks a launcher started (torchrun's WORLD_SIZE, or an MPI launcher's), None if it says none."""
+    for var in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return None
 
 
 def _launched_externally() -> bool:

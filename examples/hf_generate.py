@@ -153,7 +153,13 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=16, help="prompt length of the random prompt")
     p.add_argument("--prompt", default="The capital of France is", help="with --model and its tokenizer")
     p.add_argument("--new-tokens", type=int, default=8)
-    return p.parse_args(argv)
+    opts = p.parse_args(argv)
+    for name in ("m_max", "batch", "seq", "new_tokens"):  # said once here, not in every rank's traceback
+        if getattr(opts, name) < 1:
+            p.error(f"--{name.replace('_', '-')}={getattr(opts, name)} must be >= 1")
+    if opts.model is not None and not os.path.isfile(os.path.join(opts.model, "config.json")):
+        p.error(f"--model {opts.model!r}: not a local checkpoint folder (no config.json in it)")
+    return opts
 
 
 def main(argv=None) -> int:

@@ -146,9 +146,7 @@ def run(opts, device) -> dict:
     ref_q = quantized_down(x, w_gate, w_up, w_down, tp=tp, quant=opts.quant)
     tokens = x.numel() // opts.hidden
     grads = unfused_grads(x, w_gate, w_up, w_down, tp_rank=tp_rank, tp=tp) if opts.train else None
-    if sp:  # this rank's block of the flattened tokens, in and out
-        if tokens % tp:
-            raise SystemExit(f"--sequence-parallel: batch x seq = {tokens} tokens must be a multiple of TP={tp}")
+    if sp:  # this rank's block of the flattened tokens, in and out (a multiple of TP: _check_tp)
         mine = slice(tp_rank * tokens // tp, (tp_rank + 1) * tokens // tp)
         x, ref = x.reshape(tokens, -1)[mine], ref.reshape(tokens, -1)[mine]
     arms = {"eager": block, "compiled": torch.compile(block, fullgraph=True, mode=opts.compile_mode)}
@@ -214,14 +212,23 @@ def parse_args(argv=None):
     p.add_argument("--sequence-parallel", action="store_true", help="keep each TP rank's block of tokens between "
                    "the layers: ColumnParallelLinear(sequence_parallel=True) fuses the all-gather into gate/up, "
                    "RowParallelLinear(sequence_parallel=True) ends in a reduce-scatter")
-    return p.parse_args(argv)
+    opts = p.parse_args(argv)
+    for name in ("hidden", "intermediate", "batch", "seq", "m_max", "world"):  # an empty block checks nothing
+        if getattr(opts, name) < 1:
+            p.error(f"--{name.replace('_', '-')}={getattr(opts, name)} must be >= 1")
+    return opts
 
 
-def _check_tp(tp: int | None, world: int) -> int:
-    """The TP size (default: the whole world), a divisor of ``world``."""
+def _check_tp(tp: int | None, world: int, opts=None) -> int:
+    """The TP size (default: the whole world), a divisor of ``world``; with ``opts``, the sequence
+    parallel block's tokens split over it. Checked before any rank starts (a rank's SystemExit
+    would show as every rank's traceback)."""
     tp = world if tp is None else tp
     if tp < 1 or world % tp:
         raise SystemExit(f"--tp={tp} must be a positive divisor of the world ({world} ranks)")
+    if opts is not None and opts.sequence_parallel and (opts.batch * opts.seq) % tp:
+        raise SystemExit(f"--sequence-parallel: --batch x --seq = {opts.batch * opts.seq} tokens must be a multiple "
+                         f"of TP={tp} (each TP rank keeps its block of them)")
     return tp
 
 
@@ -233,6 +240,7 @@ def _rank_main(comm, opts):
 def main(argv=None) -> int:
     opts = parse_args(argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+        _check_tp(opts.tp, int(os.environ["WORLD_SIZE"]), opts)  # every rank alike, before the group forms
         local = int(os.environ.get("LOCAL_RANK", 0))
         if opts.device == "cuda":
             device = torch.device("cuda", local % torch.cuda.device_count())
@@ -252,7 +260,7 @@ def main(argv=None) -> int:
         raise SystemExit("--device cuda: start the ranks with torchrun (one GPU per local rank, or ranks sharing one)")
     from cco.comm import check_outcomes, spawn
 
-    _check_tp(opts.tp, opts.world)  # before any rank starts
+    _check_tp(opts.tp, opts.world, opts)  # before any rank starts
     results = check_outcomes(spawn(_rank_main, world=opts.world, args=(opts,), timeout_s=900))
     return 0 if report(results, opts) else 1
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole NVIDIA GPU suite in one go (it cannot run in CI): every GPU test module on two ranks
 # (two ranks share one GPU where there is only one: a CUDA IPC window), each bounded in time, then
-# one summary line per module and the total. Exit status: the number of modules that failed.
+# one summary line per module and the total. Exit status: the number of modules that failed (2 before
+# any module: a usage error, or a host whose torch sees no NVIDIA GPU).
 #
 #   bash scripts/gpu_suite.sh [LOG_DIR]          # logs per module under LOG_DIR (default: gpu-suite-logs)
 #   CCO_GPU_SUITE_SKIP="cuda_hf" bash scripts/gpu_suite.sh   # all but the named modules
@@ -22,6 +23,10 @@
 # Add a module to MODULES when it joins the suite. NVLink multicast stays off.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+case "${1:-}" in
+  -h|--help) sed -n '2,/^set -uo/p' scripts/gpu_suite.sh | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+  -*) echo "gpu_suite.sh: unknown option '$1'; the one argument is LOG_DIR (--help)" >&2; exit 2 ;;
+esac
 log_dir="${1:-gpu-suite-logs}"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 PY=${PYTHON:-python3}
@@ -61,7 +66,13 @@ if [ -n "${CCO_GPU_SUITE_LIST:-}" ]; then  # the modules this run would run, a n
   printf '%s\n' "${MODULES[@]%%|*}"
   exit 0
 fi
-mkdir -p "$log_dir"
+# a CPU host would run every module to a traceback (and cuda_hf, which also runs on CPU ranks, to a
+# pass that proves nothing of the GPU): refuse before the first one
+if ! $PY -c "import sys, torch; sys.exit(0 if torch.version.cuda and torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "gpu_suite.sh: needs an NVIDIA GPU and a CUDA build of torch ($PY sees none); the CPU suite is python3 -m pytest" >&2
+  exit 2
+fi
+mkdir -p "$log_dir" || { echo "gpu_suite.sh: cannot make the log folder '$log_dir'" >&2; exit 2; }
 
 start_all=$(date +%s)
 budget=${CCO_GPU_SUITE_BUDGET:-0}  # 0: no bound on the whole run

@@ -65,3 +65,36 @@ def test_tp_mlp_refuses_a_tp_size_that_does_not_divide_the_world(tp, capsys):
         tp_mlp.main(["--world", "2", "--tp", tp, "--compile", "off"])
     said = str(exit_.value.code) + capsys.readouterr().err
     assert f"--tp={tp} must be a positive divisor of the world" in said, said
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--world", "0"], "--world=0 must be >= 1"),
+    (["--batch", "0"], "--batch=0 must be >= 1"),
+    (["--hidden", "0"], "--hidden=0 must be >= 1"),
+    (["--seq", "0", "--sequence-parallel"], "--seq=0 must be >= 1"),
+    (["--seq", "3", "--batch", "1", "--sequence-parallel"], "3 tokens must be a multiple of TP=2"),
+])
+def test_tp_mlp_refuses_sizes_before_any_rank_starts(args, says, capsys, monkeypatch):
+    """Before: ``--batch 0`` printed PASS (errors of empty tensors), ``--hidden 0`` divided by zero,
+    ``--world 0`` named ``--tp``, and tokens that do not split over TP raised SystemExit inside each
+    rank (a SpawnError traceback)."""
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        tp_mlp.main(["--world", "2", "--compile", "off", *args])
+    said = str(exit_.value.code) + capsys.readouterr().err
+    assert says in said, said
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--model", "/nonexistent"], "not a local checkpoint folder (no config.json in it)"),
+    (["--batch", "0"], "--batch=0 must be >= 1"),
+    (["--new-tokens", "0"], "--new-tokens=0 must be >= 1"),
+])
+def test_hf_generate_refuses_arguments_before_loading(args, says, capsys):
+    """Before: each of these ran into 100-180 lines of tracebacks from every rank under torchrun."""
+    from examples import hf_generate
+
+    with pytest.raises(SystemExit) as exit_:
+        hf_generate.parse_args(args)
+    assert exit_.value.code == 2 and says in capsys.readouterr().err

@@ -31,3 +31,18 @@ def test_skip_and_an_unknown_part():
     done = subprocess.run(["bash", "scripts/gpu_suite.sh"], cwd=ROOT, capture_output=True, text=True, timeout=60,
                           env={**os.environ, "CCO_GPU_SUITE_LIST": "1", "CCO_GPU_SUITE_PART": "3"})
     assert done.returncode == 2 and "must be 1, 2 or all" in done.stderr
+
+
+def test_help_and_a_host_without_a_gpu():
+    """``--help`` was taken for LOG_DIR (every module then "FAILED in 0s"), and on a host without a
+    GPU every module ran to a traceback, cuda_hf (which also runs on CPU ranks) to a pass: the
+    script prints its usage, and refuses a host without CUDA before any module."""
+    run = lambda *args, **env: subprocess.run(["bash", "scripts/gpu_suite.sh", *args], cwd=ROOT,  # noqa: E731
+                                              capture_output=True, text=True, timeout=120, env={**os.environ, **env})
+    done = run("--help")
+    assert done.returncode == 0 and "CCO_GPU_SUITE_PART=1" in done.stdout and "set -uo" not in done.stdout, done
+    done = run("--verbose")
+    assert done.returncode == 2 and "unknown option '--verbose'" in done.stderr, done
+    done = run("/nonexistent/logs", CUDA_VISIBLE_DEVICES="")  # no GPU seen, whatever the host has
+    assert done.returncode == 2 and "needs an NVIDIA GPU" in done.stderr, done
+    assert "[gpu-suite]" not in done.stdout and not Path("/nonexistent/logs").exists(), done
