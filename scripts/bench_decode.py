@@ -155,9 +155,32 @@ def parse_args(argv=None):
         p.error("--plot-per-call draws the per-call table, --model-only runs none: use --plot")
     if args.profile and args.smoke:
         p.error("--profile times calls on the GPU, --smoke runs each arm once on the CPU: pass one or the other")
+    if args.smoke and (args.plot or args.plot_per_call):  # (its records have no times: empty axes)
+        p.error(f"{'--plot' if args.plot else '--plot-per-call'} draws times, --smoke times nothing: pass one or "
+                f"the other")
+    if args.smoke and args.per_call_only:  # (the smoke runs the model only: nothing would run)
+        p.error("--smoke runs the model's arms, --per-call-only leaves the model out: pass one or the other")
+    # torchrun's world (launched_or_one_rank's): the model and nn.Linear's per-call arm run at world 1 only
+    world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else 1
+    if world > 1 and not args.from_json and (args.smoke or args.model_only):
+        p.error(f"{'--smoke' if args.smoke else '--model-only'} runs the model, which runs at world 1 only (world "
+                f"{world} here): run it without torchrun")
+    if world > 1 and not args.from_json and (args.plot or args.plot_per_call):
+        p.error(f"{'--plot' if args.plot else '--plot-per-call'} draws against world 1's arms (the model, "
+                f"nn.Linear), world {world} runs neither: run it at world 1, or pass --json and draw another "
+                f"run's with --from")
+    try:  # (a bad name found at parse time, not after the model's section has run)
+        shapes(args.shapes)
+    except SystemExit as err:
+        p.error(str(err).removeprefix("bench_decode: "))
     from cco.bench.timing import check_output_dirs
 
     check_output_dirs(p, args, ("json", "plot", "plot_per_call"))
+    for flag in ("plot", "plot_per_call"):
+        if getattr(args, flag):  # (a suffix matplotlib cannot write would raise only after the run)
+            from scripts.plot_results import check_plot_path
+
+            check_plot_path(p, f"--{flag.replace('_', '-')}", getattr(args, flag))
     return args
 
 
@@ -352,9 +375,13 @@ def model_runs(args, comm, device) -> list[dict]:
         arms[f"cco {q}"] = ("cco", q)
     for q in args.quant:
         arms[f"cco {q}, every linear"] = ("cco-all", q)
-    for q in ("ptpc", "blockscale"):
+    for q in ("ptpc", "blockscale"):  # (mxfp8: cuBLAS has no recipe before Blackwell, so no unfused arm)
         if q in args.quant:
-            arms[f"fp8 unfused {q}"] = ("unfused", q)
+            why = unfused_missing(q, device)
+            if why is None:
+                arms[f"fp8 unfused {q}"] = ("unfused", q)
+            else:  # left out as mxfp8's is (a CPU torch has no blockwise _scaled_mm), not a failed arm
+                print(f"fp8 unfused {q}: left out: {why}", flush=True)
     runs = []
     for batch in args.batch:
         dec = Decoder(model, batch, args.prompt, args.tokens, device)
@@ -410,6 +437,15 @@ def model_runs(args, comm, device) -> list[dict]:
             close(made)
         del dec, built
     return runs
+
+
+def unfused_missing(quant: str, device) -> str | None:
+    """Why ``quant``'s unfused arm cannot run here (``cublas_gemm``'s reason: this torch has no
+    blockwise ``_scaled_mm`` on ``device``), else None; asked once with a 128x128 weight."""
+    from cco.bench.timing import cublas_gemm
+
+    b, b_scale = Q.quantize_b(torch.ones(128, 128, device=device), quant)
+    return cublas_gemm(quant, b, b_scale)[1]
 
 
 def install(model, how, comm, m_max: int) -> list:
@@ -734,12 +770,22 @@ def profile_calls(args, comm, device, path: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
+def timed_model_rows(model_rows) -> list[dict]:
+    """The model's records :func:`plot` draws: those with times (``modes``; not --smoke's, not a
+    failed arm's)."""
+    return [r for r in model_rows if isinstance(r, dict) and r.get("modes")]
+
+
 def plot(model_rows, path: str) -> None:
     import matplotlib
 
+    if not timed_model_rows(model_rows):  # (an empty plot is no result: said, no file written)
+        raise SystemExit(f"bench_decode: --plot {path}: no model arm has times to draw (every arm failed, or the "
+                         f"rows are --smoke's)")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    model_rows = timed_model_rows(model_rows)
     batches = sorted({r["batch"] for r in model_rows})
     fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.5), squeeze=False)
     for ax, batch in zip(axes[0], batches):
@@ -761,16 +807,24 @@ def plot(model_rows, path: str) -> None:
 HOST_TARGET, DEVICE_TARGET = 1.5, 0.8  # the per-call targets against nn.Linear: eager host time, graph device time
 
 
+def per_call_plot_rows(per_call_rows) -> list[dict]:
+    """The per-call records :func:`plot_per_call` draws: world 1's, which have ``nn.Linear``'s arm."""
+    return [r for r in per_call_rows if isinstance(r, dict) and "nn.Linear bf16" in r.get("eager", {})]
+
+
 def plot_per_call(per_call_rows, path: str) -> None:
     """One column per shape: the layer's eager host time (top) and its device time under graph
     replay (bottom) over M, each against ``nn.Linear``'s in the same run, a line per quant, the
     targets dashed (**lower is better**). World-1 rows only (the others have no ``nn.Linear`` arm)."""
     import matplotlib
 
+    rows = per_call_plot_rows(per_call_rows)
+    if not rows:  # (an empty plot is no result: said, no file written)
+        raise SystemExit(f"bench_decode: --plot-per-call {path}: no per-call row has the nn.Linear bf16 arm to "
+                         f"draw against (world-1 runs have it; world W runs have none)")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in per_call_rows if "nn.Linear bf16" in r.get("eager", {})]
     shape_names = list(dict.fromkeys(r["shape"] for r in rows))
     quants = list(dict.fromkeys(a[4:] for r in rows for a in r["eager"] if a.startswith("cco ") and ":" not in a
                                 and JIT_ARM not in a and PY_ARM not in a))
@@ -820,13 +874,17 @@ def main(argv=None) -> int:
                              f"'model' and/or 'per_call'), a {type(earlier).__name__}")
         if not (args.plot or args.plot_per_call):
             raise SystemExit("bench_decode: --from draws plots: pass --plot and/or --plot-per-call")
-        for wanted, key, draw in ((args.plot, "model", lambda: plot(earlier["model"]["runs"], args.plot)),
-                                  (args.plot_per_call, "per_call", lambda: plot_per_call(earlier["per_call"],
-                                                                                         args.plot_per_call))):
-            if wanted and not earlier.get(key):
-                raise SystemExit(f"bench_decode: {args.from_json} has no {key} rows to draw")
-            if wanted:
-                draw()
+        model = earlier.get("model")
+        plots = [(args.plot, "model rows (model.runs with times)", plot, timed_model_rows,
+                  model.get("runs") if isinstance(model, dict) else None),
+                 (args.plot_per_call, "per_call rows with the nn.Linear bf16 arm (a world-1 run's)", plot_per_call,
+                  per_call_plot_rows, earlier.get("per_call"))]
+        for path, what, _, drawn, rows in plots:  # every plot's rows checked before any file is written
+            if path and not (isinstance(rows, list) and drawn(rows)):
+                raise SystemExit(f"bench_decode: {args.from_json} has no {what} to draw")
+        for path, _, draw, _, rows in plots:
+            if path:
+                draw(rows, path)
         return 0
 
     if not args.smoke:
@@ -858,18 +916,19 @@ def main(argv=None) -> int:
             result["model"] = {"layers": args.layers, "hidden": args.hidden, "intermediate": args.intermediate,
                                "prompt": args.prompt, "tokens": args.tokens, "runs": model_runs(args, comm, device)}
             save()
-            if args.plot and comm.rank == 0:
-                plot(result["model"]["runs"], args.plot)
         if args.profile and not args.model_only:  # every rank calls (collective); rank 0 writes
             profile_calls(args, comm, device, profile_path(args, "profile"))
         if not args.model_only and not args.smoke:
             result["per_call"] = []
             per_call_runs(args, comm, device, into=result["per_call"], after_shape=save)
-            if args.plot_per_call and comm.rank == 0:
-                plot_per_call(result["per_call"], args.plot_per_call)
         save()
         if comm.rank == 0:
             print("RESULT_JSON " + json.dumps(result), flush=True)
+        # the plots after the JSON and its RESULT_JSON line: one with nothing to draw (SystemExit) loses no numbers
+        if args.plot and comm.rank == 0:
+            plot(result["model"]["runs"], args.plot)
+        if args.plot_per_call and comm.rank == 0:
+            plot_per_call(result["per_call"], args.plot_per_call)
     # --smoke: any arm that raised or decoded non-finite logits fails the run (world 1: the model runs there only)
     failed = smoke_failures(result.get("model", {}).get("runs", [])) if args.smoke else []
     if failed:

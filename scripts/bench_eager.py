@@ -38,7 +38,8 @@ import torch
 from cco import layout
 from cco import quant as Q
 from cco.bench.timing import allreduce_mismatches, allreduce_terms, budget_terms, cublas_gemm, gemm_mismatches
-from cco.bench.timing import per_pass_ratio, time_back_to_back
+from cco.bench.timing import check_output_dirs, per_pass_ratio, require_cuda, time_back_to_back
+from scripts._cli import ints
 
 # world W: above this many output elements the eager call's output is checked against its graph replay's
 # (bit for bit) instead of the fp32 reference summed over the ranks on the host
@@ -48,14 +49,14 @@ REFERENCE_MAX_ELEMENTS = 4096 * 7168
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quant", default="ptpc", choices=Q.QUANTS)
-    p.add_argument("-m", default="16,128,1024,4096,16384", help="comma list of row counts")
+    p.add_argument("-m", type=ints, default=[16, 128, 1024, 4096, 16384], help="comma list of row counts")
     p.add_argument("-n", type=int, default=7168)
     p.add_argument("-k", type=int, default=2048)
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--passes", type=int, default=5)
     p.add_argument("--json", help="write every M's result to this file")
     args = p.parse_args(argv)
-    args.m = [int(x) for x in args.m.split(",")]
+    check_output_dirs(p, args, ("json",))  # now, not after every M has been timed
     return args
 
 
@@ -183,8 +184,19 @@ def world_many(args, comm) -> list[dict]:
     return runs
 
 
-def main(argv=None):
+def wrong_arms(runs: list[dict]) -> list[str]:
+    """``M=m arm`` of every arm whose output failed its check (world W: on any rank); such an arm posts
+    no time at world 1, and the run must not exit 0 over it."""
+    wrong = []
+    for r in runs:
+        per_rank = r["bad_elements"] if isinstance(r["bad_elements"], list) else [r["bad_elements"]]
+        wrong += [f"M={r['m']} {arm}" for arm in dict.fromkeys(a for bad in per_rank for a, n in bad.items() if n)]
+    return wrong
+
+
+def main(argv=None) -> int:
     args = parse_args(argv)
+    require_cuda("bench_eager")  # after parsing: --help and argument errors need no GPU
     from cco.comm import Communicator
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -201,7 +213,12 @@ def main(argv=None):
                 json.dump({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                            "device": torch.cuda.get_device_name(), "quant": args.quant, "n": args.n, "k": args.k,
                            "command": command, "runs": runs}, f, indent=1)
+    wrong = wrong_arms(runs)
+    if wrong:  # every rank holds every rank's counts (world W) or its own (world 1): the same status on each
+        print(f"bench_eager: outputs outside the fp8 error budget: {', '.join(wrong)}", file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -212,6 +212,10 @@ def parse_args(argv=None):
     if args.chunks is not None and not 1 <= args.chunks <= layout.MAX_CHUNKS:
         p.error(f"--chunks {args.chunks}: pick 1..{layout.MAX_CHUNKS}")
     check_output_dirs(p, args, ("json", "plot", "trace"))
+    if args.plot:  # (a suffix matplotlib cannot write would raise only after the whole sweep)
+        from scripts.plot_results import check_plot_path
+
+        check_plot_path(p, "--plot", args.plot)
     if args.trace:
         try:
             arms = select_arms(args.mode, args.quant, args.pattern)
@@ -648,6 +652,17 @@ def plot(results, path):
     fig.savefig(path, dpi=120)
 
 
+def launch_command(argv=None) -> str:
+    """The command line as launched, as far as Python can tell: under torchrun (which sets
+    ``LOCAL_WORLD_SIZE`` and ``WORLD_SIZE``) ``torchrun --nproc-per-node W [--nnodes N]``, else
+    ``python3``, then ``-m scripts.bench_gemm_ar`` and the arguments: a JSON's way to rerun it."""
+    head = "python3"
+    if "LOCAL_WORLD_SIZE" in os.environ and "WORLD_SIZE" in os.environ:
+        local, world = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["WORLD_SIZE"])
+        head = f"torchrun --nproc-per-node {local}" + (f" --nnodes {world // local}" if world > local else "")
+    return f"{head} -m scripts.bench_gemm_ar " + " ".join(sys.argv[1:] if argv is None else argv)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from cco.comm import Communicator
@@ -692,14 +707,15 @@ def main(argv=None) -> int:
     if comm.rank == 0:
         payload = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                    "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                   "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]), "results": results}
-        if args.plot:  # (parse_args: only with --sweep)
-            plot(results, args.plot)
-            payload["plot"] = args.plot
+                   "command": launch_command(argv), "results": results,
+                   **({"plot": args.plot} if args.plot else {})}  # (parse_args: --plot only with --sweep)
+        # the JSON and its RESULT_JSON line first: a plot that fails still leaves the sweep's numbers
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(payload, f, indent=1)
-        print("RESULT_JSON " + json.dumps(payload))
+        print("RESULT_JSON " + json.dumps(payload), flush=True)
+        if args.plot:
+            plot(results, args.plot)
     status = exit_status(comm, results)  # (a collective: every rank calls it)
     if status and comm.rank == 0:
         print("bench_gemm_ar: FAILED: " + ("; ".join(failures(results)) or "a check failed on another rank"),

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 
 import torch
@@ -62,7 +64,19 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=8, help="row pieces of the steps arms")
     p.add_argument("--graph", action="store_true", help="time CUDA-graph replays instead of eager launches")
     args = p.parse_args(argv)
-    from cco.comm import Communicator
+    if args.cols % 256:  # (at parse time: before ranks, windows and GPUs)
+        p.error(f"--cols {args.cols} must be a multiple of 256 (the tile width)")
+    if not 1 <= args.steps <= min(args.rows, layout.MAX_CHUNKS):
+        p.error(f"--steps {args.steps} must be in 1..{min(args.rows, layout.MAX_CHUNKS)}")
+    from cco.comm import _MPI_RANK_VARS, Communicator
+
+    # after parsing (--help needs neither): ranks of a launcher (what Communicator.from_env reads), each
+    # with a CUDA GPU, or one line why not rather than from_env's or the window's traceback
+    launched = ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or any(v in os.environ for v in _MPI_RANK_VARS)
+    if not (launched and torch.cuda.is_available()):
+        raise SystemExit(f"bench_link: needs torchrun and an NVIDIA GPU per rank ("
+                         f"{'no CUDA GPU' if launched else 'no torchrun ranks'} here): "
+                         f"torchrun --nproc-per-node 2 -m scripts.bench_link")
     from cco.cuda import memops
     from cco.window import open_window
 
@@ -77,8 +91,6 @@ def main(argv=None):
     dst = window.tensor(w.recv, rank=peer)[rank]  # the peer's memory, mapped here
     src.copy_(torch.randn(src.shape, device=src.device).bfloat16())
     nbytes = src.numel() * src.element_size()
-    if args.cols % 256:
-        raise SystemExit(f"--cols {args.cols} must be a multiple of 256 (the tile width)")
 
     def copy_engine(i):
         memops.copy(torch.cuda.current_stream().cuda_stream, dst.data_ptr(), src.data_ptr(), nbytes)
@@ -90,8 +102,6 @@ def main(argv=None):
         _push_tile[(triton.cdiv(args.rows, 128) * (args.cols // 256),)](src, dst, args.rows, args.cols, BM=128, BN=256,
                                                                          num_warps=8)
 
-    if not 1 <= args.steps <= min(args.rows, layout.MAX_CHUNKS):
-        raise SystemExit(f"--steps {args.steps} must be in 1..{min(args.rows, layout.MAX_CHUNKS)}")
     lanes = [torch.cuda.Stream() for _ in range(2)]
     ready = torch.ones(args.steps, dtype=torch.int64, device=src.device)  # the steps' counters, complete
     flag_set = torch.ones(1, dtype=torch.int64, device=src.device)
@@ -125,6 +135,9 @@ def main(argv=None):
         torch.cuda.synchronize()
         comm.barrier()
         checks[name] = bool(torch.equal(mine, window.tensor(w.partial, rank=(rank - 1) % world)[rank]))
+    # every rank checked what it received: an arm is right only where it was on every rank (and every
+    # rank then exits with the same status)
+    checks = {name: all(c[name] for c in comm.all_gather_object(checks)) for name in checks}
     if args.graph:
         arms, eager = graphed(arms, rotate=1)
         if eager:
@@ -143,12 +156,18 @@ def main(argv=None):
             print(f"  {name:12s} {t.median_us:8.1f} us (spread {100 * t.spread:4.1f}%) {gbs:7.1f} GB/s "
                   f"{'ok' if checks[name] else 'WRONG BYTES'}")
     if rank == 0:
+        command = f"torchrun --nproc-per-node {world} -m scripts.bench_link " + " ".join(
+            sys.argv[1:] if argv is None else argv)
         print("RESULT_JSON " + json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                           "device": torch.cuda.get_device_name(), "command": command,
                                            "bytes": nbytes, "world": world, "graph": args.graph,
                                            "steps": args.steps, "arms": rows,
                                            "idle_before": idle_before, "idle_after": idle_after}))
     window.close()
     comm.close()
+    wrong = [name for name, ok in checks.items() if not ok]
+    if wrong:  # timings of arms that moved the wrong bytes say nothing: not a run to exit 0
+        raise SystemExit(f"bench_link: wrong bytes on the receiver (not bit-exact) for {', '.join(wrong)}")
 
 
 if __name__ == "__main__":

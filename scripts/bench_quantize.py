@@ -27,7 +27,7 @@ import torch
 
 from cco import layout
 from cco import quant as Q
-from cco.bench.timing import graphed, idle_check, time_arms
+from cco.bench.timing import check_output_dirs, graphed, idle_check, require_cuda, time_arms
 
 DEFAULT_M = (1, 16, 128, 1024, 4096, 16384)
 DEFAULT_K = (2048, 2368)  # 2368: Qwen2.5-7B's MLP at TP 8, padded to 2432
@@ -44,7 +44,9 @@ def parse_args(argv=None):
     p.add_argument("--rotate", type=int, default=3)
     p.add_argument("--graph", action="store_true", help="time CUDA-graph replays instead of eager calls")
     p.add_argument("--json", help="write the rows to this file")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_output_dirs(p, args, ("json",))  # now, not after every shape has been timed
+    return args
 
 
 def same_bytes(got, want) -> bool:
@@ -55,9 +57,10 @@ def same_bytes(got, want) -> bool:
 
 
 def main(argv=None) -> int:
+    opts = parse_args(argv)
+    require_cuda("bench_quantize")  # after parsing: --help and argument errors need no GPU
     from kernels_fused.hopper.quantize import quantize_activation
 
-    opts = parse_args(argv)
     dev = torch.device("cuda")
     idle = idle_check()
     rows, ok = [], True

@@ -34,6 +34,7 @@ import sys
 import torch
 
 from cco.quant import _TINY, FP8, FP8_MAX, QUANTS
+from scripts._cli import ints
 
 SHAPES = {"8b-down": (4096, 14336), "8b-o": (4096, 4096), "70b-down-tp8": (8192, 3584)}  # (N, K)
 ROWS = (1, 8, 32, 64)  # one row, the rows kernel's or MMA's 16 wide, its 32 and 64 wide forms
@@ -277,10 +278,11 @@ def _line(row: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    # (the docstring's first line ends in "::", reST's literal block marker, not the description's end)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0].rstrip(":") + ".")
     p.add_argument("--part", default=",".join(PARTS), help=f"of {', '.join(PARTS)}")
     p.add_argument("--quant", default=",".join(QUANTS))
-    p.add_argument("-m", default=",".join(map(str, ROWS)), help="rows of a call")
+    p.add_argument("-m", type=ints, default=",".join(map(str, ROWS)), help="rows of a call (>= 1)")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)}")
     p.add_argument("--mma-stages", type=int, help="the tensor-core kernels with this many pipeline stages instead "
                                                   "of the layer's (what a CU's LDS allows)")
@@ -292,7 +294,10 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"{unknown}: pick quants from {', '.join(QUANTS)}, shapes from {', '.join(SHAPES)} and parts from "
                 f"{', '.join(PARTS)}")
-    results = check(args.quant.split(","), [int(v) for v in args.m.split(",")],
+    where = os.path.dirname(args.json or "")
+    if where and not os.path.isdir(where):  # now, not after every launch has been compiled
+        p.error(f"--json {args.json}: directory {where} does not exist")
+    results = check(args.quant.split(","), args.m,
                     {name: SHAPES[name] for name in args.shapes.split(",")}, args.mma_stages, args.part.split(","))
     bad = [r for r in results if r["faults"]]
     print(f"{len(results) - len(bad)} of {len(results)} launches compile for gfx950 within its budget")

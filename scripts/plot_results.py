@@ -10,7 +10,8 @@ otherwise). Reads only the JSON: no GPU, no torch.
     python3 -m scripts.plot_results docs/results/2026-11-30_eager_sweep_h200x2.json \\
         --out docs/plots/sweep_eager_h200x2.png
 
-``--mark ARM@M`` draws that point hollow and labels it (a figure the page explains separately).
+``--mark ARM@M`` draws that point hollow and labels it "not understood: see the page" (a figure the
+page explains separately).
 """
 
 from __future__ import annotations
@@ -47,14 +48,31 @@ LABEL = {
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()).replace("``", ""))
     p.add_argument("json", help="raw JSON of a gemm-ar sweep (a 'results' list, one entry per M)")
-    p.add_argument("--out", required=True, help="PNG to write")
+    p.add_argument("--out", required=True, help="PNG to write (or any file type matplotlib writes: .pdf, .svg, ...)")
     p.add_argument("--arms", default=None, help="comma list of arms to draw (default: every arm in the file)")
     p.add_argument("--baseline", default=None, help="arm the ratios are taken against (default: the run's "
                    "pattern's, " + ", ".join(f"{k} {v}" for k, v in BASELINES.items()) + ")")
     p.add_argument("--mark", action="append", default=[], metavar="ARM@M",
-                   help="draw this point hollow and label it (repeatable)")
+                   help="draw this point hollow and label it 'not understood: see the page' (a figure the page "
+                        "explains separately; repeatable)")
     p.add_argument("--title", default=None, help="figure title (default: from the file)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_plot_path(p, "--out", args.out)
+    return args
+
+
+def check_plot_path(p, flag: str, path: str) -> None:
+    """At parse time, ``p.error`` for a plot path matplotlib would not write as asked: a directory (it
+    would write a hidden ``.png`` inside it), or a suffix it has no format for (a traceback at the end)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    if os.path.isdir(path) or path.endswith(os.sep):
+        p.error(f"{flag} {path}: a directory; name the file to write (such as {os.path.join(path, 'plot.png')})")
+    suffix = os.path.splitext(path)[1].lstrip(".").lower()
+    if suffix not in kinds:
+        p.error(f"{flag} {path}: matplotlib writes no {('.' + suffix) if suffix else 'file without a suffix'}; "
+                f"end it in one of {', '.join('.' + k for k in sorted(kinds))}")
 
 
 def load_sweep(path):
@@ -75,6 +93,11 @@ def load_sweep(path):
     results = sorted(results, key=lambda r: r["m"])
     if not results:
         raise SystemExit(f"{path}: no results")
+    for r in results:  # (the title reads them from every sweep's records: a one-line error, not a KeyError)
+        missing = [key for key in ("quant", "n", "k", "world") if key not in r]
+        if missing:
+            raise SystemExit(f"plot_results: {path}: the record of M={r['m']} has no {', '.join(missing)}; "
+                             f"expected {expected}")
     names = list(dict.fromkeys(name for r in results for name in r["arms"]))
     return doc, results, names
 
@@ -86,6 +109,9 @@ def series(results, name, baseline):
         arm, base = r["arms"].get(name), r["arms"].get(baseline)
         if arm is None or base is None:
             continue
+        if not base["median_us"] > 0:  # (a ratio against it has no meaning: said, not a ZeroDivisionError)
+            raise SystemExit(f"plot_results: baseline {baseline} at M={r['m']} has median_us {base['median_us']}; "
+                             f"a ratio needs a positive time (--baseline picks another arm)")
         rows.append((r["m"], arm["median_us"], arm["min_us"], arm["max_us"], arm["median_us"] / base["median_us"]))
     return rows
 

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 
 from cco import layout
 from cco.bench import perf_model as P
@@ -25,6 +27,9 @@ SWEEP_M = (2048, 4096, 8192, 16384, 32768)
 # (label, chunks, put lanes): the copy-engine variants scripts/bench_gemm_ar.py has arms for
 VARIANTS = (("4 chunks", 4, 1), ("8 chunks", 8, 1), ("taper", layout.TAPERED_CHUNKS, 1), ("two lanes", 4, 2),
             ("8 chunks, two lanes", 8, 2), ("taper, two lanes", layout.TAPERED_CHUNKS, 2))
+# what matplotlib's savefig writes (its default canvas), by the --plot path's extension: anything else
+# would fail in savefig, after the table has been printed
+PLOT_FORMATS = ("eps", "jpeg", "jpg", "pdf", "pgf", "png", "ps", "raw", "rgba", "svg", "svgz", "tif", "tiff", "webp")
 
 
 def parse_args(argv=None):
@@ -54,6 +59,16 @@ def parse_args(argv=None):
 
     check_output_dirs(p, args, ("json", "plot"))
     return args
+
+
+def plot_format_error(path: str | None) -> str | None:
+    """Why ``--plot path`` would fail in savefig (after the table), or None. main asks it before it
+    prints anything (parse_args accepts any name: tests/python/cco/test_bench_exit_status.py parses
+    placeholder paths such as ``out.x``)."""
+    if path and os.path.splitext(path)[1][1:].lower() not in PLOT_FORMATS:
+        return (f"--plot {path}: the extension names the image format, one of {', '.join(PLOT_FORMATS)} "
+                f"(e.g. .png)")
+    return None
 
 
 def print_predictions(preds, cal, file=None):
@@ -92,21 +107,31 @@ def print_sensitivity(cal, file=None):
         print(f"  {name:68s} {bf16:5.3f}x  fp8 gather {fp8:5.3f}x", file=file)
 
 
-def print_variants(cal, worlds, ms, file=None):
+def variant_rows(cal, worlds, ms) -> list[tuple]:
+    """``(W, M, variant, fused us, fused-fp8 us, scaled_mm+nccl us)`` per world, M and variant; a
+    ValueError for an M or world the model does not cover."""
+    rows = []
+    for w in worlds:
+        for m in ms:
+            base = P.baseline_us(m, w, cal=cal)
+            for label, chunks, lanes in VARIANTS:
+                bf16, fp8 = (P.fused_us(m, w, gather=g, cal=cal, chunks=chunks, lanes=lanes) for g in P.GATHERS)
+                rows.append((w, m, label, bf16, fp8, base))
+    return rows
+
+
+def print_variants(cal, worlds, ms, file=None, rows=None):
     file = file or sys.stdout
+    # every row first (``rows``: computed by the caller), so a bad -m or --worlds is an error before the header
+    rows = variant_rows(cal, worlds, ms) if rows is None else rows
     print("PREDICTED (not measured) fused / fused-fp8 per copy-engine variant (lanes: put streams per peer), "
           "ptpc; ratios against scaled_mm+nccl. The model walks the layout's chunk-major order (the CUDA "
           "launch computes every peer's tiles first) and was calibrated with one lane and 4 chunks", file=file)
     head = f"{'W':>2} {'M':>6} {'variant':22s} | {'fused':>8} {'fused-fp8':>9} | {'fused':>6} {'fp8':>6}"
     print(head, file=file)
     print("-" * len(head), file=file)
-    for w in worlds:
-        for m in ms:
-            base = P.baseline_us(m, w, cal=cal)
-            for label, chunks, lanes in VARIANTS:
-                bf16, fp8 = (P.fused_us(m, w, gather=g, cal=cal, chunks=chunks, lanes=lanes) for g in P.GATHERS)
-                print(f"{w:>2} {m:>6} {label:22s} | {bf16:8.1f} {fp8:9.1f} | {bf16 / base:5.3f}x {fp8 / base:5.3f}x",
-                      file=file)
+    for w, m, label, bf16, fp8, base in rows:
+        print(f"{w:>2} {m:>6} {label:22s} | {bf16:8.1f} {fp8:9.1f} | {bf16 / base:5.3f}x {fp8 / base:5.3f}x", file=file)
 
 
 def plot(cal, path, *, world=8, ms=SWEEP_M):
@@ -138,27 +163,34 @@ def plot(cal, path, *, world=8, ms=SWEEP_M):
 
 def main(argv=None):
     args = parse_args(argv)
+    bad_plot = plot_format_error(None if args.no_plot else args.plot)
+    if bad_plot:
+        raise SystemExit(f"predict_scaling: {bad_plot}")
     cal = P.calibrate()
     if args.check or args.sensitivity or args.variants:  # instead of the table; each one asked for, in turn
+        try:  # the variants' rows before anything is printed: a bad -m or --worlds is the only output
+            rows = variant_rows(cal, args.worlds, args.m) if args.variants else None
+        except ValueError as err:
+            raise SystemExit(f"predict_scaling: {err}") from None
         if args.check:
             print_check(cal)
         if args.sensitivity:
             print_sensitivity(cal)
         if args.variants:
-            try:
-                print_variants(cal, args.worlds, args.m)
-            except ValueError as err:
-                raise SystemExit(f"predict_scaling: {err}") from None
+            print_variants(cal, args.worlds, args.m, rows=rows)
         return
     try:
         preds = [P.predict(m, w, quant=q, cal=cal) for w in args.worlds for q in args.quant for m in args.m]
     except ValueError as err:
         raise SystemExit(f"predict_scaling: {err}") from None
     print_predictions(preds, cal)
-    if args.json:
+    if args.json:  # an object saying what the numbers are (the cost model's, not measurements) and how made
+        command = "python -m scripts.predict_scaling " + " ".join(sys.argv[1:] if argv is None else argv)
         with open(args.json, "w") as f:
-            json.dump([{**p.__dict__, "fused_ratio": p.fused_ratio, "fused_fp8_ratio": p.fused_fp8_ratio}
-                       for p in preds], f, indent=1)
+            json.dump({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": command,
+                       "kind": "predicted", "rows": [{**p.__dict__, "fused_ratio": p.fused_ratio,
+                                                      "fused_fp8_ratio": p.fused_fp8_ratio} for p in preds]},
+                      f, indent=1)
     if args.plot and not args.no_plot:
         plot(cal, args.plot)
         print(f"plot: {args.plot}")

@@ -14,8 +14,10 @@ rows' and the weight block's scales, so ``G`` times the bytes are in flight. Per
 the fp32 product of the dequantized operands (``cco.bench.timing.gemm_mismatches``: none outside
 the fp8 GEMM's error budget); the arm includes the quantizer's launch, as the layer's call would.
 """
+import argparse
 import itertools
 import json
+import os
 import sys
 
 import torch
@@ -23,7 +25,8 @@ import triton
 import triton.language as tl
 
 from cco import quant as Q
-from scripts.tune_decode import graph_us, shape_weight
+from scripts._cli import ints
+from scripts.tune_decode import SHAPES, graph_us, shape_weight
 
 
 @triton.jit
@@ -54,19 +57,42 @@ def blockscale_rows_kernel(q_ptr, sa_ptr, w_ptr, ws_ptr, out_ptr, M, N, K_PAD, s
              mask=n_ok[:, None] & r_ok[None, :])
 
 
-def main():
+def parse_args(argv=None):
+    """The three positionals the docstring's command line takes (argparse: ``--help`` prints the usage,
+    a bad value is one usage line, not the ``KeyError`` of a shape named ``--help``)."""
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()).replace("``", "").rstrip(":")
+                                + ".")
+    p.add_argument("shapes", help=f"comma list of tune_decode's shapes: {', '.join(SHAPES)}")
+    p.add_argument("m", type=ints, help="comma list of row counts")
+    p.add_argument("json", help="write the rows here")
+    args = p.parse_args(argv)
+    args.shapes = args.shapes.split(",")
+    unknown = [s for s in args.shapes if s not in SHAPES]
+    if unknown:
+        p.error(f"unknown shapes {unknown}: pick from {', '.join(SHAPES)}")
+    where = os.path.dirname(args.json)
+    if where and not os.path.isdir(where):  # now, not after every shape has been timed
+        p.error(f"json {args.json}: directory {where} does not exist")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from cco.bench.timing import require_cuda
+
+    require_cuda("probe_blockscale_rows")  # after parsing: --help and argument errors need no GPU
     from cco.bench.timing import gemm_mismatches
     from kernels_fused.hopper import vendor
     from kernels_fused.hopper.quantize import quantize_activation
 
     dev = torch.device("cuda")
     out_rows = []
-    for name in sys.argv[1].split(","):
+    for name in args.shapes:
         n, k, w, w_bf16 = shape_weight(name, dev)
         wq, ws = Q.quantize_b(w, "blockscale")
         vw = vendor.prepare_weight(wq, ws, "blockscale")
         groups = k // 128
-        for m in [int(v) for v in sys.argv[2].split(",")]:
+        for m in args.m:
             x = torch.randn(m, k, device=dev).to(torch.bfloat16)
             q, sa = quantize_activation(x, "blockscale", k_padded=k)
             ad, wd = Q.dequantize_a(q, sa, "blockscale"), Q.dequantize_b(wq, ws, "blockscale")
@@ -110,9 +136,10 @@ def main():
                   + ", ".join(f"{a} {v:.1f} ({v / base:.2f}x)" for v, a in best), flush=True)
             out_rows.append({"shape": name, "n": n, "k": k, "m": m, "us": t, "outside_budget": bad,
                              "cublas_outside_budget": cublas_bad})
-    with open(sys.argv[3], "w") as f:
+    with open(args.json, "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                   "command": "python3 -m scripts.probe_blockscale_rows " + " ".join(sys.argv[1:]), "rows": out_rows},
+                   "command": "python3 -m scripts.probe_blockscale_rows " + " ".join(sys.argv[1:] if argv is None
+                                                                                     else argv), "rows": out_rows},
                   f, indent=1)
 
 

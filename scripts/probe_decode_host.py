@@ -9,6 +9,7 @@ returns) and wall us per call (after a device wait). One process, world 1 (a glo
 port 29511). Results of 2026-12-04: docs/results/2026-12-04_decode_afternoon/probe_decode_host_8rows.log.
 """
 
+import argparse
 import time
 
 import torch
@@ -27,7 +28,11 @@ def timed(name, fn, n=300):
     print(f"{name:48s} host {host:7.1f} us  wall {wall:7.1f} us", flush=True)
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    # no options, but argparse first: --help prints the usage and exits 0 (on a CPU too), an unknown
+    # argument is a usage error, not a run
+    argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()).replace("``", "").rstrip(":")
+                            + ".").parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("probe_decode_host: needs a GPU")
     import torch.distributed as dist

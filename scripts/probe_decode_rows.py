@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from kernels_fused.hopper.decode_kernels import _rows16, _rows16_1d, _to_bf16, decode_mma_rows_kernel
+from scripts._cli import ints
 from scripts.tune_decode import SHAPES, shape_weight
 
 PROBED = ("8b-down-tp1", "8b-o-tp1", "70b-down-tp1")  # tune_decode's shapes this probe takes by default
@@ -43,17 +44,20 @@ PROBED = ("8b-down-tp1", "8b-o-tp1", "70b-down-tp1")  # tune_decode's shapes thi
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default=",".join(PROBED))
-    p.add_argument("-m", default="2,4,8,16")
+    p.add_argument("-m", type=ints, default="2,4,8,16")
     p.add_argument("--block-n", type=int, default=64)
     p.add_argument("--block-k", type=int, default=256)
     p.add_argument("--graph-calls", type=int, default=10)
     p.add_argument("--passes", type=int, default=3)
     p.add_argument("--json")
     a = p.parse_args(argv)
-    a.shapes, a.m = a.shapes.split(","), [int(v) for v in a.m.split(",")]
+    a.shapes = a.shapes.split(",")
     bad = [s for s in a.shapes if s not in SHAPES]
     if bad or any(not 2 <= m <= 16 for m in a.m):
         p.error(f"--shapes from {', '.join(SHAPES)}; -m in 2..16 (got {bad or a.m})")
+    from cco.bench.timing import check_output_dirs
+
+    check_output_dirs(p, a, ("json",))  # now, not after every shape has been timed
     return a
 
 
@@ -84,7 +88,9 @@ def mma_rows_repeated(q_ptr, sa_ptr, w_ptr, ws_ptr, out_ptr, M, N, K_PAD, BLOCK_
 def main(argv=None) -> int:
     args = parse_args(argv)
     from cco import quant as Q
-    from cco.bench.timing import gemm_mismatches, time_arms
+    from cco.bench.timing import gemm_mismatches, require_cuda, time_arms
+
+    require_cuda("probe_decode_rows")  # after parsing: --help and argument errors need no GPU
     from kernels_fused.hopper import decode as D
     from kernels_fused.hopper.quantize import _pow2, quantize_activation
 

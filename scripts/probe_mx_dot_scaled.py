@@ -12,16 +12,18 @@ checked against the fp32 product of the dequantized operands (relative L2 <= 1e-
 2026-12-04 (one H200, Triton 3.6): 2.8-9.1x (the best config per cell) of ``nn.Linear``'s device time at every cell, against
 1.04-1.43x for the layer's path (docs/decode.md, "mxfp8's kept cuBLAS call ...").
 """
+import argparse
 import itertools
 import json
-import sys
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 from cco import quant as Q
-from scripts.tune_decode import graph_us, shape_weight
+from scripts._cli import ints
+from scripts.tune_decode import SHAPES, graph_us, shape_weight
 
 
 @triton.jit
@@ -52,17 +54,40 @@ def mx_rows_kernel(q_ptr, sa_ptr, w_ptr, ws_ptr, out_ptr, M, N, K_PAD, BLOCK_N: 
              mask=n_ok[:, None] & r_ok[None, :])
 
 
-def main():
+def parse_args(argv=None):
+    """The three positionals the docstring's command line takes (argparse: ``--help`` prints the usage,
+    a bad value is one usage line, not the ``KeyError`` of a shape named ``--help``)."""
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()).replace("``", "").rstrip(":")
+                                + ".")
+    p.add_argument("shapes", help=f"comma list of tune_decode's shapes: {', '.join(SHAPES)}")
+    p.add_argument("m", type=ints, help="comma list of row counts")
+    p.add_argument("json", help="write the rows here")
+    args = p.parse_args(argv)
+    args.shapes = args.shapes.split(",")
+    unknown = [s for s in args.shapes if s not in SHAPES]
+    if unknown:
+        p.error(f"unknown shapes {unknown}: pick from {', '.join(SHAPES)}")
+    where = os.path.dirname(args.json)
+    if where and not os.path.isdir(where):  # now, not after every shape has been timed
+        p.error(f"json {args.json}: directory {where} does not exist")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from cco.bench.timing import require_cuda
+
+    require_cuda("probe_mx_dot_scaled")  # after parsing: --help and argument errors need no GPU
     from kernels_fused.hopper.quantize import quantize_activation, launch_for
     from kernels_fused.hopper.vendor import mx_to_bf16
     dev = torch.device("cuda")
     out_rows = []
-    for name in sys.argv[1].split(","):
+    for name in args.shapes:
         n, k, w, w_bf16 = shape_weight(name, dev)
         wq, ws = Q.quantize_b(w, "mxfp8")
         wsb = ws.view(torch.uint8)
         dense = mx_to_bf16(wq, ws)
-        for m in [int(v) for v in sys.argv[2].split(',')]:
+        for m in args.m:
             x = torch.randn(m, k, device=dev).to(torch.bfloat16)
             q, sa = quantize_activation(x, "mxfp8", k_padded=k)
             sab = sa.view(torch.uint8)
@@ -105,7 +130,7 @@ def main():
                   f"| way0 (quantizer incl.) " + ", ".join(f"{a} {v:.1f} ({v/base:.2f}x)" for v, a in b0) +
                   f" | way1 (kernel alone) " + ", ".join(f"{a} {v:.1f} ({v/base:.2f}x)" for v, a in b1), flush=True)
             out_rows.append({"shape": name, "m": m, "us": t})
-    with open(sys.argv[3], "w") as f:
+    with open(args.json, "w") as f:
         json.dump(out_rows, f, indent=1)
 
 

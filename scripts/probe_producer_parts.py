@@ -28,15 +28,21 @@ import sys
 
 import torch
 
+from scripts._cli import ints
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("-m", default="8192,16384", help="comma list of row counts")
+    p.add_argument("-m", type=ints, default="8192,16384", help="comma list of row counts")
     p.add_argument("--quant", default="ptpc,blockscale")
     p.add_argument("--passes", type=int, default=7)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", help="write the results here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    from cco.bench.timing import check_output_dirs
+
+    check_output_dirs(p, args, ("json",))  # now, not after every arm has been timed
+    return args
 
 
 def _release_kernel():
@@ -159,13 +165,14 @@ def arms_for(quant: str, m: int, dev, n: int = 7168, k: int = 2048):
 
 def main(argv=None):
     from cco import layout
-    from cco.bench.timing import budget_terms, gemm_mismatches, graphed, per_pass_ratio, time_arms
+    from cco.bench.timing import budget_terms, gemm_mismatches, graphed, per_pass_ratio, require_cuda, time_arms
 
     args = parse_args(argv)
+    require_cuda("probe_producer_parts")  # after parsing: --help and argument errors need no GPU
     dev = torch.device("cuda", torch.cuda.current_device())
     results = []
     for quant in args.quant.split(","):
-        for m in [int(x) for x in args.m.split(",")]:
+        for m in args.m:
             arms, sets, sched, plan = arms_for(quant, m, dev)
             ref, dot_abs = budget_terms(sets[0])
             for name, fn in list(arms.items()):

@@ -30,6 +30,8 @@ import time
 
 import torch
 
+from scripts._cli import ints
+
 SHAPES = {  # name: (N, K)
     "8b-down-tp1": (4096, 14336), "8b-o-tp1": (4096, 4096), "8b-gateup-tp1": (28672, 4096),
     "8b-qkv-tp1": (6144, 4096), "8b-down-tp8": (4096, 1792), "70b-down-tp1": (8192, 28672),
@@ -62,7 +64,7 @@ def configs(quant: str, m: int = 1):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default=",".join(SHAPES))
-    p.add_argument("-m", default="1,2,4,8")
+    p.add_argument("-m", type=ints, default="1,2,4,8")
     p.add_argument("--quant", default="ptpc,blockscale,mxfp8")
     p.add_argument("--graph-calls", type=int, default=10)
     p.add_argument("--passes", type=int, default=3)
@@ -70,10 +72,14 @@ def parse_args(argv=None):
     p.add_argument("--host-only", action="store_true", help="only --host's table, at every shape of --shapes")
     p.add_argument("--json")
     p.add_argument("--plot", help="a PNG: each shape's device time over M, per quant, against bf16 and two launches")
-    p.add_argument("--from", dest="from_json", help="plot a --json of an earlier run (no GPU)")
+    p.add_argument("--from", dest="from_json", help="plot a --json of an earlier run (no GPU; needs --plot)")
     a = p.parse_args(argv)
+    if a.from_json and not a.plot:  # --from only draws: without --plot it would do nothing and exit 0
+        p.error(f"--from {a.from_json} draws --plot from an earlier run's --json: pass --plot")
+    from cco.bench.timing import check_output_dirs
+
+    check_output_dirs(p, a, ("json", "plot"))  # now, not after the sweep
     a.shapes = a.shapes.split(",")
-    a.m = [int(v) for v in a.m.split(",")]
     a.quant = a.quant.split(",")
     a.host = a.host or a.host_only
     return a
@@ -158,14 +164,32 @@ def plot(out: dict, path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+def load_run(path: str) -> dict:
+    """The ``--json`` of an earlier run, or one line why not (no file, not JSON, or not this script's:
+    an object whose ``rows`` hold the plot's keys) rather than a traceback."""
+    try:
+        with open(path) as f:
+            out = json.load(f)
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"tune_decode: --from {path}: {err}") from None
+    drawn = ("shape", "n", "k", "m", "quant", "us", "best_us")  # the keys plot reads of a timed row
+    rows = out.get("rows") if isinstance(out, dict) else None
+    if not isinstance(rows, list) or not all(
+            isinstance(r, dict) and ("best_us" not in r or all(key in r for key in drawn)) for r in rows):
+        what = "a dict without them" if isinstance(out, dict) else f"a {type(out).__name__}"
+        raise SystemExit(f"tune_decode: --from {path}: not a tune_decode --json (an object with 'rows' of "
+                         f"{', '.join(drawn)}), {what}")
+    return out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.from_json:
-        with open(args.from_json) as f:
-            out = json.load(f)
-        if args.plot:
-            plot(out, args.plot)
+    if args.from_json:  # the plot of an earlier run (parse_args made sure --plot is given): no GPU
+        plot(load_run(args.from_json), args.plot)
         return 0
+    from cco.bench.timing import require_cuda
+
+    require_cuda("tune_decode")  # after --from, which needs no GPU, and after parsing (--help)
     from cco import quant as Q
     from cco.bench.timing import gemm_mismatches
     from kernels_fused.hopper import decode as D

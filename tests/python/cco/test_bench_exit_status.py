@@ -170,11 +170,11 @@ def test_an_output_path_in_a_missing_directory_is_refused_up_front(capsys, tmp_p
     for flag in flags:
         needs = ["--sweep"] if (script, flag) == ("bench_gemm_ar", "--plot") else []  # (section 7)
         with pytest.raises(SystemExit) as exc:
-            module.parse_args([flag, str(missing / "out.x"), *needs])
+            module.parse_args([flag, str(missing / "out.png"), *needs])  # (.png: a plot's suffix is checked too)
         assert exc.value.code == 2
         assert f"directory {missing} does not exist" in capsys.readouterr().err, flag
-        assert getattr(module.parse_args([flag, str(tmp_path / "out.x"), *needs]), flag[2:].replace("-", "_"))
-    module.parse_args([flags[0], "out.x"])  # the working directory: no directory part to check
+        assert getattr(module.parse_args([flag, str(tmp_path / "out.png"), *needs]), flag[2:].replace("-", "_"))
+    module.parse_args([flags[0], "out.png"])  # the working directory: no directory part to check
 
 
 # ---- 5. predict_scaling writes nothing unless asked ---------------------------------------------------

@@ -1,0 +1,166 @@
+"""The GPU benchmarks' and probes' command lines on a machine without a GPU: each refuses with one
+line and a non-zero exit (not a traceback) where it needs an NVIDIA GPU or a launcher, ``--help``
+prints the usage and exits 0 without running, a bad argument is an argparse error before anything
+runs (the gfx950 compile script's before it compiles), tune_decode's ``--from`` and
+predict_scaling's ``--plot``/``--variants``/``--json`` say what is wrong up front, and bench_eager
+counts a wrong output against its exit status. Every script runs as ``python3 -m scripts.X`` in a
+child process with CUDA hidden (``CUDA_VISIBLE_DEVICES=``), so a GPU machine sees the same."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+TIMEOUT_S = 120
+
+
+def _run(script, *argv, env=None, timeout=TIMEOUT_S):
+    """``(returncode, stdout, stderr)`` of ``python3 -m scripts.<script> argv`` without a visible GPU."""
+    child = {**os.environ, "CUDA_VISIBLE_DEVICES": "", **(env or {})}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
+        if key not in (env or {}):
+            child.pop(key, None)
+    try:
+        done = subprocess.run([sys.executable, "-m", f"scripts.{script}", *map(str, argv)], cwd=ROOT, env=child,
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"scripts.{script} {' '.join(map(str, argv))} still running after {timeout} s")
+    return done.returncode, done.stdout, done.stderr
+
+
+def _one_line_error(rc, out, err, *said, code=None):
+    """A refusal: non-zero exit (``code`` if given), no traceback, its last stderr line says ``said``."""
+    assert rc != 0 and (code is None or rc == code), (rc, out, err)
+    assert "Traceback" not in err, err
+    last = err.strip().splitlines()[-1] if err.strip() else ""
+    for words in said:
+        assert words in last, (words, err)
+
+
+# ---- 1. a GPU benchmark or probe on a machine without one: one line, non-zero ----------------------------
+@pytest.mark.parametrize("script, argv", [
+    ("bench_eager", []), ("bench_quantize", []), ("tune_decode", []), ("probe_decode_rows", []),
+    ("probe_producer_parts", []), ("probe_blockscale_rows", ["8b-o-tp1", "8", "bs.json"]),
+    ("probe_mx_dot_scaled", ["8b-o-tp1", "8", "mx.json"]), ("probe_driver_holds", [])])
+def test_a_gpu_tool_without_a_gpu_says_so_in_one_line(script, argv):
+    rc, out, err = _run(script, *argv)
+    _one_line_error(rc, out, err, f"{script}: needs a CUDA GPU")
+
+
+def test_bench_link_needs_torchrun_and_gpus():
+    rc, out, err = _run("bench_link")  # no launcher
+    _one_line_error(rc, out, err, "bench_link: needs torchrun and an NVIDIA GPU per rank", "no torchrun ranks")
+    rc, out, err = _run("bench_link", env={"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517"})  # torchrun, no GPU
+    _one_line_error(rc, out, err, "bench_link: needs torchrun and an NVIDIA GPU per rank", "no CUDA GPU")
+
+
+# ---- 2. --help: the usage, exit 0, nothing run ------------------------------------------------------------
+@pytest.mark.parametrize("script", ["probe_driver_holds", "probe_blockscale_rows", "probe_mx_dot_scaled",
+                                    "probe_decode_host"])
+def test_help_prints_the_usage_and_runs_nothing(script):
+    rc, out, err = _run(script, "--help", timeout=60)
+    assert rc == 0 and out.startswith("usage: ") and "needs" not in out + err and "RESULT" not in out, (rc, out, err)
+
+
+def test_the_gfx950_compile_scripts_help_ends_its_sentence():
+    rc, out, err = _run("compile_triton_gfx950", "--help", timeout=60)
+    description = " ".join(out.split("\n\n")[1].split())
+    assert rc == 0 and description.endswith("no GPU."), description
+
+
+@pytest.mark.parametrize("script, argv, said", [
+    ("probe_driver_holds", ["eager_copy", "cpu"], "a case is SHAPE BLOCK WORD"),
+    ("probe_blockscale_rows", ["8b-up", "8", "bs.json"], "unknown shapes ['8b-up']"),
+    ("probe_mx_dot_scaled", ["8b-o-tp1", "x", "mx.json"], "'x' is not a comma list of integers"),
+    ("probe_decode_host", ["--rows", "8"], "unrecognized arguments: --rows 8")])
+def test_the_probes_positionals_are_argparse_errors(script, argv, said):
+    rc, out, err = _run(script, *argv, timeout=60)
+    _one_line_error(rc, out, err, said, code=2)
+
+
+# ---- 3. argument errors before anything runs --------------------------------------------------------------
+@pytest.mark.parametrize("script, argv, said", [
+    ("bench_eager", ["-m", "x"], "argument -m: 'x' is not a comma list of integers"),
+    ("bench_eager", ["-m", "16,0"], "every value must be >= 1"),
+    ("bench_eager", ["--json", "/nonexistent-dir/e.json"], "directory /nonexistent-dir does not exist"),
+    ("bench_link", ["--cols", "100"], "--cols 100 must be a multiple of 256"),
+    ("tune_decode", ["-m", "1,x"], "'1,x' is not a comma list of integers"),
+    ("probe_blockscale_rows", ["8b-o-tp1", "8", "/nonexistent-dir/bs.json"], "directory /nonexistent-dir does not"),
+    # the compile script (under TRITON_INTERPRET=1, which it refuses in check(): an error there, not
+    # the argparse one, is what a parse-time check missing would show, and nothing gets compiled)
+    ("compile_triton_gfx950", ["-m", "0"], "argument -m: '0': every value must be >= 1"),
+    ("compile_triton_gfx950", ["-m", "x"], "argument -m: 'x' is not a comma list of integers"),
+    ("compile_triton_gfx950", ["-m", "1", "--json", "/nonexistent-dir/x.json"],
+     "--json /nonexistent-dir/x.json: directory /nonexistent-dir does not exist")])
+def test_bad_arguments_are_one_argparse_line(script, argv, said):
+    rc, out, err = _run(script, *argv, env={"TRITON_INTERPRET": "1"})
+    _one_line_error(rc, out, err, said, code=2)
+    assert out == ""
+
+
+# ---- 4. tune_decode --from ------------------------------------------------------------------------------
+def test_tune_decode_from_without_plot_is_refused(tmp_path):
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"rows": []}))
+    rc, out, err = _run("tune_decode", "--from", run)
+    _one_line_error(rc, out, err, f"--from {run} draws --plot", "pass --plot", code=2)
+
+
+@pytest.mark.parametrize("text, said", [
+    (None, "No such file or directory"), ("[]", "not a tune_decode --json"),
+    ('{"gpu": "x"}', "not a tune_decode --json"), ('{"rows": [{"best_us": 3.0}]}', "not a tune_decode --json"),
+    ("{not json", "Expecting property name")])
+def test_tune_decode_from_a_file_that_is_not_a_run_is_one_line(tmp_path, text, said):
+    path = tmp_path / "earlier.json"
+    if text is not None:
+        path.write_text(text)
+    rc, out, err = _run("tune_decode", "--from", path, "--plot", tmp_path / "p.png")
+    _one_line_error(rc, out, err, f"tune_decode: --from {path}", said, code=1)
+    assert not (tmp_path / "p.png").exists()
+
+
+# ---- 5. predict_scaling ---------------------------------------------------------------------------------
+def test_predict_scaling_refuses_a_plot_it_cannot_write_before_the_table(tmp_path):
+    rc, out, err = _run("predict_scaling", "--worlds", "8", "-m", "16384", "--plot", tmp_path / "ps.txt")
+    _one_line_error(rc, out, err, "--plot", "ps.txt", "png")
+    assert out == "" and not (tmp_path / "ps.txt").exists()
+
+
+@pytest.mark.parametrize("argv, said", [(["--variants", "-m", "99", "--worlds", "2"], "m=99"),
+                                        (["--variants", "--worlds", "3", "-m", "16384"], "world=3"),
+                                        (["--check", "--variants", "-m", "99"], "m=99")])
+def test_predict_scaling_variants_check_m_and_worlds_before_printing(argv, said):
+    rc, out, err = _run("predict_scaling", *argv)
+    _one_line_error(rc, out, err, "predict_scaling: ", said)
+    assert out == ""
+
+
+def test_predict_scaling_json_says_the_numbers_are_predictions(tmp_path):
+    path = tmp_path / "p.json"
+    rc, out, err = _run("predict_scaling", "--worlds", "8", "-m", "16384", "--json", path)
+    assert rc == 0, err
+    written = json.loads(path.read_text())
+    assert isinstance(written, dict) and written["kind"] == "predicted" and written["date"]
+    assert written["command"].endswith(f"predict_scaling --worlds 8 -m 16384 --json {path}")
+    assert [(r["world"], r["m"]) for r in written["rows"]] == [(8, 16384)] * 2
+    assert {"fused_ratio", "fused_fp8_ratio", "baseline_us", "quant"} <= set(written["rows"][0])
+
+
+# ---- 6. bench_eager: a wrong output is a failed run ------------------------------------------------------
+def test_bench_eager_names_the_arms_whose_outputs_failed_their_check():
+    sys.path.insert(0, ROOT)
+    try:
+        from scripts.bench_eager import wrong_arms
+    finally:
+        sys.path.remove(ROOT)
+    world_one = [{"m": 16, "bad_elements": {"op fused": 0, "_scaled_mm": 0}},
+                 {"m": 128, "bad_elements": {"op fused": 3, "op gemm-only": 0}}]
+    assert wrong_arms(world_one) == ["M=128 op fused"]
+    world_two = [{"m": 16, "bad_elements": [{"op eager": 0, "op graph replay": 0},
+                                            {"op eager": 0, "op graph replay": 2}]}]  # one dict per rank
+    assert wrong_arms(world_two) == ["M=16 op graph replay"]
+    assert wrong_arms(world_one[:1]) == []
