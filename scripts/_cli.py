@@ -5,6 +5,7 @@ without a CUDA GPU is ``cco.bench.timing.require_cuda``.)"""
 from __future__ import annotations
 
 import argparse
+import os
 
 
 def ints(text: str) -> list[int]:
@@ -17,3 +18,22 @@ def ints(text: str) -> list[int]:
     if any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"{text!r}: every value must be >= 1")
     return values
+
+
+def shape_probe_args(doc: str, shapes, argv=None) -> argparse.Namespace:
+    """The three positionals of a probe over tune_decode's shapes (``SHAPES M_LIST OUT.json``; the
+    probe's module docstring ``doc`` gives the description): ``--help`` prints the usage, and a bad
+    value is one usage line, not the ``KeyError`` of a shape named ``--help``."""
+    p = argparse.ArgumentParser(description=" ".join(doc.split("\n\n")[0].split()).replace("``", "").rstrip(":") + ".")
+    p.add_argument("shapes", help=f"comma list of tune_decode's shapes: {', '.join(shapes)}")
+    p.add_argument("m", type=ints, help="comma list of row counts")
+    p.add_argument("json", help="write the rows here")
+    args = p.parse_args(argv)
+    args.shapes = args.shapes.split(",")
+    unknown = [s for s in args.shapes if s not in shapes]
+    if unknown:
+        p.error(f"unknown shapes {unknown}: pick from {', '.join(shapes)}")
+    where = os.path.dirname(args.json)
+    if where and not os.path.isdir(where):  # now, not after every shape has been timed
+        p.error(f"json {args.json}: directory {where} does not exist")
+    return args

@@ -52,21 +52,11 @@ import time
 import torch
 
 from cco import quant as Q
+from scripts._cli import ints
 
 # (model, hidden, intermediate): the two models whose row-parallel shapes the per-call table takes
 MODELS = {"8b": (4096, 14336), "70b": (8192, 28672)}
 TPS = (1, 2, 8)
-
-
-def _ints(text: str) -> list[int]:
-    """A comma list of integers >= 1 (``--batch``, ``-m``), or an argparse error."""
-    try:
-        values = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of integers") from None
-    if any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: every value must be >= 1")
-    return values
 
 
 def _quants(text: str) -> list[str]:
@@ -106,12 +96,12 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=32, help="the model: attention heads")
     p.add_argument("--kv-heads", type=int, default=8, help="the model: key/value heads")
     p.add_argument("--vocab", type=int, default=128256, help="the model: vocabulary size")
-    p.add_argument("--batch", type=_ints, default=[1, 8], help="the model: comma list of batch sizes")
+    p.add_argument("--batch", type=ints, default=[1, 8], help="the model: comma list of batch sizes")
     p.add_argument("--prompt", type=int, default=16, help="the model: prompt tokens per sequence")
     p.add_argument("--tokens", type=int, default=64, help="the model: greedy decode steps per timed decode")
     p.add_argument("--repeats", type=int, default=5, help="the model: timed decodes per arm and mode")
     p.add_argument("--quant", type=_quants, default=list(Q.QUANTS), help="comma list of " + ", ".join(Q.QUANTS))
-    p.add_argument("-m", type=_ints, default=[1, 8, 64, 256], help="per-call table: row counts")
+    p.add_argument("-m", type=ints, default=[1, 8, 64, 256], help="per-call table: row counts")
     p.add_argument("--shapes", default="all", help="per-call table: all, or a comma list such as 8b-down-tp1")
     p.add_argument("--graph-calls", type=int, default=10, help="per-call table: calls per captured CUDA graph")
     p.add_argument("--calls", type=int, default=50, help="per-call table: eager calls per arm and pass")

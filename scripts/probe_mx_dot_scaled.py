@@ -12,17 +12,15 @@ checked against the fp32 product of the dequantized operands (relative L2 <= 1e-
 2026-12-04 (one H200, Triton 3.6): 2.8-9.1x (the best config per cell) of ``nn.Linear``'s device time at every cell, against
 1.04-1.43x for the layer's path (docs/decode.md, "mxfp8's kept cuBLAS call ...").
 """
-import argparse
 import itertools
 import json
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from cco import quant as Q
-from scripts._cli import ints
+from scripts._cli import shape_probe_args
 from scripts.tune_decode import SHAPES, graph_us, shape_weight
 
 
@@ -55,22 +53,7 @@ def mx_rows_kernel(q_ptr, sa_ptr, w_ptr, ws_ptr, out_ptr, M, N, K_PAD, BLOCK_N: 
 
 
 def parse_args(argv=None):
-    """The three positionals the docstring's command line takes (argparse: ``--help`` prints the usage,
-    a bad value is one usage line, not the ``KeyError`` of a shape named ``--help``)."""
-    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()).replace("``", "").rstrip(":")
-                                + ".")
-    p.add_argument("shapes", help=f"comma list of tune_decode's shapes: {', '.join(SHAPES)}")
-    p.add_argument("m", type=ints, help="comma list of row counts")
-    p.add_argument("json", help="write the rows here")
-    args = p.parse_args(argv)
-    args.shapes = args.shapes.split(",")
-    unknown = [s for s in args.shapes if s not in SHAPES]
-    if unknown:
-        p.error(f"unknown shapes {unknown}: pick from {', '.join(SHAPES)}")
-    where = os.path.dirname(args.json)
-    if where and not os.path.isdir(where):  # now, not after every shape has been timed
-        p.error(f"json {args.json}: directory {where} does not exist")
-    return args
+    return shape_probe_args(__doc__, SHAPES, argv)
 
 
 def main(argv=None):
