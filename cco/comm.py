@@ -364,9 +364,8 @@ def spawn(fn, *, world: int, args: tuple = (), device="cpu", timeout_s: float = 
 
     ``fn`` must be importable (a module-level function; a lambda or a nested one is a TypeError).
     Processes come from a forkserver that has already imported torch, so a rank starts in well under
-    a second. A rank still running after
-    ``timeout_s`` is killed and reported with ``error_type="SpawnTimeout"``. Use
-    :func:`check_outcomes` to turn failures into one exception.
+    a second. A rank still running after ``timeout_s`` is killed and reported with
+    ``error_type="SpawnTimeout"``. Use :func:`check_outcomes` to turn failures into one exception.
     """
     if world < 1:
         raise ValueError(f"spawn: world={world} must be >= 1")
@@ -374,8 +373,8 @@ def spawn(fn, *, world: int, args: tuple = (), device="cpu", timeout_s: float = 
     if "<locals>" in qualname or "<lambda>" in qualname:
         # the rank processes unpickle fn by its name: this one has none they could import, and each
         # would die before reporting anything (an outcome that says only "exited with code 1")
-        raise TypeError(f"spawn: fn={fn!r} has no name to import by (a lambda or a function defined inside another); pass a module-level function (the rank "
-                        f"processes import it by name)")
+        raise TypeError(f"spawn: fn={fn!r} has no name to import by (a lambda or a function defined inside "
+                        f"another); pass a module-level function (the rank processes import it by name)")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "cco.comm"])
     with tempfile.TemporaryDirectory(prefix="cco-spawn-") as tmp:

@@ -24,7 +24,7 @@ import torch
 
 from cco import layout
 from cco import quant as q
-from cco.comm import Communicator, check_outcomes, spawn
+from cco.comm import _MPI_RANK_VARS, _MPI_SIZE_VARS, Communicator, _first_env, check_outcomes, spawn
 from cco.layout import GATHER_DTYPES, MODE_ALIASES, MODES, QUANTS, TRANSPORTS
 from cco.op import GemmAllReduceOp
 from cco.preshuffle import preshuffle_b
@@ -168,15 +168,12 @@ def parse_args(argv=None):
 
 def _launcher_world() -> int | None:
     """The ranks a launcher started (torchrun's WORLD_SIZE, or an MPI launcher's), None if it says none."""
-    for var in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return None
+    size = _first_env(("WORLD_SIZE", *_MPI_SIZE_VARS))
+    return int(size) if size is not None and size.isdigit() else None
 
 
 def _launched_externally() -> bool:
-    return ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or any(
-        v in os.environ for v in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK"))
+    return ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or _first_env(_MPI_RANK_VARS) is not None
 
 
 def _device(opts):

@@ -294,9 +294,9 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"{unknown}: pick quants from {', '.join(QUANTS)}, shapes from {', '.join(SHAPES)} and parts from "
                 f"{', '.join(PARTS)}")
-    where = os.path.dirname(args.json or "")
-    if where and not os.path.isdir(where):  # now, not after every launch has been compiled
-        p.error(f"--json {args.json}: directory {where} does not exist")
+    from cco.bench.timing import check_output_dirs
+
+    check_output_dirs(p, args, ("json",))  # now, not after every launch has been compiled
     results = check(args.quant.split(","), args.m,
                     {name: SHAPES[name] for name in args.shapes.split(",")}, args.mma_stages, args.part.split(","))
     bad = [r for r in results if r["faults"]]

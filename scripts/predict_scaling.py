@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -29,7 +28,6 @@ VARIANTS = (("4 chunks", 4, 1), ("8 chunks", 8, 1), ("taper", layout.TAPERED_CHU
             ("8 chunks, two lanes", 8, 2), ("taper, two lanes", layout.TAPERED_CHUNKS, 2))
 # what matplotlib's savefig writes (its default canvas), by the --plot path's extension: anything else
 # would fail in savefig, after the table has been printed
-PLOT_FORMATS = ("eps", "jpeg", "jpg", "pdf", "pgf", "png", "ps", "raw", "rgba", "svg", "svgz", "tif", "tiff", "webp")
 
 
 def parse_args(argv=None):
@@ -58,17 +56,11 @@ def parse_args(argv=None):
     from cco.bench.timing import check_output_dirs
 
     check_output_dirs(p, args, ("json", "plot"))
+    if args.plot and not args.no_plot:  # (a suffix savefig cannot write would fail after the table)
+        from scripts.plot_results import check_plot_path
+
+        check_plot_path(p, "--plot", args.plot)
     return args
-
-
-def plot_format_error(path: str | None) -> str | None:
-    """Why ``--plot path`` would fail in savefig (after the table), or None. main asks it before it
-    prints anything (parse_args accepts any name: tests/python/cco/test_bench_exit_status.py parses
-    placeholder paths such as ``out.x``)."""
-    if path and os.path.splitext(path)[1][1:].lower() not in PLOT_FORMATS:
-        return (f"--plot {path}: the extension names the image format, one of {', '.join(PLOT_FORMATS)} "
-                f"(e.g. .png)")
-    return None
 
 
 def print_predictions(preds, cal, file=None):
@@ -163,9 +155,6 @@ def plot(cal, path, *, world=8, ms=SWEEP_M):
 
 def main(argv=None):
     args = parse_args(argv)
-    bad_plot = plot_format_error(None if args.no_plot else args.plot)
-    if bad_plot:
-        raise SystemExit(f"predict_scaling: {bad_plot}")
     cal = P.calibrate()
     if args.check or args.sensitivity or args.variants:  # instead of the table; each one asked for, in turn
         try:  # the variants' rows before anything is printed: a bad -m or --worlds is the only output
