@@ -31,7 +31,14 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 120.0  # bootstrap collectives (group creation, window setup)
-EXCHANGE_WORDS = 8  # int64 per rank in every gather_words exchange: (seq, count, up to six words)
+# int64 per rank in every gather_words exchange: (seq, count, when this rank entered it in us of wall
+# time, its timeout in ms, up to six words)
+EXCHANGE_WORDS = 10
+_HEAD = 4  # the words before the caller's
+# A rank that enters an exchange this late after the first one (a share of the timeout, at most the
+# seconds beside it) makes it fail on every rank: the first rank's wait ends at the timeout, and the
+# margin covers the gather's own latency and the hosts' clock skew (gather_words)
+LATE_SHARE, LATE_MARGIN_MAX_S = 0.25, 5.0
 _MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
 _MPI_LOCAL_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK")
 _MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE")
@@ -45,6 +52,12 @@ def _default_device(local_rank: int) -> torch.device:
     if torch.cuda.is_available():  # ROCm builds report through torch.cuda as well
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def late_bound(timeout_s: float) -> float:
+    """How late after the first rank another may enter a ``gather_words`` exchange of ``timeout_s``
+    (seconds) before the exchange fails on every rank."""
+    return timeout_s - min(LATE_SHARE * timeout_s, LATE_MARGIN_MAX_S)
 
 
 class Communicator:
@@ -201,24 +214,43 @@ class Communicator:
         return out
 
     def gather_words(self, words: list[int], *, seq: int, timeout_s: float, what: str) -> list[list[int]]:
-        """Every rank's ``words`` (at most ``EXCHANGE_WORDS - 2`` ints), in rank order: one gather on the
+        """Every rank's ``words`` (at most ``EXCHANGE_WORDS - 4`` ints), in rank order: one gather on the
         CPU group, waited for at most ``timeout_s`` (a collective call's header: a peer that never
         comes, because it died or made another call, raises ``CommTimeoutError`` naming ``what``
         here instead of blocking until the group's own timeout). ``seq`` names the collective call
         the exchange belongs to (an op's call seq, a layer's header count): ranks that exchange at
-        different seqs made different calls, and every rank raises ``PeerMismatchError``.
+        different seqs made different calls.
+
+        Different seqs, the same verdict from the same words on every rank: a rank whose seq is
+        below the highest is behind (its exchange met the peers' exchange of a later call: it
+        missed a call of theirs, which failed without it) and raises ``PeerMismatchError`` with
+        ``behind`` set to how many calls it is behind, so that its caller can take part in the
+        missed calls as rejected ones (``cco.nn``'s layers: ``op.reject``); a rank at the highest
+        seq posts its exchange once more, which meets the behind ranks' next exchange (their
+        exchange of this call). Before, both raised, and their op seqs stayed one apart: every later
+        call failed on both.
 
         A gather that timed out stays posted (gloo cannot withdraw it), and the peers' next exchange
         pairs with it. So this rank's next exchange completes it first (within ``timeout_s`` too):
         where every peer made that same exchange late (its seq), it is spent and this one goes ahead;
-        else the peers made their next exchange against this rank's stale words, and that exchange
-        is this one: their seqs differ, every rank raises ``PeerMismatchError``, and the ranks are in
-        step from the next exchange. (Each exchange has the same size, whatever its words: gloo
-        aborts a gather whose sizes differ.) One rank: its own words, no exchange."""
-        from cco.transport.protocol import CommTimeoutError
+        where every peer's seq is this exchange's, the peers made this very exchange against the
+        stale words, saw this rank behind and post theirs once more: this one goes ahead and meets
+        it; anything else raises ``PeerMismatchError``. (Each exchange has the same size, whatever
+        its words: gloo aborts a gather whose sizes differ.) One rank: its own words, no exchange.
 
-        if len(words) > EXCHANGE_WORDS - 2:
-            raise ValueError(f"gather_words: {len(words)} words; at most {EXCHANGE_WORDS - 2}")
+        A peer that comes late, but while this rank's gather is still posted (it timed out, or is
+        about to), completes it: before, that peer went on into the call's data collective alone
+        (an unfused layer's all-reduce) and waited there for the group's own timeout. So every rank
+        also sends when it entered (wall time) and its timeout: where the last rank entered more than
+        ``timeout - min(LATE_SHARE * timeout, LATE_MARGIN_MAX_S)`` seconds after the first, every rank
+        that gets the words raises ``CommTimeoutError`` too, the same verdict from the same words,
+        and the first rank's stale gather is then spent (the ranks stay in step). The margin is what
+        the gather's latency and the hosts' clock skew may take: below it, the first rank's wait has
+        not ended when the words arrive."""
+        from cco.transport.protocol import CommTimeoutError, PeerMismatchError
+
+        if len(words) > EXCHANGE_WORDS - _HEAD:
+            raise ValueError(f"gather_words: {len(words)} words; at most {EXCHANGE_WORDS - _HEAD}")
         if self.world == 1:
             return [list(words)]
         if self._stale is not None:
@@ -231,36 +263,64 @@ class Communicator:
                     f"(it timed out before) within {timeout_s:g} s: a peer died or stalled; build a new "
                     f"communicator: {err}") from None
             self._stale = None
-            if any(int(t[0]) != stale_seq for t in every):  # the peers' exchange of their next call
-                return self._words_of(every, what)  # (raises: the seqs differ)
-        mine = torch.zeros(EXCHANGE_WORDS, dtype=torch.int64)
-        mine[0], mine[1] = seq, len(words)
-        mine[2:2 + len(words)] = torch.tensor(words, dtype=torch.int64)
-        every = [torch.empty_like(mine) for _ in range(self.world)]
-        work = dist.all_gather(every, mine, group=self.group, async_op=True)
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-        except RuntimeError as err:
-            self._stale = (work, every, seq)
-            raise CommTimeoutError(
-                f"rank {self.rank}: {what}: the peers did not take part within {timeout_s:g} s (a peer died, "
-                f"stalled, or made another call; this rank's next exchange on the communicator completes "
-                f"this one first): {err}") from None
-        return self._words_of(every, what)
+            peers = {int(t[0]) for r, t in enumerate(every) if r != self.rank}
+            if peers != {stale_seq} and peers != {seq}:  # the peers' exchange of another call
+                try:
+                    self._words_of(every, what, retry=False)  # (raises: the seqs differ)
+                except PeerMismatchError as err:
+                    err.behind = max(0, max(peers) - seq)  # behind from this call, not from the stale one
+                    raise
+        for attempt in range(2):
+            mine = torch.zeros(EXCHANGE_WORDS, dtype=torch.int64)
+            mine[0], mine[1], mine[2], mine[3] = seq, len(words), time.time_ns() // 1000, round(timeout_s * 1000)
+            mine[_HEAD:_HEAD + len(words)] = torch.tensor(words, dtype=torch.int64)
+            every = [torch.empty_like(mine) for _ in range(self.world)]
+            work = dist.all_gather(every, mine, group=self.group, async_op=True)
+            try:
+                work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+            except RuntimeError as err:
+                self._stale = (work, every, seq)
+                raise CommTimeoutError(
+                    f"rank {self.rank}: {what}: the peers did not take part within {timeout_s:g} s (a peer died, "
+                    f"stalled, or made another call; this rank's next exchange on the communicator completes "
+                    f"this one first): {err}") from None
+            found = self._words_of(every, what, retry=attempt == 0)
+            if found is not None:
+                return found
+        raise AssertionError("gather_words: _words_of raises rather than ask for a third attempt")
 
-    def _words_of(self, every: list[torch.Tensor], what: str) -> list[list[int]]:
-        """The words of a completed exchange (rank order), or ``PeerMismatchError`` on every rank
-        where the ranks' seqs (or word counts) differ: the same verdict, from the same words."""
-        from cco.transport.protocol import PeerMismatchError
+    def _words_of(self, every: list[torch.Tensor], what: str, *, retry: bool) -> list[list[int]] | None:
+        """The words of a completed exchange (rank order); None where this rank posts its exchange
+        once more (``retry``: its seq is the highest and a peer's is lower); or on every rank the
+        same verdict from the same words: ``PeerMismatchError`` where the ranks' seqs (or word
+        counts) differ (``behind``: how many calls this rank is behind the highest seq),
+        ``CommTimeoutError`` where a rank entered too late after the first (:meth:`gather_words`)."""
+        from cco.transport.protocol import CommTimeoutError, PeerMismatchError
 
         rows = [t.tolist() for t in every]
+        seqs = [r[0] for r in rows]
         if len({(r[0], r[1]) for r in rows}) > 1:
-            raise PeerMismatchError(
+            behind = max(seqs) - seqs[self.rank]
+            if retry and behind == 0 and len(set(seqs)) > 1:
+                return None
+            err = PeerMismatchError(
                 f"rank {self.rank}: {what}: the ranks exchanged for different collective calls ("
                 + ", ".join(f"call seq {r[0]} on rank {i}" for i, r in enumerate(rows))
                 + "): one rank's call met another call of its peers (a call of no rows against one with rows, "
-                  "a timed-out call against the next); every rank raises, and the next call is in step")
-        return [r[2:2 + r[1]] for r in rows]
+                  "a timed-out call against the next); every rank raises"
+                + (f", this rank is {behind} call(s) behind its peers" if behind > 0 else "")
+                + ", and the next call is in step")
+            err.behind = behind
+            raise err
+        entered = [r[2] for r in rows]
+        first, last = entered.index(min(entered)), entered.index(max(entered))
+        late, bound = (entered[last] - entered[first]) / 1e6, late_bound(min(r[3] for r in rows) / 1000)
+        if late > bound:
+            raise CommTimeoutError(
+                f"rank {self.rank}: {what}: rank {last} entered this exchange {late:.2f} s after rank {first}, past "
+                f"{bound:.2f} s of its {min(r[3] for r in rows) / 1000:g} s timeout: rank {first} has given up "
+                f"waiting (or is about to), so every rank raises, and the next call is in step")
+        return [r[_HEAD:_HEAD + r[1]] for r in rows]
 
     def agree(self, fn: str, arguments: dict, *, error: BaseException | None = None) -> None:
         """Construction of a collective object (an op, a layer) is collective: every rank calls this

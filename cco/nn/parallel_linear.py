@@ -286,7 +286,7 @@ class _ParallelLinear(torch.nn.Module):
         """The header of a layer's collective call that no op's stamps cover (the unfused path's
         calls, a call of no rows, a forward in pieces, the sequence-parallel backward's bf16
         collectives): every rank's ``m``, whether it refused its input and whether its weight is blank,
-        exchanged on the communicator's CPU group (``Communicator.gather_words``: one gather of eight
+        exchanged on the communicator's CPU group (``Communicator.gather_words``: one gather of ten
         int64 per rank, bounded by ``deadline_s``) before the call's data collective, so that
         every rank reaches the same verdict. NCCL and gloo do not check a collective's sizes: a peer
         with other rows hangs or aborts the job (gloo: "Received data size doesn't match"), and a
@@ -299,8 +299,11 @@ class _ParallelLinear(torch.nn.Module):
         ran its backward) raises ``CommTimeoutError`` after ``deadline_s``, as the op's waits do, and
         on the fused path first takes part in the op's next call as a rejected one (the peer's call,
         which then fails too, instead of pairing with this rank's next call). Its gather stays posted
-        and meets the peers' next header: the exchange carries the call's seq, so that header fails on
-        every rank (``Communicator.gather_words``) and the one after is in step.
+        and meets the peers' next header: the exchange carries the call's seq, so the peers see this
+        rank behind and post their header again, which this rank's next header meets
+        (``Communicator.gather_words``). A header that meets the peers' header of a later call (their
+        op call, which this rank's header did not meet, ended first) raises ``PeerMismatchError`` after
+        taking part in the op calls this rank missed as rejected ones, and the next call is in step.
         ``step``: which collective call this is (:func:`backward_step`; 0: a forward). One rank:
         nothing to agree."""
         from cco.transport.protocol import CommTimeoutError, PeerMismatchError, PeerRejectedError
@@ -314,6 +317,15 @@ class _ParallelLinear(torch.nn.Module):
             self._headers += 1
             every = comm.gather_words([m, m if total is None else total, error is not None, blank, step], seq=seq,
                                       timeout_s=self._deadline_s, what=f"{self._name()}: this call's header")
+        except PeerMismatchError as mismatch:
+            # this rank's header met its peers' header of a later call: they made op calls this rank
+            # missed (their call failed without it: an op call of rows against this rank's header of
+            # none, ended at its deadline before this header's), and they post their header again for
+            # this rank's next one. Take part in the missed calls as rejected ones, or the op seqs
+            # stay apart and every later call fails
+            for _ in range(getattr(mismatch, "behind", 0) if self.op is not None else 0):
+                self.op.reject(mismatch)
+            raise
         except CommTimeoutError as timeout:
             if self.op is not None:
                 # the peer that never came is most likely in the op's call (it had rows where this rank

@@ -217,3 +217,55 @@ def test_layers_take_a_cpu_group_beside_their_group():
             bootstrap, reduce, err = found[name]
             assert bootstrap and reduce and err < 0.1, (name, found[name])
         assert "cpu_group goes with a torch.distributed group" in found["communicator and cpu_group"]
+
+
+def _exchanges(comm, case):
+    """Two exchanges per rank (``gather_words``), as ``case`` staggers them; each one's words or
+    its error (type, and whether the message says what the test looks for)."""
+    import time
+
+    found = []
+
+    def exchange(seq, timeout_s=2.0):
+        try:
+            found.append(("words", comm.gather_words([comm.rank, seq], seq=seq, timeout_s=timeout_s, what="test")))
+        except Exception as err:
+            found.append((type(err).__name__, getattr(err, "behind", None), str(err)))
+
+    if case == "late":  # rank 1 enters past the late bound of a 1.2 s timeout (0.9 s), within the timeout
+        time.sleep(1.05 if comm.rank == 1 else 0)
+        exchange(1, timeout_s=1.2)
+    elif case == "a little late":  # within the bound
+        time.sleep(0.3 if comm.rank == 1 else 0)
+        exchange(1)
+    elif case == "behind":  # rank 1's exchange of call 4 meets rank 0's of call 5 (rank 0 made call 4 alone)
+        if comm.rank == 1:
+            exchange(4)
+    exchange(5)
+    return found
+
+
+def test_an_exchange_entered_past_the_late_bound_fails_on_every_rank():
+    """A rank entering a gather_words exchange later than the timeout's late bound after the first
+    (here 1.05 s into 1.2 s: the gather still completes on rank 0) raises CommTimeoutError on every
+    rank, not only on those whose wait ended; the next exchange is in step. Within the bound the
+    words come back (0.3 s into 2 s)."""
+    from cco.comm import late_bound
+
+    assert late_bound(1.2) == pytest.approx(0.9) and late_bound(60.0) == 55.0  # a quarter, at most 5 s
+    for rank, found in enumerate(check_outcomes(spawn(_exchanges, world=2, args=("late",), timeout_s=60))):
+        assert found[0][0] == "CommTimeoutError" and "rank 1 entered this exchange" in found[0][2], (rank, found)
+        assert found[1] == ("words", [[0, 5], [1, 5]]), (rank, found)
+    for found in check_outcomes(spawn(_exchanges, world=2, args=("a little late",), timeout_s=60)):
+        assert found == [("words", [[0, 1], [1, 1]]), ("words", [[0, 5], [1, 5]])], found
+
+
+def test_a_rank_behind_its_peers_raises_how_far_and_the_peers_exchange_again():
+    """Rank 1's exchange of call 4 meets rank 0's of call 5: rank 1 is one call behind and raises
+    PeerMismatchError with ``behind`` 1 (a layer then takes part in the missed op call); rank 0,
+    the highest seq, posts its exchange again, which meets rank 1's next one (call 5): it returns
+    those words, and nothing was lost on either rank."""
+    rank0, rank1 = check_outcomes(spawn(_exchanges, world=2, args=("behind",), timeout_s=60))
+    assert rank0 == [("words", [[0, 5], [1, 5]])], rank0
+    assert rank1[0][:2] == ("PeerMismatchError", 1) and "1 call(s) behind" in rank1[0][2], rank1
+    assert rank1[1] == ("words", [[0, 5], [1, 5]]), rank1

@@ -553,8 +553,9 @@ def test_a_header_that_times_out_takes_part_in_the_peers_op_call(kind, case):
 def _after_a_timed_out_header(comm, case):
     """A call whose header times out on rank 1, then the same three forwards on both ranks, each
     through a header (16 rows in pieces of m_max 8). ``case``: "rows against none" (rank 1's call
-    has no rows, rank 0's 8: rank 0 never makes that header), or "late peer" (the same call on both,
-    rank 0 past rank 1's deadline). Each rank's verdicts, call by call."""
+    has no rows, rank 0's 8: rank 0 never makes that header; which rank's wait ends first: see the
+    test), or "late peer" (the same call on both, rank 0 past rank 1's deadline; fused or
+    unfused). Each rank's verdicts, call by call."""
     import time
 
     from cco.nn import RowParallelLinear, WindowPool
@@ -563,13 +564,18 @@ def _after_a_timed_out_header(comm, case):
     w = torch.randn(256, 512, generator=g)
     xs = [torch.randn(16, 512, generator=g).to(torch.bfloat16) for _ in range(3)]
     r = comm.rank
-    layer = RowParallelLinear(256, 256, group=comm, quant="ptpc", m_max=8, pool=WindowPool(), deadline_s=3)
+    layer = RowParallelLinear(256, 256, group=comm, quant="ptpc", m_max=8, pool=WindowPool(), deadline_s=3,
+                              mode="unfused" if case.endswith("unfused") else "fused")
     layer.load_weight(w[:, r * 256:(r + 1) * 256])
     found = []
     with torch.no_grad():
         first = xs[0][:, r * 256:(r + 1) * 256]
-        if case == "rows against none":
+        if case.startswith("rows against none"):
             first = first[:0] if r == 1 else first[:8]
+            # which rank's wait ends first: rank 1's header (its peer starts 0.5 s later), or rank 0's
+            # op call (", the op call ends first": rank 1 starts 0.5 s later)
+            if r == (1 if case.endswith("ends first") else 0):
+                time.sleep(0.5)
         elif r == 0:
             time.sleep(4.5)  # past rank 1's header deadline, then the same call
         for x, want in [(first, None)] + [(x[:, r * 256:(r + 1) * 256], x.float() @ w.t()) for x in xs]:
@@ -577,27 +583,42 @@ def _after_a_timed_out_header(comm, case):
                 y = layer(x)
                 found.append(("returned", want is None or bool(Q.rel_l2(y, want) < 0.1)))
             except Exception as err:
-                found.append((type(err).__name__, str(err).splitlines()[0][:200]))
+                found.append((type(err).__name__, str(err).splitlines()[0][:400]))
     layer.close()
     return found
 
 
-@pytest.mark.parametrize("case", ["rows against none", "late peer"])
+@pytest.mark.parametrize("case", ["rows against none", "rows against none, the op call ends first", "late peer",
+                                  "late peer, unfused"])
 def test_the_ranks_are_in_step_again_after_a_timed_out_header(case):
     """A header that times out leaves its gather posted on the communicator's group, and the peers'
     next header met it. Before, that paired every later header of one rank with the next call's of
     the other: forwards in pieces returned results that mixed two calls, on both ranks, with no
-    error (rows against none). Now an exchange carries its call's seq and this rank's next header
-    completes the stale gather first: a peer's next call (rows against none) fails on every rank
-    (PeerMismatchError) and the calls after it are right; a peer that made the same call late
-    consumed the stale gather, and the next call is right at once."""
+    error (rows against none). Then an exchange carried its call's seq, this rank's next header
+    completed the stale gather first, and both ranks' next calls failed (PeerMismatchError); now
+    the peers see this rank behind and post their header again, which its next header meets: the
+    calls after the failed one are right on both ranks.
+
+    "the op call ends first": rank 0's op call (rows) ends at its deadline before rank 1's header
+    (no rows, entered later) does, and rank 0's next header meets rank 1's first one. Before, both
+    raised PeerMismatchError and rank 1 never took part in rank 0's failed op call: their op seqs
+    stayed one apart, and every later call failed on both. Now rank 1 (behind) takes part in that
+    call as a rejected one and raises, rank 0 posts its header again, and the calls after are right.
+
+    "late peer": the same call on both, rank 0 past rank 1's deadline. The late peer completed the
+    stale gather and went on into the call: on the fused path its op call met rank 1's rejected one
+    (PeerRejectedError); on the unfused path it entered the all-reduce alone and met rank 1's next
+    header there (gloo paired the two: "Connection closed by peer" on both, the group lost). Now the
+    exchange carries when each rank entered it, and a rank entering past the timeout's late bound
+    fails it on every rank that gets the words (CommTimeoutError on both ranks)."""
     outs = check_outcomes(spawn(_after_a_timed_out_header, world=2, args=(case,), timeout_s=150))
-    assert outs[1][0][0] == "CommTimeoutError", outs
     if case == "rows against none":
+        assert outs[1][0][0] == "CommTimeoutError", outs  # rank 1's header waited out its deadline
         assert outs[0][0][0] in ("PeerRejectedError", "CommTimeoutError"), outs
-        for found in outs:
-            assert found[1][0] == "PeerMismatchError" and "different collective calls" in found[1][1], outs
-            assert found[2:] == [("returned", True)] * 2, outs
+    elif case.endswith("ends first"):
+        assert outs[0][0][0] == "CommTimeoutError", outs  # rank 0's op call waited out its deadline
+        assert outs[1][0][0] == "PeerMismatchError" and "1 call(s) behind" in outs[1][0][1], outs
     else:
-        assert outs[0][0][0] == "PeerRejectedError", outs  # its op call met rank 1's rejected one
-        assert [found[1:] for found in outs] == [[("returned", True)] * 3] * 2, outs
+        assert outs[1][0][0] == "CommTimeoutError", outs
+        assert outs[0][0][0] == "CommTimeoutError" and "entered this exchange" in outs[0][0][1], outs
+    assert [found[1:] for found in outs] == [[("returned", True)] * 3] * 2, outs
