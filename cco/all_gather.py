@@ -116,9 +116,6 @@ class AllGatherGemmOp(CollectiveGemmOp):
         return layout.out_shape(self.config, m)
 
     # ---- self test: the rows and scales of every rank arrive bit-exact ---------------------------------
-    def _probe_rows(self, rows: int) -> int:
-        return self.config.slice_m_max
-
     def _slots(self, rank: int, m: int):
         """(rows slot, scales slot) of source ``rank`` in this rank's window, the first ``m`` rows."""
         w = self.config.window

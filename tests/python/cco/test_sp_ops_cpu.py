@@ -243,6 +243,8 @@ def test_self_test_passes_on_a_working_transport_and_fails_on_a_silent_one(which
     for kind, rep in working:
         assert kind == "passed", rep
         assert "bit-exact" in rep["checked"]
+        # the most rows a call may pass: a rank's share for the all-gather (m_max / W), m_max otherwise
+        assert rep["m"] == (128 // world if which == "ag" else 128), rep
     silent = check_outcomes(spawn(_self_test, world=world, args=(which, transport, True), timeout_s=60))
     for kind, msg in silent:
         assert kind == "SelfTestError" and "did not arrive" in msg, msg
