@@ -246,7 +246,9 @@ class Communicator:
         that gets the words raises ``CommTimeoutError`` too, the same verdict from the same words,
         and the first rank's stale gather is then spent (the ranks stay in step). The margin is what
         the gather's latency and the hosts' clock skew may take: below it, the first rank's wait has
-        not ended when the words arrive."""
+        not ended when the words arrive. (So the hosts' wall clocks must agree to within the margin,
+        as NTP keeps them: ranks of one host share a clock; hosts whose clocks are seconds apart
+        would fail exchanges that were in time, with that message.)"""
         from cco.transport.protocol import CommTimeoutError, PeerMismatchError
 
         if len(words) > EXCHANGE_WORDS - _HEAD:
