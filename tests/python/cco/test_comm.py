@@ -238,8 +238,8 @@ def _exchanges(comm, case):
     elif case == "a little late":  # within the bound
         time.sleep(0.3 if comm.rank == 1 else 0)
         exchange(1)
-    elif case == "behind":  # rank 1's exchange of call 4 meets rank 0's of call 5 (rank 0 made call 4 alone)
-        if comm.rank == 1:
+    elif case == "behind":  # the last rank's exchange of call 4 meets the others' of call 5 (they made call 4 alone)
+        if comm.rank == comm.world - 1:
             exchange(4)
     exchange(5)
     return found
@@ -260,12 +260,14 @@ def test_an_exchange_entered_past_the_late_bound_fails_on_every_rank():
         assert found == [("words", [[0, 1], [1, 1]]), ("words", [[0, 5], [1, 5]])], found
 
 
-def test_a_rank_behind_its_peers_raises_how_far_and_the_peers_exchange_again():
-    """Rank 1's exchange of call 4 meets rank 0's of call 5: rank 1 is one call behind and raises
-    PeerMismatchError with ``behind`` 1 (a layer then takes part in the missed op call); rank 0,
-    the highest seq, posts its exchange again, which meets rank 1's next one (call 5): it returns
-    those words, and nothing was lost on either rank."""
-    rank0, rank1 = check_outcomes(spawn(_exchanges, world=2, args=("behind",), timeout_s=60))
-    assert rank0 == [("words", [[0, 5], [1, 5]])], rank0
-    assert rank1[0][:2] == ("PeerMismatchError", 1) and "1 call(s) behind" in rank1[0][2], rank1
-    assert rank1[1] == ("words", [[0, 5], [1, 5]]), rank1
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_rank_behind_its_peers_raises_how_far_and_the_peers_exchange_again(world):
+    """The last rank's exchange of call 4 meets the others' of call 5: it is one call behind and
+    raises PeerMismatchError with ``behind`` 1 (a layer then takes part in the missed op call); the
+    others, at the highest seq, post their exchange again, which meets its next one (call 5): they
+    return those words, and nothing was lost on any rank."""
+    *ahead, last = check_outcomes(spawn(_exchanges, world=world, args=("behind",), timeout_s=60))
+    want = ("words", [[r, 5] for r in range(world)])
+    assert ahead == [[want]] * (world - 1), ahead
+    assert last[0][:2] == ("PeerMismatchError", 1) and "1 call(s) behind" in last[0][2], last
+    assert last[1] == want, last
