@@ -72,5 +72,10 @@ def rejected_error(notes: RejectionNotes | None, *, rank: int, src: int, seq: in
     """The error ``rank`` raises for call ``seq``, which rank ``src`` rejected, with ``src``'s
     reason; ``output`` says what became of this rank's output, where that needs saying."""
     reason = notes.fetch(seq=seq, rank=src) if notes is not None else "(the op has no store)"
-    return PeerRejectedError(f"rank {rank}: rank {src} rejected its inputs to call seq {seq}, so the call fails on "
-                             f"every rank{output} (the next call works); rank {src}: {reason}")
+    # a layer takes part in a call as a rejected one where a call of its own failed first (its header
+    # timed out, or met a later call of its peers): its inputs were not the reason
+    what = (f"took part in call seq {seq} as a rejected call, a call of its own having failed first"
+            if reason.startswith(("CommTimeoutError:", "PeerMismatchError:")) else
+            f"rejected its inputs to call seq {seq}")
+    return PeerRejectedError(f"rank {rank}: rank {src} {what}, so the call fails on every rank{output} (the next "
+                             f"call works); rank {src}: {reason}")
