@@ -249,7 +249,7 @@ class Communicator:
         not ended when the words arrive. (So the hosts' wall clocks must agree to within the margin,
         as NTP keeps them: ranks of one host share a clock; hosts whose clocks are seconds apart
         would fail exchanges that were in time, with that message.)"""
-        from cco.transport.protocol import CommTimeoutError, PeerMismatchError
+        from cco.transport.protocol import CommTimeoutError
 
         if len(words) > EXCHANGE_WORDS - _HEAD:
             raise ValueError(f"gather_words: {len(words)} words; at most {EXCHANGE_WORDS - _HEAD}")
@@ -267,11 +267,7 @@ class Communicator:
             self._stale = None
             peers = {int(t[0]) for r, t in enumerate(every) if r != self.rank}
             if peers != {stale_seq} and peers != {seq}:  # the peers' exchange of another call
-                try:
-                    self._words_of(every, what, retry=False)  # (raises: the seqs differ)
-                except PeerMismatchError as err:
-                    err.behind = max(0, max(peers) - seq)  # behind from this call, not from the stale one
-                    raise
+                self._words_of(every, what, seq=seq, retry=False)  # (raises: the seqs differ)
         for attempt in range(2):
             mine = torch.zeros(EXCHANGE_WORDS, dtype=torch.int64)
             mine[0], mine[1], mine[2], mine[3] = seq, len(words), time.time_ns() // 1000, round(timeout_s * 1000)
@@ -286,23 +282,24 @@ class Communicator:
                     f"rank {self.rank}: {what}: the peers did not take part within {timeout_s:g} s (a peer died, "
                     f"stalled, or made another call; this rank's next exchange on the communicator completes "
                     f"this one first): {err}") from None
-            found = self._words_of(every, what, retry=attempt == 0)
+            found = self._words_of(every, what, seq=seq, retry=attempt == 0)
             if found is not None:
                 return found
         raise AssertionError("gather_words: _words_of raises rather than ask for a third attempt")
 
-    def _words_of(self, every: list[torch.Tensor], what: str, *, retry: bool) -> list[list[int]] | None:
+    def _words_of(self, every: list[torch.Tensor], what: str, *, seq: int, retry: bool) -> list[list[int]] | None:
         """The words of a completed exchange (rank order); None where this rank posts its exchange
         once more (``retry``: its seq is the highest and a peer's is lower); or on every rank the
         same verdict from the same words: ``PeerMismatchError`` where the ranks' seqs (or word
-        counts) differ (``behind``: how many calls this rank is behind the highest seq),
-        ``CommTimeoutError`` where a rank entered too late after the first (:meth:`gather_words`)."""
+        counts) differ (``behind``: how many calls this rank's call ``seq`` is behind the highest
+        seq; its own row may be a stale exchange's), ``CommTimeoutError`` where a rank entered too
+        late after the first (:meth:`gather_words`)."""
         from cco.transport.protocol import CommTimeoutError, PeerMismatchError
 
         rows = [t.tolist() for t in every]
         seqs = [r[0] for r in rows]
         if len({(r[0], r[1]) for r in rows}) > 1:
-            behind = max(seqs) - seqs[self.rank]
+            behind = max(0, max(seqs) - seq)
             if retry and behind == 0 and len(set(seqs)) > 1:
                 return None
             err = PeerMismatchError(
@@ -316,11 +313,12 @@ class Communicator:
             raise err
         entered = [r[2] for r in rows]
         first, last = entered.index(min(entered)), entered.index(max(entered))
-        late, bound = (entered[last] - entered[first]) / 1e6, late_bound(min(r[3] for r in rows) / 1000)
+        timeout_s = min(r[3] for r in rows) / 1000
+        late, bound = (entered[last] - entered[first]) / 1e6, late_bound(timeout_s)
         if late > bound:
             raise CommTimeoutError(
                 f"rank {self.rank}: {what}: rank {last} entered this exchange {late:.2f} s after rank {first}, past "
-                f"{bound:.2f} s of its {min(r[3] for r in rows) / 1000:g} s timeout: rank {first} has given up "
+                f"{bound:.2f} s of its {timeout_s:g} s timeout: rank {first} has given up "
                 f"waiting (or is about to), so every rank raises, and the next call is in step")
         return [r[_HEAD:_HEAD + r[1]] for r in rows]
 
