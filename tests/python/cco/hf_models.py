@@ -98,9 +98,13 @@ def _save(path: str, tensors: dict, quantization_config: dict) -> None:
         json.dump(config, f)
 
 
-def write_fp8_llama(path: str, *, intermediate: int = 512, seed: int = 0) -> None:
+def write_fp8_llama(path: str, *, intermediate: int = 512, seed: int = 0, scales: str = "block") -> None:
     """A random Llama saved with ``save_pretrained``, then every ``*_proj.weight`` rewritten as e4m3
-    + ``weight_scale_inv`` (fp32 [ceil(N/128), ceil(K/128)]); embeddings, norms and lm_head stay bf16."""
+    + ``weight_scale_inv``; embeddings, norms and lm_head stay bf16. ``scales``: "block" (DeepSeek-V3:
+    fp32 [ceil(N/128), ceil(K/128)]), "ue8m0" (DeepSeek-V3.1: the same, powers of two, the config's
+    ``scale_fmt`` "ue8m0"), "tensor" (one fp32 scale ``[]``, the config's ``weight_block_size`` None)."""
+    if scales not in ("block", "ue8m0", "tensor"):
+        raise ValueError(f"write_fp8_llama: scales={scales!r}: 'block', 'ue8m0' or 'tensor'")
     tensors = _proj_weights(path, intermediate, seed)
     g = torch.Generator().manual_seed(seed)
     for key in [k for k in tensors if k.endswith("_proj.weight")]:
@@ -112,12 +116,20 @@ def write_fp8_llama(path: str, *, intermediate: int = 512, seed: int = 0) -> Non
         # transformers' bf16 dequantization, quantized again, does not give the stored bytes back
         w = w * torch.exp2(torch.randint(-2, 3, (nb, kb), generator=g).float()).repeat_interleave(128, 0)[:n] \
             .repeat_interleave(128, 1)[:, :k] * (1 + 0.01 * torch.randn(n, k, generator=g))
-        blocks = torch.nn.functional.pad(w, (0, kb * 128 - k, 0, nb * 128 - n)).view(nb, 128, kb, 128)
-        scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / Q.FP8_MAX
-        full = scale.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+        if scales == "tensor":
+            scale = w.abs().amax() / Q.FP8_MAX
+            full = scale
+        else:
+            blocks = torch.nn.functional.pad(w, (0, kb * 128 - k, 0, nb * 128 - n)).view(nb, 128, kb, 128)
+            scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / Q.FP8_MAX
+            if scales == "ue8m0":  # the next power of two up: no block's values pass 448
+                scale = torch.exp2(torch.ceil(torch.log2(scale)))
+            full = scale.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
         tensors[key] = (w / full).clamp(-Q.FP8_MAX, Q.FP8_MAX).to(Q.FP8)
         tensors[key[:-len("weight")] + "weight_scale_inv"] = scale
-    _save(path, tensors, FP8_CONFIG)
+    config = {**FP8_CONFIG, **({"scale_fmt": "ue8m0"} if scales == "ue8m0" else {}),
+              **({"weight_block_size": None} if scales == "tensor" else {})}
+    _save(path, tensors, config)
 
 
 def checkpoint_weight(tensors, key: str) -> torch.Tensor:
@@ -137,7 +149,8 @@ def checkpoint_weight(tensors, key: str) -> torch.Tensor:
 
 
 # compressed-tensors schemes (its preset names) -> the format the checkpoint's quantization_config names
-CT_FORMATS = {"FP8_DYNAMIC": "float-quantized", "FP8_BLOCK": "float-quantized", "MXFP8": "mxfp8-quantized"}
+CT_FORMATS = {"FP8": "float-quantized", "FP8_DYNAMIC": "float-quantized", "FP8_BLOCK": "float-quantized",
+              "MXFP8": "mxfp8-quantized"}
 
 
 def ct_quantization_config(scheme: str, **weights) -> dict:
@@ -155,7 +168,7 @@ def ct_quantization_config(scheme: str, **weights) -> dict:
 
 def write_ct_llama(path: str, scheme: str, *, seed: int = 0, quantization_config: dict | None = None) -> None:
     """A random Llama whose every ``*_proj.weight`` is e4m3 with a compressed-tensors ``weight_scale``:
-    FP8_DYNAMIC bf16 [N, 1] (per row), FP8_BLOCK bf16 [N/128, K/128], MXFP8 uint8 e8m0 codes
+    FP8 bf16 [1] (per tensor), FP8_DYNAMIC bf16 [N, 1] (per row), FP8_BLOCK bf16 [N/128, K/128], MXFP8 uint8 e8m0 codes
     [N, K/32], GROUP128 bf16 [N, K/128] (``quantization_config`` to pass). Scales differ by row or
     block (rows scaled by up to 1.5x)."""
     tensors = _proj_weights(path, 512, seed)
@@ -163,7 +176,10 @@ def write_ct_llama(path: str, scheme: str, *, seed: int = 0, quantization_config
     for key in [k for k in tensors if k.endswith("_proj.weight")]:
         w = tensors[key].float() * (1 + 0.5 * torch.rand(tensors[key].shape[0], 1, generator=g))
         n, k = w.shape
-        if scheme == "FP8_DYNAMIC":
+        if scheme == "FP8":
+            scale = (w.abs().amax() / Q.FP8_MAX).to(torch.bfloat16).reshape(1)
+            full = scale.float()
+        elif scheme == "FP8_DYNAMIC":
             scale = (w.abs().amax(1, keepdim=True) / Q.FP8_MAX).to(torch.bfloat16)
             full = scale.float()
         elif scheme == "FP8_BLOCK":
@@ -180,6 +196,8 @@ def write_ct_llama(path: str, scheme: str, *, seed: int = 0, quantization_config
             raise ValueError(f"write_ct_llama: scheme={scheme!r}: one of {sorted(CT_FORMATS)}, GROUP128")
         tensors[key] = (w / full).clamp(-Q.FP8_MAX, Q.FP8_MAX).to(Q.FP8)
         tensors[key[:-len("weight")] + "weight_scale"] = scale
+        if scheme == "FP8":  # the preset's static activation scale, per tensor (the fused layers quantize per call)
+            tensors[key[:-len("weight")] + "input_scale"] = torch.full((1,), 0.01, dtype=torch.bfloat16)
     _save(path, tensors, quantization_config or ct_quantization_config(scheme))
 
 

@@ -28,7 +28,13 @@ cannot run on CPU, replaced by ``x @ dequantize(W).T``):
 - refused on both ranks: a checkpoint whose scales differ from the module's, a plan in another
   quant, a K split that cuts a scale block; one rank reading another checkpoint fails both.
 
-compressed-tensors checkpoints (FP8_DYNAMIC, FP8_BLOCK, MXFP8) loaded by ``from_pretrained`` with
+On both paths, two more of the format's forms: DeepSeek-V3.1's power-of-two (``scale_fmt`` ue8m0)
+block scales, held exactly in blockscale and in mxfp8; and one scale per weight (``weight_block_size``
+None), which transformers 5.17 cannot load under any tensor-parallel plan: on the dequantizing path
+``parallelize(model, checkpoint=path)`` of the model loaded whole holds it exactly (ptpc), on the fp8
+path transformers' own column-wise style stops it (pinned, as docs/frameworks.md says).
+
+compressed-tensors checkpoints (FP8 per tensor, FP8_DYNAMIC, FP8_BLOCK, MXFP8) loaded by ``from_pretrained`` with
 transformers' compressed-tensors quantizer (needs the ``compressed-tensors`` package; skipped where it
 is not installed): each fused layer holds the checkpoint's shard exactly and multiplies like
 ``x @ dequantize(W).T``, with the checkpoint and without it; a plan in another quant and a scheme cco
@@ -136,9 +142,12 @@ def _rank_main(comm, paths):
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()  # transformers dequantizes it
     out = {}
 
-    def load(plan):
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
+    def load_from(folder, plan):
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16,
                                                     distributed_config=DistributedConfig(tp_size=WORLD, tp_plan=plan))
+
+    def load(plan):
+        return load_from(path, plan)
 
     # the checkpoint's plan: the layers build at the first forward, from the fp8 checkpoint
     model = load(cco_hf.tp_plan(path, m_max=M_MAX))
@@ -165,6 +174,39 @@ def _rank_main(comm, paths):
     model = load(cco_hf.tp_plan(llama_config(512), quant="blockscale", m_max=M_MAX))
     out["one_rank_wrong_checkpoint"] = error_of(lambda: cco_hf.fuse(model, checkpoint=path if comm.rank == 0 else ragged))
     out["in_step_after_errors"] = comm.all_gather_object(comm.rank)
+    out.update(_other_scales(comm, paths, load_from))
+    return out
+
+
+def _other_scales(comm, paths, load_from):
+    """The DeepSeek-V3.1 (ue8m0) and per-tensor checkpoints, through whichever path transformers takes
+    (``load_from(folder, plan)``): the ue8m0 one in the checkpoint's quant and, exactly, in mxfp8; the
+    per-tensor one through ``parallelize`` of the model loaded whole, and (transformers' own limit)
+    through a plan."""
+    from transformers import AutoModelForCausalLM
+
+    out = {}
+    tensors = load_file(os.path.join(paths["ue8m0"], "model.safetensors"))
+    for quant in ("blockscale", "mxfp8"):
+        model = load_from(paths["ue8m0"], cco_hf.tp_plan(paths["ue8m0"], m_max=M_MAX,
+                                                         **({"quant": quant} if quant == "mxfp8" else {})))
+        met = _met(model.get_submodule("model.layers.0.mlp.down_proj"))
+        names = cco_hf.fuse(model)
+        out[f"ue8m0_{quant}"] = {"met": met, "names": names, "layers": _layer_checks(model, names, tensors, comm.rank)}
+    path = paths["tensor"]
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    out["tensor_plan"] = error_of(lambda: load_from(path, cco_hf.tp_plan(path, m_max=M_MAX)))
+
+    def whole():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+        cco_hf.parallelize(model, checkpoint=path, m_max=M_MAX)
+        names = [n for n, m in model.named_modules() if "fused" in m._modules]
+        return {"names": names, "layers": _layer_checks(model, names, tensors, comm.rank)}
+    try:
+        out["tensor_parallelize"] = whole()
+    except Exception as err:  # noqa: BLE001 - the test reads it (transformers' fp8 path: its own limit)
+        out["tensor_parallelize"] = f"{type(err).__name__}: {err}"
+    out["in_step_after_other_scales"] = comm.all_gather_object(comm.rank)
     return out
 
 
@@ -172,9 +214,11 @@ def _rank_main(comm, paths):
 def ranks(tmp_path_factory):
     from cco.comm import check_outcomes, spawn
 
-    paths = {"fp8": str(tmp_path_factory.mktemp("fp8")), "ragged": str(tmp_path_factory.mktemp("ragged"))}
+    paths = {k: str(tmp_path_factory.mktemp(k)) for k in ("fp8", "ragged", "ue8m0", "tensor")}
     write_fp8_llama(paths["fp8"])
     write_fp8_llama(paths["ragged"], intermediate=384, seed=1)  # down_proj K=384: 192 columns per rank
+    write_fp8_llama(paths["ue8m0"], scales="ue8m0")
+    write_fp8_llama(paths["tensor"], scales="tensor")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     return check_outcomes(spawn(_rank_main, world=WORLD, args=(paths,), timeout_s=SPAWN_TIMEOUT_S))
 
@@ -237,6 +281,44 @@ def test_a_shard_that_one_rank_cannot_match_fails_every_rank(ranks):
     assert all(r["in_step_after_errors"] == [0, 1] for r in ranks)
 
 
+def _ue8m0_layers_are_exact(rank_outs, scale=None):
+    """The DeepSeek-V3.1 checkpoint (power-of-two block scales): each fused layer holds exactly its
+    shard in the checkpoint's quant (blockscale) and in mxfp8 (the exact conversion: each 128-block's
+    power of two over its four 32-groups); ``scale``: what the style meets as ``weight_scale_inv``."""
+    for r in rank_outs:
+        for quant in ("blockscale", "mxfp8"):
+            got = r[f"ue8m0_{quant}"]
+            assert sorted(got["names"]) == sorted(ALL_FUSED), got["names"]
+            if scale is not None:
+                assert got["met"]["weight_scale_inv"] == scale, got["met"]
+            for name, layer in got["layers"].items():
+                assert layer["quant"] == quant and layer["exact"], (quant, name, layer)
+                assert layer["product"] < FP8_ACTIVATION_BUDGET, (quant, name, layer)
+
+
+@pytest.mark.multirank
+def test_a_ue8m0_checkpoint_loads_exactly_in_blockscale_and_in_mxfp8(ranks):
+    _ue8m0_layers_are_exact(ranks)
+
+
+@pytest.mark.multirank
+def test_a_per_tensor_checkpoint_loads_through_parallelize_not_through_a_plan(ranks):
+    """``weight_block_size`` None (one ``weight_scale_inv []`` per weight): transformers 5.17 cannot load
+    it under a tensor-parallel plan, cco's or its own (its loader slices the ``[]`` scale with the
+    weight's placement: IndexError); loaded whole and then ``parallelize(model, checkpoint=path)``,
+    every fused layer holds exactly its shard, in ptpc (the checkpoint's quant: a per-tensor scale is
+    every row's), and the ranks stay in step."""
+    for r in ranks:
+        assert r["tensor_plan"].startswith("IndexError"), r["tensor_plan"]
+        got = r["tensor_parallelize"]
+        assert isinstance(got, dict), got
+        assert sorted(got["names"]) == sorted(ALL_FUSED), got["names"]
+        for name, layer in got["layers"].items():
+            assert layer["quant"] == "ptpc" and layer["exact"], (name, layer)
+            assert layer["product"] < FP8_ACTIVATION_BUDGET, (name, layer)
+        assert r["in_step_after_other_scales"] == [0, 1]
+
+
 # ---- transformers' path on GPUs with fp8: FP8Linear modules, on two CPU ranks ---------------------
 def _met(module) -> dict:
     """What cco's style meets in a module: its type, and each parameter's dtype, global and local
@@ -260,9 +342,12 @@ def _fp8_linear_main(comm, paths):
     ref_logits = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()(ids).logits.float()
     out = {}
 
-    def load(plan, folder=path):
+    def load_from(folder, plan):
         return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16,
                                                     distributed_config=DistributedConfig(tp_size=WORLD, tp_plan=plan))
+
+    def load(plan, folder=path):
+        return load_from(folder, plan)
 
     def config_plan(quant="blockscale", intermediate=512):
         return cco_hf.tp_plan(llama_config(intermediate), quant=quant, m_max=M_MAX)
@@ -296,6 +381,7 @@ def _fp8_linear_main(comm, paths):
         model = load(config_plan(intermediate=384), folder=paths["ragged"])
         out["split_cuts_a_block"] = error_of(lambda: cco_hf.fuse(model))
         out["in_step_after_errors"] = comm.all_gather_object(comm.rank)
+        out.update(_other_scales(comm, paths, load_from))
     return out
 
 
@@ -303,9 +389,11 @@ def _fp8_linear_main(comm, paths):
 def fp8_linear_ranks(tmp_path_factory):
     from cco.comm import check_outcomes, spawn
 
-    paths = {k: str(tmp_path_factory.mktemp(f"fp8linear-{k}")) for k in ("fp8", "ragged", "scaled")}
+    paths = {k: str(tmp_path_factory.mktemp(f"fp8linear-{k}")) for k in ("fp8", "ragged", "scaled", "ue8m0", "tensor")}
     write_fp8_llama(paths["fp8"])
     write_fp8_llama(paths["ragged"], intermediate=384, seed=1)
+    write_fp8_llama(paths["ue8m0"], scales="ue8m0")
+    write_fp8_llama(paths["tensor"], scales="tensor")
     # the same bytes as "fp8", layer 0's o_proj scales doubled
     write_fp8_llama(paths["scaled"])
     tensors = load_file(os.path.join(paths["scaled"], "model.safetensors"))
@@ -370,6 +458,24 @@ def test_fp8_linear_refusals_on_every_rank(fp8_linear_ranks):
     assert peer.startswith("PeerRejectedError") and "rank 1" in peer, peer
 
 
+@pytest.mark.multirank
+def test_fp8_linear_ue8m0_checkpoint_layers_take_its_e8m0_scales_exactly(fp8_linear_ranks):
+    """transformers keeps a ue8m0 checkpoint's scales as ``float8_e8m0fnu`` in its FP8Linear."""
+    _ue8m0_layers_are_exact(fp8_linear_ranks, scale=("float8_e8m0fnu", [2, 4], [2, 2], "(Shard(dim=1),)"))
+
+
+@pytest.mark.multirank
+def test_fp8_linear_per_tensor_checkpoint_stops_in_transformers_own_sharding(fp8_linear_ranks):
+    """On transformers' fp8 path a per-tensor checkpoint loads neither through a plan nor through
+    ``parallelize``: its column-wise style shards the FP8Linear modules' ``[]`` scale (torch's
+    ``Shard`` of a 0-d tensor) before cco's layers are reached (docs/frameworks.md says so)."""
+    for r in fp8_linear_ranks:
+        for way in ("tensor_plan", "tensor_parallelize"):
+            got = r[way]
+            assert isinstance(got, str) and got.startswith("AssertionError") and "dim() > 0" in got, (way, got)
+        assert r["in_step_after_other_scales"] == [0, 1]
+
+
 # ---- compressed-tensors checkpoints through from_pretrained, on two CPU ranks ---------------------
 @torch.no_grad()
 def _ct_main(comm, paths):
@@ -422,6 +528,7 @@ def ct_ranks(tmp_path_factory):
 
 
 CT_SCALES = {  # scheme -> (cco quant, down_proj's weight_scale as transformers loads it: dtype, global, local)
+    "FP8": ("ptpc", ("bfloat16", [1], [1], "(Replicate(),)")),
     "FP8_DYNAMIC": ("ptpc", ("bfloat16", [256, 1], [256, 1], "(Replicate(),)")),
     "FP8_BLOCK": ("blockscale", ("bfloat16", [2, 4], [2, 2], "(Shard(dim=1),)")),
     "MXFP8": ("mxfp8", ("uint8", [256, 16], [256, 8], "(Shard(dim=1),)")),
@@ -440,6 +547,9 @@ def test_compressed_tensors_checkpoint_layers_hold_its_shard(ct_ranks, scheme):
         got = r[scheme]
         assert got["met"]["weight"][:3] == ("float8_e4m3fn", [256, 512], [256, 256]), got["met"]
         assert got["met"]["weight_scale"] == scale, got["met"]
+        if scheme == "FP8":  # its static activation scale, per tensor: replicated too (transformers' own
+            # row-wise style would leave rank 1 an empty [0] one), and not read (quantized per call)
+            assert got["met"]["input_scale"] == ("bfloat16", [1], [1], "(Replicate(),)"), got["met"]
         assert got["quant"] == quant, got["quant"]
         for way in (got, got["held"]):
             assert sorted(way["names"]) == sorted(ALL_FUSED), way["names"]
