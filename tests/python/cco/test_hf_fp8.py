@@ -115,6 +115,15 @@ def test_a_base_model_reads_its_task_models_checkpoint_keys(tmp_path):
         ckpt.weight("layers.9.self_attn.o_proj.weight")
 
 
+@pytest.mark.host
+def test_deepseek_v4_has_no_row_parallel_linear_to_fuse_in_transformers_plan():
+    """transformers 5.17 parallelizes DeepSeek-V4 by experts only (its plan has no row-wise Linear):
+    the plan says there is nothing to fuse (its checkpoints load through ``load_checkpoint``)."""
+    config = transformers.DeepseekV4Config(num_hidden_layers=1, hidden_size=256, vocab_size=512)
+    with pytest.raises(ValueError, match=r"DeepseekV4ForCausalLM's plan has no rowwise style .*nothing to fuse"):
+        cco_hf.tp_plan(config, m_max=M_MAX)
+
+
 # ---- two ranks ------------------------------------------------------------------------------------
 def _layer_checks(model, names, tensors, rank):
     """Per fused layer: its weight equal to the checkpoint's shard, its product against x @ W.T."""
