@@ -55,7 +55,10 @@ Contracts:
   publishes a "rejected" (seq, M) stamp where its M would go, and on CUDA runs the call on NaN data
   with its peers' M, so every word a peer waits on is released and consumed once) and raises its
   own error; every peer raises :class:`PeerRejectedError` naming that rank and its reason. The
-  ranks stay in step and the next call works on every rank.
+  ranks stay in step and the next call works on every rank. So does a call whose own work fails
+  on one rank after the checks and before the call takes its seq (its output's allocation): that
+  rank takes part as a rejected call too (before, its next call took the seq and paired with its
+  peers' call: a result of two calls; tests/python/cco/test_local_failures.py).
 - Mismatched M: a rank whose M differs from its peers' makes every rank raise
   :class:`PeerMismatchError` naming both Ms (each rank's chunks carry its (seq, M) stamp, and a
   failing rank still delivers the chunks it completed). CPU: raised by the call. CUDA: the call's
@@ -397,7 +400,16 @@ class CollectiveGemmOp:
             raise
         if self._plain:
             return self._plain_call(a, b_pre, a_scale, b_scale, m)
-        out = run(a, b_pre, a_scale, b_scale, m)
+        seq = self._seq
+        try:
+            out = run(a, b_pre, a_scale, b_scale, m)
+        except Exception as err:
+            if self._seq == seq:
+                # this rank's own work failed before the call took its seq (the output's allocation,
+                # on this rank alone): take part in the call as a rejected one, or this rank's next
+                # call would take this seq and pair with the peers' this one (a result of two calls)
+                self._reject(err)
+            raise
         self._backend.raise_deferred()
         return out
 

@@ -3,13 +3,20 @@ group: what the layers run where the fused ops do not (``mode="unfused"``, a bac
 and in their backward.
 
 Rank ``r`` of ``W`` holds rows ``r*M/W .. (r+1)*M/W`` of the flattened ``[M, features]`` activations
-(Megatron's convention). Tensors are 2-D and contiguous here; callers flatten.
+(Megatron's convention). Tensors are 2-D and contiguous here; callers flatten (``flat_rows``).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+
+def flat_rows(x: torch.Tensor, features: int) -> torch.Tensor:
+    """``x [..., features]`` as the rows a layer's call quantizes: ``[tokens, features]``, unit
+    column stride."""
+    x2 = x.reshape(-1, features)
+    return x2 if x2.stride(1) == 1 else x2.contiguous()
 
 
 def all_gather_rows(x: torch.Tensor, group, world: int) -> torch.Tensor:

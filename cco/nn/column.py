@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from cco import quant as Q
-from cco.nn.collectives import all_gather_rows, backward_step, reduce_scatter_rows
+from cco.nn.collectives import all_gather_rows, backward_step, flat_rows, reduce_scatter_rows
 from cco.nn.parallel_linear import _ParallelLinear, quantize_activation
 from cco.nn.pool import WindowPool
 from cco.nn.sequence import check_token_rows
@@ -138,21 +138,19 @@ class ColumnParallelLinear(_ParallelLinear):
     def _cco_forward(self, x, qweight, scale, bias) -> torch.Tensor:
         """The body of ``torch.ops.cco.column_parallel_linear`` (real tensors, outside the compiler)."""
         self._check_open()
-        n = self.out_features_per_rank
-        x2 = x.reshape(-1, self.in_features)
-        if x2.stride(1) != 1:
-            x2 = x2.contiguous()
-        if 0 < x2.shape[0] <= self.decode_rows:  # the local GEMM of a few rows: the decode GEMM, one launch
-            return self._decode(x2, qweight, scale, bias).view(*x.shape[:-1], n)
-        if x2.shape[0] == 0:
+        n, m = self.out_features_per_rank, x.numel() // self.in_features
+        if 0 < m <= self.decode_rows:  # the local GEMM of a few rows: the decode GEMM, one launch
+            return self._decode(flat_rows(x, self.in_features), qweight, scale, bias).view(*x.shape[:-1], n)
+        if m == 0:
             if self.sequence_parallel:  # collective: a call of no rows, agreed (a peer with rows fails it)
                 self._agree_rows(0)
             out = torch.zeros(0, n, dtype=torch.bfloat16, device=x.device)
-        elif self.sequence_parallel or x2.shape[0] <= self.m_max:
-            out = self._rows(x2, qweight, scale)[:, :n]
+        elif self.sequence_parallel or m <= self.m_max:  # the rows flattened in the call's own work (_rows)
+            out = self._rows(x, qweight, scale)[:, :n]
         else:  # a local GEMM of more rows than one call takes: in pieces
+            x2 = flat_rows(x, self.in_features)
             out = torch.cat([self._rows(x2[r0:r0 + self.m_max], qweight, scale)[:, :n]
-                             for r0 in range(0, x2.shape[0], self.m_max)])
+                             for r0 in range(0, m, self.m_max)])
         out = out.contiguous()
         if bias is not None:
             out += bias
@@ -160,19 +158,31 @@ class ColumnParallelLinear(_ParallelLinear):
         lead = (x.shape[0] * self.comm.world, *x.shape[1:-1]) if self.sequence_parallel else x.shape[:-1]
         return out.view(*lead, n)
 
-    def _rows(self, x2, qweight, scale) -> torch.Tensor:
-        if self.op is None and self.sequence_parallel:  # unfused: the rows (and the weights) agreed before
-            self._agree_rows(x2.shape[0])  # the all-gather, whose sizes nobody checks
-        elif not self._loaded:
-            self._require_loaded()
-        a, a_scale = quantize_activation(x2, self.quant, k_padded=self.k_padded)
-        if self.op is not None:
-            return self.op(a, qweight, a_scale, scale)
-        if self.sequence_parallel:  # unfused: the fp8 rows and their scales gathered on the group
+    def _rows(self, x, qweight, scale) -> torch.Tensor:
+        """bf16 [M, n_padded] for ``x [..., K]`` (its rows, flattened here): a collective call with
+        ``sequence_parallel`` (M every rank's rows), else the local GEMM. This rank's own work
+        (flatten, quantize) runs before the call's collective step, which carries a failure of it to
+        every rank (:meth:`_before_op`, :meth:`_agreed`)."""
+        k = self.in_features
+
+        def quantized(*, sent: bool = False):  # sent: the scales contiguous, gathered as they lie
+            a, a_scale = quantize_activation(flat_rows(x, k), self.quant, k_padded=self.k_padded)
+            return a, (a_scale.contiguous() if sent else a_scale)
+        if self.op is None and self.sequence_parallel:
+            # unfused: the rows (and the weights) agreed before the all-gather, whose sizes nobody checks;
+            # then the fp8 rows and their scales gathered on the group
+            a, a_scale = self._agreed(lambda: quantized(sent=True), x.numel() // k)
             world = self.comm.world
             a = all_gather_rows(a, self._reduce_group, world)
-            gathered = all_gather_rows(a_scale.contiguous(), self._reduce_group, world)
+            gathered = all_gather_rows(a_scale, self._reduce_group, world)
             a_scale = gathered.t().contiguous().t() if self.quant == "blockscale" else gathered
+            return Q.reference_gemm(a, self._row_major(qweight), a_scale, scale, self.quant)
+        if not self._loaded:
+            self._require_loaded()
+        if self.op is not None:
+            a, a_scale = self._before_op(quantized)
+            return self.op(a, qweight, a_scale, scale)
+        a, a_scale = quantized()  # the local GEMM
         return Q.reference_gemm(a, self._row_major(qweight), a_scale, scale, self.quant)
 
     def _cco_backward(self, grad, x, qweight, scale, *, input_grad: bool, weight_grad: bool, bias_grad: bool):
@@ -182,25 +192,34 @@ class ColumnParallelLinear(_ParallelLinear):
         the sum of every rank's ``grad_y_r @ W_r``: an all-reduce, as Megatron's column-parallel
         layer and torch's ``ColwiseParallel`` (a Replicate input's Partial gradient) give it; the
         weight's and the bias's stay local."""
-        world, sp = self.comm.world, self.sequence_parallel
-        g = grad.reshape(-1, self.out_features_per_rank).to(torch.bfloat16)
-        if world > 1 and (input_grad or (sp and weight_grad)):  # collectives below: the ranks agree first
-            self._agree_rows(g.shape[0], step=backward_step(input_grad=input_grad, weight_grad=weight_grad and sp))
+        world, sp, dual = self.comm.world, self.sequence_parallel, self._dual if input_grad else None
+
+        def own():
+            """This rank's own work before the backward's collectives: the gradient in bf16, the weight
+            for the fused dual op, or this rank's term of grad_x (fp32: summed in fp32); x's rows."""
+            g = flat_rows(grad, self.out_features_per_rank).to(torch.bfloat16)
+            w = self.dequantized_weight(qweight, scale) if dual is not None else None
+            term = (g @ self.dequantized_weight(qweight, scale).to(torch.bfloat16)).float() \
+                if input_grad and dual is None else None  # [M, in_features]
+            return g, w, term, flat_rows(x, self.in_features).to(torch.bfloat16) if weight_grad else None
+        if world > 1 and (input_grad or (sp and weight_grad)):
+            # collectives below: the ranks agree first, this rank's own work before that (a failure of
+            # it travels in the header: _agreed)
+            g, w, term, x2 = self._agreed(own, grad.numel() // self.out_features_per_rank,
+                                          step=backward_step(input_grad=input_grad, weight_grad=weight_grad and sp))
+        else:
+            g, w, term, x2 = own()
         grad_x = grad_w = grad_b = None
-        if input_grad and self._dual is not None:  # the GEMM + reduce-scatter, fused, e4m3 operands
-            out = self._dual(g, self.dequantized_weight(qweight, scale), quantize_activation)
+        if dual is not None:  # the GEMM + reduce-scatter, fused, e4m3 operands
+            out = dual(g, w, quantize_activation)
             grad_x = out[:, :self.in_features].reshape(x.shape).to(x.dtype)
         elif input_grad:
-            w = self.dequantized_weight(qweight, scale).to(torch.bfloat16)
-            full = g @ w  # [M, in_features]
             if sp:
-                full = reduce_scatter_rows(full.float(), self._reduce_group, world)
+                term = reduce_scatter_rows(term, self._reduce_group, world)
             elif world > 1:  # the replicated input's gradient: every rank's term, summed in fp32
-                full = full.float()
-                dist.all_reduce(full, group=self._reduce_group)
-            grad_x = full.view(x.shape).to(x.dtype)
+                dist.all_reduce(term, group=self._reduce_group)
+            grad_x = term.view(x.shape).to(x.dtype)
         if weight_grad:
-            x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
             if sp:
                 x2 = all_gather_rows(x2, self._reduce_group, world)
             grad_w = g.t() @ x2

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from cco import quant as Q
 from cco import shapes  # noqa: F401  (cco.nn.linear.shapes: the planner the layers call, as before the base)
 from cco.nn import sequence
-from cco.nn.collectives import backward_step
+from cco.nn.collectives import backward_step, flat_rows
 from cco.nn.parallel_linear import MODES, _ParallelLinear, quantize_activation, untraced
 from cco.nn.pool import WindowPool
 from cco.op import DEFAULT_DEADLINE_S, GemmAllReduceOp
@@ -163,48 +163,55 @@ class RowParallelLinear(_ParallelLinear):
         self._check_open()
         if self.sequence_parallel:
             return sequence.row_parallel_body(self, x, qweight, scale, bias, quantize_activation)
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features_per_rank)
-        if x2.stride(1) != 1:
-            x2 = x2.contiguous()
-        m, n = x2.shape[0], self.out_features
+        lead, n = x.shape[:-1], self.out_features
+        m = x.numel() // self.in_features_per_rank
         if 0 < m <= self.decode_rows:  # one rank, a few rows (traced, or a gradient recorded): one launch
-            return self._decode(x2, qweight, scale, bias).view(*lead, n)
-        if m <= self.m_max and m > 0:
-            out = self._rows(x2, qweight, scale)
+            return self._decode(flat_rows(x, self.in_features_per_rank), qweight, scale, bias).view(*lead, n)
+        if m <= self.m_max and m > 0:  # the rows flattened in the call's own work (_rows)
+            out = self._rows(x, qweight, scale)
             out = out if self.n_padded == n else out[:, :n].contiguous()
         else:  # no rows (every rank alike, agreed: nothing to reduce), or more than one call takes
+            try:  # this rank's own work, before the call's first collective step, which carries a failure
+                x2 = flat_rows(x, self.in_features_per_rank)
+                out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+            except Exception as err:
+                self._refuse_call(err, header=True)
+                raise
             if m == 0 or self.op is not None:
                 # agreed first (the unfused pieces carry the total in their own headers): the op's
                 # stamps compare each piece's rows only, and pieces of one size in forwards of
                 # different sizes would pair; a prefill-sized forward pays one small exchange
                 self._agree_rows(min(m, self.m_max), total=m)
-            out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
             for r0 in range(0, m, self.m_max):
                 out[r0:r0 + self.m_max] = self._rows(x2[r0:r0 + self.m_max], qweight, scale, total=m)[:, :n]
         if bias is not None:
             out += bias
         return out.view(*lead, n)
 
-    def _rows(self, x2, qweight, scale, total: int | None = None) -> torch.Tensor:
-        """bf16 [rows, n_padded]: one collective call (``total``: the forward's rows, where it runs
-        in pieces)."""
-        m = x2.shape[0]
-        if self.op is None:  # unfused: the rows (and the weights) agreed before the all-reduce, whose sizes
-            self._agree_rows(m, total=total)  # nobody checks
-        elif not self._loaded:
+    def _rows(self, x, qweight, scale, total: int | None = None) -> torch.Tensor:
+        """bf16 [rows, n_padded] for ``x [..., K]`` (its rows, flattened here): one collective call
+        (``total``: the forward's rows, where it runs in pieces). This rank's own work (flatten,
+        quantize; unfused: the GEMM) runs before the call's collective step, which carries a failure
+        of it to every rank (:meth:`_before_op`, :meth:`_agreed`)."""
+        k = self.in_features_per_rank
+        m = x.numel() // k
+        if self.op is None:
+            def term():  # this rank's term of the all-reduce
+                a, a_scale = quantize_activation(flat_rows(x, k), self.quant, k_padded=self.k_padded)
+                return Q.reference_gemm(a, self._row_major(qweight), a_scale, scale, self.quant).float()
+            # unfused: the rows (and the weights) agreed before the all-reduce, whose sizes nobody checks
+            partial = self._agreed(term, m, total=total)
+            dist.all_reduce(partial, group=self._reduce_group)
+            return partial.to(torch.bfloat16)
+        if not self._loaded:
             self._require_loaded()
-        if self.op is not None:
-            # cuBLAS's blockwise GEMM takes a multiple of 4 rows only: quantize into zero rows up to one
-            # (no copy; every rank pads alike) rather than fall back to the own kernel at decode sizes
-            rows = self._rows_for(m)
-            a, a_scale = quantize_activation(x2, self.quant, k_padded=self.k_padded, m_padded=rows)
-            out = self.op(a, qweight, a_scale, scale)
-            return out if rows == m else out[:m]
-        a, a_scale = quantize_activation(x2, self.quant, k_padded=self.k_padded)
-        partial = Q.reference_gemm(a, self._row_major(qweight), a_scale, scale, self.quant).float()
-        dist.all_reduce(partial, group=self._reduce_group)
-        return partial.to(torch.bfloat16)
+        # cuBLAS's blockwise GEMM takes a multiple of 4 rows only: quantize into zero rows up to one
+        # (no copy; every rank pads alike) rather than fall back to the own kernel at decode sizes
+        rows = self._rows_for(m)
+        a, a_scale = self._before_op(lambda: quantize_activation(flat_rows(x, k), self.quant, k_padded=self.k_padded,
+                                                                 m_padded=rows))
+        out = self.op(a, qweight, a_scale, scale)
+        return out if rows == m else out[:m]
 
     def _rows_for(self, m: int) -> int:
         """Rows the op runs for a call of ``m`` rows: ``m`` padded with zero rows to a multiple of

@@ -272,14 +272,43 @@ class _ParallelLinear(torch.nn.Module):
             self._refuse_call(err)
         raise err
 
-    def _refuse_call(self, err: Exception) -> None:
-        """This rank's share of a collective call whose input it refused with ``err``: the op's
-        rejected call, or on the unfused path the call's header with the rejection (:meth:`_agree_rows`,
-        which raises ``err``)."""
-        if self.op is not None:
-            self.op.reject(err)
-        else:
+    def _refuse_call(self, err: Exception, *, header: bool | None = None) -> None:
+        """This rank's share of a collective call whose input it refused with ``err`` (or whose own
+        work failed with it): the call's next collective step all the same, as a refusal. That is
+        the op's rejected call, or the call's header with the rejection (:meth:`_agree_rows`, which
+        raises ``err``): the header where the unfused path runs (``header`` None), or where the call
+        starts with one (``header=True``: a fused call of no rows, or in pieces)."""
+        if header or (header is None and self.op is None):
             self._agree_rows(0, error=err)
+        else:
+            self.op.reject(err)
+
+    def _before_op(self, fn, *args, op=None, **kwargs):
+        """``fn(*args, **kwargs)``: this rank's own work of a fused collective call before ``op``'s
+        call (default: the layer's), the call's next collective step: flattening and quantizing the
+        rows, laying out the operands. Where it raises (an allocation that fails on this rank alone,
+        say), this rank takes part in that op call as a rejected one first (``op.reject``): its peers
+        fail the call with ``PeerRejectedError`` instead of pairing it with this rank's next call (a
+        result of two calls, with no error), and the ranks stay in step."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as err:
+            (self.op if op is None else op).reject(err)
+            raise
+
+    def _agreed(self, work, m: int, *, total: int | None = None, step: int = 0):
+        """``work()``'s result, once the call's header (:meth:`_agree_rows` of ``m``, ``total``,
+        ``step``) agreed on every rank: an unfused collective call's own work runs before its header,
+        so that a failure of it on this rank alone travels in the header (this rank raises it, its
+        peers ``PeerRejectedError``) rather than leaving the peers in the data collective, which
+        this rank's next call would join."""
+        result = error = None
+        try:
+            result = work()
+        except Exception as err:
+            error = err
+        self._agree_rows(m, total=total, error=error, step=step)
+        return result
 
     def _agree_rows(self, m: int, *, total: int | None = None, error: Exception | None = None,
                     step: int = 0) -> None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from cco import quant as Q
-from cco.nn.collectives import all_gather_rows, backward_step, reduce_scatter_rows
+from cco.nn.collectives import all_gather_rows, backward_step, flat_rows, reduce_scatter_rows
 from cco.nn.pool import group_plan
 
 
@@ -70,21 +70,24 @@ def check_token_rows(layer, x: torch.Tensor, fn: str, *, gathers: bool = False) 
 def row_parallel_body(layer, x, qweight, scale, bias, quantize) -> torch.Tensor:
     """``reduce_scatter(x_r @ W_r.T, dim=0) + bias``: bf16 ``[x.shape[0] / W, ..., out_features]``;
     ``quantize``: the layer's activation quantizer (``cco.nn.linear.quantize_activation``)."""
-    world, n = layer.comm.world, layer.out_features
-    x2 = x.reshape(-1, layer.in_features_per_rank)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    if layer.op is None or x2.shape[0] == 0:  # unfused: the rows (and the weights) agreed before the
-        layer._agree_rows(x2.shape[0])  # reduce-scatter, whose sizes nobody checks; no rows: agreed, as the
-    elif not layer._loaded:  # other layers' calls of none (every rank's share of nothing is nothing)
-        layer._require_loaded()
-    if x2.shape[0] == 0:
+    world, n, k = layer.comm.world, layer.out_features, layer.in_features_per_rank
+    m = x.numel() // k
+    if m == 0:  # agreed, as the other layers' calls of none (every rank's share of nothing is nothing)
+        layer._agree_rows(0)
         return torch.zeros(x.shape[0] // world, *x.shape[1:-1], n, dtype=torch.bfloat16, device=x.device)
-    a, a_scale = quantize(x2, layer.quant, k_padded=layer.k_padded)
+    # this rank's own work (flatten, quantize; unfused: the GEMM) before the call's collective step,
+    # which carries a failure of it to every rank (_before_op, _agreed)
     if layer.op is not None:
+        if not layer._loaded:
+            layer._require_loaded()
+        a, a_scale = layer._before_op(lambda: quantize(flat_rows(x, k), layer.quant, k_padded=layer.k_padded))
         out = layer.op(a, qweight, a_scale, scale)
     else:
-        partial = Q.reference_gemm(a, layer._row_major(qweight), a_scale, scale, layer.quant).float()
+        def term():  # this rank's term of the reduce-scatter
+            a, a_scale = quantize(flat_rows(x, k), layer.quant, k_padded=layer.k_padded)
+            return Q.reference_gemm(a, layer._row_major(qweight), a_scale, scale, layer.quant).float()
+        # unfused: the rows (and the weights) agreed before the reduce-scatter, whose sizes nobody checks
+        partial = layer._agreed(term, m)
         out = reduce_scatter_rows(partial, layer._reduce_group, world).to(torch.bfloat16)
     out = out if layer.n_padded == n else out[:, :n].contiguous()
     if bias is not None:
@@ -97,8 +100,8 @@ def gather_output_grad(layer, grad: torch.Tensor, *, step: int) -> torch.Tensor:
     the ranks agree on the call (``layer._agree_rows``, ``step`` its backward's: a peer that never
     runs its backward makes this rank raise after ``deadline_s``, not wait in the all-gather)."""
     world = layer.comm.world
-    g = grad.reshape(-1, grad.shape[-1]).to(torch.bfloat16)
-    layer._agree_rows(g.shape[0], step=step)
+    g = layer._agreed(lambda: flat_rows(grad, grad.shape[-1]).to(torch.bfloat16), grad.numel() // grad.shape[-1],
+                      step=step)
     return all_gather_rows(g, layer._reduce_group, world).view(grad.shape[0] * world, *grad.shape[1:])
 
 
@@ -148,8 +151,13 @@ class DualGemm:
         return (preshuffle_b(q) if self.weight_layout == "bpreshuffle" else q), s
 
     def __call__(self, grad2d: torch.Tensor, w: torch.Tensor, quantize, **kw):
-        a, a_scale = quantize(grad2d, BACKWARD_QUANT, k_padded=self.k_padded)
-        b, b_scale = self.weight(w)
+        try:  # this rank's own work before the op call: where it fails, the rank takes part in the
+            # call as a rejected one, and the ranks stay in step (as the layers' _before_op)
+            a, a_scale = quantize(grad2d, BACKWARD_QUANT, k_padded=self.k_padded)
+            b, b_scale = self.weight(w)
+        except Exception as err:
+            self.op.reject(err)
+            raise
         return self.op(a, b, a_scale, b_scale, **kw)
 
     def close(self) -> None:
@@ -163,11 +171,11 @@ def row_parallel_fp8_backward(layer, grad, x, qweight, scale, *, input_grad, wei
     through the fused all-gather + GEMM, which also returns the gathered e4m3 ``grad_y`` for the
     weight and bias gradients (dequantized to bf16)."""
     g_r = grad.reshape(-1, layer.out_features)
-    w = layer.dequantized_weight(qweight, scale)  # [N, K_r], fp32
     # agreed first: the dual op may be the pool's op of another layer's forward (the same family),
     # whose next call a peer that skipped this backward would pair with this one (one step whatever
-    # gradients are asked for: the dual call is the same)
-    layer._agree_rows(g_r.shape[0], step=backward_step(input_grad=True, weight_grad=True))
+    # gradients are asked for: the dual call is the same); this rank's own work before it
+    w = layer._agreed(lambda: layer.dequantized_weight(qweight, scale), g_r.shape[0],  # [N, K_r], fp32
+                      step=backward_step(input_grad=True, weight_grad=True))
     out, g_q, g_s = layer._dual(g_r, w, quantize, return_a=True)
     g = Q.dequantize_a(g_q, g_s, BACKWARD_QUANT)[:, :layer.out_features].to(torch.bfloat16)  # every rank's grad_y
     grad_x = out[:, :layer.in_features_per_rank].reshape(x.shape).to(x.dtype) if input_grad else None

@@ -1,0 +1,183 @@
+"""A failure of one rank's own work inside a collective call (an allocation that fails on that rank
+alone, say a CUDA out-of-memory in the activation quantizer) fails that call on every rank and
+leaves the ranks in step: the calls after it return what they would have returned.
+
+Before, the failing rank raised before its call's first collective step, so its next call took that
+step's place: on the fused path its op call took the seq its peers' call had, the two paired, and
+the peer returned a result mixed from two calls, with no error (then every later call of the peer
+waited for a partner that never came); on the unfused path the header agreed and the data
+collective paired with the next call's. Now the rank takes the call's next collective step all the
+same, as a refusal: the op's rejected call (``op.reject``), or the header carrying its error; where
+the local work comes before a header, it runs first so the header can carry it.
+
+Each case: two CPU ranks, four calls on inputs that differ call by call, their results recorded
+once without a fault; then the same four calls with rank 1's local work failing once in the second:
+the first call equals its record, the second raises on both ranks (rank 1 its own error, rank 0
+``PeerRejectedError``), the third and fourth equal their records.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cco.comm import check_outcomes, spawn
+
+CALLS, FAULT_AT = 4, 1
+DEADLINE_S = 2  # a wait that is not released (the defect) fails in 2 s
+
+
+class LocalFault(RuntimeError):
+    """The simulated failure of one rank's own work (a CUDA out-of-memory, say)."""
+
+
+def _arm(comm, targets):
+    """Make each ``(owner, name)`` of ``targets`` raise :class:`LocalFault` at its next call on rank 1
+    once ``arm()`` is called, once; returns ``arm``."""
+    state = {"armed": False}
+
+    def wrap(owner, name):
+        real = getattr(owner, name)
+
+        def faulty(*args, **kwargs):
+            if state["armed"]:
+                state["armed"] = False
+                raise LocalFault(f"rank {comm.rank}: {name} failed on this rank alone")
+            return real(*args, **kwargs)
+        setattr(owner, name, faulty)
+
+    for owner, name in targets:
+        wrap(owner, name)
+
+    def arm():
+        state["armed"] = comm.rank == 1
+    return arm
+
+
+def _layer_case(comm, kind, mode):
+    import cco.nn.column as column
+    import cco.nn.linear as linear
+    from cco.nn import ColumnParallelLinear, RowParallelLinear, WindowPool
+
+    world = comm.world
+    kw = dict(group=comm, m_max=16, mode=mode, deadline_s=DEADLINE_S, pool=WindowPool())
+    g = torch.Generator().manual_seed(7)
+    if kind == "column, sequence parallel":
+        layer = ColumnParallelLinear(256, 128, sequence_parallel=True, **kw)
+        rows = 4  # this rank's tokens: 8 gathered
+    else:
+        layer = RowParallelLinear(128, 256, sequence_parallel=kind == "row, sequence parallel",
+                                  **{**kw, "m_max": 8 if kind == "row, in pieces" else 16})
+        rows = 8 if kind != "row, in pieces" else 20  # in pieces: 8 + 8 + 4
+    w = torch.randn(layer.out_features, layer.in_features_per_rank, generator=g)
+    layer.load_weight(w)
+    xs = [torch.randn(rows, layer.in_features_per_rank, generator=torch.Generator().manual_seed(100 * i + comm.rank))
+          for i in range(CALLS)]
+    arm = _arm(comm, [(linear, "quantize_activation"), (column, "quantize_activation")])
+
+    def call(i):
+        with torch.no_grad():
+            return (layer(xs[i]),)
+    return _run(call, arm)
+
+
+def _run(call, arm):
+    """``call(i)``'s results without a fault, then with ``arm()`` before call ``FAULT_AT``: per call of
+    the second pass, "same" (equal to the first pass's), "other" (a result, not the same) or the
+    error's type."""
+    record = [call(i) for i in range(CALLS)]
+    got = []
+    for i in range(CALLS):
+        if i == FAULT_AT:
+            arm()
+        try:
+            result = call(i)
+            got.append("same" if all(torch.equal(a, b) for a, b in zip(result, record[i])) else "other")
+        except Exception as err:  # noqa: BLE001 - the test reads the type
+            got.append(type(err).__name__)
+    return got
+
+
+LAYER_CASES = ["row", "row, in pieces", "row, sequence parallel", "column, sequence parallel"]
+
+
+def _expect(got, rank):
+    fault = "LocalFault" if rank == 1 else "PeerRejectedError"
+    return got == ["same", fault, "same", "same"]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("mode", ["fused", "unfused"])
+@pytest.mark.parametrize("kind", LAYER_CASES)
+def test_a_layer_call_whose_local_work_fails_on_one_rank_fails_on_every_rank_and_the_next_is_right(kind, mode):
+    outs = check_outcomes(spawn(_layer_case, world=2, args=(kind, mode), timeout_s=120))
+    for rank, got in enumerate(outs):
+        assert _expect(got, rank), (kind, mode, rank, outs)
+
+
+def _op_case(comm, pattern):
+    from cco import layout
+    from cco import quant as Q
+    from cco.all_gather import AllGatherGemmOp
+    from cco.op import GemmAllReduceOp
+    from cco.preshuffle import preshuffle_b
+    from cco.reduce_scatter import GemmReduceScatterOp
+
+    m = 8
+    cls, kw = {"all-reduce": (GemmAllReduceOp, {}), "reduce-scatter": (GemmReduceScatterOp, {"scatter_dim": 0}),
+               "all-gather": (AllGatherGemmOp, {})}[pattern]
+    op = cls(comm, n=256, k=256, m_max=16, deadline_s=DEADLINE_S, **kw)
+    p = Q.random_problem(m, 256, 256, "ptpc", seed=3)
+    b_pre = preshuffle_b(p.b)
+    problems = [Q.random_problem(m, 256, 256, "ptpc", seed=10 * i + comm.rank) for i in range(CALLS)]
+    # the op's own work between its checks and its collective: the output's allocation (its shape;
+    # the all-gather's scales' form first)
+    arm = _arm(comm, [(op, "_as_slot") if pattern == "all-gather" else (layout, "out_shape")])
+
+    def call(i):
+        return (op(problems[i].a, b_pre, problems[i].a_scale, p.b_scale),)
+    try:
+        return _run(call, arm)
+    finally:
+        op.close()
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("pattern", ["all-reduce", "reduce-scatter", "all-gather"])
+def test_an_op_call_that_fails_on_one_rank_before_its_collective_fails_on_every_rank(pattern):
+    outs = check_outcomes(spawn(_op_case, world=2, args=(pattern,), timeout_s=120))
+    for rank, got in enumerate(outs):
+        assert _expect(got, rank), (pattern, rank, outs)
+
+
+def _backward_case(comm, where):
+    import torch.nn.functional as F
+
+    from cco.nn import ColumnParallelLinear, RowParallelLinear, WindowPool
+
+    pool = WindowPool()
+    kw = dict(group=comm, m_max=8, sequence_parallel=True, trainable=True, backward="fp8",
+              deadline_s=DEADLINE_S, pool=pool)
+    col, row = ColumnParallelLinear(128, 128, **kw), RowParallelLinear(128, 128, **kw)
+    col.load_weight(torch.randn(128, 128, generator=torch.Generator().manual_seed(1)))
+    row.load_weight(torch.randn(128, 128, generator=torch.Generator().manual_seed(2)))
+    xs = [torch.randn(4, 128, generator=torch.Generator().manual_seed(10 * i + comm.rank)) for i in range(CALLS)]
+    dual = (row if where == "row" else col)._dual
+    assert dual is not None, "backward='fp8' fell back to bf16: nothing to test"
+    arm = _arm(comm, [(dual, "weight")])  # the dual op's weight, laid out per backward
+
+    def call(i):
+        col.weight.grad = row.weight.grad = None  # (a failed backward may have left one accumulated)
+        x = xs[i].clone().requires_grad_(True)
+        y = row(F.silu(col(x)))
+        y.float().sum().backward()
+        return y.detach(), x.grad, col.weight.grad, row.weight.grad
+    return _run(call, arm)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("where", ["row", "column"])
+def test_an_fp8_backward_whose_local_work_fails_on_one_rank_fails_on_every_rank(where):
+    outs = check_outcomes(spawn(_backward_case, world=2, args=(where,), timeout_s=120))
+    for rank, got in enumerate(outs):
+        assert _expect(got, rank), (where, rank, outs)
