@@ -121,7 +121,7 @@ class ColumnParallelLinear(_ParallelLinear):
             return self._decode(x, *self.quantized_weight(), self._parameters.get("bias"))
         if not isinstance(x, torch.Tensor):
             self._check_call(x)  # as RowParallelLinear's: refused on every rank of the call
-        qweight, scale = self.quantized_weight()
+        qweight, scale = self._own_work(x, self.quantized_weight)  # as RowParallelLinear's
         if self._eager(x):  # as RowParallelLinear's: an untraced inference call runs the body directly
             self._check_call(x)
             return self._cco_forward(x, qweight, scale, self.bias)

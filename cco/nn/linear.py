@@ -141,7 +141,7 @@ class RowParallelLinear(_ParallelLinear):
             return self._decode(x, *self.quantized_weight(), self._parameters.get("bias"))
         if not isinstance(x, torch.Tensor):
             self._check_call(x)  # refused on every rank of the call (the op's schema would refuse it here only)
-        qweight, scale = self.quantized_weight()
+        qweight, scale = self._own_work(x, self.quantized_weight)
         # the body checks x where it runs (_check_call): here, or in the registered op (_op_forward)
         if self.sequence_parallel:
             return torch.ops.cco.sp_row_parallel_linear(x, qweight, scale, self.bias, self.weight, self._handle,
@@ -151,6 +151,10 @@ class RowParallelLinear(_ParallelLinear):
             return self._cco_forward(x, qweight, scale, self.bias)
         return torch.ops.cco.row_parallel_linear(x, qweight, scale, self.bias, self.weight, self._handle,
                                                  self.out_features)
+
+    def _starts_with_header(self, m: int) -> bool:
+        # and a forward in pieces (its rows agreed first, _cco_forward)
+        return super()._starts_with_header(m) or (not self.sequence_parallel and m > self.m_max)
 
     def _check_call(self, x) -> None:
         self._check_input(x, features=self.in_features_per_rank, name="in_features_per_rank",

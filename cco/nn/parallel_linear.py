@@ -398,9 +398,30 @@ class _ParallelLinear(torch.nn.Module):
         brought to the master's where it moved (a traced ``quantized_weight`` cannot read its
         version); then :meth:`_cco_forward`."""
         self._check_call(x)
-        if self._follow_if_moved():  # in place; the buffers are what an eval-mode trace passed
+        if self._own_work(x, self._follow_if_moved):  # in place; the buffers are what an eval-mode trace passed
             qweight, scale = self._buffers["qweight"], self._buffers["weight_scale"]
         return self._cco_forward(x, qweight, scale, bias)
+
+    def _own_work(self, x, fn):
+        """``fn()``: this rank's own work before a call on ``x`` reaches its body (the master weight
+        quantized afresh in training, or the stored fp8 weight brought to it: weight-sized
+        allocations). Where it fails on a collective call, this rank takes the call's first
+        collective step all the same, as a refusal (:meth:`_refuse_call`; the header where the call
+        starts with one, :meth:`_starts_with_header`), so that its peers fail that call instead of
+        pairing it with this rank's next one."""
+        try:
+            return fn()
+        except Exception as err:
+            if self.comm.world > 1 and (self.sequence_parallel or self._COLLECTIVE_WITHOUT_SP):
+                m = x.numel() // self.in_features_per_rank if isinstance(x, torch.Tensor) else 0
+                self._refuse_call(err, header=self._starts_with_header(m))
+            raise
+
+    def _starts_with_header(self, m: int) -> bool:
+        """Whether a collective call of ``m`` rows starts with its header (:meth:`_agree_rows`), not
+        with the op's call: the unfused path's calls, and the calls of no rows (and the layer's own
+        other cases: subclasses)."""
+        return self.op is None or m == 0
 
     def _eager(self, x: torch.Tensor) -> bool:
         """Whether a forward on ``x`` runs the layer's body directly (an inference call that nothing

@@ -1,6 +1,7 @@
 """A failure of one rank's own work inside a collective call (an allocation that fails on that rank
-alone, say a CUDA out-of-memory in the activation quantizer) fails that call on every rank and
-leaves the ranks in step: the calls after it return what they would have returned.
+alone, say a CUDA out-of-memory in the activation quantizer or in a trainable layer's weight
+quantized for the call) fails that call on every rank and leaves the ranks in step: the calls
+after it return what they would have returned.
 
 Before, the failing rank raised before its call's first collective step, so its next call took that
 step's place: on the fused path its op call took the seq its peers' call had, the two paired, and
@@ -54,13 +55,13 @@ def _arm(comm, targets):
     return arm
 
 
-def _layer_case(comm, kind, mode):
+def _layer_case(comm, kind, mode, what):
     import cco.nn.column as column
     import cco.nn.linear as linear
     from cco.nn import ColumnParallelLinear, RowParallelLinear, WindowPool
 
     world = comm.world
-    kw = dict(group=comm, m_max=16, mode=mode, deadline_s=DEADLINE_S, pool=WindowPool())
+    kw = dict(group=comm, m_max=16, mode=mode, deadline_s=DEADLINE_S, pool=WindowPool(), trainable=what == "weight")
     g = torch.Generator().manual_seed(7)
     if kind == "column, sequence parallel":
         layer = ColumnParallelLinear(256, 128, sequence_parallel=True, **kw)
@@ -73,7 +74,9 @@ def _layer_case(comm, kind, mode):
     layer.load_weight(w)
     xs = [torch.randn(rows, layer.in_features_per_rank, generator=torch.Generator().manual_seed(100 * i + comm.rank))
           for i in range(CALLS)]
-    arm = _arm(comm, [(linear, "quantize_activation"), (column, "quantize_activation")])
+    # the activations' quantizer, or (a trainable layer in training) the master weight's quantization
+    arm = _arm(comm, [(layer, "_laid_out")] if what == "weight" else
+               [(linear, "quantize_activation"), (column, "quantize_activation")])
 
     def call(i):
         with torch.no_grad():
@@ -107,12 +110,15 @@ def _expect(got, rank):
 
 
 @pytest.mark.multirank
+@pytest.mark.parametrize("what", ["quantizer", "weight"])
 @pytest.mark.parametrize("mode", ["fused", "unfused"])
 @pytest.mark.parametrize("kind", LAYER_CASES)
-def test_a_layer_call_whose_local_work_fails_on_one_rank_fails_on_every_rank_and_the_next_is_right(kind, mode):
-    outs = check_outcomes(spawn(_layer_case, world=2, args=(kind, mode), timeout_s=120))
+def test_a_layer_call_whose_local_work_fails_on_one_rank_fails_on_every_rank_and_the_next_is_right(kind, mode, what):
+    """``what`` fails on rank 1: the activations' quantizer (inside the call), or a trainable layer's
+    master weight quantized afresh for the call (in training: before the call's body)."""
+    outs = check_outcomes(spawn(_layer_case, world=2, args=(kind, mode, what), timeout_s=120))
     for rank, got in enumerate(outs):
-        assert _expect(got, rank), (kind, mode, rank, outs)
+        assert _expect(got, rank), (kind, mode, what, rank, outs)
 
 
 def _op_case(comm, pattern):
