@@ -4,6 +4,11 @@ and in their backward.
 
 Rank ``r`` of ``W`` holds rows ``r*M/W .. (r+1)*M/W`` of the flattened ``[M, features]`` activations
 (Megatron's convention). Tensors are 2-D and contiguous here; callers flatten (``flat_rows``).
+
+A layer runs its own work of a call (flatten, quantize, the GEMM, and the collectives' outputs:
+``gathered_rows``, ``scattered_rows``) before the call's header and its collectives after it, back
+to back: an allocation that failed on one rank between them would leave its peers in a collective
+that this rank's next call joins.
 """
 
 from __future__ import annotations
@@ -19,25 +24,40 @@ def flat_rows(x: torch.Tensor, features: int) -> torch.Tensor:
     return x2 if x2.stride(1) == 1 else x2.contiguous()
 
 
-def all_gather_rows(x: torch.Tensor, group, world: int) -> torch.Tensor:
-    """``[m, c] -> [W * m, c]``: every rank's rows in rank order. fp8 (and e8m0) tensors travel as
-    their bytes (collective backends do not reduce them, and byte copies are exact)."""
+def gathered_rows(x: torch.Tensor, world: int) -> torch.Tensor:
+    """The output of :func:`all_gather_rows` of ``x [m, c]``: ``[W * m, c]``, x's dtype, uninitialized
+    (allocated by the caller before the call's header, with the rest of its own work)."""
+    return torch.empty(world * x.shape[0], *x.shape[1:], dtype=x.dtype, device=x.device)
+
+
+def scattered_rows(x: torch.Tensor, world: int) -> torch.Tensor:
+    """The output of :func:`reduce_scatter_rows` of ``x [M, c]``: ``[M / W, c]``, uninitialized."""
+    return torch.empty(x.shape[0] // world, *x.shape[1:], dtype=x.dtype, device=x.device)
+
+
+def all_gather_rows(x: torch.Tensor, group, world: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``[m, c] -> [W * m, c]``: every rank's rows in rank order (into ``out``, :func:`gathered_rows`,
+    where given). fp8 (and e8m0) tensors travel as their bytes (collective backends do not reduce
+    them, and byte copies are exact)."""
     if world == 1:
         return x.clone()
     x = x.contiguous()
-    wire = x.view(torch.uint8) if x.element_size() == 1 and x.dtype != torch.uint8 else x
-    out = torch.empty(world * wire.shape[0], *wire.shape[1:], dtype=wire.dtype, device=wire.device)
-    dist.all_gather_into_tensor(out, wire, group=group)
-    return out.view(x.dtype) if wire is not x else out
+    out = gathered_rows(x, world) if out is None else out
+    if x.element_size() == 1 and x.dtype != torch.uint8:
+        dist.all_gather_into_tensor(out.view(torch.uint8), x.view(torch.uint8), group=group)
+    else:
+        dist.all_gather_into_tensor(out, x, group=group)
+    return out
 
 
-def reduce_scatter_rows(x: torch.Tensor, group, world: int) -> torch.Tensor:
+def reduce_scatter_rows(x: torch.Tensor, group, world: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """``[M, c] -> [M / W, c]``: the sum over the ranks of each rank's ``x``, rows of this rank's
-    share (M a multiple of W). Summed in ``x``'s dtype (pass fp32 for an fp32 sum)."""
+    share (M a multiple of W; into ``out``, :func:`scattered_rows`, where given). Summed in ``x``'s
+    dtype (pass fp32 for an fp32 sum)."""
     if world == 1:
         return x.clone()
     x = x.contiguous()
-    out = torch.empty(x.shape[0] // world, *x.shape[1:], dtype=x.dtype, device=x.device)
+    out = scattered_rows(x, world) if out is None else out
     dist.reduce_scatter_tensor(out, x, group=group)
     return out
 

@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 from cco import quant as Q
-from cco.nn.collectives import all_gather_rows, backward_step, flat_rows, reduce_scatter_rows
+from cco.nn.collectives import (all_gather_rows, backward_step, flat_rows, gathered_rows, reduce_scatter_rows,
+                                scattered_rows)
 from cco.nn.parallel_linear import _ParallelLinear, quantize_activation
 from cco.nn.pool import WindowPool
 from cco.nn.sequence import check_token_rows
@@ -165,16 +166,20 @@ class ColumnParallelLinear(_ParallelLinear):
         every rank (:meth:`_before_op`, :meth:`_agreed`)."""
         k = self.in_features
 
-        def quantized(*, sent: bool = False):  # sent: the scales contiguous, gathered as they lie
-            a, a_scale = quantize_activation(flat_rows(x, k), self.quant, k_padded=self.k_padded)
-            return a, (a_scale.contiguous() if sent else a_scale)
+        def quantized():
+            return quantize_activation(flat_rows(x, k), self.quant, k_padded=self.k_padded)
         if self.op is None and self.sequence_parallel:
+            world = self.comm.world
+
+            def sent():  # the rows and their scales as they travel (contiguous), and the gathers' outputs
+                a, a_scale = quantized()
+                a_scale = a_scale.contiguous()
+                return a, a_scale, gathered_rows(a, world), gathered_rows(a_scale, world)
             # unfused: the rows (and the weights) agreed before the all-gather, whose sizes nobody checks;
             # then the fp8 rows and their scales gathered on the group
-            a, a_scale = self._agreed(lambda: quantized(sent=True), x.numel() // k)
-            world = self.comm.world
-            a = all_gather_rows(a, self._reduce_group, world)
-            gathered = all_gather_rows(a_scale, self._reduce_group, world)
+            a, a_scale, rows_out, scales_out = self._agreed(sent, x.numel() // k)
+            a = all_gather_rows(a, self._reduce_group, world, rows_out)
+            gathered = all_gather_rows(a_scale, self._reduce_group, world, scales_out)
             a_scale = gathered.t().contiguous().t() if self.quant == "blockscale" else gathered
             return Q.reference_gemm(a, self._row_major(qweight), a_scale, scale, self.quant)
         if not self._loaded:
@@ -196,33 +201,32 @@ class ColumnParallelLinear(_ParallelLinear):
 
         def own():
             """This rank's own work before the backward's collectives: the gradient in bf16, the weight
-            for the fused dual op, or this rank's term of grad_x (fp32: summed in fp32); x's rows."""
+            for the fused dual op, or this rank's term of grad_x (fp32: summed in fp32); x's rows; the
+            collectives' outputs."""
             g = flat_rows(grad, self.out_features_per_rank).to(torch.bfloat16)
             w = self.dequantized_weight(qweight, scale) if dual is not None else None
             term = (g @ self.dequantized_weight(qweight, scale).to(torch.bfloat16)).float() \
                 if input_grad and dual is None else None  # [M, in_features]
-            return g, w, term, flat_rows(x, self.in_features).to(torch.bfloat16) if weight_grad else None
+            x2 = flat_rows(x, self.in_features).to(torch.bfloat16) if weight_grad else None
+            return (g, w, term, scattered_rows(term, world) if sp and term is not None else None,
+                    x2, gathered_rows(x2, world) if sp and x2 is not None else None)
         if world > 1 and (input_grad or (sp and weight_grad)):
-            # collectives below: the ranks agree first, this rank's own work before that (a failure of
-            # it travels in the header: _agreed)
-            g, w, term, x2 = self._agreed(own, grad.numel() // self.out_features_per_rank,
-                                          step=backward_step(input_grad=input_grad, weight_grad=weight_grad and sp))
+            # collectives below, back to back: the ranks agree first, this rank's own work before that
+            # (a failure of it travels in the header: _agreed)
+            g, w, term, term_out, x2, x2_out = self._agreed(
+                own, grad.numel() // self.out_features_per_rank,
+                step=backward_step(input_grad=input_grad, weight_grad=weight_grad and sp))
         else:
-            g, w, term, x2 = own()
-        grad_x = grad_w = grad_b = None
+            g, w, term, term_out, x2, x2_out = own()
         if dual is not None:  # the GEMM + reduce-scatter, fused, e4m3 operands
-            out = dual(g, w, quantize_activation)
-            grad_x = out[:, :self.in_features].reshape(x.shape).to(x.dtype)
-        elif input_grad:
-            if sp:
-                term = reduce_scatter_rows(term, self._reduce_group, world)
-            elif world > 1:  # the replicated input's gradient: every rank's term, summed in fp32
-                dist.all_reduce(term, group=self._reduce_group)
-            grad_x = term.view(x.shape).to(x.dtype)
-        if weight_grad:
-            if sp:
-                x2 = all_gather_rows(x2, self._reduce_group, world)
-            grad_w = g.t() @ x2
-        if bias_grad:
-            grad_b = g.float().sum(0)
+            term = dual(g, w, quantize_activation)[:, :self.in_features]
+        elif input_grad and sp:
+            term = reduce_scatter_rows(term, self._reduce_group, world, term_out)
+        elif input_grad and world > 1:  # the replicated input's gradient: every rank's term, summed in fp32
+            dist.all_reduce(term, group=self._reduce_group)
+        if weight_grad and sp:
+            x2 = all_gather_rows(x2, self._reduce_group, world, x2_out)
+        grad_x = term.reshape(x.shape).to(x.dtype) if input_grad else None
+        grad_w = g.t() @ x2 if weight_grad else None
+        grad_b = g.float().sum(0) if bias_grad else None
         return grad_x, grad_w, grad_b

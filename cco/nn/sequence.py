@@ -31,7 +31,8 @@ from __future__ import annotations
 import torch
 
 from cco import quant as Q
-from cco.nn.collectives import all_gather_rows, backward_step, flat_rows, reduce_scatter_rows
+from cco.nn.collectives import (all_gather_rows, backward_step, flat_rows, gathered_rows, reduce_scatter_rows,
+                                scattered_rows)
 from cco.nn.pool import group_plan
 
 
@@ -83,12 +84,13 @@ def row_parallel_body(layer, x, qweight, scale, bias, quantize) -> torch.Tensor:
         a, a_scale = layer._before_op(lambda: quantize(flat_rows(x, k), layer.quant, k_padded=layer.k_padded))
         out = layer.op(a, qweight, a_scale, scale)
     else:
-        def term():  # this rank's term of the reduce-scatter
+        def term():  # this rank's term of the reduce-scatter, and the reduce-scatter's output
             a, a_scale = quantize(flat_rows(x, k), layer.quant, k_padded=layer.k_padded)
-            return Q.reference_gemm(a, layer._row_major(qweight), a_scale, scale, layer.quant).float()
+            partial = Q.reference_gemm(a, layer._row_major(qweight), a_scale, scale, layer.quant).float()
+            return partial, scattered_rows(partial, world)
         # unfused: the rows (and the weights) agreed before the reduce-scatter, whose sizes nobody checks
-        partial = layer._agreed(term, m)
-        out = reduce_scatter_rows(partial, layer._reduce_group, world).to(torch.bfloat16)
+        partial, out = layer._agreed(term, m)
+        out = reduce_scatter_rows(partial, layer._reduce_group, world, out).to(torch.bfloat16)
     out = out if layer.n_padded == n else out[:, :n].contiguous()
     if bias is not None:
         out += bias
@@ -100,9 +102,12 @@ def gather_output_grad(layer, grad: torch.Tensor, *, step: int) -> torch.Tensor:
     the ranks agree on the call (``layer._agree_rows``, ``step`` its backward's: a peer that never
     runs its backward makes this rank raise after ``deadline_s``, not wait in the all-gather)."""
     world = layer.comm.world
-    g = layer._agreed(lambda: flat_rows(grad, grad.shape[-1]).to(torch.bfloat16), grad.numel() // grad.shape[-1],
-                      step=step)
-    return all_gather_rows(g, layer._reduce_group, world).view(grad.shape[0] * world, *grad.shape[1:])
+
+    def own():  # this rank's rows in bf16, and the all-gather's output
+        g = flat_rows(grad, grad.shape[-1]).to(torch.bfloat16)
+        return g, gathered_rows(g, world)
+    g, out = layer._agreed(own, grad.numel() // grad.shape[-1], step=step)
+    return all_gather_rows(g, layer._reduce_group, world, out).view(grad.shape[0] * world, *grad.shape[1:])
 
 
 

@@ -156,21 +156,26 @@ def test_an_op_call_that_fails_on_one_rank_before_its_collective_fails_on_every_
         assert _expect(got, rank), (pattern, rank, outs)
 
 
-def _backward_case(comm, where):
+def _backward_case(comm, where, backward):
     import torch.nn.functional as F
 
+    import cco.nn.column as column
+    import cco.nn.sequence as sequence
     from cco.nn import ColumnParallelLinear, RowParallelLinear, WindowPool
 
     pool = WindowPool()
-    kw = dict(group=comm, m_max=8, sequence_parallel=True, trainable=True, backward="fp8",
+    kw = dict(group=comm, m_max=8, sequence_parallel=True, trainable=True, backward=backward,
               deadline_s=DEADLINE_S, pool=pool)
     col, row = ColumnParallelLinear(128, 128, **kw), RowParallelLinear(128, 128, **kw)
     col.load_weight(torch.randn(128, 128, generator=torch.Generator().manual_seed(1)))
     row.load_weight(torch.randn(128, 128, generator=torch.Generator().manual_seed(2)))
     xs = [torch.randn(4, 128, generator=torch.Generator().manual_seed(10 * i + comm.rank)) for i in range(CALLS)]
-    dual = (row if where == "row" else col)._dual
-    assert dual is not None, "backward='fp8' fell back to bf16: nothing to test"
-    arm = _arm(comm, [(dual, "weight")])  # the dual op's weight, laid out per backward
+    if backward == "fp8":
+        dual = (row if where == "row" else col)._dual
+        assert dual is not None, "backward='fp8' fell back to bf16: nothing to test"
+        arm = _arm(comm, [(dual, "weight")])  # the dual op's weight, laid out per backward
+    else:  # the output of the layer's backward all-gather (allocated with the rank's own work)
+        arm = _arm(comm, [(sequence if where == "row" else column, "gathered_rows")])
 
     def call(i):
         col.weight.grad = row.weight.grad = None  # (a failed backward may have left one accumulated)
@@ -182,8 +187,11 @@ def _backward_case(comm, where):
 
 
 @pytest.mark.multirank
+@pytest.mark.parametrize("backward", ["fp8", "bf16"])
 @pytest.mark.parametrize("where", ["row", "column"])
-def test_an_fp8_backward_whose_local_work_fails_on_one_rank_fails_on_every_rank(where):
-    outs = check_outcomes(spawn(_backward_case, world=2, args=(where,), timeout_s=120))
+def test_a_backward_whose_local_work_fails_on_one_rank_fails_on_every_rank(where, backward):
+    """A sequence-parallel block's backward, ``where``'s layer failing on rank 1: the fused dual
+    op's operands (fp8), or the output of the unfused bf16 all-gather."""
+    outs = check_outcomes(spawn(_backward_case, world=2, args=(where, backward), timeout_s=120))
     for rank, got in enumerate(outs):
-        assert _expect(got, rank), (where, rank, outs)
+        assert _expect(got, rank), (where, backward, rank, outs)
