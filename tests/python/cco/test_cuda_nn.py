@@ -25,7 +25,10 @@ Guards, per check:
   operands (``cco.bench.timing.gemm_mismatches``), the bias the layer's ``out += bias``; its compiled-kernel launch gives ``JITFunction.run``'s bytes; the layer's call
   compiled, and captured in a CUDA graph replayed on new rows, gives the eager bytes;
 - ptpc's one-launch decode GEMM (2..64 rows, a grid-wide wait inside) gives the two launches'
-  bytes, and without its wait reads rows not yet written (the race shown, then shown gone).
+  bytes, and without its wait reads rows not yet written (the race shown, then shown gone);
+- a rank's own work failing inside a call (rank 1's quantizer, once) fails that call on both ranks
+  (``PeerRejectedError`` on rank 0) and the next call is right, on the lsa kernel and the copy
+  engines (dry-run on CPU ranks: ``tests/python/cco/test_local_failures.py`` holds the CPU cases).
 """
 
 from __future__ import annotations
@@ -169,6 +172,48 @@ def check_layers(comm, log):
     a.close()
     b.close()
 
+
+
+def check_local_failure(comm, log):
+    """Rank 1's own work failing inside a call (its activation quantizer, once: an out-of-memory there,
+    say) fails that call on both ranks, rank 0 with ``PeerRejectedError`` (from the call or
+    ``check()``: rank 1 took part as a rejected call, on the device's NaN operands), and the calls
+    after it are right, for the lsa kernel and the copy engines (tests/python/cco/test_local_failures.py
+    on the CPU)."""
+    import cco.nn.linear as linear
+    from cco.nn import RowParallelLinear
+
+    real, armed = linear.quantize_activation, []
+
+    def faulty(*args, **kwargs):
+        if armed:
+            armed.clear()
+            raise RuntimeError(f"rank {comm.rank}: the quantizer failed on this rank alone (simulated)")
+        return real(*args, **kwargs)
+    linear.quantize_activation = faulty
+    try:
+        for transport in ("lsa", "dma"):
+            layer = RowParallelLinear(K_RANK, N, group=comm, quant="ptpc", m_max=M_MAX, transport=transport,
+                                      deadline_s=20)
+            layer.load_weight(_inputs(comm.rank, 0)[1].to(comm.device))
+            got = []
+            for seed in (11, 12, 13):
+                ref = _budget(comm, layer, seed)  # collective: every rank, every call
+                if comm.rank == 1 and seed == 12:
+                    armed.append(True)
+                try:
+                    out = layer(_inputs(comm.rank, seed)[0].to(comm.device))
+                    layer.op.check()
+                    got.append(f"{_bad(out, ref)} bad")
+                except Exception as err:
+                    got.append(type(err).__name__)
+            want = ["0 bad", "RuntimeError" if comm.rank == 1 else "PeerRejectedError", "0 bad"]
+            if got != want:
+                raise AssertionError(f"local failure, transport {transport}: calls gave {got}, expected {want}")
+            log(f"ok rank 1's quantizer failing once ({transport}): {got} on rank {comm.rank}, the next call right")
+            layer.close()
+    finally:
+        linear.quantize_activation = real
 
 
 def captured(fn, *, sync=None):
@@ -734,7 +779,7 @@ def rank_main():
               lambda: check_backward(comm, log), lambda: check_decode(comm, log),
               lambda: check_decode_one_launch(comm, log), lambda: check_decode_native(comm, log),
               lambda: check_decode_vendor(comm, log), lambda: check_mxfp8_copy_under_graphs(comm, log),
-              lambda: check_preshuffled_copy_under_graphs(comm, log)]
+              lambda: check_preshuffled_copy_under_graphs(comm, log), lambda: check_local_failure(comm, log)]
     failures = []
     for check in checks:  # keep going so one run reports every failing check
         try:
