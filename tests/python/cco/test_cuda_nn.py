@@ -28,7 +28,7 @@ Guards, per check:
   bytes, and without its wait reads rows not yet written (the race shown, then shown gone);
 - a rank's own work failing inside a call (rank 1's quantizer, once) fails that call on both ranks
   (``PeerRejectedError`` on rank 0) and the next call is right, on the lsa kernel and the copy
-  engines (dry-run on CPU ranks: ``tests/python/cco/test_local_failures.py`` holds the CPU cases).
+  engines (its code dry-run on two CPU ranks in test_local_failures.py, beside the CPU cases).
 """
 
 from __future__ import annotations

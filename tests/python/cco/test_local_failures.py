@@ -195,3 +195,19 @@ def test_a_backward_whose_local_work_fails_on_one_rank_fails_on_every_rank(where
     outs = check_outcomes(spawn(_backward_case, world=2, args=(where, backward), timeout_s=120))
     for rank, got in enumerate(outs):
         assert _expect(got, rank), (where, backward, rank, outs)
+
+
+def _gpu_check_on_cpu(comm):
+    from tests.python.cco import test_cuda_nn
+
+    lines = []
+    test_cuda_nn.check_local_failure(comm, lambda *words: lines.append(" ".join(map(str, words))))
+    return lines
+
+
+@pytest.mark.multirank
+def test_the_gpu_suites_local_failure_check_runs_on_cpu_ranks():
+    """``test_cuda_nn.check_local_failure`` (the GPU suite's case) on two CPU ranks: its own code runs
+    and passes where the backend is the CPU's, so a failure of it on a GPU is the GPU path's."""
+    for rank, lines in enumerate(check_outcomes(spawn(_gpu_check_on_cpu, world=2, timeout_s=120))):
+        assert len(lines) == 2 and all(line.startswith("ok ") for line in lines), (rank, lines)
