@@ -781,9 +781,9 @@ class CudaBackend(Backend):
         post_rejection(self.notes, seq=seq, rank=self.rank, error=error)
         m = self._peer_m(seq)
         if m is None:
-            error.add_note(f"rank {self.rank}: no peer's stamp of call seq {seq} arrived within deadline_s="
-                           f"{self.deadline_s:g} s (a peer is not there, or every peer rejected too): a peer still "
-                           f"to come fails the call when its deadline passes")
+            error.add_note(f"rank {self.rank}: no peer ran call seq {seq}: every peer rejected it too, or none "
+                           f"came within deadline_s={self.deadline_s:g} s (a peer still to come fails the call when "
+                           f"its deadline passes)")
             return
         if self.config.pattern_spec.gathers_input:
             run = self.all_gather_gemm
@@ -821,12 +821,16 @@ class CudaBackend(Backend):
     def _peer_m(self, seq: int) -> int | None:
         """M of call ``seq`` on a peer that did not reject it, from the (seq, M) stamp the peer sends
         with its first chunk (``scatter_m``) or on every tile (lsa ``tile_flags``), read as it
-        arrives; None if every peer's stamp says rejected or none arrives within ``deadline_s``."""
+        arrives; None if every peer's stamp says rejected, or every peer posted a rejection of the
+        call too (``RejectionNotes.posted``: a peer that rejects waits here as well and sends no
+        stamp, so where every rank rejects a call, as one rank's bad input or an out-of-memory that
+        strikes every rank alike, none would arrive and each rank waited out ``deadline_s``), or
+        none arrives within ``deadline_s``."""
         w = self.config.window
         stamps = self.window.words(w.scatter_m, rank=self.rank)
         tiles = self.window.tensor(w.tile_flags, rank=self.rank)[0].reshape(self.world, -1)
         waiting = {p for p in range(self.world) if p != self.rank}
-        until = time.monotonic() + self.deadline_s
+        until, notes_at = time.monotonic() + self.deadline_s, 0.0
         while waiting and time.monotonic() < until:
             seen, tile_words = stamps.tolist(), tiles.cpu()
             for p in sorted(waiting):
@@ -836,6 +840,9 @@ class CudaBackend(Backend):
                         return p_m
                     if p_seq == seq:
                         waiting.discard(p)
+            if self.notes is not None and time.monotonic() >= notes_at:  # a store round trip: every 10 ms
+                waiting = {p for p in waiting if not self.notes.posted(seq=seq, rank=p)}
+                notes_at = time.monotonic() + 0.01
             time.sleep(0.001)
         return None
 

@@ -47,6 +47,13 @@ class RejectionNotes:
             return f"{type(err).__name__}: {err}"
         return None
 
+    def posted(self, *, seq: int, rank: int) -> bool:
+        """Whether ``rank`` published a reason for rejecting call ``seq`` (without waiting for one)."""
+        try:
+            return bool(_store(self.comm).check([self._key(seq, rank)]))
+        except Exception:  # noqa: BLE001 - a store that cannot say: the caller waits for the stamp
+            return False
+
     def fetch(self, *, seq: int, rank: int) -> str:
         """The reason ``rank`` gave for rejecting call ``seq``, or a note saying why it is missing."""
         key = self._key(seq, rank)

@@ -211,3 +211,71 @@ def test_the_gpu_suites_local_failure_check_runs_on_cpu_ranks():
     and passes where the backend is the CPU's, so a failure of it on a GPU is the GPU path's."""
     for rank, lines in enumerate(check_outcomes(spawn(_gpu_check_on_cpu, world=2, timeout_s=120))):
         assert len(lines) == 2 and all(line.startswith("ok ") for line in lines), (rank, lines)
+
+
+class _Notes:
+    """``RejectionNotes`` of a stand-in store: the ranks that posted a rejection of each seq."""
+
+    def __init__(self, posted):
+        self.posted_by, self.asked = posted, 0
+
+    def posted(self, *, seq, rank):
+        self.asked += 1
+        return rank in self.posted_by.get(seq, ())
+
+
+def _peer_m_of(monkeypatch, world, *, posted, stamps=None, spins=200):
+    """``CudaBackend._peer_m(seq 5)`` on rank 0 of ``world`` with the window's words on the host (no
+    GPU: a stand-in for the backend's attributes), ``posted``: seq -> the peers that posted a
+    rejection; ``stamps``: rank -> the (seq, M) stamp found in ``scatter_m``. Its wait loop may spin
+    ``spins`` times (its sleeps counted, not timed): a wait for a stamp that never comes fails."""
+    from types import SimpleNamespace
+
+    import cco.backends.cuda as cuda_backend
+
+    words = torch.zeros(world, dtype=torch.int64)
+    for rank, stamp in (stamps or {}).items():
+        words[rank] = stamp
+    tiles = torch.zeros(1, world, 4, dtype=torch.int64)
+    window = SimpleNamespace(words=lambda region, rank: words, tensor=lambda region, rank: tiles)
+    count = [0]
+
+    def sleep(_):
+        count[0] += 1
+        if count[0] > spins:
+            raise AssertionError(f"_peer_m waited {spins} spins for a stamp that never comes")
+    monkeypatch.setattr(cuda_backend.time, "sleep", sleep)
+    notes = _Notes(posted)
+    fake = SimpleNamespace(config=SimpleNamespace(window=SimpleNamespace(scatter_m=None, tile_flags=None)),
+                           window=window, rank=0, world=world, deadline_s=3600.0, notes=notes)
+    return cuda_backend.CudaBackend._peer_m(fake, 5), notes
+
+
+@pytest.mark.host
+def test_a_cuda_rank_that_rejects_does_not_wait_for_peers_that_rejected_the_call_too(monkeypatch):
+    """Where every rank rejects a call (a bad input, or an out-of-memory, on every rank alike), no
+    rank runs it, so no stamp comes: each rank's ``reject`` waited out ``deadline_s`` (60 s by default)
+    for one. Now the peers' posted rejections end the wait; a peer that did not reject is still
+    waited for, and its M taken."""
+    from cco.transport.base import stamp_seq_m
+
+    m, notes = _peer_m_of(monkeypatch, 4, posted={5: {1, 2, 3}})
+    assert m is None and notes.asked >= 3
+    m, _ = _peer_m_of(monkeypatch, 4, posted={5: {1, 3}}, stamps={2: stamp_seq_m(5, 96)})
+    assert m == 96
+    with pytest.raises(AssertionError, match="waited 200 spins"):  # a peer that rejected another call
+        _peer_m_of(monkeypatch, 2, posted={4: {1}})
+
+
+@pytest.mark.host
+def test_rejection_notes_say_whether_a_rank_posted_without_waiting():
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from cco.transport.reasons import RejectionNotes
+
+    notes = RejectionNotes(SimpleNamespace(store=dist.HashStore()), "op")
+    assert not notes.posted(seq=3, rank=1)
+    notes.post(seq=3, rank=1, reason="RuntimeError: out of memory")
+    assert notes.posted(seq=3, rank=1) and not notes.posted(seq=3, rank=0) and not notes.posted(seq=4, rank=1)
