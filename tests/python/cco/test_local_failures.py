@@ -32,9 +32,9 @@ class LocalFault(RuntimeError):
     """The simulated failure of one rank's own work (a CUDA out-of-memory, say)."""
 
 
-def _arm(comm, targets):
-    """Make each ``(owner, name)`` of ``targets`` raise :class:`LocalFault` at its next call on rank 1
-    once ``arm()`` is called, once; returns ``arm``."""
+def _arm(comm, targets, ranks=(1,)):
+    """Make each ``(owner, name)`` of ``targets`` raise :class:`LocalFault` at its next call on the
+    ``ranks`` once ``arm()`` is called, once; returns ``arm``."""
     state = {"armed": False}
 
     def wrap(owner, name):
@@ -51,11 +51,11 @@ def _arm(comm, targets):
         wrap(owner, name)
 
     def arm():
-        state["armed"] = comm.rank == 1
+        state["armed"] = comm.rank in ranks
     return arm
 
 
-def _layer_case(comm, kind, mode, what):
+def _layer_case(comm, kind, mode, what, ranks=(1,)):
     import cco.nn.column as column
     import cco.nn.linear as linear
     from cco.nn import ColumnParallelLinear, RowParallelLinear, WindowPool
@@ -76,7 +76,7 @@ def _layer_case(comm, kind, mode, what):
           for i in range(CALLS)]
     # the activations' quantizer, or (a trainable layer in training) the master weight's quantization
     arm = _arm(comm, [(layer, "_laid_out")] if what == "weight" else
-               [(linear, "quantize_activation"), (column, "quantize_activation")])
+               [(linear, "quantize_activation"), (column, "quantize_activation")], ranks)
 
     def call(i):
         with torch.no_grad():
@@ -119,6 +119,16 @@ def test_a_layer_call_whose_local_work_fails_on_one_rank_fails_on_every_rank_and
     outs = check_outcomes(spawn(_layer_case, world=2, args=(kind, mode, what), timeout_s=120))
     for rank, got in enumerate(outs):
         assert _expect(got, rank), (kind, mode, what, rank, outs)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("mode", ["fused", "unfused"])
+def test_a_layer_call_whose_local_work_fails_on_every_rank_alike_fails_there_and_the_next_is_right(mode):
+    """An out-of-memory that strikes every rank alike: each raises its own error (every rank takes
+    part as a rejected call, or sends its header with its error), and the next call is right."""
+    outs = check_outcomes(spawn(_layer_case, world=2, args=("row", mode, "quantizer", (0, 1)), timeout_s=120))
+    for rank, got in enumerate(outs):
+        assert got == ["same", "LocalFault", "same", "same"], (mode, rank, outs)
 
 
 def _op_case(comm, pattern):
