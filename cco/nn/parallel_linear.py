@@ -283,17 +283,17 @@ class _ParallelLinear(torch.nn.Module):
         else:
             self.op.reject(err)
 
-    def _before_op(self, fn, *args, op=None, **kwargs):
-        """``fn(*args, **kwargs)``: this rank's own work of a fused collective call before ``op``'s
-        call (default: the layer's), the call's next collective step: flattening and quantizing the
-        rows, laying out the operands. Where it raises (an allocation that fails on this rank alone,
-        say), this rank takes part in that op call as a rejected one first (``op.reject``): its peers
-        fail the call with ``PeerRejectedError`` instead of pairing it with this rank's next call (a
-        result of two calls, with no error), and the ranks stay in step."""
+    def _before_op(self, work):
+        """``work()``: this rank's own work of a fused collective call before the op's call, the
+        call's next collective step (flattening and quantizing the rows). Where it raises (an
+        allocation that fails on this rank alone, say), this rank takes part in that op call as a
+        rejected one first (``op.reject``; ``cco.nn.sequence.DualGemm`` does the same for the dual
+        op): its peers fail the call with ``PeerRejectedError`` instead of pairing it with this
+        rank's next call (a result of two calls, with no error), and the ranks stay in step."""
         try:
-            return fn(*args, **kwargs)
+            return work()
         except Exception as err:
-            (self.op if op is None else op).reject(err)
+            self.op.reject(err)
             raise
 
     def _agreed(self, work, m: int, *, total: int | None = None, step: int = 0):
