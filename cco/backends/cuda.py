@@ -781,9 +781,13 @@ class CudaBackend(Backend):
         post_rejection(self.notes, seq=seq, rank=self.rank, error=error)
         m = self._peer_m(seq)
         if m is None:
-            error.add_note(f"rank {self.rank}: no peer ran call seq {seq}: every peer rejected it too, or none "
-                           f"came within deadline_s={self.deadline_s:g} s (a peer still to come fails the call when "
-                           f"its deadline passes)")
+            peers = [p for p in range(self.world) if p != self.rank]
+            if self.notes is not None and all(self.notes.posted(seq=seq, rank=p) for p in peers):
+                error.add_note(f"rank {self.rank}: every peer rejected call seq {seq} too: no rank ran it")
+            else:
+                error.add_note(f"rank {self.rank}: no peer's stamp of call seq {seq} arrived within deadline_s="
+                               f"{self.deadline_s:g} s (a peer is not there, or every peer rejected too): a peer still "
+                               f"to come fails the call when its deadline passes")
             return
         if self.config.pattern_spec.gathers_input:
             run = self.all_gather_gemm

@@ -14,7 +14,9 @@ call. Promises, per scenario:
 - ``bad-input``: rank b passes an operand the op rejects (b = every rank in turn, each with another
   kind of bad input), the others valid ones. Rank b raises its own TypeError / ValueError, every
   peer raises ``PeerRejectedError`` naming rank b and its reason; then a good call is correct on
-  every rank (the ranks stayed in step).
+  every rank (the ranks stayed in step). Then every rank passes a bad input: each raises its own
+  error (on CUDA saying every peer rejected the call too: no rank waits out its deadline for a
+  peer's stamp), and a good call is correct.
 - ``m-mismatch``: the victim passes fewer rows (the same number of chunks). Every rank raises
   ``PeerMismatchError`` naming both Ms; then a good call is correct.
 - ``m-mismatch-chunks``: the victim passes half the rows (fewer chunks, so peers wait for chunks it
@@ -253,6 +255,16 @@ def _bad_input(comm, setup, report, backend):
                               (f"rank {bad} rejected", f"seq {seq}", word))
             _expect_correct(report, attempt(op, setup.operands(rank, seed + 10)),
                             setup.reference(range(world), seed + 10), f"good call {seq + 1} after it")
+        # every rank alike: each its own error; on CUDA, without waiting out the deadline for a peer's
+        # stamp that no rank sends (each rank sees its peers' posted rejections: its note says so)
+        seq = 2 * world + 1
+        name, spoil, word = BAD_INPUTS[0]
+        what = f"call {seq}, every rank passes bad input ({name})"
+        words = ("every peer rejected call seq", "too") if backend == "cuda" else ()
+        _expect_raise(report, attempt(op, spoil(*setup.operands(rank, 50))), setup, what, ("TypeError", "ValueError"),
+                      (f"{setup.op_name}.__call__", word, *words))
+        _expect_correct(report, attempt(op, setup.operands(rank, 51)), setup.reference(range(world), 51),
+                        f"good call {seq + 1} after it")
         calls = comm.all_gather_object(op.calls)
         report.expect(len(set(calls)) == 1, f"the ranks' call counts diverged: {calls}")
 
