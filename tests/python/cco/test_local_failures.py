@@ -60,7 +60,6 @@ def _layer_case(comm, kind, mode, what, ranks=(1,)):
     import cco.nn.linear as linear
     from cco.nn import ColumnParallelLinear, RowParallelLinear, WindowPool
 
-    world = comm.world
     kw = dict(group=comm, m_max=16, mode=mode, deadline_s=DEADLINE_S, pool=WindowPool(), trainable=what == "weight")
     g = torch.Generator().manual_seed(7)
     if kind == "column, sequence parallel":
