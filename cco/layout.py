@@ -653,19 +653,31 @@ def plan_call(cfg: OpConfig, *, m: int, seq: int, rank: int,
               counter_base: tuple[tuple[int, ...], ...]) -> CallPlan:
     """The plan of call ``seq`` with ``m`` rows; ``counter_base`` is the previous plan's
     ``counter_targets`` (``zero_counters(world)`` for the first call)."""
-    assert 1 <= m <= cfg.m_max and seq >= 1 and 0 <= rank < cfg.world and call_rows_error(cfg, m) is None
-    per_chunk, rows, tiles, slice_m, origins = _call_shape(cfg, m, rank)
+    assert seq >= 1
+    return plan_from(call_shape(cfg, m, rank), seq=seq, counter_base=counter_base)
+
+
+def call_shape(cfg: OpConfig, m: int, rank: int) -> tuple:
+    """What the plan of a call of ``m`` rows on ``rank`` takes from those alone (for
+    :func:`plan_from`; a caller may keep it per M: looking it up here hashes the whole config)."""
+    assert 1 <= m <= cfg.m_max and 0 <= rank < cfg.world and call_rows_error(cfg, m) is None
+    return _call_shape(cfg, m, rank)
+
+
+def plan_from(shape: tuple, *, seq: int, counter_base: tuple[tuple[int, ...], ...]) -> CallPlan:
+    """The plan of call ``seq`` of the :func:`call_shape` ``shape``, after ``counter_base``."""
+    m, rank, padded, per_chunk, rows, tiles, slice_m, origins = shape
     targets = tuple(tuple(map(operator.add, base, per_chunk)) for base in counter_base)
-    return CallPlan(seq=seq, m=m, padded_m=padded_m(slice_m, cfg.block_m), rank=rank, chunks=len(rows),
-                    rows=rows, counter_base=counter_base, counter_targets=targets, tiles=tiles,
-                    slice_m=slice_m, origins=origins)
+    return CallPlan(seq=seq, m=m, padded_m=padded, rank=rank, chunks=len(rows), rows=rows, counter_base=counter_base,
+                    counter_targets=targets, tiles=tiles, slice_m=slice_m, origins=origins)
 
 
 @functools.lru_cache(maxsize=TILE_TABLE_CACHE)
 def _call_shape(cfg: OpConfig, m: int, rank: int):
-    """What a call's plan takes from (config, M, rank) alone, built once: an eager call pays its
-    host time. The tiles per slot come padded to MAX_CHUNKS (zero past the call's chunks)."""
+    """:func:`call_shape`, built once per (config, M, rank): an eager call pays its host time. The
+    tiles per slot come padded to MAX_CHUNKS (zero past the call's chunks)."""
     per_chunk = tiles_per_slot(cfg, m)
     rows = slice_rows(cfg, m)
-    return (per_chunk + (0,) * (MAX_CHUNKS - len(per_chunk)), chunk_rows(cfg, m), tile_table(cfg, m=m, rank=rank),
-            rows, tuple(slice_origin(cfg, d, rows) for d in range(cfg.world)))
+    return (m, rank, padded_m(rows, cfg.block_m), per_chunk + (0,) * (MAX_CHUNKS - len(per_chunk)),
+            chunk_rows(cfg, m), tile_table(cfg, m=m, rank=rank), rows,
+            tuple(slice_origin(cfg, d, rows) for d in range(cfg.world)))

@@ -112,11 +112,13 @@ ACCEPTED_SIGNATURES = 16
 PLAIN_PLANS = 64
 
 
-class _PlainLaunches:
-    """What a plain call (gemm-only, or one rank) needs beyond its GEMM, kept per weight while the
-    weight is the same: per activation layout, the backend's launch with the weight bound
-    (``Backend.plain_launcher``; where it has none, ``gemm_out`` with the plan of the call's M
-    bound). The weight is "the same" while the caller passes the same two tensor objects with the
+class _KeptLaunches:
+    """What a plain call (gemm-only, or one rank) needs beyond its GEMM, or a collective call
+    beyond its plan (the backend's ``fused_launcher``: the lsa kernel's launch at world >= 2), kept
+    per weight while the weight is the same: per activation layout, the backend's launch with the
+    weight bound (``Backend.plain_launcher``; where it has none, ``gemm_out`` with the plan of the
+    call's M bound; a collective call's kept launch runs the op's call machinery around it,
+    ``CollectiveGemmOp._kept_collective``). The weight is "the same" while the caller passes the same two tensor objects with the
     same version counters (every in-place change of data or metadata bumps them) and addresses
     (``t.data = other`` bumps no counter but moves the bytes: the aliases held here keep the old
     ones taken). So an eager call at decode sizes pays one small tuple's lookup, not the full
@@ -170,8 +172,26 @@ class _PlainLaunches:
             return None
         return kept[2]
 
+    def known(self, b_pre, b_scale) -> bool:
+        """Whether this weight was kept before and is unchanged since; if not, it is kept from now on
+        (with no launch yet). A caller for whom keeping a launch costs more than one call (a
+        collective call's bound launch) keeps one only for a weight that comes back: a trainable
+        layer's weight, quantized afresh for each call, never does."""
+        entry = self.weights.get((id(b_pre), id(b_scale)))
+        if entry is not None and self._holds(entry[0], b_pre, b_scale):
+            return True
+        self._entry(b_pre, b_scale)
+        return False
+
     def keep(self, a, b_pre, a_scale, b_scale, launch) -> None:
         """Keep ``launch(a, a_scale)`` for calls like this accepted one (its operands passed ``_check``)."""
+        by_layout = self._entry(b_pre, b_scale)[1]
+        if len(by_layout) >= ACCEPTED_SIGNATURES:
+            by_layout.clear()
+        by_layout[_activation_layout(a, a_scale)] = (a.dtype, a_scale.dtype, launch)
+
+    def _entry(self, b_pre, b_scale):
+        """This weight's entry, a new one where it has none or it changed."""
         key = (id(b_pre), id(b_scale))
         entry = self.weights.get(key)
         if entry is None or not self._holds(entry[0], b_pre, b_scale):  # its other Ms' launches: the old weight's
@@ -185,10 +205,7 @@ class _PlainLaunches:
                       b_pre.data_ptr(), b_scale.data_ptr(), (b_pre.detach(), b_scale.detach()),
                       self.backend.plain_epoch)
             entry = weights[key] = (weight, {})
-        by_layout = entry[1]
-        if len(by_layout) >= ACCEPTED_SIGNATURES:
-            by_layout.clear()
-        by_layout[_activation_layout(a, a_scale)] = (a.dtype, a_scale.dtype, launch)
+        return entry
 
 
 def _activation_layout(a, a_scale) -> tuple:
@@ -290,6 +307,7 @@ class CollectiveGemmOp:
         self._plain = self.config.mode == "gemm-only" or self.world == 1
         self._alone = self.world == 1 and self.config.mode != "gemm-only"  # a plain call that counts as a call
         self._plain_plans: dict = {}
+        self._call_shapes: dict = {}  # M -> layout.call_shape, for a collective call's plan
         self.window = open_window(comm=comm, layout=self.config.window)
         try:
             self._backend = backend_cls(config=self.config, comm=comm, window=self.window,
@@ -297,7 +315,7 @@ class CollectiveGemmOp:
         except BaseException:
             self.window.close()
             raise
-        self._launches = _PlainLaunches(self._backend, comm.device)
+        self._launches = _KeptLaunches(self._backend, comm.device)
         self._closed = False
 
     # ---- shape helpers ------------------------------------------------------------------------------
@@ -376,7 +394,7 @@ class CollectiveGemmOp:
             backend, plan, weight = self._backend, self._plain_plan(m), weakref.ref(b_pre)
 
             def launch(a, a_scale):  # kept only while b_pre and b_scale are these very tensors (held
-                return backend.gemm_out(a, weight(), a_scale, b_scale, plan=plan)  # weakly: see _PlainLaunches)
+                return backend.gemm_out(a, weight(), a_scale, b_scale, plan=plan)  # weakly: see _KeptLaunches)
         self._launches.keep(a, b_pre, a_scale, b_scale, launch)
         self._seq += self._alone
         return launch(a, a_scale)
@@ -400,6 +418,11 @@ class CollectiveGemmOp:
             raise
         if self._plain:
             return self._plain_call(a, b_pre, a_scale, b_scale, m)
+        return self._run_call(run, a, b_pre, a_scale, b_scale, m)
+
+    def _run_call(self, run, a, b_pre, a_scale, b_scale, m: int):
+        """``run(a, b_pre, a_scale, b_scale, m)``, a collective call's body on operands that passed
+        the checks (:meth:`_call`, or a kept launch's own test of them), and what it deferred."""
         seq = self._seq
         try:
             out = run(a, b_pre, a_scale, b_scale, m)
@@ -444,8 +467,12 @@ class CollectiveGemmOp:
     def _collective(self, body, m: int):
         """Run one collective call with the next seq; on failure bring the own counters to the
         call's targets (no tile of it is in flight any more) so the next call's targets hold."""
-        plan = layout.plan_call(self.config, m=m, seq=self._seq + 1, rank=self.rank,
-                                counter_base=self._counter_base)
+        shape = self._call_shapes.get(m)
+        if shape is None:  # what the plan takes from M alone, kept per M (layout.plan_call hashes the config)
+            if len(self._call_shapes) >= PLAIN_PLANS:
+                self._call_shapes.clear()
+            shape = self._call_shapes[m] = layout.call_shape(self.config, m, self.rank)
+        plan = layout.plan_from(shape, seq=self._seq + 1, counter_base=self._counter_base)
         self._seq, self._counter_base = plan.seq, plan.counter_targets
         try:
             return body(plan)
@@ -636,7 +663,8 @@ class ScatterGemmOp(CollectiveGemmOp):
     def __call__(self, a, b_pre, a_scale, b_scale) -> torch.Tensor:
         """bf16 output of this rank's ``a [M, K] @ unshuffle(b_pre) [N, K].T`` summed over the ranks: the
         whole ``[M, N]`` (all-reduce) or this rank's share (reduce-scatter, ``layout.out_shape``)."""
-        # a plain call like an accepted one: its kept launch (none is kept for a collective or a closed op)
+        # a call like an accepted one: its kept launch (a plain GEMM's, or a collective call's around
+        # the backend's bound launch, which counts its own seq: _alone is 0 there; a closed op keeps none)
         launch = self._launches.launch_for(a, b_pre, a_scale, b_scale)
         if launch is not None:
             self._seq += self._alone
@@ -645,11 +673,38 @@ class ScatterGemmOp(CollectiveGemmOp):
 
     def _reduce_call(self, a, b_pre, a_scale, b_scale, m: int) -> torch.Tensor:
         """The collective body of the scatter patterns (all-reduce, reduce-scatter): the backend's
-        fused or split call into a new output of the pattern's shape."""
-        out = torch.empty(*layout.out_shape(self.config, m), dtype=torch.bfloat16, device=self.comm.device)
-        run = self._backend.fused if self.config.mode == "fused" else self._backend.split
+        fused or split call into a new output of the pattern's shape. A fused call on a weight that
+        came back keeps the backend's launch for the calls like it (:meth:`_kept_collective`)."""
+        shape = layout.out_shape(self.config, m)
+        out = torch.empty(*shape, dtype=torch.bfloat16, device=self.comm.device)
+        if self.config.mode == "fused":
+            run = self._backend.fused
+            if self._launches.known(b_pre, b_scale):
+                kept = self._backend.fused_launcher(a, b_pre, a_scale, b_scale, out=out)
+                if kept is not None:
+                    self._launches.keep(a, b_pre, a_scale, b_scale, self._kept_collective(kept, m, shape))
+        else:
+            run = self._backend.split
         self._collective(lambda plan: run(a, b_pre, a_scale, b_scale, out=out, plan=plan), m)
         return out
+
+    def _kept_collective(self, kept, m: int, shape):
+        """A kept launch of a collective call (``_KeptLaunches.launch_for`` found the weight and the
+        activation layout of a call that passed the checks): the call machinery of :meth:`_call`
+        (a failed op raises, the seq and the counters advance, a failure before the seq is taken is
+        a rejected call, the deferred error is raised) around the backend's bound launch ``kept(a,
+        a_scale, out, plan)``, without the checks, the rule and the operands' preparation."""
+        backend, device = self._backend, self.comm.device
+
+        def body(a, _b, a_scale, _s, m):
+            out = torch.empty(*shape, dtype=torch.bfloat16, device=device)
+            self._collective(lambda plan: kept(a, a_scale, out, plan), m)
+            return out
+
+        def launch(a, a_scale):
+            backend.raise_failed()
+            return self._run_call(body, a, None, a_scale, None, m)
+        return launch
 
 
 class GemmAllReduceOp(ScatterGemmOp):

@@ -5,7 +5,7 @@
 
 World 1 (no launcher): per M, eager calls of the op (mode gemm-only, and mode fused, which at world 1
 is the plain GEMM) against ``torch._scaled_mm`` as a model calls it (``cco.bench.timing.cublas_gemm``),
-and ``op gemm-only, full path``: its kept launch dropped before every call (``cco.op._PlainLaunches``),
+and ``op gemm-only, full path``: its kept launch dropped before every call (``cco.op._KeptLaunches``),
 so every call pays the full checks and binds its launch anew (the cost the kept launches save, or more);
 then the host time of each step of the op's plain call (validation with the operands' signature
 already accepted and in full, the plan, the output, the backend's launch), each over repeated calls.
@@ -84,7 +84,7 @@ def world_one(args, comm) -> list[dict]:
                for mode in ("gemm-only", "fused")}
         arms = {f"op {mode}": (lambda op=op: op(p.a, b_pre, p.a_scale, p.b_scale)) for mode, op in ops.items()}
 
-        def full_path(op=ops["gemm-only"]):  # the call without its kept launch (cco.op._PlainLaunches)
+        def full_path(op=ops["gemm-only"]):  # the call without its kept launch (cco.op._KeptLaunches)
             op._launches.clear()
             return op(p.a, b_pre, p.a_scale, p.b_scale)
         arms["op gemm-only, full path"] = full_path

@@ -14,7 +14,8 @@ first line of that file).
 and 10th..90th percentile): ``nn.Linear``'s call of the same shape (the control: a GPU shared by two
 ranks slows every launch, not only the layer's), the activation quantizer alone, the op alone on
 quantized rows, the layer, one stream write-value, one event record, an allocation and a reshape
-(host operations without a launch); then the layer's calls again with the functions of its path
+(host operations without a launch); at world >= 2 on the lsa path, the layer with and without the
+op's kept collective call, twice each (``CollectiveGemmOp._kept_collective``); then the layer's calls again with the functions of its path
 timed inclusively (``PARTS_TIMED``: us per layer call, a function called twice a call counts twice;
 ~0.3 us of the timer itself per wrapped call). Written to ``OUT/parts_rank{r}.json`` and appended
 to the rank's text.
@@ -45,6 +46,11 @@ def main(argv=None) -> None:
                                                          "idle queue, each on an idle queue under cProfile)")
     p.add_argument("--out", default="profile_decode_call")
     p.add_argument("--parts", action="store_true", help="also time the call's parts and nn.Linear's call (see above)")
+    p.add_argument("--alternate", type=int, default=0, metavar="PASSES",
+                   help="at world >= 2 on the lsa path: PASSES passes alternating the layer's call with and without "
+                        "the op's kept collective call, each pass CALLS calls back to back (host us per call) and "
+                        "CALLS on an idle queue (median); the median over passes of each, and every pass's, in "
+                        "OUT/alternate_rank{r}.json")
     args = p.parse_args(argv)
     if min(args.n, args.k, args.m, args.calls) < 1:
         raise SystemExit("profile_decode_call: -n, -k, -m and --calls must be >= 1")
@@ -111,8 +117,61 @@ def main(argv=None) -> None:
             json.dump(dict(rank=comm.rank, world=comm.world, quant=args.quant, n=args.n, k=args.k, m=args.m,
                            calls=args.calls, **found), f, indent=1)
         print("\n".join(lines), flush=True)
+    if args.alternate:
+        with torch.no_grad():
+            found = alternate(layer, x, comm, args.calls, args.alternate, sync)
+        line = (f"rank {comm.rank}/{comm.world} alternating {args.alternate} passes, host us per call (median over "
+                f"passes; every pass in alternate_rank{comm.rank}.json): " + "; ".join(
+                    f"{arm}: back to back {v['back_to_back']:.1f}, idle queue {v['idle']:.1f}"
+                    for arm, v in found["median"].items()))
+        with open(os.path.join(args.out, f"alternate_rank{comm.rank}.json"), "w") as f:
+            json.dump(dict(rank=comm.rank, world=comm.world, quant=args.quant, n=args.n, k=args.k, m=args.m,
+                           calls=args.calls, **found), f, indent=1)
+        print(line, flush=True)
     layer.close()
     comm.close()
+
+
+def alternate(layer, x, comm, calls: int, passes: int, sync) -> dict:
+    """``--alternate``: the layer's call with (``kept``) and without (``not kept``: the op's kept
+    launches and the backend's ``fused_launcher`` shadowed on the instances, its whole Python path)
+    the op's kept collective call, alternating per pass; per pass and arm the host us per call of
+    ``calls`` calls issued back to back (the GPU synchronized before and after, the host loop timed)
+    and the median of ``calls`` calls each issued on an idle queue."""
+    if layer.op is None or comm.world < 2:
+        raise SystemExit("profile_decode_call: --alternate needs the fused layer at world >= 2")
+    op, none = layer.op, (lambda *_, **__: None)
+
+    def arm(kept: bool):
+        if not kept:
+            op._launches.launch_for = op._backend.fused_launcher = none
+        try:
+            for _ in range(5):  # warm (the kept arm: keeps its launch again)
+                layer(x)
+            sync()
+            comm.barrier()
+            start = time.perf_counter()
+            for _ in range(calls):
+                layer(x)
+            b2b = (time.perf_counter() - start) / calls * 1e6
+            sync()
+            comm.barrier()
+            idle = _idle_times(lambda: layer(x), calls, sync)["median"]
+        finally:
+            vars(op._launches).pop("launch_for", None)
+            vars(op._backend).pop("fused_launcher", None)
+        return dict(back_to_back=b2b, idle=idle)
+
+    runs = {"kept": [], "not kept": []}
+    for p in range(passes):
+        for name in (("kept", "not kept") if p % 2 == 0 else ("not kept", "kept")):
+            runs[name].append(arm(name == "kept"))
+
+    def median(values):
+        values = sorted(values)
+        return values[len(values) // 2]
+    return dict(passes=runs, median={name: {what: median([r[what] for r in rs]) for what in ("back_to_back", "idle")}
+                                     for name, rs in runs.items()})
 
 
 # The functions of a decode-sized call's path timed by ``--parts`` (module, attribute path): each is
@@ -171,6 +230,18 @@ def parts(layer, x, comm, calls: int, sync) -> dict:
             "layer": lambda: layer(x)}
     if layer.op is not None:
         arms["op on quantized rows"] = lambda: layer.op(a, qweight, a_scale, scale)
+    backend = layer.op._backend if layer.op is not None else None
+    kept = (backend is not None and comm.world > 1 and device.type == "cuda" and backend.config.mode == "fused" and backend.uses_lsa(rows)
+            and backend.faults is None)  # where CudaBackend.fused_launcher keeps one
+    if kept:  # the same call without the op's kept collective call: its whole Python path, as before it
+        none = lambda *_, **__: None  # noqa: E731
+
+        def unkept():
+            layer.op._launches.launch_for = layer.op._backend.fused_launcher = none  # (undone after the arm)
+            return layer(x)
+        arms["layer, not kept"] = unkept
+        arms["layer, kept (again)"] = lambda: layer(x)
+        arms["layer, not kept (again)"] = unkept
     if device.type == "cuda":
         from cco.cuda import memops
 
@@ -184,6 +255,9 @@ def parts(layer, x, comm, calls: int, sync) -> dict:
             fn()
         comm.barrier()
         found[name] = _idle_times(fn, calls, sync)
+        if kept:  # the kept call back (a no-op after the other arms)
+            vars(layer.op._launches).pop("launch_for", None)
+            vars(layer.op._backend).pop("fused_launcher", None)
     # the layer's path, function by function
     spent: dict[str, list] = {}
     undo = []

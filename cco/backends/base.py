@@ -301,6 +301,13 @@ class Backend(abc.ABC):
         :meth:`gemm_out`."""
         return None
 
+    def fused_launcher(self, a, b_pre, a_scale, b_scale, *, out):
+        """``fn(a, a_scale, out, plan)``: :meth:`fused` for calls like this accepted one (its operands
+        passed the op's checks; ``out`` its output) with this weight bound, which the op calls
+        instead while the weight's tensors come back unchanged and the activations keep this call's
+        layout (``cco.op``'s kept launches check both); None (the default): the op calls :meth:`fused`."""
+        return None
+
     def vendor_weight(self, b_pre, b_scale):
         """The weight as this backend's vendor GEMM holds it, kept per weight (CUDA:
         ``kernels_fused.hopper.vendor.VendorWeight``, mxfp8's ``dense`` the bf16 copy its calls

@@ -496,13 +496,13 @@ class CudaBackend(Backend):
             self._tables[key] = table
         return table
 
-    def _lsa_table(self, plan) -> torch.Tensor:
-        key = ("lsa", plan.m)
+    def _lsa_table(self, m: int) -> torch.Tensor:
+        key = ("lsa", m)
         table = self._tables.get(key)
         if table is None:
             from kernels_fused.hopper.gemm import lsa_walk_rows, tile_table_tensor
 
-            rows = lsa_walk_rows(self.config, m=plan.m, rank=self.rank, width=self.lsa_weight)
+            rows = lsa_walk_rows(self.config, m=m, rank=self.rank, width=self.lsa_weight)
             table = tile_table_tensor(rows, device=self.device)
             self._tables[key] = table
         return table
@@ -510,19 +510,49 @@ class CudaBackend(Backend):
     def _lsa(self, a, b_pre, a_scale, b_scale, out, plan, *, from_partial: bool) -> None:
         from kernels_fused.hopper.gemm import fp8_gemm_lsa
 
+        silent = self.faults is not None and self.faults.silent
+        self._lsa_call(plan, lambda stamp: fp8_gemm_lsa(
+            None if from_partial else a, None if from_partial else self._unshuffled(b_pre), a_scale, b_scale,
+            quant=self.config.quant, out=out, win=self.lsa_window, tile_table=self._lsa_table(plan.m), rank=self.rank,
+            stamp=stamp, config=self.lsa_config, from_partial=from_partial, move_bytes=not silent, validated=True,
+            b_dense=None if from_partial else self._dense_b(b_pre, b_scale)))
+
+    def _lsa_call(self, plan, launch) -> None:
+        """One lsa call's host side around ``launch(stamp)`` (the kernel's launch with the call's
+        (seq, M) stamp): the stamp word and the begin event (``schedule.begin``), the watchdog's
+        marks of the call in flight, and the rows whose tile flags its release must cover."""
         sch = self.schedule
         sch.begin(plan)
-        sch.path, sch.lsa_rows = "lsa", max(sch.lsa_rows, plan.m)
-        silent = self.faults is not None and self.faults.silent
-        if sch.marks is not None:
-            sch.marks.enter(sch._write, sch.main)
-        fp8_gemm_lsa(None if from_partial else a, None if from_partial else self._unshuffled(b_pre), a_scale, b_scale,
-                     quant=self.config.quant, out=out, win=self.lsa_window, tile_table=self._lsa_table(plan),
-                     rank=self.rank, stamp=sch.stamp_of(plan), config=self.lsa_config,
-                     from_partial=from_partial, move_bytes=not silent, validated=True,
-                     b_dense=None if from_partial else self._dense_b(b_pre, b_scale))
-        if sch.marks is not None:
-            sch.marks.leave(sch._write, sch.main)
+        sch.path = "lsa"
+        if sch.lsa_rows < plan.m:
+            sch.lsa_rows = plan.m
+        marks = sch.marks
+        if marks is not None:
+            marks.enter(sch._write, sch.main)
+        launch(sch.stamp_of(plan))
+        if marks is not None:
+            marks.leave(sch._write, sch.main)
+
+    def fused_launcher(self, a, b_pre, a_scale, b_scale, *, out):
+        """The lsa call with the weight, the window and the tile table bound
+        (``kernels_fused.hopper.gemm.LsaLaunch``): an eager decode-sized call at world >= 2 pays the
+        kernel's launch, not its ~45 arguments rebuilt (docs/decode.md, "The kept world-2 call").
+        None where calls of these rows take the copy engines, where a fault plan is in force (its
+        silent transport changes the launch) or while a graph is captured (the copies a launch binds
+        are kept only outside a capture; a kept launch is captured like any other)."""
+        m = a.shape[0]
+        if (self.faults is not None or not self.uses_lsa(m) or self.config.mode != "fused"
+                or torch.cuda.is_current_stream_capturing()):
+            return None
+        from kernels_fused.hopper.gemm import lsa_launch
+
+        kept = lsa_launch(a, self._unshuffled(b_pre), a_scale, b_scale, quant=self.config.quant, out=out,
+                          win=self.lsa_window, tile_table=self._lsa_table(m), rank=self.rank, config=self.lsa_config,
+                          b_dense=self._dense_b(b_pre, b_scale))
+
+        def run(a, a_scale, out, plan):
+            self._lsa_call(plan, lambda stamp: kept(a, a_scale, out, stamp))
+        return run
 
     def _produce(self, a, b_pre, a_scale, b_scale, plan, *, reduce_into=None) -> torch.Tensor:
         """The producer of a fused or split dma call (``self.producer``, else ``DMA_PRODUCER``'s for
@@ -780,14 +810,13 @@ class CudaBackend(Backend):
             return
         post_rejection(self.notes, seq=seq, rank=self.rank, error=error)
         m = self._peer_m(seq)
+        if m == REJECTED_M:
+            error.add_note(f"rank {self.rank}: every peer rejected call seq {seq} too: no rank ran it")
+            return
         if m is None:
-            peers = [p for p in range(self.world) if p != self.rank]
-            if self.notes is not None and all(self.notes.posted(seq=seq, rank=p) for p in peers):
-                error.add_note(f"rank {self.rank}: every peer rejected call seq {seq} too: no rank ran it")
-            else:
-                error.add_note(f"rank {self.rank}: no peer's stamp of call seq {seq} arrived within deadline_s="
-                               f"{self.deadline_s:g} s (a peer is not there, or every peer rejected too): a peer still "
-                               f"to come fails the call when its deadline passes")
+            error.add_note(f"rank {self.rank}: no peer's stamp of call seq {seq} arrived within deadline_s="
+                           f"{self.deadline_s:g} s (a peer is not there, or every peer rejected too): a peer still "
+                           f"to come fails the call when its deadline passes")
             return
         if self.config.pattern_spec.gathers_input:
             run = self.all_gather_gemm
@@ -825,11 +854,11 @@ class CudaBackend(Backend):
     def _peer_m(self, seq: int) -> int | None:
         """M of call ``seq`` on a peer that did not reject it, from the (seq, M) stamp the peer sends
         with its first chunk (``scatter_m``) or on every tile (lsa ``tile_flags``), read as it
-        arrives; None if every peer's stamp says rejected, or every peer posted a rejection of the
-        call too (``RejectionNotes.posted``: a peer that rejects waits here as well and sends no
+        arrives; ``REJECTED_M`` if every peer rejected the call too (its stamp says so, or it posted
+        the rejection, ``RejectionNotes.posted``: a peer that rejects waits here as well and sends no
         stamp, so where every rank rejects a call, as one rank's bad input or an out-of-memory that
-        strikes every rank alike, none would arrive and each rank waited out ``deadline_s``), or
-        none arrives within ``deadline_s``."""
+        strikes every rank alike, none would arrive and each rank waited out ``deadline_s``); None if
+        no stamp arrives within ``deadline_s``."""
         w = self.config.window
         stamps = self.window.words(w.scatter_m, rank=self.rank)
         tiles = self.window.tensor(w.tile_flags, rank=self.rank)[0].reshape(self.world, -1)
@@ -848,7 +877,7 @@ class CudaBackend(Backend):
                 waiting = {p for p in waiting if not self.notes.posted(seq=seq, rank=p)}
                 notes_at = time.monotonic() + 0.01
             time.sleep(0.001)
-        return None
+        return None if waiting else REJECTED_M
 
     def raise_failed(self) -> None:
         wd = self.watchdog

@@ -175,12 +175,9 @@ class RowParallelLinear(_ParallelLinear):
             out = self._rows(x, qweight, scale)
             out = out if self.n_padded == n else out[:, :n].contiguous()
         else:  # no rows (every rank alike, agreed: nothing to reduce), or more than one call takes
-            try:  # this rank's own work, before the call's first collective step, which carries a failure
-                x2 = flat_rows(x, self.in_features_per_rank)
-                out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-            except Exception as err:
-                self._refuse_call(err, header=True)
-                raise
+            # this rank's own work, before the call's first collective step (its header), which carries a failure
+            x2, out = self._own_work(x, lambda: (flat_rows(x, self.in_features_per_rank),
+                                                 torch.empty(m, n, dtype=torch.bfloat16, device=x.device)))
             if m == 0 or self.op is not None:
                 # agreed first (the unfused pieces carry the total in their own headers): the op's
                 # stamps compare each piece's rows only, and pieces of one size in forwards of

@@ -81,7 +81,7 @@ def decode_gemm_for(layer):
     the GEMM's one launch) where ``layer``'s calls can take it, else None: calls that need no
     communication (one rank, or a column-parallel layer's local GEMM) on an NVIDIA GPU with the
     fused path's row-major weight."""
-    local = not layer.sequence_parallel and (layer.comm.world == 1 or not layer._COLLECTIVE_WITHOUT_SP)
+    local = not (layer.sequence_parallel or layer._collective)
     if not (local and layer.op is not None and layer.device.type == "cuda" and not getattr(torch.version, "hip", None)
             and layer.weight_layout == "row-major"):
         return None
@@ -272,13 +272,13 @@ class _ParallelLinear(torch.nn.Module):
             self._refuse_call(err)
         raise err
 
-    def _refuse_call(self, err: Exception, *, header: bool | None = None) -> None:
+    def _refuse_call(self, err: Exception, *, header: bool = False) -> None:
         """This rank's share of a collective call whose input it refused with ``err`` (or whose own
         work failed with it): the call's next collective step all the same, as a refusal. That is
         the op's rejected call, or the call's header with the rejection (:meth:`_agree_rows`, which
-        raises ``err``): the header where the unfused path runs (``header`` None), or where the call
-        starts with one (``header=True``: a fused call of no rows, or in pieces)."""
-        if header or (header is None and self.op is None):
+        raises ``err``): the header where the unfused path runs, or where the call starts with one
+        (``header=True``: :meth:`_starts_with_header`)."""
+        if header or self.op is None:
             self._agree_rows(0, error=err)
         else:
             self.op.reject(err)
@@ -412,10 +412,15 @@ class _ParallelLinear(torch.nn.Module):
         try:
             return fn()
         except Exception as err:
-            if self.comm.world > 1 and (self.sequence_parallel or self._COLLECTIVE_WITHOUT_SP):
+            if self._collective:
                 m = x.numel() // self.in_features_per_rank if isinstance(x, torch.Tensor) else 0
                 self._refuse_call(err, header=self._starts_with_header(m))
             raise
+
+    @property
+    def _collective(self) -> bool:
+        """Whether a call on this layer is a collective one (every rank of the group takes part)."""
+        return self.comm.world > 1 and (self.sequence_parallel or self._COLLECTIVE_WITHOUT_SP)
 
     def _starts_with_header(self, m: int) -> bool:
         """Whether a collective call of ``m`` rows starts with its header (:meth:`_agree_rows`), not
@@ -725,7 +730,7 @@ class _ParallelLinear(torch.nn.Module):
         if written:
             self._loaded = True
             return
-        collective = self.comm.world > 1 and (self.sequence_parallel or self._COLLECTIVE_WITHOUT_SP)
+        collective = self._collective
         if collective and self.op is None:  # the unfused path agrees in its call's header
             raise AssertionError(f"{self._name()}: an unfused collective call checks its weight in _agree_rows")
         err = self._blank_error([self.comm.rank])

@@ -587,6 +587,16 @@ def fp8_gemm_lsa(a, b, a_scale, b_scale, *, quant: str, out: torch.Tensor, win: 
     ``win.partial`` (the self test); ``move_bytes=False`` releases flags without storing data (the
     silent-transport fault); ``validated``, ``b_dense``: as :func:`fp8_gemm`'s.
     """
+    args, launch = _lsa_launch(a, b, a_scale, b_scale, quant=quant, out=out, win=win, tile_table=tile_table,
+                               rank=rank, stamp=stamp, config=config, from_partial=from_partial,
+                               move_bytes=move_bytes, validated=validated, b_dense=b_dense)
+    launch(out.get_device(), *args)
+
+
+def _lsa_launch(a, b, a_scale, b_scale, *, quant, out, win, tile_table, rank, stamp, config, from_partial,
+                move_bytes, validated, b_dense):
+    """``(args, launch)`` of :func:`fp8_gemm_lsa`'s call: the kernel's arguments in order and the
+    launch kept for them (``_LSA_LAUNCHES``)."""
     from cco.layout import GATHER_GROUP
 
     world, rows, n_slice = win.recv.shape
@@ -627,19 +637,75 @@ def fp8_gemm_lsa(a, b, a_scale, b_scale, *, quant: str, out: torch.Tensor, win: 
     # kernel's do_not_specialize), the launch options and the device: a decode-sized call's host time
     # is mostly its launch (docs/decode.md, "World 2 and more"). The window's tensors are keyed once per
     # window (LsaWindow.launch_args); the call's own (operands, out, tile table) and every integer here.
-    device = out.get_device()
     key = (fixed, specialization(args[2:7] + (tile_table,)), n_tiles, rank, args[_LSA_STAMP + 1:],
-           programs or n_tiles, config.num_warps, config.num_stages, device)
+           programs or n_tiles, config.num_warps, config.num_stages, out.get_device())
     launch = _LSA_LAUNCHES.get(key)
     if launch is None:
         launch = keep(_LSA_LAUNCHES, key, Kernel(_kernels()[1], (programs or n_tiles,), num_warps=config.num_warps,
                                                  num_stages=config.num_stages))
-    launch(device, *args)
+    return args, launch
+
+
+class LsaLaunch:
+    """:func:`fp8_gemm_lsa`'s call kept for one weight and one activation layout (its shapes,
+    strides and dtypes: the caller keys it so, ``cco.op``'s kept launches), so that an eager
+    decode-sized collective call does not rebuild ~45 arguments, check its operands, describe the
+    weight for TMA and key the launch on every call (docs/decode.md, "World 2, the call's parts":
+    ~130 us of host time a call on two ranks sharing a GPU). Per call it takes the new rows, their
+    scales, ``out`` and the stamp; everything else (the weight's descriptor, made from an alias of
+    its bytes so that holding it keeps no tensor object alive, the window, the tile table, every
+    integer) is bound. A call whose tensors sit at another 16-byte alignment than the first call's
+    (Triton specializes the kernel on it) is launched through ``JITFunction.run``, which compiles
+    or finds the kernel for that alignment (``Kernel.run_jit``)."""
+
+    __slots__ = ("args", "launch", "device", "quant", "a_block", "aligned")
+
+    def __init__(self, args: tuple, launch, *, device: int, quant: str, a_block, aligned: tuple):
+        self.args, self.launch, self.device, self.quant = list(args), launch, device, quant
+        self.a_block, self.aligned = a_block, aligned
+
+    def __call__(self, a, a_scale, out, stamp: int) -> None:
+        if self.quant == "mxfp8":  # the kernel takes bf16 rows (_operands); the scale argument is unread
+            a = a_scale = mx_to_bf16(a, a_scale)
+        aligned = (a.data_ptr() % 16, a_scale.data_ptr() % 16, out.data_ptr() % 16) == self.aligned
+        args = self.args
+        if self.a_block is not None:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            args[2] = TensorDescriptor.from_tensor(a, self.a_block)
+        else:
+            args[2] = a
+        args[4], args[6], args[_LSA_STAMP] = a_scale, out, stamp
+        try:
+            if aligned:
+                self.launch(self.device, *args)
+            else:
+                self.launch.run_jit(self.device, *args)
+        finally:  # hold none of this call's tensors past it
+            args[2] = args[4] = args[6] = None
+
+
+def lsa_launch(a, b, a_scale, b_scale, *, quant: str, out: torch.Tensor, win: LsaWindow, tile_table: torch.Tensor,
+               rank: int, config: GemmConfig, b_dense: torch.Tensor | None = None) -> LsaLaunch:
+    """The :class:`LsaLaunch` of calls like ``fp8_gemm_lsa(a, b, a_scale, b_scale, ..., out=out)``
+    (operands already validated by the caller; the weight ``b`` and its scales are bound, the
+    rows, their scales and ``out`` only taken as examples of their layout)."""
+    b, b_scale = b.detach(), b_scale.detach()  # aliases: the bytes, not the caller's tensor objects
+    args, launch = _lsa_launch(a, b, a_scale, b_scale, quant=quant, out=out, win=win, tile_table=tile_table,
+                               rank=rank, stamp=0, config=config, from_partial=False, move_bytes=True,
+                               validated=True, b_dense=b_dense)
+    aligned = (args[2].base if config.tma else args[2], args[4], out)
+    kept = LsaLaunch(args, launch, device=out.get_device(), quant=quant,
+                     a_block=[config.block_m, config.block_k] if config.tma else None,
+                     aligned=tuple(t.data_ptr() % 16 for t in aligned))
+    kept.args[2] = kept.args[4] = kept.args[6] = None
+    return kept
 
 
 _LSA_STAMP = 17  # the position of ``stamp`` among fp8_gemm_lsa_kernel's arguments
 _LSA_LAUNCHES: dict = {}  # fp8_gemm_lsa's kept launches (kernels_fused.hopper.launch), by call shape
 
 
-__all__ = ["GemmConfig", "LsaWindow", "QUANTS", "ReduceEpilogue", "default_config", "fp8_gemm", "fp8_gemm_lsa",
-           "merge_tile_pairs", "lsa_walk_rows", "peer_deltas", "persistent_programs", "tile_table_tensor"]
+__all__ = ["GemmConfig", "LsaLaunch", "LsaWindow", "QUANTS", "ReduceEpilogue", "default_config", "fp8_gemm",
+           "fp8_gemm_lsa", "lsa_launch", "merge_tile_pairs", "lsa_walk_rows", "peer_deltas", "persistent_programs",
+           "tile_table_tensor"]

@@ -67,6 +67,14 @@ class Kernel:
             self.compiled = compiled
 
 
+    def run_jit(self, device: int, *args) -> None:
+        """Launch through ``JITFunction.run`` (which specializes on these very arguments), never
+        the kept launcher: for a caller whose arguments may differ from the kept launch's in what
+        Triton specializes on (a pointer's alignment)."""
+        with torch.cuda.device(device):
+            self.fn[self.grid](*args, **self.options)
+
+
 def specialization(args, unspecialized=()) -> tuple:
     """A key of what Triton's ``JITFunction.run`` specializes a launch of ``args`` on, for an owner
     whose launches vary in every argument (the lsa kernel's): per argument, a tensor's dtype and

@@ -174,6 +174,36 @@ def check_layers(comm, log):
 
 
 
+class LocalFault(RuntimeError):
+    """The simulated failure of one rank's own work inside a call (a CUDA out-of-memory, say)."""
+
+
+def arm_local_fault(comm, targets, ranks=(1,)):
+    """Make each ``(owner, name)`` of ``targets`` raise :class:`LocalFault` at its next call on the
+    ``ranks`` once ``arm()`` is called, once; returns ``(arm, restore)`` (``restore()`` puts the real
+    ones back). Shared with test_local_failures.py's CPU cases."""
+    state, reals = {"armed": False}, [(owner, name, getattr(owner, name)) for owner, name in targets]
+
+    def faulty(name, real):
+        def call(*args, **kwargs):
+            if state["armed"]:
+                state["armed"] = False
+                raise LocalFault(f"rank {comm.rank}: {name} failed on this rank alone (simulated)")
+            return real(*args, **kwargs)
+        return call
+
+    for owner, name, real in reals:
+        setattr(owner, name, faulty(name, real))
+
+    def arm():
+        state["armed"] = comm.rank in ranks
+
+    def restore():
+        for owner, name, real in reals:
+            setattr(owner, name, real)
+    return arm, restore
+
+
 def check_local_failure(comm, log):
     """Rank 1's own work failing inside a call (its activation quantizer, once: an out-of-memory there,
     say) fails that call on both ranks, rank 0 with ``PeerRejectedError`` (from the call or
@@ -183,14 +213,7 @@ def check_local_failure(comm, log):
     import cco.nn.linear as linear
     from cco.nn import RowParallelLinear
 
-    real, armed = linear.quantize_activation, []
-
-    def faulty(*args, **kwargs):
-        if armed:
-            armed.clear()
-            raise RuntimeError(f"rank {comm.rank}: the quantizer failed on this rank alone (simulated)")
-        return real(*args, **kwargs)
-    linear.quantize_activation = faulty
+    arm, restore = arm_local_fault(comm, [(linear, "quantize_activation")])
     try:
         for transport in ("lsa", "dma"):
             layer = RowParallelLinear(K_RANK, N, group=comm, quant="ptpc", m_max=M_MAX, transport=transport,
@@ -199,21 +222,21 @@ def check_local_failure(comm, log):
             got = []
             for seed in (11, 12, 13):
                 ref = _budget(comm, layer, seed)  # collective: every rank, every call
-                if comm.rank == 1 and seed == 12:
-                    armed.append(True)
+                if seed == 12:
+                    arm()  # rank 1's only
                 try:
                     out = layer(_inputs(comm.rank, seed)[0].to(comm.device))
                     layer.op.check()
                     got.append(f"{_bad(out, ref)} bad")
                 except Exception as err:
                     got.append(type(err).__name__)
-            want = ["0 bad", "RuntimeError" if comm.rank == 1 else "PeerRejectedError", "0 bad"]
+            want = ["0 bad", "LocalFault" if comm.rank == 1 else "PeerRejectedError", "0 bad"]
             if got != want:
                 raise AssertionError(f"local failure, transport {transport}: calls gave {got}, expected {want}")
             log(f"ok rank 1's quantizer failing once ({transport}): {got} on rank {comm.rank}, the next call right")
             layer.close()
     finally:
-        linear.quantize_activation = real
+        restore()
 
 
 def captured(fn, *, sync=None):

@@ -392,21 +392,34 @@ def _vendor_rows_rule(device, log):
 
 
 def _kept_lsa_launch(op, probs, b_pre, log, quant, gather):
-    """The lsa kernel's kept launch (``kernels_fused.hopper.launch``: after a call shape's first
-    call, the compiled kernel's launcher) against ``JITFunction.run``'s, bit for bit, every rank
-    switching alike (the calls are collective)."""
+    """The lsa call's kept launches, bit for bit, every rank switching alike (the calls are
+    collective): the op's kept collective call (``CollectiveGemmOp._kept_collective`` around the
+    backend's ``LsaLaunch``, taken from a weight's second call on) against the call's whole Python
+    path (checks, plan, ``fp8_gemm_lsa``); the kernel's kept launcher (``kernels_fused.hopper.launch``)
+    against ``JITFunction.run``'s; and a call whose scales sit off the kept launch's 16-byte
+    alignment (``LsaLaunch`` takes ``JITFunction.run`` there)."""
     from kernels_fused.hopper import launch as L
 
     p = probs[1]
-    kept = [op(p.a, b_pre, p.a_scale, p.b_scale) for _ in range(2)]
+    kept = [op(p.a, b_pre, p.a_scale, p.b_scale) for _ in range(3)]  # the third through the kept call at the latest
+    if op._launches.launch_for(p.a, b_pre, p.a_scale, p.b_scale) is None:
+        raise AssertionError(f"{quant} lsa gather={gather}: no kept collective call after three calls of one weight")
     L.FAST_LAUNCH = False
     try:
         slow = op(p.a, b_pre, p.a_scale, p.b_scale)
     finally:
         L.FAST_LAUNCH = True
-    if not all(torch.equal(out, slow) for out in kept):
-        raise AssertionError(f"{quant} lsa gather={gather}: the kept launch differs from JITFunction.run")
-    log(f"ok {quant:10s} lsa gather={gather}: the kept launch == JITFunction.run, bit for bit")
+    whole = op._call(p.a, b_pre, p.a_scale, p.b_scale, op._reduce_call)  # not through the kept call
+    buffer = torch.empty(p.a_scale.untyped_storage().nbytes() // p.a_scale.element_size() + 1,
+                         dtype=p.a_scale.dtype, device=p.a_scale.device)
+    shifted = buffer.as_strided(p.a_scale.shape, p.a_scale.stride(), storage_offset=1).copy_(p.a_scale)
+    moved = op(p.a, b_pre, shifted, p.b_scale)
+    arms = {"kept launcher": kept[2], "JITFunction.run": slow, "scales off alignment": moved, "first": kept[0]}
+    differ = [name for name, out in arms.items() if not torch.equal(out, whole)]
+    if differ:
+        raise AssertionError(f"{quant} lsa gather={gather}: {differ} differ from the call's whole Python path")
+    log(f"ok {quant:10s} lsa gather={gather}: the kept collective call == the Python path == JITFunction.run == "
+        f"scales off alignment, bit for bit")
 
 
 def _repeat_poisoned(op, probs, b_pre, refs, log, quant):

@@ -28,31 +28,11 @@ CALLS, FAULT_AT = 4, 1
 DEADLINE_S = 2  # a wait that is not released (the defect) fails in 2 s
 
 
-class LocalFault(RuntimeError):
-    """The simulated failure of one rank's own work (a CUDA out-of-memory, say)."""
-
-
 def _arm(comm, targets, ranks=(1,)):
-    """Make each ``(owner, name)`` of ``targets`` raise :class:`LocalFault` at its next call on the
-    ``ranks`` once ``arm()`` is called, once; returns ``arm``."""
-    state = {"armed": False}
+    """``arm`` of :func:`test_cuda_nn.arm_local_fault` (a rank process: nothing to restore)."""
+    from tests.python.cco.test_cuda_nn import arm_local_fault
 
-    def wrap(owner, name):
-        real = getattr(owner, name)
-
-        def faulty(*args, **kwargs):
-            if state["armed"]:
-                state["armed"] = False
-                raise LocalFault(f"rank {comm.rank}: {name} failed on this rank alone")
-            return real(*args, **kwargs)
-        setattr(owner, name, faulty)
-
-    for owner, name in targets:
-        wrap(owner, name)
-
-    def arm():
-        state["armed"] = comm.rank in ranks
-    return arm
+    return arm_local_fault(comm, targets, ranks)[0]
 
 
 def _layer_case(comm, kind, mode, what, ranks=(1,)):
@@ -266,10 +246,12 @@ def test_a_cuda_rank_that_rejects_does_not_wait_for_peers_that_rejected_the_call
     rank runs it, so no stamp comes: each rank's ``reject`` waited out ``deadline_s`` (60 s by default)
     for one. Now the peers' posted rejections end the wait; a peer that did not reject is still
     waited for, and its M taken."""
-    from cco.transport.base import stamp_seq_m
+    from cco.transport.base import REJECTED_M, stamp_seq_m
 
     m, notes = _peer_m_of(monkeypatch, 4, posted={5: {1, 2, 3}})
-    assert m is None and notes.asked >= 3
+    assert m == REJECTED_M and notes.asked >= 3
+    m, _ = _peer_m_of(monkeypatch, 2, posted={}, stamps={1: stamp_seq_m(5, REJECTED_M)})  # its stamp says so
+    assert m == REJECTED_M
     m, _ = _peer_m_of(monkeypatch, 4, posted={5: {1, 3}}, stamps={2: stamp_seq_m(5, 96)})
     assert m == 96
     with pytest.raises(AssertionError, match="waited 200 spins"):  # a peer that rejected another call

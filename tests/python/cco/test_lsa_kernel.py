@@ -24,13 +24,15 @@ M, K = 80, 256  # M is not a multiple of the 32-row tile
 SLICE = 256  # columns per rank: two 128-wide kernel tiles (layout tiles 64 wide, merged in pairs)
 
 
-def _run_rank(comm, quant, gather, stamp_skew, move_bytes, from_partial=False, launch="ticket", interleave=False):
+def _run_rank(comm, quant, gather, stamp_skew, move_bytes, from_partial=False, launch="ticket", interleave=False,
+              kept=False):
     from triton.runtime.interpreter import InterpretedFunction
 
     from cco.cuda.kernels import STATUS_WORDS
     from cco.transport.base import stamp_seq_m
     from cco.window import open_window
-    from kernels_fused.hopper.gemm import GemmConfig, LsaWindow, fp8_gemm_lsa, lsa_walk_rows, peer_deltas, tile_table_tensor
+    from kernels_fused.hopper.gemm import (GemmConfig, LsaWindow, fp8_gemm_lsa, lsa_launch, lsa_walk_rows, peer_deltas,
+                                           tile_table_tensor)
 
     assert isinstance(triton.language.standard.zeros, InterpretedFunction), "rank process is not interpreting"
     rank, world = comm.rank, comm.world
@@ -58,9 +60,13 @@ def _run_rank(comm, quant, gather, stamp_skew, move_bytes, from_partial=False, l
         p = Q.random_problem(M, cfg.n, K, quant, seed=rank)
         out = torch.full((M, cfg.n), float("nan"), dtype=torch.bfloat16)
         stamp = stamp_seq_m(1, M) + (stamp_skew if rank == 1 else 0)
-        fp8_gemm_lsa(p.a, p.b, p.a_scale, p.b_scale, quant=quant, out=out, win=win, tile_table=table, rank=rank,
-                     stamp=stamp, config=GemmConfig(block_m=32, block_n=128, num_warps=4, num_stages=1, launch=launch),
-                     move_bytes=move_bytes, from_partial=from_partial)
+        config = GemmConfig(block_m=32, block_n=128, num_warps=4, num_stages=1, launch=launch)
+        if kept:  # lsa_launch's kept call (LsaLaunch), as the CUDA backend's kept collective call runs it
+            lsa_launch(p.a, p.b, p.a_scale, p.b_scale, quant=quant, out=out, win=win, tile_table=table, rank=rank,
+                       config=config)(p.a, p.a_scale, out, stamp)
+        else:
+            fp8_gemm_lsa(p.a, p.b, p.a_scale, p.b_scale, quant=quant, out=out, win=win, tile_table=table, rank=rank,
+                         stamp=stamp, config=config, move_bytes=move_bytes, from_partial=from_partial)
         comm.barrier()  # every rank's kernel has returned: all stores into this window are done
         flags_left = int(window.tensor(w.tile_flags, rank=rank).count_nonzero())
         assert win.ticket.item() == 0, "the last program did not reset the ticket"
@@ -134,6 +140,17 @@ def test_lsa_kernel_other_quants(quant):
     ref = _reference(2, quant)
     for out, *_ in (o.value for o in outcomes):
         assert Q.rel_l2(out, ref) < 2.0 * Q.REL_L2_TOL[quant]
+
+
+@pytest.mark.parametrize("quant", ["ptpc", "mxfp8"])
+def test_the_kept_lsa_call_all_reduces_as_fp8_gemm_lsa_does(quant):
+    """The real kernel under the interpreter on two rank processes, called through ``lsa_launch``'s
+    kept call: every rank's output the bits of ``fp8_gemm_lsa``'s, every tile flag consumed."""
+    runs = [check_outcomes(spawn(_run_rank, world=2, args=(quant, "bf16", 0, True, False, "ticket", False, kept),
+                                 timeout_s=600)) for kept in (False, True)]
+    for rank, ((want, *_), (got, flags_left, status)) in enumerate(zip(*runs)):
+        assert status == 0 and flags_left == 0, (rank, status, flags_left)
+        assert torch.isfinite(got.float()).all() and torch.equal(got, want), f"rank {rank}: the kept call differs"
 
 
 def test_lsa_kernel_reports_a_peer_stamp_mismatch():
@@ -218,4 +235,76 @@ def test_lsa_launch_is_kept_per_call_shape_with_the_windows_arguments_keyed_once
     call(8, win=window(offset=1))  # the flags 8 bytes on: another window's specialization
     call(9, win=window())  # another window of the same alignment: the same kernel
     assert len(made) == 3 and len(calls) == 5
+    G._LSA_LAUNCHES.clear()
+
+
+@pytest.mark.parametrize("quant", ["ptpc", "blockscale", "mxfp8"])
+@pytest.mark.parametrize("tma", [False, True])
+def test_a_kept_lsa_call_launches_what_fp8_gemm_lsa_launches(monkeypatch, quant, tma):
+    """``lsa_launch``'s kept call (``LsaLaunch``: the weight, window, tile table and every integer
+    bound once) launches, call by call, the arguments ``fp8_gemm_lsa`` launches for the same rows,
+    scales, output and stamp: the same kernel, each argument the same (a tensor the same bytes at
+    the same address, mxfp8's dequantized rows the same values, a TMA descriptor of the same bytes,
+    shape, strides and block); it holds none of a call's tensors after it; a call whose scales sit
+    at another 16-byte alignment than the first call's goes through ``JITFunction.run``
+    (``Kernel.run_jit``), which specializes on it."""
+    from kernels_fused.hopper import gemm as G
+
+    made, calls = [], []
+
+    class Launch:  # stands in for launch.Kernel: records what would be compiled and launched
+        def __init__(self, fn, grid, **options):
+            made.append(grid)
+
+        def __call__(self, device, *args):
+            calls.append(("kept", args))
+
+        def run_jit(self, device, *args):
+            calls.append(("jit", args))
+
+    monkeypatch.setattr(G, "Kernel", Launch)
+    G._LSA_LAUNCHES.clear()
+    world = 2
+    win = G.LsaWindow(partial=torch.zeros(world, M, SLICE, dtype=torch.bfloat16),
+                      recv=torch.zeros(world, M, SLICE, dtype=torch.bfloat16),
+                      gather=torch.zeros(world, M, SLICE, dtype=torch.bfloat16), gather_scale=None,
+                      tile_flags=torch.zeros(2, world, 3, 2, dtype=torch.int64),
+                      deltas=torch.zeros(world, dtype=torch.int64), status=torch.zeros(1, dtype=torch.int64),
+                      ticket=torch.zeros(1, dtype=torch.int64))
+    table = torch.zeros(4, 4, dtype=torch.int32)
+    config = G.GemmConfig(block_m=32, block_n=128, num_warps=4, num_stages=1, tma=tma)
+    weight = Q.random_problem(M, SLICE * world, K, quant, seed=0)
+    b_dense = G.mx_to_bf16(weight.b, weight.b_scale) if quant == "mxfp8" else None
+
+    def same(x, y) -> bool:
+        if isinstance(x, torch.Tensor):  # (bytes compared: fp8 has no equal on the CPU)
+            return isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape and \
+                x.stride() == y.stride() and (quant == "mxfp8" or x.data_ptr() == y.data_ptr()) and \
+                torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
+        if hasattr(x, "block_shape"):
+            return (same(x.base, y.base) and list(x.shape) == list(y.shape) and list(x.strides) == list(y.strides)
+                    and list(x.block_shape) == list(y.block_shape))
+        return type(x) is type(y) and x == y
+
+    kept = None
+    for seed, stamp in ((1, 5), (2, 6), (3, 7)):
+        p = Q.random_problem(M, SLICE * world, K, quant, seed=seed)
+        a_scale = p.a_scale
+        if seed == 3:  # the scales one element on (4 bytes; mxfp8's 1): another alignment than the kept launch's
+            buffer = torch.empty(a_scale.untyped_storage().nbytes() // a_scale.element_size() + 1, dtype=a_scale.dtype)
+            a_scale = buffer.as_strided(a_scale.shape, a_scale.stride(), storage_offset=1).copy_(a_scale)
+        out = torch.empty(M, SLICE * world, dtype=torch.bfloat16)
+        G.fp8_gemm_lsa(p.a, weight.b, a_scale, weight.b_scale, quant=quant, out=out, win=win, tile_table=table,
+                       rank=1, stamp=stamp, config=config, validated=True, b_dense=b_dense)
+        if kept is None:
+            kept = G.lsa_launch(p.a, weight.b, a_scale, weight.b_scale, quant=quant, out=out, win=win,
+                                tile_table=table, rank=1, config=config, b_dense=b_dense)
+        kept(p.a, a_scale, out, stamp)
+        (_, want), (how, got) = calls[-2:]
+        assert how == ("jit" if seed == 3 and quant != "mxfp8" else "kept"), (seed, how)
+        assert len(got) == len(want)
+        bad = [i for i, (x, y) in enumerate(zip(want, got)) if not same(x, y)]
+        assert not bad, f"arguments {bad} differ from fp8_gemm_lsa's (call {seed})"
+        assert kept.args[2] is None and kept.args[4] is None and kept.args[6] is None
+    assert len(made) == (2 if quant != "mxfp8" else 1)  # fp8_gemm_lsa's own launch for the other alignment
     G._LSA_LAUNCHES.clear()

@@ -1,4 +1,4 @@
-"""The op's kept plain launches (``cco.op._PlainLaunches``): an eager plain call (gemm-only, or one
+"""The op's kept plain launches (``cco.op._KeptLaunches``): an eager plain call (gemm-only, or one
 rank) whose weight tensors and activation shapes passed the checks before skips them and calls the
 launch the backend bound to the weight. Guards that nothing stale or unchecked gets through: a
 weight changed in place, swapped under the same object (``.data =``) or replaced, a setting that
@@ -123,3 +123,84 @@ def test_kept_plain_launches_never_serve_a_stale_weight_or_unchecked_inputs():
     (got,) = check_outcomes(spawn(_scenario, world=1, timeout_s=120))
     failed = [what for what, ok in got.items() if not ok]
     assert not failed, failed
+
+
+def _collective(comm):
+    """Two ranks: an op whose backend keeps a bound launch for fused calls (a stand-in for the CUDA
+    backend's lsa ``fused_launcher``, over the CPU backend's own ``fused``) beside one that has none,
+    the same calls on both, inputs changing call by call."""
+    import gc
+
+    from cco.transport.protocol import PeerRejectedError
+
+    def problem(seed, m=M):
+        p = q.random_problem(m, N, K, "ptpc", seed=100 * seed + comm.rank)
+        return p.a, p.a_scale
+
+    w = q.random_problem(M, N, K, "ptpc", seed=7 + comm.rank)
+    b_pre, b_scale = preshuffle_b(w.b), w.b_scale.clone()
+    made, ran = [], []
+    results = {}
+    with GemmAllReduceOp(comm, n=N, k=K, m_max=M, deadline_s=20) as kept_op, \
+            GemmAllReduceOp(comm, n=N, k=K, m_max=M, deadline_s=20) as plain_op:
+        backend = kept_op._backend
+
+        def fused_launcher(a, b, a_scale, bs, *, out):
+            made.append(a.shape[0])
+            bound_b, bound_bs = b.clone(), bs.clone()  # a kept launch computes from the weight it bound
+
+            def run(a, a_scale, out, plan):
+                ran.append(plan.seq)
+                backend.fused(a, bound_b, a_scale, bound_bs, out=out, plan=plan)
+            return run
+
+        backend.fused_launcher = fused_launcher
+
+        def both(a, a_scale, b=b_pre, bs=b_scale):
+            return kept_op(a, b, a_scale, bs), plain_op(a, b, a_scale, bs)
+
+        pairs = [both(*problem(s)) for s in range(5)]
+        results["a weight that came back keeps a launch, at its second call"] = made == [M]
+        results["the kept launch runs the calls after it"] = ran == [3, 4, 5]
+        results["kept calls return the bits of unkept ones"] = all(torch.equal(x, y) for x, y in pairs)
+        results["kept calls count their seq"] = kept_op.calls == plain_op.calls == 5
+        pairs = [both(*problem(10 + s, m=16)) for s in range(3)]  # another M: its own launch
+        results["another M keeps its own launch"] = made == [M, 16] and len(ran) == 3 + 2
+        results["and returns the bits of unkept calls"] = all(torch.equal(x, y) for x, y in pairs)
+        # a peer's bad input while this rank's call takes its kept launch (no checks here): every rank fails
+        # that call, this one with PeerRejectedError, and the next call is right again
+        a, a_scale = problem(20)
+        got = []
+        for op in (kept_op, plain_op):
+            try:
+                op(a.view(torch.uint8) if comm.rank == 1 else a, b_pre, a_scale, b_scale)
+                got.append("returned")
+            except (TypeError, PeerRejectedError) as err:
+                got.append(type(err).__name__)
+        want = "TypeError" if comm.rank == 1 else "PeerRejectedError"
+        results["a peer's rejected call fails the kept call"] = got == [want, want]
+        results["the kept launch ran it on the rank that took it"] = len(ran) == (6 if comm.rank == 0 else 5)
+        x, y = both(*problem(21))
+        results["the call after it is right"] = torch.equal(x, y) and kept_op.calls == plain_op.calls
+        b_scale.mul_(2)  # the weight changed in place: not kept until it comes back unchanged
+        pairs = [both(*problem(30 + s)) for s in range(3)]
+        results["a changed weight keeps a new launch at its second call"] = made == [M, 16, M]
+        results["computed from the changed weight"] = all(torch.equal(x, y) for x, y in pairs)
+        for _ in range(4):  # a weight quantized afresh for each call (a trainable layer's) keeps no launch
+            b, bs = preshuffle_b(w.b), w.b_scale.clone()
+            both(*problem(40), b=b, bs=bs)
+            del b, bs
+        gc.collect()
+        results["a weight used once keeps no launch"] = made == [M, 16, M]
+    return results
+
+
+def test_a_kept_collective_launch_runs_the_calls_machinery_and_the_same_bits():
+    """The op's kept collective launch (``CollectiveGemmOp._kept_collective``: the CUDA backend's
+    bound lsa call at world >= 2, ``docs/decode.md``): made for a weight that comes back, it returns
+    the bits of the unkept path call by call, counts its seq, fails a call a peer rejected (on the
+    rank that skipped the checks) and serves nothing stale (a weight changed in place)."""
+    outs = check_outcomes(spawn(_collective, world=2, timeout_s=180))
+    for rank, got in enumerate(outs):
+        failed = [what for what, ok in got.items() if not ok]
+        assert not failed, (rank, failed)
