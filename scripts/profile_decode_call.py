@@ -15,8 +15,8 @@ and 10th..90th percentile): ``nn.Linear``'s call of the same shape (the control:
 ranks slows every launch, not only the layer's), the activation quantizer alone, the op alone on
 quantized rows, the layer, one stream write-value, one event record, an allocation and a reshape
 (host operations without a launch); at world >= 2 on the lsa path, the layer with and without the
-op's kept collective call, twice each (``CollectiveGemmOp._kept_collective``); then the layer's calls again with the functions of its path
-timed inclusively (``PARTS_TIMED``: us per layer call, a function called twice a call counts twice;
+op's kept collective call, twice each (``CollectiveGemmOp._kept_collective``); then the layer's
+calls again with the functions of its path timed inclusively (``PARTS_TIMED``: us per layer call, a function called twice a call counts twice;
 ~0.3 us of the timer itself per wrapped call). Written to ``OUT/parts_rank{r}.json`` and appended
 to the rank's text.
 """
@@ -132,6 +132,17 @@ def main(argv=None) -> None:
     comm.close()
 
 
+def _kept_call(op, on: bool) -> None:
+    """Turn ``op``'s kept collective call off (its kept launches and the backend's
+    ``fused_launcher`` shadowed on the two instances by ones that find none: every call then takes
+    the whole Python path) or back on (the shadows removed)."""
+    if on:
+        vars(op._launches).pop("launch_for", None)
+        vars(op._backend).pop("fused_launcher", None)
+    else:
+        op._launches.launch_for = op._backend.fused_launcher = lambda *_, **__: None
+
+
 def alternate(layer, x, comm, calls: int, passes: int, sync) -> dict:
     """``--alternate``: the layer's call with (``kept``) and without (``not kept``: the op's kept
     launches and the backend's ``fused_launcher`` shadowed on the instances, its whole Python path)
@@ -140,11 +151,11 @@ def alternate(layer, x, comm, calls: int, passes: int, sync) -> dict:
     and the median of ``calls`` calls each issued on an idle queue."""
     if layer.op is None or comm.world < 2:
         raise SystemExit("profile_decode_call: --alternate needs the fused layer at world >= 2")
-    op, none = layer.op, (lambda *_, **__: None)
+    op = layer.op
 
     def arm(kept: bool):
         if not kept:
-            op._launches.launch_for = op._backend.fused_launcher = none
+            _kept_call(op, False)
         try:
             for _ in range(5):  # warm (the kept arm: keeps its launch again)
                 layer(x)
@@ -158,8 +169,7 @@ def alternate(layer, x, comm, calls: int, passes: int, sync) -> dict:
             comm.barrier()
             idle = _idle_times(lambda: layer(x), calls, sync)["median"]
         finally:
-            vars(op._launches).pop("launch_for", None)
-            vars(op._backend).pop("fused_launcher", None)
+            _kept_call(op, True)
         return dict(back_to_back=b2b, idle=idle)
 
     runs = {"kept": [], "not kept": []}
@@ -231,13 +241,12 @@ def parts(layer, x, comm, calls: int, sync) -> dict:
     if layer.op is not None:
         arms["op on quantized rows"] = lambda: layer.op(a, qweight, a_scale, scale)
     backend = layer.op._backend if layer.op is not None else None
-    kept = (backend is not None and comm.world > 1 and device.type == "cuda" and backend.config.mode == "fused" and backend.uses_lsa(rows)
-            and backend.faults is None)  # where CudaBackend.fused_launcher keeps one
+    kept = (backend is not None and comm.world > 1 and device.type == "cuda" and backend.config.mode == "fused"
+            and backend.uses_lsa(rows) and backend.faults is None)  # where CudaBackend.fused_launcher keeps one
     if kept:  # the same call without the op's kept collective call: its whole Python path, as before it
-        none = lambda *_, **__: None  # noqa: E731
 
         def unkept():
-            layer.op._launches.launch_for = layer.op._backend.fused_launcher = none  # (undone after the arm)
+            _kept_call(layer.op, False)  # (undone after the arm)
             return layer(x)
         arms["layer, not kept"] = unkept
         arms["layer, kept (again)"] = lambda: layer(x)
@@ -256,8 +265,7 @@ def parts(layer, x, comm, calls: int, sync) -> dict:
         comm.barrier()
         found[name] = _idle_times(fn, calls, sync)
         if kept:  # the kept call back (a no-op after the other arms)
-            vars(layer.op._launches).pop("launch_for", None)
-            vars(layer.op._backend).pop("fused_launcher", None)
+            _kept_call(layer.op, True)
     # the layer's path, function by function
     spent: dict[str, list] = {}
     undo = []
