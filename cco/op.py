@@ -87,6 +87,7 @@ Contracts:
 
 from __future__ import annotations
 
+import functools
 import secrets
 import weakref
 
@@ -593,7 +594,7 @@ class CollectiveGemmOp:
 
     def _probe_run(self, plan: layout.CallPlan):
         """The transfers alone, on what ``_probe_prepare`` wrote; returns the call's output."""
-        out = torch.empty(*layout.out_shape(self.config, plan.m), dtype=torch.bfloat16, device=self.comm.device)
+        out = self._out_maker(plan.m)()
         self._backend.all_reduce_window(out=out, plan=plan)
         return out
 
@@ -674,36 +675,48 @@ class ScatterGemmOp(CollectiveGemmOp):
     def _reduce_call(self, a, b_pre, a_scale, b_scale, m: int) -> torch.Tensor:
         """The collective body of the scatter patterns (all-reduce, reduce-scatter): the backend's
         fused or split call into a new output of the pattern's shape. A fused call on a weight that
-        came back keeps the backend's launch for the calls like it (:meth:`_kept_collective`)."""
-        shape = layout.out_shape(self.config, m)
-        out = torch.empty(*shape, dtype=torch.bfloat16, device=self.comm.device)
-        if self.config.mode == "fused":
-            run = self._backend.fused
-            if self._launches.known(b_pre, b_scale):
-                kept = self._backend.fused_launcher(a, b_pre, a_scale, b_scale, out=out)
-                if kept is not None:
-                    self._launches.keep(a, b_pre, a_scale, b_scale, self._kept_collective(kept, m, shape))
+        came back keeps the backend's launch for the calls like it (:meth:`_kept_collective`) and
+        runs through it itself."""
+        backend, new_out = self._backend, self._out_maker(m)
+        out = new_out()
+        if self.config.mode != "fused":
+            run = backend.split
         else:
-            run = self._backend.split
+            run = backend.fused
+            # (keeps_fused first: a call no launch is kept for leaves its weight unremembered)
+            if backend.keeps_fused(m) and self._launches.known(b_pre, b_scale):
+                kept = backend.fused_launcher(a, b_pre, a_scale, b_scale, out=out)
+                if kept is not None:
+                    self._launches.keep(a, b_pre, a_scale, b_scale, self._kept_collective(kept, m, new_out))
+                    self._collective(lambda plan: kept(a, a_scale, out, plan), m)
+                    return out
         self._collective(lambda plan: run(a, b_pre, a_scale, b_scale, out=out, plan=plan), m)
         return out
 
-    def _kept_collective(self, kept, m: int, shape):
+    def _out_maker(self, m: int):
+        """``new_out()``: a fresh bf16 output of a call of ``m`` rows, the pattern's shape (a partial:
+        no Python frame per call)."""
+        return functools.partial(torch.empty, *layout.out_shape(self.config, m), dtype=torch.bfloat16,
+                                 device=self.comm.device)
+
+    def _kept_collective(self, kept, m: int, new_out):
         """A kept launch of a collective call (``_KeptLaunches.launch_for`` found the weight and the
         activation layout of a call that passed the checks): the call machinery of :meth:`_call`
         (a failed op raises, the seq and the counters advance, a failure before the seq is taken is
         a rejected call, the deferred error is raised) around the backend's bound launch ``kept(a,
-        a_scale, out, plan)``, without the checks, the rule and the operands' preparation."""
-        backend, device = self._backend, self.comm.device
+        a_scale, out, plan)``, without the checks, the rule and the operands' preparation. It holds
+        the op weakly: the op holds it (``_KeptLaunches``), and a cycle would outlive the op's last
+        reference until a garbage collection."""
+        backend, op = self._backend, weakref.ref(self)
 
         def body(a, _b, a_scale, _s, m):
-            out = torch.empty(*shape, dtype=torch.bfloat16, device=device)
-            self._collective(lambda plan: kept(a, a_scale, out, plan), m)
+            out = new_out()
+            op()._collective(lambda plan: kept(a, a_scale, out, plan), m)
             return out
 
         def launch(a, a_scale):
             backend.raise_failed()
-            return self._run_call(body, a, None, a_scale, None, m)
+            return op()._run_call(body, a, None, a_scale, None, m)
         return launch
 
 

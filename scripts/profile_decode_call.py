@@ -133,19 +133,20 @@ def main(argv=None) -> None:
 
 
 def _kept_call(op, on: bool) -> None:
-    """Turn ``op``'s kept collective call off (its kept launches and the backend's
-    ``fused_launcher`` shadowed on the two instances by ones that find none: every call then takes
-    the whole Python path) or back on (the shadows removed)."""
+    """Turn ``op``'s kept collective call off (its kept launches and the backend's ``keeps_fused``
+    shadowed on the two instances by ones that find none and keep none: every call then takes the
+    whole Python path) or back on (the shadows removed)."""
     if on:
         vars(op._launches).pop("launch_for", None)
-        vars(op._backend).pop("fused_launcher", None)
+        vars(op._backend).pop("keeps_fused", None)
     else:
-        op._launches.launch_for = op._backend.fused_launcher = lambda *_, **__: None
+        op._launches.launch_for = lambda *_: None
+        op._backend.keeps_fused = lambda m: False
 
 
 def alternate(layer, x, comm, calls: int, passes: int, sync) -> dict:
     """``--alternate``: the layer's call with (``kept``) and without (``not kept``: the op's kept
-    launches and the backend's ``fused_launcher`` shadowed on the instances, its whole Python path)
+    launches and the backend's ``keeps_fused`` shadowed on the instances, its whole Python path)
     the op's kept collective call, alternating per pass; per pass and arm the host us per call of
     ``calls`` calls issued back to back (the GPU synchronized before and after, the host loop timed)
     and the median of ``calls`` calls each issued on an idle queue."""
@@ -241,8 +242,7 @@ def parts(layer, x, comm, calls: int, sync) -> dict:
     if layer.op is not None:
         arms["op on quantized rows"] = lambda: layer.op(a, qweight, a_scale, scale)
     backend = layer.op._backend if layer.op is not None else None
-    kept = (backend is not None and comm.world > 1 and device.type == "cuda" and backend.config.mode == "fused"
-            and backend.uses_lsa(rows) and backend.faults is None)  # where CudaBackend.fused_launcher keeps one
+    kept = backend is not None and comm.world > 1 and backend.keeps_fused(rows)  # where a kept call is made
     if kept:  # the same call without the op's kept collective call: its whole Python path, as before it
 
         def unkept():

@@ -301,11 +301,18 @@ class Backend(abc.ABC):
         :meth:`gemm_out`."""
         return None
 
+    def keeps_fused(self, m: int) -> bool:
+        """Whether :meth:`fused_launcher` may keep a launch for fused calls of ``m`` rows now: the op
+        asks this first, so a call no launch would be kept for (the default: none) leaves no trace of
+        its weight in the op (a trainable layer's fresh weight each call)."""
+        return False
+
     def fused_launcher(self, a, b_pre, a_scale, b_scale, *, out):
         """``fn(a, a_scale, out, plan)``: :meth:`fused` for calls like this accepted one (its operands
         passed the op's checks; ``out`` its output) with this weight bound, which the op calls
         instead while the weight's tensors come back unchanged and the activations keep this call's
-        layout (``cco.op``'s kept launches check both); None (the default): the op calls :meth:`fused`."""
+        layout (``cco.op``'s kept launches check both); None (the default, and wherever
+        :meth:`keeps_fused` is false): the op calls :meth:`fused`."""
         return None
 
     def vendor_weight(self, b_pre, b_scale):

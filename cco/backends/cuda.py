@@ -533,16 +533,21 @@ class CudaBackend(Backend):
         if marks is not None:
             marks.leave(sch._write, sch.main)
 
+    def keeps_fused(self, m: int) -> bool:
+        """Fused calls of ``m`` rows on the lsa kernel, with no fault plan in force (its silent
+        transport changes the launch) and no graph being captured (the copies a launch binds are kept
+        only outside a capture; a kept launch is captured like any other)."""
+        return (self.faults is None and self.config.mode == "fused" and self.uses_lsa(m)
+                and not torch.cuda.is_current_stream_capturing())
+
     def fused_launcher(self, a, b_pre, a_scale, b_scale, *, out):
         """The lsa call with the weight, the window and the tile table bound
         (``kernels_fused.hopper.gemm.LsaLaunch``): an eager decode-sized call at world >= 2 pays the
         kernel's launch, not its ~45 arguments rebuilt (docs/decode.md, "The kept world-2 call").
-        None where calls of these rows take the copy engines, where a fault plan is in force (its
-        silent transport changes the launch) or while a graph is captured (the copies a launch binds
-        are kept only outside a capture; a kept launch is captured like any other)."""
+        None where :meth:`keeps_fused` is false (calls of these rows take the copy engines, a fault
+        plan, a capture)."""
         m = a.shape[0]
-        if (self.faults is not None or not self.uses_lsa(m) or self.config.mode != "fused"
-                or torch.cuda.is_current_stream_capturing()):
+        if not self.keeps_fused(m):
             return None
         from kernels_fused.hopper.gemm import lsa_launch
 

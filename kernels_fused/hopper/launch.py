@@ -66,7 +66,6 @@ class Kernel:
             self.fast = _launcher(compiled, (*self.grid, 1, 1)[:3], device)
             self.compiled = compiled
 
-
     def run_jit(self, device: int, *args) -> None:
         """Launch through ``JITFunction.run`` (which specializes on these very arguments), never
         the kept launcher: for a caller whose arguments may differ from the kept launch's in what

@@ -394,7 +394,7 @@ def _vendor_rows_rule(device, log):
 def _kept_lsa_launch(op, probs, b_pre, log, quant, gather):
     """The lsa call's kept launches, bit for bit, every rank switching alike (the calls are
     collective): the op's kept collective call (``CollectiveGemmOp._kept_collective`` around the
-    backend's ``LsaLaunch``, taken from a weight's second call on) against the call's whole Python
+    backend's ``LsaLaunch``, made and taken from a weight's second call on) against the call's whole Python
     path (checks, plan, ``fp8_gemm_lsa``); the kernel's kept launcher (``kernels_fused.hopper.launch``)
     against ``JITFunction.run``'s; and a call whose scales sit off the kept launch's 16-byte
     alignment (``LsaLaunch`` takes ``JITFunction.run`` there)."""
@@ -409,7 +409,11 @@ def _kept_lsa_launch(op, probs, b_pre, log, quant, gather):
         slow = op(p.a, b_pre, p.a_scale, p.b_scale)
     finally:
         L.FAST_LAUNCH = True
-    whole = op._call(p.a, b_pre, p.a_scale, p.b_scale, op._reduce_call)  # not through the kept call
+    op._backend.keeps_fused = lambda m: False  # the call's whole Python path: no launch kept or run
+    try:
+        whole = op._call(p.a, b_pre, p.a_scale, p.b_scale, op._reduce_call)
+    finally:
+        del op._backend.keeps_fused
     buffer = torch.empty(p.a_scale.untyped_storage().nbytes() // p.a_scale.element_size() + 1,
                          dtype=p.a_scale.dtype, device=p.a_scale.device)
     shifted = buffer.as_strided(p.a_scale.shape, p.a_scale.stride(), storage_offset=1).copy_(p.a_scale)

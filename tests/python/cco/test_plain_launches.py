@@ -125,6 +125,17 @@ def test_kept_plain_launches_never_serve_a_stale_weight_or_unchecked_inputs():
     assert not failed, failed
 
 
+def _closure_objects(kept: dict, depth: int = 4) -> list:
+    """What the kept launches of one weight (``_KeptLaunches`` entry's by-layout dict) reach through
+    their closures, ``depth`` closures deep."""
+    found, todo = [], [launch for *_, launch in kept.values()]
+    for _ in range(depth):
+        cells = [c.cell_contents for f in todo for c in (getattr(f, "__closure__", None) or ())]
+        found += cells
+        todo = [c for c in cells if callable(c)]
+    return found
+
+
 def _collective(comm):
     """Two ranks: an op whose backend keeps a bound launch for fused calls (a stand-in for the CUDA
     backend's lsa ``fused_launcher``, over the CPU backend's own ``fused``) beside one that has none,
@@ -155,17 +166,18 @@ def _collective(comm):
             return run
 
         backend.fused_launcher = fused_launcher
+        backend.keeps_fused = lambda m: True  # (the CPU backend's own: never, as plain_op's)
 
         def both(a, a_scale, b=b_pre, bs=b_scale):
             return kept_op(a, b, a_scale, bs), plain_op(a, b, a_scale, bs)
 
         pairs = [both(*problem(s)) for s in range(5)]
         results["a weight that came back keeps a launch, at its second call"] = made == [M]
-        results["the kept launch runs the calls after it"] = ran == [3, 4, 5]
+        results["the kept launch runs the call that made it and those after it"] = ran == [2, 3, 4, 5]
         results["kept calls return the bits of unkept ones"] = all(torch.equal(x, y) for x, y in pairs)
         results["kept calls count their seq"] = kept_op.calls == plain_op.calls == 5
         pairs = [both(*problem(10 + s, m=16)) for s in range(3)]  # another M: its own launch
-        results["another M keeps its own launch"] = made == [M, 16] and len(ran) == 3 + 2
+        results["another M keeps its own launch, at its first call"] = made == [M, 16] and len(ran) == 4 + 3
         results["and returns the bits of unkept calls"] = all(torch.equal(x, y) for x, y in pairs)
         # a peer's bad input while this rank's call takes its kept launch (no checks here): every rank fails
         # that call, this one with PeerRejectedError, and the next call is right again
@@ -179,7 +191,7 @@ def _collective(comm):
                 got.append(type(err).__name__)
         want = "TypeError" if comm.rank == 1 else "PeerRejectedError"
         results["a peer's rejected call fails the kept call"] = got == [want, want]
-        results["the kept launch ran it on the rank that took it"] = len(ran) == (6 if comm.rank == 0 else 5)
+        results["the kept launch ran it on the rank that took it"] = len(ran) == (8 if comm.rank == 0 else 7)
         x, y = both(*problem(21))
         results["the call after it is right"] = torch.equal(x, y) and kept_op.calls == plain_op.calls
         b_scale.mul_(2)  # the weight changed in place: not kept until it comes back unchanged
@@ -192,6 +204,9 @@ def _collective(comm):
             del b, bs
         gc.collect()
         results["a weight used once keeps no launch"] = made == [M, 16, M]
+        results["an op whose backend keeps no fused launch remembers no weight"] = not plain_op._launches.weights
+        results["a kept launch holds its op weakly (no cycle through the op's launches)"] = not any(
+            obj is kept_op for obj in _closure_objects(next(iter(kept_op._launches.weights.values()))[1]))
     return results
 
 
