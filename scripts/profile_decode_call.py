@@ -30,6 +30,7 @@ import io
 import json
 import os
 import pstats
+import statistics
 import time
 
 import torch
@@ -177,12 +178,8 @@ def alternate(layer, x, comm, calls: int, passes: int, sync) -> dict:
     for p in range(passes):
         for name in (("kept", "not kept") if p % 2 == 0 else ("not kept", "kept")):
             runs[name].append(arm(name == "kept"))
-
-    def median(values):
-        values = sorted(values)
-        return values[len(values) // 2]
-    return dict(passes=runs, median={name: {what: median([r[what] for r in rs]) for what in ("back_to_back", "idle")}
-                                     for name, rs in runs.items()})
+    return dict(passes=runs, median={name: {what: statistics.median_high([r[what] for r in rs])
+                                            for what in ("back_to_back", "idle")} for name, rs in runs.items()})
 
 
 # The functions of a decode-sized call's path timed by ``--parts`` (module, attribute path): each is
