@@ -106,11 +106,13 @@ _FN = "GemmAllReduceOp"
 # windows of closed ops whose backend must keep them mapped (a failed GPU call: a late peer may
 # still write into them); they are released when the process exits
 _RETAINED_WINDOWS: list = []
-# operand signatures (dtypes, shapes, strides, devices) an op remembers as accepted, and plain
-# calls' plans it keeps (one per M): an eager call must not pay the full checks and a plan every time
-# (docs/hopper_gemm.md: the host time of an eager call)
+# operand signatures (dtypes, shapes, strides, devices) an op remembers as accepted, plain calls'
+# plans it keeps (one per M), and collective calls' shapes (one per M: what a plan takes from M
+# alone): an eager call must not pay the full checks and a plan every time (docs/hopper_gemm.md: the
+# host time of an eager call)
 ACCEPTED_SIGNATURES = 16
 PLAIN_PLANS = 64
+CALL_SHAPES = 64
 
 
 class _KeptLaunches:
@@ -470,7 +472,7 @@ class CollectiveGemmOp:
         call's targets (no tile of it is in flight any more) so the next call's targets hold."""
         shape = self._call_shapes.get(m)
         if shape is None:  # what the plan takes from M alone, kept per M (layout.plan_call hashes the config)
-            if len(self._call_shapes) >= PLAIN_PLANS:
+            if len(self._call_shapes) >= CALL_SHAPES:
                 self._call_shapes.clear()
             shape = self._call_shapes[m] = layout.call_shape(self.config, m, self.rank)
         plan = layout.plan_from(shape, seq=self._seq + 1, counter_base=self._counter_base)
@@ -679,18 +681,16 @@ class ScatterGemmOp(CollectiveGemmOp):
         runs through it itself."""
         backend, new_out = self._backend, self._out_maker(m)
         out = new_out()
-        if self.config.mode != "fused":
-            run = backend.split
-        else:
-            run = backend.fused
-            # (keeps_fused first: a call no launch is kept for leaves its weight unremembered)
-            if backend.keeps_fused(m) and self._launches.known(b_pre, b_scale):
-                kept = backend.fused_launcher(a, b_pre, a_scale, b_scale, out=out)
-                if kept is not None:
-                    self._launches.keep(a, b_pre, a_scale, b_scale, self._kept_collective(kept, m, new_out))
-                    self._collective(lambda plan: kept(a, a_scale, out, plan), m)
-                    return out
-        self._collective(lambda plan: run(a, b_pre, a_scale, b_scale, out=out, plan=plan), m)
+        fused = self.config.mode == "fused"
+        run = backend.fused if fused else backend.split
+        body = lambda plan: run(a, b_pre, a_scale, b_scale, out=out, plan=plan)  # noqa: E731
+        # (keeps_fused first: a call no launch is kept for leaves its weight unremembered)
+        if fused and backend.keeps_fused(m) and self._launches.known(b_pre, b_scale):
+            kept = backend.fused_launcher(a, b_pre, a_scale, b_scale, out=out)
+            if kept is not None:  # kept for the calls like it, and this call runs through it
+                self._launches.keep(a, b_pre, a_scale, b_scale, self._kept_collective(kept, m, new_out))
+                body = lambda plan: kept(a, a_scale, out, plan)  # noqa: E731
+        self._collective(body, m)
         return out
 
     def _out_maker(self, m: int):

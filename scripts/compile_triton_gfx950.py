@@ -134,7 +134,11 @@ def launches(quant: str, m: int, n: int, k: int, dense: bool | None = None) -> l
     finally:
         D.resident_programs = resident
     found = []
-    if launch.one is not None:
+    scale_stride = {"ptpc": 1, "blockscale": k // 128, "mxfp8": k // 32}[quant]  # w_scale's row stride
+    if launch.one is not None and launch.one_args is None:  # one row, eager (a capture takes the MMA below)
+        found.append(("decode one-row GEMM (a program a row)", launch.one,
+                      launch._row(x, w, w_scale, bias, out, k, scale_stride)))
+    elif launch.one is not None:
         found.append(("decode one launch", launch.one, launch._one(x, q, w, w_scale, bias, out,
                                                                    e(1, dtype=torch.int32), k)))
     scales = e(1, dtype=torch.uint8) if quant == "mxfp8" else sa  # the quantizer's scales (mxfp8: e8m0 bits)
@@ -146,9 +150,9 @@ def launches(quant: str, m: int, n: int, k: int, dense: bool | None = None) -> l
             found.append(("decode quantizer", launch.quantize, launch._quantize(x, q, scales, k)))
     if launch.kernel is not None:
         if launch.quantize is not None:
-            found.append(("decode MMA over quantized rows", launch.kernel, launch._mma(q, sa, w, w_scale, bias, out)))
+            found.append(("decode MMA over quantized rows", launch.kernel, launch._mma(
+                q, sa, w, w_scale, bias, out, e(1, dtype=torch.int32), e(1, dtype=torch.float32), scale_stride)))
         else:
-            scale_stride = {"ptpc": 1, "blockscale": k // 128, "mxfp8": k // 32}[quant]  # w_scale's row stride
             name = "decode rows kernel" if 1 < m <= D.rows_max(quant) else "decode one-row GEMM (a program a row)"
             found.append((name, launch.kernel, launch._row(x, w, w_scale, bias, out, k, scale_stride)))
     for split in ((False, True) if quant == "ptpc" else (False,)):

@@ -98,22 +98,42 @@ _QUANT_CODE = {"ptpc": 0, "blockscale": 1, "mxfp8": 2}
 # at most cells (tune_decode's configs for M > 1).
 ROWS_MAX = 16
 ROWS_BLOCK_N = {"ptpc": 64, "blockscale": 64, "mxfp8": 32}
-ROWS_BLOCK_K = {"ptpc": 256, "blockscale": 128, "mxfp8": 256}
+ROWS_BLOCK_K = {"ptpc": 256, "blockscale": 256, "mxfp8": 256}
 ROWS_WARPS = {"ptpc": 4, "blockscale": 4, "mxfp8": 4}
-ROWS_STAGES = {"ptpc": 4, "blockscale": 4, "mxfp8": 4}
+ROWS_STAGES = {"ptpc": 4, "blockscale": 3, "mxfp8": 4}
 ROWS_ELEMENTS = 8192  # ptpc's amax load: [rows, ROW_K] with rows * ROW_K at most this
 # Quants whose calls of 2..MMA_ROWS_MAX rows quantize the rows once (the activation quantizer's split-row
 # launch, its bytes) and then run the MMA over them (decode_mma_rows_kernel): two launches, but the
 # rows kernel's per-program quantization grows with the rows (scripts/probe_decode_rows.py).
-QUANTIZED_ROWS = {"ptpc"}
+# blockscale joined (2026-12-05): its MMA over quantized rows, a step of two 128-column scale groups
+# and K split over programs (MMA_SPLIT), ran 0.67-0.78x of nn.Linear's device time at 8B down and
+# 0.93-1.38x at 8B o, 8..64 rows, where the quantizer + cuBLAS ran 0.89-1.30x and 1.58-1.87x
+# (scripts/probe_decode_split_k.py, one H200, docs/decode.md). CCO_DECODE_BLOCKSCALE_CUBLAS=1 keeps
+# its rows on the quantizer + cuBLAS (VENDOR_ROWS) as before.
+BLOCKSCALE_CUBLAS = os.environ.get("CCO_DECODE_BLOCKSCALE_CUBLAS", "0") == "1"
+QUANTIZED_ROWS = {"ptpc"} if BLOCKSCALE_CUBLAS else {"ptpc", "blockscale"}
 # Their calls of ROWS_MAX+1..MMA_ROWS_MAX rows run the same MMA, ROWS (a power of two) wide, with the
 # WIDE_* config (BLOCK_N, BLOCK_K, warps, stages): the best of tune_decode's 8 configs past ROWS_MAX
 # rows at 14 of the 15 cells of the 17:08 UTC run above (8B o at 48 rows took BLOCK_K 128, 9.3 us).
 MMA_ROWS_MAX = 64
-WIDE_BLOCK_N = {"ptpc": 64}
-WIDE_BLOCK_K = {"ptpc": 256}
-WIDE_WARPS = {"ptpc": 4}
-WIDE_STAGES = {"ptpc": 4}
+WIDE_BLOCK_N = {"ptpc": 64, "blockscale": 64}
+WIDE_BLOCK_K = {"ptpc": 256, "blockscale": 256}
+WIDE_WARPS = {"ptpc": 4, "blockscale": 4}
+WIDE_STAGES = {"ptpc": 4, "blockscale": 3}
+# The MMA's K split over programs (decode_mma_rows_kernel's SPLIT): a weight of N / BLOCK_N blocks
+# (64 at Llama-3-8B's o and down, 4096 features) leaves SMs idle, so each block's K is split into the
+# most slices, a power of two up to MMA_SPLIT[quant], that keep N / BLOCK_N * slices at most
+# MMA_SPLIT_WAVES[quant] programs per SM, each slice at least two steps. The last program of a block to finish sums the
+# partials in slice order (the bits independent of the order they finish in). One H200 (2026-12-05
+# 14:40 UTC, scripts/probe_decode_split_k.py, docs/decode.md), device us under graph replay at 1..64
+# rows: ptpc split 2 at 8B down 20.8-23.6 against 23.8-27.5 unsplit, 8B o equal, 70B down and 8B
+# qkv (128 and 96 blocks) best unsplit; blockscale split 4 (two groups a step) at 8B down 21.8-28.6
+# against 28.8-43.8 unsplit, 8B o 8.5-12.3 against 9.0-13.8, 70B down 63-89 against 67-120, 8B qkv
+# 9.8-15.4 against 9.4-14.7. On an H100 (15:00 UTC, the same probe through decode._Launch) 4 slices
+# lost to 2 at 96 and 128 blocks from 32 rows (8B qkv 16.1 / 19.9 against 12.4 / 15.7 us at 32 / 64
+# rows, 70B down 100 / 108 against 95 / 103), so blockscale takes 4 up to two programs per SM.
+MMA_SPLIT = {"ptpc": 2, "blockscale": 4}
+MMA_SPLIT_WAVES = {"ptpc": 1, "blockscale": 2}
 # ptpc's 2..MMA_ROWS_MAX rows in one launch (decode_ptpc_kernel: the quantizer's items as a first
 # phase of the MMA's grid, a grid-wide wait between), in eager calls whose grid is resident at once
 # (at most one program per SM: N <= 64 * SMs) and whose weight is small (below). Its items are few and wide (``one_slices``): about one
@@ -140,7 +160,7 @@ ONE_LAUNCH_MAX_BYTES = 64 << 20
 # scaling): the quantizer's launch writing the rows quantized and dequantized to bf16 (the bytes of the
 # general path's quantizer and ``vendor.mx_to_bf16``, in one launch instead of two) and cuBLAS's bf16
 # GEMM over the copy; over the fp8 weight its rows take the rows kernel.
-VENDOR_ROWS = {"blockscale", "mxfp8"}
+VENDOR_ROWS = {"blockscale", "mxfp8"} if BLOCKSCALE_CUBLAS else {"mxfp8"}
 # The C++ table makes their vendor GEMM's call itself (KEPT_CALL): blockscale's cuBLASLt call kept
 # per call shape (LT_ROWS; torch rebuilds its descriptor and asks the heuristic on every _scaled_mm
 # call), mxfp8's cublasGemmEx on torch's own handle with torch's arguments and flags (at::mm's
@@ -396,6 +416,51 @@ def one_slices(m: int, k_padded: int, programs: int) -> tuple[int, int]:
     return -(-k_padded // slice_k), slice_k
 
 
+def mma_split(quant: str, programs: int, steps: int, device: int) -> int:
+    """The MMA's K slices per weight block for a weight of ``programs`` blocks and ``steps`` K steps
+    on ``device``: ``MMA_SPLIT``, halved while the grid would exceed ``MMA_SPLIT_WAVES`` programs per
+    SM (one SM under Triton's interpreter: ``resident_programs``) or a slice would have fewer than
+    two steps."""
+    split, most = MMA_SPLIT[quant], MMA_SPLIT_WAVES[quant] * resident_programs(device)
+    while split > 1 and (programs * split > most or steps < 2 * split):
+        split //= 2
+    return split
+
+
+class MmaScratch:
+    """Byte offsets of the MMA over quantized rows' one scratch: the e4m3 rows ``[M, K_PAD]``, their
+    fp32 scales (ptpc ``[M]``, blockscale ``[K_PAD / 128, M]``: the quantizer's layout, each group's
+    rows adjacent), the split's int32 counters (one per weight block, a power of two of them: the
+    quantizer zeroes them), its fp32 partials (``SPLIT`` of ``[BLOCK_N, ROWS]`` per block), each
+    start 16-byte aligned (Triton specializes on it)."""
+
+    __slots__ = ("m", "k_padded", "quant", "scales", "counters", "counter_words", "parts", "part_floats", "bytes")
+
+    def __init__(self, quant: str, m: int, k_padded: int, programs: int, split: int, block_n: int, rows: int):
+        up = lambda v: -(-v // 16) * 16  # noqa: E731
+        self.m, self.k_padded, self.quant = m, k_padded, quant
+        self.scales = up(m * k_padded)
+        # (where the quantizer zeroes them: zero_after_scales, the scales' end rounded up to 16 bytes)
+        self.counters = self.scales + up(4 * m * (k_padded // SCALE_BLOCK if quant == "blockscale" else 1))
+        self.counter_words = _pow2(programs) if split > 1 else 0
+        self.parts = up(self.counters + 4 * max(1, self.counter_words))
+        self.part_floats = programs * split * block_n * rows if split > 1 else 0
+        self.bytes = self.parts + 4 * max(1, self.part_floats)
+
+    def views(self, scratch: torch.Tensor) -> tuple:
+        """``(q, sa, counters, parts)`` over ``scratch`` (uint8, ``bytes`` long); where there is no
+        split the last two are 4-byte views the kernel never reads."""
+        m, k = self.m, self.k_padded
+        q = scratch[:m * k].view(FP8).view(m, k)
+        groups = k // SCALE_BLOCK if self.quant == "blockscale" else 1
+        sa = scratch[self.scales:self.scales + 4 * m * groups].view(torch.float32)
+        if self.quant == "blockscale":
+            sa = sa.view(groups, m).t()  # [M, K_PAD / 128], M-major as the quantizer writes it
+        counters = scratch[self.counters:self.counters + 4 * max(1, self.counter_words)].view(torch.int32)
+        parts = scratch[self.parts:self.parts + 4 * max(1, self.part_floats)].view(torch.float32)
+        return q, sa, counters, parts
+
+
 def _capturing(device: int) -> bool:
     return device >= 0 and torch._C._cuda_isCurrentStreamCapturing()
 
@@ -443,16 +508,12 @@ class _Launch:
     one launch where the grid is resident at once), the integer arguments and the constants."""
 
     __slots__ = ("kernel", "quantize", "q_args", "ints", "consts", "one", "one_args", "where", "planned", "vendor",
-                 "quant")
+                 "quant", "layout", "row_args")
 
     def __init__(self, m: int, k: int, k_padded: int, n: int, quant: str, has_bias: bool, device: int, *,
                  dense: bool = False):
-        rows = 1 < m <= rows_max(quant)  # every row in one program: the MMA over quantized rows, or the rows kernel
-        table_n, table_k, table_warps, table_stages = tables(quant, m)
-        block_n = table_n[quant]
-        if quant == "blockscale" and SCALE_BLOCK % block_n:  # a program's rows share one weight scale block
-            raise ValueError(f"decode_gemm: BLOCK_N={block_n} must divide {SCALE_BLOCK} for blockscale")
-        self.quantize = self.q_args = self.one = self.one_args = self.planned = self.kernel = None
+        self.quantize = self.q_args = self.one = self.one_args = self.planned = self.kernel = self.layout = None
+        self.row_args = None
         self.where = torch.device("cuda", device) if device >= 0 else torch.device("cpu")  # the scratch's device
         self.ints = (m, n, k, k_padded)
         self.quant = quant
@@ -462,46 +523,75 @@ class _Launch:
             self.quantize, consts = launch_for(quant, False, self.vendor, k, k_padded, dequantize=quant == "mxfp8")
             self.q_args = ((m, self.vendor, k, k_padded), consts)
             return
-        if rows:
-            step = table_k[quant]
-            if quant == "blockscale" and step != SCALE_BLOCK or k_padded % step:
-                step = SCALE_BLOCK if quant == "blockscale" else block_k(quant, k_padded)
-            options = dict(num_warps=table_warps[quant], num_stages=table_stages[quant])
-            if quant in QUANTIZED_ROWS:
+        if not 1 < m <= rows_max(quant):  # the one-row kernel, a program per row and feature block
+            group = GROUP[quant]
+            # its M, N, K, K_PAD and QUANT, HAS_BIAS, BLOCK_N, G, GS, ROW_K, ROUND_IN_FP32: its constexprs, in order
+            self.row_args = ((m, n, k, k_padded), (_QUANT_CODE[quant], has_bias, BLOCK_N[quant],
+                                                   block_k(quant, k_padded) // group, group, min(ROW_K, _pow2(k)),
+                                                   _interpreting()))
+            row = Kernel(_kernel("row"), (-(-n // BLOCK_N[quant]), m), num_warps=NUM_WARPS[quant],
+                         num_stages=NUM_STAGES[quant])
+            if m != 1 or quant not in QUANTIZED_ROWS:
+                self.kernel = row
+                return
+            # One row of a quant whose rows are quantized once: eager calls take the one-row kernel (one
+            # launch: the host's cost bounds an eager call), a graph capture the quantizer's launch and
+            # the MMA over the row, which read the weight faster (under graph replay at 1 row, ptpc 20.8 /
+            # 61.7 / 7.1 us against 25.3 / 87.8 / 10.1 at 8B down, 70B down, 8B qkv; blockscale 21.8 /
+            # 63.2 / 9.4 against 28.2 / 98.9 / 12.7; 8B o 6.7 / 8.5 against 6.7 / 7.7; one H200,
+            # scripts/probe_decode_split_k.py, docs/decode.md)
+            self.one = row
+        table_n, table_k, table_warps, table_stages = tables(quant, max(m, 2))
+        block_n = table_n[quant]
+        if quant == "blockscale" and SCALE_BLOCK % block_n:  # a program's rows share one weight scale block
+            raise ValueError(f"decode_gemm: BLOCK_N={block_n} must divide {SCALE_BLOCK} for blockscale")
+        step = table_k[quant]
+        if quant == "blockscale" and quant not in QUANTIZED_ROWS:  # the rows kernel: one scale group a step
+            step = SCALE_BLOCK
+        while k_padded % step:  # (a power of two times 128 that divides it: 128 does)
+            step //= 2
+        options = dict(num_warps=table_warps[quant], num_stages=table_stages[quant])
+        if quant in QUANTIZED_ROWS:
+            programs = -(-n // block_n)
+            split = mma_split(quant, programs, k_padded // step, device)
+            self.layout = MmaScratch(quant, m, k_padded, programs, split, block_n, max(16, _pow2(m)))
+            zero_words = self.layout.counter_words if split > 1 else 0
+            if quant == "ptpc":  # the quantizer's ROW_BLOCK, SLICE_K, SKIP_ZEROS, ROUND_IN_FP32, ZERO_WORDS
                 grid, row_block, slice_k = split_launch(m, k, k_padded)
                 self.quantize = Kernel(_quantize_kernel(), grid, num_warps=SPLIT_NUM_WARPS)
-                # the quantizer's M, M_OUT, K, K_PAD and (after x's row stride, tiny, fp8_max) its
-                # ROW_BLOCK, SLICE_K, SKIP_ZEROS, ROUND_IN_FP32; the MMA's M, N, K_PAD and HAS_BIAS,
-                # BLOCK_N, BLOCK_K, ROWS, ROUND_IN_FP32
-                self.q_args = ((m, m, k, k_padded), (row_block, slice_k, True, _interpreting()))
-                self.ints = (m, n, k_padded)
-                self.consts = (has_bias, block_n, min(step, k_padded), max(16, _pow2(m)), _interpreting())
-                programs = -(-n // block_n)
-                self.kernel = Kernel(_kernel("mma"), (programs, 1), **options)
-                if programs <= resident_programs(device) and n * k_padded <= ONE_LAUNCH_MAX_BYTES:
-                    slices, slice_k = one_slices(m, k_padded, programs)
-                    self.one_args = ((m, n, k, k_padded), slices,  # the MMA's HAS_BIAS, BLOCK_N, BLOCK_K, ROWS, then
-                                     (*self.consts[:4], min(_pow2(k), ONE_ROW_BLOCK), slice_k, 3, _interpreting()))
-                    self.one = Kernel(_kernel("one"), (programs, 1), launch_cooperative_grid=True, **options)
-                return
-            # QUANT, HAS_BIAS, BLOCK_N, BLOCK_K, ROWS, ROW_K, ROUND_IN_FP32: the rows kernel's constexprs
-            width = _pow2(m)
-            self.consts = (_QUANT_CODE[quant], has_bias, block_n, min(step, k_padded), width,
-                           min(ROWS_ELEMENTS // width, _pow2(k)), _interpreting())
-            self.kernel = Kernel(_kernel("rows"), (-(-n // block_n), 1), **options)
-        else:
-            group = GROUP[quant]
-            # QUANT, HAS_BIAS, BLOCK_N, G, GS, ROW_K, ROUND_IN_FP32: the kernel's constexprs, in its order
-            self.consts = (_QUANT_CODE[quant], has_bias, block_n, block_k(quant, k_padded) // group, group,
-                           min(ROW_K, _pow2(k)), _interpreting())
-            self.kernel = Kernel(_kernel("row"), (-(-n // block_n), m), num_warps=NUM_WARPS[quant],
-                                  num_stages=NUM_STAGES[quant])
+                consts = (row_block, slice_k, True, _interpreting(), zero_words)
+            else:  # blockscale: the group quantizer's constants, its ZERO_WORDS last
+                self.quantize, consts = launch_for(quant, False, m, k, k_padded)
+                consts = (*consts[:-1], zero_words)
+            # the quantizer's M, M_OUT, K, K_PAD (then x's row stride, tiny, fp8_max, its constants);
+            # the MMA's M, N, K_PAD, K_SLICE, scale stride (blockscale's rows: M), and QUANT,
+            # HAS_BIAS, BLOCK_N, BLOCK_K, ROWS, SPLIT, ROUND_IN_FP32
+            self.q_args = ((m, m, k, k_padded), consts)
+            self.ints = (m, n, k_padded, -(-(k_padded // step) // split) * step, m if quant == "blockscale" else 0)
+            self.consts = (_QUANT_CODE[quant], has_bias, block_n, step, max(16, _pow2(m)), split, _interpreting())
+            self.kernel = Kernel(_kernel("mma"), (programs, split), **options)
+            if quant == "ptpc" and m > 1 and programs <= resident_programs(device) \
+                    and n * k_padded <= ONE_LAUNCH_MAX_BYTES:
+                slices, slice_k = one_slices(m, k_padded, programs)
+                self.one_args = ((m, n, k, k_padded), slices,  # the MMA's HAS_BIAS, BLOCK_N, BLOCK_K, ROWS, then
+                                 (*self.consts[1:5], min(_pow2(k), ONE_ROW_BLOCK), slice_k, 3, _interpreting()))
+                self.one = Kernel(_kernel("one"), (programs, 1), launch_cooperative_grid=True, **options)
+            return
+        # QUANT, HAS_BIAS, BLOCK_N, BLOCK_K, ROWS, ROW_K, ROUND_IN_FP32: the rows kernel's constexprs
+        width = _pow2(m)
+        self.consts = (_QUANT_CODE[quant], has_bias, block_n, min(step, k_padded), width,
+                       min(ROWS_ELEMENTS // width, _pow2(k)), _interpreting())
+        self.row_args = (self.ints, self.consts)  # (its arguments are the one-row kernel's: _row)
+        self.kernel = Kernel(_kernel("rows"), (-(-n // block_n), 1), **options)
 
     def __call__(self, x, row_stride, w, w_scale, bias, out) -> None:
         scale = w_scale.view(torch.uint8) if w_scale.element_size() == 1 else w_scale
         b = out if bias is None else bias  # an unused pointer where there is no bias
         device = out.get_device()
         if self.one is not None and ONE_LAUNCH and not _capturing(device):
+            if self.one_args is None:  # one row, eager: the one-row kernel
+                self.one(device, *self._row(x, w, scale, b, out, row_stride, scale.stride(0)))
+                return
             scratch = torch.empty(self.scratch_one(), dtype=FP8, device=self.where)  # rows, then scales
             try:
                 self.one(device, *self._one(x, scratch, w, scale, b, out, _sync(device, self.where), row_stride))
@@ -519,12 +609,15 @@ class _Launch:
                 self.quantize(device, *self._quantize(x, a, a, row_stride))  # (no scales stored)
                 dense_gemm(a, w, bias, out, sizes[0], self.ints[1])
                 return
-            q, sa = empty_activation(self.quant, sizes[1], sizes[3], self.where)
-            self.quantize(device, *self._quantize(x, q, sa, row_stride))
             if self.vendor:  # (blockscale's scales M-major, as cuBLAS reads them)
+                q, sa = empty_activation(self.quant, sizes[1], sizes[3], self.where)
+                self.quantize(device, *self._quantize(x, q, sa, row_stride))
                 vendor_gemm(q, sa, w, w_scale, bias, out, sizes[0], self.ints[1])
                 return
-            self.kernel(device, *self._mma(q, sa, w, scale, b, out))
+            q, sa, counters, parts = self.layout.views(torch.empty(self.layout.bytes, dtype=torch.uint8,
+                                                                   device=self.where))
+            self.quantize(device, *self._quantize(x, q, sa, row_stride))
+            self.kernel(device, *self._mma(q, sa, w, scale, b, out, counters, parts, scale.stride(0)))
             return
         self.kernel(device, *self._row(x, w, scale, b, out, row_stride, scale.stride(0)))
 
@@ -537,14 +630,17 @@ class _Launch:
         sizes, consts = self.q_args  # (M, M_OUT, K, K_PAD), the quantizer's constants
         return (x, q, sa, *sizes, row_stride, _TINY, FP8_MAX, *consts)
 
-    def _mma(self, q, sa, w, scale, b, out) -> tuple:
-        return (q, sa, w, scale, b, out, *self.ints, *self.consts)
+    def _mma(self, q, sa, w, scale, b, out, counters, parts, scale_stride) -> tuple:
+        return (q, sa, w, scale, b, out, counters, parts, *self.ints, scale_stride, *self.consts)
 
     def _row(self, x, w, scale, b, out, row_stride, scale_stride) -> tuple:
-        return (x, w, scale, b, out, *self.ints, row_stride, scale_stride, _TINY, FP8_MAX, *self.consts)
+        ints, consts = self.row_args
+        return (x, w, scale, b, out, *ints, row_stride, scale_stride, _TINY, FP8_MAX, *consts)
 
     def scratch_one(self) -> int:
-        """Bytes of the one launch's scratch (its sizes: (M, N, K, K_PAD))."""
+        """Bytes of the one launch's scratch (its sizes: (M, N, K, K_PAD)); none for one row's kernel."""
+        if self.one_args is None:
+            return 0
         sizes = self.one_args[0]
         return rows_and_scales(sizes[0], sizes[3])
 
@@ -561,18 +657,20 @@ class _Launch:
         x, w, scale, b, out = P(nv.X), P(nv.W), P(nv.SCALE), P(nv.BIAS_OR_OUT), P(nv.OUT)
         one, two, scratch_two = [], [], 0
         if self.one is not None and self.one.compiled is not None:
-            one = [nv.describe(self.one, self._one(x, P(nv.SCRATCH), w, scale, b, out, P(nv.SYNC), row_stride))]
+            one = [nv.describe(self.one, self._row(x, w, scale, b, out, row_stride, scale_stride)
+                               if self.one_args is None else
+                               self._one(x, P(nv.SCRATCH), w, scale, b, out, P(nv.SYNC), row_stride))]
         if self.vendor:  # the quantizer into the table's own q and scales (mxfp8: its bf16 rows); cuBLAS's
             q, sa = (P(nv.ROWS), P(nv.ROWS)) if self.quant == "mxfp8" else (P(nv.SCRATCH), P(nv.A_SCALE))
             if self.quantize.compiled is not None:  # call follows them there
                 two = [nv.describe(self.quantize, self._quantize(x, q, sa, row_stride))]
-        elif self.quantize is not None:
-            sizes = self.q_args[0]
-            q, sa = P(nv.SCRATCH), P(nv.SCRATCH, sizes[1] * sizes[3])  # the scales after the rows (16-byte aligned)
+        elif self.quantize is not None:  # the rows, their scales, the counters and partials in one scratch
+            lay = self.layout
+            q, sa, counters, parts = (P(nv.SCRATCH, offset) for offset in (0, lay.scales, lay.counters, lay.parts))
             if self.quantize.compiled is not None and self.kernel.compiled is not None:
                 two = [nv.describe(self.quantize, self._quantize(x, q, sa, row_stride)),
-                       nv.describe(self.kernel, self._mma(q, sa, w, scale, b, out))]
-                scratch_two = rows_and_scales(sizes[1], sizes[3])
+                       nv.describe(self.kernel, self._mma(q, sa, w, scale, b, out, counters, parts, scale_stride))]
+                scratch_two = lay.bytes
         elif self.kernel.compiled is not None:
             two = [nv.describe(self.kernel, self._row(x, w, scale, b, out, row_stride, scale_stride))]
         return one, two, self.scratch_one() if one else 0, scratch_two

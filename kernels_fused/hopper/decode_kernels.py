@@ -188,38 +188,87 @@ def decode_rows_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, K_PAD, 
 
 
 @triton.jit
-def decode_mma_rows_kernel(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K_PAD, HAS_BIAS: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+def decode_mma_rows_kernel(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, cnt_ptr, part_ptr, M, N, K_PAD, K_SLICE,
+                           stride_sa, stride_ws, QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
                            ROUND_IN_FP32: tl.constexpr):
-    """ptpc's product for 2..64 rows already quantized (the activation quantizer's e4m3 ``q [M,
-    K_PAD]`` and fp32 row scales ``sa [M]``): program ``n block`` takes ``BLOCK_N`` weight rows
-    (:func:`_mma_rows`). Quantizing in every program instead (``decode_rows_kernel``) costs more than
-    the weight's read from 4 rows on."""
-    _mma_rows(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, tl.program_id(0), M, N, K_PAD, HAS_BIAS, BLOCK_N,
-              BLOCK_K, ROWS, ROUND_IN_FP32)
+    """The product of 2..64 rows already quantized (the activation quantizer's e4m3 ``q [M, K_PAD]``
+    and scales ``sa``: ptpc fp32 ``[M]``, blockscale fp32 ``[K_PAD / 128, M]`` with group stride
+    ``stride_sa``): program ``(n block, s)`` takes ``BLOCK_N`` weight rows and slice ``s`` of
+    ``SPLIT`` slices of K (:func:`_mma_rows`). Quantizing in every program instead
+    (``decode_rows_kernel``) costs more than the weight's read from 4 rows on."""
+    _mma_rows(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, cnt_ptr, part_ptr, tl.program_id(0), tl.program_id(1),
+              M, N, K_PAD, K_SLICE, stride_sa, stride_ws, QUANT, HAS_BIAS, BLOCK_N, BLOCK_K, ROWS, SPLIT,
+              ROUND_IN_FP32)
 
 
 @triton.jit
-def _mma_rows(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, block, M, N, K_PAD, HAS_BIAS: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
-    """Weight rows ``[block * BLOCK_N, (block + 1) * BLOCK_N)`` read once and multiplied by every
-    quantized row on tensor cores, the weight as the MMA's M side (``w [BLOCK_N, BLOCK_K] @ q.T
-    [BLOCK_K, ROWS]``, ROWS a power of two >= M and >= 16, the MMA's least width; rows past M read as
-    zeros); both scales on the sum, rounded and the bias added as ``decode_gemv_kernel`` does."""
+def _mma_rows(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, cnt_ptr, part_ptr, block, s, M, N, K_PAD, K_SLICE,
+              stride_sa, stride_ws, QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+    """Weight rows ``[block * BLOCK_N, (block + 1) * BLOCK_N)`` over K columns ``[s * K_SLICE, (s + 1)
+    * K_SLICE)``, read once and multiplied by every quantized row on tensor cores, the weight as the
+    MMA's M side (``w [BLOCK_N, BLOCK_K] @ q.T [BLOCK_K, ROWS]``, ROWS a power of two >= M and >=
+    16, the MMA's least width; rows past M read as zeros). ptpc (QUANT 0): one e4m3 MMA chain, both
+    scales applied to the sum. blockscale (QUANT 1): a step's ``BLOCK_K / 128`` scale groups each
+    its own MMA, scaled by the rows' and the weight block's scales (``BLOCK_N`` divides 128).
+
+    ``SPLIT`` > 1 (a weight of few ``BLOCK_N`` blocks, which would leave most SMs idle): each
+    program stores its fp32 partial to ``part`` (``SPLIT`` per n block), then counts itself in on
+    the n block's int32 ``cnt`` (zero before the call: the quantizer's launch zeroes it); the last
+    to arrive sums the partials in slice order, so the bits do not depend on which program came
+    last, and finishes as an unsplit program does."""
     cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = cols < N
     rows = tl.arange(0, ROWS)
     r_ok = rows < M
-    kk = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + cols.to(tl.int64)[:, None] * K_PAD + kk[None, :]
-    q_rows = q_ptr + rows.to(tl.int64)[:, None] * K_PAD + kk[None, :]
+    k_lo = s * K_SLICE
+    k_hi = tl.minimum(k_lo + K_SLICE, K_PAD)
     acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
-    for k0 in range(0, K_PAD, BLOCK_K):
-        w = tl.load(w_rows + k0, mask=n_ok[:, None], other=0.0)
-        q = tl.load(q_rows + k0, mask=r_ok[:, None], other=0.0)
-        acc = tl.dot(w, tl.trans(q), acc)
-    acc = acc * tl.load(sa_ptr + rows, mask=r_ok, other=0.0)[None, :] * tl.load(ws_ptr + cols, mask=n_ok,
-                                                                                other=0.0)[:, None]
+    if QUANT == 0:
+        kk = tl.arange(0, BLOCK_K)
+        w_rows = w_ptr + cols.to(tl.int64)[:, None] * K_PAD + kk[None, :]
+        q_rows = q_ptr + rows.to(tl.int64)[:, None] * K_PAD + kk[None, :]
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            w = tl.load(w_rows + k0, mask=n_ok[:, None], other=0.0)
+            q = tl.load(q_rows + k0, mask=r_ok[:, None], other=0.0)
+            acc = tl.dot(w, tl.trans(q), acc)
+    else:
+        kk = tl.arange(0, 128)
+        w_rows = w_ptr + cols.to(tl.int64)[:, None] * K_PAD + kk[None, :]
+        q_rows = q_ptr + rows.to(tl.int64)[:, None] * K_PAD + kk[None, :]
+        ws_row = ws_ptr + (block * BLOCK_N // 128) * stride_ws
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            for j in tl.static_range(BLOCK_K // 128):  # the step's groups: BLOCK_K / 128 tiles in flight
+                kb = k0 + j * 128
+                w = tl.load(w_rows + kb, mask=n_ok[:, None], other=0.0)
+                q = tl.load(q_rows + kb, mask=r_ok[:, None], other=0.0)
+                sa = tl.load(sa_ptr + (kb // 128) * stride_sa + rows, mask=r_ok, other=0.0)
+                acc += tl.dot(w, tl.trans(q)) * (sa * tl.load(ws_row + kb // 128))[None, :]
+    if SPLIT == 1:
+        _finish_rows(acc, sa_ptr, ws_ptr, bias_ptr, out_ptr, cols, n_ok, rows, r_ok, N, QUANT, HAS_BIAS,
+                     ROUND_IN_FP32)
+    else:
+        tile = tl.arange(0, BLOCK_N)[:, None] * ROWS + rows[None, :]
+        parts = part_ptr + block.to(tl.int64) * (SPLIT * BLOCK_N * ROWS)
+        tl.store(parts + s * (BLOCK_N * ROWS) + tile, acc)
+        tl.debug_barrier()  # every thread's partial stored before the count
+        if tl.atomic_add(cnt_ptr + block, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            total = tl.load(parts + tile, cache_modifier=".cg")  # (L2: the other SMs' stores)
+            for j in tl.static_range(1, SPLIT):
+                total += tl.load(parts + j * (BLOCK_N * ROWS) + tile, cache_modifier=".cg")
+            _finish_rows(total, sa_ptr, ws_ptr, bias_ptr, out_ptr, cols, n_ok, rows, r_ok, N, QUANT, HAS_BIAS,
+                         ROUND_IN_FP32)
+
+
+@triton.jit
+def _finish_rows(acc, sa_ptr, ws_ptr, bias_ptr, out_ptr, cols, n_ok, rows, r_ok, N, QUANT: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+    """``acc [BLOCK_N, ROWS]`` (ptpc: both scales still to apply) rounded to bf16, the bias added to
+    the rounded product and rounded again, as ``decode_gemv_kernel`` does; rows past M not stored."""
+    if QUANT == 0:
+        acc = acc * tl.load(sa_ptr + rows, mask=r_ok, other=0.0)[None, :] * tl.load(ws_ptr + cols, mask=n_ok,
+                                                                                    other=0.0)[:, None]
     out = _to_bf16(acc, ROUND_IN_FP32)
     if HAS_BIAS:
         out = _to_bf16(out.to(tl.float32) + tl.load(bias_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)[:, None],
@@ -256,8 +305,8 @@ def decode_ptpc_kernel(x_ptr, q_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, sync_ptr,
         if PHASES == 3:
             _grid_wait(sync_ptr, gen)
     if PHASES != 1:
-        _mma_rows(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, tl.program_id(0), M, N, K_PAD, HAS_BIAS, BLOCK_N,
-                  BLOCK_K, ROWS, ROUND_IN_FP32)
+        _mma_rows(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, sync_ptr, sync_ptr, tl.program_id(0), 0, M, N,
+                  K_PAD, K_PAD, 0, 0, 0, HAS_BIAS, BLOCK_N, BLOCK_K, ROWS, 1, ROUND_IN_FP32)
 
 
 @triton.jit

@@ -153,14 +153,15 @@ def launch_for(quant: str, split: bool, m_out: int, k: int, k_padded: int, *,
     """The kernel that quantizes ``m_out`` rows as ``quant`` (``split``: ptpc's split-row kernel), with
     its constexprs in the kernel's order (``kernels_fused.hopper.decode`` launches it too).
     ``dequantize`` (mxfp8): the rows are written as bf16, quantized and dequantized
-    (``quantize_groups_kernel``'s ``DEQUANTIZE``), and no scales."""
+    (``quantize_groups_kernel``'s ``DEQUANTIZE``), and no scales. The split and group kernels' last
+    constant, ``ZERO_WORDS``, is 0 here (the decode MMA's caller sets it: ``decode._Launch``)."""
     if dequantize and quant != "mxfp8":
         raise ValueError(f"launch_for: dequantize is mxfp8's (a bf16 GEMM over its rows), not {quant}'s")
     ptpc, groups, split_kernel = _kernels()
     skip = m_out <= SKIP_ZEROS_MAX_M
     if split:
         grid, row_block, slice_k = split_launch(m_out, k, k_padded)
-        return Kernel(split_kernel, grid, num_warps=SPLIT_NUM_WARPS), (row_block, slice_k, skip, _interpreting())
+        return Kernel(split_kernel, grid, num_warps=SPLIT_NUM_WARPS), (row_block, slice_k, skip, _interpreting(), 0)
     if quant == "ptpc":
         return (Kernel(ptpc, (-(-m_out // PTPC_BLOCK_M),), num_warps=NUM_WARPS),
                 (PTPC_BLOCK_M, PTPC_BLOCK_K, skip, _interpreting()))
@@ -168,4 +169,4 @@ def launch_for(quant: str, split: bool, m_out: int, k: int, k_padded: int, *,
     grid = (-(-m_out // GROUP_BLOCK_M), -(-k_padded // GROUP_BLOCK_K))
     group = SCALE_BLOCK if quant == "blockscale" else MX_GROUP
     return (Kernel(groups, grid, num_warps=NUM_WARPS),
-            (quant == "mxfp8", group, GROUP_BLOCK_M, GROUP_BLOCK_K, skip, _interpreting(), dequantize))
+            (quant == "mxfp8", group, GROUP_BLOCK_M, GROUP_BLOCK_K, skip, _interpreting(), dequantize, 0))

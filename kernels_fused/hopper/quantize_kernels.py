@@ -74,14 +74,30 @@ def quantize_ptpc_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, K_PAD, stride_x, tiny
 @triton.jit
 def quantize_ptpc_split_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, K_PAD, stride_x, tiny, fp8_max,
                                ROW_BLOCK: tl.constexpr, SLICE_K: tl.constexpr, SKIP_ZEROS: tl.constexpr,
-                               ROUND_IN_FP32: tl.constexpr):
+                               ROUND_IN_FP32: tl.constexpr, ZERO_WORDS: tl.constexpr = 0):
     """Per-token as :func:`quantize_ptpc_kernel` (the same bytes), each row split over programs:
     program ``(m, s)`` quantizes slice ``s`` of row ``m`` (:func:`quantize_row_slice`). So a
     decode-sized call (a few rows of up to 16384 columns) runs on ``M * K_PAD / SLICE_K`` SMs with
     one round trip to memory per load, instead of one program walking its rows twice in ``BLOCK_K``
-    steps."""
+    steps. ``ZERO_WORDS``: program (0, 0) also zeroes that many int32 words after the scales
+    (:func:`zero_after_scales`)."""
     quantize_row_slice(x_ptr, q_ptr, s_ptr, tl.program_id(0), tl.program_id(1), M, M_OUT, K, K_PAD, stride_x, tiny,
                        fp8_max, ROW_BLOCK, SLICE_K, SKIP_ZEROS, ROUND_IN_FP32)
+    zero_after_scales(s_ptr, M_OUT, ZERO_WORDS)
+
+
+@triton.jit
+def zero_after_scales(s_ptr, scales, ZERO_WORDS: tl.constexpr):
+    """Program (0, 0) zeroes ``ZERO_WORDS`` (a power of two) int32 words after the ``scales`` fp32
+    scales at ``s_ptr`` (16-byte aligned), from the next 16-byte boundary (``decode.MmaScratch``'s
+    layout): the decode MMA's per-block counters, which its split programs count into after this
+    launch (``decode_kernels._mma_rows``). So no launch of their own zeroes them, and a graph replay
+    or another stream gets its own zeros with its own scratch."""
+    if ZERO_WORDS > 0:
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            words = tl.arange(0, ZERO_WORDS)
+            start = (s_ptr + (scales + 3) // 4 * 4).to(tl.pointer_type(tl.int32), bitcast=True)
+            tl.store(start + words, tl.zeros_like(words))
 
 
 @triton.jit
@@ -113,7 +129,7 @@ def quantize_row_slice(x_ptr, q_ptr, s_ptr, row, s, M, M_OUT, K, K_PAD, stride_x
 def quantize_groups_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, K_PAD, stride_x, tiny, fp8_max,
                            MX: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_K: tl.constexpr, SKIP_ZEROS: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
-                           DEQUANTIZE: tl.constexpr = False):
+                           DEQUANTIZE: tl.constexpr = False, ZERO_WORDS: tl.constexpr = 0):
     """One scale per row and ``GROUP`` columns, one pass: a [BLOCK_M, BLOCK_K] tile seen as
     [BLOCK_M, BLOCK_K / GROUP, GROUP].
 
@@ -127,7 +143,8 @@ def quantize_groups_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, K_PAD, stride_x, ti
     group's ``2**(e8m0 - 127)`` as ``vendor.mx_to_bf16``'s kernel computes it from the stored bytes
     (the same bits), and no scale is stored: the rows a bf16 GEMM over the weight's bf16 copy reads
     (``kernels_fused.hopper.decode``), in one launch instead of the quantizer's and the
-    dequantization's."""
+    dequantization's. ``ZERO_WORDS`` (blockscale): program (0, 0) also zeroes that many int32 words
+    after the scales (:func:`zero_after_scales`)."""
     G: tl.constexpr = BLOCK_K // GROUP
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     k0 = tl.program_id(1) * BLOCK_K
@@ -159,3 +176,5 @@ def quantize_groups_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, K_PAD, stride_x, ti
     else:
         q = _to_e4m3(tl.reshape(tl.clamp(q, -fp8_max, fp8_max), (BLOCK_M, BLOCK_K)), ROUND_IN_FP32)
         tl.store(q_ptr + rows[:, None] * K_PAD + cols[None, :], q, mask=mask)
+    if not MX:
+        zero_after_scales(s_ptr, (K_PAD // GROUP) * M_OUT, ZERO_WORDS)

@@ -551,8 +551,85 @@ def check_decode_native(comm, log):
         f"one launch or two, [B, S, K]), graph captures through it")
 
 
+def check_decode_split(comm, log):
+    """The MMA over quantized rows with K split over programs (``decode.MMA_SPLIT``: a weight of 16
+    blocks of 64 features, K 4096, so ptpc splits K in 2 and blockscale in 4) and one row under a
+    capture (the quantizer's launch and the MMA, where eager calls take the one-row kernel): within
+    the fp8 GEMM's budget at 1, 8 and 40 rows, eagerly and in graph replays into NaN-poisoned outputs;
+    a repeat gives the same bits; and two graphs of one call shape replayed at once on two streams
+    give their own products every time (the counters and partials live in each call's scratch, which
+    each graph owns: nothing shared)."""
+    import torch.distributed as dist
+
+    from cco.bench.timing import gemm_mismatches
+    from cco import quant as Q
+    from cco.comm import Communicator
+    from cco.nn import RowParallelLinear
+    from kernels_fused.hopper import decode as D
+
+    singles = [dist.new_group([r], backend="gloo") for r in range(comm.world)]  # collective: every rank makes each
+    solo = Communicator.from_group(singles[comm.rank], device=comm.device)
+    g = torch.Generator().manual_seed(53 + comm.rank)
+    n, k = 1024, 4096
+    rows = (1, 8, 40)
+    for quant in ("ptpc", "blockscale"):
+        layer = RowParallelLinear(k, n, group=solo, quant=quant, bias=False, m_max=64)
+        layer.load_weight((torch.randn(n, k, generator=g) / k ** 0.5).to(torch.bfloat16).to(comm.device))
+        wd = layer.dequantized_weight().cpu()
+        split = D.mma_split(quant, n // D.WIDE_BLOCK_N[quant], k // D.WIDE_BLOCK_K[quant], comm.device.index)
+        if split != D.MMA_SPLIT[quant]:
+            raise AssertionError(f"decode split {quant}: the rule gives {split} slices, {D.MMA_SPLIT[quant]} expected")
+
+        def budget(x, got, where):
+            a = Q.dequantize_a(*Q.quantize_a(x.cpu().float(), quant), quant)
+            bad = gemm_mismatches(got.cpu(), a @ wd.t(), a.abs() @ wd.abs().t())
+            if bad or got.shape != (x.shape[0], n):
+                raise AssertionError(f"decode split {quant} {where}: {bad} outputs outside the fp8 GEMM's budget")
+
+        with torch.no_grad():
+            for m in rows:
+                x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(comm.device)
+                eager = layer(x)
+                budget(x, eager, f"M={m} eager")
+                if not torch.equal(layer(x), eager):
+                    raise AssertionError(f"decode split {quant} M={m}: a repeated eager call differs")
+                grids = {launch.kernel.grid for key, launch in D._LAUNCHES.items() if key[0] == m and key[-4] == n}
+                if (n // 64, split) not in grids:
+                    raise AssertionError(f"decode split {quant} M={m}: the MMA's grids {grids}, ({n // 64}, {split}) "
+                                         f"expected")
+                statics = [x.clone(), torch.randn(m, k, generator=g).to(torch.bfloat16).to(comm.device)]
+                graphs = [captured(lambda v=v: layer(v)) for v in statics]
+                wants = []
+                for (graph, out), v in zip(graphs, statics):
+                    out.fill_(float("nan"))
+                    graph.replay()
+                    torch.cuda.synchronize()
+                    budget(v, out, f"M={m} graph replay")
+                    wants.append(out.clone())
+                streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+                for i in range(20):
+                    for _, out in graphs:
+                        out.fill_(float("nan"))
+                    torch.cuda.synchronize()
+                    for (graph, _), stream in zip(graphs, streams):
+                        with torch.cuda.stream(stream):
+                            graph.replay()
+                    torch.cuda.synchronize()
+                    for (_, out), want in zip(graphs, wants):
+                        if not torch.equal(out, want):
+                            raise AssertionError(f"decode split {quant} M={m}: two graphs replayed at once on two "
+                                                 f"streams, replay {i} differs from the graph's own product")
+                del graphs
+        layer.close()
+    solo.close()
+    log(f"ok decode split: ptpc K in {D.MMA_SPLIT['ptpc']}, blockscale in {D.MMA_SPLIT['blockscale']}, M {rows} "
+        f"(one row captured: quantizer + MMA) eager and graph replays within the fp8 budget, repeats equal, two "
+        f"graphs of one shape replayed at once on two streams x20 equal to their own products")
+
+
 def check_decode_vendor(comm, log):
-    """blockscale's 2..64 rows in the decode path (``decode.VENDOR_ROWS``: the activation
+    """blockscale's 2..64 rows in the decode path with ``CCO_DECODE_BLOCKSCALE_CUBLAS=1``'s sets
+    (``decode.VENDOR_ROWS``: the activation
     quantizer's launch into rows padded to cuBLAS's multiple of 4, then cuBLAS's blockwise GEMM):
     the layer's decode call equals its general path (``decode_rows = 0``: ``quantize_activation``
     and the op's cuBLAS call) bit for bit at every M, with a bias, first through the Python path and
@@ -572,27 +649,14 @@ def check_decode_vendor(comm, log):
     solo = Communicator.from_group(singles[comm.rank], device=comm.device)
     g = torch.Generator().manual_seed(41 + comm.rank)
     k = 512  # 4 scale blocks: cuBLAS takes it (K_RANK's 384 has 3)
-    layer = RowParallelLinear(k, N, group=solo, quant="blockscale", bias=True, m_max=M_MAX)
-    narrow = RowParallelLinear(K_RANK, N, group=solo, quant="blockscale", m_max=M_MAX)
-    if (layer.decode_rows, narrow.decode_rows) != (64, 1):
-        raise AssertionError(f"decode vendor: decode_rows {layer.decode_rows} at K {k} (64 expected), "
-                             f"{narrow.decode_rows} at K {narrow.k_padded} (1 expected)")
-    ms = [m for m in DECODE_MS if m > 1]
-    # and Llama-3-8B's down_proj at 8, 32 and 64 rows, where a kept call asked with 32 MiB of workspace
-    # picked another kernel than torch's 1 MiB at 32 and 64 rows (docs/decode.md): with the rule's bound
-    # none may differ
-    big = RowParallelLinear(14336, 4096, group=solo, quant="blockscale", bias=True, m_max=M_MAX)
-    for each, rows in ((layer, ms), (big, (8, 32, 64))):
-        check_vendor_layer(each, rows, g, comm.device, may_differ=False)
-    # the guard (decode._same_bits) on a plan asked with another bound than torch's, 32 MiB, at
-    # Llama-3-70B's down_proj: a shape whose kept call gives other bits keeps torch's call and its bits
-    wide = RowParallelLinear(28672, 8192, group=solo, quant="blockscale", bias=True, m_max=M_MAX)
-    rule = D.lt_workspace_bytes
-    D.lt_workspace_bytes = lambda device: 32 << 20
+    saved = D.VENDOR_ROWS, D.QUANTIZED_ROWS  # (the layers read the rule at construction: made under it)
+    D.VENDOR_ROWS, D.QUANTIZED_ROWS = {"blockscale", "mxfp8"}, {"ptpc"}
     try:
-        differed = check_vendor_layer(wide, (8, 32, 64), g, comm.device, may_differ=True)
+        differed = check_decode_vendor_blockscale(D, RowParallelLinear, solo, g, k, comm.device)
     finally:
-        D.lt_workspace_bytes = rule
+        D.VENDOR_ROWS, D.QUANTIZED_ROWS = saved
+        D._LAUNCHES.clear()
+    ms = [m for m in DECODE_MS if m > 1]
     # mxfp8's rows over the bf16 copy of the weight that the op's vendor GEMM holds (N 1000: its padded
     # features copied out), and over a second weight of the same shape, whose layer shares the op
     mx = [RowParallelLinear(k, N, group=solo, quant="mxfp8", bias=True, m_max=M_MAX) for _ in range(2)]
@@ -610,15 +674,45 @@ def check_decode_vendor(comm, log):
         raise AssertionError(f"decode vendor mxfp8: not one bf16 copy per weight (same tensor per layer: "
                              f"{dense[0] is dense[1]}, {dense[2] is dense[3]}; shared: {dense[0] is dense[2]}; "
                              f"the op keeps {kept})")
-    for closing in (layer, narrow, big, wide, *mx, big_mx, solo):
+    for closing in (*mx, big_mx, solo):
         closing.close()
     bound = D.lt_workspace_bytes(torch.cuda.current_device())
-    log(f"ok decode vendor (blockscale): M {ms} at K 512 and M 8, 32, 64 at 8B down_proj == the layer's general "
+    log(f"ok decode vendor (blockscale with CCO_DECODE_BLOCKSCALE_CUBLAS=1's sets): M {ms} at K 512 and M 8, 32, "
+        f"64 at 8B down_proj == the layer's general "
         f"path, Python path and C++ table (its kept cuBLASLt call, workspace bound {bound} bytes, torch's bits "
         f"at every shape); at::_scaled_mm with it off; 70B down_proj planned under a 32 MiB bound: shapes whose "
         f"kept call gave other bits and so keep torch's call and bits: {sorted(differed) or 'none'}; mxfp8 M {ms} "
         f"and M 8, 32, 64 at 8B down_proj over the op's bf16 copy (one per weight, two layers sharing the op) == "
         f"the general path, Python and C++ (its kept cublasGemmEx; at::mm with it off or cuBLASLt preferred)")
+
+
+def check_decode_vendor_blockscale(D, RowParallelLinear, solo, g, k, device):
+    """check_decode_vendor's blockscale layers (made and checked under the cuBLAS rule's sets); returns
+    the 70B shapes whose kept call differed under a 32 MiB bound."""
+    layer = RowParallelLinear(k, N, group=solo, quant="blockscale", bias=True, m_max=M_MAX)
+    narrow = RowParallelLinear(K_RANK, N, group=solo, quant="blockscale", m_max=M_MAX)
+    if (layer.decode_rows, narrow.decode_rows) != (64, 1):
+        raise AssertionError(f"decode vendor: decode_rows {layer.decode_rows} at K {k} (64 expected), "
+                             f"{narrow.decode_rows} at K {narrow.k_padded} (1 expected)")
+    ms = [m for m in DECODE_MS if m > 1]
+    # and Llama-3-8B's down_proj at 8, 32 and 64 rows, where a kept call asked with 32 MiB of workspace
+    # picked another kernel than torch's 1 MiB at 32 and 64 rows (docs/decode.md): with the rule's bound
+    # none may differ
+    big = RowParallelLinear(14336, 4096, group=solo, quant="blockscale", bias=True, m_max=M_MAX)
+    for each, rows in ((layer, ms), (big, (8, 32, 64))):
+        check_vendor_layer(each, rows, g, device, may_differ=False)
+    # the guard (decode._same_bits) on a plan asked with another bound than torch's, 32 MiB, at
+    # Llama-3-70B's down_proj: a shape whose kept call gives other bits keeps torch's call and its bits
+    wide = RowParallelLinear(28672, 8192, group=solo, quant="blockscale", bias=True, m_max=M_MAX)
+    rule = D.lt_workspace_bytes
+    D.lt_workspace_bytes = lambda device: 32 << 20
+    try:
+        differed = check_vendor_layer(wide, (8, 32, 64), g, device, may_differ=True)
+    finally:
+        D.lt_workspace_bytes = rule
+    for closing in (layer, narrow, big, wide):
+        closing.close()
+    return differed
 
 
 def check_mxfp8_copy_under_graphs(comm, log):
@@ -801,7 +895,7 @@ def rank_main():
               lambda: check_compiled_and_graphs(comm, log, None), lambda: check_compiled_and_graphs(comm, log, "dma"),
               lambda: check_backward(comm, log), lambda: check_decode(comm, log),
               lambda: check_decode_one_launch(comm, log), lambda: check_decode_native(comm, log),
-              lambda: check_decode_vendor(comm, log), lambda: check_mxfp8_copy_under_graphs(comm, log),
+              lambda: check_decode_split(comm, log), lambda: check_decode_vendor(comm, log), lambda: check_mxfp8_copy_under_graphs(comm, log),
               lambda: check_preshuffled_copy_under_graphs(comm, log), lambda: check_local_failure(comm, log)]
     failures = []
     for check in checks:  # keep going so one run reports every failing check

@@ -232,11 +232,51 @@ def test_ptpc_one_launch_rule(monkeypatch):
     from kernels_fused.hopper import decode as D
 
     monkeypatch.setattr(D, "resident_programs", lambda device: 132)  # an H200's SMs
-    one = lambda m, n, k, quant="ptpc": D._Launch(m, k, k, n, quant, False, -1).one is not None  # noqa: E731
+    one = lambda m, n, k, quant="ptpc": D._Launch(m, k, k, n, quant, False, -1).one_args is not None  # noqa: E731
     assert one(8, 4096, 14336) and one(64, 4096, 4096) and one(2, 6144, 4096)
     assert not one(8, 8192, 28672)  # 70B down: the device bounds it
     assert not one(8, 16384, 2048)  # 256 programs: not resident at once
     assert not one(1, 4096, 14336) and not one(8, 4096, 14336, "blockscale")
+
+
+@pytest.mark.parametrize("quant", ["ptpc", "blockscale"])
+def test_one_row_eager_kernel_and_captured_mma(monkeypatch, quant):
+    """One row of a quant whose rows are quantized once: an eager call takes the one-row kernel (one
+    launch), a graph capture the quantizer's launch and the MMA over the row (faster on the device:
+    a capture's host time is paid once), and so do eager calls with ``ONE_LAUNCH`` off. Both within
+    one ulp of the two-launch reference; mxfp8's row keeps the one-row kernel under a capture too."""
+    from kernels_fused.hopper import decode as D
+
+    n, k, k_padded = 200, 700, 768
+    x = activations(1, k, seed=4).flip(1).contiguous()
+    wq, ws = weight(n, k, k_padded, quant)
+    want = two_launches(x, wq, ws, quant, n, k_padded)
+    D._LAUNCHES.clear()
+    calls = []
+    real = D.Kernel.__call__
+    monkeypatch.setattr(D.Kernel, "__call__", lambda self, *a: (calls.append(self.fn.__name__), real(self, *a))[1])
+    eager = D.decode_gemm(x, wq, ws, quant, n=n)
+    (launch,) = D._LAUNCHES.values()
+    assert launch.one_args is None and calls == ["decode_gemv_kernel"]
+    assert_within_one_ulp(eager, want)
+    capturing = [True]
+    monkeypatch.setattr(D, "_capturing", lambda device: capturing[0])
+    calls.clear()
+    captured = D.decode_gemm(x, wq, ws, quant, n=n)
+    quantizer = "quantize_ptpc_split_kernel" if quant == "ptpc" else "quantize_groups_kernel"
+    assert calls == [quantizer, "decode_mma_rows_kernel"]
+    assert_within_one_ulp(captured, want)
+    capturing[0] = False
+    monkeypatch.setattr(D, "ONE_LAUNCH", False)
+    calls.clear()
+    assert torch.equal(D.decode_gemm(x, wq, ws, quant, n=n), captured) and len(calls) == 2
+    D._LAUNCHES.clear()
+    xm, (wm, sm) = activations(1, 512, seed=4), weight(n, 512, 512, "mxfp8")
+    capturing[0] = True
+    calls.clear()
+    D.decode_gemm(xm, wm, sm, "mxfp8", n=n)
+    assert calls == ["decode_gemv_kernel"]
+    D._LAUNCHES.clear()
 
 
 def test_ptpc_one_launch_refused_falls_back_to_two():
@@ -274,26 +314,114 @@ def test_ptpc_one_launch_refused_falls_back_to_two():
     D._LAUNCHES.clear()
 
 
-def test_vendor_rows_rule():
-    """blockscale's rows take cuBLAS through the decode path (``VENDOR_ROWS``) where cuBLAS takes the
-    K (a multiple of 4 scale blocks: 512 columns, not 384 or 2304), padded to its multiple of 4 rows;
-    one row and the CPU (the interpreter has no cuBLAS) take a decode kernel. mxfp8's take it where
-    the weight passed is its bf16 copy (``dense``), at every M and on the CPU too (torch's matmul).
-    ptpc never does. The layers' rule follows: 64 rows where the vendor path takes the K, one where
-    it does not (mxfp8: the layers pass the copy)."""
+@pytest.mark.parametrize("cublas", [False, True], ids=["own MMA", "CCO_DECODE_BLOCKSCALE_CUBLAS"])
+def test_vendor_rows_rule(monkeypatch, cublas):
+    """blockscale's rows take its MMA over quantized rows (``QUANTIZED_ROWS``) at every K, and with
+    ``CCO_DECODE_BLOCKSCALE_CUBLAS=1`` cuBLAS through the decode path (``VENDOR_ROWS``) where cuBLAS
+    takes the K (a multiple of 4 scale blocks: 512 columns, not 384 or 2304), padded to its multiple
+    of 4 rows; one row and the CPU (the interpreter has no cuBLAS) take a decode kernel. mxfp8's
+    take it where the weight passed is its bf16 copy (``dense``), at every M and on the CPU too
+    (torch's matmul). ptpc never does. The layers' rule follows: 64 rows where the decode path takes
+    the K, one where it does not (mxfp8: the layers pass the copy)."""
     from kernels_fused.hopper import decode as D
     from kernels_fused.hopper import vendor
 
+    if cublas:
+        monkeypatch.setattr(D, "VENDOR_ROWS", {"blockscale", "mxfp8"})
+        monkeypatch.setattr(D, "QUANTIZED_ROWS", {"ptpc"})
     assert [vendor.padded_rows(q, m) for q in ("ptpc", "blockscale", "mxfp8") for m in (1, 4, 5)] == [
         1, 4, 5, 4, 4, 8, 1, 4, 5]  # (the benchmarks pad with it too)
-    assert [D.vendor_rows("blockscale", m, 512, 0) for m in (1, 2, 4, 5, 17, 64)] == [0, 4, 4, 8, 20, 64]
+    assert [D.vendor_rows("blockscale", m, 512, 0) for m in (1, 2, 4, 5, 17, 64)] == (
+        [0, 4, 4, 8, 20, 64] if cublas else [0] * 6)
     assert D.vendor_rows("blockscale", 5, 384, 0) == D.vendor_rows("blockscale", 5, 2304, 0) == 0
     assert D.vendor_rows("blockscale", 5, 512, -1) == 0
     assert D.vendor_rows("ptpc", 5, 512, 0) == D.vendor_rows("ptpc", 5, 512, 0, True) == 0
     assert D.vendor_rows("mxfp8", 5, 512, 0) == 0
     assert [D.vendor_rows("mxfp8", m, 512, d, True) for m, d in ((2, 0), (5, 0), (64, -1))] == [2, 5, 64]
-    assert [D.decode_max_m("blockscale", k) for k in (384, 512, 2304, 14336)] == [1, 64, 1, 64]
+    assert [D.decode_max_m("blockscale", k) for k in (384, 512, 2304, 14336)] == (
+        [1, 64, 1, 64] if cublas else [64] * 4)
     assert (D.decode_max_m("ptpc", 384), D.decode_max_m("mxfp8", 512)) == (64, 64)
+    assert D.rows_max("blockscale") == (D.ROWS_MAX if cublas else D.MMA_ROWS_MAX)
+
+
+def test_mma_split_rule(monkeypatch):
+    """The MMA's K split (``mma_split``): ptpc 2 where twice the weight's blocks fit one program per
+    SM (Llama-3-8B's 64 blocks of 4096 features on 132 SMs; not 70B's 128 nor 8B qkv's 96),
+    blockscale 4 where four times them fit two per SM (64 blocks), else 2 where twice them do (96
+    and 128 blocks; not gate+up's 448), halved until each slice has two K steps; one SM (Triton's
+    interpreter) never splits ptpc."""
+    from kernels_fused.hopper import decode as D
+
+    monkeypatch.setattr(D, "resident_programs", lambda device: 132)
+    assert [D.mma_split("ptpc", p, 56, 0) for p in (64, 66, 67, 96, 128)] == [2, 2, 1, 1, 1]
+    assert [D.mma_split("blockscale", p, 56, 0) for p in (64, 66, 67, 96, 128, 132, 133, 448)] == [
+        4, 4, 2, 2, 2, 2, 1, 1]
+    assert [D.mma_split("blockscale", 64, s, 0) for s in (8, 7, 4, 3, 1)] == [4, 2, 2, 1, 1]
+    assert [D.mma_split("ptpc", 64, s, 0) for s in (4, 3)] == [2, 1]
+    monkeypatch.undo()
+    assert D.mma_split("ptpc", 1, 56, -1) == 1
+
+
+@pytest.mark.parametrize("m", [2, 17])
+@pytest.mark.parametrize("quant", ["ptpc", "blockscale"])
+def test_mma_rows_with_k_split(monkeypatch, quant, m):
+    """The MMA over quantized rows with K split over programs (a GPU of 132 SMs assumed, so the
+    rule splits a weight of 4 blocks: ptpc into 2 slices, blockscale into 4 of 2 steps each): within
+    one ulp of the two-launch reference at 16 and 32 rows wide, the bias as ``out += bias``, the
+    same bits on a repeat, and the same product as the unsplit MMA to within its rounding."""
+    from kernels_fused.hopper import decode as D
+
+    monkeypatch.setattr(D, "resident_programs", lambda device: 132)
+    monkeypatch.setattr(D, "ONE_LAUNCH", False)  # (the interpreter cannot run the one launch's wait over 4 programs)
+    n, k, k_padded = 200, 2000, 2048
+    x = activations(m, k, seed=m).flip(1).contiguous()
+    wq, ws = weight(n, k, k_padded, quant)
+    want = two_launches(x, wq, ws, quant, n, k_padded)
+    D._LAUNCHES.clear()
+    got = D.decode_gemm(x, wq, ws, quant, n=n)
+    (launch,) = D._LAUNCHES.values()
+    assert launch.kernel.grid == (4, D.MMA_SPLIT[quant]) and launch.layout.counter_words == 4
+    assert_within_one_ulp(got, want)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    assert torch.equal(D.decode_gemm(x, wq, ws, quant, n=n, bias=bias), got + bias)
+    assert torch.equal(D.decode_gemm(x, wq, ws, quant, n=n), got)
+    monkeypatch.setattr(D, "MMA_SPLIT", {"ptpc": 1, "blockscale": 1})
+    D._LAUNCHES.clear()
+    unsplit = D.decode_gemm(x, wq, ws, quant, n=n)
+    assert [launch.kernel.grid for launch in D._LAUNCHES.values()] == [(4, 1)]
+    assert_within_one_ulp(got, unsplit)
+    D._LAUNCHES.clear()
+
+
+@pytest.mark.parametrize("zeroed", [True, False], ids=["quantizer zeroes", "broken: counters left"])
+@pytest.mark.parametrize("quant", ["ptpc", "blockscale"])
+def test_mma_split_counters_come_zeroed_from_the_quantizer(monkeypatch, quant, zeroed):
+    """The split MMA's counters live in the call's scratch (``MmaScratch``), which the caching
+    allocator hands out unwritten: the quantizer's launch zeroes them (``ZERO_WORDS``), so a scratch
+    full of old bytes gives the product. Without the zeroing (the broken variant) no program of a
+    block sees itself last and the output is never written (it keeps the NaNs put there)."""
+    from kernels_fused.hopper import decode as D
+
+    monkeypatch.setattr(D, "resident_programs", lambda device: 132)
+    monkeypatch.setattr(D, "ONE_LAUNCH", False)
+    m, n, k = 3, 200, 2048
+    x = activations(m, k, seed=5)
+    wq, ws = weight(n, k, k, quant)
+    D._LAUNCHES.clear()
+    want = D.decode_gemm(x, wq, ws, quant, n=n)
+    (launch,) = D._LAUNCHES.values()
+    assert launch.q_args[1][-1] == launch.layout.counter_words == 4  # (the quantizer's ZERO_WORDS)
+    if not zeroed:
+        launch.q_args = (launch.q_args[0], (*launch.q_args[1][:-1], 0))
+    scale = ws.view(torch.uint8) if ws.element_size() == 1 else ws
+    scratch = torch.full((launch.layout.bytes,), 0x55, dtype=torch.uint8)  # an old call's bytes
+    q, sa, counters, parts = launch.layout.views(scratch)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+    launch.quantize(-1, *launch._quantize(x, q, sa, x.stride(0)))
+    launch.kernel(-1, *launch._mma(q, sa, wq, scale, out, out, counters, parts, scale.stride(0)))
+    assert torch.equal(out, want) == zeroed
+    assert bool(out.isnan().all()) != zeroed
+    D._LAUNCHES.clear()
 
 
 @pytest.mark.parametrize("m, n, k, k_padded", [(2, 64, 256, 256), (5, 200, 300, 384), (17, 136, 640, 640)],
@@ -319,7 +447,7 @@ def test_mxfp8_rows_over_the_bf16_copy(m, n, k, k_padded):
     got = D.decode_gemm(x, dense, ws, "mxfp8", n=n, bias=bias)
     assert got.shape == (m, n) and torch.equal(got, want)
     (launch,) = D._LAUNCHES.values()
-    assert launch.vendor == m and launch.kernel is None and launch.q_args[1][-1] is True  # (DEQUANTIZE)
+    assert launch.vendor == m and launch.kernel is None and launch.q_args[1][-2] is True  # (DEQUANTIZE)
     fp8 = D.decode_gemm(x, wq, ws, "mxfp8", n=n, bias=bias)  # the rows kernel: within the fp8 budget of the same
     assert len(D._LAUNCHES) == 2 and float((fp8.float() - want.float()).abs().max()) <= 0.02 * float(
         want.float().abs().max())

@@ -96,13 +96,15 @@ def roles_of(args, *, x, w, w_scale, bias, out, scratch_role):
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the decode path runs under Triton's interpreter here only without a GPU")
-@pytest.mark.parametrize("quant, m, one", [("ptpc", 1, False), ("ptpc", 5, True), ("ptpc", 5, False),
-                                           ("ptpc", 33, True), ("blockscale", 3, False), ("mxfp8", 1, False)])
+@pytest.mark.parametrize("quant, m, one", [("ptpc", 1, False), ("ptpc", 1, True), ("ptpc", 5, True),
+                                           ("ptpc", 5, False), ("ptpc", 33, True), ("blockscale", 1, True),
+                                           ("blockscale", 3, False), ("mxfp8", 1, False)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_plan_replays_the_python_call(monkeypatch, quant, m, one, with_bias):
     """Per launch path, the plan's parameters are the Python path's arguments as the table passes
-    them: each tensor by its role (the scratch's rows at 0, their scales after ``M * K_PAD``), each
-    number in its signature's bits, constexprs left out, two null scratch pointers last."""
+    them: each tensor by its role (the scratch's rows at 0, their scales after ``M * K_PAD``, the
+    split's counters and partials after them: ``decode.MmaScratch``), each number in its signature's
+    bits, constexprs left out, two null scratch pointers last."""
     n, k = 64, 300  # one program of ptpc's MMA: the interpreter runs programs in turn, so one waits for no other
     k_padded = 384
     x = activations(m, k, seed=7)
@@ -113,17 +115,14 @@ def test_plan_replays_the_python_call(monkeypatch, quant, m, one, with_bias):
     calls = recorded_calls(monkeypatch)
     out = D.decode_gemm(x, wq, ws, quant, n=n, bias=bias)
     (launch,) = D._LAUNCHES.values()
-    assert (launch.one is not None) == (quant == "ptpc" and m > 1)  # the interpreter's one program is resident
+    # the eager path: ptpc's one launch (the interpreter's one program is resident), one row's kernel
+    assert (launch.one is not None) == (quant == "ptpc" and m > 1 or quant in D.QUANTIZED_ROWS and m == 1)
     for kernel, args in calls:
         kernel.compiled = fake_compiled(kernel, args)
-    rows_bytes = m * k_padded
-    scratch = {}
-
-    def scratch_role(t):  # the first new tensor is the rows (offset 0), the next the scales
-        if t.dtype == torch.int32:
+    def scratch_role(t):  # a view of the call's one scratch, at its offset there; or the wait's counter
+        if any(t is sync for sync in D._SYNC.values()):
             return (NV.POINTER, NV.SYNC, 0)
-        offset = scratch.setdefault(t.data_ptr(), 0 if not scratch else rows_bytes)
-        return (NV.POINTER, NV.SCRATCH, offset)
+        return (NV.POINTER, NV.SCRATCH, t.data_ptr() - t.untyped_storage().data_ptr())
 
     planned_one, planned_two, scratch_one, scratch_two = launch.plan(x.stride(0), ws.stride(0))
     planned = planned_one if one and launch.one is not None else planned_two
@@ -137,9 +136,10 @@ def test_plan_replays_the_python_call(monkeypatch, quant, m, one, with_bias):
         assert (function, shared) == (0x1234, 1024) and cooperative == kernel.options.get("launch_cooperative_grid",
                                                                                           False)
     if one and launch.one is not None:
-        assert scratch_one == m * (k_padded + 4) and planned_two == []  # the two launches have not run yet
+        assert scratch_one == (m * (k_padded + 4) if m > 1 else 0)  # (one row's kernel needs none)
+        assert planned_two == []  # the two launches have not run yet
     elif launch.quantize is not None:
-        assert scratch_two == m * (k_padded + 4)
+        assert scratch_two == launch.layout.bytes >= m * (k_padded + 4)
     else:
         assert scratch_two == 0
     D._LAUNCHES.clear()

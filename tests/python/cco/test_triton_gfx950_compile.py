@@ -31,9 +31,10 @@ def _run(tmp_path, *argv) -> tuple[int, list[dict], str]:
 
 
 def test_every_decode_and_transport_launch_compiles_for_gfx950_within_its_budget(tmp_path):
-    """One row (the one-row GEMM), 8 rows (ptpc's one launch and its two: quantizer + MMA; the rows
-    kernel of blockscale, and of mxfp8 over the fp8 weight) and 64 (ptpc's MMA 64 wide) at Llama-3-8B
-    down_proj's shape, every quant, and the activation quantizer's launches; every transport case."""
+    """One row (the one-row GEMM), 8 rows (ptpc's one launch and its two: quantizer + MMA; blockscale's
+    quantizer + MMA; the rows kernel of mxfp8 over the fp8 weight) and 64 (the MMA 64 wide) at
+    Llama-3-8B down_proj's shape (64 weight blocks on 256 CUs: the MMA's K split), every quant, and the
+    activation quantizer's launches; every transport case."""
     rc, rows, said = _run(tmp_path, "-m", "1,8,64", "--shapes", "8b-down")
     assert rc == 0 and rows and [r for r in rows if r["faults"]] == [], said
     transport = {r["kernel"] for r in rows if r["shape"] == "transport"}
@@ -41,7 +42,8 @@ def test_every_decode_and_transport_launch_compiles_for_gfx950_within_its_budget
     kernels = {(r["quant"], r["m"], r["kernel"]) for r in rows}
     assert {("ptpc", 1, "decode_gemv_kernel"), ("ptpc", 8, "decode_ptpc_kernel"),
             ("ptpc", 8, "quantize_ptpc_split_kernel"), ("ptpc", 64, "decode_mma_rows_kernel"),
-            ("blockscale", 8, "decode_rows_kernel"), ("mxfp8", 8, "decode_rows_kernel"),
+            ("blockscale", 8, "decode_mma_rows_kernel"), ("blockscale", 64, "decode_mma_rows_kernel"),
+            ("blockscale", 8, "quantize_groups_kernel"), ("mxfp8", 8, "decode_rows_kernel"),
             ("mxfp8", 1, "quantize_groups_kernel")} <= kernels
     mma = [r for r in rows if r["kernel"] in C.MMA_KERNELS and r["quant"] != "mxfp8"]
     assert mma and all(r["fp8_mfma"] > 0 for r in mma)

@@ -1,0 +1,156 @@
+"""The decode MMA over quantized rows (``decode_kernels.decode_mma_rows_kernel``) with K split over
+programs, per config, against what else a call could run and bf16 ``nn.Linear``, device time under
+graph replay, one GPU::
+
+    python3 -m scripts.probe_decode_split_k 8b-down-tp1,8b-o-tp1,70b-down-tp1 1,8,16,64 split.json
+
+Why: one program per ``BLOCK_N`` (64) weight rows gives a Llama-3-8B layer (N = 4096) 64 programs
+on a GPU of 132 multiprocessors, so before the split the MMA read its weight at 0.72-0.82x of
+``nn.Linear``'s time where 70B down (128 programs) reached 0.54x (docs/decode.md). Arms, per
+(shape, quant, M): ``nn.Linear bf16``; ``quantizer + cuBLAS`` (the activation quantizer's launch
+and the vendor GEMM: the layer's general path, and blockscale's decode rows before the split);
+``decode_gemm`` (the rule's pick as a graph capture takes it); at one row ``one-row kernel`` (the
+one-row GEMV an eager call takes); and per config ``BLOCK_N/BLOCK_K/SPLIT/warps/stages`` the
+quantizer's launch and the MMA built by ``decode._Launch`` with that config (``decode``'s tables and
+``MMA_SPLIT`` set for it, the rule's waves bound lifted). Every arm is first checked against the fp32
+product of the dequantized operands (``gemm_mismatches``: none outside the fp8 GEMM's budget) and for
+equal bits on a repeat.
+"""
+import itertools
+import json
+import sys
+import time
+
+import torch
+
+from cco import quant as Q
+from scripts._cli import shape_probe_args
+from scripts.tune_decode import SHAPES, graph_us, shape_weight
+
+
+def configs(quant: str, k: int):
+    """(BLOCK_N, BLOCK_K, SPLIT, warps, stages) tried: at least two K steps per slice."""
+    steps = (128, 256) if quant == "ptpc" else (256, 512)
+    for bn, bk, split, stages in itertools.product((32, 64), steps, (1, 2, 4, 8), (4 if quant == "ptpc" else 3,)):
+        if k % bk == 0 and k // bk >= 2 * split:
+            yield bn, bk, split, 4, stages
+
+
+def parse_args(argv=None):
+    return shape_probe_args(__doc__, SHAPES, argv)
+
+
+def with_config(D, quant: str, cfg) -> None:
+    """``decode``'s tables set so that a new ``_Launch`` of ``quant`` at 1..64 rows builds ``cfg``."""
+    bn, bk, split, warps, stages = cfg
+    for tables in (D.tables(quant, 2), D.tables(quant, D.MMA_ROWS_MAX)):
+        for table, value in zip(tables, (bn, bk, warps, stages)):
+            table[quant] = value
+    D.MMA_SPLIT[quant] = split
+    D.MMA_SPLIT_WAVES[quant] = 1 << 20  # the config's split wherever the steps allow it
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from cco.bench.timing import require_cuda
+
+    require_cuda("probe_decode_split_k")  # after parsing: --help and argument errors need no GPU
+    from cco.bench.timing import gemm_mismatches
+    from kernels_fused.hopper import decode as D
+    from kernels_fused.hopper import native as NV
+    from kernels_fused.hopper import vendor
+    from kernels_fused.hopper.quantize import quantize_activation
+
+    NV.ENABLED = False  # the Python path's launches, as a graph captures them
+    saved = [dict(t) for quant in ("ptpc", "blockscale") for t in (*D.tables(quant, 2), *D.tables(quant, 64))]
+    saved += [dict(D.MMA_SPLIT), dict(D.MMA_SPLIT_WAVES)]
+
+    def restore():
+        tables = [t for quant in ("ptpc", "blockscale") for t in (*D.tables(quant, 2), *D.tables(quant, 64))]
+        for table, old in zip([*tables, D.MMA_SPLIT, D.MMA_SPLIT_WAVES], saved):
+            table.clear()
+            table.update(old)
+        D._LAUNCHES.clear()
+
+    dev = torch.device("cuda")
+    out_rows = []
+    t0 = time.time()
+    for name in args.shapes:
+        n, k, w, w_bf16 = shape_weight(name, dev)
+        for quant in ("ptpc", "blockscale"):
+            wq, ws = Q.quantize_b(w, quant)
+            vw = vendor.prepare_weight(wq, ws, quant)
+            scale = ws
+            for m in args.m:
+                restore()
+                x = torch.randn(m, k, device=dev).to(torch.bfloat16)
+                q, sa = quantize_activation(x, quant, k_padded=k)
+                ad, wd = Q.dequantize_a(q, sa, quant), Q.dequantize_b(wq, ws, quant)
+                ref, dot_abs = ad @ wd.t(), ad.abs() @ wd.abs().t()
+                rows_v = vendor.padded_rows(quant, m)
+                arms = {"nn.Linear bf16": lambda x=x: torch.nn.functional.linear(x, w_bf16),
+                        "quantizer + cuBLAS": lambda x=x, quant=quant, rows_v=rows_v, vw=vw: vendor.vendor_gemm(
+                            *quantize_activation(x, quant, k_padded=k, m_padded=rows_v), vw)[:m],
+                        "decode_gemm": lambda x=x, wq=wq, ws=ws, quant=quant: D.decode_gemm(x, wq, ws, quant, n=n)}
+                launches = {}
+                if m == 1:
+                    D._LAUNCHES.clear()
+                    D.decode_gemm(x, wq, ws, quant, n=n)
+                    (row,) = D._LAUNCHES.values()
+                    arms["one-row kernel"] = lambda x=x, row=row, o=torch.empty(1, n, dtype=torch.bfloat16, device=dev): (
+                        row.one(0, *row._row(x, wq, scale, o, o, x.stride(0), scale.stride(0))), o)[1]
+                for cfg in configs(quant, k):
+                    with_config(D, quant, cfg)
+                    launch = D._Launch(m, k, k, n, quant, False, 0)
+                    label = "/".join(map(str, cfg))
+                    arms[label] = (lambda x=x, launch=launch, o=torch.empty(m, n, dtype=torch.bfloat16, device=dev):
+                                   (launch.quantize is None or _two(launch, x, wq, scale, o), o)[1])
+                    launches[label] = launch
+                restore()
+                bad, wrong = {}, []
+                for label, fn in list(arms.items()):
+                    try:
+                        got = fn().clone()
+                        again = fn().clone()
+                        torch.cuda.synchronize()
+                    except Exception as err:  # a config that does not compile (resources)
+                        print(f"{name} {quant} M={m} {label}: ERROR {type(err).__name__}: {str(err)[:160]}", flush=True)
+                        del arms[label]
+                        continue
+                    if label == "nn.Linear bf16":
+                        continue
+                    bad[label] = gemm_mismatches(got, ref, dot_abs)
+                    if bad[label] or not torch.equal(got, again):
+                        wrong.append(label)
+                        print(f"{name} {quant} M={m} {label}: WRONG, {bad[label]} outside the budget, repeat equal "
+                              f"{torch.equal(got, again)}", flush=True)
+                        del arms[label]
+                t = graph_us(arms, 10, 3)
+                base = t["nn.Linear bf16"]
+                cfgs = [(v, a) for a, v in t.items() if a.count("/") == 4]
+                best = sorted(cfgs)[:4]
+                unsplit = min((v, a) for v, a in cfgs if a.split("/")[2] == "1")
+                print(f"[{time.time() - t0:.0f} s] {name} {quant} M={m}: bf16 {base:.1f} us | "
+                      + " | ".join(f"{a} {t[a]:.1f} ({t[a] / base:.2f}x)" for a in
+                                   ("quantizer + cuBLAS", "decode_gemm", "one-row kernel") if a in t)
+                      + f" | unsplit best {unsplit[1]} {unsplit[0]:.1f} ({unsplit[0] / base:.2f}x) | best: "
+                      + ", ".join(f"{a} {v:.1f} ({v / base:.2f}x)" for v, a in best), flush=True)
+                out_rows.append({"shape": name, "n": n, "k": k, "m": m, "quant": quant, "us": t,
+                                 "outside_budget": bad, "wrong": wrong})
+                with open(args.json, "w") as f:  # after every cell: a run cut short keeps what it timed
+                    json.dump({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                               "command": "python3 -m scripts.probe_decode_split_k "
+                               + " ".join(sys.argv[1:] if argv is None else argv), "rows": out_rows}, f, indent=1)
+    restore()
+
+
+def _two(launch, x, w, scale, out):
+    """``launch``'s quantizer and MMA (its two launches, as a capture takes them) into ``out``."""
+    q, sa, counters, parts = launch.layout.views(torch.empty(launch.layout.bytes, dtype=torch.uint8, device=x.device))
+    launch.quantize(0, *launch._quantize(x, q, sa, x.stride(0)))
+    launch.kernel(0, *launch._mma(q, sa, w, scale, out, out, counters, parts, scale.stride(0)))
+
+
+if __name__ == "__main__":
+    main()
