@@ -449,7 +449,12 @@ def check_decode_one_launch(comm, log):
     wq, ws = Q.quantize_b(torch.randn(n, k, generator=g) * 0.02, "ptpc")
     wq, ws = wq.to(comm.device), ws.to(comm.device)
     x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(comm.device)
-    want = switched_off(lambda: D.decode_gemm(x, wq, ws, "ptpc", n=n), D, "ONE_LAUNCH")()  # the two launches
+    # the two launches, their MMA unsplit as the one launch's is (a split sums K in another order)
+    split, D.MMA_SPLIT["ptpc"] = D.MMA_SPLIT["ptpc"], 1
+    try:
+        want = switched_off(lambda: D.decode_gemm(x, wq, ws, "ptpc", n=n), D, "ONE_LAUNCH")()
+    finally:
+        D.MMA_SPLIT["ptpc"] = split
     launch = next(lt for key, lt in D._LAUNCHES.items() if key[0] == m and key[1] == k)
     if launch.one is None:
         raise AssertionError(f"decode one launch: 8B down at {m} rows does not take it")
@@ -593,7 +598,8 @@ def check_decode_split(comm, log):
                 budget(x, eager, f"M={m} eager")
                 if not torch.equal(layer(x), eager):
                     raise AssertionError(f"decode split {quant} M={m}: a repeated eager call differs")
-                grids = {launch.kernel.grid for key, launch in D._LAUNCHES.items() if key[0] == m and key[-4] == n}
+                grids = {launch.kernel.grid for key, launch in D._LAUNCHES.items()
+                         if key[0] == m and key[-4] == n and launch.quant == quant and launch.kernel is not None}
                 if (n // 64, split) not in grids:
                     raise AssertionError(f"decode split {quant} M={m}: the MMA's grids {grids}, ({n // 64}, {split}) "
                                          f"expected")
