@@ -116,7 +116,7 @@ def parse_args(argv=None):
                         "the Python path's kept launches), eager only, in the same passes")
     p.add_argument("--kept-arms", "--lt-arms", dest="kept_arms", action="store_true",
                    help="each cco arm of a quant whose rows take the C++ table's kept vendor call (blockscale's "
-                        "cuBLASLt call, mxfp8's cublasGemmEx) also with it off (decode.KEPT_CALL: torch's "
+                        "cuBLASLt call with CCO_DECODE_BLOCKSCALE_CUBLAS=1, mxfp8's cublasGemmEx) also with it off (decode.KEPT_CALL: torch's "
                         "at::_scaled_mm / at::mm), eager only, in the same passes")
     p.add_argument("--profile", action="store_true",
                    help="cProfile of eager calls at the first shape into <json>_profile.txt and, with the model, "

@@ -3,6 +3,7 @@ programs, per config, against what else a call could run and bf16 ``nn.Linear``,
 graph replay, one GPU::
 
     python3 -m scripts.probe_decode_split_k 8b-down-tp1,8b-o-tp1,70b-down-tp1 1,8,16,64 split.json
+    python3 -m scripts.probe_decode_split_k --from split.json --plot split.png   # its picture, no GPU
 
 Why: one program per ``BLOCK_N`` (64) weight rows gives a Llama-3-8B layer (N = 4096) 64 programs
 on a GPU of 132 multiprocessors, so before the split the MMA read its weight at 0.72-0.82x of
@@ -50,7 +51,57 @@ def with_config(D, quant: str, cfg) -> None:
     D.MMA_SPLIT_WAVES[quant] = 1 << 20  # the config's split wherever the steps allow it
 
 
+def plot(path: str, png: str) -> None:
+    """One panel per shape of the run at ``path``: device us per call over M, ``nn.Linear`` bf16 and
+    per quant the quantizer + cuBLAS (dashed), the rule's ``decode_gemm`` (solid) and at one row the
+    one-row kernel (hollow); lower is better."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    try:
+        with open(path) as f:
+            run = json.load(f)
+        rows = run["rows"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise SystemExit(f"probe_decode_split_k: --from {path}: not this probe's JSON ({err})") from None
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4.2), squeeze=False)
+    colors = {"ptpc": "tab:blue", "blockscale": "tab:orange"}
+    for ax, shape in zip(axes[0], shapes):
+        mine = sorted((r for r in rows if r["shape"] == shape), key=lambda r: r["m"])
+        bf16 = {r["m"]: r["us"]["nn.Linear bf16"] for r in mine if r["quant"] == mine[0]["quant"]}
+        ax.plot(list(bf16), list(bf16.values()), color="black", marker="o", label="nn.Linear bf16")
+        for quant in dict.fromkeys(r["quant"] for r in mine):
+            q = [r for r in mine if r["quant"] == quant]
+            ms = [r["m"] for r in q]
+            ax.plot(ms, [r["us"]["quantizer + cuBLAS"] for r in q], color=colors.get(quant), linestyle="--",
+                    marker="x", label=f"{quant}: quantizer + cuBLAS")
+            ax.plot(ms, [r["us"]["decode_gemm"] for r in q], color=colors.get(quant), marker="s",
+                    label=f"{quant}: decode_gemm (the rule, captured)")
+            one = [(r["m"], r["us"]["one-row kernel"]) for r in q if "one-row kernel" in r["us"]]
+            if one:
+                ax.plot(*zip(*one), color=colors.get(quant), marker="o", fillstyle="none", linestyle="none",
+                        label=f"{quant}: one-row kernel (eager's)")
+        ax.set_title(f"{shape} (N {mine[0]['n']}, K {mine[0]['k']})", fontsize=10)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("M (rows of the call)")
+        ax.set_ylabel("device us per call, graph replay (lower is better)")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"decode MMA with K split, {run.get('gpu', '')}, {run.get('date', '')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--from":  # the picture of an earlier run
+        if len(argv) != 4 or argv[2] != "--plot":
+            raise SystemExit("usage: python3 -m scripts.probe_decode_split_k --from RUN.json --plot OUT.png")
+        plot(argv[1], argv[3])
+        return
     args = parse_args(argv)
     from cco.bench.timing import require_cuda
 
@@ -140,8 +191,8 @@ def main(argv=None):
                 with open(args.json, "w") as f:  # after every cell: a run cut short keeps what it timed
                     json.dump({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                               "command": "python3 -m scripts.probe_decode_split_k "
-                               + " ".join(sys.argv[1:] if argv is None else argv), "rows": out_rows}, f, indent=1)
+                               "command": "python3 -m scripts.probe_decode_split_k " + " ".join(argv),
+                               "rows": out_rows}, f, indent=1)
     restore()
 
 

@@ -18,22 +18,25 @@ quantized per program, ran 3-9x slower than the two launches on an H200: the per
 quantization of 16 padded rows cost more than the weight's read; docs/decode.md.)
 
 Calls of 2..``ROWS_MAX`` rows read the weight once for every row, one program per ``BLOCK_N``
-weight rows on tensor cores. ptpc (``QUANTIZED_ROWS``) quantizes the rows first, in the
-activation quantizer's split-row launch, and then runs the MMA over them, 16 to 64 rows wide (the
-weight read at its bandwidth at every M: ``DECODE_MAX_M`` takes it up to 64 rows). In an eager call
+weight rows on tensor cores. ptpc and blockscale (``QUANTIZED_ROWS``) quantize the rows first, in
+the activation quantizer's launch, and then run the MMA over them, 16 to 64 rows wide (the weight
+read at its bandwidth at every M: ``DECODE_MAX_M`` takes it up to 64 rows), with K split over
+programs where the weight's blocks would leave SMs idle (``mma_split``; the split's counters
+zeroed by the quantizer's launch in the call's scratch, ``MmaScratch``). A one-row call of these
+quants takes the same two launches under a graph capture, the one-row kernel eagerly. In an eager call
 whose grid fits the GPU at once (one program per SM) and whose weight is at most
 ``ONE_LAUNCH_MAX_BYTES`` both run as two phases of one cooperative launch with a grid-wide wait
 between them (``decode_ptpc_kernel``): one launch and one allocation less on the host. Graph captures take the two launches (a replay costs the host nothing, and may run on any
-stream beside another, where the wait's counter would be shared). blockscale's rows (``VENDOR_ROWS``,
-at a K that cuBLAS takes) are the layer's own two launches, the quantizer's into rows padded to
-cuBLAS's multiple of 4 and cuBLAS's blockwise GEMM: here only so that the C++ table takes the call
-whole, which saves its host time and not its device time. So are mxfp8's rows where the caller
+stream beside another, where the wait's counter would be shared). With ``CCO_DECODE_BLOCKSCALE_CUBLAS=1``
+blockscale's rows (``VENDOR_ROWS``, at a K that cuBLAS takes) are the layer's own two launches, the
+quantizer's into rows padded to cuBLAS's multiple of 4 and cuBLAS's blockwise GEMM: here only so
+that the C++ table takes the call whole, which saves its host time and not its device time. So are
+mxfp8's rows where the caller
 passes the weight's bf16 copy as ``w`` (the layers do, from the op's vendor GEMM): the quantizer's
 launch, writing the rows quantized and dequantized to bf16, and cuBLAS's bf16 GEMM over the copy. The
 C++ table makes these vendor GEMMs' calls itself (``KEPT_CALL``). The rows kernel,
 which quantizes the rows (padded to a power of two, repeated to the MMA's 16) in every program,
-takes the rest: that costs more than the weight's read, so blockscale's rule at a K cuBLAS refuses
-keeps one row.
+takes the rest (mxfp8's rows over its fp8 weight): that costs more than the weight's read.
 
 The host side keeps, per call shape and device, the launches (``kernels_fused.hopper.launch``: the
 compiled kernel's launcher called directly, most of a Triton launch's host cost saved). The key holds
@@ -76,8 +79,9 @@ from kernels_fused.hopper.quantize import (SPLIT_NUM_WARPS, _interpreting, _pow2
 # at M = 16..64 24.5-28.8 / 7.2-9.3 / 63.5-68.3 us against the two launches' 39.1-42.1 / 14.4-14.8 /
 # 76.6-83.0 (0.72-0.79x / 0.73-1.00x / 0.52-0.54x of bf16), the layer's eager call 41-54 us of host
 # time against 78-96: so ptpc up to 64 rows (MMA_ROWS_MAX).
-# blockscale takes 2..64 rows too, through VENDOR_ROWS below (where cuBLAS takes the K: decode_max_m);
-# so does mxfp8, whose calls then pass the weight's bf16 copy as ``w`` (the layers do: VENDOR_ROWS).
+# blockscale takes 2..64 rows too, through its MMA over quantized rows (QUANTIZED_ROWS below; with
+# CCO_DECODE_BLOCKSCALE_CUBLAS=1 through VENDOR_ROWS where cuBLAS takes the K: decode_max_m); so does
+# mxfp8, whose calls then pass the weight's bf16 copy as ``w`` (the layers do: VENDOR_ROWS).
 # Its own MMA over quantized rows (e8m0 scales per 32 columns on both operands) ran 2.2-2.8x of bf16's
 # device time at 8B down and 2..16 rows, the two launches 1.1x (2026-12-04, docs/decode.md "mxfp8's
 # rows over the fp8 weight"; reverted).
