@@ -127,8 +127,9 @@ WIDE_STAGES = {"ptpc": 4, "blockscale": 3}
 # The MMA's K split over programs (decode_mma_rows_kernel's SPLIT): a weight of N / BLOCK_N blocks
 # (64 at Llama-3-8B's o and down, 4096 features) leaves SMs idle, so each block's K is split into the
 # most slices, a power of two up to MMA_SPLIT[quant], that keep N / BLOCK_N * slices at most
-# MMA_SPLIT_WAVES[quant] programs per SM, each slice at least two steps. The last program of a block to finish sums the
-# partials in slice order (the bits independent of the order they finish in). One H200 (2026-12-05
+# MMA_SPLIT_WAVES[quant] programs per SM, each slice at least two steps. The last program of a block
+# to finish sums the partials in slice order (the bits independent of the order they finish in).
+# One H200 (2026-12-05
 # 14:40 UTC, scripts/probe_decode_split_k.py, docs/decode.md), device us under graph replay at 1..64
 # rows: ptpc split 2 at 8B down 20.8-23.6 against 23.8-27.5 unsplit, 8B o equal, 70B down and 8B
 # qkv (128 and 96 blocks) best unsplit; blockscale split 4 (two groups a step) at 8B down 21.8-28.6
@@ -509,7 +510,10 @@ def dense_gemm(a, w, bias, out, m: int, n: int) -> None:
 class _Launch:
     """One call shape's launches: the kernel that takes ``m`` rows (the one-row kernel per row, the
     rows kernel, or, for ``QUANTIZED_ROWS``, the quantizer's launch then the MMA over its rows, in
-    one launch where the grid is resident at once), the integer arguments and the constants."""
+    one launch where the grid is resident at once), the integer arguments and the constants.
+    ``one`` is the eager path where it differs from the two launches a capture takes (ptpc's one
+    launch; one row of a ``QUANTIZED_ROWS`` quant: the one-row kernel, its arguments ``row_args``);
+    ``layout`` the MMA's scratch (``MmaScratch``)."""
 
     __slots__ = ("kernel", "quantize", "q_args", "ints", "consts", "one", "one_args", "where", "planned", "vendor",
                  "quant", "layout", "row_args")

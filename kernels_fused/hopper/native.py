@@ -19,7 +19,8 @@ How it stays the Python path's launch, bit for bit:
   one scratch holding the rows, their scales and the K split's counters and partials at the
   offsets of ``decode.MmaScratch``. One row of these quants: the one-row kernel as the eager path,
   the two launches as the captured one.
-- blockscale's rows through cuBLAS (``decode.VENDOR_ROWS``, ``CCO_DECODE_BLOCKSCALE_CUBLAS=1``): the plan is the quantizer's launch,
+- blockscale's rows through cuBLAS (``decode.VENDOR_ROWS``, with ``CCO_DECODE_BLOCKSCALE_CUBLAS=1``):
+  the plan is the quantizer's launch,
   after which the table calls ``at::_scaled_mm`` (or its kept cuBLASLt call; and the copy and bias
   add) as ``decode.vendor_gemm`` does, on the same tensors. mxfp8's rows over the weight's bf16
   copy: the quantizer's launch writing the rows dequantized to bf16 (``ROWS``), then cuBLAS's bf16
