@@ -362,25 +362,28 @@ def test_mma_split_rule(monkeypatch):
     assert D.mma_split("ptpc", 1, 56, -1) == 1
 
 
-@pytest.mark.parametrize("m", [2, 17])
+@pytest.mark.parametrize("m, n, k, k_padded", [(2, 200, 2000, 2048), (17, 200, 2000, 2048), (5, 130, 1100, 1152)],
+                         ids=lambda v: str(v))
 @pytest.mark.parametrize("quant", ["ptpc", "blockscale"])
-def test_mma_rows_with_k_split(monkeypatch, quant, m):
+def test_mma_rows_with_k_split(monkeypatch, quant, m, n, k, k_padded):
     """The MMA over quantized rows with K split over programs (a GPU of 132 SMs assumed, so the
-    rule splits a weight of 4 blocks: ptpc into 2 slices, blockscale into 4 of 2 steps each): within
-    one ulp of the two-launch reference at 16 and 32 rows wide, the bias as ``out += bias``, the
-    same bits on a repeat, and the same product as the unsplit MMA to within its rounding."""
+    rule splits a weight of 3 or 4 blocks: ptpc into 2 slices, blockscale into 4): within one ulp of
+    the two-launch reference at 16 and 32 rows wide, the bias as ``out += bias``, the same bits on a
+    repeat, and the same product as the unsplit MMA to within its rounding. K 1152 is 9 steps of
+    128 (256 does not divide it), so blockscale's slices take 3, 3, 3 and 0 steps (an empty slice
+    counts in with a zero partial) and N 130 leaves a block of 2 features."""
     from kernels_fused.hopper import decode as D
 
     monkeypatch.setattr(D, "resident_programs", lambda device: 132)
     monkeypatch.setattr(D, "ONE_LAUNCH", False)  # (the interpreter cannot run the one launch's wait over 4 programs)
-    n, k, k_padded = 200, 2000, 2048
     x = activations(m, k, seed=m).flip(1).contiguous()
     wq, ws = weight(n, k, k_padded, quant)
     want = two_launches(x, wq, ws, quant, n, k_padded)
     D._LAUNCHES.clear()
     got = D.decode_gemm(x, wq, ws, quant, n=n)
     (launch,) = D._LAUNCHES.values()
-    assert launch.kernel.grid == (4, D.MMA_SPLIT[quant]) and launch.layout.counter_words == 4
+    blocks = -(-n // 64)
+    assert launch.kernel.grid == (blocks, D.MMA_SPLIT[quant]) and launch.layout.counter_words == 4
     assert_within_one_ulp(got, want)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     assert torch.equal(D.decode_gemm(x, wq, ws, quant, n=n, bias=bias), got + bias)
@@ -388,7 +391,7 @@ def test_mma_rows_with_k_split(monkeypatch, quant, m):
     monkeypatch.setattr(D, "MMA_SPLIT", {"ptpc": 1, "blockscale": 1})
     D._LAUNCHES.clear()
     unsplit = D.decode_gemm(x, wq, ws, quant, n=n)
-    assert [launch.kernel.grid for launch in D._LAUNCHES.values()] == [(4, 1)]
+    assert [launch.kernel.grid for launch in D._LAUNCHES.values()] == [(blocks, 1)]
     assert_within_one_ulp(got, unsplit)
     D._LAUNCHES.clear()
 
