@@ -27,6 +27,7 @@ import torch
 from cco import quant as Q
 from scripts._cli import shape_probe_args
 from scripts.tune_decode import SHAPES, graph_us, shape_weight
+from scripts.tune_decode import with_config as set_tables
 
 
 def configs(quant: str, k: int):
@@ -44,9 +45,8 @@ def parse_args(argv=None):
 def with_config(D, quant: str, cfg) -> None:
     """``decode``'s tables set so that a new ``_Launch`` of ``quant`` at 1..64 rows builds ``cfg``."""
     bn, bk, split, warps, stages = cfg
-    for tables in (D.tables(quant, 2), D.tables(quant, D.MMA_ROWS_MAX)):
-        for table, value in zip(tables, (bn, bk, warps, stages)):
-            table[quant] = value
+    for m in (2, D.MMA_ROWS_MAX):  # the rows' tables and the wide MMA's
+        set_tables((bn, bk, warps, stages), quant, m)
     D.MMA_SPLIT[quant] = split
     D.MMA_SPLIT_WAVES[quant] = 1 << 20  # the config's split wherever the steps allow it
 
@@ -111,6 +111,7 @@ def main(argv=None):
     from kernels_fused.hopper import native as NV
     from kernels_fused.hopper import vendor
     from kernels_fused.hopper.quantize import quantize_activation
+    from scripts.bench_decode import switched_off
 
     NV.ENABLED = False  # the Python path's launches, as a graph captures them
     saved = [dict(t) for quant in ("ptpc", "blockscale") for t in (*D.tables(quant, 2), *D.tables(quant, 64))]
@@ -131,7 +132,6 @@ def main(argv=None):
         for quant in ("ptpc", "blockscale"):
             wq, ws = Q.quantize_b(w, quant)
             vw = vendor.prepare_weight(wq, ws, quant)
-            scale = ws
             for m in args.m:
                 restore()
                 x = torch.randn(m, k, device=dev).to(torch.bfloat16)
@@ -143,20 +143,21 @@ def main(argv=None):
                         "quantizer + cuBLAS": lambda x=x, quant=quant, rows_v=rows_v, vw=vw: vendor.vendor_gemm(
                             *quantize_activation(x, quant, k_padded=k, m_padded=rows_v), vw)[:m],
                         "decode_gemm": lambda x=x, wq=wq, ws=ws, quant=quant: D.decode_gemm(x, wq, ws, quant, n=n)}
-                launches = {}
                 if m == 1:
                     D._LAUNCHES.clear()
                     D.decode_gemm(x, wq, ws, quant, n=n)
                     (row,) = D._LAUNCHES.values()
-                    arms["one-row kernel"] = lambda x=x, row=row, o=torch.empty(1, n, dtype=torch.bfloat16, device=dev): (
-                        row.one(0, *row._row(x, wq, scale, o, o, x.stride(0), scale.stride(0))), o)[1]
+                    o1 = torch.empty(1, n, dtype=torch.bfloat16, device=dev)
+                    arms["one-row kernel"] = lambda x=x, row=row, o=o1, wq=wq, ws=ws: (  # (the eager path's launch)
+                        row.one(0, *row._row(x, wq, ws, o, o, x.stride(0), ws.stride(0))), o)[1]
                 for cfg in configs(quant, k):
                     with_config(D, quant, cfg)
                     launch = D._Launch(m, k, k, n, quant, False, 0)
                     label = "/".join(map(str, cfg))
-                    arms[label] = (lambda x=x, launch=launch, o=torch.empty(m, n, dtype=torch.bfloat16, device=dev):
-                                   (launch.quantize is None or _two(launch, x, wq, scale, o), o)[1])
-                    launches[label] = launch
+                    # the launch's quantizer and MMA, as a capture takes them (eagerly too: the one launch off)
+                    two = switched_off(lambda x=x, launch=launch, o=torch.empty(m, n, dtype=torch.bfloat16, device=dev):
+                                       (launch(x, x.stride(0), wq, ws, None, o), o)[1], D, "ONE_LAUNCH")
+                    arms[label] = two
                 restore()
                 bad, wrong = {}, []
                 for label, fn in list(arms.items()):
@@ -194,13 +195,6 @@ def main(argv=None):
                                "command": "python3 -m scripts.probe_decode_split_k " + " ".join(argv),
                                "rows": out_rows}, f, indent=1)
     restore()
-
-
-def _two(launch, x, w, scale, out):
-    """``launch``'s quantizer and MMA (its two launches, as a capture takes them) into ``out``."""
-    q, sa, counters, parts = launch.layout.views(torch.empty(launch.layout.bytes, dtype=torch.uint8, device=x.device))
-    launch.quantize(0, *launch._quantize(x, q, sa, x.stride(0)))
-    launch.kernel(0, *launch._mma(q, sa, w, scale, out, out, counters, parts, scale.stride(0)))
 
 
 if __name__ == "__main__":
