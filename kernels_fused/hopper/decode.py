@@ -139,6 +139,12 @@ WIDE_STAGES = {"ptpc": 4, "blockscale": 3}
 # rows, 70B down 100 / 108 against 95 / 103), so blockscale takes 4 up to two programs per SM.
 MMA_SPLIT = {"ptpc": 2, "blockscale": 4}
 MMA_SPLIT_WAVES = {"ptpc": 1, "blockscale": 2}
+# One row under a graph capture takes the quantizer + MMA where the fp8 weight has at least this many
+# bytes, else the one-row kernel as eagerly: the quantizer's launch costs ~2 us of a replay, which a
+# small weight's faster read does not win back (8B o_proj, 16.8 MB: 7.1 / 8.6 us against the one-row
+# kernel's 6.8 / 7.6, ptpc / blockscale; 8B qkv, 25.2 MB: 7.8 / 9.9 against 10.3 / 12.6; one H100,
+# 2026-12-05, docs/decode.md).
+CAPTURED_ROW_MIN_BYTES = 20 << 20
 # ptpc's 2..MMA_ROWS_MAX rows in one launch (decode_ptpc_kernel: the quantizer's items as a first
 # phase of the MMA's grid, a grid-wide wait between), in eager calls whose grid is resident at once
 # (at most one program per SM: N <= 64 * SMs) and whose weight is small (below). Its items are few and wide (``one_slices``): about one
@@ -539,7 +545,7 @@ class _Launch:
                                                    _interpreting()))
             row = Kernel(_kernel("row"), (-(-n // BLOCK_N[quant]), m), num_warps=NUM_WARPS[quant],
                          num_stages=NUM_STAGES[quant])
-            if m != 1 or quant not in QUANTIZED_ROWS:
+            if m != 1 or quant not in QUANTIZED_ROWS or n * k_padded < CAPTURED_ROW_MIN_BYTES:
                 self.kernel = row
                 return
             # One row of a quant whose rows are quantized once: eager calls take the one-row kernel (one

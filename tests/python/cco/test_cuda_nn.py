@@ -577,6 +577,7 @@ def check_decode_split(comm, log):
     g = torch.Generator().manual_seed(53 + comm.rank)
     n, k = 1024, 4096
     rows = (1, 8, 40)
+    bound, D.CAPTURED_ROW_MIN_BYTES = D.CAPTURED_ROW_MIN_BYTES, 0  # one row's captured MMA at this 4 MB weight
     for quant in ("ptpc", "blockscale"):
         layer = RowParallelLinear(k, n, group=solo, quant=quant, bias=False, m_max=64)
         layer.load_weight((torch.randn(n, k, generator=g) / k ** 0.5).to(torch.bfloat16).to(comm.device))
@@ -627,6 +628,7 @@ def check_decode_split(comm, log):
                                                  f"streams, replay {i} differs from the graph's own product")
                 del graphs
         layer.close()
+    D.CAPTURED_ROW_MIN_BYTES = bound
     solo.close()
     log(f"ok decode split: ptpc K in {D.MMA_SPLIT['ptpc']}, blockscale in {D.MMA_SPLIT['blockscale']}, M {rows} "
         f"(one row captured: quantizer + MMA) eager and graph replays within the fp8 budget, repeats equal, two "

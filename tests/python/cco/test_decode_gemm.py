@@ -248,6 +248,7 @@ def test_one_row_eager_kernel_and_captured_mma(monkeypatch, quant):
     from kernels_fused.hopper import decode as D
 
     n, k, k_padded = 200, 700, 768
+    monkeypatch.setattr(D, "CAPTURED_ROW_MIN_BYTES", n * k_padded)  # (a small weight here)
     x = activations(1, k, seed=4).flip(1).contiguous()
     wq, ws = weight(n, k, k_padded, quant)
     want = two_launches(x, wq, ws, quant, n, k_padded)
@@ -276,6 +277,10 @@ def test_one_row_eager_kernel_and_captured_mma(monkeypatch, quant):
     calls.clear()
     D.decode_gemm(xm, wm, sm, "mxfp8", n=n)
     assert calls == ["decode_gemv_kernel"]
+    D._LAUNCHES.clear()
+    monkeypatch.setattr(D, "CAPTURED_ROW_MIN_BYTES", n * k_padded + 1)  # a weight under the bound: the kernel
+    calls.clear()
+    assert torch.equal(D.decode_gemm(x, wq, ws, quant, n=n), eager) and calls == ["decode_gemv_kernel"]
     D._LAUNCHES.clear()
 
 

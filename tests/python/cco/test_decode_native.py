@@ -111,6 +111,7 @@ def test_plan_replays_the_python_call(monkeypatch, quant, m, one, with_bias):
     wq, ws = weight(n, k, k_padded, quant)
     bias = torch.randn(n).to(torch.bfloat16) if with_bias else None
     monkeypatch.setattr(D, "ONE_LAUNCH", one)
+    monkeypatch.setattr(D, "CAPTURED_ROW_MIN_BYTES", 0)  # one row's captured path, at this small weight too
     D._LAUNCHES.clear()
     calls = recorded_calls(monkeypatch)
     out = D.decode_gemm(x, wq, ws, quant, n=n, bias=bias)
