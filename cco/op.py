@@ -180,10 +180,11 @@ class _KeptLaunches:
         (with no launch yet). A caller for whom keeping a launch costs more than one call (a
         collective call's bound launch) keeps one only for a weight that comes back: a trainable
         layer's weight, quantized afresh for each call, never does."""
-        entry = self.weights.get((id(b_pre), id(b_scale)))
+        key = (id(b_pre), id(b_scale))
+        entry = self.weights.get(key)
         if entry is not None and self._holds(entry[0], b_pre, b_scale):
             return True
-        self._entry(b_pre, b_scale)
+        self._new_entry(key, b_pre, b_scale, replaces=entry is not None)
         return False
 
     def keep(self, a, b_pre, a_scale, b_scale, launch) -> None:
@@ -198,16 +199,21 @@ class _KeptLaunches:
         key = (id(b_pre), id(b_scale))
         entry = self.weights.get(key)
         if entry is None or not self._holds(entry[0], b_pre, b_scale):  # its other Ms' launches: the old weight's
-            if entry is None and len(self.weights) >= KEPT_WEIGHTS:
-                self.weights.pop(next(iter(self.weights)))
-            weights = self.weights
+            entry = self._new_entry(key, b_pre, b_scale, replaces=entry is not None)
+        return entry
 
-            def drop(_, key=key):  # either weight tensor died: its entry (and what it bound) goes
-                weights.pop(key, None)
-            weight = (weakref.ref(b_pre, drop), weakref.ref(b_scale, drop), b_pre._version, b_scale._version,
-                      b_pre.data_ptr(), b_scale.data_ptr(), (b_pre.detach(), b_scale.detach()),
-                      self.backend.plain_epoch)
-            entry = weights[key] = (weight, {})
+    def _new_entry(self, key, b_pre, b_scale, *, replaces: bool):
+        """A new entry for this weight at ``key``, in place of a changed one where it ``replaces``
+        one, else in a new place (the oldest weight's where ``KEPT_WEIGHTS`` are kept)."""
+        if not replaces and len(self.weights) >= KEPT_WEIGHTS:
+            self.weights.pop(next(iter(self.weights)))
+        weights = self.weights
+
+        def drop(_, key=key):  # either weight tensor died: its entry (and what it bound) goes
+            weights.pop(key, None)
+        weight = (weakref.ref(b_pre, drop), weakref.ref(b_scale, drop), b_pre._version, b_scale._version,
+                  b_pre.data_ptr(), b_scale.data_ptr(), (b_pre.detach(), b_scale.detach()), self.backend.plain_epoch)
+        entry = weights[key] = (weight, {})
         return entry
 
 
@@ -689,7 +695,7 @@ class ScatterGemmOp(CollectiveGemmOp):
             kept = backend.fused_launcher(a, b_pre, a_scale, b_scale, out=out)
             if kept is not None:  # kept for the calls like it, and this call runs through it
                 self._launches.keep(a, b_pre, a_scale, b_scale, self._kept_collective(kept, m, new_out))
-                body = lambda plan: kept(a, a_scale, out, plan)  # noqa: E731
+                body = functools.partial(kept, a, a_scale, out)  # (then its plan)
         self._collective(body, m)
         return out
 
@@ -711,7 +717,7 @@ class ScatterGemmOp(CollectiveGemmOp):
 
         def body(a, _b, a_scale, _s, m):
             out = new_out()
-            op()._collective(lambda plan: kept(a, a_scale, out, plan), m)
+            op()._collective(functools.partial(kept, a, a_scale, out), m)
             return out
 
         def launch(a, a_scale):

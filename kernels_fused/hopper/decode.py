@@ -593,9 +593,9 @@ class _Launch:
             return
         # QUANT, HAS_BIAS, BLOCK_N, BLOCK_K, ROWS, ROW_K, ROUND_IN_FP32: the rows kernel's constexprs
         width = _pow2(m)
-        self.consts = (_QUANT_CODE[quant], has_bias, block_n, min(step, k_padded), width,
-                       min(ROWS_ELEMENTS // width, _pow2(k)), _interpreting())
-        self.row_args = (self.ints, self.consts)  # (its arguments are the one-row kernel's: _row)
+        self.row_args = (self.ints, (_QUANT_CODE[quant], has_bias, block_n, min(step, k_padded), width,
+                                     min(ROWS_ELEMENTS // width, _pow2(k)), _interpreting()))  # (laid out as the
+        # one-row kernel's arguments are: _row)
         self.kernel = Kernel(_kernel("rows"), (-(-n // block_n), 1), **options)
 
     def __call__(self, x, row_stride, w, w_scale, bias, out) -> None:

@@ -225,18 +225,15 @@ def _mma_rows(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, cnt_ptr, part_ptr
     k_lo = s * K_SLICE
     k_hi = tl.minimum(k_lo + K_SLICE, K_PAD)
     acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+    kk = tl.arange(0, BLOCK_K if QUANT == 0 else 128)  # a tile's columns: ptpc's step, blockscale's scale group
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * K_PAD + kk[None, :]
+    q_rows = q_ptr + rows.to(tl.int64)[:, None] * K_PAD + kk[None, :]
     if QUANT == 0:
-        kk = tl.arange(0, BLOCK_K)
-        w_rows = w_ptr + cols.to(tl.int64)[:, None] * K_PAD + kk[None, :]
-        q_rows = q_ptr + rows.to(tl.int64)[:, None] * K_PAD + kk[None, :]
         for k0 in range(k_lo, k_hi, BLOCK_K):
             w = tl.load(w_rows + k0, mask=n_ok[:, None], other=0.0)
             q = tl.load(q_rows + k0, mask=r_ok[:, None], other=0.0)
             acc = tl.dot(w, tl.trans(q), acc)
     else:
-        kk = tl.arange(0, 128)
-        w_rows = w_ptr + cols.to(tl.int64)[:, None] * K_PAD + kk[None, :]
-        q_rows = q_ptr + rows.to(tl.int64)[:, None] * K_PAD + kk[None, :]
         ws_row = ws_ptr + (block * BLOCK_N // 128) * stride_ws
         for k0 in range(k_lo, k_hi, BLOCK_K):
             for j in tl.static_range(BLOCK_K // 128):  # the step's groups: BLOCK_K / 128 tiles in flight

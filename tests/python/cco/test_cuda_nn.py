@@ -578,57 +578,60 @@ def check_decode_split(comm, log):
     n, k = 1024, 4096
     rows = (1, 8, 40)
     bound, D.CAPTURED_ROW_MIN_BYTES = D.CAPTURED_ROW_MIN_BYTES, 0  # one row's captured MMA at this 4 MB weight
-    for quant in ("ptpc", "blockscale"):
-        layer = RowParallelLinear(k, n, group=solo, quant=quant, bias=False, m_max=64)
-        layer.load_weight((torch.randn(n, k, generator=g) / k ** 0.5).to(torch.bfloat16).to(comm.device))
-        wd = layer.dequantized_weight().cpu()
-        split = D.mma_split(quant, n // D.WIDE_BLOCK_N[quant], k // D.WIDE_BLOCK_K[quant], comm.device.index)
-        if split != D.MMA_SPLIT[quant]:
-            raise AssertionError(f"decode split {quant}: the rule gives {split} slices, {D.MMA_SPLIT[quant]} expected")
+    try:
+        for quant in ("ptpc", "blockscale"):
+            layer = RowParallelLinear(k, n, group=solo, quant=quant, bias=False, m_max=64)
+            layer.load_weight((torch.randn(n, k, generator=g) / k ** 0.5).to(torch.bfloat16).to(comm.device))
+            wd = layer.dequantized_weight().cpu()
+            split = D.mma_split(quant, n // D.WIDE_BLOCK_N[quant], k // D.WIDE_BLOCK_K[quant], comm.device.index)
+            if split != D.MMA_SPLIT[quant]:
+                raise AssertionError(f"decode split {quant}: the rule gives {split} slices, {D.MMA_SPLIT[quant]} "
+                                     f"expected")
 
-        def budget(x, got, where):
-            a = Q.dequantize_a(*Q.quantize_a(x.cpu().float(), quant), quant)
-            bad = gemm_mismatches(got.cpu(), a @ wd.t(), a.abs() @ wd.abs().t())
-            if bad or got.shape != (x.shape[0], n):
-                raise AssertionError(f"decode split {quant} {where}: {bad} outputs outside the fp8 GEMM's budget")
+            def budget(x, got, where):
+                a = Q.dequantize_a(*Q.quantize_a(x.cpu().float(), quant), quant)
+                bad = gemm_mismatches(got.cpu(), a @ wd.t(), a.abs() @ wd.abs().t())
+                if bad or got.shape != (x.shape[0], n):
+                    raise AssertionError(f"decode split {quant} {where}: {bad} outputs outside the fp8 GEMM's budget")
 
-        with torch.no_grad():
-            for m in rows:
-                x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(comm.device)
-                eager = layer(x)
-                budget(x, eager, f"M={m} eager")
-                if not torch.equal(layer(x), eager):
-                    raise AssertionError(f"decode split {quant} M={m}: a repeated eager call differs")
-                grids = {launch.kernel.grid for key, launch in D._LAUNCHES.items()
-                         if key[0] == m and key[-4] == n and launch.quant == quant and launch.kernel is not None}
-                if (n // 64, split) not in grids:
-                    raise AssertionError(f"decode split {quant} M={m}: the MMA's grids {grids}, ({n // 64}, {split}) "
-                                         f"expected")
-                statics = [x.clone(), torch.randn(m, k, generator=g).to(torch.bfloat16).to(comm.device)]
-                graphs = [captured(lambda v=v: layer(v)) for v in statics]
-                wants = []
-                for (graph, out), v in zip(graphs, statics):
-                    out.fill_(float("nan"))
-                    graph.replay()
-                    torch.cuda.synchronize()
-                    budget(v, out, f"M={m} graph replay")
-                    wants.append(out.clone())
-                streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-                for i in range(20):
-                    for _, out in graphs:
+            with torch.no_grad():
+                for m in rows:
+                    x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(comm.device)
+                    eager = layer(x)
+                    budget(x, eager, f"M={m} eager")
+                    if not torch.equal(layer(x), eager):
+                        raise AssertionError(f"decode split {quant} M={m}: a repeated eager call differs")
+                    grids = {launch.kernel.grid for key, launch in D._LAUNCHES.items()
+                             if key[0] == m and key[-4] == n and launch.quant == quant and launch.kernel is not None}
+                    if (n // 64, split) not in grids:
+                        raise AssertionError(f"decode split {quant} M={m}: the MMA's grids {grids}, "
+                                             f"({n // 64}, {split}) expected")
+                    statics = [x.clone(), torch.randn(m, k, generator=g).to(torch.bfloat16).to(comm.device)]
+                    graphs = [captured(lambda v=v: layer(v)) for v in statics]
+                    wants = []
+                    for (graph, out), v in zip(graphs, statics):
                         out.fill_(float("nan"))
-                    torch.cuda.synchronize()
-                    for (graph, _), stream in zip(graphs, streams):
-                        with torch.cuda.stream(stream):
-                            graph.replay()
-                    torch.cuda.synchronize()
-                    for (_, out), want in zip(graphs, wants):
-                        if not torch.equal(out, want):
-                            raise AssertionError(f"decode split {quant} M={m}: two graphs replayed at once on two "
-                                                 f"streams, replay {i} differs from the graph's own product")
-                del graphs
-        layer.close()
-    D.CAPTURED_ROW_MIN_BYTES = bound
+                        graph.replay()
+                        torch.cuda.synchronize()
+                        budget(v, out, f"M={m} graph replay")
+                        wants.append(out.clone())
+                    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+                    for i in range(20):
+                        for _, out in graphs:
+                            out.fill_(float("nan"))
+                        torch.cuda.synchronize()
+                        for (graph, _), stream in zip(graphs, streams):
+                            with torch.cuda.stream(stream):
+                                graph.replay()
+                        torch.cuda.synchronize()
+                        for (_, out), want in zip(graphs, wants):
+                            if not torch.equal(out, want):
+                                raise AssertionError(f"decode split {quant} M={m}: two graphs replayed at once on two "
+                                                     f"streams, replay {i} differs from the graph's own product")
+                    del graphs
+            layer.close()
+    finally:
+        D.CAPTURED_ROW_MIN_BYTES = bound
     solo.close()
     log(f"ok decode split: ptpc K in {D.MMA_SPLIT['ptpc']}, blockscale in {D.MMA_SPLIT['blockscale']}, M {rows} "
         f"(one row captured: quantizer + MMA) eager and graph replays within the fp8 budget, repeats equal, two "
