@@ -128,8 +128,9 @@ def parse_args(argv=None):
     p.add_argument("--plot", help="a PNG of the model's ms/token per arm")
     p.add_argument("--plot-per-call", help="a PNG of the per-call table: each quant's host and device time "
                                            "against nn.Linear's over M, per shape, with the targets")
-    p.add_argument("--from", dest="from_json", help="draw --plot / --plot-per-call from a --json of an earlier run "
-                                                    "(no GPU)")
+    p.add_argument("--from", dest="from_json", help="a --json of an earlier run (no GPU): print its model's table "
+                                                    "with each arm's ratio to bf16 pass by pass, or draw --plot / "
+                                                    "--plot-per-call from it")
     p.add_argument("--smoke", action="store_true", help="CPU: run every arm's decode step once, tiny model, no timing")
     args = p.parse_args(argv)
     small = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in SIZES if getattr(args, name) < 1]
@@ -413,20 +414,48 @@ def model_runs(args, comm, device) -> list[dict]:
             timed = time_decode(model, dec, built, args, time_back_to_back)
             for arm, modes in timed.items():  # a Python-path arm gets a record of its own
                 records.setdefault(arm, {"batch": batch, "arm": arm})["modes"] = modes
-        for arm, record in records.items():
-            print(f"batch {batch} {arm:22s} " + " | ".join(
-                f"{mode} {r['ms_per_token']:.2f} ms/token ({r['min']:.2f}..{r['max']:.2f})"
-                for mode, r in record.get("modes", {}).items()) + (f" ERROR {record['error']}" if "error" in record
-                                                                     else "") + (" ok" if record.get("ok") else
-                                                                                 " NOT OK: non-finite logits"
-                                                                                 if record.get("ok") is False else ""),
-                  flush=True)
+        pass_ratios(list(records.values()))
+        for record in records.values():
+            print(model_line(record), flush=True)
             runs.append(record)
         swapped(model, None)
         for made, graph in built.values():
             close(made)
         del dec, built
     return runs
+
+
+def pass_ratios(runs: list) -> None:
+    """Give each timed arm's modes ``vs_bf16``: its time over bf16's in the same batch and mode,
+    pass by pass (median, min, max). The arms alternate per pass (``time_back_to_back``), so pass
+    ``i`` of every arm ran within one round, and a drift of the host's speed over the run (eager
+    passes on a lent machine spread by up to 50%) divides out of each pass's ratio, which the
+    ratio of two medians over passes keeps. Left out where bf16 has no such mode or other passes."""
+    base = {r["batch"]: r["modes"] for r in runs if r.get("arm") == "bf16" and isinstance(r.get("modes"), dict)}
+    for r in runs:
+        ref = base.get(r.get("batch"))
+        if r.get("arm") == "bf16" or ref is None:
+            continue
+        for mode, t in r.get("modes", {}).items():
+            b = ref.get(mode, {}).get("passes")
+            if b and len(b) == len(t.get("passes", ())):
+                q = [x / y for x, y in zip(t["passes"], b)]
+                t["vs_bf16"] = {"median": statistics.median(q), "min": min(q), "max": max(q)}
+
+
+def model_line(record: dict) -> str:
+    """One printed line of a model arm: per mode ms/token, median (min..max) over passes, and where
+    :func:`pass_ratios` gave it the ratio to bf16 pass by pass (lower is better)."""
+    def mode(name, r):
+        vs = r.get("vs_bf16")
+        return (f"{name} {r['ms_per_token']:.2f} ms/token ({r['min']:.2f}..{r['max']:.2f})"
+                + (f" {vs['median']:.2f}x of bf16 ({vs['min']:.2f}..{vs['max']:.2f})" if vs else ""))
+
+    ok = record.get("ok")
+    return (f"batch {record['batch']} {record['arm']:22s} "
+            + " | ".join(mode(name, r) for name, r in record.get("modes", {}).items())
+            + (f" ERROR {record['error']}" if "error" in record else "")
+            + (" ok" if ok else " NOT OK: non-finite logits" if ok is False else ""))
 
 
 def unfused_missing(quant: str, device) -> str | None:
@@ -862,9 +891,17 @@ def main(argv=None) -> int:
         if not isinstance(earlier, dict):
             raise SystemExit(f"bench_decode: --from {args.from_json}: not a bench_decode --json (an object with "
                              f"'model' and/or 'per_call'), a {type(earlier).__name__}")
-        if not (args.plot or args.plot_per_call):
-            raise SystemExit("bench_decode: --from draws plots: pass --plot and/or --plot-per-call")
         model = earlier.get("model")
+        if not (args.plot or args.plot_per_call):  # the model's table, with each arm's pass-by-pass ratios
+            runs = model.get("runs") if isinstance(model, dict) else None
+            if not (isinstance(runs, list) and timed_model_rows(runs)):
+                raise SystemExit(f"bench_decode: --from {args.from_json}: no model rows with times to print; "
+                                 f"pass --plot-per-call to draw a per-call run")
+            runs = timed_model_rows(runs)
+            pass_ratios(runs)
+            for record in runs:
+                print(model_line(record))
+            return 0
         plots = [(args.plot, "model rows (model.runs with times)", plot, timed_model_rows,
                   model.get("runs") if isinstance(model, dict) else None),
                  (args.plot_per_call, "per_call rows with the nn.Linear bf16 arm (a world-1 run's)", plot_per_call,
