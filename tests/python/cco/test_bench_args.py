@@ -1,6 +1,8 @@
 """The gemm-ar benchmark's arm selection (host only): mori's names, the lsa arms, refusals, how
 the alternative arms switch backend knobs, and the refusal of ranks that share a GPU."""
 
+import json
+
 import pytest
 import torch
 
@@ -248,6 +250,44 @@ def test_decode_plots_redraw_from_a_runs_json(tmp_path):
         B.main(["--from", str(tmp_path / "missing.json"), "--plot", str(model)])
     with pytest.raises(SystemExit, match="no model rows"):  # a per-call run has no model to draw
         B.main(["--from", "docs/results/2026-12-03_decode_per_call_wide_h200.json", "--plot", str(model)])
+
+
+def test_decode_model_ratios_pass_by_pass(tmp_path, capsys):
+    """``pass_ratios``: an arm's time over bf16's of the same batch, mode and pass, so a host that
+    slows down over the run (here 2x in the last pass) divides out, where a ratio of medians over
+    passes does not; an arm or mode bf16 lacks gets none. ``--from <json>`` without a plot prints
+    the table with them; a JSON without model times is refused, saying so."""
+    from scripts import bench_decode as B
+
+    def arm(batch, name, eager, graph=None):
+        modes = {"eager": B.summary([1e3 * t for t in eager], 1)}
+        if graph:
+            modes["graph"] = B.summary([1e3 * t for t in graph], 1)
+        return {"batch": batch, "arm": name, "modes": modes}
+
+    runs = [arm(1, "bf16", [10, 10, 20], [2, 2, 2]), arm(1, "cco ptpc", [9, 12, 18], [1.5, 1.5, 1.6]),
+            arm(8, "cco ptpc", [5, 5, 5]), {"batch": 1, "arm": "failed", "error": "RuntimeError: x"}]
+    B.pass_ratios(runs)
+    vs = runs[1]["modes"]["eager"]["vs_bf16"]
+    assert vs == {"median": 0.9, "min": 0.9, "max": 1.2}  # 9/10, 12/10, 18/20
+    assert runs[1]["modes"]["eager"]["ms_per_token"] / runs[0]["modes"]["eager"]["ms_per_token"] == 1.2
+    assert runs[1]["modes"]["graph"]["vs_bf16"]["median"] == 0.75
+    assert "vs_bf16" not in runs[0]["modes"]["eager"] and "vs_bf16" not in runs[2]["modes"]["eager"]
+    line = B.model_line(runs[1])
+    assert "0.90x of bf16 (0.90..1.20)" in line and "0.75x of bf16" in line
+    assert "ERROR RuntimeError: x" in B.model_line(runs[3])
+
+    path = tmp_path / "model.json"
+    for r in runs:
+        for t in r.get("modes", {}).values():
+            t.pop("vs_bf16", None)
+    path.write_text(json.dumps({"model": {"runs": runs}}))
+    assert B.main(["--from", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 3 and "0.90x of bf16 (0.90..1.20)" in out[1]
+    path.write_text(json.dumps({"per_call": []}))
+    with pytest.raises(SystemExit, match="no model rows with times"):
+        B.main(["--from", str(path)])
 
 
 def test_decode_model_profile_writes_one_table_per_arm(tmp_path, monkeypatch):
