@@ -148,8 +148,11 @@ def main(argv=None):
                     D.decode_gemm(x, wq, ws, quant, n=n)
                     (row,) = D._LAUNCHES.values()
                     o1 = torch.empty(1, n, dtype=torch.bfloat16, device=dev)
-                    arms["one-row kernel"] = lambda x=x, row=row, o=o1, wq=wq, ws=ws: (  # (the eager path's launch)
-                        row.one(0, *row._row(x, wq, ws, o, o, x.stride(0), ws.stride(0))), o)[1]
+                    # the eager path's launch: ``one`` beside the captured MMA, or the launch's only kernel where
+                    # the weight is under decode.CAPTURED_ROW_MIN_BYTES (a capture takes the row kernel too)
+                    kernel = row.one if row.one is not None else row.kernel
+                    arms["one-row kernel"] = lambda x=x, row=row, kernel=kernel, o=o1, wq=wq, ws=ws: (
+                        kernel(0, *row._row(x, wq, ws, o, o, x.stride(0), ws.stride(0))), o)[1]
                 for cfg in configs(quant, k):
                     with_config(D, quant, cfg)
                     launch = D._Launch(m, k, k, n, quant, False, 0)
