@@ -805,22 +805,41 @@ def plot(model_rows, path: str) -> None:
     import matplotlib.pyplot as plt
 
     model_rows = timed_model_rows(model_rows)
+    pass_ratios(model_rows)
     batches = sorted({r["batch"] for r in model_rows})
-    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.5), squeeze=False)
-    for ax, batch in zip(axes[0], batches):
+    fig, axes = plt.subplots(2, len(batches), figsize=(6 * len(batches), 9), squeeze=False)
+    for col, batch in enumerate(batches):
         rows = [r for r in model_rows if r["batch"] == batch and "modes" in r]
         names = [r["arm"] for r in rows]
+        top, bottom = axes[0][col], axes[1][col]
         for i, mode in enumerate(("eager", "graph")):
-            med = [r["modes"].get(mode, {}).get("ms_per_token", float("nan")) for r in rows]
-            lo = [m - r["modes"].get(mode, {}).get("min", m) for m, r in zip(med, rows)]
-            hi = [r["modes"].get(mode, {}).get("max", m) - m for m, r in zip(med, rows)]
-            ax.bar([j + 0.4 * i for j in range(len(rows))], med, width=0.4, yerr=[lo, hi], label=mode)
-        ax.set_xticks([j + 0.2 for j in range(len(rows))], names, rotation=30, ha="right")
-        ax.set_ylabel("ms / token")
-        ax.set_title(f"greedy decode, batch {batch}")
-        ax.legend()
+            x = [j + 0.4 * i for j in range(len(rows))]
+            t = [r["modes"].get(mode, {}) for r in rows]
+            med = [m.get("ms_per_token", float("nan")) for m in t]
+            top.bar(x, med, width=0.4, yerr=_whiskers(med, [m.get("min") for m in t], [m.get("max") for m in t]),
+                    label=mode)
+            vs = [m.get("vs_bf16", {}) for m in t]
+            ratio = [v.get("median", float("nan")) for v in vs]
+            bottom.bar(x, ratio, width=0.4, label=mode,
+                       yerr=_whiskers(ratio, [v.get("min") for v in vs], [v.get("max") for v in vs]))
+        for ax in (top, bottom):
+            ax.set_xticks([j + 0.2 for j in range(len(rows))], names, rotation=30, ha="right")
+        top.set_ylabel("ms / token (median, min..max over passes)")
+        top.set_title(f"greedy decode, batch {batch}")
+        top.legend()
+        bottom.axhline(1.0, color="tab:blue", linestyle="--", linewidth=1, label="eager target (1.0x)")
+        bottom.axhline(0.8, color="tab:orange", linestyle="--", linewidth=1, label="graph target (0.8x)")
+        bottom.set_ylabel("time over bf16's, pass by pass (lower is better)")
+        bottom.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def _whiskers(values, lows, highs) -> list:
+    """matplotlib's ``yerr`` (below, above) for bars at ``values`` spanning ``lows..highs``; none where
+    a bar has no range (bf16's own ratio)."""
+    return [[v - lo if lo is not None else 0 for v, lo in zip(values, lows)],
+            [hi - v if hi is not None else 0 for v, hi in zip(values, highs)]]
 
 
 HOST_TARGET, DEVICE_TARGET = 1.5, 0.8  # the per-call targets against nn.Linear: eager host time, graph device time
