@@ -408,9 +408,14 @@ def model_runs(args, comm, device) -> list[dict]:
             finally:
                 swapped(model, None)
                 close(made)
+            progress(f"batch {batch}: {arm} " + (f"failed: {record['error']}" if "error" in record else "built"
+                                                  + (", its step captured" if built.get(arm, (0, None))[1] else "")))
         if built and args.profile and batch == args.batch[0]:
+            progress(f"batch {batch}: profiling {len(built)} arms")
             profile_model(model, dec, built, args, profile_path(args, "model_profile"))
         if built:
+            progress(f"batch {batch}: timing {len(built)} arms, {args.repeats} passes of {args.tokens} tokens, eager "
+                     f"then replayed")
             timed = time_decode(model, dec, built, args, time_back_to_back)
             for arm, modes in timed.items():  # a Python-path arm gets a record of its own
                 records.setdefault(arm, {"batch": batch, "arm": arm})["modes"] = modes
@@ -423,6 +428,14 @@ def model_runs(args, comm, device) -> list[dict]:
             close(made)
         del dec, built
     return runs
+
+
+_START = time.monotonic()
+
+
+def progress(what: str) -> None:
+    """A line on stderr (stdout keeps the table): where a long model run is, seconds since the start."""
+    print(f"[bench_decode {time.monotonic() - _START:6.0f} s] {what}", file=sys.stderr, flush=True)
 
 
 def pass_ratios(runs: list) -> None:
