@@ -18,8 +18,12 @@ then ``torch._scaled_mm``; cuBLAS's blockwise recipe refuses M % 4 != 0, so bloc
 padded with zero rows to a multiple of 4 there, as the cco layer pads them). Per arm and mode: ms/token over ``--repeats`` decodes of ``--tokens`` tokens from
 the same prefilled cache (``cco.bench.timing.time_back_to_back``, one decode per pass, the arms
 alternating per pass in rotated order, so a drift of the clocks over the run lands on every arm):
-median and min..max; the first decode step's logits against the bf16 arm's (relative L2); and
-whether the captured step decodes the tokens the eager steps decode.
+median and min..max, and each pass's time over bf16's in the same pass (``vs_bf16``: the arms of a
+pass run back to back, so a host that drifts over the run divides out); eagerly also the issuing
+thread's CPU time per token (mode ``eager thread CPU``: what the step costs the host itself, less
+the time a busy host kept the thread off the CPU); the first decode step's logits against the bf16
+arm's (relative L2); and whether the captured step decodes the tokens the eager steps decode.
+``--from RUN.json`` prints an earlier run's table (``--plot``: its picture) with no GPU.
 
 Per call (``--shapes``, M in ``-m``): the ``o_proj`` and ``down_proj`` shapes of Llama-3-8B and -70B
 at TP 1, 2 and 8 (N = hidden, K = the rank's slice). Arms: ``nn.Linear`` bf16 ``[N, K]``, and per
@@ -431,6 +435,7 @@ def model_runs(args, comm, device) -> list[dict]:
 
 
 _START = time.monotonic()
+CPU_MODE = "eager thread CPU"  # a model arm's mode: the issuing thread's CPU time per token, eager
 
 
 def progress(what: str) -> None:
@@ -444,6 +449,8 @@ def pass_ratios(runs: list) -> None:
     ``i`` of every arm ran within one round, and a drift of the host's speed over the run (eager
     passes on a lent machine spread by up to 50%) divides out of each pass's ratio, which the
     ratio of two medians over passes keeps. Left out where bf16 has no such mode or other passes."""
+    from cco.bench.timing import per_pass_ratio
+
     base = {r["batch"]: r["modes"] for r in runs if r.get("arm") == "bf16" and isinstance(r.get("modes"), dict)}
     for r in runs:
         ref = base.get(r.get("batch"))
@@ -452,8 +459,7 @@ def pass_ratios(runs: list) -> None:
         for mode, t in r.get("modes", {}).items():
             b = ref.get(mode, {}).get("passes")
             if b and len(b) == len(t.get("passes", ())):
-                q = [x / y for x, y in zip(t["passes"], b)]
-                t["vs_bf16"] = {"median": statistics.median(q), "min": min(q), "max": max(q)}
+                t["vs_bf16"] = dict(zip(("median", "min", "max"), per_pass_ratio(t["passes"], b)))
 
 
 def model_line(record: dict) -> str:
@@ -536,6 +542,9 @@ def time_decode(model, dec, built: dict, args, time_back_to_back) -> dict:
     for arm, r in t.items():  # (a Python-path arm: eager only, under its own name)
         out[arm] = {"eager": summary(r["wall_pass_us"], args.tokens)}
         out[arm]["eager"]["host_ms_per_token"] = statistics.median(r["host_pass_us"]) / 1e3 / args.tokens
+        # the issuing thread's CPU time: what the eager step costs the host itself, less a busy
+        # host's time off the CPU (each pass's ratio to bf16's, pass_ratios, as for the wall time)
+        out[arm][CPU_MODE] = summary(r["cpu_pass_us"], args.tokens)
 
     def replays(graph):
         dec.rewind()
@@ -825,18 +834,21 @@ def plot(model_rows, path: str) -> None:
         rows = [r for r in model_rows if r["batch"] == batch and "modes" in r]
         names = [r["arm"] for r in rows]
         top, bottom = axes[0][col], axes[1][col]
-        for i, mode in enumerate(("eager", "graph")):
-            x = [j + 0.4 * i for j in range(len(rows))]
+        # (a run before the thread's CPU time was kept has no such mode)
+        modes = [m for m in ("eager", CPU_MODE, "graph") if any(m in r["modes"] for r in rows)]
+        width = 0.8 / len(modes)
+        for i, mode in enumerate(modes):
+            x = [j + width * i for j in range(len(rows))]
             t = [r["modes"].get(mode, {}) for r in rows]
             med = [m.get("ms_per_token", float("nan")) for m in t]
-            top.bar(x, med, width=0.4, yerr=_whiskers(med, [m.get("min") for m in t], [m.get("max") for m in t]),
-                    label=mode)
+            top.bar(x, med, width=width, label=mode,
+                    yerr=_whiskers(med, [m.get("min") for m in t], [m.get("max") for m in t]))
             vs = [m.get("vs_bf16", {}) for m in t]
             ratio = [v.get("median", float("nan")) for v in vs]
-            bottom.bar(x, ratio, width=0.4, label=mode,
+            bottom.bar(x, ratio, width=width, label=mode,
                        yerr=_whiskers(ratio, [v.get("min") for v in vs], [v.get("max") for v in vs]))
         for ax in (top, bottom):
-            ax.set_xticks([j + 0.2 for j in range(len(rows))], names, rotation=30, ha="right")
+            ax.set_xticks([j + width * (len(modes) - 1) / 2 for j in range(len(rows))], names, rotation=30, ha="right")
         top.set_ylabel("ms / token (median, min..max over passes)")
         top.set_title(f"greedy decode, batch {batch}")
         top.legend()

@@ -18,8 +18,10 @@ Method (CUDA; see docs/BENCHMARKS.md for the figures):
    before and after; a busy device is reported, never silently timed.
 
 Eager calls as a model issues them (:func:`time_back_to_back`): N calls back to back per arm, CUDA
-events around the run (wall time per call, whichever of host and device is behind) and the host's
-clock until the last call returns (the host's time per call); arms alternate per pass as above.
+events around the run (wall time per call, whichever of host and device is behind), the host's
+clock until the last call returns (the host's time per call) and the calling thread's CPU time over
+the same span (what the calls cost the host itself: time the thread was not running, on a shared or
+busy host, is left out); arms alternate per pass as above.
 
 Nothing here asserts a speed; tests never import it for timing.
 """
@@ -217,7 +219,8 @@ def time_back_to_back(arms: dict[str, Callable[[], object]], *, calls: int = 50,
     clock until the last call returns (the host's issue time per call). Arms alternate per pass
     (order rotated); each figure is the median over passes with its min..max; ``barrier`` starts
     every arm's run on all ranks together, ``gather`` (an all-gather of a Python object) takes the
-    max over ranks. Returns ``{name: {"wall_us", "host_us", "wall_pass_us", "host_pass_us"}}``."""
+    max over ranks. Returns ``{name: {"wall_us", "host_us", "wall_pass_us", "host_pass_us",
+    "cpu_pass_us"}}``, the last the calling thread's CPU time per call in each pass (rank 0's)."""
     import time as _time
 
     if passes < 3 or calls < 1:
@@ -230,16 +233,17 @@ def time_back_to_back(arms: dict[str, Callable[[], object]], *, calls: int = 50,
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     wall: dict[str, list[float]] = {n: [] for n in names}
     host: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [] for n in names}
     for p in range(passes):
         for name in names[p % len(names):] + names[:p % len(names)]:
             fn = arms[name]
             if barrier is not None:
                 barrier()
             start.record()
-            t0 = _time.perf_counter()
+            t0, c0 = _time.perf_counter(), _time.thread_time()
             for _ in range(calls):
                 fn()
-            issued = _time.perf_counter() - t0
+            issued, used = _time.perf_counter() - t0, _time.thread_time() - c0
             end.record()
             end.synchronize()
             w, h = 1e3 * start.elapsed_time(end) / calls, 1e6 * issued / calls
@@ -247,8 +251,9 @@ def time_back_to_back(arms: dict[str, Callable[[], object]], *, calls: int = 50,
                 w, h = (max(v) for v in zip(*gather((w, h))))
             wall[name].append(w)
             host[name].append(h)
+            cpu[name].append(1e6 * used / calls)
     return {n: {"wall_us": statistics.median(wall[n]), "host_us": statistics.median(host[n]),
-                "wall_pass_us": wall[n], "host_pass_us": host[n]} for n in names}
+                "wall_pass_us": wall[n], "host_pass_us": host[n], "cpu_pass_us": cpu[n]} for n in names}
 
 
 def graphed(arms, rotate):

@@ -141,6 +141,41 @@ def test_per_pass_ratio_pairs_the_arms_of_each_pass():
         per_pass_ratio([1.0, 2.0], [1.0])
 
 
+def test_back_to_back_keeps_the_threads_cpu_time_apart_from_the_hosts_clock(monkeypatch):
+    """``time_back_to_back``'s ``cpu_pass_us``: the calling thread's CPU time per call. An arm that
+    waits off the CPU (a sleep: a busy host's descheduled thread) costs host-clock time but almost no
+    CPU time; one that computes costs both. (CUDA's events stood in for: no GPU here.)"""
+    import time
+
+    from cco.bench import timing
+
+    class Event:
+        def __init__(self, **_):
+            self.t = 0.0
+
+        def record(self):
+            self.t = time.perf_counter()
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return 1e3 * (end.t - self.t)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+
+    def spin(s=0.004):
+        t = time.thread_time()
+        while time.thread_time() - t < s:
+            pass
+
+    t = timing.time_back_to_back({"sleep": lambda: time.sleep(0.004), "spin": spin}, calls=3, passes=3, warmup=0)
+    for name in ("sleep", "spin"):
+        assert len(t[name]["cpu_pass_us"]) == 3 and min(t[name]["host_pass_us"]) >= 3500
+    assert max(t["sleep"]["cpu_pass_us"]) < 1500 and min(t["spin"]["cpu_pass_us"]) >= 3500
+
+
 def test_sequence_parallel_patterns_select_their_own_arms():
     """``--pattern rs | ag``: their arms (mori's split-sdma / fused-sdma names too), symm-mem only for
     ptpc, and the all-reduce's arms refused by name rather than timed as something else."""
@@ -288,6 +323,33 @@ def test_decode_model_ratios_pass_by_pass(tmp_path, capsys):
     path.write_text(json.dumps({"per_call": []}))
     with pytest.raises(SystemExit, match="no model rows with times"):
         B.main(["--from", str(path)])
+
+
+def test_decode_model_timing_gives_each_arm_its_threads_cpu_time():
+    """``time_decode``: each arm's eager passes as wall time and as the issuing thread's CPU time
+    (``CPU_MODE``), both per token, each with its pass-by-pass ratio to bf16 (``pass_ratios``); no
+    graph mode for arms without a captured step. (The timing itself stood in for: no GPU here.)"""
+    from types import SimpleNamespace
+
+    from scripts import bench_decode as B
+
+    canned = {"bf16": {"wall_pass_us": [20e3, 20e3, 40e3], "host_pass_us": [20e3] * 3, "cpu_pass_us": [10e3] * 3},
+              "cco ptpc": {"wall_pass_us": [22e3, 30e3, 40e3], "host_pass_us": [21e3] * 3, "cpu_pass_us": [9e3] * 3}}
+
+    def timed(steps, **_):
+        assert set(steps) == set(canned)
+        return {arm: canned[arm] for arm in steps}
+
+    model = SimpleNamespace(_cco_rowwise=[], _cco_colwise=[])
+    args = SimpleNamespace(tokens=2, repeats=3, python_arms=False, kept_arms=False)
+    out = B.time_decode(model, None, {"bf16": ([], None), "cco ptpc": ([], None)}, args, timed)
+    runs = [{"batch": 1, "arm": arm, "modes": modes} for arm, modes in out.items()]
+    B.pass_ratios(runs)
+    cpu, eager = out["cco ptpc"][B.CPU_MODE], out["cco ptpc"]["eager"]
+    assert cpu["ms_per_token"] == 4.5 and cpu["vs_bf16"]["median"] == pytest.approx(0.9)
+    assert eager["ms_per_token"] == 15.0 and eager["vs_bf16"]["median"] == pytest.approx(1.1)
+    assert eager["host_ms_per_token"] == 10.5 and "graph" not in out["bf16"]
+    assert "eager thread CPU 4.50 ms/token" in B.model_line(runs[1])
 
 
 def test_decode_model_profile_writes_one_table_per_arm(tmp_path, monkeypatch):
