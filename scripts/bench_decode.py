@@ -436,6 +436,7 @@ def model_runs(args, comm, device) -> list[dict]:
 
 _START = time.monotonic()
 CPU_MODE = "eager thread CPU"  # a model arm's mode: the issuing thread's CPU time per token, eager
+MODE_COLORS = {"eager": "tab:blue", CPU_MODE: "lightsteelblue", "graph": "tab:orange"}  # (a target's line: its mode's)
 
 
 def progress(what: str) -> None:
@@ -841,19 +842,19 @@ def plot(model_rows, path: str) -> None:
             x = [j + width * i for j in range(len(rows))]
             t = [r["modes"].get(mode, {}) for r in rows]
             med = [m.get("ms_per_token", float("nan")) for m in t]
-            top.bar(x, med, width=width, label=mode,
+            top.bar(x, med, width=width, label=mode, color=MODE_COLORS[mode],
                     yerr=_whiskers(med, [m.get("min") for m in t], [m.get("max") for m in t]))
             vs = [m.get("vs_bf16", {}) for m in t]
             ratio = [v.get("median", float("nan")) for v in vs]
-            bottom.bar(x, ratio, width=width, label=mode,
+            bottom.bar(x, ratio, width=width, label=mode, color=MODE_COLORS[mode],
                        yerr=_whiskers(ratio, [v.get("min") for v in vs], [v.get("max") for v in vs]))
         for ax in (top, bottom):
             ax.set_xticks([j + width * (len(modes) - 1) / 2 for j in range(len(rows))], names, rotation=30, ha="right")
         top.set_ylabel("ms / token (median, min..max over passes)")
         top.set_title(f"greedy decode, batch {batch}")
         top.legend()
-        bottom.axhline(1.0, color="tab:blue", linestyle="--", linewidth=1, label="eager target (1.0x)")
-        bottom.axhline(0.8, color="tab:orange", linestyle="--", linewidth=1, label="graph target (0.8x)")
+        bottom.axhline(1.0, color=MODE_COLORS["eager"], linestyle="--", linewidth=1, label="eager target (1.0x)")
+        bottom.axhline(0.8, color=MODE_COLORS["graph"], linestyle="--", linewidth=1, label="graph target (0.8x)")
         bottom.set_ylabel("time over bf16's, pass by pass (lower is better)")
         bottom.legend(fontsize=8)
     fig.tight_layout()
