@@ -220,7 +220,7 @@ def time_back_to_back(arms: dict[str, Callable[[], object]], *, calls: int = 50,
     (order rotated); each figure is the median over passes with its min..max; ``barrier`` starts
     every arm's run on all ranks together, ``gather`` (an all-gather of a Python object) takes the
     max over ranks. Returns ``{name: {"wall_us", "host_us", "wall_pass_us", "host_pass_us",
-    "cpu_pass_us"}}``, the last the calling thread's CPU time per call in each pass (rank 0's)."""
+    "cpu_pass_us"}}``, the last the calling thread's CPU time per call in each pass (this rank's own)."""
     import time as _time
 
     if passes < 3 or calls < 1:
