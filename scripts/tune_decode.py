@@ -36,6 +36,8 @@ SHAPES = {  # name: (N, K)
     "8b-down-tp1": (4096, 14336), "8b-o-tp1": (4096, 4096), "8b-gateup-tp1": (28672, 4096),
     "8b-qkv-tp1": (6144, 4096), "8b-down-tp8": (4096, 1792), "70b-down-tp1": (8192, 28672),
     "70b-o-tp8": (8192, 1024),
+    # transformers' Llama keeps q/k/v and gate/up as separate linears: the shapes its decode step calls
+    "8b-gate-tp1": (14336, 4096), "8b-kv-tp1": (1024, 4096),
 }
 
 
