@@ -38,6 +38,13 @@ def configs(quant: str, k: int):
             yield bn, bk, split, 4, stages
 
 
+def one_row_kernel(launch):
+    """The kernel an eager one-row call of ``launch`` (a ``decode._Launch`` of one row) runs: its
+    eager path ``one`` beside the captured quantizer + MMA, or the launch's only kernel where the
+    weight is under ``decode.CAPTURED_ROW_MIN_BYTES`` (a capture takes the one-row kernel too)."""
+    return launch.one if launch.one is not None else launch.kernel
+
+
 def parse_args(argv=None):
     return shape_probe_args(__doc__, SHAPES, argv)
 
@@ -148,9 +155,7 @@ def main(argv=None):
                     D.decode_gemm(x, wq, ws, quant, n=n)
                     (row,) = D._LAUNCHES.values()
                     o1 = torch.empty(1, n, dtype=torch.bfloat16, device=dev)
-                    # the eager path's launch: ``one`` beside the captured MMA, or the launch's only kernel where
-                    # the weight is under decode.CAPTURED_ROW_MIN_BYTES (a capture takes the row kernel too)
-                    kernel = row.one if row.one is not None else row.kernel
+                    kernel = one_row_kernel(row)
                     arms["one-row kernel"] = lambda x=x, row=row, kernel=kernel, o=o1, wq=wq, ws=ws: (
                         kernel(0, *row._row(x, wq, ws, o, o, x.stride(0), ws.stride(0))), o)[1]
                 for cfg in configs(quant, k):

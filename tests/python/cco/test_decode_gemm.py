@@ -284,6 +284,31 @@ def test_one_row_eager_kernel_and_captured_mma(monkeypatch, quant):
     D._LAUNCHES.clear()
 
 
+@pytest.mark.parametrize("quant", ["ptpc", "blockscale"])
+def test_probe_times_the_one_row_kernel_on_either_side_of_the_bound(monkeypatch, quant):
+    """``probe_decode_split_k.one_row_kernel``: the one-row kernel an eager call runs, over the bound
+    (beside the captured MMA) and under it (the launch's only kernel), its product the call's. It
+    called the eager path alone before, which a launch under the bound does not have."""
+    from kernels_fused.hopper import decode as D
+    from scripts.probe_decode_split_k import one_row_kernel
+
+    n, k = 200, 768
+    x = activations(1, k, seed=5)
+    wq, ws = weight(n, k, k, quant)
+    for bound in (0, n * k + 1):
+        monkeypatch.setattr(D, "CAPTURED_ROW_MIN_BYTES", bound)
+        D._LAUNCHES.clear()
+        want = D.decode_gemm(x, wq, ws, quant, n=n)
+        (launch,) = D._LAUNCHES.values()
+        assert (launch.one is None) == bool(bound)
+        kernel = one_row_kernel(launch)
+        assert kernel.fn.__name__ == "decode_gemv_kernel"
+        out = torch.empty(1, n, dtype=torch.bfloat16)
+        kernel(-1, *launch._row(x, wq, ws, out, out, x.stride(0), ws.stride(0)))
+        assert torch.equal(out, want)
+    D._LAUNCHES.clear()
+
+
 def test_ptpc_one_launch_refused_falls_back_to_two():
     """A cooperative launch the driver refuses on the first call of a shape (a GPU share under MPS
     or green contexts: "too many blocks in cooperative launch") warns once and takes the two
