@@ -939,10 +939,10 @@ def main(argv=None) -> int:
         model = earlier.get("model")
         if not (args.plot or args.plot_per_call):  # the model's table, with each arm's pass-by-pass ratios
             runs = model.get("runs") if isinstance(model, dict) else None
-            if not (isinstance(runs, list) and timed_model_rows(runs)):
+            runs = timed_model_rows(runs) if isinstance(runs, list) else []
+            if not runs:
                 raise SystemExit(f"bench_decode: --from {args.from_json}: no model rows with times to print; "
                                  f"pass --plot-per-call to draw a per-call run")
-            runs = timed_model_rows(runs)
             pass_ratios(runs)
             for record in runs:
                 print(model_line(record))

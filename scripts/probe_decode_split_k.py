@@ -139,19 +139,19 @@ def main(argv=None):
         for quant in ("ptpc", "blockscale"):
             wq, ws = Q.quantize_b(w, quant)
             vw = vendor.prepare_weight(wq, ws, quant)
+            wd = Q.dequantize_b(wq, ws, quant)  # (the reference's weight, the same at every M)
             for m in args.m:
                 restore()
                 x = torch.randn(m, k, device=dev).to(torch.bfloat16)
                 q, sa = quantize_activation(x, quant, k_padded=k)
-                ad, wd = Q.dequantize_a(q, sa, quant), Q.dequantize_b(wq, ws, quant)
+                ad = Q.dequantize_a(q, sa, quant)
                 ref, dot_abs = ad @ wd.t(), ad.abs() @ wd.abs().t()
                 rows_v = vendor.padded_rows(quant, m)
                 arms = {"nn.Linear bf16": lambda x=x: torch.nn.functional.linear(x, w_bf16),
                         "quantizer + cuBLAS": lambda x=x, quant=quant, rows_v=rows_v, vw=vw: vendor.vendor_gemm(
                             *quantize_activation(x, quant, k_padded=k, m_padded=rows_v), vw)[:m],
                         "decode_gemm": lambda x=x, wq=wq, ws=ws, quant=quant: D.decode_gemm(x, wq, ws, quant, n=n)}
-                if m == 1:
-                    D._LAUNCHES.clear()
+                if m == 1:  # (restore() left no launch: the one made here is the row's)
                     D.decode_gemm(x, wq, ws, quant, n=n)
                     (row,) = D._LAUNCHES.values()
                     o1 = torch.empty(1, n, dtype=torch.bfloat16, device=dev)
