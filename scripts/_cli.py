@@ -20,11 +20,14 @@ def ints(text: str) -> list[int]:
     return values
 
 
-def shape_probe_args(doc: str, shapes, argv=None) -> argparse.Namespace:
+def shape_probe_args(doc: str, shapes, argv=None, quants: tuple[str, ...] = ()) -> argparse.Namespace:
     """The three positionals of a probe over tune_decode's shapes (``SHAPES M_LIST OUT.json``; the
     probe's module docstring ``doc`` gives the description): ``--help`` prints the usage, and a bad
-    value is one usage line, not the ``KeyError`` of a shape named ``--help``."""
+    value is one usage line, not the ``KeyError`` of a shape named ``--help``. ``quants``: the probe
+    also takes ``--quant`` (a comma list of them, default all)."""
     p = argparse.ArgumentParser(description=" ".join(doc.split("\n\n")[0].split()).replace("``", "").rstrip(":") + ".")
+    if quants:
+        p.add_argument("--quant", default=",".join(quants), help=f"comma list of {', '.join(quants)}")
     p.add_argument("shapes", help=f"comma list of tune_decode's shapes: {', '.join(shapes)}")
     p.add_argument("m", type=ints, help="comma list of row counts")
     p.add_argument("json", help="write the rows here")
@@ -33,6 +36,10 @@ def shape_probe_args(doc: str, shapes, argv=None) -> argparse.Namespace:
     unknown = [s for s in args.shapes if s not in shapes]
     if unknown:
         p.error(f"unknown shapes {unknown}: pick from {', '.join(shapes)}")
+    if quants:
+        args.quant = args.quant.split(",")
+        if [q for q in args.quant if q not in quants]:
+            p.error(f"--quant {','.join(args.quant)}: pick from {', '.join(quants)}")
     where = os.path.dirname(args.json)
     if where and not os.path.isdir(where):  # now, not after every shape has been timed
         p.error(f"json {args.json}: directory {where} does not exist")

@@ -3,6 +3,7 @@ programs, per config, against what else a call could run and bf16 ``nn.Linear``,
 graph replay, one GPU::
 
     python3 -m scripts.probe_decode_split_k 8b-down-tp1,8b-o-tp1,70b-down-tp1 1,8,16,64 split.json
+    python3 -m scripts.probe_decode_split_k --quant blockscale 8b-o-tp1 8,64 bs.json
     python3 -m scripts.probe_decode_split_k --from split.json --plot split.png   # its picture, no GPU
 
 Why: one program per ``BLOCK_N`` (64) weight rows gives a Llama-3-8B layer (N = 4096) 64 programs
@@ -13,7 +14,8 @@ and the vendor GEMM: the layer's general path, and blockscale's decode rows befo
 ``decode_gemm`` (the rule's pick as a graph capture takes it); at one row ``one-row kernel`` (the
 one-row GEMV an eager call takes); and per config ``BLOCK_N/BLOCK_K/SPLIT/warps/stages`` the
 quantizer's launch and the MMA built by ``decode._Launch`` with that config (``decode``'s tables and
-``MMA_SPLIT`` set for it, the rule's waves bound lifted). Every arm is first checked against the fp32
+``MMA_SPLIT`` set for it, the rule's waves bound lifted); blockscale's configs of BLOCK_K 256 also
+with the scales prefetched (``decode.BLOCKSCALE_PREFETCH``), labelled ``... prefetch``. Every arm is first checked against the fp32
 product of the dequantized operands (``gemm_mismatches``: none outside the fp8 GEMM's budget) and for
 equal bits on a repeat.
 """
@@ -45,8 +47,23 @@ def one_row_kernel(launch):
     return launch.one if launch.one is not None else launch.kernel
 
 
+def prefetched(D, build, x, wq, ws, out):
+    """The quantizer and MMA of the launch ``build()`` makes with ``decode.BLOCKSCALE_PREFETCH`` on
+    (the flag restored after), as a capture takes them."""
+    from scripts.bench_decode import switched_off
+
+    saved, D.BLOCKSCALE_PREFETCH = D.BLOCKSCALE_PREFETCH, True
+    try:
+        launch = build()
+    finally:
+        D.BLOCKSCALE_PREFETCH = saved
+    if not launch.consts[-1]:
+        raise ValueError("the launch built does not prefetch (blockscale's MMA over rows, BLOCK_K 128 or 256)")
+    return switched_off(lambda: (launch(x, x.stride(0), wq, ws, None, out), out)[1], D, "ONE_LAUNCH")
+
+
 def parse_args(argv=None):
-    return shape_probe_args(__doc__, SHAPES, argv)
+    return shape_probe_args(__doc__, SHAPES, argv, quants=("ptpc", "blockscale"))
 
 
 def with_config(D, quant: str, cfg) -> None:
@@ -136,7 +153,7 @@ def main(argv=None):
     t0 = time.time()
     for name in args.shapes:
         n, k, w, w_bf16 = shape_weight(name, dev)
-        for quant in ("ptpc", "blockscale"):
+        for quant in args.quant:
             wq, ws = Q.quantize_b(w, quant)
             vw = vendor.prepare_weight(wq, ws, quant)
             wd = Q.dequantize_b(wq, ws, quant)  # (the reference's weight, the same at every M)
@@ -166,6 +183,10 @@ def main(argv=None):
                     two = switched_off(lambda x=x, launch=launch, o=torch.empty(m, n, dtype=torch.bfloat16, device=dev):
                                        (launch(x, x.stride(0), wq, ws, None, o), o)[1], D, "ONE_LAUNCH")
                     arms[label] = two
+                    if quant == "blockscale" and cfg[1] == 256:  # its twin with the scales prefetched
+                        arms[label + " prefetch"] = prefetched(D, lambda: D._Launch(m, k, k, n, quant, False, 0),
+                                                               x, wq, ws, torch.empty(m, n, dtype=torch.bfloat16,
+                                                                                      device=dev))
                 restore()
                 bad, wrong = {}, []
                 for label, fn in list(arms.items()):
@@ -190,7 +211,11 @@ def main(argv=None):
                 cfgs = [(v, a) for a, v in t.items() if a.count("/") == 4]
                 best = sorted(cfgs)[:4]
                 unsplit = min((v, a) for v, a in cfgs if a.split("/")[2] == "1")
+                twins = sorted(t[a] / t[a.removesuffix(" prefetch")] for a in t
+                               if a.endswith(" prefetch") and a.removesuffix(" prefetch") in t)
                 print(f"[{time.time() - t0:.0f} s] {name} {quant} M={m}: bf16 {base:.1f} us | "
+                      + (f"prefetch / twin {twins[len(twins) // 2]:.3f}x ({twins[0]:.3f}-{twins[-1]:.3f}) | "
+                         if twins else "")
                       + " | ".join(f"{a} {t[a]:.1f} ({t[a] / base:.2f}x)" for a in
                                    ("quantizer + cuBLAS", "decode_gemm", "one-row kernel") if a in t)
                       + f" | unsplit best {unsplit[1]} {unsplit[0]:.1f} ({unsplit[0] / base:.2f}x) | best: "

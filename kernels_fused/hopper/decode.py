@@ -139,6 +139,11 @@ WIDE_STAGES = {"ptpc": 4, "blockscale": 3}
 # rows, 70B down 100 / 108 against 95 / 103), so blockscale takes 4 up to two programs per SM.
 MMA_SPLIT = {"ptpc": 2, "blockscale": 4}
 MMA_SPLIT_WAVES = {"ptpc": 1, "blockscale": 2}
+# True (``CCO_DECODE_BLOCKSCALE_PREFETCH=1``): blockscale's MMA over rows loads each step's scales one
+# step ahead (decode_kernels._mma_rows's PREFETCH; the same bits). Compiled for sm_90, the loop's scale
+# loads otherwise sit between a step's group MMAs, each product waiting on them (docs/decode.md).
+# Read when a call shape's launch is built.
+BLOCKSCALE_PREFETCH = os.environ.get("CCO_DECODE_BLOCKSCALE_PREFETCH", "0") == "1"
 # One row under a graph capture takes the quantizer + MMA where the fp8 weight has at least this many
 # bytes, else the one-row kernel as eagerly: the quantizer's launch costs ~2 us of a replay, which a
 # small weight's faster read does not win back (8B o_proj, 16.8 MB: 7.1 / 8.6 us against the one-row
@@ -579,10 +584,12 @@ class _Launch:
                 consts = (*consts[:-1], zero_words)
             # the quantizer's M, M_OUT, K, K_PAD (then x's row stride, tiny, fp8_max, its constants);
             # the MMA's M, N, K_PAD, K_SLICE, scale stride (blockscale's rows: M), and QUANT,
-            # HAS_BIAS, BLOCK_N, BLOCK_K, ROWS, SPLIT, ROUND_IN_FP32
+            # HAS_BIAS, BLOCK_N, BLOCK_K, ROWS, SPLIT, ROUND_IN_FP32, PREFETCH
             self.q_args = ((m, m, k, k_padded), consts)
             self.ints = (m, n, k_padded, -(-(k_padded // step) // split) * step, m if quant == "blockscale" else 0)
-            self.consts = (_QUANT_CODE[quant], has_bias, block_n, step, max(16, _pow2(m)), split, _interpreting())
+            prefetch = quant == "blockscale" and BLOCKSCALE_PREFETCH and step in (SCALE_BLOCK, 2 * SCALE_BLOCK)
+            self.consts = (_QUANT_CODE[quant], has_bias, block_n, step, max(16, _pow2(m)), split, _interpreting(),
+                           prefetch)
             self.kernel = Kernel(_kernel("mma"), (programs, split), **options)
             if quant == "ptpc" and m > 1 and programs <= resident_programs(device) \
                     and n * k_padded <= ONE_LAUNCH_MAX_BYTES:
