@@ -150,8 +150,7 @@ def launches(quant: str, m: int, n: int, k: int, dense: bool | None = None) -> l
             found.append(("decode quantizer", launch.quantize, launch._quantize(x, q, scales, k)))
     if launch.kernel is not None:
         if launch.quantize is not None:
-            prefetch = " (scales prefetched)" if launch.consts[-1] else ""  # decode.BLOCKSCALE_PREFETCH
-            found.append(("decode MMA over quantized rows" + prefetch, launch.kernel, launch._mma(
+            found.append(("decode MMA over quantized rows", launch.kernel, launch._mma(
                 q, sa, w, w_scale, bias, out, e(1, dtype=torch.int32), e(1, dtype=torch.float32), scale_stride)))
         else:
             name = "decode rows kernel" if 1 < m <= D.rows_max(quant) else "decode one-row GEMM (a program a row)"

@@ -14,8 +14,7 @@ and the vendor GEMM: the layer's general path, and blockscale's decode rows befo
 ``decode_gemm`` (the rule's pick as a graph capture takes it); at one row ``one-row kernel`` (the
 one-row GEMV an eager call takes); and per config ``BLOCK_N/BLOCK_K/SPLIT/warps/stages`` the
 quantizer's launch and the MMA built by ``decode._Launch`` with that config (``decode``'s tables and
-``MMA_SPLIT`` set for it, the rule's waves bound lifted); blockscale's configs of BLOCK_K 256 also
-with the scales prefetched (``decode.BLOCKSCALE_PREFETCH``), labelled ``... prefetch``. Every arm is first checked against the fp32
+``MMA_SPLIT`` set for it, the rule's waves bound lifted). Every arm is first checked against the fp32
 product of the dequantized operands (``gemm_mismatches``: none outside the fp8 GEMM's budget) and for
 equal bits on a repeat.
 """
@@ -45,21 +44,6 @@ def one_row_kernel(launch):
     eager path ``one`` beside the captured quantizer + MMA, or the launch's only kernel where the
     weight is under ``decode.CAPTURED_ROW_MIN_BYTES`` (a capture takes the one-row kernel too)."""
     return launch.one if launch.one is not None else launch.kernel
-
-
-def prefetched(D, build, x, wq, ws, out):
-    """The quantizer and MMA of the launch ``build()`` makes with ``decode.BLOCKSCALE_PREFETCH`` on
-    (the flag restored after), as a capture takes them."""
-    from scripts.bench_decode import switched_off
-
-    saved, D.BLOCKSCALE_PREFETCH = D.BLOCKSCALE_PREFETCH, True
-    try:
-        launch = build()
-    finally:
-        D.BLOCKSCALE_PREFETCH = saved
-    if not launch.consts[-1]:
-        raise ValueError("the launch built does not prefetch (blockscale's MMA over rows, BLOCK_K 128 or 256)")
-    return switched_off(lambda: (launch(x, x.stride(0), wq, ws, None, out), out)[1], D, "ONE_LAUNCH")
 
 
 def parse_args(argv=None):
@@ -183,10 +167,6 @@ def main(argv=None):
                     two = switched_off(lambda x=x, launch=launch, o=torch.empty(m, n, dtype=torch.bfloat16, device=dev):
                                        (launch(x, x.stride(0), wq, ws, None, o), o)[1], D, "ONE_LAUNCH")
                     arms[label] = two
-                    if quant == "blockscale" and cfg[1] == 256:  # its twin with the scales prefetched
-                        arms[label + " prefetch"] = prefetched(D, lambda: D._Launch(m, k, k, n, quant, False, 0),
-                                                               x, wq, ws, torch.empty(m, n, dtype=torch.bfloat16,
-                                                                                      device=dev))
                 restore()
                 bad, wrong = {}, []
                 for label, fn in list(arms.items()):
@@ -211,11 +191,7 @@ def main(argv=None):
                 cfgs = [(v, a) for a, v in t.items() if a.count("/") == 4]
                 best = sorted(cfgs)[:4]
                 unsplit = min((v, a) for v, a in cfgs if a.split("/")[2] == "1")
-                twins = sorted(t[a] / t[a.removesuffix(" prefetch")] for a in t
-                               if a.endswith(" prefetch") and a.removesuffix(" prefetch") in t)
                 print(f"[{time.time() - t0:.0f} s] {name} {quant} M={m}: bf16 {base:.1f} us | "
-                      + (f"prefetch / twin {twins[len(twins) // 2]:.3f}x ({twins[0]:.3f}-{twins[-1]:.3f}) | "
-                         if twins else "")
                       + " | ".join(f"{a} {t[a]:.1f} ({t[a] / base:.2f}x)" for a in
                                    ("quantizer + cuBLAS", "decode_gemm", "one-row kernel") if a in t)
                       + f" | unsplit best {unsplit[1]} {unsplit[0]:.1f} ({unsplit[0] / base:.2f}x) | best: "

@@ -139,11 +139,6 @@ WIDE_STAGES = {"ptpc": 4, "blockscale": 3}
 # rows, 70B down 100 / 108 against 95 / 103), so blockscale takes 4 up to two programs per SM.
 MMA_SPLIT = {"ptpc": 2, "blockscale": 4}
 MMA_SPLIT_WAVES = {"ptpc": 1, "blockscale": 2}
-# True (``CCO_DECODE_BLOCKSCALE_PREFETCH=1``): blockscale's MMA over rows loads each step's scales one
-# step ahead (decode_kernels._mma_rows's PREFETCH; the same bits). Compiled for sm_90, the loop's scale
-# loads otherwise sit between a step's group MMAs, each product waiting on them (docs/decode.md).
-# Read when a call shape's launch is built.
-BLOCKSCALE_PREFETCH = os.environ.get("CCO_DECODE_BLOCKSCALE_PREFETCH", "0") == "1"
 # One row under a graph capture takes the quantizer + MMA where the fp8 weight has at least this many
 # bytes, else the one-row kernel as eagerly: the quantizer's launch costs ~2 us of a replay, which a
 # small weight's faster read does not win back (8B o_proj, 16.8 MB: 7.1 / 8.6 us against the one-row
@@ -557,8 +552,8 @@ class _Launch:
             # launch: the host's cost bounds an eager call), a graph capture the quantizer's launch and
             # the MMA over the row, which read the weight faster (under graph replay at 1 row, ptpc 20.8 /
             # 61.7 / 7.1 us against 25.3 / 87.8 / 10.1 at 8B down, 70B down, 8B qkv; blockscale 21.8 /
-            # 63.2 / 9.4 against 28.2 / 98.9 / 12.7; 8B o 6.7 / 8.5 against 6.7 / 7.7; one H200,
-            # scripts/probe_decode_split_k.py, docs/decode.md)
+            # 63.2 / 9.4 against 28.2 / 98.9 / 12.7; one H200, scripts/probe_decode_split_k.py,
+            # docs/decode.md). A weight under CAPTURED_ROW_MIN_BYTES (8B o) took the branch above.
             self.one = row
         table_n, table_k, table_warps, table_stages = tables(quant, max(m, 2))
         block_n = table_n[quant]
@@ -574,7 +569,7 @@ class _Launch:
             programs = -(-n // block_n)
             split = mma_split(quant, programs, k_padded // step, device)
             self.layout = MmaScratch(quant, m, k_padded, programs, split, block_n, max(16, _pow2(m)))
-            zero_words = self.layout.counter_words if split > 1 else 0
+            zero_words = self.layout.counter_words  # (0 without a split: nothing to zero)
             if quant == "ptpc":  # the quantizer's ROW_BLOCK, SLICE_K, SKIP_ZEROS, ROUND_IN_FP32, ZERO_WORDS
                 grid, row_block, slice_k = split_launch(m, k, k_padded)
                 self.quantize = Kernel(_quantize_kernel(), grid, num_warps=SPLIT_NUM_WARPS)
@@ -584,12 +579,10 @@ class _Launch:
                 consts = (*consts[:-1], zero_words)
             # the quantizer's M, M_OUT, K, K_PAD (then x's row stride, tiny, fp8_max, its constants);
             # the MMA's M, N, K_PAD, K_SLICE, scale stride (blockscale's rows: M), and QUANT,
-            # HAS_BIAS, BLOCK_N, BLOCK_K, ROWS, SPLIT, ROUND_IN_FP32, PREFETCH
+            # HAS_BIAS, BLOCK_N, BLOCK_K, ROWS, SPLIT, ROUND_IN_FP32
             self.q_args = ((m, m, k, k_padded), consts)
             self.ints = (m, n, k_padded, -(-(k_padded // step) // split) * step, m if quant == "blockscale" else 0)
-            prefetch = quant == "blockscale" and BLOCKSCALE_PREFETCH and step in (SCALE_BLOCK, 2 * SCALE_BLOCK)
-            self.consts = (_QUANT_CODE[quant], has_bias, block_n, step, max(16, _pow2(m)), split, _interpreting(),
-                           prefetch)
+            self.consts = (_QUANT_CODE[quant], has_bias, block_n, step, max(16, _pow2(m)), split, _interpreting())
             self.kernel = Kernel(_kernel("mma"), (programs, split), **options)
             if quant == "ptpc" and m > 1 and programs <= resident_programs(device) \
                     and n * k_padded <= ONE_LAUNCH_MAX_BYTES:

@@ -191,7 +191,7 @@ def decode_rows_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, K_PAD, 
 def decode_mma_rows_kernel(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, cnt_ptr, part_ptr, M, N, K_PAD, K_SLICE,
                            stride_sa, stride_ws, QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
-                           ROUND_IN_FP32: tl.constexpr, PREFETCH: tl.constexpr = False):
+                           ROUND_IN_FP32: tl.constexpr):
     """The product of 2..64 rows already quantized (the activation quantizer's e4m3 ``q [M, K_PAD]``
     and scales ``sa``: ptpc fp32 ``[M]``, blockscale fp32 ``[K_PAD / 128, M]`` with group stride
     ``stride_sa``): program ``(n block, s)`` takes ``BLOCK_N`` weight rows and slice ``s`` of
@@ -199,23 +199,19 @@ def decode_mma_rows_kernel(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, cnt_
     (``decode_rows_kernel``) costs more than the weight's read from 4 rows on."""
     _mma_rows(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, cnt_ptr, part_ptr, tl.program_id(0), tl.program_id(1),
               M, N, K_PAD, K_SLICE, stride_sa, stride_ws, QUANT, HAS_BIAS, BLOCK_N, BLOCK_K, ROWS, SPLIT,
-              ROUND_IN_FP32, PREFETCH)
+              ROUND_IN_FP32)
 
 
 @triton.jit
 def _mma_rows(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, cnt_ptr, part_ptr, block, s, M, N, K_PAD, K_SLICE,
               stride_sa, stride_ws, QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
-              PREFETCH: tl.constexpr):
+              BLOCK_K: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
     """Weight rows ``[block * BLOCK_N, (block + 1) * BLOCK_N)`` over K columns ``[s * K_SLICE, (s + 1)
     * K_SLICE)``, read once and multiplied by every quantized row on tensor cores, the weight as the
     MMA's M side (``w [BLOCK_N, BLOCK_K] @ q.T [BLOCK_K, ROWS]``, ROWS a power of two >= M and >=
     16, the MMA's least width; rows past M read as zeros). ptpc (QUANT 0): one e4m3 MMA chain, both
     scales applied to the sum. blockscale (QUANT 1): a step's ``BLOCK_K / 128`` scale groups each
     its own MMA, scaled by the rows' and the weight block's scales (``BLOCK_N`` divides 128).
-    ``PREFETCH`` (blockscale, ``BLOCK_K`` 128 or 256): those scales are loaded one step ahead, so
-    their latency leaves the step (compiled for sm_90, the loop's scale loads sit between its MMAs
-    otherwise, each group's product waiting on them); the same products, so the same bits.
 
     ``SPLIT`` > 1 (a weight of few ``BLOCK_N`` blocks, which would leave most SMs idle): each
     program stores its fp32 partial to ``part`` (``SPLIT`` per n block), then counts itself in on
@@ -237,7 +233,7 @@ def _mma_rows(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, cnt_ptr, part_ptr
             w = tl.load(w_rows + k0, mask=n_ok[:, None], other=0.0)
             q = tl.load(q_rows + k0, mask=r_ok[:, None], other=0.0)
             acc = tl.dot(w, tl.trans(q), acc)
-    elif not PREFETCH:
+    else:
         ws_row = ws_ptr + (block * BLOCK_N // 128) * stride_ws
         for k0 in range(k_lo, k_hi, BLOCK_K):
             for j in tl.static_range(BLOCK_K // 128):  # the step's groups: BLOCK_K / 128 tiles in flight
@@ -246,24 +242,6 @@ def _mma_rows(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, cnt_ptr, part_ptr
                 q = tl.load(q_rows + kb, mask=r_ok[:, None], other=0.0)
                 sa = tl.load(sa_ptr + (kb // 128) * stride_sa + rows, mask=r_ok, other=0.0)
                 acc += tl.dot(w, tl.trans(q)) * (sa * tl.load(ws_row + kb // 128))[None, :]
-    else:  # the same products, each group's scales loaded one step before its MMA (see _group_scales)
-        tl.static_assert(BLOCK_K == 128 or BLOCK_K == 256, "PREFETCH carries one or two groups' scales")
-        ws_row = ws_ptr + (block * BLOCK_N // 128) * stride_ws
-        c0 = _group_scales(sa_ptr, ws_row, k_lo, k_hi, stride_sa, rows, r_ok)
-        c1 = _group_scales(sa_ptr, ws_row, k_lo + 128, k_hi, stride_sa, rows, r_ok)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            n0 = _group_scales(sa_ptr, ws_row, k0 + BLOCK_K, k_hi, stride_sa, rows, r_ok)
-            n1 = _group_scales(sa_ptr, ws_row, k0 + BLOCK_K + 128, k_hi, stride_sa, rows, r_ok)
-            w = tl.load(w_rows + k0, mask=n_ok[:, None], other=0.0)
-            q = tl.load(q_rows + k0, mask=r_ok[:, None], other=0.0)
-            acc += tl.dot(w, tl.trans(q)) * c0[None, :]
-            if BLOCK_K == 256:
-                w = tl.load(w_rows + k0 + 128, mask=n_ok[:, None], other=0.0)
-                q = tl.load(q_rows + k0 + 128, mask=r_ok[:, None], other=0.0)
-                acc += tl.dot(w, tl.trans(q)) * c1[None, :]
-                c0, c1 = n0, n1
-            else:
-                c0 = n0
     if SPLIT == 1:
         _finish_rows(acc, sa_ptr, ws_ptr, bias_ptr, out_ptr, cols, n_ok, rows, r_ok, N, QUANT, HAS_BIAS,
                      ROUND_IN_FP32)
@@ -278,17 +256,6 @@ def _mma_rows(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, cnt_ptr, part_ptr
                 total += tl.load(parts + j * (BLOCK_N * ROWS) + tile, cache_modifier=".cg")
             _finish_rows(total, sa_ptr, ws_ptr, bias_ptr, out_ptr, cols, n_ok, rows, r_ok, N, QUANT, HAS_BIAS,
                          ROUND_IN_FP32)
-
-
-@triton.jit
-def _group_scales(sa_ptr, ws_row, kb, k_hi, stride_sa, rows, r_ok):
-    """The rows' scales of the 128-column group at column ``kb`` times the weight block's, the
-    factor that group's product is scaled by (``sa * ws``, the product the unprefetched loop forms).
-    A group at or past ``k_hi`` (a prefetch past the slice's last step, never used) reads the last
-    group of K instead, so that every load stays inside the scales without a mask."""
-    g = tl.minimum(kb, k_hi - 128) // 128
-    sa = tl.load(sa_ptr + g * stride_sa + rows, mask=r_ok, other=0.0)
-    return sa * tl.load(ws_row + g)
 
 
 @triton.jit
@@ -336,7 +303,7 @@ def decode_ptpc_kernel(x_ptr, q_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, sync_ptr,
             _grid_wait(sync_ptr, gen)
     if PHASES != 1:
         _mma_rows(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, sync_ptr, sync_ptr, tl.program_id(0), 0, M, N,
-                  K_PAD, K_PAD, 0, 0, 0, HAS_BIAS, BLOCK_N, BLOCK_K, ROWS, 1, ROUND_IN_FP32, False)
+                  K_PAD, K_PAD, 0, 0, 0, HAS_BIAS, BLOCK_N, BLOCK_K, ROWS, 1, ROUND_IN_FP32)
 
 
 @triton.jit

@@ -98,9 +98,6 @@ class GemmConfig:
     # mxfp8: cuBLAS's bf16 GEMM on the dequantized operands); the tile fields are unused, precise_acc
     # picks ptpc's accumulation.
     launch: str = "grid"
-    # blockscale, launches "grid" and "ws": each K step's scales loaded during the step before
-    # (kernels._tile_acc's PREFETCH_SCALES; the same bits). Other quants and launches ignore it.
-    prefetch_scales: bool = False
 
     def tiles(self, m: int, n: int) -> tuple[int, int]:
         return -(-m // self.block_m), -(-n // self.block_n)
@@ -379,7 +376,6 @@ def fp8_gemm(
         SCALE_BLOCK=SCALE_BLOCK, MAX_CHUNKS=MAX_CHUNKS, TILE_WEIGHT=int(tile_weight),
         WORLD=world, FP8_GATHER=fp8_gather, GATHER_GROUP=GATHER_GROUP,
         EPILOGUE_PIECES=_epilogue_pieces(cfg.block_n, fp8_gather),
-        PREFETCH_SCALES=cfg.prefetch_scales and quant == "blockscale",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
@@ -452,7 +448,7 @@ def _warp_specialized(a, b, a_scale, b_scale, *, quant, out, config, tiles, b_de
         a_src, b_src, c_desc, a_scale, b_scale, out.shape[0], out.shape[1], a.shape[1], *strides[2:],
         QUANT=QUANT_ID[quant], MX_BF16=not _interpreting(), PRECISE_ACC=config.precise_acc,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        SCALE_BLOCK=SCALE_BLOCK, NUM_PROGS=programs, PREFETCH_SCALES=config.prefetch_scales and quant == "blockscale",
+        SCALE_BLOCK=SCALE_BLOCK, NUM_PROGS=programs,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 

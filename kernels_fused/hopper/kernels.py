@@ -18,13 +18,10 @@ def _tile_acc(
     stride_asm, stride_ask, stride_bsn, stride_bsk,
     QUANT: tl.constexpr, USE_TMA: tl.constexpr, MX_BF16: tl.constexpr, PRECISE_ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr, PREFETCH_SCALES: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
 ):
     """The fp32 tile C[m0:m0+BLOCK_M, n0:n0+BLOCK_N], every scale applied: the K loop every
-    launch shares. ``PREFETCH_SCALES`` (blockscale): a step's row and column scales are loaded
-    during the step before (the last step reloads its own), so their latency leaves the step;
-    compiled for sm_90, they are otherwise loaded between the step's tile wait and its MMA, which
-    waits on them (docs/hopper_gemm.md). The same products, so the same bits."""
+    launch shares."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -33,11 +30,7 @@ def _tile_acc(
     rows_b = tl.where(offs_n < N, offs_n, 0)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    steps = tl.cdiv(K, BLOCK_K)
-    if QUANT == 1 and PREFETCH_SCALES:  # the first step's scales
-        sa_next = tl.load(as_ptr + rows_a * stride_asm)
-        sb_next = tl.load(bs_ptr + (rows_b // SCALE_BLOCK) * stride_bsn)
-    for kb in range(0, steps):
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
         k0 = kb * BLOCK_K
         if USE_TMA:
             a = a_src.load([m0, k0])  # [BLOCK_M, BLOCK_K], rows past M read as zeros
@@ -50,12 +43,6 @@ def _tile_acc(
                 acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
             else:
                 acc = tl.dot(a, tl.trans(b), acc)
-        elif QUANT == 1 and PREFETCH_SCALES:
-            sa, sb = sa_next, sb_next
-            after = tl.minimum(kb + 1, steps - 1)
-            sa_next = tl.load(as_ptr + rows_a * stride_asm + after * stride_ask)
-            sb_next = tl.load(bs_ptr + (rows_b // SCALE_BLOCK) * stride_bsn + after * stride_bsk)
-            acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
         elif QUANT == 1:
             sa = tl.load(as_ptr + rows_a * stride_asm + kb * stride_ask)
             sb = tl.load(bs_ptr + (rows_b // SCALE_BLOCK) * stride_bsn + kb * stride_bsk)
@@ -97,7 +84,7 @@ def fp8_gemm_ws_kernel(
     a_src, b_src, c_desc, as_ptr, bs_ptr, M, N, K, stride_asm, stride_ask, stride_bsn, stride_bsk,
     QUANT: tl.constexpr, MX_BF16: tl.constexpr, PRECISE_ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr, NUM_PROGS: tl.constexpr, PREFETCH_SCALES: tl.constexpr = False,
+    SCALE_BLOCK: tl.constexpr, NUM_PROGS: tl.constexpr,
 ):
     """The plain GEMM (``launch="ws"``): NUM_PROGS persistent programs stride the grouped tile
     order; Triton splits the tile loop into a producer warp group issuing the TMA loads and consumer
@@ -109,7 +96,7 @@ def fp8_gemm_ws_kernel(
         m0, n0 = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         acc = _tile_acc(a_src, b_src, as_ptr, bs_ptr, m0, n0, M, N, K, 0, 0,
                         stride_asm, stride_ask, stride_bsn, stride_bsk, QUANT, True, MX_BF16, PRECISE_ACC,
-                        BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BLOCK, PREFETCH_SCALES)
+                        BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BLOCK)
         halves = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
         c_desc.store([m0, n0], halves[0].to(tl.bfloat16))
         c_desc.store([m0, n0 + BLOCK_N // 2], halves[1].to(tl.bfloat16))
@@ -133,7 +120,6 @@ def fp8_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCALE_BLOCK: tl.constexpr, MAX_CHUNKS: tl.constexpr, TILE_WEIGHT: tl.constexpr,
     WORLD: tl.constexpr, FP8_GATHER: tl.constexpr, GATHER_GROUP: tl.constexpr, EPILOGUE_PIECES: tl.constexpr,
-    PREFETCH_SCALES: tl.constexpr = False,
 ):
     """FUSE: program t computes entry t of the tile table and stores it into ``partial[dest]``, or
     with REDUCE an own tile (dest = rank) is reduced here: it waits for every source's chunk in
@@ -167,7 +153,7 @@ def fp8_gemm_kernel(
         a_m0 = m0
     acc = _tile_acc(a_src, b_src, as_ptr, bs_ptr, a_m0, n0, M, N, K, stride_am, stride_bn,
                     stride_asm, stride_ask, stride_bsn, stride_bsk, QUANT, USE_TMA, MX_BF16, PRECISE_ACC,
-                    BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BLOCK, PREFETCH_SCALES)
+                    BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BLOCK)
     offs_m = m0 + tl.arange(0, BLOCK_M)  # within the slice (FUSE), else of the product
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_c = c0 + tl.arange(0, BLOCK_N)
@@ -374,7 +360,7 @@ def fp8_gemm_lsa_kernel(
         else:  # an assemble tile runs the loop zero times (no GEMM nested in a branch: it stays pipelined)
             acc = _tile_acc(a_src, b_src, as_ptr, bs_ptr, m0, col, M, N, tl.where(assemble, 0, K), stride_am,
                             stride_bn, stride_asm, stride_ask, stride_bsn, stride_bsk, QUANT, USE_TMA,
-                            MX_BF16, PRECISE_ACC, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BLOCK, False)
+                            MX_BF16, PRECISE_ACC, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BLOCK)
         if assemble:
             owner = dest - WORLD
             other = _consume_flag(gather_flag_ptr + owner * flag_plane + tile_id, stamp, status_ptr, owner)

@@ -426,40 +426,6 @@ def test_mma_rows_with_k_split(monkeypatch, quant, m, n, k, k_padded):
     D._LAUNCHES.clear()
 
 
-@pytest.mark.parametrize("split", [1, 4])
-@pytest.mark.parametrize("m, n, k, k_padded", [(2, 200, 2000, 2048), (17, 130, 1100, 1152), (64, 64, 1024, 1024)],
-                         ids=lambda v: str(v))
-def test_blockscale_scales_prefetched_give_the_same_bits(monkeypatch, m, n, k, k_padded, split):
-    """blockscale's MMA over rows with each step's scales loaded one step ahead (``PREFETCH``) gives
-    the unprefetched MMA's bits: two groups a step (K 2048, 1024) and one (K 1152: 128-column steps),
-    K unsplit and in 4 slices (the last slice's prefetch past its end reads zeros, unused), 2, 17 and
-    64 rows. A prefetch that scaled a step by its own step's successor fails it."""
-    from kernels_fused.hopper import decode as D
-
-    monkeypatch.setattr(D, "resident_programs", lambda device: 132)
-    monkeypatch.setattr(D, "ONE_LAUNCH", False)
-    monkeypatch.setattr(D, "MMA_SPLIT", {**D.MMA_SPLIT, "blockscale": split})
-    x = activations(m, k, seed=m).flip(1).contiguous()
-    wq, ws = weight(n, k, k_padded, "blockscale")
-    got = {}
-    for prefetch in (False, True):
-        monkeypatch.setattr(D, "BLOCKSCALE_PREFETCH", prefetch)
-        D._LAUNCHES.clear()
-        got[prefetch] = D.decode_gemm(x, wq, ws, "blockscale", n=n)
-        (launch,) = D._LAUNCHES.values()
-        assert launch.consts[-1] is prefetch
-    D._LAUNCHES.clear()
-    assert torch.equal(got[True], got[False])
-    assert_within_one_ulp(got[True], two_launches(x, wq, ws, "blockscale", n, k_padded))
-    from scripts.probe_decode_split_k import prefetched  # the probe's prefetching arm: this product, flag restored
-
-    arm = prefetched(D, lambda: D._Launch(m, k, k_padded, n, "blockscale", False, -1), x, wq, ws,
-                     torch.empty(m, n, dtype=torch.bfloat16))
-    assert D.BLOCKSCALE_PREFETCH is True and torch.equal(arm(), got[True])  # (monkeypatched to True last)
-    monkeypatch.setattr(D, "BLOCKSCALE_PREFETCH", False)
-    assert torch.equal(arm(), got[True]) and D.BLOCKSCALE_PREFETCH is False
-
-
 @pytest.mark.parametrize("zeroed", [True, False], ids=["quantizer zeroes", "broken: counters left"])
 @pytest.mark.parametrize("quant", ["ptpc", "blockscale"])
 def test_mma_split_counters_come_zeroed_from_the_quantizer(monkeypatch, quant, zeroed):

@@ -44,8 +44,7 @@ def _one_line_error(rc, out, err, *said, code=None):
 @pytest.mark.parametrize("script, argv", [
     ("bench_eager", []), ("bench_quantize", []), ("tune_decode", []), ("probe_decode_rows", []),
     ("probe_producer_parts", []), ("probe_blockscale_rows", ["8b-o-tp1", "8", "bs.json"]),
-    ("probe_mx_dot_scaled", ["8b-o-tp1", "8", "mx.json"]), ("probe_driver_holds", []),
-    ("probe_scale_prefetch", ["p.json"])])
+    ("probe_mx_dot_scaled", ["8b-o-tp1", "8", "mx.json"]), ("probe_driver_holds", [])])
 def test_a_gpu_tool_without_a_gpu_says_so_in_one_line(script, argv):
     rc, out, err = _run(script, *argv)
     _one_line_error(rc, out, err, f"{script}: needs a CUDA GPU")
@@ -61,7 +60,7 @@ def test_bench_link_needs_torchrun_and_gpus():
 
 # ---- 2. --help: the usage, exit 0, nothing run ------------------------------------------------------------
 @pytest.mark.parametrize("script", ["probe_driver_holds", "probe_blockscale_rows", "probe_mx_dot_scaled",
-                                    "probe_decode_host", "probe_scale_prefetch"])
+                                    "probe_decode_host"])
 def test_help_prints_the_usage_and_runs_nothing(script):
     rc, out, err = _run(script, "--help", timeout=60)
     assert rc == 0 and out.startswith("usage: ") and "needs" not in out + err and "RESULT" not in out, (rc, out, err)
@@ -78,7 +77,6 @@ def test_the_gfx950_compile_scripts_help_ends_its_sentence():
     ("probe_blockscale_rows", ["8b-up", "8", "bs.json"], "unknown shapes ['8b-up']"),
     ("probe_mx_dot_scaled", ["8b-o-tp1", "x", "mx.json"], "'x' is not a comma list of integers"),
     ("probe_decode_host", ["--rows", "8"], "unrecognized arguments: --rows 8"),
-    ("probe_scale_prefetch", ["--tp", "3", "p.json"], "[3]: pick from 2, 4, 8"),
     ("probe_decode_split_k", ["--quant", "x", "8b-o-tp1", "8", "a.json"], "--quant x: pick from ptpc, blockscale")])
 def test_the_probes_positionals_are_argparse_errors(script, argv, said):
     rc, out, err = _run(script, *argv, timeout=60)

@@ -109,22 +109,6 @@ def test_warp_specialized_launch_computes_what_the_grid_one_does(quant):
         _assert_close(out, p.reference(), quant, f"{quant} ws M={m}")
 
 
-@pytest.mark.parametrize("launch", ["grid", "ws"])
-def test_blockscale_scales_prefetched_give_the_same_bits(launch):
-    """``GemmConfig.prefetch_scales`` (blockscale's K loop loading each step's scales during the step
-    before) gives the unprefetched loop's bits, in the grid and ws launches, at two, three and five
-    K steps (rows past a tile too). A loop that scaled a step by the next step's scales fails it."""
-    from kernels_fused.hopper.gemm import GemmConfig, fp8_gemm
-
-    for m, k in ((1, 256), (M, 384), (40, 640)):
-        p = Q.random_problem(m, N, k, "blockscale", seed=k)
-        got = {flag: fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="blockscale", config=GemmConfig(
-            block_m=32, block_n=64, num_warps=4, num_stages=1, launch=launch, prefetch_scales=flag))
-            for flag in (False, True)}
-        assert torch.equal(got[True], got[False]), f"M={m} K={k}"
-        _assert_close(got[True], p.reference(), "blockscale", f"{launch} prefetch M={m} K={k}")
-
-
 def test_warp_specialized_launch_refuses_what_it_cannot_do():
     """An explicit launch="ws" refuses what it cannot do; the default call (config=None) takes such
     an ``out`` through the grid kernel instead (``fp8_gemm``)."""
