@@ -122,12 +122,13 @@ def main(argv=None):
     from scripts.bench_decode import switched_off
 
     NV.ENABLED = False  # the Python path's launches, as a graph captures them
-    saved = [dict(t) for quant in ("ptpc", "blockscale") for t in (*D.tables(quant, 2), *D.tables(quant, 64))]
-    saved += [dict(D.MMA_SPLIT), dict(D.MMA_SPLIT_WAVES)]
+    # every table with_config sets (decode's own dicts, set in place), and their values before
+    tables = [t for quant in ("ptpc", "blockscale") for m in (2, D.MMA_ROWS_MAX) for t in D.tables(quant, m)]
+    tables += [D.MMA_SPLIT, D.MMA_SPLIT_WAVES]
+    saved = [dict(t) for t in tables]
 
     def restore():
-        tables = [t for quant in ("ptpc", "blockscale") for t in (*D.tables(quant, 2), *D.tables(quant, 64))]
-        for table, old in zip([*tables, D.MMA_SPLIT, D.MMA_SPLIT_WAVES], saved):
+        for table, old in zip(tables, saved):
             table.clear()
             table.update(old)
         D._LAUNCHES.clear()
