@@ -180,27 +180,23 @@ class _KeptLaunches:
         (with no launch yet). A caller for whom keeping a launch costs more than one call (a
         collective call's bound launch) keeps one only for a weight that comes back: a trainable
         layer's weight, quantized afresh for each call, never does."""
-        key = (id(b_pre), id(b_scale))
-        entry = self.weights.get(key)
-        if entry is not None and self._holds(entry[0], b_pre, b_scale):
-            return True
-        self._new_entry(key, b_pre, b_scale, replaces=entry is not None)
-        return False
+        return self._entry(b_pre, b_scale)[1]
 
     def keep(self, a, b_pre, a_scale, b_scale, launch) -> None:
         """Keep ``launch(a, a_scale)`` for calls like this accepted one (its operands passed ``_check``)."""
-        by_layout = self._entry(b_pre, b_scale)[1]
+        by_layout = self._entry(b_pre, b_scale)[0][1]
         if len(by_layout) >= ACCEPTED_SIGNATURES:
             by_layout.clear()
         by_layout[_activation_layout(a, a_scale)] = (a.dtype, a_scale.dtype, launch)
 
-    def _entry(self, b_pre, b_scale):
-        """This weight's entry, a new one where it has none or it changed."""
+    def _entry(self, b_pre, b_scale) -> tuple:
+        """(this weight's entry, whether it was kept and unchanged): a new entry where it had none or
+        it changed (its other Ms' launches were the old weight's)."""
         key = (id(b_pre), id(b_scale))
         entry = self.weights.get(key)
-        if entry is None or not self._holds(entry[0], b_pre, b_scale):  # its other Ms' launches: the old weight's
-            entry = self._new_entry(key, b_pre, b_scale, replaces=entry is not None)
-        return entry
+        if entry is not None and self._holds(entry[0], b_pre, b_scale):
+            return entry, True
+        return self._new_entry(key, b_pre, b_scale, replaces=entry is not None), False
 
     def _new_entry(self, key, b_pre, b_scale, *, replaces: bool):
         """A new entry for this weight at ``key``, in place of a changed one where it ``replaces``

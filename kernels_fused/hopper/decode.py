@@ -137,7 +137,10 @@ WIDE_STAGES = {"ptpc": 4, "blockscale": 3}
 # 9.8-15.4 against 9.4-14.7. On an H100 (15:00 UTC, the same probe through decode._Launch) 4 slices
 # lost to 2 at 96 and 128 blocks from 32 rows (8B qkv 16.1 / 19.9 against 12.4 / 15.7 us at 32 / 64
 # rows, 70B down 100 / 108 against 95 / 103), so blockscale takes 4 up to two programs per SM.
-MMA_SPLIT = {"ptpc": 2, "blockscale": 4}
+# ptpc's cap went from 2 to 8 (2026-12-05 night, one H100, the same probe at 8B kv: 16 blocks, K 4096,
+# 8 / 16 rows, BLOCK_K 256): split 2 6.39 / 6.52 us, 4 5.92 / 6.02, 8 5.97 / 6.02 against nn.Linear's
+# 6.36 / 6.41; the waves bound keeps weights of more than 33 blocks where they were (8B o and down at 2).
+MMA_SPLIT = {"ptpc": 8, "blockscale": 4}
 MMA_SPLIT_WAVES = {"ptpc": 1, "blockscale": 2}
 # One row under a graph capture takes the quantizer + MMA where the fp8 weight has at least this many
 # bytes, else the one-row kernel as eagerly: the quantizer's launch costs ~2 us of a replay, which a
@@ -591,11 +594,11 @@ class _Launch:
                                  (*self.consts[1:5], min(_pow2(k), ONE_ROW_BLOCK), slice_k, 3, _interpreting()))
                 self.one = Kernel(_kernel("one"), (programs, 1), launch_cooperative_grid=True, **options)
             return
-        # QUANT, HAS_BIAS, BLOCK_N, BLOCK_K, ROWS, ROW_K, ROUND_IN_FP32: the rows kernel's constexprs
+        # QUANT, HAS_BIAS, BLOCK_N, BLOCK_K, ROWS, ROW_K, ROUND_IN_FP32: the rows kernel's constexprs, laid
+        # out as the one-row kernel's arguments are (both launch through _row)
         width = _pow2(m)
         self.row_args = (self.ints, (_QUANT_CODE[quant], has_bias, block_n, min(step, k_padded), width,
-                                     min(ROWS_ELEMENTS // width, _pow2(k)), _interpreting()))  # (laid out as the
-        # one-row kernel's arguments are: _row)
+                                     min(ROWS_ELEMENTS // width, _pow2(k)), _interpreting()))
         self.kernel = Kernel(_kernel("rows"), (-(-n // block_n), 1), **options)
 
     def __call__(self, x, row_stride, w, w_scale, bias, out) -> None:

@@ -558,7 +558,7 @@ def check_decode_native(comm, log):
 
 def check_decode_split(comm, log):
     """The MMA over quantized rows with K split over programs (``decode.MMA_SPLIT``: a weight of 16
-    blocks of 64 features, K 4096, so ptpc splits K in 2 and blockscale in 4) and one row under a
+    blocks of 64 features, K 4096, so ptpc splits K in 8 and blockscale in 4) and one row under a
     capture (the quantizer's launch and the MMA, where eager calls take the one-row kernel): within
     the fp8 GEMM's budget at 1, 8 and 40 rows, eagerly and in graph replays into NaN-poisoned outputs;
     a repeat gives the same bits; and two graphs of one call shape replayed at once on two streams

@@ -392,16 +392,19 @@ def test_mma_split_rule(monkeypatch):
     assert D.mma_split("ptpc", 1, 56, -1) == 1
 
 
-@pytest.mark.parametrize("m, n, k, k_padded", [(2, 200, 2000, 2048), (17, 200, 2000, 2048), (5, 130, 1100, 1152)],
+# the slices the rule gives (ptpc, blockscale): MMA_SPLIT's cap (8, 4) halved while a slice would take
+# fewer than two steps of BLOCK_K 256 (128 where 256 does not divide K_PAD)
+@pytest.mark.parametrize("m, n, k, k_padded, splits", [(2, 200, 2000, 2048, (4, 4)), (17, 200, 2000, 2048, (4, 4)),
+                                                         (5, 130, 1100, 1152, (4, 4)), (3, 200, 4000, 4096, (8, 4))],
                          ids=lambda v: str(v))
 @pytest.mark.parametrize("quant", ["ptpc", "blockscale"])
-def test_mma_rows_with_k_split(monkeypatch, quant, m, n, k, k_padded):
+def test_mma_rows_with_k_split(monkeypatch, quant, m, n, k, k_padded, splits):
     """The MMA over quantized rows with K split over programs (a GPU of 132 SMs assumed, so the
-    rule splits a weight of 3 or 4 blocks: ptpc into 2 slices, blockscale into 4): within one ulp of
-    the two-launch reference at 16 and 32 rows wide, the bias as ``out += bias``, the same bits on a
-    repeat, and the same product as the unsplit MMA to within its rounding. K 1152 is 9 steps of
-    128 (256 does not divide it), so blockscale's slices take 3, 3, 3 and 0 steps (an empty slice
-    counts in with a zero partial) and N 130 leaves a block of 2 features."""
+    rule splits a weight of 3 or 4 blocks into as many slices as its K steps allow: 4, and ptpc's 8
+    at K 4096): within one ulp of the two-launch reference at 16 and 32 rows wide, the bias as
+    ``out += bias``, the same bits on a repeat, and the same product as the unsplit MMA to within its
+    rounding. K 1152 is 9 steps of 128 (256 does not divide it), so the slices take 3, 3, 3 and 0
+    steps (an empty slice counts in with a zero partial) and N 130 leaves a block of 2 features."""
     from kernels_fused.hopper import decode as D
 
     monkeypatch.setattr(D, "resident_programs", lambda device: 132)
@@ -413,7 +416,7 @@ def test_mma_rows_with_k_split(monkeypatch, quant, m, n, k, k_padded):
     got = D.decode_gemm(x, wq, ws, quant, n=n)
     (launch,) = D._LAUNCHES.values()
     blocks = -(-n // 64)
-    assert launch.kernel.grid == (blocks, D.MMA_SPLIT[quant]) and launch.layout.counter_words == 4
+    assert launch.kernel.grid == (blocks, splits[quant == "blockscale"]) and launch.layout.counter_words == 4
     assert_within_one_ulp(got, want)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     assert torch.equal(D.decode_gemm(x, wq, ws, quant, n=n, bias=bias), got + bias)
