@@ -354,12 +354,21 @@ class Communicator:
 
     # ---- lifetime -----------------------------------------------------------------------------------
     def close(self) -> None:
-        """Destroy the process group this communicator created (not one it found). Idempotent."""
+        """Destroy the process group this communicator created (not one it found) and drop its
+        reference to its group (``group`` is None after it). Idempotent."""
         if self._closed:
             return
         self._closed = True
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
+        # No reference to the group is left here (a group it was given stays its owner's): once no
+        # other holds it either, the group is freed, and freeing it joins its gloo worker threads, each
+        # releasing its last collective's tensors first. Left to interpreter exit, a worker that
+        # releases them then asks a finalizing interpreter for the GIL, and the process aborts
+        # ("terminate called without an active exception"; pytorch/pytorch#190489; docs/experiments.md,
+        # "the exit-time abort")
+        self.group = None
+        self._stale = None
 
     def __enter__(self):
         return self

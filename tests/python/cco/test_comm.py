@@ -27,6 +27,30 @@ def test_spawn_gives_each_rank_its_identity(world):
         assert gathered == [10 * i for i in range(world)]
 
 
+def _threads_around_close(comm):
+    """Native threads of this rank process with its communicator's group open (after a collective,
+    whose work a gloo worker thread ran) and after ``close()``."""
+    def threads():
+        return len(os.listdir("/proc/self/task"))
+    comm.all_gather_object(comm.rank)
+    during = threads()
+    comm.close()
+    after = threads()
+    comm.close()  # idempotent (the spawn harness's ``with`` closes it once more too)
+    return during, after
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc (Linux)")
+def test_close_joins_the_groups_worker_threads():
+    """``close()`` of a communicator that created its group leaves no gloo worker thread behind: the
+    group, destroyed and no longer referenced, is freed there and joins its workers. A worker left
+    to interpreter exit may release its last collective's tensors while the interpreter finalizes,
+    and that aborts the process (docs/experiments.md, "the exit-time abort"). Fails with the
+    communicator still holding ``group`` after the destroy: the thread count does not drop."""
+    for during, after in check_outcomes(spawn(_threads_around_close, world=2, timeout_s=60)):
+        assert during - after >= 2, (during, after)  # gloo runs two worker threads per group
+
+
 def _window_bytes(comm):
     cfg = layout.build_config(n=384, k=256, m_max=64, world=comm.world)
     with ShmWindow(comm=comm, layout=cfg.window) as win:
