@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from cco import quant as Q
+from cco.nn import close_layers
 
 FP8_TOL = 0.08  # rel. L2 of the logits against the bf16 model: fp8 operands in every o_proj and down_proj
 
@@ -115,10 +116,12 @@ def run(opts, path: str, device) -> dict:
     tokens = model.generate(input_ids=ids, attention_mask=mask, **greedy)[:, ids.shape[1]:]
     ref_tokens = ref.generate(input_ids=ids, attention_mask=mask, **greedy)[:, ids.shape[1]:]
     down = next(m for name, m in model.named_modules() if name.endswith("mlp.down_proj"))
-    return {"model": type(model).__name__, "fused": fused, "repr": repr(down.fused),
-            "logits_err": Q.rel_l2(logits.float().cpu(), ref_logits.float().cpu()),
-            "tokens": tokens.cpu().tolist(), "same_as_bf16": int((tokens == ref_tokens).sum()),
-            "n_tokens": tokens.numel()}
+    result = {"model": type(model).__name__, "fused": fused, "repr": repr(down.fused),
+              "logits_err": Q.rel_l2(logits.float().cpu(), ref_logits.float().cpu()),
+              "tokens": tokens.cpu().tolist(), "same_as_bf16": int((tokens == ref_tokens).sum()),
+              "n_tokens": tokens.numel()}
+    close_layers(model)  # every rank, at the same point: the windows go with the model (dropping it frees none)
+    return result
 
 
 def report(results: list[dict], opts, source: str) -> bool:
