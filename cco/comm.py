@@ -102,6 +102,22 @@ class Communicator:
             torch.cuda.set_device(self.device)
         self.launcher = launcher
         self._owns_group = False
+        self._group = None
+
+    @property
+    def group(self):
+        """The communicator's CPU (gloo) process group. A closed communicator holds none: reading it
+        raises, so that no exchange of a closed communicator falls back to the default group
+        (``group=None`` in torch.distributed)."""
+        group = self._group
+        if group is None:
+            raise RuntimeError(f"Communicator(rank={self.rank}, world={self.world}): "
+                               f"{'closed' if getattr(self, '_closed', False) else 'not set up'}; it holds no group")
+        return group
+
+    @group.setter
+    def group(self, group) -> None:
+        self._group = group
 
     def _handshake(self) -> None:
         # One gloo all-reduce before anyone may leave: a rank's init can return while a peer is still
@@ -367,7 +383,7 @@ class Communicator:
         # releases them then asks a finalizing interpreter for the GIL, and the process aborts
         # ("terminate called without an active exception"; pytorch/pytorch#190489; docs/experiments.md,
         # "the exit-time abort")
-        self.group = None
+        self._group = None
         self._stale = None
 
     def __enter__(self):

@@ -37,7 +37,12 @@ def _threads_around_close(comm):
     comm.close()
     after = threads()
     comm.close()  # idempotent (the spawn harness's ``with`` closes it once more too)
-    return during, after
+    try:
+        comm.barrier()  # a closed communicator's exchange must not fall back to the default group
+        refused = None
+    except RuntimeError as err:
+        refused = str(err)
+    return during, after, refused
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc (Linux)")
@@ -46,9 +51,11 @@ def test_close_joins_the_groups_worker_threads():
     group, destroyed and no longer referenced, is freed there and joins its workers. A worker left
     to interpreter exit may release its last collective's tensors while the interpreter finalizes,
     and that aborts the process (docs/experiments.md, "the exit-time abort"). Fails with the
-    communicator still holding ``group`` after the destroy: the thread count does not drop."""
-    for during, after in check_outcomes(spawn(_threads_around_close, world=2, timeout_s=60)):
+    communicator still holding ``group`` after the destroy: the thread count does not drop. And an
+    exchange on the closed communicator raises instead of running on torch's default group."""
+    for during, after, refused in check_outcomes(spawn(_threads_around_close, world=2, timeout_s=60)):
         assert during - after >= 2, (during, after)  # gloo runs two worker threads per group
+        assert refused is not None and "closed" in refused, refused
 
 
 def _window_bytes(comm):
