@@ -1,0 +1,141 @@
+"""The blockscale GEMM in Gluon (Triton's explicit-layout language): a product of each K step kept
+in flight while the previous one is scaled.
+
+Why: the own blockscale kernel (``kernels.fp8_gemm_kernel``, and the decode MMA likewise) scales
+each K step's product before adding it (``acc += dot(a, b) * scales``), so Triton waits for each
+step's MMA to finish (``wgmma.wait_group 0``) before it issues the next one, and consecutive MMAs
+never overlap: ~1.5x of cuBLAS's blockwise GEMM (docs/hopper_gemm.md, "Why the own blockscale
+kernel runs ~1.5x of cuBLAS"). Gluon names the wait: here step k's MMA is issued into its own
+registers, then ``warpgroup_mma_wait(num_outstanding=1)`` waits only for step k - 1's, which is
+scaled and added while step k runs (two products live beside the accumulator: 128x128 at 8 warps
+is 64 fp32 registers a thread each).
+
+Operands as the Triton kernels take them: ``a [M, K]`` e4m3 with ``a_scale [M, K / 128]`` (any
+strides), ``b [N, K]`` e4m3 K-major with ``b_scale [N / 128, K / 128]``; ``c [M, N]`` bf16. One
+program per 128x128 output tile in grouped order; a ring of ``STAGES`` TMA-loaded (A, B) tiles
+(slot ``step % STAGES``, its ``step // STAGES``-th fill), each later step's loads issued once the
+wait above has retired the MMA that read its slot; the tile leaves through a TMA store (rows past
+M clipped by the descriptor).
+
+Status: compiled for sm_90 on the host with the GPU machines' Triton (3.6;
+``python3 -m scripts.probe_gluon_blockscale --compile-only``), never run: no launch path calls it
+until ``scripts.probe_gluon_blockscale`` has checked it against the fp32 product and timed it
+against cuBLAS and the own kernel on a GPU. Imported only there, so nothing else needs Gluon.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+# the TMA copies' names: Triton 3.6 (the GPU machines') has only the long ones, later releases removed them
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+SCALE_BLOCK = gl.constexpr(128)  # blockscale's scale block along N and K: one weight scale per (tile, step)
+
+
+@gluon.jit
+def _scales(as_ptr, bs_ptr, rows, n_block, step, stride_asm, stride_ask, stride_bsn, stride_bsk):
+    """Step ``step``'s row scales ``[BLOCK_M]`` (rows past M clamped to row 0: their products are
+    zero and clipped at the store) times the tile's weight-block scale."""
+    sa = gl.load(as_ptr + rows * stride_asm + step * stride_ask)
+    sb = gl.load(bs_ptr + n_block * stride_bsn + step * stride_bsk)
+    return sa * sb
+
+
+@gluon.jit
+def fp8_blockscale_gemm_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, M, N, K,
+                               stride_asm, stride_ask, stride_bsn, stride_bsk,
+                               GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    gl.static_assert(BLOCK_K == SCALE_BLOCK and BLOCK_N == SCALE_BLOCK, "one scale block per tile and step")
+
+    # the tile: grouped order (GROUP_M tile rows walked column by column share B tiles in L2)
+    pid = gl.program_id(0)
+    tiles_m = gl.cdiv(M, BLOCK_M)
+    per_group = GROUP_M * gl.cdiv(N, BLOCK_N)
+    first_m = (pid // per_group) * GROUP_M
+    rows_in_group = gl.minimum(tiles_m - first_m, GROUP_M)
+    m0 = (first_m + (pid % per_group) % rows_in_group) * BLOCK_M
+    n0 = ((pid % per_group) // rows_in_group) * BLOCK_N
+
+    # the accumulator's layout: warps stacked along M, one wgmma N of the whole tile
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BLOCK_N, 32])
+    a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    landed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(landed.index(s), count=1)
+    fence_async_shared()  # the barriers' init before the copies that arrive on them
+
+    steps = gl.cdiv(K, BLOCK_K)
+    tile_bytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    for s in gl.static_range(STAGES):  # the first STAGES steps' tiles, one a slot
+        have = s < steps
+        mbarrier.expect(landed.index(s), tile_bytes, pred=have)
+        _tma_load(a_desc, [m0, s * BLOCK_K], landed.index(s), a_ring.index(s), pred=have)
+        _tma_load(b_desc, [n0, s * BLOCK_K], landed.index(s), b_ring.index(s), pred=have)
+
+    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+    rows = gl.where(rows < M, rows, 0)
+    n_block = n0 // SCALE_BLOCK
+    blank = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)  # the MMAs' unread accumulator input
+    acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)
+
+    # step 0's product, then each later step's issued before the previous one is waited for
+    mbarrier.wait(landed.index(0), 0)
+    product = warpgroup_mma(a_ring.index(0), b_ring.index(0).permute((1, 0)), blank, use_acc=False, is_async=True)
+    scale = _scales(as_ptr, bs_ptr, rows, n_block, 0, stride_asm, stride_ask, stride_bsn, stride_bsk)
+    for step in range(1, steps):
+        slot = step % STAGES
+        mbarrier.wait(landed.index(slot), (step // STAGES) & 1)
+        nxt = warpgroup_mma(a_ring.index(slot), b_ring.index(slot).permute((1, 0)), blank, use_acc=False,
+                            is_async=True)
+        done = warpgroup_mma_wait(num_outstanding=1, deps=(product, ))  # step - 1's, while step's runs
+        acc += done * scale[:, None]
+        # step - 1's slot is free now: the tiles of step + STAGES - 1 go there (the ring's first fill
+        # held steps 0..STAGES - 1, so step 1 loads step STAGES, and so on)
+        ahead = step + STAGES - 1
+        free = ahead % STAGES
+        have = ahead < steps
+        mbarrier.expect(landed.index(free), tile_bytes, pred=have)
+        _tma_load(a_desc, [m0, ahead * BLOCK_K], landed.index(free), a_ring.index(free),
+                                        pred=have)
+        _tma_load(b_desc, [n0, ahead * BLOCK_K], landed.index(free), b_ring.index(free),
+                                        pred=have)
+        scale = _scales(as_ptr, bs_ptr, rows, n_block, step, stride_asm, stride_ask, stride_bsn, stride_bsk)
+        product = nxt
+    done = warpgroup_mma_wait(num_outstanding=0, deps=(product, ))
+    acc += done * scale[:, None]
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(landed.index(s))
+
+    out = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+    out.store(acc.to(c_desc.dtype))
+    fence_async_shared()  # the tile's shared-memory stores before the TMA store reads them
+    _tma_store(c_desc, [m0, n0], out)
+    tma.store_wait(0)
+
+
+def blockscale_gemm(a, b, a_scale, b_scale, *, out=None, stages: int = 4, group_m: int = 8, num_warps: int = 8):
+    """bf16 ``a @ b.T`` with blockscale's scales through :func:`fp8_blockscale_gemm_kernel` (into
+    ``out [M, N]`` where given). Operands as ``kernels_fused.hopper.gemm.fp8_gemm`` takes them for
+    blockscale (row-major ``b``); unchecked beyond what TMA needs (16-byte aligned rows)."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    m, k = a.shape
+    n = b.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
+    tile = [SCALE_BLOCK.value, SCALE_BLOCK.value]
+    descs = [TensorDescriptor.from_tensor(t, tile, gl.NVMMASharedLayout.get_default_for(tile, dtype))
+             for t, dtype in ((a, gl.float8e4nv), (b, gl.float8e4nv), (out, gl.bfloat16))]
+    grid = (-(-m // tile[0]) * -(-n // tile[1]), )
+    fp8_blockscale_gemm_kernel[grid](*descs, a_scale, b_scale, m, n, k, a_scale.stride(0), a_scale.stride(1),
+                                     b_scale.stride(0), b_scale.stride(1), GROUP_M=group_m, STAGES=stages,
+                                     num_warps=num_warps)
+    return out

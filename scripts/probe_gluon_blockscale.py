@@ -1,0 +1,227 @@
+"""The blockscale GEMM in Gluon (``kernels_fused.hopper.gluon_gemm``: each K step's MMA kept in flight
+while the previous product is scaled) against cuBLAS's blockwise GEMM and the own Triton kernel, at
+the reduce-scatter producers' shapes, device time under graph replay, one GPU::
+
+    python3 -m scripts.probe_gluon_blockscale -m 4096,16384 gluon.json
+    python3 -m scripts.probe_gluon_blockscale --compile-only     # the host, no GPU
+
+Why: the own blockscale kernel waits for each K step's MMA before issuing the next (Triton scales
+the product before adding it), ~1.5x of cuBLAS (docs/hopper_gemm.md); Gluon lets the kernel wait
+for all but the last MMA instead. Whether that is time, and whether it closes the gap to cuBLAS, is
+what this measures.
+
+Shapes: the row-parallel down projection of Llama-3-70B and DeepSeek-V3's dense MLP
+(``scripts.bench_sp_parts.layer_shape``, pattern ``rs-rows``) at each TP: N = hidden, K =
+intermediate / TP; M the tokens. Arms per (shape, M): ``cuBLAS`` (where ``vendor.takes_rows``
+trusts it), ``own grid 64x128`` (the tile-table kernel's blockscale tile), and ``gluon 128x128``
+at each ``--stages``. Every arm is first checked against the fp32 product of the dequantized
+operands on sampled rows (``gemm_mismatches``); a wrong arm posts no time. Timing:
+``bench_decode.graph_timings`` (a graph of 3 calls, the arms alternating per pass). One line per
+(shape, M): each arm's median us and its ratio to cuBLAS (else to the own kernel), pass by pass
+(median and range; lower is better).
+
+``--compile-only``: compile the kernel for sm_90 with the installed Triton (no GPU) and print its
+registers, spills, shared memory and the K loop's MMA waits; exit 1 where it does not compile,
+spills, needs more than a Hopper SM's shared memory, or waits for every MMA (no ``wgmma.wait_group
+1``: the overlap this kernel exists for).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+HOPPER_SHARED = 227 * 1024  # the most dynamic shared memory one block may take on sm_90
+GRAPH_CALLS = 3
+
+
+def parse_args(argv=None):
+    from scripts.bench_sp_parts import MODELS, _list
+
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()).replace("``", ""))
+    p.add_argument("--model", type=_list(str, MODELS), default=list(MODELS), help="comma list of models")
+    p.add_argument("--tp", type=_list(int, (2, 4, 8)), default=[4, 8], help="comma list of TP degrees")
+    p.add_argument("-m", type=_list(int, None), default=[4096, 16384], help="comma list of token counts M")
+    p.add_argument("--stages", type=_list(int, None), default=[3, 4], help="comma list of the Gluon ring's stages")
+    p.add_argument("--passes", type=int, default=5)
+    p.add_argument("--compile-only", action="store_true", help="compile for sm_90 on the host and check it")
+    p.add_argument("json", nargs="?", help="write the rows here (after every shape)")
+    args = p.parse_args(argv)
+    if args.compile_only:
+        return args
+    if args.json is None:
+        p.error("json: the file to write the rows to is required (or pass --compile-only)")
+    where = os.path.dirname(args.json)
+    if where and not os.path.isdir(where):
+        p.error(f"json {args.json}: directory {where} does not exist")
+    if any(m < 1 for m in args.m) or args.passes < 1 or any(s < 2 for s in args.stages):
+        p.error("M and --passes must be >= 1, --stages >= 2")
+    return args
+
+
+def compile_for_sm90(*, stages: int = 4, group_m: int = 8, num_warps: int = 8) -> dict:
+    """The kernel compiled for sm_90 by the installed Triton, on the host: its PTX and the cubin's
+    registers, spills (local memory) and shared memory (``cuobjdump`` from Triton's own bundle)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    from kernels_fused.hopper import gluon_gemm
+
+    def desc(dtype, gl_dtype):  # (a descriptor's type names its block and layout, not its tensor's size)
+        t = torch.empty(256, 256, dtype=dtype)
+        return mangle_type(TensorDescriptor.from_tensor(t, [128, 128], gl.NVMMASharedLayout.get_default_for(
+            [128, 128], gl_dtype)))
+    fp8 = desc(torch.float8_e4m3fn, gl.float8e4nv)
+    signature = {"a_desc": fp8, "b_desc": fp8, "c_desc": desc(torch.bfloat16, gl.bfloat16), "as_ptr": "*fp32",
+                 "bs_ptr": "*fp32", **{name: "i32" for name in ("M", "N", "K", "stride_asm", "stride_ask",
+                                                                 "stride_bsn", "stride_bsk")},
+                 "GROUP_M": "constexpr", "STAGES": "constexpr", "num_warps": "constexpr"}
+    source = GluonASTSource(fn=gluon_gemm.fp8_blockscale_gemm_kernel, signature=signature,
+                            constexprs={"GROUP_M": group_m, "STAGES": stages, "num_warps": num_warps})
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 128), options={"num_warps": num_warps})
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    local = int(re.search(r"LOCAL:(\d+)", usage).group(1))
+    return {"triton": triton.__version__, "stages": stages, "num_warps": num_warps, "registers": regs,
+            "local_bytes": local, "shared_bytes": kernel.metadata.shared, "ptx": kernel.asm["ptx"]}
+
+
+def loop_waits(ptx: str) -> dict:
+    """The PTX's MMA waits by how many MMA groups they leave in flight (``{1: count, 0: count}``)."""
+    waits = re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", ptx)
+    return {int(w): waits.count(w) for w in sorted(set(waits))}
+
+
+def compile_problems(report: dict) -> list[str]:
+    """Why the compiled kernel fails the host's check (empty: it passes)."""
+    problems = []
+    if report["local_bytes"]:
+        problems.append(f"{report['local_bytes']} bytes of local memory a thread (spills)")
+    if report["shared_bytes"] > HOPPER_SHARED:
+        problems.append(f"{report['shared_bytes']} bytes of shared memory, more than sm_90's {HOPPER_SHARED}")
+    if loop_waits(report["ptx"]).get(1, 0) < 1:
+        problems.append("no wgmma.wait_group 1: every MMA is waited for before the next")
+    return problems
+
+
+def arms_of(p, stages: list[int]) -> dict:
+    """Label -> a call writing its own fresh ``out`` (each arm's, so the graphs do not share it)."""
+    from kernels_fused.hopper import gluon_gemm, vendor
+    from kernels_fused.hopper.gemm import GemmConfig, fp8_gemm
+
+    m, n, k = p.a.shape[0], p.b.shape[0], p.a.shape[1]
+    arms = {}
+
+    def fresh():
+        return torch.empty(m, n, dtype=torch.bfloat16, device=p.a.device)
+    if vendor.takes_rows("blockscale", m, k):  # (the weight prepared once, as the backends keep it)
+        weight = vendor.prepare_weight(p.b, p.b_scale, "blockscale")
+        arms["cuBLAS"] = lambda o=fresh(): vendor.vendor_gemm(p.a, p.a_scale, weight, out=o)
+    own = GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3)
+    arms["own grid 64x128"] = lambda o=fresh(): fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="blockscale", out=o,
+                                                         config=own, validated=True)
+    for s in stages:
+        arms[f"gluon 128x128 {s} stages"] = (
+            lambda o=fresh(), s=s: gluon_gemm.blockscale_gemm(p.a, p.b, p.a_scale, p.b_scale, out=o, stages=s))
+    return arms
+
+
+def check(arms: dict, p) -> dict:
+    """Label -> why the arm is wrong (absent: right): sampled rows against the fp32 product."""
+    from cco import quant as Q
+    from cco.bench.timing import gemm_mismatches
+    from scripts.bench_sp_parts import check_rows
+
+    idx = check_rows(p.a.shape[0]).to(p.a.device)
+    a = Q.dequantize_a(p.a, p.a_scale, "blockscale")[idx]
+    b = Q.dequantize_b(p.b, p.b_scale, "blockscale")
+    ref, dot_abs = a @ b.t(), a.abs() @ b.abs().t()
+    wrong = {}
+    for label, fn in arms.items():
+        try:
+            out = fn()
+        except Exception as err:  # noqa: BLE001 - a launch that fails is reported, the others still run
+            wrong[label] = f"raised {type(err).__name__}: {err}"
+            continue
+        bad = gemm_mismatches(out[idx], ref, dot_abs)
+        if bad:
+            wrong[label] = f"{bad} elements outside the budget"
+    return wrong
+
+
+def compile_only() -> int:
+    report = compile_for_sm90()
+    problems = compile_problems(report)
+    print(f"gluon blockscale 128x128, {report['stages']} stages, {report['num_warps']} warps, Triton "
+          f"{report['triton']}, sm_90: {report['registers']} registers, {report['local_bytes']} bytes local, "
+          f"{report['shared_bytes']} bytes shared; MMA waits by groups left in flight {loop_waits(report['ptx'])}")
+    for why in problems:
+        print(f"FAIL: {why}")
+    return 1 if problems else 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.compile_only:
+        return compile_only()
+    from cco.bench.timing import per_pass_ratio, require_cuda, time_arms
+
+    require_cuda("probe_gluon_blockscale")
+    from scripts.bench_decode import graph_timings
+    from scripts.bench_sp_parts import device_problems, layer_shape
+
+    dev = torch.device("cuda")
+    rows, t0, failed = [], time.time(), 0
+    for model in args.model:
+        for tp in args.tp:
+            n, k, _ = layer_shape("rs-rows", model, tp)
+            for m in args.m:
+                (p,) = device_problems(m, n, k, "blockscale", 1, dev)
+                arms = arms_of(p, args.stages)
+                wrong = check(arms, p)
+                for label, why in wrong.items():
+                    print(f"{model} TP{tp} M={m} {label}: WRONG, {why}", flush=True)
+                    del arms[label]
+                failed += bool(wrong)
+                t = graph_timings(arms, GRAPH_CALLS, args.passes, time_arms)
+                base = "cuBLAS" if "cuBLAS" in t else "own grid 64x128"
+                ratios = {a: per_pass_ratio(t[a].pass_us, t[base].pass_us) for a in t if a != base and base in t}
+                row = {"model": model, "tp": tp, "m": m, "n": n, "k": k, "wrong": wrong, "baseline": base,
+                       "us": {a: v.median_us / GRAPH_CALLS for a, v in t.items()},
+                       "pass_us": {a: [u / GRAPH_CALLS for u in v.pass_us] for a, v in t.items()},
+                       "vs_baseline": ratios}
+                print(f"[{time.time() - t0:.0f} s] {model} TP{tp} [{m}, {n}, {k}]: " + " | ".join(
+                    f"{a} {row['us'][a]:.1f}" + (f" ({ratios[a][0]:.3f}x, {ratios[a][1]:.3f}-{ratios[a][2]:.3f})"
+                                                  if a in ratios else "") for a in t), flush=True)
+                rows.append(row)
+                with open(args.json, "w") as f:
+                    json.dump({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                               "command": "python3 -m scripts.probe_gluon_blockscale "
+                                          + " ".join(sys.argv[1:] if argv is None else argv),
+                               "note": "device us per call, graph replay; vs_baseline: (median, min, max) over "
+                                       "passes of the arm / the baseline arm, lower is better",
+                               "rows": rows}, f, indent=1)
+                del p, arms
+                torch.cuda.empty_cache()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

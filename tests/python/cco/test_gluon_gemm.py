@@ -1,0 +1,34 @@
+"""The blockscale GEMM in Gluon (``kernels_fused.hopper.gluon_gemm``), on the host: it compiles for
+sm_90 with the installed Triton within a Hopper SM's budget (no spills, shared memory), and its K
+loop leaves one MMA in flight while it scales the previous one (``wgmma.wait_group 1``), the
+overlap it exists for. Not run here (no GPU); ``scripts.probe_gluon_blockscale`` checks its
+products and times it on one."""
+
+import pytest
+
+from scripts import probe_gluon_blockscale as P
+
+pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper", reason="a Triton with Gluon's Hopper API")
+
+
+@pytest.mark.parametrize("stages", [3, 4])
+def test_compiles_for_sm90_with_one_mma_in_flight(stages):
+    report = P.compile_for_sm90(stages=stages)
+    assert P.compile_problems(report) == [], P.compile_problems(report)
+    assert P.loop_waits(report["ptx"]) == {0: 1, 1: 1}  # the loop's wait leaves one; the last product's, none
+    assert report["registers"] <= 255
+
+
+def test_the_check_fails_a_kernel_that_waits_for_every_mma_or_spills():
+    report = P.compile_for_sm90()
+    serial = dict(report, ptx=report["ptx"].replace("wgmma.wait_group.sync.aligned 1;", "wgmma.wait_group.sync.aligned 0;"))
+    assert P.compile_problems(serial) == ["no wgmma.wait_group 1: every MMA is waited for before the next"]
+    spilled = dict(report, local_bytes=64, shared_bytes=P.HOPPER_SHARED + 1)
+    assert len(P.compile_problems(spilled)) == 2
+
+
+def test_the_probe_needs_a_json_path_unless_it_only_compiles(capsys):
+    with pytest.raises(SystemExit):
+        P.parse_args(["-m", "4096"])
+    assert "json" in capsys.readouterr().err
+    assert P.parse_args(["--compile-only"]).compile_only
