@@ -39,6 +39,8 @@ _HEAD = 4  # the words before the caller's
 # seconds beside it) makes it fail on every rank: the first rank's wait ends at the timeout, and the
 # margin covers the gather's own latency and the hosts' clock skew (gather_words)
 LATE_SHARE, LATE_MARGIN_MAX_S = 0.25, 5.0
+# groups of closed communicators whose timed-out exchange was still posted (Communicator.close)
+_STUCK_GROUPS: list = []
 _MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
 _MPI_LOCAL_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK")
 _MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE")
@@ -371,7 +373,7 @@ class Communicator:
     # ---- lifetime -----------------------------------------------------------------------------------
     def close(self) -> None:
         """Destroy the process group this communicator created (not one it found) and drop its
-        reference to its group (``group`` is None after it). Idempotent."""
+        reference to its group (reading ``group`` raises after it). Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -382,7 +384,11 @@ class Communicator:
         # releasing its last collective's tensors first. Left to interpreter exit, a worker that
         # releases them then asks a finalizing interpreter for the GIL, and the process aborts
         # ("terminate called without an active exception"; pytorch/pytorch#190489; docs/experiments.md,
-        # "the exit-time abort")
+        # "the exit-time abort"). Except where an exchange that timed out is still posted: a worker
+        # waits in it until the peer leaves or gloo's own timeout ends it, and freeing the group would
+        # wait for that worker here, so that group is kept to process exit as before.
+        if self._stale is not None:
+            _STUCK_GROUPS.append(self._group)
         self._group = None
         self._stale = None
 

@@ -58,6 +58,33 @@ def test_close_joins_the_groups_worker_threads():
         assert refused is not None and "closed" in refused, refused
 
 
+def _close_after_a_timed_out_exchange(comm):
+    """Rank 0's ``close()`` time after its exchange timed out against a rank that stays away."""
+    import time
+
+    from cco.transport.protocol import CommTimeoutError
+
+    if comm.rank == 0:
+        try:
+            comm.gather_words([1], seq=0, timeout_s=1.0, what="an exchange rank 1 never makes")
+        except CommTimeoutError:
+            pass
+        t0 = time.monotonic()
+        comm.close()
+        return time.monotonic() - t0
+    time.sleep(6.0)  # away, then gone: only its exit ends rank 0's posted gather
+    return None
+
+
+def test_close_after_a_timed_out_exchange_does_not_wait_for_it():
+    """The gather of an exchange that timed out stays posted in a gloo worker until the peer leaves
+    or gloo's own timeout ends it; ``close()`` keeps that group to process exit rather than free it
+    (freeing waits for the worker): it returns at once. Fails with the group freed all the same
+    (``close()`` then took until rank 1 exited, ~5 s)."""
+    closed, _ = check_outcomes(spawn(_close_after_a_timed_out_exchange, world=2, timeout_s=60))
+    assert closed < 1.0, closed
+
+
 def _window_bytes(comm):
     cfg = layout.build_config(n=384, k=256, m_max=64, world=comm.world)
     with ShmWindow(comm=comm, layout=cfg.window) as win:
