@@ -66,13 +66,13 @@ def _close_after_a_timed_out_exchange(comm):
 
     if comm.rank == 0:
         try:
-            comm.gather_words([1], seq=0, timeout_s=1.0, what="an exchange rank 1 never makes")
+            comm.gather_words([1], seq=0, timeout_s=0.5, what="an exchange rank 1 never makes")
         except CommTimeoutError:
             pass
         t0 = time.monotonic()
         comm.close()
         return time.monotonic() - t0
-    time.sleep(6.0)  # away, then gone: only its exit ends rank 0's posted gather
+    time.sleep(3.5)  # away, then gone: only its exit ends rank 0's posted gather
     return None
 
 
@@ -80,7 +80,7 @@ def test_close_after_a_timed_out_exchange_does_not_wait_for_it():
     """The gather of an exchange that timed out stays posted in a gloo worker until the peer leaves
     or gloo's own timeout ends it; ``close()`` keeps that group to process exit rather than free it
     (freeing waits for the worker): it returns at once. Fails with the group freed all the same
-    (``close()`` then took until rank 1 exited, ~5 s)."""
+    (``close()`` then took until rank 1 exited, ~3 s)."""
     closed, _ = check_outcomes(spawn(_close_after_a_timed_out_exchange, world=2, timeout_s=60))
     assert closed < 1.0, closed
 
