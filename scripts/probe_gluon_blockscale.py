@@ -3,6 +3,7 @@ while the previous product is scaled) against cuBLAS's blockwise GEMM and the ow
 the reduce-scatter producers' shapes, device time under graph replay, one GPU::
 
     python3 -m scripts.probe_gluon_blockscale -m 4096,16384 gluon.json
+    python3 -m scripts.probe_gluon_blockscale --decode 8b-o-tp1,8b-down-tp1 --rows 8,32,64 decode.json
     python3 -m scripts.probe_gluon_blockscale --compile-only     # the host, no GPU
 
 Why: the own blockscale kernel waits for each K step's MMA before issuing the next (Triton scales
@@ -20,7 +21,14 @@ operands on sampled rows (``gemm_mismatches``); a wrong arm posts no time. Timin
 (shape, M): each arm's median us and its ratio to cuBLAS (else to the own kernel), pass by pass
 (median and range; lower is better).
 
-``--compile-only``: compile the kernel for sm_90 with the installed Triton (no GPU) and print its
+``--decode SHAPES --rows ROWS``: the decode MMA over quantized rows instead
+(``decode_blockscale_mma_kernel``, the same overlap), at ``scripts.tune_decode.SHAPES``: arms
+``nn.Linear bf16``, ``decode_gemm`` (the layer's rule: the quantizer's launch and the Triton MMA,
+as a capture takes them) and ``quantizer + gluon split S`` (the same quantizer, then the Gluon MMA
+with K in S slices), each checked as above and for equal bits on a repeat; graphs of 10 calls; one
+line per (shape, M) with each arm's us and its ratio to ``nn.Linear`` (lower is better).
+
+``--compile-only``: compile the kernels for sm_90 with the installed Triton (no GPU) and print its
 registers, spills, shared memory and the K loop's MMA waits; exit 1 where it does not compile,
 spills, needs more than a Hopper SM's shared memory, or waits for every MMA (no ``wgmma.wait_group
 1``: the overlap this kernel exists for).
@@ -51,6 +59,9 @@ def parse_args(argv=None):
     p.add_argument("-m", type=_list(int, None), default=[4096, 16384], help="comma list of token counts M")
     p.add_argument("--stages", type=_list(int, None), default=[3, 4], help="comma list of the Gluon ring's stages")
     p.add_argument("--passes", type=int, default=5)
+    p.add_argument("--decode", type=_list(str, None), default=None,
+                   help="comma list of decode shapes (scripts.tune_decode.SHAPES): time the decode MMA instead")
+    p.add_argument("--rows", type=_list(int, None), default=[8, 32, 64], help="decode: comma list of rows M (2..64)")
     p.add_argument("--compile-only", action="store_true", help="compile for sm_90 on the host and check it")
     p.add_argument("json", nargs="?", help="write the rows here (after every shape)")
     args = p.parse_args(argv)
@@ -63,12 +74,22 @@ def parse_args(argv=None):
         p.error(f"json {args.json}: directory {where} does not exist")
     if any(m < 1 for m in args.m) or args.passes < 1 or any(s < 2 for s in args.stages):
         p.error("M and --passes must be >= 1, --stages >= 2")
+    if args.decode is not None:
+        from scripts.tune_decode import SHAPES
+
+        unknown = [name for name in args.decode if name not in SHAPES]
+        if unknown:
+            p.error(f"--decode {','.join(unknown)}: not a shape of scripts.tune_decode ({', '.join(SHAPES)})")
+        if any(not 2 <= m <= 64 for m in args.rows):
+            p.error("--rows: the decode MMA takes 2..64 rows")
     return args
 
 
-def compile_for_sm90(*, stages: int = 4, group_m: int = 8, num_warps: int = 8) -> dict:
-    """The kernel compiled for sm_90 by the installed Triton, on the host: its PTX and the cubin's
-    registers, spills (local memory) and shared memory (``cuobjdump`` from Triton's own bundle)."""
+def compile_for_sm90(kernel: str = "gemm", *, stages: int = 4, rows: int = 64, split: int = 4) -> dict:
+    """A kernel of ``kernels_fused.hopper.gluon_gemm`` compiled for sm_90 by the installed Triton, on the
+    host: its PTX and the cubin's registers, spills (local memory) and shared memory (``cuobjdump``
+    from Triton's own bundle). ``kernel``: "gemm" (the 128x128 GEMM, 8 warps) or "decode" (the MMA
+    over ``rows`` quantized rows, 4 warps, K in ``split`` slices)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -78,28 +99,38 @@ def compile_for_sm90(*, stages: int = 4, group_m: int = 8, num_warps: int = 8) -
 
     from kernels_fused.hopper import gluon_gemm
 
-    def desc(dtype, gl_dtype):  # (a descriptor's type names its block and layout, not its tensor's size)
+    def desc(block, dtype=torch.float8_e4m3fn, gl_dtype=gl.float8e4nv):  # (its type: the block and layout)
         t = torch.empty(256, 256, dtype=dtype)
-        return mangle_type(TensorDescriptor.from_tensor(t, [128, 128], gl.NVMMASharedLayout.get_default_for(
-            [128, 128], gl_dtype)))
-    fp8 = desc(torch.float8_e4m3fn, gl.float8e4nv)
-    signature = {"a_desc": fp8, "b_desc": fp8, "c_desc": desc(torch.bfloat16, gl.bfloat16), "as_ptr": "*fp32",
-                 "bs_ptr": "*fp32", **{name: "i32" for name in ("M", "N", "K", "stride_asm", "stride_ask",
-                                                                 "stride_bsn", "stride_bsk")},
-                 "GROUP_M": "constexpr", "STAGES": "constexpr", "num_warps": "constexpr"}
-    source = GluonASTSource(fn=gluon_gemm.fp8_blockscale_gemm_kernel, signature=signature,
-                            constexprs={"GROUP_M": group_m, "STAGES": stages, "num_warps": num_warps})
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 128), options={"num_warps": num_warps})
+        return mangle_type(TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block,
+                                                                                                     gl_dtype)))
+    if kernel == "gemm":
+        fn, num_warps = gluon_gemm.fp8_blockscale_gemm_kernel, 8
+        signature = {"a_desc": desc([128, 128]), "b_desc": desc([128, 128]),
+                     "c_desc": desc([128, 128], torch.bfloat16, gl.bfloat16), "as_ptr": "*fp32", "bs_ptr": "*fp32",
+                     **dict.fromkeys(("M", "N", "K", "stride_asm", "stride_ask", "stride_bsn", "stride_bsk"), "i32")}
+        constexprs = {"GROUP_M": 8, "STAGES": stages, "num_warps": num_warps}
+    elif kernel == "decode":
+        fn, num_warps = gluon_gemm.decode_blockscale_mma_kernel, 4
+        signature = {"w_desc": desc([64, 128]), "q_desc": desc([rows, 128]), "sa_ptr": "*fp32", "ws_ptr": "*fp32",
+                     "bias_ptr": "*bf16", "out_ptr": "*bf16", "cnt_ptr": "*i32", "part_ptr": "*fp32",
+                     **dict.fromkeys(("M", "N", "K_PAD", "K_SLICE", "stride_sa", "stride_ws"), "i32")}
+        constexprs = {"HAS_BIAS": False, "SPLIT": split, "STAGES": stages, "num_warps": num_warps}
+    else:
+        raise ValueError(f"compile_for_sm90: kernel={kernel!r}; pass 'gemm' or 'decode'")
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    source = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 128), options={"num_warps": num_warps})
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
+        f.write(compiled.asm["cubin"])
         f.flush()
         usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
                                check=True).stdout
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     local = int(re.search(r"LOCAL:(\d+)", usage).group(1))
-    return {"triton": triton.__version__, "stages": stages, "num_warps": num_warps, "registers": regs,
-            "local_bytes": local, "shared_bytes": kernel.metadata.shared, "ptx": kernel.asm["ptx"]}
+    return {"kernel": kernel, "triton": triton.__version__, "stages": stages, "num_warps": num_warps,
+            "registers": regs, "local_bytes": local, "shared_bytes": compiled.metadata.shared,
+            "ptx": compiled.asm["ptx"]}
 
 
 def loop_waits(ptx: str) -> dict:
@@ -165,15 +196,93 @@ def check(arms: dict, p) -> dict:
     return wrong
 
 
+# what --compile-only builds: the GEMM, and the decode MMA at the widest rows, unsplit and split
+COMPILED = (("gemm", {}), ("decode", dict(rows=16, split=1)), ("decode", dict(rows=64, split=4)))
+
+
 def compile_only() -> int:
-    report = compile_for_sm90()
-    problems = compile_problems(report)
-    print(f"gluon blockscale 128x128, {report['stages']} stages, {report['num_warps']} warps, Triton "
-          f"{report['triton']}, sm_90: {report['registers']} registers, {report['local_bytes']} bytes local, "
-          f"{report['shared_bytes']} bytes shared; MMA waits by groups left in flight {loop_waits(report['ptx'])}")
-    for why in problems:
-        print(f"FAIL: {why}")
-    return 1 if problems else 0
+    failed = 0
+    for kernel, options in COMPILED:
+        report = compile_for_sm90(kernel, **options)
+        problems = compile_problems(report)
+        print(f"gluon {kernel} {options or ''} {report['stages']} stages, {report['num_warps']} warps, Triton "
+              f"{report['triton']}, sm_90: {report['registers']} registers, {report['local_bytes']} bytes local, "
+              f"{report['shared_bytes']} bytes shared; MMA waits by groups left in flight {loop_waits(report['ptx'])}")
+        for why in problems:
+            print(f"FAIL: {why}")
+        failed += bool(problems)
+    return 1 if failed else 0
+
+
+DECODE_SPLITS = (1, 2, 4, 8)  # the Gluon decode MMA's K slices timed (the rule's Triton MMA: 4 at 8B o and down)
+
+
+def decode_rows_table(args, command: str) -> int:
+    """``--decode``: one row per (shape, M) into ``args.json``; returns the number of wrong cells."""
+    from cco import quant as Q
+    from cco.bench.timing import gemm_mismatches
+    from kernels_fused.hopper import decode as D
+    from kernels_fused.hopper import gluon_gemm
+    from kernels_fused.hopper import native as NV
+    from kernels_fused.hopper.quantize import quantize_activation
+    from scripts.tune_decode import graph_us, shape_weight
+
+    NV.ENABLED = False  # the Python path's launches, as a graph captures them
+    dev = torch.device("cuda")
+    rows, failed, t0 = [], 0, time.time()
+    for name in args.decode:
+        n, k, w, w_bf16 = shape_weight(name, dev)
+        wq, ws = Q.quantize_b(w, "blockscale")
+        wd = Q.dequantize_b(wq, ws, "blockscale")
+        blocks = -(-n // 64)
+        for m in args.rows:
+            x = torch.randn(m, k, device=dev).to(torch.bfloat16)
+            q, sa = quantize_activation(x, "blockscale", k_padded=k)
+            ad = Q.dequantize_a(q, sa, "blockscale")
+            ref, dot_abs = ad @ wd.t(), ad.abs() @ wd.abs().t()
+            arms = {"nn.Linear bf16": lambda x=x: torch.nn.functional.linear(x, w_bf16),
+                    "decode_gemm": lambda x=x: D.decode_gemm(x, wq, ws, "blockscale", n=n)}
+            for split in DECODE_SPLITS:
+                scratch = dict(counters=torch.zeros(blocks, dtype=torch.int32, device=dev),
+                               parts=torch.empty(blocks * split * 64 * gluon_gemm.decode_rows(m), dtype=torch.float32,
+                                                 device=dev),
+                               out=torch.empty(m, n, dtype=torch.bfloat16, device=dev))
+                arms[f"quantizer + gluon split {split}"] = (
+                    lambda x=x, split=split, scratch=scratch: gluon_gemm.decode_blockscale_mma(
+                        *quantize_activation(x, "blockscale", k_padded=k), wq, ws, n, split=split, **scratch))
+            wrong, outs = {}, {}
+            for label, fn in list(arms.items()):
+                try:
+                    got, again = fn().clone(), fn().clone()
+                    torch.cuda.synchronize()
+                except Exception as err:  # noqa: BLE001 - reported; the other arms still run
+                    wrong[label] = f"raised {type(err).__name__}: {str(err)[:200]}"
+                    del arms[label]
+                    continue
+                outs[label] = got
+                if label == "nn.Linear bf16":
+                    continue
+                bad = gemm_mismatches(got, ref, dot_abs)
+                if bad or not torch.equal(got, again):
+                    wrong[label] = f"{bad} outside the budget, repeat equal {torch.equal(got, again)}"
+                    del arms[label]
+            for label, why in wrong.items():
+                print(f"{name} M={m} {label}: WRONG, {why}", flush=True)
+            failed += bool(wrong)
+            same_bits = {label: bool(torch.equal(outs[label], outs["decode_gemm"])) for label in outs
+                         if label.startswith("quantizer + gluon") and "decode_gemm" in outs}
+            t = graph_us(arms, 10, args.passes)
+            base = t["nn.Linear bf16"]
+            print(f"[{time.time() - t0:.0f} s] {name} M={m}: " + " | ".join(
+                f"{a} {v:.1f} ({v / base:.2f}x)" for a, v in t.items()), flush=True)
+            rows.append({"shape": name, "n": n, "k": k, "m": m, "us": t, "wrong": wrong,
+                         "bits_equal_decode_gemm": same_bits})
+            with open(args.json, "w") as f:
+                json.dump({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": command,
+                           "note": "device us per call, graphs of 10 calls, median over passes; lower is better",
+                           "rows": rows}, f, indent=1)
+    return failed
 
 
 def main(argv=None) -> int:
@@ -183,6 +292,9 @@ def main(argv=None) -> int:
     from cco.bench.timing import per_pass_ratio, require_cuda, time_arms
 
     require_cuda("probe_gluon_blockscale")
+    command = "python3 -m scripts.probe_gluon_blockscale " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.decode is not None:
+        return 1 if decode_rows_table(args, command) else 0
     from scripts.bench_decode import graph_timings
     from scripts.bench_sp_parts import device_problems, layer_shape
 
@@ -213,8 +325,7 @@ def main(argv=None) -> int:
                 with open(args.json, "w") as f:
                     json.dump({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                               "command": "python3 -m scripts.probe_gluon_blockscale "
-                                          + " ".join(sys.argv[1:] if argv is None else argv),
+                               "command": command,
                                "note": "device us per call, graph replay; vs_baseline: (median, min, max) over "
                                        "passes of the arm / the baseline arm, lower is better",
                                "rows": rows}, f, indent=1)

@@ -28,9 +28,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-# the TMA copies' names: Triton 3.6 (the GPU machines') has only the long ones, later releases removed them
+# the TMA copies' and the block barrier's names: Triton 3.6 (the GPU machines') has only these, later releases
+# renamed them
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+_block_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # (3.6's name; later ones call it barrier)
 SCALE_BLOCK = gl.constexpr(128)  # blockscale's scale block along N and K: one weight scale per (tile, step)
 
 
@@ -120,6 +122,103 @@ def fp8_blockscale_gemm_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, M, N, K,
     tma.store_wait(0)
 
 
+@gluon.jit
+def _decode_finish(acc, cols, rows, bias_ptr, out_ptr, M, N, HAS_BIAS: gl.constexpr):
+    """``acc [BLOCK_N, ROWS]`` (weight rows by activation rows) rounded to bf16, the bias added to the
+    rounded product and rounded again (``out += bias``, as the Triton decode kernels), stored
+    transposed into ``out [M, N]``."""
+    out = acc.to(gl.bfloat16)
+    if HAS_BIAS:
+        bias = gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32)
+        out = (out.to(gl.float32) + bias[:, None]).to(gl.bfloat16)
+    gl.store(out_ptr + rows[None, :] * N + cols[:, None], out, mask=(cols < N)[:, None] & (rows < M)[None, :])
+
+
+@gluon.jit
+def decode_blockscale_mma_kernel(w_desc, q_desc, sa_ptr, ws_ptr, bias_ptr, out_ptr, cnt_ptr, part_ptr,
+                                 M, N, K_PAD, K_SLICE, stride_sa, stride_ws,
+                                 HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
+                                 num_warps: gl.constexpr):
+    """blockscale's MMA over 2..64 rows quantized beforehand (the activation quantizer's e4m3 ``q
+    [M, K_PAD]`` and its group-major scales ``sa``, ``stride_sa`` apart), as
+    ``decode_kernels.decode_mma_rows_kernel`` computes it: program ``(n block, s)`` takes
+    ``BLOCK_N`` (64) weight rows as the MMA's M side and slice ``s`` of ``SPLIT`` slices of K
+    (``K_SLICE`` columns, none empty), the rows (``ROWS``, a power of two of 16..64; past M read as
+    zeros by TMA) as its N side; each 128-column group's MMA kept in flight while the previous
+    group's product is scaled (the same ring as :func:`fp8_blockscale_gemm_kernel`). ``SPLIT`` > 1:
+    each program stores its fp32 partial into ``part``, then counts itself in on ``cnt[block]``;
+    the last to arrive sums the partials in slice order (the bits independent of which came last),
+    sets the count back to zero for the next launch, and finishes."""
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
+    ROWS: gl.constexpr = q_desc.block_type.shape[0]
+    gl.static_assert(BLOCK_K == SCALE_BLOCK, "one scale group a step")
+    block = gl.program_id(0)
+    s = gl.program_id(1)
+    n0 = block * BLOCK_N
+    first = s * (K_SLICE // BLOCK_K)
+    steps = gl.minimum(K_SLICE // BLOCK_K, K_PAD // BLOCK_K - first)  # >= 1: the host leaves no slice empty
+
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, ROWS, 32])
+    w_ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    q_ring = gl.allocate_shared_memory(q_desc.dtype, [STAGES, ROWS, BLOCK_K], q_desc.layout)
+    landed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(landed.index(i), count=1)
+    fence_async_shared()
+    tile_bytes: gl.constexpr = w_desc.block_type.nbytes + q_desc.block_type.nbytes
+    for i in gl.static_range(STAGES):  # the slice's first STAGES groups, one a slot
+        have = i < steps
+        mbarrier.expect(landed.index(i), tile_bytes, pred=have)
+        _tma_load(w_desc, [n0, (first + i) * BLOCK_K], landed.index(i), w_ring.index(i), pred=have)
+        _tma_load(q_desc, [0, (first + i) * BLOCK_K], landed.index(i), q_ring.index(i), pred=have)
+
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(0, acc_layout))
+    cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+    ws_row = ws_ptr + (n0 // SCALE_BLOCK) * stride_ws
+    blank = gl.zeros((BLOCK_N, ROWS), gl.float32, acc_layout)
+    acc = gl.zeros((BLOCK_N, ROWS), gl.float32, acc_layout)
+
+    mbarrier.wait(landed.index(0), 0)
+    product = warpgroup_mma(w_ring.index(0), q_ring.index(0).permute((1, 0)), blank, use_acc=False, is_async=True)
+    scale = gl.load(sa_ptr + first * stride_sa + rows, mask=rows < M, other=0.0) * gl.load(ws_row + first)
+    for step in range(1, steps):
+        slot = step % STAGES
+        mbarrier.wait(landed.index(slot), (step // STAGES) & 1)
+        nxt = warpgroup_mma(w_ring.index(slot), q_ring.index(slot).permute((1, 0)), blank, use_acc=False,
+                            is_async=True)
+        done = warpgroup_mma_wait(num_outstanding=1, deps=(product, ))  # step - 1's, while step's runs
+        acc += done * scale[None, :]
+        ahead = step + STAGES - 1  # into step - 1's slot, retired by the wait
+        free = ahead % STAGES
+        have = ahead < steps
+        mbarrier.expect(landed.index(free), tile_bytes, pred=have)
+        _tma_load(w_desc, [n0, (first + ahead) * BLOCK_K], landed.index(free), w_ring.index(free), pred=have)
+        _tma_load(q_desc, [0, (first + ahead) * BLOCK_K], landed.index(free), q_ring.index(free), pred=have)
+        g = first + step
+        scale = gl.load(sa_ptr + g * stride_sa + rows, mask=rows < M, other=0.0) * gl.load(ws_row + g)
+        product = nxt
+    done = warpgroup_mma_wait(num_outstanding=0, deps=(product, ))
+    acc += done * scale[None, :]
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(landed.index(i))
+
+    if SPLIT == 1:
+        _decode_finish(acc, cols, rows, bias_ptr, out_ptr, M, N, HAS_BIAS)
+    else:
+        tile = (cols - n0)[:, None] * ROWS + rows[None, :]
+        parts = part_ptr + block * (SPLIT * BLOCK_N * ROWS)
+        gl.store(parts + s * (BLOCK_N * ROWS) + tile, acc)
+        _block_barrier()  # every thread's partial stored before the count
+        if gl.atomic_add(cnt_ptr + block, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            total = gl.load(parts + tile, cache_modifier=".cg")  # (L2: the other SMs' stores)
+            for j in gl.static_range(1, SPLIT):
+                total += gl.load(parts + j * (BLOCK_N * ROWS) + tile, cache_modifier=".cg")
+            gl.store(cnt_ptr + block, 0)  # no program of this launch counts on it any more
+            _decode_finish(total, cols, rows, bias_ptr, out_ptr, M, N, HAS_BIAS)
+
+
 def blockscale_gemm(a, b, a_scale, b_scale, *, out=None, stages: int = 4, group_m: int = 8, num_warps: int = 8):
     """bf16 ``a @ b.T`` with blockscale's scales through :func:`fp8_blockscale_gemm_kernel` (into
     ``out [M, N]`` where given). Operands as ``kernels_fused.hopper.gemm.fp8_gemm`` takes them for
@@ -138,4 +237,47 @@ def blockscale_gemm(a, b, a_scale, b_scale, *, out=None, stages: int = 4, group_
     fp8_blockscale_gemm_kernel[grid](*descs, a_scale, b_scale, m, n, k, a_scale.stride(0), a_scale.stride(1),
                                      b_scale.stride(0), b_scale.stride(1), GROUP_M=group_m, STAGES=stages,
                                      num_warps=num_warps)
+    return out
+
+
+def decode_rows(m: int) -> int:
+    """The MMA's N side for ``m`` activation rows: a power of two, at least 16 (wgmma's N for fp8 at
+    one warpgroup's 64 weight rows is any multiple of 8, and 16 keeps the rows' tile 16-byte rows)."""
+    return max(16, 1 << (m - 1).bit_length())
+
+
+def decode_blockscale_mma(q, sa, w, ws, n: int, *, bias=None, split: int = 1, stages: int = 4, out=None,
+                          counters=None, parts=None):
+    """bf16 ``[M, n]``: blockscale's rows already quantized (``quantize_activation(x, "blockscale",
+    k_padded=K_pad)``: ``q [M, K_pad]`` and ``sa``, its ``[M, K_pad / 128]`` view of group-major
+    scales) times the fp8 weight ``w [N_pad, K_pad]`` with ``ws [N_pad / 128, K_pad / 128]``, through
+    :func:`decode_blockscale_mma_kernel` with K in ``split`` slices (fewer where a slice would be
+    empty). ``counters`` (int32, one per 64-row weight block, zero; each launch leaves them zero) and
+    ``parts`` (fp32 scratch) are made where not given."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    m, k_pad = q.shape
+    if not 1 <= m <= 64 or k_pad % SCALE_BLOCK.value or sa.stride(0) != 1:
+        raise ValueError(f"decode_blockscale_mma: q [{m}, {k_pad}] needs 1..64 rows, K_pad a multiple of 128 and "
+                         f"sa group-major (its row stride 1, got {sa.stride(0)})")
+    rows, block_n, groups = decode_rows(m), 64, k_pad // SCALE_BLOCK.value
+    per_slice = -(-groups // max(1, min(split, groups)))
+    split = -(-groups // per_slice)  # no slice left empty
+    blocks = -(-n // block_n)
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=q.device)
+    if counters is None:
+        counters = torch.zeros(blocks, dtype=torch.int32, device=q.device)
+    if parts is None:
+        parts = torch.empty(max(1, blocks * split * block_n * rows) if split > 1 else 1, dtype=torch.float32,
+                            device=q.device)
+    w_desc = TensorDescriptor.from_tensor(w, [block_n, SCALE_BLOCK.value], gl.NVMMASharedLayout.get_default_for(
+        [block_n, SCALE_BLOCK.value], gl.float8e4nv))
+    q_desc = TensorDescriptor.from_tensor(q, [rows, SCALE_BLOCK.value], gl.NVMMASharedLayout.get_default_for(
+        [rows, SCALE_BLOCK.value], gl.float8e4nv))
+    decode_blockscale_mma_kernel[(blocks, split)](
+        w_desc, q_desc, sa, ws, out if bias is None else bias, out, counters, parts, m, n, k_pad,
+        per_slice * SCALE_BLOCK.value, sa.stride(1), ws.stride(0), HAS_BIAS=bias is not None, SPLIT=split,
+        STAGES=stages, num_warps=4)
     return out

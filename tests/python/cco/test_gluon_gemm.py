@@ -1,7 +1,7 @@
-"""The blockscale GEMM in Gluon (``kernels_fused.hopper.gluon_gemm``), on the host: it compiles for
-sm_90 with the installed Triton within a Hopper SM's budget (no spills, shared memory), and its K
-loop leaves one MMA in flight while it scales the previous one (``wgmma.wait_group 1``), the
-overlap it exists for. Not run here (no GPU); ``scripts.probe_gluon_blockscale`` checks its
+"""The blockscale MMAs in Gluon (``kernels_fused.hopper.gluon_gemm``: the GEMM and the decode MMA over
+quantized rows), on the host: each compiles for sm_90 with the installed Triton within a Hopper SM's
+budget (no spills, shared memory), and its K loop leaves one MMA in flight while it scales the
+previous one (``wgmma.wait_group 1``), the overlap it exists for. Not run here (no GPU); ``scripts.probe_gluon_blockscale`` checks its
 products and times it on one."""
 
 import pytest
@@ -11,9 +11,11 @@ from scripts import probe_gluon_blockscale as P
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper", reason="a Triton with Gluon's Hopper API")
 
 
-@pytest.mark.parametrize("stages", [3, 4])
-def test_compiles_for_sm90_with_one_mma_in_flight(stages):
-    report = P.compile_for_sm90(stages=stages)
+@pytest.mark.parametrize("kernel, options", [("gemm", dict(stages=3)), ("gemm", dict(stages=4)),
+                                             ("decode", dict(rows=16, split=1)), ("decode", dict(rows=64, split=4))],
+                         ids=["gemm-3-stages", "gemm-4-stages", "decode-16-rows", "decode-64-rows-split-4"])
+def test_compiles_for_sm90_with_one_mma_in_flight(kernel, options):
+    report = P.compile_for_sm90(kernel, **options)
     assert P.compile_problems(report) == [], P.compile_problems(report)
     assert P.loop_waits(report["ptx"]) == {0: 1, 1: 1}  # the loop's wait leaves one; the last product's, none
     assert report["registers"] <= 255
@@ -21,7 +23,8 @@ def test_compiles_for_sm90_with_one_mma_in_flight(stages):
 
 def test_the_check_fails_a_kernel_that_waits_for_every_mma_or_spills():
     report = P.compile_for_sm90()
-    serial = dict(report, ptx=report["ptx"].replace("wgmma.wait_group.sync.aligned 1;", "wgmma.wait_group.sync.aligned 0;"))
+    waits_all = report["ptx"].replace("wgmma.wait_group.sync.aligned 1;", "wgmma.wait_group.sync.aligned 0;")
+    serial = dict(report, ptx=waits_all)
     assert P.compile_problems(serial) == ["no wgmma.wait_group 1: every MMA is waited for before the next"]
     spilled = dict(report, local_bytes=64, shared_bytes=P.HOPPER_SHARED + 1)
     assert len(P.compile_problems(spilled)) == 2
@@ -32,3 +35,8 @@ def test_the_probe_needs_a_json_path_unless_it_only_compiles(capsys):
         P.parse_args(["-m", "4096"])
     assert "json" in capsys.readouterr().err
     assert P.parse_args(["--compile-only"]).compile_only
+    for argv, says in ((["--decode", "8b-o", "x.json"], "not a shape"), (["--decode", "8b-o-tp1", "--rows", "1,8",
+                                                                          "x.json"], "2..64 rows")):
+        with pytest.raises(SystemExit):
+            P.parse_args(argv)
+        assert says in capsys.readouterr().err
