@@ -258,9 +258,10 @@ def decode_blockscale_mma(q, sa, w, ws, n: int, *, bias=None, split: int = 1, st
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     m, k_pad = q.shape
-    if not 1 <= m <= 64 or k_pad % SCALE_BLOCK.value or sa.stride(0) != 1:
-        raise ValueError(f"decode_blockscale_mma: q [{m}, {k_pad}] needs 1..64 rows, K_pad a multiple of 128 and "
-                         f"sa group-major (its row stride 1, got {sa.stride(0)})")
+    if not 1 <= m <= 64 or k_pad % SCALE_BLOCK.value or sa.stride(0) != 1 or ws.stride(1) != 1:
+        raise ValueError(f"decode_blockscale_mma: q [{m}, {k_pad}] needs 1..64 rows, K_pad a multiple of 128, sa "
+                         f"group-major (its row stride 1, got {sa.stride(0)}) and ws's groups adjacent (stride "
+                         f"{ws.stride(1)})")
     rows, block_n, groups = decode_rows(m), 64, k_pad // SCALE_BLOCK.value
     per_slice = -(-groups // max(1, min(split, groups)))
     split = -(-groups // per_slice)  # no slice left empty
