@@ -1,26 +1,27 @@
-"""The blockscale GEMM in Gluon (Triton's explicit-layout language): a product of each K step kept
-in flight while the previous one is scaled.
+"""blockscale's MMAs in Gluon (Triton's explicit-layout language): each K step's product kept in flight
+while the previous one is scaled. Two kernels on one loop (:func:`_scaled_mma_loop`): the GEMM
+(:func:`fp8_blockscale_gemm_kernel`) and the decode MMA over quantized rows
+(:func:`decode_blockscale_mma_kernel`).
 
-Why: the own blockscale kernel (``kernels.fp8_gemm_kernel``, and the decode MMA likewise) scales
-each K step's product before adding it (``acc += dot(a, b) * scales``), so Triton waits for each
-step's MMA to finish (``wgmma.wait_group 0``) before it issues the next one, and consecutive MMAs
-never overlap: ~1.5x of cuBLAS's blockwise GEMM (docs/hopper_gemm.md, "Why the own blockscale
-kernel runs ~1.5x of cuBLAS"). Gluon names the wait: here step k's MMA is issued into its own
-registers, then ``warpgroup_mma_wait(num_outstanding=1)`` waits only for step k - 1's, which is
-scaled and added while step k runs (two products live beside the accumulator: 128x128 at 8 warps
-is 64 fp32 registers a thread each).
+Why: the own blockscale kernels (``kernels.fp8_gemm_kernel``, ``decode_kernels.decode_mma_rows_kernel``)
+scale each K step's product before adding it (``acc += dot(a, b) * scales``), so Triton waits for
+each step's MMA to finish (``wgmma.wait_group 0``) before it issues the next one, and consecutive
+MMAs never overlap: ~1.5x of cuBLAS's blockwise GEMM (docs/hopper_gemm.md, "Why the own blockscale
+kernel runs ~1.5x of cuBLAS"), and the decode MMA's 1.28-1.48x of ``nn.Linear`` at 8B o_proj
+(docs/decode.md). Gluon names the wait: here step k's MMA is issued into registers of its own,
+then ``warpgroup_mma_wait(num_outstanding=1)`` waits only for step k - 1's, which is scaled and
+added while step k runs (two products live beside the accumulator: 128x128 at 8 warps is 64 fp32
+registers a thread each).
 
-Operands as the Triton kernels take them: ``a [M, K]`` e4m3 with ``a_scale [M, K / 128]`` (any
-strides), ``b [N, K]`` e4m3 K-major with ``b_scale [N / 128, K / 128]``; ``c [M, N]`` bf16. One
-program per 128x128 output tile in grouped order; a ring of ``STAGES`` TMA-loaded (A, B) tiles
-(slot ``step % STAGES``, its ``step // STAGES``-th fill), each later step's loads issued once the
-wait above has retired the MMA that read its slot; the tile leaves through a TMA store (rows past
-M clipped by the descriptor).
+The GEMM's operands as the Triton kernels take them: ``a [M, K]`` e4m3 with ``a_scale [M, K / 128]``
+(any strides), ``b [N, K]`` e4m3 K-major with ``b_scale [N / 128, K / 128]``; ``c [M, N]`` bf16. One
+program per 128x128 output tile in grouped order; the tile leaves through a TMA store (rows past M
+clipped by the descriptor).
 
-Status: compiled for sm_90 on the host with the GPU machines' Triton (3.6;
-``python3 -m scripts.probe_gluon_blockscale --compile-only``), never run: no launch path calls it
-until ``scripts.probe_gluon_blockscale`` has checked it against the fp32 product and timed it
-against cuBLAS and the own kernel on a GPU. Imported only there, so nothing else needs Gluon.
+Status: compiled for sm_90 on the host with the GPU machines' Triton (3.6) and 3.9
+(``python3 -m scripts.probe_gluon_blockscale --compile-only``), never run: no launch path calls them
+until ``scripts.probe_gluon_blockscale`` has checked them against the fp32 product and timed them on
+a GPU. Imported only there, so nothing else needs Gluon.
 """
 
 from triton.experimental import gluon
@@ -37,12 +38,61 @@ SCALE_BLOCK = gl.constexpr(128)  # blockscale's scale block along N and K: one w
 
 
 @gluon.jit
-def _scales(as_ptr, bs_ptr, rows, n_block, step, stride_asm, stride_ask, stride_bsn, stride_bsk):
-    """Step ``step``'s row scales ``[BLOCK_M]`` (rows past M clamped to row 0: their products are
-    zero and clipped at the store) times the tile's weight-block scale."""
-    sa = gl.load(as_ptr + rows * stride_asm + step * stride_ask)
-    sb = gl.load(bs_ptr + n_block * stride_bsn + step * stride_bsk)
-    return sa * sb
+def _scaled_mma_loop(x_desc, x_row, y_desc, y_row, first, steps, sx_ptr, sx_offs, sx_mask, sx_step, sy_ptr, sy_step,
+                     acc_layout: gl.constexpr, SCALE_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """The fp32 ``[X, Y]`` sum over the 128-column groups ``g`` of ``first .. first + steps - 1`` (at
+    least one) of ``x[:, g] @ y[:, g].T`` times the group's scales: ``sx[sx_offs + g * sx_step]``
+    (where ``sx_mask``, else 0), a vector along dimension ``SCALE_DIM`` of the product, times the
+    scalar ``sy[g * sy_step]``. ``x`` rows ``x_row..`` and ``y`` rows ``y_row..`` come through TMA into a
+    ring of ``STAGES`` slots (group ``i`` of the walk in slot ``i % STAGES``, its ``i // STAGES``-th
+    fill); each group's MMA is issued into registers of its own, and the wait that follows leaves it
+    in flight while the previous group's product is scaled and added; a slot is loaded again once
+    that wait has retired the MMA that read it."""
+    X: gl.constexpr = x_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+    Y: gl.constexpr = y_desc.block_type.shape[0]
+    gl.static_assert(BLOCK_K == SCALE_BLOCK, "one scale group a step")
+    x_ring = gl.allocate_shared_memory(x_desc.dtype, [STAGES, X, BLOCK_K], x_desc.layout)
+    y_ring = gl.allocate_shared_memory(y_desc.dtype, [STAGES, Y, BLOCK_K], y_desc.layout)
+    landed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(landed.index(i), count=1)
+    fence_async_shared()  # the barriers' init before the copies that arrive on them
+    tile_bytes: gl.constexpr = x_desc.block_type.nbytes + y_desc.block_type.nbytes
+    for i in gl.static_range(STAGES):  # the walk's first STAGES groups, one a slot
+        have = i < steps
+        mbarrier.expect(landed.index(i), tile_bytes, pred=have)
+        _tma_load(x_desc, [x_row, (first + i) * BLOCK_K], landed.index(i), x_ring.index(i), pred=have)
+        _tma_load(y_desc, [y_row, (first + i) * BLOCK_K], landed.index(i), y_ring.index(i), pred=have)
+
+    blank = gl.zeros((X, Y), gl.float32, acc_layout)  # the MMAs' unread accumulator input
+    acc = gl.zeros((X, Y), gl.float32, acc_layout)
+    mbarrier.wait(landed.index(0), 0)
+    product = warpgroup_mma(x_ring.index(0), y_ring.index(0).permute((1, 0)), blank, use_acc=False, is_async=True)
+    scale = gl.load(sx_ptr + sx_offs + first * sx_step, mask=sx_mask, other=0.0) * gl.load(sy_ptr + first * sy_step)
+    for i in range(1, steps):
+        slot = i % STAGES
+        mbarrier.wait(landed.index(slot), (i // STAGES) & 1)
+        nxt = warpgroup_mma(x_ring.index(slot), y_ring.index(slot).permute((1, 0)), blank, use_acc=False,
+                            is_async=True)
+        done = warpgroup_mma_wait(num_outstanding=1, deps=(product, ))  # group i - 1's, while group i's runs
+        acc += done * (scale[:, None] if SCALE_DIM == 0 else scale[None, :])
+        # group i - 1's slot is free now: group i + STAGES - 1 goes there (the ring's first fill held
+        # groups 0..STAGES - 1, so group 1 loads group STAGES, and so on)
+        ahead = i + STAGES - 1
+        free = ahead % STAGES
+        have = ahead < steps
+        mbarrier.expect(landed.index(free), tile_bytes, pred=have)
+        _tma_load(x_desc, [x_row, (first + ahead) * BLOCK_K], landed.index(free), x_ring.index(free), pred=have)
+        _tma_load(y_desc, [y_row, (first + ahead) * BLOCK_K], landed.index(free), y_ring.index(free), pred=have)
+        g = first + i
+        scale = gl.load(sx_ptr + sx_offs + g * sx_step, mask=sx_mask, other=0.0) * gl.load(sy_ptr + g * sy_step)
+        product = nxt
+    done = warpgroup_mma_wait(num_outstanding=0, deps=(product, ))
+    acc += done * (scale[:, None] if SCALE_DIM == 0 else scale[None, :])
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(landed.index(i))
+    return acc
 
 
 @gluon.jit
@@ -50,9 +100,8 @@ def fp8_blockscale_gemm_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, M, N, K,
                                stride_asm, stride_ask, stride_bsn, stride_bsk,
                                GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-    gl.static_assert(BLOCK_K == SCALE_BLOCK and BLOCK_N == SCALE_BLOCK, "one scale block per tile and step")
+    gl.static_assert(BLOCK_N == SCALE_BLOCK, "one weight scale block per tile")
 
     # the tile: grouped order (GROUP_M tile rows walked column by column share B tiles in L2)
     pid = gl.program_id(0)
@@ -66,54 +115,10 @@ def fp8_blockscale_gemm_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, M, N, K,
     # the accumulator's layout: warps stacked along M, one wgmma N of the whole tile
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
-    a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-    b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-    landed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(landed.index(s), count=1)
-    fence_async_shared()  # the barriers' init before the copies that arrive on them
-
-    steps = gl.cdiv(K, BLOCK_K)
-    tile_bytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
-    for s in gl.static_range(STAGES):  # the first STAGES steps' tiles, one a slot
-        have = s < steps
-        mbarrier.expect(landed.index(s), tile_bytes, pred=have)
-        _tma_load(a_desc, [m0, s * BLOCK_K], landed.index(s), a_ring.index(s), pred=have)
-        _tma_load(b_desc, [n0, s * BLOCK_K], landed.index(s), b_ring.index(s), pred=have)
-
     rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-    rows = gl.where(rows < M, rows, 0)
-    n_block = n0 // SCALE_BLOCK
-    blank = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)  # the MMAs' unread accumulator input
-    acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)
-
-    # step 0's product, then each later step's issued before the previous one is waited for
-    mbarrier.wait(landed.index(0), 0)
-    product = warpgroup_mma(a_ring.index(0), b_ring.index(0).permute((1, 0)), blank, use_acc=False, is_async=True)
-    scale = _scales(as_ptr, bs_ptr, rows, n_block, 0, stride_asm, stride_ask, stride_bsn, stride_bsk)
-    for step in range(1, steps):
-        slot = step % STAGES
-        mbarrier.wait(landed.index(slot), (step // STAGES) & 1)
-        nxt = warpgroup_mma(a_ring.index(slot), b_ring.index(slot).permute((1, 0)), blank, use_acc=False,
-                            is_async=True)
-        done = warpgroup_mma_wait(num_outstanding=1, deps=(product, ))  # step - 1's, while step's runs
-        acc += done * scale[:, None]
-        # step - 1's slot is free now: the tiles of step + STAGES - 1 go there (the ring's first fill
-        # held steps 0..STAGES - 1, so step 1 loads step STAGES, and so on)
-        ahead = step + STAGES - 1
-        free = ahead % STAGES
-        have = ahead < steps
-        mbarrier.expect(landed.index(free), tile_bytes, pred=have)
-        _tma_load(a_desc, [m0, ahead * BLOCK_K], landed.index(free), a_ring.index(free),
-                                        pred=have)
-        _tma_load(b_desc, [n0, ahead * BLOCK_K], landed.index(free), b_ring.index(free),
-                                        pred=have)
-        scale = _scales(as_ptr, bs_ptr, rows, n_block, step, stride_asm, stride_ask, stride_bsn, stride_bsk)
-        product = nxt
-    done = warpgroup_mma_wait(num_outstanding=0, deps=(product, ))
-    acc += done * scale[:, None]
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(landed.index(s))
+    # rows past M: a zero scale (their A rows read as zeros too; the store clips them)
+    acc = _scaled_mma_loop(a_desc, m0, b_desc, n0, 0, gl.cdiv(K, SCALE_BLOCK), as_ptr, rows * stride_asm, rows < M,
+                           stride_ask, bs_ptr + (n0 // SCALE_BLOCK) * stride_bsn, stride_bsk, acc_layout, 0, STAGES)
 
     out = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
     out.store(acc.to(c_desc.dtype))
@@ -144,65 +149,24 @@ def decode_blockscale_mma_kernel(w_desc, q_desc, sa_ptr, ws_ptr, bias_ptr, out_p
     ``decode_kernels.decode_mma_rows_kernel`` computes it: program ``(n block, s)`` takes
     ``BLOCK_N`` (64) weight rows as the MMA's M side and slice ``s`` of ``SPLIT`` slices of K
     (``K_SLICE`` columns, none empty), the rows (``ROWS``, a power of two of 16..64; past M read as
-    zeros by TMA) as its N side; each 128-column group's MMA kept in flight while the previous
-    group's product is scaled (the same ring as :func:`fp8_blockscale_gemm_kernel`). ``SPLIT`` > 1:
-    each program stores its fp32 partial into ``part``, then counts itself in on ``cnt[block]``;
-    the last to arrive sums the partials in slice order (the bits independent of which came last),
-    sets the count back to zero for the next launch, and finishes."""
+    zeros by TMA) as its N side, through :func:`_scaled_mma_loop`. ``SPLIT`` > 1: each program
+    stores its fp32 partial into ``part``, then counts itself in on ``cnt[block]``; the last to
+    arrive sums the partials in slice order (the bits independent of which came last), sets the
+    count back to zero for the next launch, and finishes."""
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
-    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
-    gl.static_assert(BLOCK_K == SCALE_BLOCK, "one scale group a step")
     block = gl.program_id(0)
     s = gl.program_id(1)
     n0 = block * BLOCK_N
-    first = s * (K_SLICE // BLOCK_K)
-    steps = gl.minimum(K_SLICE // BLOCK_K, K_PAD // BLOCK_K - first)  # >= 1: the host leaves no slice empty
+    first = s * (K_SLICE // SCALE_BLOCK)
+    steps = gl.minimum(K_SLICE // SCALE_BLOCK, K_PAD // SCALE_BLOCK - first)  # >= 1: the host leaves none empty
 
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, ROWS, 32])
-    w_ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
-    q_ring = gl.allocate_shared_memory(q_desc.dtype, [STAGES, ROWS, BLOCK_K], q_desc.layout)
-    landed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(landed.index(i), count=1)
-    fence_async_shared()
-    tile_bytes: gl.constexpr = w_desc.block_type.nbytes + q_desc.block_type.nbytes
-    for i in gl.static_range(STAGES):  # the slice's first STAGES groups, one a slot
-        have = i < steps
-        mbarrier.expect(landed.index(i), tile_bytes, pred=have)
-        _tma_load(w_desc, [n0, (first + i) * BLOCK_K], landed.index(i), w_ring.index(i), pred=have)
-        _tma_load(q_desc, [0, (first + i) * BLOCK_K], landed.index(i), q_ring.index(i), pred=have)
-
     rows = gl.arange(0, ROWS, layout=gl.SliceLayout(0, acc_layout))
     cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
-    ws_row = ws_ptr + (n0 // SCALE_BLOCK) * stride_ws
-    blank = gl.zeros((BLOCK_N, ROWS), gl.float32, acc_layout)
-    acc = gl.zeros((BLOCK_N, ROWS), gl.float32, acc_layout)
-
-    mbarrier.wait(landed.index(0), 0)
-    product = warpgroup_mma(w_ring.index(0), q_ring.index(0).permute((1, 0)), blank, use_acc=False, is_async=True)
-    scale = gl.load(sa_ptr + first * stride_sa + rows, mask=rows < M, other=0.0) * gl.load(ws_row + first)
-    for step in range(1, steps):
-        slot = step % STAGES
-        mbarrier.wait(landed.index(slot), (step // STAGES) & 1)
-        nxt = warpgroup_mma(w_ring.index(slot), q_ring.index(slot).permute((1, 0)), blank, use_acc=False,
-                            is_async=True)
-        done = warpgroup_mma_wait(num_outstanding=1, deps=(product, ))  # step - 1's, while step's runs
-        acc += done * scale[None, :]
-        ahead = step + STAGES - 1  # into step - 1's slot, retired by the wait
-        free = ahead % STAGES
-        have = ahead < steps
-        mbarrier.expect(landed.index(free), tile_bytes, pred=have)
-        _tma_load(w_desc, [n0, (first + ahead) * BLOCK_K], landed.index(free), w_ring.index(free), pred=have)
-        _tma_load(q_desc, [0, (first + ahead) * BLOCK_K], landed.index(free), q_ring.index(free), pred=have)
-        g = first + step
-        scale = gl.load(sa_ptr + g * stride_sa + rows, mask=rows < M, other=0.0) * gl.load(ws_row + g)
-        product = nxt
-    done = warpgroup_mma_wait(num_outstanding=0, deps=(product, ))
-    acc += done * scale[None, :]
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(landed.index(i))
+    acc = _scaled_mma_loop(w_desc, n0, q_desc, 0, first, steps, sa_ptr, rows, rows < M, stride_sa,
+                           ws_ptr + (n0 // SCALE_BLOCK) * stride_ws, 1, acc_layout, 1, STAGES)
 
     if SPLIT == 1:
         _decode_finish(acc, cols, rows, bias_ptr, out_ptr, M, N, HAS_BIAS)
@@ -217,28 +181,6 @@ def decode_blockscale_mma_kernel(w_desc, q_desc, sa_ptr, ws_ptr, bias_ptr, out_p
                 total += gl.load(parts + j * (BLOCK_N * ROWS) + tile, cache_modifier=".cg")
             gl.store(cnt_ptr + block, 0)  # no program of this launch counts on it any more
             _decode_finish(total, cols, rows, bias_ptr, out_ptr, M, N, HAS_BIAS)
-
-
-def blockscale_gemm(a, b, a_scale, b_scale, *, out=None, stages: int = 4, group_m: int = 8, num_warps: int = 8):
-    """bf16 ``a @ b.T`` with blockscale's scales through :func:`fp8_blockscale_gemm_kernel` (into
-    ``out [M, N]`` where given). Operands as ``kernels_fused.hopper.gemm.fp8_gemm`` takes them for
-    blockscale (row-major ``b``); unchecked beyond what TMA needs (16-byte aligned rows)."""
-    import torch
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    m, k = a.shape
-    n = b.shape[0]
-    if out is None:
-        out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
-    tile = [SCALE_BLOCK.value, SCALE_BLOCK.value]
-    descs = [TensorDescriptor.from_tensor(t, tile, gl.NVMMASharedLayout.get_default_for(tile, dtype))
-             for t, dtype in ((a, gl.float8e4nv), (b, gl.float8e4nv), (out, gl.bfloat16))]
-    grid = (-(-m // tile[0]) * -(-n // tile[1]), )
-    fp8_blockscale_gemm_kernel[grid](*descs, a_scale, b_scale, m, n, k, a_scale.stride(0), a_scale.stride(1),
-                                     b_scale.stride(0), b_scale.stride(1), GROUP_M=group_m, STAGES=stages,
-                                     num_warps=num_warps)
-    return out
-
 
 def decode_rows(m: int) -> int:
     """The MMA's N side for ``m`` activation rows: a power of two, at least 16 (wgmma's N for fp8 at
