@@ -27,7 +27,7 @@ import torch
 
 from cco import quant as Q
 from scripts._cli import shape_probe_args
-from scripts.tune_decode import SHAPES, graph_us, shape_weight
+from scripts.tune_decode import SHAPES, checked_arms, graph_us, shape_weight
 from scripts.tune_decode import with_config as set_tables
 
 
@@ -114,7 +114,6 @@ def main(argv=None):
     from cco.bench.timing import require_cuda
 
     require_cuda("probe_decode_split_k")  # after parsing: --help and argument errors need no GPU
-    from cco.bench.timing import gemm_mismatches
     from kernels_fused.hopper import decode as D
     from kernels_fused.hopper import native as NV
     from kernels_fused.hopper import vendor
@@ -169,24 +168,7 @@ def main(argv=None):
                                        (launch(x, x.stride(0), wq, ws, None, o), o)[1], D, "ONE_LAUNCH")
                     arms[label] = two
                 restore()
-                bad, wrong = {}, []
-                for label, fn in list(arms.items()):
-                    try:
-                        got = fn().clone()
-                        again = fn().clone()
-                        torch.cuda.synchronize()
-                    except Exception as err:  # a config that does not compile (resources)
-                        print(f"{name} {quant} M={m} {label}: ERROR {type(err).__name__}: {str(err)[:160]}", flush=True)
-                        del arms[label]
-                        continue
-                    if label == "nn.Linear bf16":
-                        continue
-                    bad[label] = gemm_mismatches(got, ref, dot_abs)
-                    if bad[label] or not torch.equal(got, again):
-                        wrong.append(label)
-                        print(f"{name} {quant} M={m} {label}: WRONG, {bad[label]} outside the budget, repeat equal "
-                              f"{torch.equal(got, again)}", flush=True)
-                        del arms[label]
+                _, bad, wrong, _ = checked_arms(arms, ref, dot_abs, f"{name} {quant} M={m}")
                 t = graph_us(arms, 10, 3)
                 base = t["nn.Linear bf16"]
                 cfgs = [(v, a) for a, v in t.items() if a.count("/") == 4]

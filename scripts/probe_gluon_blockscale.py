@@ -220,12 +220,11 @@ DECODE_SPLITS = (1, 2, 4, 8)  # the Gluon decode MMA's K slices timed (the rule'
 def decode_rows_table(args, command: str) -> int:
     """``--decode``: one row per (shape, M) into ``args.json``; returns the number of wrong cells."""
     from cco import quant as Q
-    from cco.bench.timing import gemm_mismatches
     from kernels_fused.hopper import decode as D
     from kernels_fused.hopper import gluon_gemm
     from kernels_fused.hopper import native as NV
     from kernels_fused.hopper.quantize import quantize_activation
-    from scripts.tune_decode import graph_us, shape_weight
+    from scripts.tune_decode import checked_arms, graph_us, shape_weight
 
     NV.ENABLED = False  # the Python path's launches, as a graph captures them
     dev = torch.device("cuda")
@@ -234,7 +233,6 @@ def decode_rows_table(args, command: str) -> int:
         n, k, w, w_bf16 = shape_weight(name, dev)
         wq, ws = Q.quantize_b(w, "blockscale")
         wd = Q.dequantize_b(wq, ws, "blockscale")
-        blocks = -(-n // 64)
         for m in args.rows:
             x = torch.randn(m, k, device=dev).to(torch.bfloat16)
             q, sa = quantize_activation(x, "blockscale", k_padded=k)
@@ -242,41 +240,22 @@ def decode_rows_table(args, command: str) -> int:
             ref, dot_abs = ad @ wd.t(), ad.abs() @ wd.abs().t()
             arms = {"nn.Linear bf16": lambda x=x: torch.nn.functional.linear(x, w_bf16),
                     "decode_gemm": lambda x=x: D.decode_gemm(x, wq, ws, "blockscale", n=n)}
-            for split in DECODE_SPLITS:
-                scratch = dict(counters=torch.zeros(blocks, dtype=torch.int32, device=dev),
-                               parts=torch.empty(blocks * split * 64 * gluon_gemm.decode_rows(m), dtype=torch.float32,
-                                                 device=dev),
+            for split in DECODE_SPLITS:  # (each arm's own scratch and output, made once: none inside its graph)
+                scratch = dict(gluon_gemm.decode_scratch(m, n, split, dev),
                                out=torch.empty(m, n, dtype=torch.bfloat16, device=dev))
                 arms[f"quantizer + gluon split {split}"] = (
                     lambda x=x, split=split, scratch=scratch: gluon_gemm.decode_blockscale_mma(
                         *quantize_activation(x, "blockscale", k_padded=k), wq, ws, n, split=split, **scratch))
-            wrong, outs = {}, {}
-            for label, fn in list(arms.items()):
-                try:
-                    got, again = fn().clone(), fn().clone()
-                    torch.cuda.synchronize()
-                except Exception as err:  # noqa: BLE001 - reported; the other arms still run
-                    wrong[label] = f"raised {type(err).__name__}: {str(err)[:200]}"
-                    del arms[label]
-                    continue
-                outs[label] = got
-                if label == "nn.Linear bf16":
-                    continue
-                bad = gemm_mismatches(got, ref, dot_abs)
-                if bad or not torch.equal(got, again):
-                    wrong[label] = f"{bad} outside the budget, repeat equal {torch.equal(got, again)}"
-                    del arms[label]
-            for label, why in wrong.items():
-                print(f"{name} M={m} {label}: WRONG, {why}", flush=True)
-            failed += bool(wrong)
+            outs, bad, wrong, errors = checked_arms(arms, ref, dot_abs, f"{name} M={m}")
+            failed += bool(wrong or errors)
             same_bits = {label: bool(torch.equal(outs[label], outs["decode_gemm"])) for label in outs
                          if label.startswith("quantizer + gluon") and "decode_gemm" in outs}
             t = graph_us(arms, 10, args.passes)
             base = t["nn.Linear bf16"]
             print(f"[{time.time() - t0:.0f} s] {name} M={m}: " + " | ".join(
                 f"{a} {v:.1f} ({v / base:.2f}x)" for a, v in t.items()), flush=True)
-            rows.append({"shape": name, "n": n, "k": k, "m": m, "us": t, "wrong": wrong,
-                         "bits_equal_decode_gemm": same_bits})
+            rows.append({"shape": name, "n": n, "k": k, "m": m, "us": t, "outside_budget": bad, "wrong": wrong,
+                         "errors": errors, "bits_equal_decode_gemm": same_bits})
             with open(args.json, "w") as f:
                 json.dump({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": command,

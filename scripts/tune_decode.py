@@ -87,6 +87,38 @@ def parse_args(argv=None):
     return a
 
 
+def checked_arms(arms: dict, ref, dot_abs, where: str, unchecked=("nn.Linear bf16",)) -> tuple:
+    """Each arm of a decode probe run twice before it is timed: ``(outputs, mismatches, wrong,
+    errors)``. An arm that raises (a config that does not compile) is printed as ERROR, kept in
+    ``errors`` and removed from ``arms``; one with outputs outside the fp8 GEMM's budget
+    (``gemm_mismatches`` against the fp32 ``ref``) or other bits on its repeat is printed as WRONG,
+    listed in ``wrong`` and removed. ``unchecked`` arms (the bf16 baseline) are only run. ``where``
+    opens each printed line."""
+    from cco.bench.timing import gemm_mismatches
+
+    outs, bad, wrong, errors = {}, {}, [], {}
+    for label, fn in list(arms.items()):
+        try:
+            got = fn().clone()
+            again = fn().clone()
+            torch.cuda.synchronize()
+        except Exception as err:  # noqa: BLE001 - reported; the other arms still run
+            errors[label] = f"{type(err).__name__}: {str(err)[:160]}"
+            print(f"{where} {label}: ERROR {errors[label]}", flush=True)
+            del arms[label]
+            continue
+        outs[label] = got
+        if label in unchecked:
+            continue
+        bad[label] = gemm_mismatches(got, ref, dot_abs)
+        if bad[label] or not torch.equal(got, again):
+            wrong.append(label)
+            print(f"{where} {label}: WRONG, {bad[label]} outside the budget, repeat equal {torch.equal(got, again)}",
+                  flush=True)
+            del arms[label]
+    return outs, bad, wrong, errors
+
+
 def graph_us(arms: dict, calls: int, passes: int) -> dict:
     """Device us per call of each arm: a CUDA graph of ``calls`` calls replayed (bench_decode's)."""
     from cco.bench.timing import time_arms

@@ -416,6 +416,12 @@ def _sync(device: int, where: torch.device) -> torch.Tensor:
     return sync
 
 
+def mma_rows(m: int) -> int:
+    """The MMA over ``m`` quantized rows' width (its ``ROWS``): a power of two, at least 16, the MMA's
+    least N."""
+    return max(16, _pow2(m))
+
+
 def resident_programs(device: int) -> int:
     """How many programs of one launch are resident at once for certain: one per SM on a GPU (a kernel
     that compiles fits one program per SM), one under Triton's interpreter (it runs them in turn)."""
@@ -571,7 +577,7 @@ class _Launch:
         if quant in QUANTIZED_ROWS:
             programs = -(-n // block_n)
             split = mma_split(quant, programs, k_padded // step, device)
-            self.layout = MmaScratch(quant, m, k_padded, programs, split, block_n, max(16, _pow2(m)))
+            self.layout = MmaScratch(quant, m, k_padded, programs, split, block_n, mma_rows(m))
             zero_words = self.layout.counter_words  # (0 without a split: nothing to zero)
             if quant == "ptpc":  # the quantizer's ROW_BLOCK, SLICE_K, SKIP_ZEROS, ROUND_IN_FP32, ZERO_WORDS
                 grid, row_block, slice_k = split_launch(m, k, k_padded)
@@ -585,7 +591,7 @@ class _Launch:
             # HAS_BIAS, BLOCK_N, BLOCK_K, ROWS, SPLIT, ROUND_IN_FP32
             self.q_args = ((m, m, k, k_padded), consts)
             self.ints = (m, n, k_padded, -(-(k_padded // step) // split) * step, m if quant == "blockscale" else 0)
-            self.consts = (_QUANT_CODE[quant], has_bias, block_n, step, max(16, _pow2(m)), split, _interpreting())
+            self.consts = (_QUANT_CODE[quant], has_bias, block_n, step, mma_rows(m), split, _interpreting())
             self.kernel = Kernel(_kernel("mma"), (programs, split), **options)
             if quant == "ptpc" and m > 1 and programs <= resident_programs(device) \
                     and n * k_padded <= ONE_LAUNCH_MAX_BYTES:

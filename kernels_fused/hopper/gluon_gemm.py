@@ -182,10 +182,22 @@ def decode_blockscale_mma_kernel(w_desc, q_desc, sa_ptr, ws_ptr, bias_ptr, out_p
             gl.store(cnt_ptr + block, 0)  # no program of this launch counts on it any more
             _decode_finish(total, cols, rows, bias_ptr, out_ptr, M, N, HAS_BIAS)
 
-def decode_rows(m: int) -> int:
-    """The MMA's N side for ``m`` activation rows: a power of two, at least 16 (wgmma's N for fp8 at
-    one warpgroup's 64 weight rows is any multiple of 8, and 16 keeps the rows' tile 16-byte rows)."""
-    return max(16, 1 << (m - 1).bit_length())
+
+DECODE_BLOCK_N = 64  # weight rows a decode program takes: one warpgroup's MMA M side
+
+
+def decode_scratch(m: int, n: int, split: int, device) -> dict:
+    """``counters`` (int32, one per weight block, zero: each launch leaves them zero again) and
+    ``parts`` (fp32, the split's partials) of :func:`decode_blockscale_mma` for ``m`` rows and ``n``
+    features in at most ``split`` slices: made once and passed to every call of that shape."""
+    import torch
+
+    from kernels_fused.hopper.decode import mma_rows
+
+    blocks = -(-n // DECODE_BLOCK_N)
+    return {"counters": torch.zeros(blocks, dtype=torch.int32, device=device),
+            "parts": torch.empty(blocks * split * DECODE_BLOCK_N * mma_rows(m) if split > 1 else 1,
+                                 dtype=torch.float32, device=device)}
 
 
 def decode_blockscale_mma(q, sa, w, ws, n: int, *, bias=None, split: int = 1, stages: int = 4, out=None,
@@ -194,32 +206,31 @@ def decode_blockscale_mma(q, sa, w, ws, n: int, *, bias=None, split: int = 1, st
     k_padded=K_pad)``: ``q [M, K_pad]`` and ``sa``, its ``[M, K_pad / 128]`` view of group-major
     scales) times the fp8 weight ``w [N_pad, K_pad]`` with ``ws [N_pad / 128, K_pad / 128]``, through
     :func:`decode_blockscale_mma_kernel` with K in ``split`` slices (fewer where a slice would be
-    empty). ``counters`` (int32, one per 64-row weight block, zero; each launch leaves them zero) and
-    ``parts`` (fp32 scratch) are made where not given."""
+    empty). ``counters`` and ``parts``: :func:`decode_scratch`'s, made where not given."""
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from kernels_fused.hopper.decode import mma_rows
 
     m, k_pad = q.shape
     if not 1 <= m <= 64 or k_pad % SCALE_BLOCK.value or sa.stride(0) != 1 or ws.stride(1) != 1:
         raise ValueError(f"decode_blockscale_mma: q [{m}, {k_pad}] needs 1..64 rows, K_pad a multiple of 128, sa "
                          f"group-major (its row stride 1, got {sa.stride(0)}) and ws's groups adjacent (stride "
                          f"{ws.stride(1)})")
-    rows, block_n, groups = decode_rows(m), 64, k_pad // SCALE_BLOCK.value
+    rows, block_n, groups = mma_rows(m), DECODE_BLOCK_N, k_pad // SCALE_BLOCK.value
     per_slice = -(-groups // max(1, min(split, groups)))
     split = -(-groups // per_slice)  # no slice left empty
-    blocks = -(-n // block_n)
     if out is None:
         out = torch.empty(m, n, dtype=torch.bfloat16, device=q.device)
-    if counters is None:
-        counters = torch.zeros(blocks, dtype=torch.int32, device=q.device)
-    if parts is None:
-        parts = torch.empty(max(1, blocks * split * block_n * rows) if split > 1 else 1, dtype=torch.float32,
-                            device=q.device)
+    if counters is None or parts is None:
+        scratch = decode_scratch(m, n, split, q.device)
+        counters = scratch["counters"] if counters is None else counters
+        parts = scratch["parts"] if parts is None else parts
     w_desc = TensorDescriptor.from_tensor(w, [block_n, SCALE_BLOCK.value], gl.NVMMASharedLayout.get_default_for(
         [block_n, SCALE_BLOCK.value], gl.float8e4nv))
     q_desc = TensorDescriptor.from_tensor(q, [rows, SCALE_BLOCK.value], gl.NVMMASharedLayout.get_default_for(
         [rows, SCALE_BLOCK.value], gl.float8e4nv))
-    decode_blockscale_mma_kernel[(blocks, split)](
+    decode_blockscale_mma_kernel[(-(-n // block_n), split)](
         w_desc, q_desc, sa, ws, out if bias is None else bias, out, counters, parts, m, n, k_pad,
         per_slice * SCALE_BLOCK.value, sa.stride(1), ws.stride(0), HAS_BIAS=bias is not None, SPLIT=split,
         STAGES=stages, num_warps=4)
