@@ -30,6 +30,15 @@ import traceback
 import torch
 import torch.distributed as dist
 
+if dist.is_available() and not dist.is_initialized():
+    # torch.distributed.nn.functional binds ``group.WORLD`` as its functions' default arguments when it is
+    # imported. Imported after init_process_group (torch._dynamo imports it: torch.compile, the first call
+    # of any torch.library custom op, transformers' tensor-parallel model), those defaults hold the world
+    # group past destroy_process_group: its gloo workers live on to interpreter exit and can abort it
+    # there (docs/experiments.md, "the exit-time abort, its holder"). Imported here, before any group
+    # exists, they hold None.
+    import torch.distributed.nn.functional  # noqa: F401
+
 DEFAULT_TIMEOUT_S = 120.0  # bootstrap collectives (group creation, window setup)
 # int64 per rank in every gather_words exchange: (seq, count, when this rank entered it in us of wall
 # time, its timeout in ms, up to six words)

@@ -58,6 +58,29 @@ def test_close_joins_the_groups_worker_threads():
         assert refused is not None and "closed" in refused, refused
 
 
+def _threads_around_close_after_dynamo(comm):
+    """:func:`_threads_around_close` with torch._dynamo first imported after the group exists (as
+    torch.compile or a torch.library custom op's first call imports it), and whether it was."""
+    import sys
+
+    first = "torch._dynamo" not in sys.modules
+    import torch._dynamo  # noqa: F401
+
+    return first, _threads_around_close(comm)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc (Linux)")
+def test_close_joins_the_workers_when_dynamo_came_after_the_group():
+    """torch._dynamo imports torch.distributed.nn.functional, whose functions take ``group.WORLD``
+    as a default argument, bound at import: imported once the group exists, it holds the group past
+    ``close()`` and its gloo workers to interpreter exit. ``cco.comm`` imports it before any group
+    exists. Fails without that import: the thread count does not drop."""
+    for first, (during, after, _) in check_outcomes(spawn(_threads_around_close_after_dynamo, world=2,
+                                                          timeout_s=90)):
+        assert first, "torch._dynamo was imported before the group: this test would prove nothing"
+        assert during - after >= 2, (during, after)
+
+
 def _close_after_a_timed_out_exchange(comm):
     """Rank 0's ``close()`` time after its exchange timed out against a rank that stays away."""
     import time
