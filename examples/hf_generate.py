@@ -207,7 +207,7 @@ if __name__ == "__main__":
     code = main()
     # The verdict is printed and the process group destroyed; what is left is the interpreter's
     # finalization, and there the gloo group's worker threads, which transformers' tensor-parallel
-    # model leaves alive (its device mesh keeps the group, and transformers' load holds it once more:
+    # model leaves alive (a DTensor op keeps its device mesh, and the mesh the group, in torch:
     # docs/experiments.md, "the exit-time abort, its holders"), can abort the process after PASS
     # (pytorch/pytorch#190489). Nothing is left to finalize: leave with the verdict's exit code.
     sys.stdout.flush()

@@ -175,7 +175,7 @@ class _ParallelLinear(torch.nn.Module):
         self.device = self.comm.device
         # the group the unfused path's collectives run on: the caller's, whose backend carries the
         # device's tensors (NCCL on NVIDIA); the communicator's bootstrap group where a Communicator was given
-        self._reduce_group = self.comm.group if group is None or isinstance(group, Communicator) else group
+        self._group = self.comm.group if group is None or isinstance(group, Communicator) else group
         # one verdict for the whole group: a rank whose backend refuses makes every rank fall back
         plan, weight_layout, self.fallback_reason = group_plan(
             self.comm, n, k, m_max=m_max, unfused_reason="mode='unfused' was asked for" if mode == "unfused" else None,
@@ -749,9 +749,18 @@ class _ParallelLinear(torch.nn.Module):
         """Bytes of the window this layer's op holds (shared with its family), 0 when unfused."""
         return 0 if self.op is None else self.op.config.window.nbytes
 
+    @property
+    def _reduce_group(self):
+        """The group of the unfused path's collectives; a closed layer has none."""
+        self._check_open()
+        return self._group
+
     def close(self) -> None:
-        """Release the shared op (the last layer of a family frees its window). Idempotent; local."""
+        """Release the shared op (the last layer of a family frees its window) and the layer's
+        reference to its group (a destroyed group is freed once nothing holds it; docs/experiments.md,
+        "the exit-time abort, its holders"). Idempotent; local."""
         self._closed = True
+        self._group = None
         library.unregister(self._handle)
         if self._dual is not None:
             self._dual.close()

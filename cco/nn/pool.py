@@ -12,6 +12,9 @@ every rank does in the same order (layers are built in model order), and closed 
 
 from __future__ import annotations
 
+import atexit
+import weakref
+
 import torch.distributed as dist
 
 from cco import shapes
@@ -46,6 +49,7 @@ class WindowPool:
     def __init__(self):
         self._comms: dict[int, tuple[object, Communicator]] = {}  # id(group) -> (group, comm)
         self._ops: dict[tuple, list] = {}  # family key -> [op, users]
+        _POOLS.add(self)
 
     def communicator(self, group=None, *, cpu_group=None) -> Communicator:
         """``group`` itself when it is a Communicator; else the communicator of a torch.distributed
@@ -104,6 +108,29 @@ class WindowPool:
         for _, comm in self._comms.values():
             comm.close()
         self._comms.clear()
+
+
+    def drop_groups(self) -> None:
+        """Let go of every group this pool's communicators were given (closing those communicators;
+        their ops stay as they are, unusable). Local."""
+        for _, comm in self._comms.values():
+            comm.close()
+        self._comms.clear()
+
+
+# Every pool's communicators let go of their groups at interpreter exit, before finalization. A job
+# that destroys its groups (dist.destroy_process_group) leaves them to be freed once nothing holds
+# them, and freeing a gloo group joins its worker threads; a pool still holding one kept its workers
+# alive into the interpreter's finalization, where they can abort the process ("terminate called
+# without an active exception", pytorch/pytorch#190489; docs/experiments.md, "the exit-time abort,
+# its holders"). Registered at import, so it runs after the handlers a job registers later.
+_POOLS: "weakref.WeakSet[WindowPool]" = weakref.WeakSet()
+
+
+@atexit.register
+def _drop_groups_at_exit() -> None:
+    for pool in list(_POOLS):
+        pool.drop_groups()
 
 
 DEFAULT_POOL = WindowPool()

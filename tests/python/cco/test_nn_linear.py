@@ -12,6 +12,10 @@ job.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -624,3 +628,39 @@ def test_the_ranks_are_in_step_again_after_a_timed_out_header(case):
         assert outs[1][0][0] == "CommTimeoutError", outs
         assert outs[0][0][0] == "CommTimeoutError" and "entered this exchange" in outs[0][0][1], outs
     assert [found[1:] for found in outs] == [[("returned", True)] * 3] * 2, outs
+
+
+EXIT_SCRIPT = '''
+import atexit, os, sys
+def threads():
+    return sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+atexit.register(lambda: print("at exit:", threads(), flush=True))  # first in: runs after cco's handlers
+import torch, torch.distributed as dist
+from cco.nn import RowParallelLinear, close_layers
+dist.init_process_group("gloo")
+layer = RowParallelLinear(256, 128, group=dist.group.WORLD, quant="ptpc", m_max=16, mode=sys.argv[1])
+layer.load_weight(torch.randn(128, 256, dtype=torch.bfloat16))
+layer(torch.randn(4, 256, dtype=torch.bfloat16))
+close_layers(layer)
+dist.destroy_process_group()  # the job's own group, destroyed; the layer is still referenced here
+'''
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread names in /proc (Linux)")
+@pytest.mark.parametrize("mode", ["fused", "unfused"])
+def test_a_job_that_closes_its_layers_and_destroys_its_group_leaves_no_gloo_worker_at_exit(tmp_path, mode):
+    """A job's layer on the group it created, closed, then the group destroyed: at interpreter exit no
+    gloo worker of that group runs any more (a worker left into the interpreter's finalization can
+    abort the process there: docs/experiments.md, "the exit-time abort, its holders"). Fails with the
+    closed layer still holding its group, or the pool's communicator holding it to exit (checked)."""
+    script = tmp_path / "job.py"
+    script.write_text(EXIT_SCRIPT)
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
+               PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), mode]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    seen = [line for line in proc.stdout.splitlines() if line.startswith("at exit:")]
+    assert len(seen) == 2, proc.stdout
+    for line in seen:
+        assert "gloo" not in line, line
