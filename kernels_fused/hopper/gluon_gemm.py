@@ -18,10 +18,12 @@ The GEMM's operands as the Triton kernels take them: ``a [M, K]`` e4m3 with ``a_
 program per 128x128 output tile in grouped order; the tile leaves through a TMA store (rows past M
 clipped by the descriptor).
 
-Status: compiled for sm_90 on the host with the GPU machines' Triton (3.6) and 3.9
-(``python3 -m scripts.probe_gluon_blockscale --compile-only``), never run: no launch path calls them
-until ``scripts.probe_gluon_blockscale`` has checked them against the fp32 product and timed them on
-a GPU. Imported only there, so nothing else needs Gluon.
+Status: compiled for sm_90 with the GPU machines' Triton (3.6) and 3.9 (``python3 -m
+scripts.probe_gluon_blockscale --compile-only``); on an H100 (2026-12-06) both are right (the fp32
+product, equal bits on a repeat) and no faster than the Triton kernels they would replace: the GEMM
+1.86-2.08x of cuBLAS against the own kernel's 1.72-1.90x, the decode MMA 5-20% slower than
+``decode_gemm`` (docs/hopper_gemm.md, "That wait in Gluon"; docs/decode.md). So no launch path calls
+them; imported only by ``scripts.probe_gluon_blockscale``, so nothing else needs Gluon.
 """
 
 from triton.experimental import gluon
@@ -125,6 +127,27 @@ def fp8_blockscale_gemm_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, M, N, K,
     fence_async_shared()  # the tile's shared-memory stores before the TMA store reads them
     _tma_store(c_desc, [m0, n0], out)
     tma.store_wait(0)
+
+
+def blockscale_gemm(a, b, a_scale, b_scale, *, out=None, stages: int = 4, group_m: int = 8, num_warps: int = 8):
+    """bf16 ``a @ b.T`` with blockscale's scales through :func:`fp8_blockscale_gemm_kernel` (into
+    ``out [M, N]`` where given). Operands as ``kernels_fused.hopper.gemm.fp8_gemm`` takes them for
+    blockscale (row-major ``b``); unchecked beyond what TMA needs (16-byte aligned rows)."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    m, k = a.shape
+    n = b.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
+    tile = [SCALE_BLOCK.value, SCALE_BLOCK.value]
+    descs = [TensorDescriptor.from_tensor(t, tile, gl.NVMMASharedLayout.get_default_for(tile, dtype))
+             for t, dtype in ((a, gl.float8e4nv), (b, gl.float8e4nv), (out, gl.bfloat16))]
+    grid = (-(-m // tile[0]) * -(-n // tile[1]), )
+    fp8_blockscale_gemm_kernel[grid](*descs, a_scale, b_scale, m, n, k, a_scale.stride(0), a_scale.stride(1),
+                                     b_scale.stride(0), b_scale.stride(1), GROUP_M=group_m, STAGES=stages,
+                                     num_warps=num_warps)
+    return out
 
 
 @gluon.jit

@@ -40,3 +40,16 @@ def test_the_probe_needs_a_json_path_unless_it_only_compiles(capsys):
         with pytest.raises(SystemExit):
             P.parse_args(argv)
         assert says in capsys.readouterr().err
+
+
+def test_every_gluon_gemm_name_the_probe_calls_exists():
+    """The probe reaches the kernels only on a GPU: a launcher it names that the module lost (as
+    ``blockscale_gemm`` once was in a refactor, found by the first GPU run) fails here instead."""
+    import inspect
+    import re
+
+    from kernels_fused.hopper import gluon_gemm
+
+    names = set(re.findall(r"gluon_gemm\.(\w+)", inspect.getsource(P)))
+    assert {"blockscale_gemm", "decode_blockscale_mma", "decode_scratch"} <= names, names
+    assert [n for n in sorted(names) if not hasattr(gluon_gemm, n)] == []
