@@ -634,7 +634,8 @@ EXIT_SCRIPT = '''
 import atexit, os, sys
 def threads():
     return sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
-atexit.register(lambda: print("at exit:", threads(), flush=True))  # first in: runs after cco's handlers
+# first in: runs after cco's handlers; one write per rank, so the two ranks' lines do not interleave
+atexit.register(lambda: os.write(1, f"at exit: {threads()}\\n".encode()))
 import torch, torch.distributed as dist
 from cco.nn import RowParallelLinear, close_layers
 dist.init_process_group("gloo")
