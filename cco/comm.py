@@ -35,7 +35,7 @@ if dist.is_available() and not dist.is_initialized():
     # imported. Imported after init_process_group (torch._dynamo imports it: torch.compile, the first call
     # of any torch.library custom op, transformers' tensor-parallel model), those defaults hold the world
     # group past destroy_process_group: its gloo workers live on to interpreter exit and can abort it
-    # there (docs/experiments.md, "the exit-time abort, its holder"). Imported here, before any group
+    # there (docs/experiments.md, "the exit-time abort, its holders"). Imported here, before any group
     # exists, they hold None.
     import torch.distributed.nn.functional  # noqa: F401
 

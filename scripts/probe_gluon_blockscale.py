@@ -28,8 +28,9 @@ as a capture takes them) and ``quantizer + gluon split S`` (the same quantizer, 
 with K in S slices), each checked as above and for equal bits on a repeat; graphs of 10 calls; one
 line per (shape, M) with each arm's us and its ratio to ``nn.Linear`` (lower is better).
 
-``--compile-only``: compile the kernels for sm_90 with the installed Triton (no GPU) and print its
-registers, spills, shared memory and the K loop's MMA waits; exit 1 where it does not compile,
+``--compile-only [JSON]``: compile the kernels for sm_90 with the installed Triton (no GPU) and print
+their registers, spills, shared memory and the K loop's MMA waits (with JSON, write the reports
+there too, PTX included: ``test_gluon_gemm.py`` reads them); exit 1 where one does not compile,
 spills, needs more than a Hopper SM's shared memory, or waits for every MMA (no ``wgmma.wait_group
 1``: the overlap this kernel exists for).
 """
@@ -63,7 +64,7 @@ def parse_args(argv=None):
                    help="comma list of decode shapes (scripts.tune_decode.SHAPES): time the decode MMA instead")
     p.add_argument("--rows", type=_list(int, None), default=[8, 32, 64], help="decode: comma list of rows M (2..64)")
     p.add_argument("--compile-only", action="store_true", help="compile for sm_90 on the host and check it")
-    p.add_argument("json", nargs="?", help="write the rows here (after every shape)")
+    p.add_argument("json", nargs="?", help="write the rows here (after every shape; --compile-only: the reports)")
     args = p.parse_args(argv)
     if args.compile_only:
         return args
@@ -94,15 +95,12 @@ def compile_for_sm90(kernel: str = "gemm", *, stages: int = 4, rows: int = 64, s
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
 
     from kernels_fused.hopper import gluon_gemm
 
     def desc(block, dtype=torch.float8_e4m3fn, gl_dtype=gl.float8e4nv):  # (its type: the block and layout)
-        t = torch.empty(256, 256, dtype=dtype)
-        return mangle_type(TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block,
-                                                                                                     gl_dtype)))
+        return mangle_type(gluon_gemm.descriptor(torch.empty(256, 256, dtype=dtype), block, gl_dtype))
     if kernel == "gemm":
         fn, num_warps = gluon_gemm.fp8_blockscale_gemm_kernel, 8
         signature = {"a_desc": desc([128, 128]), "b_desc": desc([128, 128]),
@@ -196,21 +194,29 @@ def check(arms: dict, p) -> dict:
     return wrong
 
 
-# what --compile-only builds: the GEMM, and the decode MMA at the widest rows, unsplit and split
-COMPILED = (("gemm", {}), ("decode", dict(rows=16, split=1)), ("decode", dict(rows=64, split=4)))
+# what --compile-only builds: the GEMM at both ring depths, and the decode MMA at the narrowest rows unsplit
+# and the widest split
+COMPILED = (("gemm", dict(stages=3)), ("gemm", dict(stages=4)), ("decode", dict(rows=16, split=1)),
+            ("decode", dict(rows=64, split=4)))
 
 
-def compile_only() -> int:
-    failed = 0
+def compile_only(json_path: str | None = None) -> int:
+    """Compile every ``COMPILED`` case, print each one's budget and waits; with ``json_path``, write the
+    reports there too (``{"reports": [...]}``, in ``COMPILED``'s order, PTX included)."""
+    failed, reports = 0, []
     for kernel, options in COMPILED:
         report = compile_for_sm90(kernel, **options)
+        reports.append(dict(report, options=options))
         problems = compile_problems(report)
-        print(f"gluon {kernel} {options or ''} {report['stages']} stages, {report['num_warps']} warps, Triton "
-              f"{report['triton']}, sm_90: {report['registers']} registers, {report['local_bytes']} bytes local, "
-              f"{report['shared_bytes']} bytes shared; MMA waits by groups left in flight {loop_waits(report['ptx'])}")
+        print(f"gluon {kernel} {options} {report['num_warps']} warps, Triton {report['triton']}, sm_90: "
+              f"{report['registers']} registers, {report['local_bytes']} bytes local, {report['shared_bytes']} "
+              f"bytes shared; MMA waits by groups left in flight {loop_waits(report['ptx'])}")
         for why in problems:
             print(f"FAIL: {why}")
         failed += bool(problems)
+    if json_path is not None:
+        with open(json_path, "w") as f:
+            json.dump({"reports": reports}, f)
     return 1 if failed else 0
 
 
@@ -267,7 +273,7 @@ def decode_rows_table(args, command: str) -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.compile_only:
-        return compile_only()
+        return compile_only(args.json)
     from cco.bench.timing import per_pass_ratio, require_cuda, time_arms
 
     require_cuda("probe_gluon_blockscale")

@@ -105,10 +105,7 @@ class WindowPool:
         for op, _ in self._ops.values():
             op.close()
         self._ops.clear()
-        for _, comm in self._comms.values():
-            comm.close()
-        self._comms.clear()
-
+        self.drop_groups()
 
     def drop_groups(self) -> None:
         """Let go of every group this pool's communicators were given (closing those communicators;

@@ -129,20 +129,26 @@ def fp8_blockscale_gemm_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, M, N, K,
     tma.store_wait(0)
 
 
+def descriptor(t, block, dtype):
+    """The TMA descriptor of ``t`` the kernels take: ``block`` tiles in the default shared layout of
+    Gluon ``dtype`` (the launchers', and the compile check's type of it)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
+
+
 def blockscale_gemm(a, b, a_scale, b_scale, *, out=None, stages: int = 4, group_m: int = 8, num_warps: int = 8):
     """bf16 ``a @ b.T`` with blockscale's scales through :func:`fp8_blockscale_gemm_kernel` (into
     ``out [M, N]`` where given). Operands as ``kernels_fused.hopper.gemm.fp8_gemm`` takes them for
     blockscale (row-major ``b``); unchecked beyond what TMA needs (16-byte aligned rows)."""
     import torch
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     m, k = a.shape
     n = b.shape[0]
     if out is None:
         out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     tile = [SCALE_BLOCK.value, SCALE_BLOCK.value]
-    descs = [TensorDescriptor.from_tensor(t, tile, gl.NVMMASharedLayout.get_default_for(tile, dtype))
-             for t, dtype in ((a, gl.float8e4nv), (b, gl.float8e4nv), (out, gl.bfloat16))]
+    descs = [descriptor(t, tile, dtype) for t, dtype in ((a, gl.float8e4nv), (b, gl.float8e4nv), (out, gl.bfloat16))]
     grid = (-(-m // tile[0]) * -(-n // tile[1]), )
     fp8_blockscale_gemm_kernel[grid](*descs, a_scale, b_scale, m, n, k, a_scale.stride(0), a_scale.stride(1),
                                      b_scale.stride(0), b_scale.stride(1), GROUP_M=group_m, STAGES=stages,
@@ -231,7 +237,6 @@ def decode_blockscale_mma(q, sa, w, ws, n: int, *, bias=None, split: int = 1, st
     :func:`decode_blockscale_mma_kernel` with K in ``split`` slices (fewer where a slice would be
     empty). ``counters`` and ``parts``: :func:`decode_scratch`'s, made where not given."""
     import torch
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from kernels_fused.hopper.decode import mma_rows
 
@@ -249,12 +254,9 @@ def decode_blockscale_mma(q, sa, w, ws, n: int, *, bias=None, split: int = 1, st
         scratch = decode_scratch(m, n, split, q.device)
         counters = scratch["counters"] if counters is None else counters
         parts = scratch["parts"] if parts is None else parts
-    w_desc = TensorDescriptor.from_tensor(w, [block_n, SCALE_BLOCK.value], gl.NVMMASharedLayout.get_default_for(
-        [block_n, SCALE_BLOCK.value], gl.float8e4nv))
-    q_desc = TensorDescriptor.from_tensor(q, [rows, SCALE_BLOCK.value], gl.NVMMASharedLayout.get_default_for(
-        [rows, SCALE_BLOCK.value], gl.float8e4nv))
     decode_blockscale_mma_kernel[(-(-n // block_n), split)](
-        w_desc, q_desc, sa, ws, out if bias is None else bias, out, counters, parts, m, n, k_pad,
+        descriptor(w, [block_n, SCALE_BLOCK.value], gl.float8e4nv),
+        descriptor(q, [rows, SCALE_BLOCK.value], gl.float8e4nv), sa, ws, out if bias is None else bias, out, counters, parts, m, n, k_pad,
         per_slice * SCALE_BLOCK.value, sa.stride(1), ws.stride(0), HAS_BIAS=bias is not None, SPLIT=split,
         STAGES=stages, num_warps=4)
     return out

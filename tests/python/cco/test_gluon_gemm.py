@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,37 +16,36 @@ from scripts import probe_gluon_blockscale as P
 
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper", reason="a Triton with Gluon's Hopper API")
 
-CASES = {"gemm-3-stages": ("gemm", dict(stages=3)), "gemm-4-stages": ("gemm", dict(stages=4)),
-         "decode-16-rows": ("decode", dict(rows=16, split=1)), "decode-64-rows-split-4": ("decode", dict(rows=64, split=4))}
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
-def reports():
-    """Every case's compile report, from one process of its own without Triton's interpreter: the test
-    process runs Triton kernels in the interpreter, which patches Triton's tensor class while a
-    kernel runs, and a compile in the same process met that patch (a CI run: ``'block_argument'
-    object has no attribute 'dtype'``)."""
-    code = ("import json, sys; from scripts import probe_gluon_blockscale as P; "
-            "cases = json.loads(sys.argv[1]); "
-            "print(json.dumps({name: P.compile_for_sm90(kernel, **options) for name, (kernel, options) in cases.items()}))")
+def reports(tmp_path_factory):
+    """``--compile-only``'s reports, in ``P.COMPILED``'s order, from a process of its own without
+    Triton's interpreter: the test process runs Triton kernels in the interpreter (conftest), which
+    patches Triton's tensor class while a kernel runs, and a compile in the same process met that
+    patch (a CI run: ``'block_argument' object has no attribute 'dtype'``)."""
+    out = tmp_path_factory.mktemp("gluon") / "compiled.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(CASES)], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
-                              os.path.abspath(__file__))))))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.splitlines()[-1])
+    done = subprocess.run([sys.executable, "-m", "scripts.probe_gluon_blockscale", "--compile-only", str(out)],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(out.read_text())["reports"]
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", range(len(P.COMPILED)),
+                         ids=[f"{kernel}-{'-'.join(f'{k}{v}' for k, v in options.items())}"
+                              for kernel, options in P.COMPILED])
 def test_compiles_for_sm90_with_one_mma_in_flight(reports, case):
     report = reports[case]
+    assert (report["kernel"], report["options"]) == P.COMPILED[case]
     assert P.compile_problems(report) == [], P.compile_problems(report)
     assert P.loop_waits(report["ptx"]) == {0: 1, 1: 1}  # the loop's wait leaves one; the last product's, none
     assert report["registers"] <= 255
 
 
 def test_the_check_fails_a_kernel_that_waits_for_every_mma_or_spills(reports):
-    report = reports["gemm-4-stages"]
+    report = reports[P.COMPILED.index(("gemm", dict(stages=4)))]
     waits_all = report["ptx"].replace("wgmma.wait_group.sync.aligned 1;", "wgmma.wait_group.sync.aligned 0;")
     serial = dict(report, ptx=waits_all)
     assert P.compile_problems(serial) == ["no wgmma.wait_group 1: every MMA is waited for before the next"]
@@ -73,6 +73,6 @@ def test_every_gluon_gemm_name_the_probe_calls_exists():
 
     from kernels_fused.hopper import gluon_gemm
 
-    names = set(re.findall(r"gluon_gemm\.(\w+)", inspect.getsource(P)))
+    names = set(re.findall(r"\bgluon_gemm\.(\w+)", inspect.getsource(P)))  # (not test_gluon_gemm.py)
     assert {"blockscale_gemm", "decode_blockscale_mma", "decode_scratch"} <= names, names
     assert [n for n in sorted(names) if not hasattr(gluon_gemm, n)] == []
