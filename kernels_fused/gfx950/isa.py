@@ -29,7 +29,6 @@ CLI::
 from __future__ import annotations
 
 import argparse
-import functools
 import re
 import sys
 import tempfile
@@ -391,24 +390,75 @@ TILE_CHOICES = ("256x256", "128x256", "256x128")
 CHECK_ALL_K = (256, 384, 512, 1024)
 
 
+def _config(quant: str, tile: str, K: int, fuse: bool, variant: str = "shipped", loop_count=None,
+            mfma_barriers: bool = True):
+    from .kernel import kernel_config
+
+    bm, bn = (int(x) for x in tile.split("x"))
+    return kernel_config(K=K, BLOCK_M=bm, BLOCK_N=bn, quant=quant, fuse=fuse, variant=variant,
+                         loop_count=loop_count, mfma_barriers=mfma_barriers, fn="kernels_fused.gfx950.isa")
+
+
 def compile_variant(*, quant: str, tile: str, K: int, fuse: bool, variant: str = "shipped",
                     loop_count=None, mfma_barriers: bool = True, dump_dir=None):
     """(config, ISA text) of one variant, compiled for gfx950 on this machine."""
-    from .kernel import compile_to_isa, kernel_config
+    from .kernel import compile_to_isa
 
-    bm, bn = (int(x) for x in tile.split("x"))
-    cfg = kernel_config(K=K, BLOCK_M=bm, BLOCK_N=bn, quant=quant, fuse=fuse, variant=variant,
-                        loop_count=loop_count, mfma_barriers=mfma_barriers, fn="kernels_fused.gfx950.isa")
+    cfg = _config(quant, tile, K, fuse, variant, loop_count, mfma_barriers)
     if dump_dir is None:
         with tempfile.TemporaryDirectory(prefix="cco-isa-") as d:
             return cfg, compile_to_isa(cfg, dump_dir=d)
     return cfg, compile_to_isa(cfg, dump_dir=dump_dir)
 
 
-@functools.lru_cache(maxsize=None)
+# (quant, tile, K, fuse, variant, mfma_barriers) -> (config, ISA text): every argument in the key, so
+# that a caller spelling a default out shares the compile of one that leaves it (the test tiers check
+# the same variants several ways; a compile takes 1-25 s)
+_COMPILED: dict = {}
+
+
+def _key(quant: str, tile: str, K: int, fuse: bool, variant: str = "shipped", mfma_barriers: bool = True) -> tuple:
+    return quant, tile, K, fuse, variant, mfma_barriers
+
+
 def compiled(quant: str, tile: str, K: int, fuse: bool, variant: str = "shipped", mfma_barriers: bool = True):
-    """:func:`compile_variant`, memoized per process: the test tiers check the same variants several ways."""
-    return compile_variant(quant=quant, tile=tile, K=K, fuse=fuse, variant=variant, mfma_barriers=mfma_barriers)
+    """:func:`compile_variant`, memoized per process (:func:`precompile` fills the memo in parallel)."""
+    key = _key(quant, tile, K, fuse, variant, mfma_barriers)
+    if key not in _COMPILED:
+        _COMPILED[key] = compile_variant(quant=quant, tile=tile, K=K, fuse=fuse, variant=variant,
+                                         mfma_barriers=mfma_barriers)
+    return _COMPILED[key]
+
+
+def _compile_text(key: tuple):
+    """A worker's compile: the ISA text, or None where it failed (the caller's own compile then
+    raises the error where it is asked for)."""
+    q, t, k, f, v, b = key
+    try:
+        return compile_variant(quant=q, tile=t, K=k, fuse=f, variant=v, mfma_barriers=b)[1]
+    except Exception:  # noqa: BLE001 - reported by the in-process compile of the caller that needs it
+        return None
+
+
+def precompile(variants, workers: int | None = None) -> None:
+    """Compile the ``variants`` (argument tuples of :func:`compiled`) this process has not, into its
+    memo, ``workers`` at a time (default: the CPUs) in processes of their own: one compile is one
+    core's work, and a sweep of 70-odd is minutes on one."""
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    todo = [k for k in dict.fromkeys(_key(*v) for v in variants) if k not in _COMPILED]
+    todo.sort(key=lambda k: -k[2])  # the longest K first: the last one to finish is a short one
+    workers = min(len(todo), workers or os.cpu_count() or 1)
+    if workers < 2:
+        for key in todo:
+            compiled(*key)
+        return
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for key, text in zip(todo, pool.map(_compile_text, todo)):
+            if text is not None:
+                _COMPILED[key] = _config(*key[:5], mfma_barriers=key[5]), text
 
 
 def check_variant(*, quant: str, tile: str, K: int, fuse: bool, variant: str = "shipped",

@@ -32,3 +32,18 @@ def pytest_sessionstart(session):
         why = flydsl_available()
         if why is not None:
             raise pytest.UsageError(f"CI needs the gfx950 compile toolchain: {why} (run scripts/setup.sh)")
+
+
+@pytest.fixture(scope="module")
+def gfx950_sweep(request):
+    """Compiles the gfx950 variants (``quant, tile, K, fuse``) of this module's selected tests that
+    take this fixture, on every CPU at once, before the first of them runs
+    (``kernels_fused.gfx950.isa.precompile``): a compile is one core's work for 1-25 s, and a sweep
+    of 70-odd compiled one by one was most of the compile tier's time."""
+    from kernels_fused.gfx950 import isa
+    from kernels_fused.gfx950.toolchain import flydsl_available
+
+    if flydsl_available() is None:
+        isa.precompile([tuple(item.callspec.params[a] for a in ("quant", "tile", "K", "fuse"))
+                        for item in request.session.items
+                        if item.module is request.module and "gfx950_sweep" in item.fixturenames])

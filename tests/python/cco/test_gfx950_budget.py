@@ -25,6 +25,20 @@ LONG_K = [("ptpc", "256x256", 2048, True), ("blockscale", "256x256", 2048, False
 VARIANTS = list(isa_mod.all_variants()) + LONG_K
 
 
+@pytest.mark.compile
+@needs_toolchain
+def test_precompiled_variants_are_the_in_process_compiles(monkeypatch):
+    """The memo's ISA, compiled by worker processes (``isa.precompile``), is what this process
+    compiles itself."""
+    monkeypatch.setattr(isa_mod, "_COMPILED", {})
+    variants = [("ptpc", "128x256", 256, True), ("mxfp8", "256x128", 256, False)]
+    isa_mod.precompile(variants, workers=2)
+    assert set(isa_mod._COMPILED) == {(*v, "shipped", True) for v in variants}
+    for q, t, k, f in variants:
+        assert isa_mod._COMPILED[(q, t, k, f, "shipped", True)] == isa_mod.compile_variant(quant=q, tile=t, K=k,
+                                                                                           fuse=f)
+
+
 def _over_budget(cfg, text):
     return budget.check(budget.profile(text, k_tiles=cfg.k_tiles), budget.limits(cfg))
 
@@ -33,7 +47,7 @@ def _over_budget(cfg, text):
 @needs_toolchain
 @pytest.mark.parametrize("quant,tile,K,fuse", VARIANTS,
                          ids=[f"{q}-{t}-k{k}-{'fused' if f else 'gemm'}" for q, t, k, f in VARIANTS])
-def test_variant_is_within_its_budget(quant, tile, K, fuse):
+def test_variant_is_within_its_budget(quant, tile, K, fuse, gfx950_sweep):
     cfg, text = isa_mod.compiled(quant, tile, K, fuse)
     assert _over_budget(cfg, text) == []
 

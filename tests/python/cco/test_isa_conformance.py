@@ -28,6 +28,20 @@ def run_check(isa_text, cfg, reference="shipped"):
     return isa_mod.check(isa_text, cfg.schedule(), reference=ref, fused=cfg.fuse, name=cfg.name)
 
 
+def test_a_variant_is_compiled_once_however_its_defaults_are_spelled(monkeypatch):
+    """The compile tiers share one compile per variant (some pass the schedule variant, some leave
+    it to its default); a compile takes 1-3 s, 70-odd variants each tier."""
+    calls = []
+    monkeypatch.setattr(isa_mod, "compile_variant", lambda **kw: calls.append(kw) or ("cfg", "isa"))
+    # a memo of its own: the process's holds the other tiers' compiles (and must not keep the stub)
+    monkeypatch.setattr(isa_mod, "_COMPILED", {})
+    assert isa_mod.compiled("ptpc", "128x256", 384, True) == ("cfg", "isa")
+    assert isa_mod.compiled("ptpc", "128x256", 384, True, "shipped") == ("cfg", "isa")
+    assert isa_mod.compiled("ptpc", "128x256", 384, True, "shipped", True) == ("cfg", "isa")
+    assert isa_mod.compiled("ptpc", "128x256", 384, True, "upstream") == ("cfg", "isa")
+    assert [c["variant"] for c in calls] == ["shipped", "upstream"]
+
+
 # every tile x quant x K in isa.CHECK_ALL_K x mode: what `python -m kernels_fused.gfx950.isa --check-all` sweeps
 SHIPPED = list(isa_mod.all_variants())
 
@@ -36,7 +50,7 @@ SHIPPED = list(isa_mod.all_variants())
 @needs_toolchain
 @pytest.mark.parametrize("quant,tile,K,fuse", SHIPPED,
                          ids=[f"{q}-{t}-k{k}-{'fused' if f else 'gemm'}" for q, t, k, f in SHIPPED])
-def test_shipped_isa_conforms_to_its_schedule(quant, tile, K, fuse):
+def test_shipped_isa_conforms_to_its_schedule(quant, tile, K, fuse, gfx950_sweep):
     cfg, text = compiled(quant, tile, K, fuse, "shipped")
     report = run_check(text, cfg)
     assert report.ok, report.format()
