@@ -4,31 +4,85 @@ prints the usage and exits 0 without running, a bad argument is an argparse erro
 runs (the gfx950 compile script's before it compiles), tune_decode's ``--from`` and
 predict_scaling's ``--plot``/``--variants``/``--json`` say what is wrong up front, and bench_eager
 counts a wrong output against its exit status. Every script runs as ``python3 -m scripts.X`` in a
-child process with CUDA hidden (``CUDA_VISIBLE_DEVICES=``), so a GPU machine sees the same."""
+child process with CUDA hidden (``CUDA_VISIBLE_DEVICES=``), so a GPU machine sees the same: one
+forked per run from a child that has imported torch once (``_FORK_SERVER``)."""
 
 import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 TIMEOUT_S = 120
+RANK_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+
+# A script's start is mostly torch's import (~2 s; these tests start some 40): a child that has imported
+# torch, with CUDA hidden, forks a process per script run, which runs the script as `python -m` does
+# (runpy, `__main__`, its own argv, environment, stdout and stderr, its exit status; an uncaught
+# exception printed and status 1, atexit handlers run) and dies within the run's bound (SIGALRM).
+_FORK_SERVER = r"""
+import atexit, json, os, runpy, signal, sys, traceback
+import torch  # noqa: F401
+for line in sys.stdin:
+    run = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            signal.alarm(run["timeout"])
+            for fd, path in ((1, run["out"]), (2, run["err"])):
+                os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+            os.environ.clear()
+            os.environ.update(run["env"])
+            sys.argv = ["-m", *run["argv"]]
+            try:
+                runpy.run_module("scripts." + run["script"], run_name="__main__", alter_sys=True)
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 0 if e.code is None else print(e.code, file=sys.stderr) or 1
+            except BaseException:
+                traceback.print_exc()
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fork_server():
+    global _SERVER
+    env = {key: value for key, value in os.environ.items() if key not in RANK_KEYS}
+    _SERVER = subprocess.Popen([sys.executable, "-c", _FORK_SERVER], cwd=ROOT, env={**env, "CUDA_VISIBLE_DEVICES": ""},
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    yield
+    _SERVER.stdin.close()
+    _SERVER.wait(timeout=30)
 
 
 def _run(script, *argv, env=None, timeout=TIMEOUT_S):
-    """``(returncode, stdout, stderr)`` of ``python3 -m scripts.<script> argv`` without a visible GPU."""
+    """``(returncode, stdout, stderr)`` of ``python3 -m scripts.<script> argv`` without a visible GPU
+    (a process forked by the module's child, ``_FORK_SERVER``)."""
     child = {**os.environ, "CUDA_VISIBLE_DEVICES": "", **(env or {})}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
+    for key in RANK_KEYS:
         if key not in (env or {}):
             child.pop(key, None)
-    try:
-        done = subprocess.run([sys.executable, "-m", f"scripts.{script}", *map(str, argv)], cwd=ROOT, env=child,
-                              capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"scripts.{script} {' '.join(map(str, argv))} still running after {timeout} s")
-    return done.returncode, done.stdout, done.stderr
+    with tempfile.TemporaryDirectory(prefix="cco-cli-") as d:
+        out, err = os.path.join(d, "out"), os.path.join(d, "err")
+        _SERVER.stdin.write(json.dumps({"script": script, "argv": list(map(str, argv)), "env": child,
+                                        "timeout": timeout, "out": out, "err": err}) + "\n")
+        _SERVER.stdin.flush()
+        said = _SERVER.stdout.readline()
+        assert said, "the fork server died"
+        rc = int(said)
+        if rc == -14:  # SIGALRM: the run's bound
+            pytest.fail(f"scripts.{script} {' '.join(map(str, argv))} still running after {timeout} s")
+        return rc, *(open(path).read() if os.path.exists(path) else "" for path in (out, err))
 
 
 def _one_line_error(rc, out, err, *said, code=None):
