@@ -463,8 +463,8 @@ def spawn(fn, *, world: int, args: tuple = (), device="cpu", timeout_s: float = 
     """Run ``fn(comm, *args)`` in ``world`` fresh local rank processes; return one outcome per rank.
 
     ``fn`` must be importable (a module-level function; a lambda or a nested one is a TypeError).
-    Processes come from a forkserver that has already imported torch, so a rank starts in well under
-    a second. A rank still running after ``timeout_s`` is killed and reported with
+    Processes come from a forkserver that has already imported torch (and torch._dynamo), so a rank
+    starts in well under a second. A rank still running after ``timeout_s`` is killed and reported with
     ``error_type="SpawnTimeout"``. Use :func:`check_outcomes` to turn failures into one exception.
     """
     if world < 1:
@@ -476,7 +476,9 @@ def spawn(fn, *, world: int, args: tuple = (), device="cpu", timeout_s: float = 
         raise TypeError(f"spawn: fn={fn!r} has no name to import by (a lambda or a function defined inside "
                         f"another); pass a module-level function (the rank processes import it by name)")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "cco.comm"])
+    # torch._dynamo too: the first custom-op call or compile in a rank imports it (1.2 s of one core,
+    # each rank of each spawn); imported here it comes before any group (torch.distributed.nn.functional)
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "cco.comm"])
     with tempfile.TemporaryDirectory(prefix="cco-spawn-") as tmp:
         init_method = f"file://{os.path.join(tmp, 'rendezvous')}"
         procs, pipes = [], []

@@ -2,6 +2,7 @@
 
 import glob
 import os
+import re
 import subprocess
 import sys
 
@@ -58,27 +59,41 @@ def test_close_joins_the_groups_worker_threads():
         assert refused is not None and "closed" in refused, refused
 
 
-def _threads_around_close_after_dynamo(comm):
-    """:func:`_threads_around_close` with torch._dynamo first imported after the group exists (as
-    torch.compile or a torch.library custom op's first call imports it), and whether it was."""
-    import sys
-
-    first = "torch._dynamo" not in sys.modules
-    import torch._dynamo  # noqa: F401
-
-    return first, _threads_around_close(comm)
+# a torchrun rank (as the jobs whose groups this guards are): the spawn harness's ranks come from a
+# forkserver that imported torch._dynamo before any group, which is the order this test must not assume
+_DYNAMO_AFTER_THE_GROUP = """
+import os, sys
+from cco.comm import Communicator
+comm = Communicator.from_env()
+first = "torch._dynamo" not in sys.modules
+import torch._dynamo  # noqa: F401 (as torch.compile or a torch.library custom op's first call imports it)
+comm.all_gather_object(comm.rank)
+during = len(os.listdir("/proc/self/task"))
+comm.close()
+after = len(os.listdir("/proc/self/task"))
+os.write(1, f"rank {comm.rank} dynamo-first={first} threads {during} -> {after}\\n".encode())
+"""
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc (Linux)")
-def test_close_joins_the_workers_when_dynamo_came_after_the_group():
+def test_close_joins_the_workers_when_dynamo_came_after_the_group(tmp_path):
     """torch._dynamo imports torch.distributed.nn.functional, whose functions take ``group.WORLD``
     as a default argument, bound at import: imported once the group exists, it holds the group past
     ``close()`` and its gloo workers to interpreter exit. ``cco.comm`` imports it before any group
     exists. Fails without that import: the thread count does not drop."""
-    for first, (during, after, _) in check_outcomes(spawn(_threads_around_close_after_dynamo, world=2,
-                                                          timeout_s=90)):
-        assert first, "torch._dynamo was imported before the group: this test would prove nothing"
-        assert during - after >= 2, (during, after)
+    script = tmp_path / "dynamo_after_the_group.py"
+    script.write_text(_DYNAMO_AFTER_THE_GROUP)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    found = re.findall(r"rank (\d) dynamo-first=(\w+) threads (\d+) -> (\d+)", proc.stdout)
+    assert sorted(rank for rank, *_ in found) == ["0", "1"], proc.stdout
+    for _, first, during, after in found:
+        assert first == "True", "torch._dynamo was imported before the group: this test would prove nothing"
+        assert int(during) - int(after) >= 2, (during, after)
 
 
 def _close_after_a_timed_out_exchange(comm):
