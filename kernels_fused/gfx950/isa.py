@@ -440,17 +440,22 @@ def _compile_text(key: tuple):
         return None
 
 
+# a worker peaks at ~450 MB (blockscale 256x256, K 2048: its MLIR and LLVM state), so a many-core host
+# does not get one per core
+PRECOMPILE_WORKERS = 8
+
+
 def precompile(variants, workers: int | None = None) -> None:
     """Compile the ``variants`` (argument tuples of :func:`compiled`) this process has not, into its
-    memo, ``workers`` at a time (default: the CPUs) in processes of their own: one compile is one
-    core's work, and a sweep of 70-odd is minutes on one."""
+    memo, ``workers`` at a time (default: the CPUs, at most ``PRECOMPILE_WORKERS``) in processes of
+    their own: one compile is one core's work, and a sweep of 70-odd is minutes on one."""
     import multiprocessing
     import os
     from concurrent.futures import ProcessPoolExecutor
 
     todo = [k for k in dict.fromkeys(_key(*v) for v in variants) if k not in _COMPILED]
     todo.sort(key=lambda k: -k[2])  # the longest K first: the last one to finish is a short one
-    workers = min(len(todo), workers or os.cpu_count() or 1)
+    workers = min(len(todo), workers or min(os.cpu_count() or 1, PRECOMPILE_WORKERS))
     if workers < 2:
         for key in todo:
             compiled(*key)
