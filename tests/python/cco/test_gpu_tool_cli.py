@@ -85,6 +85,17 @@ def _run(script, *argv, env=None, timeout=TIMEOUT_S):
         return rc, *(open(path).read() if os.path.exists(path) else "" for path in (out, err))
 
 
+@pytest.mark.parametrize("script, argv", [("probe_decode_host", ["--help"]), ("tune_decode", ["-m", "1,x"]),
+                                          ("bench_quantize", [])])
+def test_a_forked_run_is_what_python_m_gives(script, argv):
+    """The fork server stands in for ``python3 -m scripts.X``: the same exit status, stdout and stderr
+    (the usage's program name, an argparse error, a refusal without a GPU) as a process of its own."""
+    child = {key: value for key, value in os.environ.items() if key not in RANK_KEYS}
+    done = subprocess.run([sys.executable, "-m", f"scripts.{script}", *argv], cwd=ROOT, capture_output=True,
+                          text=True, timeout=TIMEOUT_S, env={**child, "CUDA_VISIBLE_DEVICES": ""})
+    assert _run(script, *argv) == (done.returncode, done.stdout, done.stderr)
+
+
 def _one_line_error(rc, out, err, *said, code=None):
     """A refusal: non-zero exit (``code`` if given), no traceback, its last stderr line says ``said``."""
     assert rc != 0 and (code is None or rc == code), (rc, out, err)
