@@ -390,21 +390,14 @@ TILE_CHOICES = ("256x256", "128x256", "256x128")
 CHECK_ALL_K = (256, 384, 512, 1024)
 
 
-def _config(quant: str, tile: str, K: int, fuse: bool, variant: str = "shipped", loop_count=None,
-            mfma_barriers: bool = True):
-    from .kernel import kernel_config
-
-    bm, bn = (int(x) for x in tile.split("x"))
-    return kernel_config(K=K, BLOCK_M=bm, BLOCK_N=bn, quant=quant, fuse=fuse, variant=variant,
-                         loop_count=loop_count, mfma_barriers=mfma_barriers, fn="kernels_fused.gfx950.isa")
-
-
 def compile_variant(*, quant: str, tile: str, K: int, fuse: bool, variant: str = "shipped",
                     loop_count=None, mfma_barriers: bool = True, dump_dir=None):
     """(config, ISA text) of one variant, compiled for gfx950 on this machine."""
-    from .kernel import compile_to_isa
+    from .kernel import compile_to_isa, kernel_config
 
-    cfg = _config(quant, tile, K, fuse, variant, loop_count, mfma_barriers)
+    bm, bn = (int(x) for x in tile.split("x"))
+    cfg = kernel_config(K=K, BLOCK_M=bm, BLOCK_N=bn, quant=quant, fuse=fuse, variant=variant,
+                        loop_count=loop_count, mfma_barriers=mfma_barriers, fn="kernels_fused.gfx950.isa")
     if dump_dir is None:
         with tempfile.TemporaryDirectory(prefix="cco-isa-") as d:
             return cfg, compile_to_isa(cfg, dump_dir=d)
@@ -430,12 +423,12 @@ def compiled(quant: str, tile: str, K: int, fuse: bool, variant: str = "shipped"
     return _COMPILED[key]
 
 
-def _compile_text(key: tuple):
-    """A worker's compile: the ISA text, or None where it failed (the caller's own compile then
+def _compile_key(key: tuple):
+    """A worker's compile: (config, ISA text), or None where it failed (the caller's own compile then
     raises the error where it is asked for)."""
     q, t, k, f, v, b = key
     try:
-        return compile_variant(quant=q, tile=t, K=k, fuse=f, variant=v, mfma_barriers=b)[1]
+        return compile_variant(quant=q, tile=t, K=k, fuse=f, variant=v, mfma_barriers=b)
     except Exception:  # noqa: BLE001 - reported by the in-process compile of the caller that needs it
         return None
 
@@ -461,9 +454,9 @@ def precompile(variants, workers: int | None = None) -> None:
             compiled(*key)
         return
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for key, text in zip(todo, pool.map(_compile_text, todo)):
-            if text is not None:
-                _COMPILED[key] = _config(*key[:5], mfma_barriers=key[5]), text
+        for key, result in zip(todo, pool.map(_compile_key, todo)):
+            if result is not None:
+                _COMPILED[key] = result
 
 
 def check_variant(*, quant: str, tile: str, K: int, fuse: bool, variant: str = "shipped",

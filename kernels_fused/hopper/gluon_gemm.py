@@ -256,7 +256,8 @@ def decode_blockscale_mma(q, sa, w, ws, n: int, *, bias=None, split: int = 1, st
         parts = scratch["parts"] if parts is None else parts
     decode_blockscale_mma_kernel[(-(-n // block_n), split)](
         descriptor(w, [block_n, SCALE_BLOCK.value], gl.float8e4nv),
-        descriptor(q, [rows, SCALE_BLOCK.value], gl.float8e4nv), sa, ws, out if bias is None else bias, out, counters, parts, m, n, k_pad,
+        descriptor(q, [rows, SCALE_BLOCK.value], gl.float8e4nv),
+        sa, ws, out if bias is None else bias, out, counters, parts, m, n, k_pad,
         per_slice * SCALE_BLOCK.value, sa.stride(1), ws.stride(0), HAS_BIAS=bias is not None, SPLIT=split,
         STAGES=stages, num_warps=4)
     return out

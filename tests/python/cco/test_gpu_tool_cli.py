@@ -42,7 +42,10 @@ for line in sys.stdin:
                 runpy.run_module("scripts." + run["script"], run_name="__main__", alter_sys=True)
                 code = 0
             except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else 0 if e.code is None else print(e.code, file=sys.stderr) or 1
+                if isinstance(e.code, int) or e.code is None:
+                    code = e.code or 0
+                else:  # a message: printed, status 1
+                    print(e.code, file=sys.stderr)
             except BaseException:
                 traceback.print_exc()
             atexit._run_exitfuncs()
@@ -54,11 +57,17 @@ for line in sys.stdin:
 """
 
 
+def _child_env(env=None) -> dict:
+    """A script run's environment: this one's with CUDA hidden and no launcher's rank variables,
+    then ``env`` (which may set them)."""
+    child = {key: value for key, value in os.environ.items() if key not in RANK_KEYS}
+    return {**child, "CUDA_VISIBLE_DEVICES": "", **(env or {})}
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _fork_server():
     global _SERVER
-    env = {key: value for key, value in os.environ.items() if key not in RANK_KEYS}
-    _SERVER = subprocess.Popen([sys.executable, "-c", _FORK_SERVER], cwd=ROOT, env={**env, "CUDA_VISIBLE_DEVICES": ""},
+    _SERVER = subprocess.Popen([sys.executable, "-c", _FORK_SERVER], cwd=ROOT, env=_child_env(),
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     yield
     _SERVER.stdin.close()
@@ -68,13 +77,9 @@ def _fork_server():
 def _run(script, *argv, env=None, timeout=TIMEOUT_S):
     """``(returncode, stdout, stderr)`` of ``python3 -m scripts.<script> argv`` without a visible GPU
     (a process forked by the module's child, ``_FORK_SERVER``)."""
-    child = {**os.environ, "CUDA_VISIBLE_DEVICES": "", **(env or {})}
-    for key in RANK_KEYS:
-        if key not in (env or {}):
-            child.pop(key, None)
     with tempfile.TemporaryDirectory(prefix="cco-cli-") as d:
         out, err = os.path.join(d, "out"), os.path.join(d, "err")
-        _SERVER.stdin.write(json.dumps({"script": script, "argv": list(map(str, argv)), "env": child,
+        _SERVER.stdin.write(json.dumps({"script": script, "argv": list(map(str, argv)), "env": _child_env(env),
                                         "timeout": timeout, "out": out, "err": err}) + "\n")
         _SERVER.stdin.flush()
         said = _SERVER.stdout.readline()
@@ -90,9 +95,8 @@ def _run(script, *argv, env=None, timeout=TIMEOUT_S):
 def test_a_forked_run_is_what_python_m_gives(script, argv):
     """The fork server stands in for ``python3 -m scripts.X``: the same exit status, stdout and stderr
     (the usage's program name, an argparse error, a refusal without a GPU) as a process of its own."""
-    child = {key: value for key, value in os.environ.items() if key not in RANK_KEYS}
     done = subprocess.run([sys.executable, "-m", f"scripts.{script}", *argv], cwd=ROOT, capture_output=True,
-                          text=True, timeout=TIMEOUT_S, env={**child, "CUDA_VISIBLE_DEVICES": ""})
+                          text=True, timeout=TIMEOUT_S, env=_child_env())
     assert _run(script, *argv) == (done.returncode, done.stdout, done.stderr)
 
 
