@@ -20,14 +20,17 @@ def ints(text: str) -> list[int]:
     return values
 
 
-def shape_probe_args(doc: str, shapes, argv=None, quants: tuple[str, ...] = ()) -> argparse.Namespace:
+def shape_probe_args(doc: str, shapes, argv=None, quants: tuple[str, ...] = (), extra=None) -> argparse.Namespace:
     """The three positionals of a probe over tune_decode's shapes (``SHAPES M_LIST OUT.json``; the
     probe's module docstring ``doc`` gives the description): ``--help`` prints the usage, and a bad
     value is one usage line, not the ``KeyError`` of a shape named ``--help``. ``quants``: the probe
-    also takes ``--quant`` (a comma list of them, default all)."""
+    also takes ``--quant`` (a comma list of them, default all). ``extra(parser)`` adds a probe's own
+    options."""
     p = argparse.ArgumentParser(description=" ".join(doc.split("\n\n")[0].split()).replace("``", "").rstrip(":") + ".")
     if quants:
         p.add_argument("--quant", default=",".join(quants), help=f"comma list of {', '.join(quants)}")
+    if extra is not None:
+        extra(p)
     p.add_argument("shapes", help=f"comma list of tune_decode's shapes: {', '.join(shapes)}")
     p.add_argument("m", type=ints, help="comma list of row counts")
     p.add_argument("json", help="write the rows here")
