@@ -4,7 +4,7 @@ graph replay, one GPU::
 
     python3 -m scripts.probe_decode_split_k 8b-down-tp1,8b-o-tp1,70b-down-tp1 1,8,16,64 split.json
     python3 -m scripts.probe_decode_split_k --quant blockscale 8b-o-tp1 8,64 bs.json
-    python3 -m scripts.probe_decode_split_k --quant mxfp8 8b-down-tp1,8b-o-tp1 1,8,64 mx.json
+    python3 -m scripts.probe_decode_split_k --quant ptpc --block-n 64,128 --warps 4,8 8b-o-tp1 32,64 bn.json
     python3 -m scripts.probe_decode_split_k --from split.json --plot split.png   # its picture, no GPU
 
 Why: one program per ``BLOCK_N`` (64) weight rows gives a Llama-3-8B layer (N = 4096) 64 programs
@@ -18,12 +18,6 @@ quantizer's launch and the MMA built by ``decode._Launch`` with that config (``d
 ``MMA_SPLIT`` set for it, the rule's waves bound lifted). Every arm is first checked against the fp32
 product of the dequantized operands (``gemm_mismatches``: none outside the fp8 GEMM's budget) and for
 equal bits on a repeat.
-
-mxfp8 (``--quant mxfp8``): ``decode_gemm`` is the layers' call, the rows dequantized to bf16 and
-cuBLAS's bf16 GEMM over the weight's bf16 copy (``VENDOR_ROWS``; one row: the fp8 weight), and each
-config is the MMA over the fp8 weight (``decode_mma_rows_kernel``'s QUANT 2: the quantizer's rows
-dequantized, each weight step dequantized in registers, one bf16 MMA chain), ``QUANTIZED_ROWS``
-taking mxfp8 for the run.
 """
 import itertools
 import json
@@ -40,7 +34,7 @@ from scripts.tune_decode import with_config as set_tables
 
 def configs(quant: str, k: int, block_ns=(32, 64), warps=(4,)):
     """(BLOCK_N, BLOCK_K, SPLIT, warps, stages) tried: at least two K steps per slice."""
-    steps = {"ptpc": (128, 256), "blockscale": (256, 512), "mxfp8": (128, 256)}[quant]
+    steps = (128, 256) if quant == "ptpc" else (256, 512)
     for bn, bk, split, w in itertools.product(block_ns, steps, (1, 2, 4, 8), warps):
         if k % bk == 0 and k // bk >= 2 * split:
             yield bn, bk, split, w, 4 if quant == "ptpc" else 3
@@ -58,7 +52,7 @@ def parse_args(argv=None):
         p.add_argument("--block-n", type=ints, default=[32, 64], help="comma list of BLOCK_N tried (default 32,64)")
         p.add_argument("--warps", type=ints, default=[4], help="comma list of num_warps tried (default 4)")
 
-    return shape_probe_args(__doc__, SHAPES, argv, quants=("ptpc", "blockscale", "mxfp8"), extra=extra)
+    return shape_probe_args(__doc__, SHAPES, argv, quants=("ptpc", "blockscale"), extra=extra)
 
 
 def with_config(D, quant: str, cfg) -> None:
@@ -87,7 +81,7 @@ def plot(path: str, png: str) -> None:
         raise SystemExit(f"probe_decode_split_k: --from {path}: not this probe's JSON ({err})") from None
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4.2), squeeze=False)
-    colors = {"ptpc": "tab:blue", "blockscale": "tab:orange", "mxfp8": "tab:green"}
+    colors = {"ptpc": "tab:blue", "blockscale": "tab:orange"}
     for ax, shape in zip(axes[0], shapes):
         mine = sorted((r for r in rows if r["shape"] == shape), key=lambda r: r["m"])
         bf16 = {r["m"]: r["us"]["nn.Linear bf16"] for r in mine if r["quant"] == mine[0]["quant"]}
@@ -133,8 +127,6 @@ def main(argv=None):
 
     NV.ENABLED = False  # the Python path's launches, as a graph captures them
     # every table with_config sets (decode's own dicts, set in place), and their values before
-    if "mxfp8" in args.quant:  # its MMA over the fp8 weight (the layers' rows take the bf16 copy)
-        D.QUANTIZED_ROWS.add("mxfp8")
     tables = [t for quant in args.quant for m in (2, D.MMA_ROWS_MAX) for t in D.tables(quant, m)]
     tables += [D.MMA_SPLIT, D.MMA_SPLIT_WAVES]
     saved = [dict(t) for t in tables]
@@ -161,12 +153,10 @@ def main(argv=None):
                 ad = Q.dequantize_a(q, sa, quant)
                 ref, dot_abs = ad @ wd.t(), ad.abs() @ wd.abs().t()
                 rows_v = vendor.padded_rows(quant, m)
-                w_call = vw.dense if quant == "mxfp8" and m > 1 else wq  # (the layers' weight at these rows)
                 arms = {"nn.Linear bf16": lambda x=x: torch.nn.functional.linear(x, w_bf16),
                         "quantizer + cuBLAS": lambda x=x, quant=quant, rows_v=rows_v, vw=vw: vendor.vendor_gemm(
                             *quantize_activation(x, quant, k_padded=k, m_padded=rows_v), vw)[:m],
-                        "decode_gemm": lambda x=x, w_call=w_call, ws=ws, quant=quant: D.decode_gemm(
-                            x, w_call, ws, quant, n=n)}
+                        "decode_gemm": lambda x=x, wq=wq, ws=ws, quant=quant: D.decode_gemm(x, wq, ws, quant, n=n)}
                 if m == 1:  # (restore() left no launch: the one made here is the row's)
                     D.decode_gemm(x, wq, ws, quant, n=n)
                     (row,) = D._LAUNCHES.values()

@@ -120,10 +120,10 @@ QUANTIZED_ROWS = {"ptpc"} if BLOCKSCALE_CUBLAS else {"ptpc", "blockscale"}
 # WIDE_* config (BLOCK_N, BLOCK_K, warps, stages): the best of tune_decode's 8 configs past ROWS_MAX
 # rows at 14 of the 15 cells of the 17:08 UTC run above (8B o at 48 rows took BLOCK_K 128, 9.3 us).
 MMA_ROWS_MAX = 64
-WIDE_BLOCK_N = {"ptpc": 64, "blockscale": 64, "mxfp8": 64}
-WIDE_BLOCK_K = {"ptpc": 256, "blockscale": 256, "mxfp8": 256}
-WIDE_WARPS = {"ptpc": 4, "blockscale": 4, "mxfp8": 4}
-WIDE_STAGES = {"ptpc": 4, "blockscale": 3, "mxfp8": 3}
+WIDE_BLOCK_N = {"ptpc": 64, "blockscale": 64}
+WIDE_BLOCK_K = {"ptpc": 256, "blockscale": 256}
+WIDE_WARPS = {"ptpc": 4, "blockscale": 4}
+WIDE_STAGES = {"ptpc": 4, "blockscale": 3}
 # The MMA's K split over programs (decode_mma_rows_kernel's SPLIT): a weight of N / BLOCK_N blocks
 # (64 at Llama-3-8B's o and down, 4096 features) leaves SMs idle, so each block's K is split into the
 # most slices, a power of two up to MMA_SPLIT[quant], that keep N / BLOCK_N * slices at most
@@ -140,8 +140,8 @@ WIDE_STAGES = {"ptpc": 4, "blockscale": 3, "mxfp8": 3}
 # ptpc's cap went from 2 to 8 (2026-12-05 night, one H100, the same probe at 8B kv: 16 blocks, K 4096,
 # 8 / 16 rows, BLOCK_K 256): split 2 6.39 / 6.52 us, 4 5.92 / 6.02, 8 5.97 / 6.02 against nn.Linear's
 # 6.36 / 6.41; the waves bound keeps weights of more than 33 blocks where they were (8B o and down at 2).
-MMA_SPLIT = {"ptpc": 8, "blockscale": 4, "mxfp8": 4}
-MMA_SPLIT_WAVES = {"ptpc": 1, "blockscale": 2, "mxfp8": 2}
+MMA_SPLIT = {"ptpc": 8, "blockscale": 4}
+MMA_SPLIT_WAVES = {"ptpc": 1, "blockscale": 2}
 # One row under a graph capture takes the quantizer + MMA where the fp8 weight has at least this many
 # bytes, else the one-row kernel as eagerly: the quantizer's launch costs ~2 us of a replay, which a
 # small weight's faster read does not win back (8B o_proj, 16.8 MB: 7.1 / 8.6 us against the one-row
@@ -460,10 +460,8 @@ class MmaScratch:
         up = lambda v: -(-v // 16) * 16  # noqa: E731
         self.m, self.k_padded, self.quant = m, k_padded, quant
         self.scales = up(m * k_padded)
-        # (where the quantizer zeroes them: zero_after_scales, the scales' end rounded up to 16 bytes;
-        # mxfp8's scales are e8m0 bytes [M, K_PAD / 32])
-        scale_bytes = {"blockscale": 4 * m * (k_padded // SCALE_BLOCK), "mxfp8": m * (k_padded // 32)}.get(quant, 4 * m)
-        self.counters = self.scales + up(scale_bytes)
+        # (where the quantizer zeroes them: zero_after_scales, the scales' end rounded up to 16 bytes)
+        self.counters = self.scales + up(4 * m * (k_padded // SCALE_BLOCK if quant == "blockscale" else 1))
         self.counter_words = _pow2(programs) if split > 1 else 0
         self.parts = up(self.counters + 4 * max(1, self.counter_words))
         self.part_floats = programs * split * block_n * rows if split > 1 else 0
@@ -473,16 +471,12 @@ class MmaScratch:
         """``(q, sa, counters, parts)`` over ``scratch`` (uint8, ``bytes`` long); where there is no
         split the last two are 4-byte views the kernel never reads."""
         m, k = self.m, self.k_padded
-        counters = scratch[self.counters:self.counters + 4 * max(1, self.counter_words)].view(torch.int32)
-        if self.quant == "mxfp8":  # e4m3 rows, e8m0 bytes [M, K_PAD / 32]
-            parts = scratch[self.parts:self.parts + 4 * max(1, self.part_floats)].view(torch.float32)
-            return (scratch[:m * k].view(FP8).view(m, k), scratch[self.scales:self.scales + m * (k // 32)].view(m, -1),
-                    counters, parts)
         q = scratch[:m * k].view(FP8).view(m, k)
         groups = k // SCALE_BLOCK if self.quant == "blockscale" else 1
         sa = scratch[self.scales:self.scales + 4 * m * groups].view(torch.float32)
         if self.quant == "blockscale":
             sa = sa.view(groups, m).t()  # [M, K_PAD / 128], M-major as the quantizer writes it
+        counters = scratch[self.counters:self.counters + 4 * max(1, self.counter_words)].view(torch.int32)
         parts = scratch[self.parts:self.parts + 4 * max(1, self.part_floats)].view(torch.float32)
         return q, sa, counters, parts
 
@@ -589,7 +583,7 @@ class _Launch:
                 grid, row_block, slice_k = split_launch(m, k, k_padded)
                 self.quantize = Kernel(_quantize_kernel(), grid, num_warps=SPLIT_NUM_WARPS)
                 consts = (row_block, slice_k, True, _interpreting(), zero_words)
-            else:  # blockscale, mxfp8 (its rows dequantized): the group quantizer's constants, ZERO_WORDS last
+            else:  # blockscale: the group quantizer's constants, its ZERO_WORDS last
                 self.quantize, consts = launch_for(quant, False, m, k, k_padded)
                 consts = (*consts[:-1], zero_words)
             # the quantizer's M, M_OUT, K, K_PAD (then x's row stride, tiny, fp8_max, its constants);

@@ -233,7 +233,7 @@ def _mma_rows(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, cnt_ptr, part_ptr
             w = tl.load(w_rows + k0, mask=n_ok[:, None], other=0.0)
             q = tl.load(q_rows + k0, mask=r_ok[:, None], other=0.0)
             acc = tl.dot(w, tl.trans(q), acc)
-    elif QUANT == 1:
+    else:
         ws_row = ws_ptr + (block * BLOCK_N // 128) * stride_ws
         for k0 in range(k_lo, k_hi, BLOCK_K):
             for j in tl.static_range(BLOCK_K // 128):  # the step's groups: BLOCK_K / 128 tiles in flight
@@ -242,20 +242,6 @@ def _mma_rows(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, cnt_ptr, part_ptr
                 q = tl.load(q_rows + kb, mask=r_ok[:, None], other=0.0)
                 sa = tl.load(sa_ptr + (kb // 128) * stride_sa + rows, mask=r_ok, other=0.0)
                 acc += tl.dot(w, tl.trans(q)) * (sa * tl.load(ws_row + kb // 128))[None, :]
-    else:  # mxfp8: each 32-column group its own e4m3 MMA, scaled by both operands' powers of two
-        kg = tl.arange(0, 32)
-        w_g = w_ptr + cols.to(tl.int64)[:, None] * K_PAD + kg[None, :]
-        q_g = q_ptr + rows.to(tl.int64)[:, None] * K_PAD + kg[None, :]
-        ew_row = ws_ptr + cols.to(tl.int64) * (K_PAD // 32)  # e8m0 bytes [N, K / 32]
-        ea_row = sa_ptr + rows.to(tl.int64) * (K_PAD // 32)  # e8m0 bytes [M, K / 32]
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            for j in tl.static_range(BLOCK_K // 32):
-                kb = k0 + j * 32
-                w = tl.load(w_g + kb, mask=n_ok[:, None], other=0.0)
-                q = tl.load(q_g + kb, mask=r_ok[:, None], other=0.0)
-                pw = (tl.load(ew_row + kb // 32, mask=n_ok, other=0).to(tl.int32) << 23).to(tl.float32, bitcast=True)
-                pa = (tl.load(ea_row + kb // 32, mask=r_ok, other=0).to(tl.int32) << 23).to(tl.float32, bitcast=True)
-                acc += tl.dot(w, tl.trans(q)) * pw[:, None] * pa[None, :]
     if SPLIT == 1:
         _finish_rows(acc, sa_ptr, ws_ptr, bias_ptr, out_ptr, cols, n_ok, rows, r_ok, N, QUANT, HAS_BIAS,
                      ROUND_IN_FP32)

@@ -143,9 +143,8 @@ def quantize_groups_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, K_PAD, stride_x, ti
     group's ``2**(e8m0 - 127)`` as ``vendor.mx_to_bf16``'s kernel computes it from the stored bytes
     (the same bits), and no scale is stored: the rows a bf16 GEMM over the weight's bf16 copy reads
     (``kernels_fused.hopper.decode``), in one launch instead of the quantizer's and the
-    dequantization's. ``ZERO_WORDS``: program (0, 0) also zeroes that many int32 words after the
-    scales (blockscale; :func:`zero_after_scales`), or from ``s_ptr`` itself where ``DEQUANTIZE``
-    stores none (the decode MMA's counters)."""
+    dequantization's. ``ZERO_WORDS`` (blockscale): program (0, 0) also zeroes that many int32 words
+    after the scales (:func:`zero_after_scales`)."""
     G: tl.constexpr = BLOCK_K // GROUP
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     k0 = tl.program_id(1) * BLOCK_K
@@ -179,5 +178,3 @@ def quantize_groups_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, K_PAD, stride_x, ti
         tl.store(q_ptr + rows[:, None] * K_PAD + cols[None, :], q, mask=mask)
     if not MX:
         zero_after_scales(s_ptr, (K_PAD // GROUP) * M_OUT, ZERO_WORDS)
-    else:  # (e8m0 bytes: the counters start at the next 16 bytes)
-        zero_after_scales(s_ptr, (M_OUT * (K_PAD // GROUP) + 15) // 16 * 16, ZERO_WORDS)

@@ -309,6 +309,23 @@ def test_probe_times_the_one_row_kernel_on_either_side_of_the_bound(monkeypatch,
     D._LAUNCHES.clear()
 
 
+def test_split_probe_configs_take_the_block_n_and_warps_asked_for():
+    """``probe_decode_split_k --block-n/--warps``: every (BLOCK_N, BLOCK_K, SPLIT, warps) asked for where
+    a slice keeps two K steps, each quant's stages; the defaults are the run's before the options."""
+    from scripts.probe_decode_split_k import configs, parse_args
+
+    args = parse_args(["--block-n", "64,128", "--warps", "4,8", "8b-o-tp1", "32,64", "bn.json"])
+    assert (args.block_n, args.warps) == ([64, 128], [4, 8])
+    got = list(configs("blockscale", 4096, args.block_n, args.warps))
+    assert {(bn, w) for bn, _, _, w, _ in got} == {(64, 4), (64, 8), (128, 4), (128, 8)}
+    assert {stages for *_, stages in got} == {3} and all(4096 // bk >= 2 * split for _, bk, split, _, _ in got)
+    assert (64, 512, 4, 8, 3) in got and (64, 512, 8, 8, 3) not in got  # (8 slices of 512: one step each)
+    default = parse_args(["8b-o-tp1", "8", "a.json"])
+    assert list(configs("ptpc", 1024, default.block_n, default.warps)) == [
+        (32, 128, 1, 4, 4), (32, 128, 2, 4, 4), (32, 128, 4, 4, 4), (32, 256, 1, 4, 4), (32, 256, 2, 4, 4),
+        (64, 128, 1, 4, 4), (64, 128, 2, 4, 4), (64, 128, 4, 4, 4), (64, 256, 1, 4, 4), (64, 256, 2, 4, 4)]
+
+
 def test_ptpc_one_launch_refused_falls_back_to_two():
     """A cooperative launch the driver refuses on the first call of a shape (a GPU share under MPS
     or green contexts: "too many blocks in cooperative launch") warns once and takes the two

@@ -146,7 +146,8 @@ def test_the_gfx950_compile_scripts_help_ends_its_sentence():
     ("probe_blockscale_rows", ["8b-up", "8", "bs.json"], "unknown shapes ['8b-up']"),
     ("probe_mx_dot_scaled", ["8b-o-tp1", "x", "mx.json"], "'x' is not a comma list of integers"),
     ("probe_decode_host", ["--rows", "8"], "unrecognized arguments: --rows 8"),
-    ("probe_decode_split_k", ["--quant", "x", "8b-o-tp1", "8", "a.json"], "--quant x: pick from ptpc, blockscale")])
+    ("probe_decode_split_k", ["--quant", "x", "8b-o-tp1", "8", "a.json"], "--quant x: pick from ptpc, blockscale"),
+    ("probe_decode_split_k", ["--block-n", "64,x", "8b-o-tp1", "8", "a.json"], "'64,x' is not a comma list")])
 def test_the_probes_positionals_are_argparse_errors(script, argv, said):
     rc, out, err = _run(script, *argv, timeout=60)
     _one_line_error(rc, out, err, said, code=2)
