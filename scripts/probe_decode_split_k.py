@@ -51,8 +51,6 @@ def parse_args(argv=None):
     def extra(p):
         p.add_argument("--block-n", type=ints, default=[32, 64], help="comma list of BLOCK_N tried (default 32,64)")
         p.add_argument("--warps", type=ints, default=[4], help="comma list of num_warps tried (default 4)")
-        p.add_argument("--pdl", action="store_true", help="instead of the configs: the rule's launches with the MMA "
-                       "a programmatic dependent launch of the quantizer's (2+ rows)")
 
     return shape_probe_args(__doc__, SHAPES, argv, quants=("ptpc", "blockscale"), extra=extra)
 
@@ -128,9 +126,6 @@ def main(argv=None):
     from scripts.bench_decode import switched_off
 
     NV.ENABLED = False  # the Python path's launches, as a graph captures them
-    if args.pdl:  # (JITFunction.run fills the kernels' default constexprs; a replay's time has no host part)
-        from kernels_fused.hopper import launch as L
-        L.FAST_LAUNCH = False
     # every table with_config sets (decode's own dicts, set in place), and their values before
     tables = [t for quant in args.quant for m in (2, D.MMA_ROWS_MAX) for t in D.tables(quant, m)]
     tables += [D.MMA_SPLIT, D.MMA_SPLIT_WAVES]
@@ -169,11 +164,7 @@ def main(argv=None):
                     kernel = one_row_kernel(row)
                     arms["one-row kernel"] = lambda x=x, row=row, kernel=kernel, o=o1, wq=wq, ws=ws: (
                         kernel(0, *row._row(x, wq, ws, o, o, x.stride(0), ws.stride(0))), o)[1]
-                poisoned = {}
-                if args.pdl and m > 1:
-                    timed, poisoned = pdl_arms(D, m, k, n, quant, x, wq, ws, dev)
-                    arms.update(timed)
-                for cfg in () if args.pdl else configs(quant, k, args.block_n, args.warps):
+                for cfg in configs(quant, k, args.block_n, args.warps):
                     with_config(D, quant, cfg)
                     launch = D._Launch(m, k, k, n, quant, False, 0)
                     label = "/".join(map(str, cfg))
@@ -182,18 +173,9 @@ def main(argv=None):
                                        (launch(x, x.stride(0), wq, ws, None, o), o)[1], D, "ONE_LAUNCH")
                     arms[label] = two
                 restore()
-                outs, bad, wrong, _ = checked_arms(arms, ref, dot_abs, f"{name} {quant} M={m}")
-                races = pdl_races(poisoned, outs.get("decode_gemm"))
+                _, bad, wrong, _ = checked_arms(arms, ref, dot_abs, f"{name} {quant} M={m}")
                 t = graph_us(arms, 10, 3)
                 base = t["nn.Linear bf16"]
-                if args.pdl:
-                    print(f"[{time.time() - t0:.0f} s] {name} {quant} M={m}: bf16 {base:.1f} us | "
-                          + " | ".join(f"{a} {v:.1f} ({v / base:.2f}x)" for a, v in t.items() if a != "nn.Linear bf16")
-                          + f" | poisoned tries differing from decode_gemm: {races}", flush=True)
-                    out_rows.append({"shape": name, "n": n, "k": k, "m": m, "quant": quant, "us": t,
-                                     "outside_budget": bad, "wrong": wrong, "races": races})
-                    write(args, argv, out_rows)
-                    continue
                 cfgs = [(v, a) for a, v in t.items() if a.count("/") == 4]
                 best = sorted(cfgs)[:4]
                 unsplit = min((v, a) for v, a in cfgs if a.split("/")[2] == "1")
@@ -204,56 +186,12 @@ def main(argv=None):
                       + ", ".join(f"{a} {v:.1f} ({v / base:.2f}x)" for v, a in best), flush=True)
                 out_rows.append({"shape": name, "n": n, "k": k, "m": m, "quant": quant, "us": t,
                                  "outside_budget": bad, "wrong": wrong})
-                write(args, argv, out_rows)
+                with open(args.json, "w") as f:  # after every cell: a run cut short keeps what it timed
+                    json.dump({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                               "command": "python3 -m scripts.probe_decode_split_k " + " ".join(argv),
+                               "rows": out_rows}, f, indent=1)
     restore()
-
-
-def write(args, argv, out_rows) -> None:
-    """The run so far to ``args.json`` (after every cell: a run cut short keeps what it timed)."""
-    with open(args.json, "w") as f:
-        json.dump({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                   "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                   "command": "python3 -m scripts.probe_decode_split_k " + " ".join(argv),
-                   "rows": out_rows}, f, indent=1)
-
-
-def pdl_arms(D, m, k, n, quant, x, wq, ws, dev) -> dict:
-    """The rule's two launches at ``m`` rows (the quantizer, then the MMA over its rows) with the MMA
-    launched as a programmatic dependent of the quantizer's launch: the quantizer lets it start at
-    once (``TRIGGER``), the MMA waits for the quantizer's stores before reading the rows (``PDL``:
-    ``gdc_wait``). "broken: no wait" launches it so without the wait (the race the wait prevents),
-    for :func:`pdl_races` only. Each arm's own Kernels: a kept launcher holds one specialization."""
-    from kernels_fused.hopper.launch import Kernel
-
-    launch = D._Launch(m, k, k, n, quant, False, 0)  # (the tables as the rule has them)
-    scale = ws.view(torch.uint8) if ws.element_size() == 1 else ws
-    lay = launch.layout
-
-    def arm(wait: bool, poison: bool = False):
-        quantize = Kernel(launch.quantize.fn, launch.quantize.grid, **launch.quantize.options)
-        mma = Kernel(launch.kernel.fn, launch.kernel.grid, launch_pdl=True, **launch.kernel.options)
-
-        def run():
-            scratch = torch.empty(lay.bytes, dtype=torch.uint8, device=dev)
-            if poison:  # an old call's rows that a read before the quantizer's stores would see: NaN (0xFF)
-                scratch.fill_(0xFF)
-            q, sa, counters, parts = lay.views(scratch)
-            out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
-            quantize(0, *launch._quantize(x, q, sa, x.stride(0)), True)
-            mma(0, *launch._mma(q, sa, wq, scale, out, out, counters, parts, scale.stride(0)), wait)
-            return out
-        return run
-
-    return {"decode_gemm PDL": arm(True)}, {"PDL": arm(True, True), "broken: no wait": arm(False, True)}
-
-
-def pdl_races(poisoned: dict, want, tries: int = 20) -> dict:
-    """Per poisoned arm (its scratch filled with NaN before each call), how many of ``tries`` eager
-    calls differ from ``want`` (``decode_gemm``'s bits); None without ``want``."""
-    races = {label: None if want is None else sum(not torch.equal(fn(), want) for _ in range(tries))
-             for label, fn in poisoned.items()}
-    torch.cuda.synchronize()
-    return races
 
 
 if __name__ == "__main__":

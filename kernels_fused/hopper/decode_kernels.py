@@ -10,8 +10,6 @@ needs no triton.
 import triton
 import triton.language as tl
 
-from triton.language.extra.cuda import gdc_wait
-
 from kernels_fused.hopper.quantize_kernels import _div_rn, _to_e4m3, quantize_row_slice
 
 # (every division of an activation value here skips the zeros, _div_rn's SKIP_ZEROS: at decode
@@ -193,15 +191,12 @@ def decode_rows_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, K_PAD, 
 def decode_mma_rows_kernel(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, cnt_ptr, part_ptr, M, N, K_PAD, K_SLICE,
                            stride_sa, stride_ws, QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
-                           ROUND_IN_FP32: tl.constexpr, PDL: tl.constexpr = False):
+                           ROUND_IN_FP32: tl.constexpr):
     """The product of 2..64 rows already quantized (the activation quantizer's e4m3 ``q [M, K_PAD]``
     and scales ``sa``: ptpc fp32 ``[M]``, blockscale fp32 ``[K_PAD / 128, M]`` with group stride
     ``stride_sa``): program ``(n block, s)`` takes ``BLOCK_N`` weight rows and slice ``s`` of
     ``SPLIT`` slices of K (:func:`_mma_rows`). Quantizing in every program instead
-    (``decode_rows_kernel``) costs more than the weight's read from 4 rows on. ``PDL``: launched as
-    a programmatic dependent of the quantizer's launch, it waits for that grid's stores here."""
-    if PDL:
-        gdc_wait()
+    (``decode_rows_kernel``) costs more than the weight's read from 4 rows on."""
     _mma_rows(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, cnt_ptr, part_ptr, tl.program_id(0), tl.program_id(1),
               M, N, K_PAD, K_SLICE, stride_sa, stride_ws, QUANT, HAS_BIAS, BLOCK_N, BLOCK_K, ROWS, SPLIT,
               ROUND_IN_FP32)

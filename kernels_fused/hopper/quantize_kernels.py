@@ -5,7 +5,6 @@ Imported only when the quantizer runs, so ``import kernels_fused`` needs no trit
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
 
 @triton.jit
@@ -75,17 +74,13 @@ def quantize_ptpc_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, K_PAD, stride_x, tiny
 @triton.jit
 def quantize_ptpc_split_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, K_PAD, stride_x, tiny, fp8_max,
                                ROW_BLOCK: tl.constexpr, SLICE_K: tl.constexpr, SKIP_ZEROS: tl.constexpr,
-                               ROUND_IN_FP32: tl.constexpr, ZERO_WORDS: tl.constexpr = 0,
-                               TRIGGER: tl.constexpr = False):
+                               ROUND_IN_FP32: tl.constexpr, ZERO_WORDS: tl.constexpr = 0):
     """Per-token as :func:`quantize_ptpc_kernel` (the same bytes), each row split over programs:
     program ``(m, s)`` quantizes slice ``s`` of row ``m`` (:func:`quantize_row_slice`). So a
     decode-sized call (a few rows of up to 16384 columns) runs on ``M * K_PAD / SLICE_K`` SMs with
     one round trip to memory per load, instead of one program walking its rows twice in ``BLOCK_K``
     steps. ``ZERO_WORDS``: program (0, 0) also zeroes that many int32 words after the scales
-    (:func:`zero_after_scales`). ``TRIGGER``: the next launch, if launched as a programmatic
-    dependent, may start now (it waits for this grid's stores itself: ``gdc_wait``)."""
-    if TRIGGER:
-        gdc_launch_dependents()
+    (:func:`zero_after_scales`)."""
     quantize_row_slice(x_ptr, q_ptr, s_ptr, tl.program_id(0), tl.program_id(1), M, M_OUT, K, K_PAD, stride_x, tiny,
                        fp8_max, ROW_BLOCK, SLICE_K, SKIP_ZEROS, ROUND_IN_FP32)
     zero_after_scales(s_ptr, M_OUT, ZERO_WORDS)
@@ -134,8 +129,7 @@ def quantize_row_slice(x_ptr, q_ptr, s_ptr, row, s, M, M_OUT, K, K_PAD, stride_x
 def quantize_groups_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, K_PAD, stride_x, tiny, fp8_max,
                            MX: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_K: tl.constexpr, SKIP_ZEROS: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
-                           DEQUANTIZE: tl.constexpr = False, ZERO_WORDS: tl.constexpr = 0,
-                           TRIGGER: tl.constexpr = False):
+                           DEQUANTIZE: tl.constexpr = False, ZERO_WORDS: tl.constexpr = 0):
     """One scale per row and ``GROUP`` columns, one pass: a [BLOCK_M, BLOCK_K] tile seen as
     [BLOCK_M, BLOCK_K / GROUP, GROUP].
 
@@ -151,8 +145,6 @@ def quantize_groups_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, K_PAD, stride_x, ti
     (``kernels_fused.hopper.decode``), in one launch instead of the quantizer's and the
     dequantization's. ``ZERO_WORDS`` (blockscale): program (0, 0) also zeroes that many int32 words
     after the scales (:func:`zero_after_scales`)."""
-    if TRIGGER:  # (as quantize_ptpc_split_kernel's)
-        gdc_launch_dependents()
     G: tl.constexpr = BLOCK_K // GROUP
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     k0 = tl.program_id(1) * BLOCK_K
