@@ -7,6 +7,7 @@
 #   bash scripts/gpu_suite.sh [LOG_DIR]          # logs per module under LOG_DIR (default: gpu-suite-logs)
 #   CCO_GPU_SUITE_SKIP="cuda_hf" bash scripts/gpu_suite.sh   # all but the named modules
 #   CCO_GPU_SUITE_LIST=1 CCO_GPU_SUITE_PART=1 bash scripts/gpu_suite.sh  # the modules it would run, no GPU
+#   CCO_GPU_SUITE_TREE=1 bash scripts/gpu_suite.sh            # the tree's digest, no GPU (below)
 #   CCO_GPU_SUITE_BUDGET=580 bash scripts/gpu_suite.sh        # the whole run within 580 s: a module gets at
 #                                                              # most what is left, one not started is FAILED
 #   CCO_GPU_SUITE_PART=1 bash scripts/gpu_suite.sh            # the build, the all-reduce's op, layer and fault
@@ -20,6 +21,11 @@
 # a lent machine: there, run part 1 and part 2 as two calls on the same tree (each part builds, or
 # finds, the C++ decode table first).
 #
+# The code a run tested: every .py, .cpp, .h and .sh file under cco, kernels_fused, tests/python and
+# scripts, one sha1 a file (LOG_DIR/tree.sha1), sorted by the path's bytes (a locale's order differs
+# between machines: a digest over `sort`'s order did), and that list's digest in the summary. Compare
+# it with CCO_GPU_SUITE_TREE=1 run where the code was written; where they differ, `diff` the lists.
+#
 # Add a module to MODULES when it joins the suite. NVLink multicast stays off.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +34,14 @@ case "${1:-}" in
   -*) echo "gpu_suite.sh: unknown option '$1'; the one argument is LOG_DIR (--help)" >&2; exit 2 ;;
 esac
 log_dir="${1:-gpu-suite-logs}"
+tree_files() {
+  find cco kernels_fused tests/python scripts -type f \( -name '*.py' -o -name '*.cpp' -o -name '*.h' -o -name '*.sh' \) \
+    -print0 | LC_ALL=C sort -z | xargs -0 sha1sum
+}
+if [ -n "${CCO_GPU_SUITE_TREE:-}" ]; then
+  tree_files | sha1sum | cut -c1-12
+  exit 0
+fi
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 PY=${PYTHON:-python3}
 
@@ -73,6 +87,9 @@ if ! $PY -c "import sys, torch; sys.exit(0 if torch.version.cuda and torch.cuda.
   exit 2
 fi
 mkdir -p "$log_dir" || { echo "gpu_suite.sh: cannot make the log folder '$log_dir'" >&2; exit 2; }
+tree_files >"$log_dir/tree.sha1"
+tree=$(sha1sum <"$log_dir/tree.sha1" | cut -c1-12)
+echo "[gpu-suite] tree $tree (its files: $log_dir/tree.sha1)"
 
 start_all=$(date +%s)
 budget=${CCO_GPU_SUITE_BUDGET:-0}  # 0: no bound on the whole run
@@ -107,7 +124,7 @@ for entry in "${MODULES[@]}"; do  # one after another: side by side on one GPU, 
   grep "_SKIPPED" "$log_dir/$name.log"
 done
 
-echo "[gpu-suite] ---- summary ($(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), $(date -u +%Y-%m-%dT%H:%MZ))"
+echo "[gpu-suite] ---- summary ($(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), $(date -u +%Y-%m-%dT%H:%MZ), tree $tree)"
 printf '%s\n' "${summary[@]}"
 echo "[gpu-suite] $(( ${#MODULES[@]} - failed )) passed, $failed failed in $(( $(date +%s) - start_all )) s"
 exit $failed

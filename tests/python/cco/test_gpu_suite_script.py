@@ -46,3 +46,26 @@ def test_help_and_a_host_without_a_gpu():
     done = run("/nonexistent/logs", CUDA_VISIBLE_DEVICES="")  # no GPU seen, whatever the host has
     assert done.returncode == 2 and "needs an NVIDIA GPU" in done.stderr, done
     assert "[gpu-suite]" not in done.stdout and not Path("/nonexistent/logs").exists(), done
+
+
+def test_the_tree_digest_is_the_files_in_byte_order_whatever_the_locale():
+    """The digest a run prints (``CCO_GPU_SUITE_TREE=1``: no GPU) is defined here independently: the
+    sha1 of one ``sha1  path`` line a file, the files sorted by their paths' bytes. A digest over
+    ``sort``'s order under the machine's locale differed between two machines with the same files
+    (2026-12-06); the script sorts under ``LC_ALL=C``. (The locales this host has all sort by bytes,
+    so a locale that orders otherwise cannot be tried here.)"""
+    import hashlib
+
+    def digest(**env) -> str:
+        done = subprocess.run(["bash", "scripts/gpu_suite.sh"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "CCO_GPU_SUITE_TREE": "1", **env})
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    files = sorted((p.relative_to(ROOT).as_posix() for top in ("cco", "kernels_fused", "tests/python", "scripts")
+                    for p in (ROOT / top).rglob("*") if p.is_file() and p.suffix in (".py", ".cpp", ".h", ".sh")),
+                   key=lambda path: path.encode())
+    lines = "".join(f"{hashlib.sha1((ROOT / f).read_bytes()).hexdigest()}  {f}\n" for f in files)
+    want = hashlib.sha1(lines.encode()).hexdigest()[:12]
+    assert digest() == digest(LC_ALL="C.UTF-8") == digest(LC_ALL="C") == want
+    assert "kernels_fused/hopper/decode.py" in lines and "tests/python/cco/conftest.py" in lines
