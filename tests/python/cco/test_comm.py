@@ -3,14 +3,13 @@
 import glob
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
 from cco import layout
 from cco.comm import Communicator, check_outcomes, spawn
 from cco.window import ShmWindow
+from tests.python.cco.cpu_ranks import torchrun_two_ranks
 
 pytestmark = pytest.mark.multirank
 
@@ -83,12 +82,7 @@ def test_close_joins_the_workers_when_dynamo_came_after_the_group(tmp_path):
     exists. Fails without that import: the thread count does not drop."""
     script = tmp_path / "dynamo_after_the_group.py"
     script.write_text(_DYNAMO_AFTER_THE_GROUP)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
-               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script)], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = torchrun_two_ranks(script, timeout_s=120)
     found = re.findall(r"rank (\d) dynamo-first=(\w+) threads (\d+) -> (\d+)", proc.stdout)
     assert sorted(rank for rank, *_ in found) == ["0", "1"], proc.stdout
     for _, first, during, after in found:
@@ -256,11 +250,7 @@ def test_from_env_without_launcher_says_how_to_launch(monkeypatch):
 
 def test_torchrun_launch_runs_the_demo(tmp_path):
     """The torchrun path end to end: torch.distributed.run starts 2 ranks of the demo."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "cco.demo", "--shape", "64x256x256"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = torchrun_two_ranks("-m", "cco.demo", "--shape", "64x256x256", timeout_s=180)
     assert "launcher=torchrun world=2" in proc.stdout and "PASS" in proc.stdout, proc.stdout
 
 

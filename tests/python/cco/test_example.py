@@ -1,13 +1,10 @@
 """``examples/tp_mlp.py`` runs as its docstring says and passes its own checks: spawned CPU ranks
 (TP 2 x DP 2, eager and compiled, forward and backward) and ranks started by torchrun."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 from examples import tp_mlp
+from tests.python.cco.cpu_ranks import torchrun_two_ranks
 
 pytestmark = pytest.mark.multirank
 
@@ -23,11 +20,8 @@ def test_tp_mlp_eager_and_compiled_with_gradients_on_tp2_by_dp2(capsys):
 
 
 def test_tp_mlp_under_torchrun():
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "examples.tp_mlp", "--compile", "off", "--quant", "blockscale", "--intermediate", "1000"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = torchrun_two_ranks("-m", "examples.tp_mlp", "--compile", "off", "--quant", "blockscale",
+                              "--intermediate", "1000", timeout_s=300)
     assert "PASS" in proc.stdout and "padded" in proc.stdout, proc.stdout  # 500 columns per rank: K padded
 
 
@@ -35,11 +29,7 @@ def test_hf_generate_under_torchrun():
     """``examples/hf_generate.py`` with no argument: a random Llama saved, loaded back through the cco
     plan on 2 CPU ranks, prefill within the fp8 budget and greedy tokens identical on both ranks."""
     pytest.importorskip("transformers")
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "examples.hf_generate"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = torchrun_two_ranks("-m", "examples.hf_generate", timeout_s=300)
     out = proc.stdout
     assert out.rstrip().endswith("PASS"), out
     assert "fused: 4 layers (model.layers.*.mlp.down_proj, model.layers.*.self_attn.o_proj)" in out, out

@@ -13,14 +13,13 @@ job.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from cco import quant as Q
 from cco.comm import check_outcomes, spawn
+from tests.python.cco.cpu_ranks import torchrun_two_ranks
 
 pytestmark = pytest.mark.multirank
 
@@ -656,11 +655,7 @@ def test_a_job_that_closes_its_layers_and_destroys_its_group_leaves_no_gloo_work
     closed layer still holding its group, or the pool's communicator holding it to exit (checked)."""
     script = tmp_path / "job.py"
     script.write_text(EXIT_SCRIPT)
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
-               PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), mode]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = torchrun_two_ranks(script, mode, timeout_s=180)
     seen = [line for line in proc.stdout.splitlines() if line.startswith("at exit:")]
     assert len(seen) == 2, proc.stdout
     for line in seen:

@@ -16,11 +16,11 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.python.cco.cpu_ranks import torchrun_two_ranks
 
 ROOT = Path(__file__).resolve().parents[3]
 DOCS = ("README.md", "docs/guide.md")
@@ -139,9 +139,5 @@ def test_python_block_runs_on_two_cpu_ranks(doc, start, text, tmp_path):
     exits 0 on both (its own asserts check its results)."""
     script = tmp_path / f"block_{start}.py"
     script.write_text(text)
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
-    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
-    assert proc.returncode == 0, f"{doc}, python block at line {start} failed:\n" + \
-        proc.stdout[-3000:] + proc.stderr[-3000:]
+    torchrun_two_ranks(script, timeout_s=BLOCK_TIMEOUT_S, env={"CUDA_VISIBLE_DEVICES": ""}, cwd=tmp_path,
+                       what=f"{doc}, python block at line {start} failed:\n")
