@@ -414,21 +414,25 @@ def _key(quant: str, tile: str, K: int, fuse: bool, variant: str = "shipped", mf
     return quant, tile, K, fuse, variant, mfma_barriers
 
 
+def _compile(key: tuple):
+    """:func:`compile_variant` of a memo key."""
+    q, t, k, f, v, b = key
+    return compile_variant(quant=q, tile=t, K=k, fuse=f, variant=v, mfma_barriers=b)
+
+
 def compiled(quant: str, tile: str, K: int, fuse: bool, variant: str = "shipped", mfma_barriers: bool = True):
     """:func:`compile_variant`, memoized per process (:func:`precompile` fills the memo in parallel)."""
     key = _key(quant, tile, K, fuse, variant, mfma_barriers)
     if key not in _COMPILED:
-        _COMPILED[key] = compile_variant(quant=quant, tile=tile, K=K, fuse=fuse, variant=variant,
-                                         mfma_barriers=mfma_barriers)
+        _COMPILED[key] = _compile(key)
     return _COMPILED[key]
 
 
 def _compile_key(key: tuple):
     """A worker's compile: (config, ISA text), or None where it failed (the caller's own compile then
     raises the error where it is asked for)."""
-    q, t, k, f, v, b = key
     try:
-        return compile_variant(quant=q, tile=t, K=k, fuse=f, variant=v, mfma_barriers=b)
+        return _compile(key)
     except Exception:  # noqa: BLE001 - reported by the in-process compile of the caller that needs it
         return None
 
