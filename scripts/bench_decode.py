@@ -30,8 +30,12 @@ at TP 1, 2 and 8 (N = hidden, K = the rank's slice). Arms: ``nn.Linear`` bf16 ``
 quant the layer, its activation quantizer alone, its op alone (on pre-quantized operands) and, where
 the layer runs the decode GEMM (M <= ``decode_rows``), the two launches it replaces (quantizer + op). Eager:
 ``time_back_to_back`` (host us/call and wall us/call); device: CUDA-graph replays of ``--graph-calls``
-calls per graph (``time_arms``), divided by the calls. World W (torchrun; ranks may share a GPU:
-then the host times are real and the device times are time-sliced) runs the per-call table eager only.
+calls per graph (``time_arms``), divided by the calls, every call on the same weight; with
+``--cold`` also, in the same passes, a graph whose calls are each on their own weight
+(``--graph-calls`` weights per shape, as a model's layers follow each other: a weight that fits the
+L2 cache, 8B o_proj's, is not re-read from it by the next call; ``graph_us_cold``).
+World W (torchrun; ranks may share a GPU: then the host times are real and the device times are
+time-sliced) runs the per-call table eager only.
 
 ``--profile``: a cProfile of ``--profile-calls`` eager calls at the first shape, per quant and M:
 the layer (its rule's path), ``nn.Linear``, and once ``torch.ops.cco.row_parallel_linear``; the top
@@ -110,6 +114,10 @@ def parse_args(argv=None):
     p.add_argument("--graph-calls", type=int, default=10, help="per-call table: calls per captured CUDA graph")
     p.add_argument("--calls", type=int, default=50, help="per-call table: eager calls per arm and pass")
     p.add_argument("--passes", type=int, default=3, help="per-call table: timing passes (>= 3)")
+    p.add_argument("--cold", action="store_true",
+                   help="per-call table, world 1: each arm also timed as a graph whose --graph-calls calls are each "
+                        "on its own weight (as a model's layers follow each other: no call finds its weight in L2 "
+                        "from the call before), in the same passes as the one-weight graphs (graph_us_cold)")
     p.add_argument("--per-call-only", action="store_true", help="the per-call table alone, no model")
     p.add_argument("--model-only", action="store_true", help="the model alone, no per-call table")
     p.add_argument("--jit-arms", action="store_true",
@@ -160,6 +168,8 @@ def parse_args(argv=None):
     if world > 1 and not args.from_json and (args.smoke or args.model_only):
         p.error(f"{'--smoke' if args.smoke else '--model-only'} runs the model, which runs at world 1 only (world "
                 f"{world} here): run it without torchrun")
+    if world > 1 and args.cold:
+        p.error(f"--cold times graph replays, which world 1 alone runs (world {world} here): run it without torchrun")
     if world > 1 and not args.from_json and (args.plot or args.plot_per_call):
         p.error(f"{'--plot' if args.plot else '--plot-per-call'} draws against world 1's arms (the model, "
                 f"nn.Linear), world {world} runs neither: run it at world 1, or pass --json and draw another "
@@ -621,41 +631,61 @@ def launched_or_one_rank(device: torch.device):
 # --------------------------------------------------------------------------------------------------
 # per call
 # --------------------------------------------------------------------------------------------------
-def per_call_runs(args, comm, device, *, into: list, after_shape=lambda: None) -> list[dict]:
-    from cco.bench.timing import time_arms, time_back_to_back
+def seeded_linear(n: int, k: int, device, seed: int = 0) -> torch.nn.Linear:
+    """A bf16 ``nn.Linear(k, n)`` without bias, weight of unit-variance rows over sqrt(k), seeded."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(device=device, dtype=torch.bfloat16)
+    linear = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(w)
+    return linear
+
+
+def per_call_arms(args, x, m: int, linear, layers: dict, world: int) -> dict:
+    """The per-call table's arms at ``x`` (``m`` rows) over one weight: ``linear`` and its cco
+    ``layers`` per quant (each arm a callable of no argument)."""
     from cco.nn.linear import quantize_activation
     from kernels_fused.hopper import decode as D
+
+    arms = {}
+    if world == 1:
+        arms["nn.Linear bf16"] = lambda: linear(x)
+    for q, layer in layers.items():
+        a, a_scale = quantize_activation(x, q, k_padded=layer.k_padded, m_padded=layer._rows_for(m))
+        arms[f"cco {q}"] = lambda layer=layer: layer(x)
+        arms[f"cco {q}: quantizer"] = (lambda layer=layer, q=q: quantize_activation(
+            x, q, k_padded=layer.k_padded, m_padded=layer._rows_for(m)))
+        arms[f"cco {q}: op"] = (lambda layer=layer, a=a, s=a_scale: layer.op(a, layer.qweight, s,
+                                                                            layer.weight_scale))
+        if 0 < m <= layer.decode_rows:  # the layer runs the decode GEMM: the two launches it replaced
+            arms[f"cco {q}: quantizer + op"] = (lambda layer=layer, q=q: _two_launches(layer, x, q))
+        if args.jit_arms:
+            for kept in (f"cco {q}", f"cco {q}: op"):
+                arms[f"{kept} {JIT_ARM}"] = slow_launches(arms[kept])
+        if args.python_arms:
+            arms[f"cco {q} {PY_ARM}"] = python_path(arms[f"cco {q}"])
+        if args.kept_arms and q in D.VENDOR_ROWS:
+            arms[f"cco {q} {KEPT_ARM}"] = without_kept_call(arms[f"cco {q}"])
+    return arms
+
+
+def per_call_runs(args, comm, device, *, into: list, after_shape=lambda: None) -> list[dict]:
+    from cco.bench.timing import time_arms, time_back_to_back
 
     rows = into
     world = comm.world
     for name, (n, k) in shapes(args.shapes).items():
-        g = torch.Generator(device="cpu").manual_seed(0)
-        w = (torch.randn(n, k, generator=g) / k ** 0.5).to(device=device, dtype=torch.bfloat16)
-        linear = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
-        with torch.no_grad():
-            linear.weight.copy_(w)
+        linear = seeded_linear(n, k, device)
         layers = {q: cco_layer(linear, q, comm, m_max=max(args.m)) for q in args.quant}
+        # --cold: the graphs' calls each on its own weight (seeds 1.. beside the eager arms' seed 0)
+        cold = []
+        if args.cold and world == 1:
+            for seed in range(1, args.graph_calls):
+                other = seeded_linear(n, k, device, seed)
+                cold.append((other, {q: cco_layer(other, q, comm, m_max=max(args.m)) for q in args.quant}))
         for m in args.m:
             x = torch.randn(m, k, device=device).to(torch.bfloat16)
-            arms = {}
-            if world == 1:
-                arms["nn.Linear bf16"] = lambda: linear(x)
-            for q, layer in layers.items():
-                a, a_scale = quantize_activation(x, q, k_padded=layer.k_padded, m_padded=layer._rows_for(m))
-                arms[f"cco {q}"] = lambda layer=layer: layer(x)
-                arms[f"cco {q}: quantizer"] = (lambda layer=layer, q=q: quantize_activation(
-                    x, q, k_padded=layer.k_padded, m_padded=layer._rows_for(m)))
-                arms[f"cco {q}: op"] = (lambda layer=layer, a=a, s=a_scale: layer.op(a, layer.qweight, s,
-                                                                                    layer.weight_scale))
-                if 0 < m <= layer.decode_rows:  # the layer runs the decode GEMM: the two launches it replaced
-                    arms[f"cco {q}: quantizer + op"] = (lambda layer=layer, q=q: _two_launches(layer, x, q))
-                if args.jit_arms:
-                    for kept in (f"cco {q}", f"cco {q}: op"):
-                        arms[f"{kept} {JIT_ARM}"] = slow_launches(arms[kept])
-                if args.python_arms:
-                    arms[f"cco {q} {PY_ARM}"] = python_path(arms[f"cco {q}"])
-                if args.kept_arms and q in D.VENDOR_ROWS:
-                    arms[f"cco {q} {KEPT_ARM}"] = without_kept_call(arms[f"cco {q}"])
+            arms = per_call_arms(args, x, m, linear, layers, world)
             record = {"shape": name, "n": n, "k": k, "m": m, "world": world}
             with torch.no_grad():
                 if world == 1:  # the layer's output against the bf16 linear's
@@ -667,10 +697,19 @@ def per_call_runs(args, comm, device, *, into: list, after_shape=lambda: None) -
                 eager = time_back_to_back(arms, calls=args.calls, passes=args.passes, barrier=barrier, gather=gather)
                 record["eager"] = {a: {"host_us": t["host_us"], "wall_us": t["wall_us"]} for a, t in eager.items()}
                 if world == 1:  # (the JITFunction.run and Python-path arms differ on the host only)
-                    record["graph_us"] = graph_device_us({a: fn for a, fn in arms.items()
-                                                          if JIT_ARM not in a and PY_ARM not in a
-                                                          and KEPT_ARM not in a},
-                                                         args, time_arms)
+                    graph_arms = {a: fn for a, fn in arms.items() if JIT_ARM not in a and PY_ARM not in a
+                                  and KEPT_ARM not in a}
+                    others = [per_call_arms(args, x, m, lin, lays, world) for lin, lays in cold]
+                    # --cold: each arm also as a graph over every weight, in the same passes as the one-weight
+                    # graphs (the arms alternating per pass), so each pass has both
+                    timed = graph_device_us({**graph_arms, **{a + COLD: [fn] + [o[a] for o in others]
+                                                              for a, fn in graph_arms.items() if others}},
+                                            args, time_arms)
+                    record["graph_us"] = {a: t for a, t in timed.items() if not a.endswith(COLD)}
+                    if others:
+                        record["graph_us_cold"] = {a.removesuffix(COLD): t for a, t in timed.items()
+                                                   if a.endswith(COLD)}
+                        record["graph_weights_cold"] = 1 + len(others)
             rows.append(record)
             if comm.rank == 0:
                 base = record["eager"].get("nn.Linear bf16")
@@ -679,17 +718,19 @@ def per_call_runs(args, comm, device, *, into: list, after_shape=lambda: None) -
                     if ":" in a:
                         continue
                     dev = record.get("graph_us", {}).get(a)
+                    cold_dev = record.get("graph_us_cold", {}).get(a)
                     rel = f" {t['host_us'] / base['host_us']:.2f}x host" if base and a != "nn.Linear bf16" else ""
                     line += f" {a}: host {t['host_us']:.1f}{rel}, wall {t['wall_us']:.1f}" + (
-                        f", graph {dev:.1f}" if dev else "") + " |"
+                        f", graph {dev:.1f}" if dev else "") + (f", cold {cold_dev:.1f}" if cold_dev else "") + " |"
                 print(line, flush=True)
-        for layer in layers.values():
+        for layer in [*layers.values(), *(lay for _, lays in cold for lay in lays.values())]:
             layer.close()
         after_shape()
     return rows
 
 
 JIT_ARM = "via JITFunction.run"  # the suffix of --jit-arms' arms
+COLD = " [cold]"  # the suffix of --cold's graphs while they are timed
 PY_ARM = "via the Python path"  # the suffix of --python-arms' arms
 KEPT_ARM = "via torch's op"  # the suffix of --kept-arms' arms
 
@@ -744,21 +785,34 @@ def graph_device_us(arms, args, time_arms) -> dict:
             for name, t in graph_timings(arms, args.graph_calls, args.passes, time_arms).items()}
 
 
+def graph_calls_of(fns, calls: int) -> list:
+    """The ``calls`` callables a graph of the arm ``fns`` captures, in order: a callable ``calls``
+    times, or a list of them in turn (call ``j`` the ``j % len``-th)."""
+    fns = list(fns) if isinstance(fns, (list, tuple)) else [fns]
+    if not fns or calls < 1:
+        raise ValueError(f"graph_calls_of: {len(fns)} callables, {calls} calls: each must be >= 1")
+    return [fns[j % len(fns)] for j in range(calls)]
+
+
 def graph_timings(arms, calls: int, passes: int, time_arms) -> dict:
     """Per arm, ``time_arms``' timing (median, spread over passes) of one replay of a CUDA graph of
-    ``calls`` calls, the arms alternating per pass (each warmed up on a side stream first)."""
+    ``calls`` calls, the arms alternating per pass (each warmed up on a side stream first). An arm
+    given as a list of callables makes call ``j`` of its graph with its ``j % len``-th (``--cold``:
+    each call on its own weight, as a model's layers follow each other)."""
     graphs = {}
-    for name, fn in arms.items():
+    for name, fns in arms.items():
+        captured = graph_calls_of(fns, calls)
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for _ in range(3):
-                fn()
+                for fn in dict.fromkeys(captured):  # each distinct callable (its first call compiles)
+                    fn()
         torch.cuda.current_stream().wait_stream(s)
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            for _ in range(calls):
+            for fn in captured:
                 fn()
         graphs[name] = g
     return time_arms({name: (lambda i, g=g: g.replay()) for name, g in graphs.items()}, passes=passes, iters=10,
@@ -879,7 +933,8 @@ def per_call_plot_rows(per_call_rows) -> list[dict]:
 def plot_per_call(per_call_rows, path: str) -> None:
     """One column per shape: the layer's eager host time (top) and its device time under graph
     replay (bottom) over M, each against ``nn.Linear``'s in the same run, a line per quant, the
-    targets dashed (**lower is better**). World-1 rows only (the others have no ``nn.Linear`` arm)."""
+    targets dashed (**lower is better**); with ``--cold``'s times, the device panel draws them solid
+    and the one-weight graphs' dotted. World-1 rows only (the others have no ``nn.Linear`` arm)."""
     import matplotlib
 
     rows = per_call_plot_rows(per_call_rows)
@@ -898,13 +953,20 @@ def plot_per_call(per_call_rows, path: str) -> None:
         ms = [r["m"] for r in mine]
         for row, (what, target) in enumerate((("host", HOST_TARGET), ("graph", DEVICE_TARGET))):
             ax = axes[row][col]
-            for q in quants:
+            cold = what == "graph" and any("graph_us_cold" in r for r in mine)
+            for i, q in enumerate(quants):
+                color = f"C{i}"
                 if what == "host":
                     ratio = [r["eager"][f"cco {q}"]["host_us"] / r["eager"]["nn.Linear bf16"]["host_us"] for r in mine]
-                else:
-                    ratio = [r.get("graph_us", {}).get(f"cco {q}", float("nan")) /
-                             r.get("graph_us", {}).get("nn.Linear bf16", float("nan")) for r in mine]
-                ax.plot(ms, ratio, marker="o", label=q)
+                    ax.plot(ms, ratio, marker="o", color=color, label=q)
+                    continue
+                for key, style, label in (("graph_us", ":" if cold else "-", f"{q}, one weight" if cold else q),
+                                          ("graph_us_cold", "-", f"{q}, cold (a weight a call)")):
+                    if key == "graph_us_cold" and not cold:
+                        continue
+                    ratio = [r.get(key, {}).get(f"cco {q}", float("nan")) /
+                             r.get(key, {}).get("nn.Linear bf16", float("nan")) for r in mine]
+                    ax.plot(ms, ratio, marker="o" if style == "-" else ".", linestyle=style, color=color, label=label)
             ax.axhline(target, color="black", linestyle="--", linewidth=1, label=f"target {target}x")
             ax.axhline(1.0, color="grey", linewidth=0.5)
             ax.set_xscale("log", base=2)

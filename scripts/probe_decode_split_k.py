@@ -17,7 +17,8 @@ one-row GEMV an eager call takes); and per config ``BLOCK_N/BLOCK_K/SPLIT/warps/
 quantizer's launch and the MMA built by ``decode._Launch`` with that config (``decode``'s tables and
 ``MMA_SPLIT`` set for it, the rule's waves bound lifted). Every arm is first checked against the fp32
 product of the dequantized operands (``gemm_mismatches``: none outside the fp8 GEMM's budget) and for
-equal bits on a repeat.
+equal bits on a repeat. ``--cold`` also times each arm as a graph whose calls are each on a weight
+of its own (10 seeded copies, as a model's layers follow each other), in the same passes.
 """
 import itertools
 import json
@@ -32,12 +33,19 @@ from scripts.tune_decode import SHAPES, checked_arms, graph_us, shape_weight
 from scripts.tune_decode import with_config as set_tables
 
 
-def configs(quant: str, k: int, block_ns=(32, 64), warps=(4,)):
-    """(BLOCK_N, BLOCK_K, SPLIT, warps, stages) tried: at least two K steps per slice."""
-    steps = (128, 256) if quant == "ptpc" else (256, 512)
-    for bn, bk, split, w in itertools.product(block_ns, steps, (1, 2, 4, 8), warps):
+GRAPH_CALLS = 10  # calls per captured graph (--cold: also each on a weight of its own)
+COLD = " [cold]"  # the suffix of --cold's graphs while they are timed
+
+
+def configs(quant: str, k: int, block_ns=(32, 64), warps=(4,), stages=None, block_ks=None):
+    """(BLOCK_N, BLOCK_K, SPLIT, warps, stages) tried: at least two K steps per slice; ``stages``
+    a list of num_stages, or None for the quant's own (ptpc 4, blockscale 3); ``block_ks`` a list
+    of BLOCK_K, or None for the quant's own (ptpc 128 and 256, blockscale 256 and 512)."""
+    steps = block_ks or ((128, 256) if quant == "ptpc" else (256, 512))
+    for bn, bk, split, w, st in itertools.product(block_ns, steps, (1, 2, 4, 8), warps,
+                                                  stages or [4 if quant == "ptpc" else 3]):
         if k % bk == 0 and k // bk >= 2 * split:
-            yield bn, bk, split, w, 4 if quant == "ptpc" else 3
+            yield bn, bk, split, w, st
 
 
 def one_row_kernel(launch):
@@ -51,6 +59,15 @@ def parse_args(argv=None):
     def extra(p):
         p.add_argument("--block-n", type=ints, default=[32, 64], help="comma list of BLOCK_N tried (default 32,64)")
         p.add_argument("--warps", type=ints, default=[4], help="comma list of num_warps tried (default 4)")
+        p.add_argument("--block-k", type=ints, default=None,
+                       help="comma list of BLOCK_K tried (default: ptpc 128,256; blockscale 256,512; blockscale "
+                            "takes multiples of 128)")
+        p.add_argument("--stages", type=ints, default=None,
+                       help="comma list of num_stages tried (default: the quant's own, ptpc 4, blockscale 3)")
+        p.add_argument("--cold", action="store_true",
+                       help=f"each arm also timed as a graph whose {GRAPH_CALLS} calls are each on a weight of "
+                            f"its own, as a model's layers (no call finds its weight in L2 from the call before), "
+                            f"in the same passes as the one-weight graphs (us_cold)")
 
     return shape_probe_args(__doc__, SHAPES, argv, quants=("ptpc", "blockscale"), extra=extra)
 
@@ -142,9 +159,14 @@ def main(argv=None):
     t0 = time.time()
     for name in args.shapes:
         n, k, w, w_bf16 = shape_weight(name, dev)
+        # --cold: the graph's other calls each on a weight of its own (seeds 1..), as a model's layers
+        others = [shape_weight(name, dev, seed)[2:] for seed in range(1, GRAPH_CALLS if args.cold else 1)]
         for quant in args.quant:
             wq, ws = Q.quantize_b(w, quant)
-            vw = vendor.prepare_weight(wq, ws, quant)
+            copies = [(w_bf16, wq, ws, vendor.prepare_weight(wq, ws, quant))]
+            for w_i, w_bf16_i in others:
+                wq_i, ws_i = Q.quantize_b(w_i, quant)
+                copies.append((w_bf16_i, wq_i, ws_i, vendor.prepare_weight(wq_i, ws_i, quant)))
             wd = Q.dequantize_b(wq, ws, quant)  # (the reference's weight, the same at every M)
             for m in args.m:
                 restore()
@@ -153,28 +175,51 @@ def main(argv=None):
                 ad = Q.dequantize_a(q, sa, quant)
                 ref, dot_abs = ad @ wd.t(), ad.abs() @ wd.abs().t()
                 rows_v = vendor.padded_rows(quant, m)
-                arms = {"nn.Linear bf16": lambda x=x: torch.nn.functional.linear(x, w_bf16),
-                        "quantizer + cuBLAS": lambda x=x, quant=quant, rows_v=rows_v, vw=vw: vendor.vendor_gemm(
-                            *quantize_activation(x, quant, k_padded=k, m_padded=rows_v), vw)[:m],
-                        "decode_gemm": lambda x=x, wq=wq, ws=ws, quant=quant: D.decode_gemm(x, wq, ws, quant, n=n)}
+                row = None
                 if m == 1:  # (restore() left no launch: the one made here is the row's)
                     D.decode_gemm(x, wq, ws, quant, n=n)
                     (row,) = D._LAUNCHES.values()
-                    o1 = torch.empty(1, n, dtype=torch.bfloat16, device=dev)
-                    kernel = one_row_kernel(row)
-                    arms["one-row kernel"] = lambda x=x, row=row, kernel=kernel, o=o1, wq=wq, ws=ws: (
-                        kernel(0, *row._row(x, wq, ws, o, o, x.stride(0), ws.stride(0))), o)[1]
-                for cfg in configs(quant, k, args.block_n, args.warps):
+                launches = []
+                for cfg in configs(quant, k, args.block_n, args.warps, args.stages, args.block_k):
                     with_config(D, quant, cfg)
-                    launch = D._Launch(m, k, k, n, quant, False, 0)
-                    label = "/".join(map(str, cfg))
-                    # the launch's quantizer and MMA, as a capture takes them (eagerly too: the one launch off)
-                    two = switched_off(lambda x=x, launch=launch, o=torch.empty(m, n, dtype=torch.bfloat16, device=dev):
-                                       (launch(x, x.stride(0), wq, ws, None, o), o)[1], D, "ONE_LAUNCH")
-                    arms[label] = two
+                    launches.append(("/".join(map(str, cfg)), D._Launch(m, k, k, n, quant, False, 0)))
                 restore()
+
+                def arms_of(w_bf16, wq, ws, vw, x=x, m=m, quant=quant, rows_v=rows_v, row=row, launches=launches):
+                    """Every arm over one weight copy, each a callable of no argument."""
+                    arms = {"nn.Linear bf16": lambda: torch.nn.functional.linear(x, w_bf16),
+                            "quantizer + cuBLAS": lambda: vendor.vendor_gemm(
+                                *quantize_activation(x, quant, k_padded=k, m_padded=rows_v), vw)[:m],
+                            "decode_gemm": lambda: D.decode_gemm(x, wq, ws, quant, n=n)}
+                    if row is not None:
+                        o1 = torch.empty(1, n, dtype=torch.bfloat16, device=dev)
+                        kernel = one_row_kernel(row)
+                        arms["one-row kernel"] = lambda o=o1: (
+                            kernel(0, *row._row(x, wq, ws, o, o, x.stride(0), ws.stride(0))), o)[1]
+                    for label, launch in launches:
+                        # the launch's quantizer and MMA, as a capture takes them (eagerly too: the one launch off)
+                        arms[label] = switched_off(lambda launch=launch, o=torch.empty(m, n, dtype=torch.bfloat16,
+                                                                                     device=dev):
+                                                   (launch(x, x.stride(0), wq, ws, None, o), o)[1], D, "ONE_LAUNCH")
+                    return arms
+
+                arms = arms_of(*copies[0])
+                cold = [arms_of(*c) for c in copies[1:]]
                 _, bad, wrong, _ = checked_arms(arms, ref, dot_abs, f"{name} {quant} M={m}")
-                t = graph_us(arms, 10, 3)
+                # --cold: each arm also as a graph over every copy, in the same passes as the one-weight graphs
+                # (an arm found wrong on the first copy is left out of both)
+                timed = graph_us({**arms, **{a + COLD: [fn] + [c[a] for c in cold] for a, fn in arms.items() if cold}},
+                                 GRAPH_CALLS, 3)
+                t = {a: v for a, v in timed.items() if not a.endswith(COLD)}
+                t_cold = {a.removesuffix(COLD): v for a, v in timed.items() if a.endswith(COLD)}
+                if t_cold:
+                    c = t_cold["nn.Linear bf16"]
+                    print(f"{name} {quant} M={m} cold ({len(copies)} weights): bf16 {c:.1f} us | "
+                          + " | ".join(f"{a} {t_cold[a]:.1f} ({t_cold[a] / c:.2f}x)" for a in
+                                       ("quantizer + cuBLAS", "decode_gemm", "one-row kernel") if a in t_cold)
+                          + " | best: " + ", ".join(f"{a} {v:.1f} ({v / c:.2f}x)" for v, a in
+                                                    sorted((v, a) for a, v in t_cold.items() if a.count("/") == 4)[:4]),
+                          flush=True)
                 base = t["nn.Linear bf16"]
                 cfgs = [(v, a) for a, v in t.items() if a.count("/") == 4]
                 best = sorted(cfgs)[:4]
@@ -185,6 +230,7 @@ def main(argv=None):
                       + f" | unsplit best {unsplit[1]} {unsplit[0]:.1f} ({unsplit[0] / base:.2f}x) | best: "
                       + ", ".join(f"{a} {v:.1f} ({v / base:.2f}x)" for v, a in best), flush=True)
                 out_rows.append({"shape": name, "n": n, "k": k, "m": m, "quant": quant, "us": t,
+                                 **({"us_cold": t_cold, "cold_weights": len(copies)} if t_cold else {}),
                                  "outside_budget": bad, "wrong": wrong})
                 with open(args.json, "w") as f:  # after every cell: a run cut short keeps what it timed
                     json.dump({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

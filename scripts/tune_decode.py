@@ -41,11 +41,11 @@ SHAPES = {  # name: (N, K)
 }
 
 
-def shape_weight(name: str, device) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+def shape_weight(name: str, device, seed: int = 0) -> tuple[int, int, torch.Tensor, torch.Tensor]:
     """``(N, K, w, w_bf16)`` of the ``SHAPES`` entry ``name``: an fp32 weight of unit-variance rows
     over sqrt(K) on ``device`` (seeded: every run times the same weight) and its bf16 copy."""
     n, k = SHAPES[name]
-    g = torch.Generator(device="cpu").manual_seed(0)
+    g = torch.Generator(device="cpu").manual_seed(seed)
     w = (torch.randn(n, k, generator=g) / k ** 0.5).to(device)
     return n, k, w, w.to(torch.bfloat16)
 

@@ -281,6 +281,9 @@ def test_decode_plots_redraw_from_a_runs_json(tmp_path):
     B.main(["--from", "docs/results/2026-12-03_decode_per_call_wide_h200.json", "--plot-per-call", str(per_call)])
     B.main(["--from", "docs/results/2026-12-03_decode_model_wide_h200.json", "--plot", str(model)])
     assert per_call.stat().st_size > 20_000 and model.stat().st_size > 20_000
+    cold = tmp_path / "cold.png"  # a --cold run: its device panels draw both graphs' times
+    B.main(["--from", "docs/results/2026-12-06c_decode_cold_h100/per_call_cold.json", "--plot-per-call", str(cold)])
+    assert cold.stat().st_size > 20_000
     with pytest.raises(SystemExit, match="missing.json"):  # a JSON that is not there: said, not a silent pass
         B.main(["--from", str(tmp_path / "missing.json"), "--plot", str(model)])
     with pytest.raises(SystemExit, match="no model rows"):  # a per-call run has no model to draw
@@ -406,3 +409,23 @@ def test_profile_decode_call_writes_each_ranks_profile(tmp_path):
     assert "inside the layer's call" in (out / "rank0.txt").read_text()
     with pytest.raises(SystemExit, match="must be >= 1"):
         P.main(["-m", "0"])
+
+
+def test_decode_cold_graphs_call_each_weight_in_turn(monkeypatch, capsys):
+    """``bench_decode --cold``: a graph's calls go to the arm's callables in turn (call ``j`` to the
+    ``j % len``-th: each of 10 calls on its own weight), a single callable every call as before;
+    ``--cold`` is refused at world >= 2, which times no graph."""
+    from scripts import bench_decode as B
+
+    fns = [lambda i=i: i for i in range(3)]
+    assert [f() for f in B.graph_calls_of(fns, 7)] == [0, 1, 2, 0, 1, 2, 0]
+    one = fns[0]
+    assert B.graph_calls_of(one, 4) == [one] * 4
+    with pytest.raises(ValueError, match="each must be >= 1"):
+        B.graph_calls_of([], 4)
+    assert B.parse_args(["--cold"]).cold and not B.parse_args([]).cold
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as exc:
+        B.parse_args(["--per-call-only", "--cold"])
+    assert exc.value.code == 2 and "--cold times graph replays" in capsys.readouterr().err

@@ -321,6 +321,11 @@ def test_split_probe_configs_take_the_block_n_and_warps_asked_for():
     assert {stages for *_, stages in got} == {3} and all(4096 // bk >= 2 * split for _, bk, split, _, _ in got)
     assert (64, 512, 4, 8, 3) in got and (64, 512, 8, 8, 3) not in got  # (8 slices of 512: one step each)
     default = parse_args(["8b-o-tp1", "8", "a.json"])
+    assert not default.cold and parse_args(["--cold", "8b-o-tp1", "8", "a.json"]).cold
+    deep = parse_args(["--stages", "4,6", "8b-o-tp1", "8", "a.json"])
+    assert {st for *_, st in configs("blockscale", 4096, deep.block_n, deep.warps, deep.stages)} == {4, 6}
+    narrow = parse_args(["--block-k", "128", "8b-o-tp1", "8", "a.json"])
+    assert {bk for _, bk, *_ in configs("blockscale", 4096, narrow.block_n, narrow.warps, None, narrow.block_k)} == {128}
     assert list(configs("ptpc", 1024, default.block_n, default.warps)) == [
         (32, 128, 1, 4, 4), (32, 128, 2, 4, 4), (32, 128, 4, 4, 4), (32, 256, 1, 4, 4), (32, 256, 2, 4, 4),
         (64, 128, 1, 4, 4), (64, 128, 2, 4, 4), (64, 128, 4, 4, 4), (64, 256, 1, 4, 4), (64, 256, 2, 4, 4)]

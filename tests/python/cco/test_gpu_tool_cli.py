@@ -129,7 +129,7 @@ def test_bench_link_needs_torchrun_and_gpus():
 
 # ---- 2. --help: the usage, exit 0, nothing run ------------------------------------------------------------
 @pytest.mark.parametrize("script", ["probe_driver_holds", "probe_blockscale_rows", "probe_mx_dot_scaled",
-                                    "probe_decode_host"])
+                                    "probe_decode_host", "profile_decode_mma"])
 def test_help_prints_the_usage_and_runs_nothing(script):
     rc, out, err = _run(script, "--help", timeout=60)
     assert rc == 0 and out.startswith("usage: ") and "needs" not in out + err and "RESULT" not in out, (rc, out, err)
@@ -147,7 +147,9 @@ def test_the_gfx950_compile_scripts_help_ends_its_sentence():
     ("probe_mx_dot_scaled", ["8b-o-tp1", "x", "mx.json"], "'x' is not a comma list of integers"),
     ("probe_decode_host", ["--rows", "8"], "unrecognized arguments: --rows 8"),
     ("probe_decode_split_k", ["--quant", "x", "8b-o-tp1", "8", "a.json"], "--quant x: pick from ptpc, blockscale"),
-    ("probe_decode_split_k", ["--block-n", "64,x", "8b-o-tp1", "8", "a.json"], "'64,x' is not a comma list")])
+    ("probe_decode_split_k", ["--block-n", "64,x", "8b-o-tp1", "8", "a.json"], "'64,x' is not a comma list"),
+    ("profile_decode_mma", ["--quant", "mxfp8"], "the MMA over quantized rows takes ptpc and blockscale"),
+    ("profile_decode_mma", ["-m", "1,8"], "must be in 2..64")])
 def test_the_probes_positionals_are_argparse_errors(script, argv, said):
     rc, out, err = _run(script, *argv, timeout=60)
     _one_line_error(rc, out, err, said, code=2)
