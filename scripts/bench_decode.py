@@ -930,6 +930,9 @@ def per_call_plot_rows(per_call_rows) -> list[dict]:
     return [r for r in per_call_rows if isinstance(r, dict) and "nn.Linear bf16" in r.get("eager", {})]
 
 
+PLOT_COLUMNS = 4  # --plot-per-call: shapes per row of the grid
+
+
 def plot_per_call(per_call_rows, path: str) -> None:
     """One column per shape: the layer's eager host time (top) and its device time under graph
     replay (bottom) over M, each against ``nn.Linear``'s in the same run, a line per quant, the
@@ -947,12 +950,19 @@ def plot_per_call(per_call_rows, path: str) -> None:
     shape_names = list(dict.fromkeys(r["shape"] for r in rows))
     quants = list(dict.fromkeys(a[4:] for r in rows for a in r["eager"] if a.startswith("cco ") and ":" not in a
                                 and JIT_ARM not in a and PY_ARM not in a))
-    fig, axes = plt.subplots(2, max(1, len(shape_names)), figsize=(5.5 * max(1, len(shape_names)), 8), squeeze=False)
-    for col, shape in enumerate(shape_names):
+    # shapes in a grid of at most PLOT_COLUMNS columns, each shape's host panel above its device panel
+    cols = min(PLOT_COLUMNS, len(shape_names))
+    grid_rows = 2 * -(-len(shape_names) // cols)
+    fig, axes = plt.subplots(grid_rows, cols, figsize=(5.5 * cols, 4 * grid_rows), squeeze=False)
+    for i in range(len(shape_names), grid_rows // 2 * cols):  # a last grid row's empty places
+        axes[2 * (i // cols)][i % cols].set_visible(False)
+        axes[2 * (i // cols) + 1][i % cols].set_visible(False)
+    for i, shape in enumerate(shape_names):
+        col, top = i % cols, 2 * (i // cols)
         mine = sorted((r for r in rows if r["shape"] == shape), key=lambda r: r["m"])
         ms = [r["m"] for r in mine]
         for row, (what, target) in enumerate((("host", HOST_TARGET), ("graph", DEVICE_TARGET))):
-            ax = axes[row][col]
+            ax = axes[top + row][col]
             cold = what == "graph" and any("graph_us_cold" in r for r in mine)
             for i, q in enumerate(quants):
                 color = f"C{i}"
