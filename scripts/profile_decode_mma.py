@@ -34,6 +34,9 @@ def parse_args(argv=None):
     p.add_argument("-m", type=ints, default=[8, 64], help="comma list of row counts (2..64)")
     p.add_argument("--quant", default="ptpc,blockscale", help="comma list of ptpc, blockscale")
     p.add_argument("--calls", type=int, default=2, help="calls per (quant, M), each on its own weight")
+    p.add_argument("--linear", action="store_true",
+                   help="also, per M, the bf16 nn.Linear call the layer replaces (F.linear; each call on its own "
+                        "bf16 weight): profile with no --kernel-name to see cuBLAS's kernel beside the MMA")
     a = p.parse_args(argv)
     a.quant = a.quant.split(",")
     bad = [q for q in a.quant if q not in ("ptpc", "blockscale")]
@@ -59,6 +62,16 @@ def main(argv=None):
     D.ONE_LAUNCH = False
     weights = [shape_weight(args.shape, "cuda", seed)[2] for seed in range(args.calls)]
     n, k = weights[0].shape
+    if args.linear:
+        dense = [w.to(torch.bfloat16) for w in weights]
+        for m in args.m:
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            torch.nn.functional.linear(x, dense[0])
+            torch.cuda.synchronize()
+            for i, w in enumerate(dense):
+                print(f"call: {args.shape} nn.Linear bf16 M={m} weight {i}", flush=True)
+                torch.nn.functional.linear(x, w)
+            torch.cuda.synchronize()
     for quant in args.quant:
         quantized = [Q.quantize_b(w, quant) for w in weights]
         for m in args.m:
