@@ -149,7 +149,10 @@ def test_the_gfx950_compile_scripts_help_ends_its_sentence():
     ("probe_decode_split_k", ["--quant", "x", "8b-o-tp1", "8", "a.json"], "--quant x: pick from ptpc, blockscale"),
     ("probe_decode_split_k", ["--block-n", "64,x", "8b-o-tp1", "8", "a.json"], "'64,x' is not a comma list"),
     ("profile_decode_mma", ["--quant", "mxfp8"], "the MMA over quantized rows takes ptpc and blockscale"),
-    ("profile_decode_mma", ["-m", "1,8"], "must be in 2..64")])
+    ("profile_decode_mma", ["-m", "1,8"], "must be in 2..64"),
+    ("probe_quantize_groups", ["--tiles", "8x100"], "must be powers of two"),
+    ("probe_quantize_groups", ["--tiles", "8x64", "--quant", "blockscale"], "a multiple of 128"),
+    ("probe_quantize_groups", ["-m", "8"], "pass --tiles")])
 def test_the_probes_positionals_are_argparse_errors(script, argv, said):
     rc, out, err = _run(script, *argv, timeout=60)
     _one_line_error(rc, out, err, said, code=2)
