@@ -62,8 +62,6 @@ def parse_args(argv=None):
         p.add_argument("--block-k", type=ints, default=None,
                        help="comma list of BLOCK_K tried (default: ptpc 128,256; blockscale 256,512; blockscale "
                             "takes multiples of 128)")
-        p.add_argument("--prefetch", action="store_true",
-                       help="each config also with decode.MMA_PREFETCH (the weight slice prefetched into L2 first)")
         p.add_argument("--stages", type=ints, default=None,
                        help="comma list of num_stages tried (default: the quant's own, ptpc 4, blockscale 3)")
         p.add_argument("--cold", action="store_true",
@@ -185,10 +183,6 @@ def main(argv=None):
                 for cfg in configs(quant, k, args.block_n, args.warps, args.stages, args.block_k):
                     with_config(D, quant, cfg)
                     launches.append(("/".join(map(str, cfg)), D._Launch(m, k, k, n, quant, False, 0)))
-                    if args.prefetch:  # the same config with the weight slice prefetched into L2 at the start
-                        D.MMA_PREFETCH = True
-                        launches.append(("/".join(map(str, cfg)) + "/pf", D._Launch(m, k, k, n, quant, False, 0)))
-                        D.MMA_PREFETCH = False
                 restore()
 
                 def arms_of(w_bf16, wq, ws, vw, x=x, m=m, quant=quant, rows_v=rows_v, row=row, launches=launches):
@@ -224,12 +218,12 @@ def main(argv=None):
                           + " | ".join(f"{a} {t_cold[a]:.1f} ({t_cold[a] / c:.2f}x)" for a in
                                        ("quantizer + cuBLAS", "decode_gemm", "one-row kernel") if a in t_cold)
                           + " | best: " + ", ".join(f"{a} {v:.1f} ({v / c:.2f}x)" for v, a in
-                                                    sorted((v, a) for a, v in t_cold.items() if a.count("/") in (4, 5))[:6]),
+                                                    sorted((v, a) for a, v in t_cold.items() if a.count("/") == 4)[:4]),
                           flush=True)
                 base = t["nn.Linear bf16"]
-                cfgs = [(v, a) for a, v in t.items() if a.count("/") in (4, 5)]
+                cfgs = [(v, a) for a, v in t.items() if a.count("/") == 4]
                 best = sorted(cfgs)[:4]
-                unsplit = min((v, a) for v, a in cfgs if a.split("/")[2] == "1")  # (with or without /pf)
+                unsplit = min((v, a) for v, a in cfgs if a.split("/")[2] == "1")
                 print(f"[{time.time() - t0:.0f} s] {name} {quant} M={m}: bf16 {base:.1f} us | "
                       + " | ".join(f"{a} {t[a]:.1f} ({t[a] / base:.2f}x)" for a in
                                    ("quantizer + cuBLAS", "decode_gemm", "one-row kernel") if a in t)

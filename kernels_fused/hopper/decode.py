@@ -188,7 +188,6 @@ ONE_LAUNCH = os.environ.get("CCO_DECODE_ONE_LAUNCH", "1") != "0"
 # Python path does (``at::_scaled_mm``, ``at::mm``), instead of its plan's kept call (read per call,
 # so a benchmark may time both in the same passes; a shape planned while it is False keeps none).
 KEPT_CALL = os.environ.get("CCO_DECODE_KEPT_CALL", "1") != "0"
-MMA_PREFETCH = os.environ.get("CCO_DECODE_MMA_PREFETCH", "0") == "1"  # (experiment) new launches read it
 
 
 def decode_max_m(quant: str, k_padded: int) -> int:
@@ -592,8 +591,7 @@ class _Launch:
             # HAS_BIAS, BLOCK_N, BLOCK_K, ROWS, SPLIT, ROUND_IN_FP32
             self.q_args = ((m, m, k, k_padded), consts)
             self.ints = (m, n, k_padded, -(-(k_padded // step) // split) * step, m if quant == "blockscale" else 0)
-            self.consts = (_QUANT_CODE[quant], has_bias, block_n, step, mma_rows(m), split, _interpreting(),
-                           MMA_PREFETCH and not _interpreting())
+            self.consts = (_QUANT_CODE[quant], has_bias, block_n, step, mma_rows(m), split, _interpreting())
             self.kernel = Kernel(_kernel("mma"), (programs, split), **options)
             if quant == "ptpc" and m > 1 and programs <= resident_programs(device) \
                     and n * k_padded <= ONE_LAUNCH_MAX_BYTES:

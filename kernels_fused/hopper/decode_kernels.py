@@ -191,7 +191,7 @@ def decode_rows_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, K_PAD, 
 def decode_mma_rows_kernel(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, cnt_ptr, part_ptr, M, N, K_PAD, K_SLICE,
                            stride_sa, stride_ws, QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
-                           ROUND_IN_FP32: tl.constexpr, PREFETCH: tl.constexpr):
+                           ROUND_IN_FP32: tl.constexpr):
     """The product of 2..64 rows already quantized (the activation quantizer's e4m3 ``q [M, K_PAD]``
     and scales ``sa``: ptpc fp32 ``[M]``, blockscale fp32 ``[K_PAD / 128, M]`` with group stride
     ``stride_sa``): program ``(n block, s)`` takes ``BLOCK_N`` weight rows and slice ``s`` of
@@ -199,22 +199,13 @@ def decode_mma_rows_kernel(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, cnt_
     (``decode_rows_kernel``) costs more than the weight's read from 4 rows on."""
     _mma_rows(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, cnt_ptr, part_ptr, tl.program_id(0), tl.program_id(1),
               M, N, K_PAD, K_SLICE, stride_sa, stride_ws, QUANT, HAS_BIAS, BLOCK_N, BLOCK_K, ROWS, SPLIT,
-              ROUND_IN_FP32, PREFETCH)
-
-
-@triton.jit
-def _prefetch_l2(ptrs, nbytes):
-    """``nbytes`` (a multiple of 16) from each 16-byte aligned pointer of ``ptrs`` into L2, one bulk
-    prefetch each (sm_90), nothing waited for."""
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                              [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+              ROUND_IN_FP32)
 
 
 @triton.jit
 def _mma_rows(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, cnt_ptr, part_ptr, block, s, M, N, K_PAD, K_SLICE,
               stride_sa, stride_ws, QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
-              PREFETCH: tl.constexpr = False):
+              BLOCK_K: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
     """Weight rows ``[block * BLOCK_N, (block + 1) * BLOCK_N)`` over K columns ``[s * K_SLICE, (s + 1)
     * K_SLICE)``, read once and multiplied by every quantized row on tensor cores, the weight as the
     MMA's M side (``w [BLOCK_N, BLOCK_K] @ q.T [BLOCK_K, ROWS]``, ROWS a power of two >= M and >=
@@ -233,9 +224,6 @@ def _mma_rows(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, cnt_ptr, part_ptr
     r_ok = rows < M
     k_lo = s * K_SLICE
     k_hi = tl.minimum(k_lo + K_SLICE, K_PAD)
-    if PREFETCH:  # the program's whole weight slice requested at once, so DRAM's queue is full from the start
-        _prefetch_l2(w_ptr + tl.where(n_ok, cols, 0).to(tl.int64) * K_PAD + k_lo,
-                     tl.zeros((BLOCK_N,), dtype=tl.int32) + (k_hi - k_lo))
     acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
     kk = tl.arange(0, BLOCK_K if QUANT == 0 else 128)  # a tile's columns: ptpc's step, blockscale's scale group
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * K_PAD + kk[None, :]
