@@ -674,6 +674,10 @@ def per_call_runs(args, comm, device, *, into: list, after_shape=lambda: None) -
 
     rows = into
     world = comm.world
+    if world == 1 and not args.cold and comm.rank == 0:
+        print("bench_decode: the per-call device times are graphs of calls on one weight, which the L2 cache serves "
+              "in part where it fits (up to ~50 MB); --cold also times each arm with a weight a call, as a model "
+              "reads them", file=sys.stderr, flush=True)
     for name, (n, k) in shapes(args.shapes).items():
         linear = seeded_linear(n, k, device)
         layers = {q: cco_layer(linear, q, comm, m_max=max(args.m)) for q in args.quant}

@@ -2,6 +2,10 @@
 the alternative arms switch backend knobs, and the refusal of ranks that share a GPU."""
 
 import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -429,3 +433,50 @@ def test_decode_cold_graphs_call_each_weight_in_turn(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exc:
         B.parse_args(["--per-call-only", "--cold"])
     assert exc.value.code == 2 and "--cold times graph replays" in capsys.readouterr().err
+
+
+_COLD_RUN = r"""
+import sys, torch
+from scripts import bench_decode as B
+import cco.bench.timing as T
+outs = {}
+def total(out):  # (the quantizer's arm gives its rows and scales)
+    return (out[0] if isinstance(out, tuple) else out).float().sum().item()
+def graphs(arms, args, time_arms):  # each graph's calls made once, in the order a capture makes them
+    for name, fns in arms.items():
+        outs[name] = [total(fn()) for fn in B.graph_calls_of(fns, args.graph_calls)]
+    return {name: 1.0 for name in arms}
+B.graph_device_us = graphs
+T.time_back_to_back = lambda arms, **kw: {name: {"host_us": 1.0, "wall_us": 1.0} for name in arms}
+args = B.parse_args(["--per-call-only", "--shapes", "8b-o-tp8", "-m", "8", "--quant", "ptpc", "--graph-calls", "3"]
+                    + sys.argv[1:])
+comm = B.launched_or_one_rank(torch.device("cpu"))
+rows = []
+with comm:
+    B.per_call_runs(args, comm, torch.device("cpu"), into=rows)
+print(repr((sorted(rows[0]), rows[0].get("graph_weights_cold"), outs)))
+"""
+
+
+@pytest.mark.parametrize("cold", [False, True])
+def test_decode_cold_graphs_read_a_weight_a_call(cold):
+    """``bench_decode --cold`` (per-call table, world 1, on the CPU with the timings stubbed): each
+    arm's one-weight graph makes its calls on one weight (the same output each call), and with
+    ``--cold`` also a graph whose ``--graph-calls`` calls are each on their own weight (outputs all
+    different), recorded as ``graph_us_cold`` with ``graph_weights_cold``; without it, no cold
+    graph is made or recorded."""
+    import ast
+
+    from scripts.bench_decode import COLD
+
+    root = pathlib.Path(__file__).resolve().parents[3]
+    done = subprocess.run([sys.executable, "-c", _COLD_RUN, *(["--cold"] if cold else [])], capture_output=True,
+                          text=True, timeout=240, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    keys, weights, outs = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    for arm in ("nn.Linear bf16", "cco ptpc", "cco ptpc: op"):
+        assert len(outs[arm]) == 3 and len(set(outs[arm])) == 1, (arm, outs[arm])  # one weight
+        if cold:
+            assert len(set(outs[arm + COLD])) == 3, (arm, outs[arm + COLD])  # a weight a call
+    assert ("graph_us_cold" in keys, weights) == ((True, 3) if cold else (False, None))
+    assert cold or not any(name.endswith(COLD) for name in outs)  # no cold graph made without --cold
