@@ -631,13 +631,18 @@ def launched_or_one_rank(device: torch.device):
 # --------------------------------------------------------------------------------------------------
 # per call
 # --------------------------------------------------------------------------------------------------
-def seeded_linear(n: int, k: int, device, seed: int = 0) -> torch.nn.Linear:
-    """A bf16 ``nn.Linear(k, n)`` without bias, weight of unit-variance rows over sqrt(k), seeded."""
+def seeded_weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """The decode benchmarks' weight: fp32 ``[n, k]`` on the CPU, unit-variance rows over sqrt(k),
+    from ``seed`` (every run times the same weights; ``--cold``'s copies take seeds 1..)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
-    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(device=device, dtype=torch.bfloat16)
+    return torch.randn(n, k, generator=g) / k ** 0.5
+
+
+def seeded_linear(n: int, k: int, device, seed: int = 0) -> torch.nn.Linear:
+    """A bf16 ``nn.Linear(k, n)`` without bias over :func:`seeded_weight`."""
     linear = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
     with torch.no_grad():
-        linear.weight.copy_(w)
+        linear.weight.copy_(seeded_weight(n, k, seed).to(device=device, dtype=torch.bfloat16))
     return linear
 
 
@@ -704,15 +709,10 @@ def per_call_runs(args, comm, device, *, into: list, after_shape=lambda: None) -
                     graph_arms = {a: fn for a, fn in arms.items() if JIT_ARM not in a and PY_ARM not in a
                                   and KEPT_ARM not in a}
                     others = [per_call_arms(args, x, m, lin, lays, world) for lin, lays in cold]
-                    # --cold: each arm also as a graph over every weight, in the same passes as the one-weight
-                    # graphs (the arms alternating per pass), so each pass has both
-                    timed = graph_device_us({**graph_arms, **{a + COLD: [fn] + [o[a] for o in others]
-                                                              for a, fn in graph_arms.items() if others}},
-                                            args, time_arms)
-                    record["graph_us"] = {a: t for a, t in timed.items() if not a.endswith(COLD)}
+                    record["graph_us"], timed_cold = one_weight_and_cold(
+                        graph_arms, others, lambda arms: graph_device_us(arms, args, time_arms))
                     if others:
-                        record["graph_us_cold"] = {a.removesuffix(COLD): t for a, t in timed.items()
-                                                   if a.endswith(COLD)}
+                        record["graph_us_cold"] = timed_cold
                         record["graph_weights_cold"] = 1 + len(others)
             rows.append(record)
             if comm.rank == 0:
@@ -787,6 +787,16 @@ def graph_device_us(arms, args, time_arms) -> dict:
     """Per arm, device us/call: a CUDA graph of ``--graph-calls`` calls, replayed (``time_arms``)."""
     return {name: t.median_us / args.graph_calls
             for name, t in graph_timings(arms, args.graph_calls, args.passes, time_arms).items()}
+
+
+def one_weight_and_cold(arms: dict, others: list[dict], timed) -> tuple[dict, dict]:
+    """``(one weight, cold)``: ``timed(graph arms)``'s times of ``arms`` as given, and, where
+    ``others`` (the same arms over other weights, ``--cold``) are given, of each arm as a graph
+    whose calls take ``arms``' and then each of ``others``' in turn (empty without ``others``).
+    Both kinds go to ``timed`` in one dict, so they are timed in the same passes."""
+    timed_all = timed({**arms, **{a + COLD: [fn] + [o[a] for o in others] for a, fn in arms.items() if others}})
+    return ({a: t for a, t in timed_all.items() if not a.endswith(COLD)},
+            {a.removesuffix(COLD): t for a, t in timed_all.items() if a.endswith(COLD)})
 
 
 def graph_calls_of(fns, calls: int) -> list:
@@ -968,8 +978,8 @@ def plot_per_call(per_call_rows, path: str) -> None:
         for row, (what, target) in enumerate((("host", HOST_TARGET), ("graph", DEVICE_TARGET))):
             ax = axes[top + row][col]
             cold = what == "graph" and any("graph_us_cold" in r for r in mine)
-            for i, q in enumerate(quants):
-                color = f"C{i}"
+            for j, q in enumerate(quants):
+                color = f"C{j}"
                 if what == "host":
                     ratio = [r["eager"][f"cco {q}"]["host_us"] / r["eager"]["nn.Linear bf16"]["host_us"] for r in mine]
                     ax.plot(ms, ratio, marker="o", color=color, label=q)

@@ -34,7 +34,6 @@ from scripts.tune_decode import with_config as set_tables
 
 
 GRAPH_CALLS = 10  # calls per captured graph (--cold: also each on a weight of its own)
-COLD = " [cold]"  # the suffix of --cold's graphs while they are timed
 
 
 def configs(quant: str, k: int, block_ns=(32, 64), warps=(4,), stages=None, block_ks=None):
@@ -140,7 +139,7 @@ def main(argv=None):
     from kernels_fused.hopper import native as NV
     from kernels_fused.hopper import vendor
     from kernels_fused.hopper.quantize import quantize_activation
-    from scripts.bench_decode import switched_off
+    from scripts.bench_decode import one_weight_and_cold, switched_off
 
     NV.ENABLED = False  # the Python path's launches, as a graph captures them
     # every table with_config sets (decode's own dicts, set in place), and their values before
@@ -208,10 +207,7 @@ def main(argv=None):
                 _, bad, wrong, _ = checked_arms(arms, ref, dot_abs, f"{name} {quant} M={m}")
                 # --cold: each arm also as a graph over every copy, in the same passes as the one-weight graphs
                 # (an arm found wrong on the first copy is left out of both)
-                timed = graph_us({**arms, **{a + COLD: [fn] + [c[a] for c in cold] for a, fn in arms.items() if cold}},
-                                 GRAPH_CALLS, 3)
-                t = {a: v for a, v in timed.items() if not a.endswith(COLD)}
-                t_cold = {a.removesuffix(COLD): v for a, v in timed.items() if a.endswith(COLD)}
+                t, t_cold = one_weight_and_cold(arms, cold, lambda graphs: graph_us(graphs, GRAPH_CALLS, 3))
                 if t_cold:
                     c = t_cold["nn.Linear bf16"]
                     print(f"{name} {quant} M={m} cold ({len(copies)} weights): bf16 {c:.1f} us | "

@@ -44,9 +44,10 @@ SHAPES = {  # name: (N, K)
 def shape_weight(name: str, device, seed: int = 0) -> tuple[int, int, torch.Tensor, torch.Tensor]:
     """``(N, K, w, w_bf16)`` of the ``SHAPES`` entry ``name``: an fp32 weight of unit-variance rows
     over sqrt(K) on ``device`` (seeded: every run times the same weight) and its bf16 copy."""
+    from scripts.bench_decode import seeded_weight
+
     n, k = SHAPES[name]
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(device)
+    w = seeded_weight(n, k, seed).to(device)
     return n, k, w, w.to(torch.bfloat16)
 
 
