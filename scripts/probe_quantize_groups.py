@@ -12,10 +12,10 @@ zero in calls of at most ``quantize.SKIP_ZEROS_MAX_M`` rows (every cell here), a
 then gave 2.3-3.2 us at every cell.
 
 ``--tiles 8x512,8x128,...`` times instead the kernel with each ``BLOCK_M x BLOCK_K`` tile side by
-side (the shipped one is ``quantize.GROUP_BLOCK_M x GROUP_BLOCK_K``; each launch's grid from its
-tile), at the rows of ``-m`` (M = M_OUT), after checking that every tile writes the shipped tile's
-bytes (values and scales). Why: at decode sizes the shipped 8 x 512 tile gives 8 rows of K 4096
-only 8 programs, each correctly rounding 32 divisions a thread in turn (docs/decode.md, "Cold
+side (the shipped ones are ``quantize.group_tile``'s; each launch's grid from its tile), at the
+rows of ``-m`` (M = M_OUT), after checking that every tile writes the first tile's bytes (values
+and scales). Why: at decode sizes the 8 x 512 tile (blockscale's until 2026-12-06) gave 8 rows of
+K 4096 only 8 programs, each correctly rounding 32 divisions a thread in turn (docs/decode.md, "Cold
 weights": the quantizer alone 4.1 us there under Nsight Compute)::
 
     python3 -m scripts.probe_quantize_groups --tiles 8x512,8x256,8x128,4x128,1x128 -m 8,32,64 -k 4096
@@ -72,10 +72,11 @@ def main(argv=None) -> None:
             for m, m_out in ((1, 1), (1, 4), (2, 4), (4, 4), (8, 8), (64, 64)):
                 x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
                 q, s = QZ.empty_activation(quant, m_out, k, x.device)
-                grid = (-(-m_out // QZ.GROUP_BLOCK_M), -(-k // QZ.GROUP_BLOCK_K))
+                bm, bk = QZ.group_tile(quant, m_out)
+                grid = (-(-m_out // bm), -(-k // bk))
                 launches = {name: (lambda kernel=kernel: kernel[grid](
-                    x, q, s, m, m_out, k, k, x.stride(0), _TINY, FP8_MAX, quant == "mxfp8", group, QZ.GROUP_BLOCK_M,
-                    QZ.GROUP_BLOCK_K, m_out <= QZ.SKIP_ZEROS_MAX_M, False, num_warps=QZ.NUM_WARPS))
+                    x, q, s, m, m_out, k, k, x.stride(0), _TINY, FP8_MAX, quant == "mxfp8", group, bm, bk,
+                    m_out <= QZ.SKIP_ZEROS_MAX_M, False, num_warps=QZ.NUM_WARPS))
                     for name, kernel in (("specialized", plain), ("M unspecialized", loose))}
                 timed = graph_timings(launches, args.calls, args.passes, time_arms)
                 per = {name: [u / args.calls for u in t.pass_us] for name, t in timed.items()}

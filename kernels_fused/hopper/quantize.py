@@ -45,6 +45,12 @@ from kernels_fused.hopper.launch import Kernel, keep
 # not other choices.
 PTPC_BLOCK_M, PTPC_BLOCK_K = 4, 1024
 GROUP_BLOCK_M, GROUP_BLOCK_K = 8, 512
+# blockscale's calls of at most SKIP_ZEROS_MAX_M rows (decode) take one 128-column scale group a
+# program: 8 rows of K 4096 were 8 programs of [8, 512], each rounding 32 IEEE divisions a thread in
+# turn. Side by side under graph replay (one H100, 2026-12-06, scripts/probe_quantize_groups.py
+# --tiles; every tile the same bytes): [8, 128] 1.68-1.94 us against 2.60-2.85 at K 4096 and 1..64
+# rows, 1.78-2.60 against 2.59-3.26 at K 14336. mxfp8's [8, 512] was the best or within 0.1 us there.
+GROUP_DECODE_BLOCK_K = 128
 NUM_WARPS = 4
 # Calls of at most PTPC_SPLIT_MAX_M rows split each row over programs (quantize_ptpc_split_kernel):
 # the two-pass kernel runs one program per 4 rows, one SM walking them twice in 1024-wide steps.
@@ -165,8 +171,16 @@ def launch_for(quant: str, split: bool, m_out: int, k: int, k_padded: int, *,
     if quant == "ptpc":
         return (Kernel(ptpc, (-(-m_out // PTPC_BLOCK_M),), num_warps=NUM_WARPS),
                 (PTPC_BLOCK_M, PTPC_BLOCK_K, skip, _interpreting()))
-    # GROUP_BLOCK_K is a whole number of groups of either format: tiles never split a group
-    grid = (-(-m_out // GROUP_BLOCK_M), -(-k_padded // GROUP_BLOCK_K))
+    block_m, block_k = group_tile(quant, m_out)
+    grid = (-(-m_out // block_m), -(-k_padded // block_k))
     group = SCALE_BLOCK if quant == "blockscale" else MX_GROUP
     return (Kernel(groups, grid, num_warps=NUM_WARPS),
-            (quant == "mxfp8", group, GROUP_BLOCK_M, GROUP_BLOCK_K, skip, _interpreting(), dequantize, 0))
+            (quant == "mxfp8", group, block_m, block_k, skip, _interpreting(), dequantize, 0))
+
+
+def group_tile(quant: str, m_out: int) -> tuple[int, int]:
+    """``(BLOCK_M, BLOCK_K)`` of the group quantizer's program for ``m_out`` rows of ``quant``.
+    BLOCK_K is a whole number of groups of either format: a tile never splits a group."""
+    if quant == "blockscale" and m_out <= SKIP_ZEROS_MAX_M:
+        return GROUP_BLOCK_M, GROUP_DECODE_BLOCK_K
+    return GROUP_BLOCK_M, GROUP_BLOCK_K

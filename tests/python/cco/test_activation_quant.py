@@ -19,8 +19,10 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 INTERPRETED = isinstance(triton.language.standard.zeros, InterpretedFunction)
 
-# (M, K, K_padded): M past one program's rows, K not a multiple of the groups, padding by one tile
-SHAPES = [(5, 256, 256), (9, 300, 384), (3, 1000, 1024), (1, 64, 256), (17, 2368, 2432)]
+# (M, K, K_padded): M past one program's rows, K not a multiple of the groups, padding by one tile;
+# 64 and 65 rows: the last call of blockscale's decode tile and the first of its wide one (group_tile)
+SHAPES = [(5, 256, 256), (9, 300, 384), (3, 1000, 1024), (1, 64, 256), (17, 2368, 2432), (64, 640, 640),
+          (65, 600, 640)]
 
 
 def activations(m: int, k: int, seed: int = 0, dtype=torch.bfloat16) -> torch.Tensor:
