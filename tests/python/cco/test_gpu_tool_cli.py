@@ -113,7 +113,8 @@ def _one_line_error(rc, out, err, *said, code=None):
 @pytest.mark.parametrize("script, argv", [
     ("bench_eager", []), ("bench_quantize", []), ("tune_decode", []), ("probe_decode_rows", []),
     ("probe_producer_parts", []), ("probe_blockscale_rows", ["8b-o-tp1", "8", "bs.json"]),
-    ("probe_mx_dot_scaled", ["8b-o-tp1", "8", "mx.json"]), ("probe_driver_holds", [])])
+    ("probe_mx_dot_scaled", ["8b-o-tp1", "8", "mx.json"]), ("probe_driver_holds", []),
+    ("probe_eager_graph_bits", ["8b-o-tp1", "1,8", "bits.json"])])
 def test_a_gpu_tool_without_a_gpu_says_so_in_one_line(script, argv):
     rc, out, err = _run(script, *argv)
     _one_line_error(rc, out, err, f"{script}: needs a CUDA GPU")
@@ -129,7 +130,7 @@ def test_bench_link_needs_torchrun_and_gpus():
 
 # ---- 2. --help: the usage, exit 0, nothing run ------------------------------------------------------------
 @pytest.mark.parametrize("script", ["probe_driver_holds", "probe_blockscale_rows", "probe_mx_dot_scaled",
-                                    "probe_decode_host", "profile_decode_mma"])
+                                    "probe_decode_host", "profile_decode_mma", "probe_eager_graph_bits"])
 def test_help_prints_the_usage_and_runs_nothing(script):
     rc, out, err = _run(script, "--help", timeout=60)
     assert rc == 0 and out.startswith("usage: ") and "needs" not in out + err and "RESULT" not in out, (rc, out, err)
@@ -152,7 +153,9 @@ def test_the_gfx950_compile_scripts_help_ends_its_sentence():
     ("profile_decode_mma", ["-m", "1,8"], "must be in 2..64"),
     ("probe_quantize_groups", ["--tiles", "8x100"], "must be powers of two"),
     ("probe_quantize_groups", ["--tiles", "8x64", "--quant", "blockscale"], "a multiple of 128"),
-    ("probe_quantize_groups", ["-m", "8"], "pass --tiles")])
+    ("probe_quantize_groups", ["-m", "8"], "pass --tiles"),
+    ("probe_eager_graph_bits", ["--quant", "fp4", "8b-o-tp1", "8", "a.json"], "--quant fp4: pick from ptpc"),
+    ("probe_eager_graph_bits", ["--layer", "mlp", "8b-o-tp1", "8", "a.json"], "invalid choice: 'mlp'")])
 def test_the_probes_positionals_are_argparse_errors(script, argv, said):
     rc, out, err = _run(script, *argv, timeout=60)
     _one_line_error(rc, out, err, said, code=2)
