@@ -26,6 +26,14 @@
 # between machines: a digest over `sort`'s order did), and that list's digest in the summary. Compare
 # it with CCO_GPU_SUITE_TREE=1 run where the code was written; where they differ, `diff` the lists.
 #
+# A whole suite over several calls (a slow lend ran part 1 past its budget, 2026-12-06): each module
+# that passes is recorded in LOG_DIR/passed.txt with the tree's digest; with CCO_GPU_SUITE_RESUME=1 a
+# module recorded as passed on this same tree is not run again and counts as passed (its summary line
+# says when); a module that fails loses its record. native_build always runs (a fresh machine has no
+# build). Keep LOG_DIR between calls (an ignored folder in the checkout, carried to the next call):
+#   CCO_GPU_SUITE_RESUME=1 CCO_GPU_SUITE_PACK=$OUT/suite.tgz bash scripts/gpu_suite.sh gpu-suite-logs
+# CCO_GPU_SUITE_PACK=FILE.tgz packs LOG_DIR into one file at the end (a lent machine returns 8 files).
+#
 # Add a module to MODULES when it joins the suite. NVLink multicast stays off.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -95,6 +103,9 @@ start_all=$(date +%s)
 budget=${CCO_GPU_SUITE_BUDGET:-0}  # 0: no bound on the whole run
 
 failed=0
+earlier=0  # modules counted as passed from LOG_DIR/passed.txt (CCO_GPU_SUITE_RESUME)
+passed_file="$log_dir/passed.txt"
+touch "$passed_file"
 summary=()
 verdict_of() {  # name verdict seconds: the module's summary line
   summary+=("$(printf '%-20s %-30s %5d s' "$1" "$2" "$3")")
@@ -103,6 +114,14 @@ verdict_of() {  # name verdict seconds: the module's summary line
 }
 for entry in "${MODULES[@]}"; do  # one after another: side by side on one GPU, fault jobs ran 2-4x slower
   IFS='|' read -r name bound cmd <<<"$entry"  # and broke their time bounds (docs/experiments.md, 2026-12-03)
+  if [ -n "${CCO_GPU_SUITE_RESUME:-}" ] && [ "$name" != native_build ] \
+      && record=$(grep -m1 "^$name $tree " "$passed_file"); then
+    read -r _ _ took when <<<"$record"
+    verdict_of "$name" "passed earlier ($when)" "$took"
+    earlier=$((earlier + 1))
+    echo "[gpu-suite] $name: passed earlier on this tree ($when, ${took}s): not run again"
+    continue
+  fi
   start=$(date +%s)
   if [ "$budget" -gt 0 ]; then
     left=$(( budget - (start - start_all) - 15 ))  # 15 s: the kill's grace below
@@ -119,6 +138,8 @@ for entry in "${MODULES[@]}"; do  # one after another: side by side on one GPU, 
   skips=$(grep -c "_SKIPPED" "$log_dir/$name.log")  # sub-checks a module could not run here (it says why)
   if [ $rc -eq 0 ]; then verdict="passed$([ "$skips" -gt 0 ] && echo ", $skips skipped")"; else verdict="FAILED (exit $rc$([ $rc -eq 124 ] && echo ', timed out'))"; fi
   verdict_of "$name" "$verdict" "$took"
+  grep -v "^$name $tree " "$passed_file" >"$passed_file.new"; mv "$passed_file.new" "$passed_file"
+  [ $rc -eq 0 ] && echo "$name $tree $took $(date -u +%Y-%m-%dT%H:%MZ)" >>"$passed_file"
   echo "[gpu-suite] $name: $verdict in ${took}s"
   [ $rc -eq 0 ] || tail -n 40 "$log_dir/$name.log"
   grep "_SKIPPED" "$log_dir/$name.log"
@@ -126,5 +147,9 @@ done
 
 echo "[gpu-suite] ---- summary ($(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), $(date -u +%Y-%m-%dT%H:%MZ), tree $tree)"
 printf '%s\n' "${summary[@]}"
-echo "[gpu-suite] $(( ${#MODULES[@]} - failed )) passed, $failed failed in $(( $(date +%s) - start_all )) s"
+echo "[gpu-suite] $(( ${#MODULES[@]} - failed )) passed$([ "$earlier" -gt 0 ] && echo " ($earlier of them in an earlier run on this tree)"), $failed failed in $(( $(date +%s) - start_all )) s"
+if [ -n "${CCO_GPU_SUITE_PACK:-}" ]; then
+  tar czf "$CCO_GPU_SUITE_PACK" -C "$(dirname "$log_dir")" "$(basename "$log_dir")" \
+    || echo "[gpu-suite] could not pack $log_dir into $CCO_GPU_SUITE_PACK" >&2
+fi
 exit $failed

@@ -69,3 +69,48 @@ def test_the_tree_digest_is_the_files_in_byte_order_whatever_the_locale():
     want = hashlib.sha1(lines.encode()).hexdigest()[:12]
     assert digest() == digest(LC_ALL="C.UTF-8") == digest(LC_ALL="C") == want
     assert "kernels_fused/hopper/decode.py" in lines and "tests/python/cco/conftest.py" in lines
+
+
+def test_resume_counts_what_passed_on_this_tree_and_runs_the_rest(tmp_path):
+    """The suite over several calls (``CCO_GPU_SUITE_RESUME=1``): a module recorded as passed on this
+    tree's digest is not run again and counts as passed; one that failed, a record of another tree,
+    and the C++ build always run; a failure drops the module's record; ``CCO_GPU_SUITE_PACK`` packs
+    the log folder. The modules are a stand-in interpreter (``PYTHON``) that logs its arguments and
+    fails where ``FAKE_FAIL`` names one, so the script's bookkeeping runs here without a GPU."""
+    import tarfile
+
+    fake, calls, logs = tmp_path / "python", tmp_path / "calls", tmp_path / "logs"
+    fake.write_text('#!/bin/bash\necho "$*" >>"$FAKE_CALLS"\n'
+                    'for f in $FAKE_FAIL; do [[ "$*" == *"$f"* ]] && exit 1; done\nexit 0\n')
+    fake.chmod(0o755)
+
+    def suite(fail: str = "", **env):
+        calls.write_text("")
+        done = subprocess.run(["bash", "scripts/gpu_suite.sh", str(logs)], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "PYTHON": str(fake), "FAKE_CALLS": str(calls),
+                                                "FAKE_FAIL": fail, **env})
+        ran = [line for line in calls.read_text().splitlines() if not line.startswith("-c ")]  # (the GPU check)
+        return done, ran
+
+    done, ran = suite("test_cuda_op")
+    assert done.returncode == 1 and len(ran) == 10, (done.stdout, ran)
+    tree = done.stdout.split("tree ")[1].split()[0]
+    records = (logs / "passed.txt").read_text().splitlines()
+    assert len(records) == 9 and all(r.split()[1] == tree for r in records) and not any("cuda_op " in r for r in records)
+
+    done, ran = suite(CCO_GPU_SUITE_RESUME="1", CCO_GPU_SUITE_PACK=str(tmp_path / "suite.tgz"))
+    assert done.returncode == 0, done.stdout
+    assert len(ran) == 2 and "native" in ran[0] and "test_cuda_op" in ran[1], ran
+    assert "10 passed (8 of them in an earlier run on this tree), 0 failed" in done.stdout
+    assert "cuda_nn: passed earlier on this tree" in done.stdout
+    with tarfile.open(tmp_path / "suite.tgz") as packed:
+        assert "logs/passed.txt" in packed.getnames() and "logs/cuda_op.log" in packed.getnames()
+
+    done, ran = suite("test_cuda_nn")  # a failure drops its record: the next resume runs it again
+    assert done.returncode == 1 and not any(r.startswith("cuda_nn ") for r in (logs / "passed.txt").read_text().splitlines())
+    done, ran = suite(CCO_GPU_SUITE_RESUME="1")
+    assert done.returncode == 0 and len(ran) == 2 and "test_cuda_nn" in ran[1], ran
+
+    (logs / "passed.txt").write_text((logs / "passed.txt").read_text().replace(tree, "000000000000"))
+    done, ran = suite(CCO_GPU_SUITE_RESUME="1")  # records of another tree count for nothing
+    assert done.returncode == 0 and len(ran) == 10 and "earlier" not in done.stdout
