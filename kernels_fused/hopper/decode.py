@@ -596,8 +596,10 @@ class _Launch:
             if quant == "ptpc" and m > 1 and programs <= resident_programs(device) \
                     and n * k_padded <= ONE_LAUNCH_MAX_BYTES:
                 slices, slice_k = one_slices(m, k_padded, programs)
-                self.one_args = ((m, n, k, k_padded), slices,  # the MMA's HAS_BIAS, BLOCK_N, BLOCK_K, ROWS, then
-                                 (*self.consts[1:5], min(_pow2(k), ONE_ROW_BLOCK), slice_k, 3, _interpreting()))
+                # (the MMA's K_SLICE and SPLIT too: its phase sums K as the captured MMA does, the same bits)
+                self.one_args = ((m, n, k, k_padded), (slices, self.ints[3]),  # the MMA's HAS_BIAS, BLOCK_N,
+                                 (*self.consts[1:5], min(_pow2(k), ONE_ROW_BLOCK), slice_k, 3, _interpreting(),
+                                  split))  # BLOCK_K, ROWS, then the quantizer's ROW_BLOCK, SLICE_K, ...
                 self.one = Kernel(_kernel("one"), (programs, 1), launch_cooperative_grid=True, **options)
             return
         # QUANT, HAS_BIAS, BLOCK_N, BLOCK_K, ROWS, ROW_K, ROUND_IN_FP32: the rows kernel's constexprs, laid
@@ -646,8 +648,8 @@ class _Launch:
 
     # The kernels' arguments in their order, from the call's tensors (or native.Pointer roles: plan).
     def _one(self, x, scratch, w, scale, b, out, sync, row_stride) -> tuple:
-        sizes, slices, consts = self.one_args  # (M, N, K, K_PAD), the quantizer's slices a row, the constants
-        return (x, scratch, w, scale, b, out, sync, *sizes, row_stride, _TINY, FP8_MAX, slices, *consts)
+        sizes, ints, consts = self.one_args  # (M, N, K, K_PAD), (the quantizer's slices a row, the MMA's K_SLICE),
+        return (x, scratch, w, scale, b, out, sync, *sizes, row_stride, _TINY, FP8_MAX, *ints, *consts)  # constants
 
     def _quantize(self, x, q, sa, row_stride) -> tuple:
         sizes, consts = self.q_args  # (M, M_OUT, K, K_PAD), the quantizer's constants

@@ -222,8 +222,35 @@ def _mma_rows(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, cnt_ptr, part_ptr
     n_ok = cols < N
     rows = tl.arange(0, ROWS)
     r_ok = rows < M
-    k_lo = s * K_SLICE
-    k_hi = tl.minimum(k_lo + K_SLICE, K_PAD)
+    acc = _mma_partial(q_ptr, sa_ptr, w_ptr, ws_ptr, block, s * K_SLICE, tl.minimum(s * K_SLICE + K_SLICE, K_PAD), M,
+                       N, K_PAD, stride_sa, stride_ws, QUANT, BLOCK_N, BLOCK_K, ROWS)
+    if SPLIT == 1:
+        _finish_rows(acc, sa_ptr, ws_ptr, bias_ptr, out_ptr, cols, n_ok, rows, r_ok, N, QUANT, HAS_BIAS,
+                     ROUND_IN_FP32)
+    else:
+        tile = tl.arange(0, BLOCK_N)[:, None] * ROWS + rows[None, :]
+        parts = part_ptr + block.to(tl.int64) * (SPLIT * BLOCK_N * ROWS)
+        tl.store(parts + s * (BLOCK_N * ROWS) + tile, acc)
+        tl.debug_barrier()  # every thread's partial stored before the count
+        if tl.atomic_add(cnt_ptr + block, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            total = tl.load(parts + tile, cache_modifier=".cg")  # (L2: the other SMs' stores)
+            for j in tl.static_range(1, SPLIT):
+                total += tl.load(parts + j * (BLOCK_N * ROWS) + tile, cache_modifier=".cg")
+            _finish_rows(total, sa_ptr, ws_ptr, bias_ptr, out_ptr, cols, n_ok, rows, r_ok, N, QUANT, HAS_BIAS,
+                         ROUND_IN_FP32)
+
+
+@triton.jit
+def _mma_partial(q_ptr, sa_ptr, w_ptr, ws_ptr, block, k_lo, k_hi, M, N, K_PAD, stride_sa, stride_ws,
+                 QUANT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
+    """The fp32 ``[BLOCK_N, ROWS]`` sum over K columns ``[k_lo, k_hi)`` of weight block ``block`` times
+    the quantized rows, from zero, in ``BLOCK_K`` steps (ptpc: unscaled; blockscale: each group scaled):
+    one slice of :func:`_mma_rows`. The one launch sums its program's slices with it in the split
+    MMA's order, so an eager call and a captured one give the same bits."""
+    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = cols < N
+    rows = tl.arange(0, ROWS)
+    r_ok = rows < M
     acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
     kk = tl.arange(0, BLOCK_K if QUANT == 0 else 128)  # a tile's columns: ptpc's step, blockscale's scale group
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * K_PAD + kk[None, :]
@@ -242,20 +269,7 @@ def _mma_rows(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, cnt_ptr, part_ptr
                 q = tl.load(q_rows + kb, mask=r_ok[:, None], other=0.0)
                 sa = tl.load(sa_ptr + (kb // 128) * stride_sa + rows, mask=r_ok, other=0.0)
                 acc += tl.dot(w, tl.trans(q)) * (sa * tl.load(ws_row + kb // 128))[None, :]
-    if SPLIT == 1:
-        _finish_rows(acc, sa_ptr, ws_ptr, bias_ptr, out_ptr, cols, n_ok, rows, r_ok, N, QUANT, HAS_BIAS,
-                     ROUND_IN_FP32)
-    else:
-        tile = tl.arange(0, BLOCK_N)[:, None] * ROWS + rows[None, :]
-        parts = part_ptr + block.to(tl.int64) * (SPLIT * BLOCK_N * ROWS)
-        tl.store(parts + s * (BLOCK_N * ROWS) + tile, acc)
-        tl.debug_barrier()  # every thread's partial stored before the count
-        if tl.atomic_add(cnt_ptr + block, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-            total = tl.load(parts + tile, cache_modifier=".cg")  # (L2: the other SMs' stores)
-            for j in tl.static_range(1, SPLIT):
-                total += tl.load(parts + j * (BLOCK_N * ROWS) + tile, cache_modifier=".cg")
-            _finish_rows(total, sa_ptr, ws_ptr, bias_ptr, out_ptr, cols, n_ok, rows, r_ok, N, QUANT, HAS_BIAS,
-                         ROUND_IN_FP32)
+    return acc
 
 
 @triton.jit
@@ -275,9 +289,9 @@ def _finish_rows(acc, sa_ptr, ws_ptr, bias_ptr, out_ptr, cols, n_ok, rows, r_ok,
 
 @triton.jit
 def decode_ptpc_kernel(x_ptr, q_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, sync_ptr, M, N, K, K_PAD, stride_x, tiny,
-                       fp8_max, SLICES, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       fp8_max, SLICES, K_SLICE, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        ROWS: tl.constexpr, ROW_BLOCK: tl.constexpr, SLICE_K: tl.constexpr, PHASES: tl.constexpr,
-                       ROUND_IN_FP32: tl.constexpr):
+                       ROUND_IN_FP32: tl.constexpr, SPLIT: tl.constexpr):
     """ptpc's 2..64 rows in one launch: the quantizer's split-row launch and the MMA over its rows
     (``decode_mma_rows_kernel``) as two phases of one grid of ``N / BLOCK_N`` programs, with a
     grid-wide wait between them.
@@ -286,7 +300,9 @@ def decode_ptpc_kernel(x_ptr, q_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, sync_ptr,
     ``quantize_row_slice``, its bytes) over the programs and writes the e4m3 rows to ``q [M, K_PAD]``,
     their fp32 scales right after them (``q_ptr + M * K_PAD``, 4-byte aligned: K_PAD is a multiple of
     128), so the call allocates one scratch. Phase 2 is program ``n block``'s MMA (``_mma_rows``),
-    which reads every program's rows. Between them every program waits for all
+    which reads every program's rows, summed as the captured MMA (``decode_mma_rows_kernel``) sums
+    them: ``SPLIT`` slices of ``K_SLICE`` columns, each from zero, added in slice order (one program
+    does them all here), so an eager call gives a captured call's bits. Between them every program waits for all
     (:func:`_grid_wait`): the grid must be resident at once, so the host launches it cooperatively
     (at most one program per SM) and only where the grid fits. ``PHASES``: 3 both phases and the
     wait; 1 or 2 one phase alone (two launches: what a test runs under Triton's CPU interpreter,
@@ -302,8 +318,16 @@ def decode_ptpc_kernel(x_ptr, q_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, sync_ptr,
         if PHASES == 3:
             _grid_wait(sync_ptr, gen)
     if PHASES != 1:
-        _mma_rows(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, sync_ptr, sync_ptr, tl.program_id(0), 0, M, N,
-                  K_PAD, K_PAD, 0, 0, 0, HAS_BIAS, BLOCK_N, BLOCK_K, ROWS, 1, ROUND_IN_FP32)
+        block = tl.program_id(0)
+        total = _mma_partial(q_ptr, sa_ptr, w_ptr, ws_ptr, block, 0, tl.minimum(K_SLICE, K_PAD), M, N, K_PAD, 0, 0, 0,
+                             BLOCK_N, BLOCK_K, ROWS)
+        for j in tl.static_range(1, SPLIT):
+            total += _mma_partial(q_ptr, sa_ptr, w_ptr, ws_ptr, block, j * K_SLICE,
+                                  tl.minimum(j * K_SLICE + K_SLICE, K_PAD), M, N, K_PAD, 0, 0, 0, BLOCK_N, BLOCK_K, ROWS)
+        cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.arange(0, ROWS)
+        _finish_rows(total, sa_ptr, ws_ptr, bias_ptr, out_ptr, cols, cols < N, rows, rows < M, N, 0, HAS_BIAS,
+                     ROUND_IN_FP32)
 
 
 @triton.jit

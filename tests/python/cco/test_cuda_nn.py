@@ -449,16 +449,16 @@ def check_decode_one_launch(comm, log):
     wq, ws = Q.quantize_b(torch.randn(n, k, generator=g) * 0.02, "ptpc")
     wq, ws = wq.to(comm.device), ws.to(comm.device)
     x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(comm.device)
-    # the two launches, their MMA unsplit as the one launch's is (a split sums K in another order)
-    split, D.MMA_SPLIT["ptpc"] = D.MMA_SPLIT["ptpc"], 1
-    try:
-        want = switched_off(lambda: D.decode_gemm(x, wq, ws, "ptpc", n=n), D, "ONE_LAUNCH")()
-    finally:
-        D.MMA_SPLIT["ptpc"] = split
+    # the two launches, their MMA split over K as a graph capture runs it: the one launch sums K in the
+    # same slices and order (its MMA phase), so the eager call gives the captured call's bits
+    want = switched_off(lambda: D.decode_gemm(x, wq, ws, "ptpc", n=n), D, "ONE_LAUNCH")()
     launch = next(lt for key, lt in D._LAUNCHES.items() if key[0] == m and key[1] == k)
     if launch.one is None:
         raise AssertionError(f"decode one launch: 8B down at {m} rows does not take it")
-    sizes, slices, consts = launch.one_args
+    if launch.kernel.grid[1] < 2:
+        raise AssertionError(f"decode one launch: 8B down's MMA is not split over K ({launch.kernel.grid}): this check "
+                             f"cannot hold the one launch's sum to the split one")
+    sizes, ints, consts = launch.one_args  # (M, N, K, K_PAD), (SLICES, K_SLICE), the constants (PHASES at 6)
     own = torch.zeros(2, dtype=torch.int32, device=comm.device)
     wrong = tries = 0
     while tries < 64 and not (tries >= 8 and wrong):  # the race shows in some tries only (the programs' skew)
@@ -467,7 +467,7 @@ def check_decode_one_launch(comm, log):
             scratch = torch.full((m * (k + 4),), 0x7F, dtype=torch.uint8, device=comm.device).view(Q.FP8)  # NaN
             out = torch.empty(m, n, dtype=torch.bfloat16, device=comm.device)
             dk.decode_ptpc_kernel[(n // consts[1],)](x, scratch, wq, ws, out, out, own, *sizes, k, Q._TINY, Q.FP8_MAX,
-                                                     slices, *consts[:-2], phases, consts[-1],
+                                                     *ints, *consts[:6], phases, *consts[7:],
                                                      num_warps=D.WIDE_WARPS["ptpc"], num_stages=D.WIDE_STAGES["ptpc"],
                                                      launch_cooperative_grid=True)
             if phases == 3 and not torch.equal(out, want):

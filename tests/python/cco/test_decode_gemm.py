@@ -189,6 +189,35 @@ def test_ptpc_one_launch_equals_two_launches(monkeypatch, m, n, k, k_padded):
     D._LAUNCHES.clear()
 
 
+@pytest.mark.parametrize("m, k, k_padded, split", [(5, 2500, 2560, 4), (3, 4000, 4096, 8), (2, 1100, 1152, 4)],
+                         ids=lambda v: str(v))
+def test_ptpc_one_launch_sums_k_as_the_captured_split_mma(monkeypatch, m, k, k_padded, split):
+    """An eager call of ptpc's 2..64 rows (the one launch) and a captured one (the quantizer + the
+    MMA split over K, programs of their own summing in slice order) give the same bits: the one
+    launch's MMA phase sums the same K slices from zero and adds them in the same order. On a GPU of
+    132 SMs (assumed here; under the interpreter the one launch's wait needs one program: N <= 64)
+    the rule splits a weight of one block into ``split`` slices (1152 = 9 steps of 128: slices of
+    3, 3, 3 and 0 steps). Fails with the one launch summing all of K in one chain (an eager call then
+    differs from a captured one in ~20-40% of its outputs on the GPU: scripts/probe_eager_graph_bits.py)."""
+    from kernels_fused.hopper import decode as D
+
+    monkeypatch.setattr(D, "resident_programs", lambda device: 132)
+    n = 64
+    x = activations(m, k, seed=m + 40).flip(1).contiguous()
+    wq, ws = weight(n, k, k_padded, "ptpc")
+    D._LAUNCHES.clear()
+    D._SYNC.clear()
+    eager = D.decode_gemm(x, wq, ws, "ptpc", n=n)
+    (launch,) = D._LAUNCHES.values()
+    assert launch.one is not None and launch.kernel.grid == (1, split)
+    assert D._SYNC[(-1, 0)].tolist() == [0, 1]  # the call took the one launch (one generation of its wait)
+    monkeypatch.setattr(D, "ONE_LAUNCH", False)  # what a graph capture runs
+    captured = D.decode_gemm(x, wq, ws, "ptpc", n=n)
+    assert D._SYNC[(-1, 0)].tolist() == [0, 1]
+    assert torch.equal(eager, captured), f"{int((eager != captured).sum())} of {eager.numel()} outputs differ"
+    D._LAUNCHES.clear()
+
+
 def test_ptpc_one_launch_phases_over_many_programs():
     """The one-launch kernel's two phases as two launches of a grid of several programs (what the
     interpreter can run: its programs run in turn, so the wait needs one program): phase 1 spreads
@@ -214,8 +243,8 @@ def test_ptpc_one_launch_phases_over_many_programs():
     grid = (-(-n // D.WIDE_BLOCK_N["ptpc"]),)
     for phase in (1, 2):
         dk.decode_ptpc_kernel[grid](x, scratch, wq, ws, out, out, sync, m, n, k, k_padded, k, Q._TINY, Q.FP8_MAX,
-                                    -(-k_padded // slice_k), False, D.WIDE_BLOCK_N["ptpc"], 256, 16, 1024, slice_k,
-                                    phase, True)
+                                    -(-k_padded // slice_k), k_padded, False, D.WIDE_BLOCK_N["ptpc"], 256, 16, 1024,
+                                    slice_k, phase, True, 1)
         if phase == 1:
             assert torch.equal(scratch[:m * k_padded].view(torch.uint8), q.reshape(-1).view(torch.uint8))
             assert torch.equal(scratch[m * k_padded:].view(torch.float32), sa)
