@@ -39,7 +39,8 @@ from cco.quant import _TINY, E8M0, FP8, FP8_MAX, MX_GROUP, QUANTS, SCALE_BLOCK
 from kernels_fused.hopper.launch import Kernel, keep
 
 # rows per program and the K step. Per-token rows are walked twice (amax, then quantize) in 1024-wide
-# steps; the group formats take one [8, 512] tile per program (8 KiB of bf16 either way). Untuned:
+# steps; the group formats take one [8, 512] tile per program (8 KiB of bf16 either way; blockscale at
+# decode sizes [8, 128]: GROUP_DECODE_BLOCK_K below). Untuned:
 # docs/experiments.md ("The layer on the GPU, and the activation quantizer") times the kernel with
 # them against quantize_a (mxfp8 at M = 16384, K = 2432: 33.6 us replayed in a graph, 3.5 TB/s),
 # not other choices.
