@@ -299,8 +299,8 @@ def decode_ptpc_kernel(x_ptr, q_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, sync_ptr,
     Phase 1 spreads the quantizer's ``M * SLICES`` items (row, ``SLICE_K`` columns:
     ``quantize_row_slice``, its bytes) over the programs and writes the e4m3 rows to ``q [M, K_PAD]``,
     their fp32 scales right after them (``q_ptr + M * K_PAD``, 4-byte aligned: K_PAD is a multiple of
-    128), so the call allocates one scratch. Phase 2 is program ``n block``'s MMA (``_mma_rows``),
-    which reads every program's rows, summed as the captured MMA (``decode_mma_rows_kernel``) sums
+    128), so the call allocates one scratch. Phase 2 is program ``n block``'s MMA (``_mma_partial``
+    per slice, then ``_finish_rows``), which reads every program's rows, summed as the captured MMA (``decode_mma_rows_kernel``) sums
     them: ``SPLIT`` slices of ``K_SLICE`` columns, each from zero, added in slice order (one program
     does them all here), so an eager call gives a captured call's bits. Between them every program waits for all
     (:func:`_grid_wait`): the grid must be resident at once, so the host launches it cooperatively
