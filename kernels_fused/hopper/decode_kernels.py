@@ -222,8 +222,8 @@ def _mma_rows(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, cnt_ptr, part_ptr
     n_ok = cols < N
     rows = tl.arange(0, ROWS)
     r_ok = rows < M
-    acc = _mma_partial(q_ptr, sa_ptr, w_ptr, ws_ptr, block, s * K_SLICE, tl.minimum(s * K_SLICE + K_SLICE, K_PAD), M,
-                       N, K_PAD, stride_sa, stride_ws, QUANT, BLOCK_N, BLOCK_K, ROWS)
+    acc = _mma_partial(q_ptr, sa_ptr, w_ptr, ws_ptr, block, s, K_SLICE, M, N, K_PAD, stride_sa, stride_ws, QUANT,
+                       BLOCK_N, BLOCK_K, ROWS)
     if SPLIT == 1:
         _finish_rows(acc, sa_ptr, ws_ptr, bias_ptr, out_ptr, cols, n_ok, rows, r_ok, N, QUANT, HAS_BIAS,
                      ROUND_IN_FP32)
@@ -241,12 +241,15 @@ def _mma_rows(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, cnt_ptr, part_ptr
 
 
 @triton.jit
-def _mma_partial(q_ptr, sa_ptr, w_ptr, ws_ptr, block, k_lo, k_hi, M, N, K_PAD, stride_sa, stride_ws,
+def _mma_partial(q_ptr, sa_ptr, w_ptr, ws_ptr, block, s, K_SLICE, M, N, K_PAD, stride_sa, stride_ws,
                  QUANT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
-    """The fp32 ``[BLOCK_N, ROWS]`` sum over K columns ``[k_lo, k_hi)`` of weight block ``block`` times
-    the quantized rows, from zero, in ``BLOCK_K`` steps (ptpc: unscaled; blockscale: each group scaled):
-    one slice of :func:`_mma_rows`. The one launch sums its program's slices with it in the split
-    MMA's order, so an eager call and a captured one give the same bits."""
+    """The fp32 ``[BLOCK_N, ROWS]`` sum over slice ``s`` of K (columns ``[s * K_SLICE, (s + 1) *
+    K_SLICE)`` within ``K_PAD``) of weight block ``block`` times the quantized rows, from zero, in
+    ``BLOCK_K`` steps (ptpc: unscaled; blockscale: each group scaled): one program of
+    :func:`_mma_rows`. The one launch sums its program's slices with it in the split MMA's order, so
+    an eager call and a captured one give the same bits."""
+    k_lo = s * K_SLICE
+    k_hi = tl.minimum(k_lo + K_SLICE, K_PAD)
     cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = cols < N
     rows = tl.arange(0, ROWS)
@@ -319,11 +322,11 @@ def decode_ptpc_kernel(x_ptr, q_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, sync_ptr,
             _grid_wait(sync_ptr, gen)
     if PHASES != 1:
         block = tl.program_id(0)
-        total = _mma_partial(q_ptr, sa_ptr, w_ptr, ws_ptr, block, 0, tl.minimum(K_SLICE, K_PAD), M, N, K_PAD, 0, 0, 0,
-                             BLOCK_N, BLOCK_K, ROWS)
+        total = _mma_partial(q_ptr, sa_ptr, w_ptr, ws_ptr, block, 0, K_SLICE, M, N, K_PAD, 0, 0, 0, BLOCK_N, BLOCK_K,
+                             ROWS)
         for j in tl.static_range(1, SPLIT):
-            total += _mma_partial(q_ptr, sa_ptr, w_ptr, ws_ptr, block, j * K_SLICE,
-                                  tl.minimum(j * K_SLICE + K_SLICE, K_PAD), M, N, K_PAD, 0, 0, 0, BLOCK_N, BLOCK_K, ROWS)
+            total += _mma_partial(q_ptr, sa_ptr, w_ptr, ws_ptr, block, j, K_SLICE, M, N, K_PAD, 0, 0, 0, BLOCK_N,
+                                  BLOCK_K, ROWS)
         cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.arange(0, ROWS)
         _finish_rows(total, sa_ptr, ws_ptr, bias_ptr, out_ptr, cols, cols < N, rows, rows < M, N, 0, HAS_BIAS,
