@@ -33,19 +33,16 @@ def _extra(p) -> None:
 def compare(layer, x: torch.Tensor, replays: int = 3) -> dict:
     """Eager calls and graph replays of ``layer`` at ``x``: their agreement, and the eager-vs-graph
     difference (elements that differ, the largest difference over max |eager|)."""
+    from cco.bench.timing import graphed
+
     eager = [layer(x).clone() for _ in range(3)]
     torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        layer(x)  # the capture's own warm-up on its stream (a first call allocates and builds)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = layer(x)
+    replays_of, uncaptured = graphed({"layer": lambda i: layer(x)}, rotate=1)
+    if uncaptured:  # (graphed would time it eagerly: eager against eager, which always agrees)
+        raise RuntimeError(f"probe_eager_graph_bits: the layer's call could not be captured ({layer!r})")
     replayed = []
     for _ in range(replays):
-        graph.replay()
+        out = replays_of["layer"](0)
         torch.cuda.synchronize()
         replayed.append(out.clone())
     e, g = eager[-1].float(), replayed[-1].float()
