@@ -29,7 +29,7 @@
 # A whole suite over several calls (a slow lend ran part 1 past its budget, 2026-12-06): each module
 # that passes is recorded in LOG_DIR/passed.txt with the tree's digest; with CCO_GPU_SUITE_RESUME=1 a
 # module recorded as passed on this same tree is not run again and counts as passed (its summary line
-# says when); a module that fails loses its record. native_build always runs (a fresh machine has no
+# says when, and how many of its sub-checks were skipped then); a module that fails loses its record. native_build always runs (a fresh machine has no
 # build). Keep LOG_DIR between calls (an ignored folder in the checkout, carried to the next call):
 #   CCO_GPU_SUITE_RESUME=1 CCO_GPU_SUITE_PACK=$OUT/suite.tgz bash scripts/gpu_suite.sh gpu-suite-logs
 # CCO_GPU_SUITE_PACK=FILE.tgz packs LOG_DIR into one file at the end (a lent machine returns 8 files).
@@ -116,8 +116,8 @@ for entry in "${MODULES[@]}"; do  # one after another: side by side on one GPU, 
   IFS='|' read -r name bound cmd <<<"$entry"  # and broke their time bounds (docs/experiments.md, 2026-12-03)
   if [ -n "${CCO_GPU_SUITE_RESUME:-}" ] && [ "$name" != native_build ] \
       && record=$(grep -m1 "^$name $tree " "$passed_file"); then
-    read -r _ _ took when <<<"$record"
-    verdict_of "$name" "passed earlier ($when)" "$took"
+    read -r _ _ took when skips <<<"$record"
+    verdict_of "$name" "passed earlier ($when)$([ "${skips:-0}" -gt 0 ] && echo ", $skips skipped")" "$took"
     earlier=$((earlier + 1))
     echo "[gpu-suite] $name: passed earlier on this tree ($when, ${took}s): not run again"
     continue
@@ -139,7 +139,7 @@ for entry in "${MODULES[@]}"; do  # one after another: side by side on one GPU, 
   if [ $rc -eq 0 ]; then verdict="passed$([ "$skips" -gt 0 ] && echo ", $skips skipped")"; else verdict="FAILED (exit $rc$([ $rc -eq 124 ] && echo ', timed out'))"; fi
   verdict_of "$name" "$verdict" "$took"
   grep -v "^$name $tree " "$passed_file" >"$passed_file.new"; mv "$passed_file.new" "$passed_file"
-  [ $rc -eq 0 ] && echo "$name $tree $took $(date -u +%Y-%m-%dT%H:%MZ)" >>"$passed_file"
+  [ $rc -eq 0 ] && echo "$name $tree $took $(date -u +%Y-%m-%dT%H:%MZ) $skips" >>"$passed_file"
   echo "[gpu-suite] $name: $verdict in ${took}s"
   [ $rc -eq 0 ] || tail -n 40 "$log_dir/$name.log"
   grep "_SKIPPED" "$log_dir/$name.log"

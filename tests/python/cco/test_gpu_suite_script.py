@@ -81,6 +81,7 @@ def test_resume_counts_what_passed_on_this_tree_and_runs_the_rest(tmp_path):
 
     fake, calls, logs = tmp_path / "python", tmp_path / "calls", tmp_path / "logs"
     fake.write_text('#!/bin/bash\necho "$*" >>"$FAKE_CALLS"\n'
+                    '[[ "$*" == *test_cuda_sp* ]] && echo "CUDA_SP_SKIPPED a sub-check this host cannot run"\n'
                     'for f in $FAKE_FAIL; do [[ "$*" == *"$f"* ]] && exit 1; done\nexit 0\n')
     fake.chmod(0o755)
 
@@ -103,6 +104,8 @@ def test_resume_counts_what_passed_on_this_tree_and_runs_the_rest(tmp_path):
     assert len(ran) == 2 and "native" in ran[0] and "test_cuda_op" in ran[1], ran
     assert "10 passed (8 of them in an earlier run on this tree), 0 failed" in done.stdout
     assert "cuda_nn: passed earlier on this tree" in done.stdout
+    assert any(line.startswith("cuda_sp ") and "passed earlier" in line and ", 1 skipped" in line
+               for line in done.stdout.splitlines()), done.stdout  # the skips a module had stay in its line
     with tarfile.open(tmp_path / "suite.tgz") as packed:
         assert "logs/passed.txt" in packed.getnames() and "logs/cuda_op.log" in packed.getnames()
 
