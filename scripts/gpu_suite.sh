@@ -30,7 +30,8 @@
 # that passes is recorded in LOG_DIR/passed.txt with the tree's digest; with CCO_GPU_SUITE_RESUME=1 a
 # module recorded as passed on this same tree is not run again and counts as passed (its summary line
 # says when, and how many of its sub-checks were skipped then); a module that fails loses its
-# record. native_build always runs (a fresh machine has no build). Keep LOG_DIR between calls (an ignored folder in the checkout, carried to the next call):
+# record. native_build always runs (a fresh machine has no build). Keep LOG_DIR between calls (an
+# ignored folder in the checkout, carried to the next call):
 #   CCO_GPU_SUITE_RESUME=1 CCO_GPU_SUITE_PACK=$OUT/suite.tgz bash scripts/gpu_suite.sh gpu-suite-logs
 # CCO_GPU_SUITE_PACK=FILE.tgz packs LOG_DIR into one file at the end (a lent machine returns 8 files).
 #
