@@ -82,7 +82,11 @@ Contracts:
   CPU backend never resets a word (counter targets grow by a known amount per call); the CUDA
   backend zeroes each counter at call start and each flag right after its single waiter reads it,
   inside the captured work, because a stream wait's target is baked into a captured CUDA graph.
-- Cleanup: ``close()`` (idempotent, not collective) or ``with``; it does not close ``comm``.
+- Cleanup: ``close()`` (idempotent, not collective) or ``with``; it does not close ``comm``. Close
+  on every rank at the same point: a peer's later call waits out its deadline, and its
+  ``CommTimeoutError`` then carries a note naming the rank that closed and its last call (the rank
+  leaves it in the store at close: ``cco.transport.reasons.PeerNotes``), not only "stalled, died or
+  lost a put".
 """
 
 from __future__ import annotations
@@ -97,7 +101,7 @@ from cco import layout
 from cco.backends.base import KEPT_WEIGHTS
 from cco.preshuffle import LAYOUT_MARK
 from cco.transport.protocol import PeerMismatchError, PeerRejectedError, SelfTestError
-from cco.transport.reasons import RejectionNotes
+from cco.transport.reasons import PeerNotes, note_closed_peers
 from cco.validate import check_operands
 from cco.window import open_window
 
@@ -306,7 +310,8 @@ class CollectiveGemmOp:
         self._counter_base = layout.zero_counters(self.world)
         notes = None
         if self.world > 1 and self.config.mode != "gemm-only":  # the same key prefix on every rank
-            notes = RejectionNotes(comm, comm.broadcast_object(secrets.token_hex(8) if self.rank == 0 else None))
+            notes = PeerNotes(comm, comm.broadcast_object(secrets.token_hex(8) if self.rank == 0 else None))
+        self._notes = notes
         self._accepted: set = set()  # operand signatures that passed _check
         # gemm-only, or one rank (the collective is the identity): the plain GEMM writes ``out``
         self._plain = self.config.mode == "gemm-only" or self.world == 1
@@ -414,7 +419,7 @@ class CollectiveGemmOp:
             raise RuntimeError(f"{self._FN}.__call__: the op is closed; build a new {self._FN}")
         collective = not self._plain
         if collective:
-            self._backend.raise_failed()
+            self._raise_failed()
         try:
             m = self._check(a, b_pre, a_scale, b_scale, f"{self._FN}.__call__")
         except (TypeError, ValueError) as err:
@@ -437,9 +442,24 @@ class CollectiveGemmOp:
                 # on this rank alone): take part in the call as a rejected one, or this rank's next
                 # call would take this seq and pair with the peers' this one (a result of two calls)
                 self._reject(err)
+            self._note_closed_peers(err)
             raise
         self._backend.raise_deferred()
         return out
+
+    def _raise_failed(self) -> None:
+        """The backend's ``raise_failed`` (a failed op's error, at its next call), its error noted as
+        :meth:`_note_closed_peers` notes it."""
+        try:
+            self._backend.raise_failed()
+        except Exception as err:
+            self._note_closed_peers(err)
+            raise
+
+    def _note_closed_peers(self, err: BaseException) -> None:
+        """Where ``err`` is a timeout, say which peers had closed their op before this rank's calls
+        (``PeerNotes.closed``): "stalled, died or lost a put" was all such a timeout could say."""
+        note_closed_peers(err, self._notes, rank=self.rank, world=self.world, seq=self._seq, what=self._FN)
 
     def reject(self, error: Exception) -> None:
         """Take part in this rank's next collective call as a rejected one: for a caller (a layer)
@@ -493,7 +513,11 @@ class CollectiveGemmOp:
         call released at its deadline (``CommTimeoutError``, the op is then failed), a peer's
         mismatched M (``PeerMismatchError``) or rejected inputs (``PeerRejectedError``). The wait is
         bounded by the deadline. The CPU backend raises inside the call itself."""
-        self._backend.check()
+        try:
+            self._backend.check()
+        except Exception as err:
+            self._note_closed_peers(err)
+            raise
 
     def vendor_weight(self, b_pre, b_scale):
         """The weight ``(b_pre, b_scale)`` as the backend's vendor GEMM holds it, kept per weight
@@ -528,9 +552,13 @@ class CollectiveGemmOp:
                    else f"1..m_max={self.config.m_max}")
             if why is not None:
                 error = ValueError(f"{fn}: m={m} must be rows a call may pass: {why}")
-        self._agree_self_test(fn, m, error)
-        rows = [m] if m is not None else [self._probe_rows(r) for r in self._backend.path_rows()]
-        runs = [self._self_test_rows(r, fn) for r in rows]
+        try:
+            self._agree_self_test(fn, m, error)
+            rows = [m] if m is not None else [self._probe_rows(r) for r in self._backend.path_rows()]
+            runs = [self._self_test_rows(r, fn) for r in rows]
+        except Exception as err:
+            self._note_closed_peers(err)
+            raise
         return {**runs[0], "runs": runs}
 
     def _agree_self_test(self, fn: str, m, error: Exception | None) -> None:
@@ -557,7 +585,7 @@ class CollectiveGemmOp:
         return layout.most_call_rows(self.config.pattern, rows, self.world)
 
     def _self_test_rows(self, m: int, fn: str) -> dict:
-        self._backend.raise_failed()
+        self._raise_failed()
         seq = self._seq + 1
         self._probe_prepare(m, seq)
         # no peer writes into a received region before it is poisoned: a barrier bounded by deadline_s
@@ -634,10 +662,13 @@ class CollectiveGemmOp:
 
     # ---- lifetime -----------------------------------------------------------------------------------
     def close(self) -> None:
-        """Release the backend and the window (local, idempotent); ``comm`` stays open."""
+        """Release the backend and the window (local, idempotent); ``comm`` stays open. A peer that
+        calls the op after this times out, its error naming this rank as closed (``PeerNotes``)."""
         if self._closed:
             return
         self._closed = True
+        if self._notes is not None:
+            self._notes.post_closed(rank=self.rank, seq=self._seq)
         self._launches.clear()
         self._backend.close()
         if self._backend.retains_window:
@@ -717,7 +748,11 @@ class ScatterGemmOp(CollectiveGemmOp):
             return out
 
         def launch(a, a_scale):
-            backend.raise_failed()
+            try:  # (inline, not _raise_failed: an eager call pays for every frame)
+                backend.raise_failed()
+            except Exception as err:
+                op()._note_closed_peers(err)
+                raise
             return op()._run_call(body, a, None, a_scale, None, m)
         return launch
 

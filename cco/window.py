@@ -15,6 +15,7 @@ Both are created collectively (every rank, same layout) and zero-filled before f
 from __future__ import annotations
 
 import abc
+import hashlib
 import mmap
 import os
 import platform
@@ -172,9 +173,33 @@ class _DevicePointer:
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
 
 
+# Own allocations of closed IPC windows that a peer may still map. CUDA leaves freeing an exported
+# allocation before every importer closed its mapping undefined (cuIpcOpenMemHandle), and closing is
+# local: a rank closes its window while a peer still maps it, or still calls and writes into it (a
+# rank that closed its op early: cco.op). Each is freed once every peer has posted in the store that
+# it unmapped it, checked whenever this process opens or closes an IPC window; the rest go with the
+# process (its context's teardown).
+_UNFREED: list = []  # (pointer, the store, the peers' keys)
+_STORE_S = 1.0  # a close's store calls, bounded: a store served by a dead rank must not hold it
+
+
+def _free_unmapped() -> None:
+    """Free every allocation in ``_UNFREED`` that no peer maps any longer."""
+    from cco.cuda.memops import mem_free
+    from cco.transport.reasons import within
+
+    for entry in list(_UNFREED):
+        ptr, store, keys = entry
+        if within(lambda: store.check(keys), _STORE_S):
+            _UNFREED.remove(entry)
+            mem_free(ptr)
+
+
 class IpcWindow(Window):
     """CUDA window in device memory of its own (``cuMemAlloc``), mapped into every rank process through
-    CUDA IPC handles. Works when ranks share a GPU, where torch symmetric memory refuses."""
+    CUDA IPC handles. Works when ranks share a GPU, where torch symmetric memory refuses. Closing it
+    unmaps the peers' allocations at once and frees the own one once every peer has unmapped it
+    (``_UNFREED``)."""
 
     def __init__(self, *, comm, layout: WindowLayout):
         super().__init__(comm=comm, layout=layout)
@@ -183,10 +208,13 @@ class IpcWindow(Window):
         self._device = comm.device
         nbytes = max(layout.nbytes, 1)
         torch.cuda.synchronize(self._device)  # makes the device's primary context current for the driver
+        _free_unmapped()
         self._own = mem_alloc(nbytes)
         self._opened: list[int] = []
+        self._unmapped_key = None  # the store key prefix of this window's "unmapped" posts, once mapped
         try:
             handles = comm.all_gather_object(ipc_export(self._own))
+            self._unmapped_key = f"cco/ipc/{hashlib.sha1(b''.join(handles)).hexdigest()[:16]}/unmapped/"
             ptrs = []
             for r, handle in enumerate(handles):
                 if r == self.rank:
@@ -211,14 +239,25 @@ class IpcWindow(Window):
 
     def _release(self) -> None:
         from cco.cuda.memops import ipc_close, mem_free
+        from cco.transport.reasons import store_of, within
 
         self._peers = []
         for ptr in self._opened:
             ipc_close(ptr)
         self._opened = []
-        if self._own is not None:
-            mem_free(self._own)
-            self._own = None
+        if self._own is None:
+            return
+        own, self._own = self._own, None
+        if self._unmapped_key is None or self.world == 1:  # no handle went out: no peer maps it
+            mem_free(own)
+            return
+        store = within(lambda: store_of(self.comm), _STORE_S)
+        if store is None:  # no store to tell: kept until the process exits
+            _UNFREED.append((own, None, None))
+            return
+        within(lambda: store.set(f"{self._unmapped_key}{self.rank}", "1"), _STORE_S)
+        _UNFREED.append((own, store, [f"{self._unmapped_key}{r}" for r in range(self.world) if r != self.rank]))
+        _free_unmapped()
 
 
 def ranks_share_a_device(comm) -> bool:

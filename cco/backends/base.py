@@ -203,7 +203,7 @@ class Backend(abc.ABC):
       deadline_s: seconds one call's waits may take in total before one raises.
       faults:     optional :class:`cco.transport.FaultPlan` (tests: lost puts, a silent engine).
                   A backend that cannot inject faults raises ValueError when one is passed.
-      notes:      optional :class:`cco.transport.reasons.RejectionNotes`: where a rejecting rank
+      notes:      optional :class:`cco.transport.reasons.PeerNotes`: where a rejecting rank
                   leaves its reason and a peer reads it (None: peers name the rank, not the reason).
 
     Backend modules: ``cco.backends.cpu.CpuBackend``, ``cco.backends.cuda.CudaBackend``,

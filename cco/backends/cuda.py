@@ -860,7 +860,7 @@ class CudaBackend(Backend):
         """M of call ``seq`` on a peer that did not reject it, from the (seq, M) stamp the peer sends
         with its first chunk (``scatter_m``) or on every tile (lsa ``tile_flags``), read as it
         arrives; ``REJECTED_M`` if every peer rejected the call too (its stamp says so, or it posted
-        the rejection, ``RejectionNotes.posted``: a peer that rejects waits here as well and sends no
+        the rejection, ``PeerNotes.posted``: a peer that rejects waits here as well and sends no
         stamp, so where every rank rejects a call, as one rank's bad input or an out-of-memory that
         strikes every rank alike, none would arrive and each rank waited out ``deadline_s``); None if
         no stamp arrives within ``deadline_s``."""

@@ -1,23 +1,32 @@
-"""Why a rank rejected a call, for its peers' errors.
+"""What a rank leaves for its peers' errors: why it rejected a call, and that it closed its op.
 
 A rank whose inputs fail validation still takes part in the call (``cco.op``, "Rejected calls"):
 it publishes a "rejected" (seq, M) stamp, which is all a peer needs to fail the call. The reason
 (the rank's own error message) is text of any length, so it does not travel through the window:
 the rejecting rank writes it into the communicator's key-value store before it publishes the
 stamp, and a peer that finds the stamp reads it from there. Both happen on the error path only.
+
+A rank that closes its op (``close()``, local: a ``with`` block left on one rank by an exception
+of its own, say) writes the seq of its last call there too. A peer that calls the op again waits
+out its deadline, as for a stalled peer; its timeout then says which peers closed their op and
+after which call, instead of leaving "stalled, died or lost a put" to guess (:meth:`PeerNotes.closed`).
 """
 
 from __future__ import annotations
 
 import datetime
+import threading
 
-from cco.transport.protocol import PeerRejectedError
+from cco.transport.protocol import CommTimeoutError, PeerRejectedError
 
 REASON_CHARS = 400  # of the rejecting rank's error message, enough for its first sentences
 _FETCH_S = 5.0  # a peer's wait for the reason; it was written before the stamp the peer just read
+# a timed-out rank's look for closed peers: on the error path, within the fault bound (deadline + 2 s)
+# even where the store's server is on a dead rank and its reads would wait for the store's own timeout
+CLOSED_LOOKUP_S = 1.0
 
 
-def _store(comm):
+def store_of(comm):
     """The store of ``comm``'s process group: ``comm.store`` if the communicator has one, else the
     default group's (torchrun, mpirun and spawn all create one)."""
     store = getattr(comm, "store", None)
@@ -28,9 +37,10 @@ def _store(comm):
     return dist.distributed_c10d._get_default_store()
 
 
-class RejectionNotes:
-    """The reasons of one op's rejected calls, keyed by the op's ``token`` (the same on every rank),
-    the call's seq and the rejecting rank."""
+class PeerNotes:
+    """What one op's ranks leave in the store for their peers, keyed by the op's ``token`` (the same
+    on every rank): the reasons of rejected calls (by the call's seq and the rejecting rank), and
+    the last call of a rank that closed its op."""
 
     def __init__(self, comm, token: str):
         self.comm = comm
@@ -42,7 +52,7 @@ class RejectionNotes:
     def post(self, *, seq: int, rank: int, reason: str) -> str | None:
         """Publish ``reason``; None, or why it could not be published (the peers then say so)."""
         try:
-            _store(self.comm).set(self._key(seq, rank), reason[:REASON_CHARS])
+            store_of(self.comm).set(self._key(seq, rank), reason[:REASON_CHARS])
         except Exception as err:  # the stamp alone still fails the call on every rank
             return f"{type(err).__name__}: {err}"
         return None
@@ -50,7 +60,7 @@ class RejectionNotes:
     def posted(self, *, seq: int, rank: int) -> bool:
         """Whether ``rank`` published a reason for rejecting call ``seq`` (without waiting for one)."""
         try:
-            return bool(_store(self.comm).check([self._key(seq, rank)]))
+            return bool(store_of(self.comm).check([self._key(seq, rank)]))
         except Exception:  # noqa: BLE001 - a store that cannot say: the caller waits for the stamp
             return False
 
@@ -58,15 +68,73 @@ class RejectionNotes:
         """The reason ``rank`` gave for rejecting call ``seq``, or a note saying why it is missing."""
         key = self._key(seq, rank)
         try:
-            store = _store(self.comm)
+            store = store_of(self.comm)
             store.wait([key], datetime.timedelta(seconds=_FETCH_S))
             value = store.get(key)
         except Exception as err:
             return f"(its reason could not be read from the store: {type(err).__name__}: {err})"
         return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
+    def _closed_key(self, rank: int) -> str:
+        return f"cco/{self.token}/closed/{rank}"
 
-def post_rejection(notes: RejectionNotes | None, *, seq: int, rank: int, error: BaseException) -> None:
+    def post_closed(self, *, rank: int, seq: int) -> None:
+        """``rank`` closed its op after its call ``seq`` (best effort, bounded: close() is local and
+        must neither fail nor wait on the store; where it cannot be written, the peers' timeouts say
+        what they said before)."""
+        key = self._closed_key(rank)
+        within(lambda: store_of(self.comm).set(key, str(seq)), CLOSED_LOOKUP_S)
+
+    def closed(self, peers, *, within_s: float = CLOSED_LOOKUP_S) -> dict[int, int]:
+        """``{rank: seq of its last call}`` of the ``peers`` that closed their op, read within
+        ``within_s`` (:func:`within`; none where the reads did not end by then)."""
+        def read() -> dict[int, int]:
+            store, found = store_of(self.comm), {}
+            for p in peers:
+                key = self._closed_key(p)
+                if store.check([key]):
+                    found[p] = int(store.get(key))
+            return found
+
+        return within(read, within_s) or {}
+
+
+def within(fn, seconds: float):
+    """``fn()``'s result, or None where it raised or did not return within ``seconds``: the store
+    calls of an error path or of a local close(), run in a daemon thread so that a store whose
+    server died (a client may wait out the store's own timeout, minutes) does not hold the caller."""
+    result: list = []
+
+    def run():
+        try:
+            result.append(fn())
+        except Exception:  # noqa: BLE001 - best effort: the caller goes on without it
+            pass
+
+    worker = threading.Thread(target=run, name="cco-store", daemon=True)
+    try:
+        worker.start()
+    except RuntimeError:  # no new thread at the interpreter's shutdown (a close() from a finalizer)
+        return None
+    worker.join(seconds)
+    return result[0] if result else None
+
+
+def note_closed_peers(error: BaseException, notes: PeerNotes | None, *, rank: int, world: int, seq: int,
+                      what: str) -> None:
+    """Where ``error`` is a wait that passed its deadline (``CommTimeoutError``) in this rank's calls
+    up to ``seq``, add a note naming each peer that closed its op (``what``) before that call: those
+    calls could not complete. Once per error object (a failed op raises the same error again)."""
+    if notes is None or not isinstance(error, CommTimeoutError) or getattr(error, "_cco_closed_looked", False):
+        return
+    error._cco_closed_looked = True
+    for peer, last in sorted(notes.closed([p for p in range(world) if p != rank]).items()):
+        if last < seq:
+            error.add_note(f"rank {peer} closed its {what} (close()) after its call seq {last}, so rank {rank}'s "
+                           f"calls since cannot complete: close the op on every rank together (or none)")
+
+
+def post_rejection(notes: PeerNotes | None, *, seq: int, rank: int, error: BaseException) -> None:
     """Publish ``error`` as ``rank``'s reason for rejecting call ``seq`` (before its rejected stamp);
     where it cannot be published, say so on ``error`` (the stamp alone still fails the call)."""
     problem = notes.post(seq=seq, rank=rank, reason=f"{type(error).__name__}: {error}") if notes is not None else None
@@ -74,7 +142,7 @@ def post_rejection(notes: RejectionNotes | None, *, seq: int, rank: int, error: 
         error.add_note(f"rank {rank}: the reason could not be passed to the peers: {problem}")
 
 
-def rejected_error(notes: RejectionNotes | None, *, rank: int, src: int, seq: int,
+def rejected_error(notes: PeerNotes | None, *, rank: int, src: int, seq: int,
                    output: str = "") -> PeerRejectedError:
     """The error ``rank`` raises for call ``seq``, which rank ``src`` rejected, with ``src``'s
     reason; ``output`` says what became of this rank's output, where that needs saying."""

@@ -24,6 +24,10 @@ call. Promises, per scenario:
 - ``stalled``: the victim never makes call 2 (it sleeps past the deadline, then leaves the op).
   Every other rank raises ``CommTimeoutError`` naming the victim and seq 2; then a fresh op is
   correct on every rank.
+- ``closed``: the victim closes its op after call 1 (``close()`` is local: a ``with`` block left on
+  one rank alone) and makes no call 2. Every other rank raises ``CommTimeoutError`` naming the
+  victim and saying that it closed its op after its call seq 1 (the note it left in the store);
+  then a fresh op is correct on every rank.
 - ``late``: the victim makes call 2 half a deadline late. Every rank's call 2 is correct.
 - ``stalled-graph`` (CUDA only): every rank captures one call into a CUDA graph and replays it
   once (correct); then the victim stops replaying. The other ranks' next replay is released at the
@@ -70,8 +74,8 @@ from cco.preshuffle import preshuffle_b
 from cco.transport import Drop, FaultPlan
 
 RAISE_SLACK_S = 2.0  # the issue's bound: every live rank raises within deadline + 2 s
-SCENARIOS = ("bad-input", "m-mismatch", "m-mismatch-chunks", "stalled", "late", "dropped", "killed")  # killed last:
-# it replaces the communicator
+# killed last: it replaces the communicator
+SCENARIOS = ("bad-input", "m-mismatch", "m-mismatch-chunks", "stalled", "closed", "late", "dropped", "killed")
 GPU_ONLY = ("stalled-graph", "stalled-read", "stalled-sync")  # a graph's replay, host waits: GPU backends only
 GPU_SCENARIOS = SCENARIOS[:-1] + GPU_ONLY + ("killed",)
 # on CUDA a call that passed its deadline leaves the op failed (its words may no longer be in step
@@ -294,6 +298,17 @@ def run(comm, name: str, victim: int, setup: Setup, backend: str) -> dict:
         # as many chunks: 3/4 of two m-tiles still fill two; fewer chunks: half the rows, one m-tile
         _m_mismatch(comm, setup, report, name, backend, victim, setup.m - setup.m // 4 if name == "m-mismatch"
                     else setup.m // 2)
+    elif name == "closed":
+        with setup.op(comm) as op:
+            _expect_correct(report, attempt(op, setup.operands(rank, 1)), setup.reference(range(world), 1), "call 1")
+            if rank == victim:
+                op.close()
+                time.sleep(d + RAISE_SLACK_S + 0.5)  # the fresh op's construction after the peers' call 2
+            else:
+                _expect_raise(report, attempt(op, setup.operands(rank, 2)), setup,
+                              f"call 2, rank {victim} closed its op after call 1", ("CommTimeoutError",),
+                              (f"rank {victim} closed its {setup.op_name} (close()) after its call seq 1",))
+        _fresh_op_is_correct(comm, setup, report)
     elif name in ("stalled", "late"):
         with setup.op(comm) as op:
             _expect_correct(report, attempt(op, setup.operands(rank, 1)), setup.reference(range(world), 1), "call 1")

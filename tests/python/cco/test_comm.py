@@ -357,3 +357,35 @@ def test_a_rank_behind_its_peers_raises_how_far_and_the_peers_exchange_again(wor
     assert ahead == [[want]] * (world - 1), ahead
     assert last[0][:2] == ("PeerMismatchError", 1) and "1 call(s) behind" in last[0][2], last
     assert last[1] == want, last
+
+
+def test_an_ipc_window_frees_its_own_allocation_only_once_every_peer_unmapped_it(monkeypatch):
+    """Guards freeing an exported allocation while a peer still maps it (undefined in CUDA IPC; a rank
+    that closed its op early while a peer still calls and writes into its window): the bookkeeping of
+    ``IpcWindow`` close with the driver's calls replaced, two ranks' windows in one process over one
+    store. Freed at once, rank 0's allocation would be gone while rank 1 maps it."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    import cco.window as W
+    from cco.cuda import memops
+
+    freed, unmapped = [], []
+    monkeypatch.setattr(memops, "mem_free", freed.append)
+    monkeypatch.setattr(memops, "ipc_close", unmapped.append)
+    monkeypatch.setattr(W, "_UNFREED", [])
+    comm = SimpleNamespace(store=dist.HashStore())
+
+    def window(rank: int):  # what IpcWindow.__init__ leaves after mapping: own 10 + rank, the peer's at 20 + rank
+        w = object.__new__(W.IpcWindow)
+        w.comm, w.rank, w.world, w._closed, w._peers = comm, rank, 2, False, []
+        w._own, w._opened, w._unmapped_key = 10 + rank, [20 + rank], "cco/ipc/test/unmapped/"
+        return w
+
+    first, second = window(0), window(1)
+    first.close()
+    assert unmapped == [20] and freed == []  # rank 1 still maps rank 0's allocation: kept
+    second.close()
+    assert unmapped == [20, 21] and sorted(freed) == [10, 11]  # every mapping gone: both freed
+    assert W._UNFREED == []

@@ -1,7 +1,7 @@
 """The op's fault handling on NVIDIA GPUs, and what it costs the fused call.
 
 Every scenario of ``fault_scenarios`` (bad input on each rank in turn, a one-sided M mismatch with
-as many and with fewer chunks, a stalled, a late and a killed rank, a lost put; and on the GPU only
+as many and with fewer chunks, a stalled, a closed, a late and a killed rank, a lost put; and on the GPU only
 a rank that stops replaying a captured CUDA graph, and a stalled rank whose peer reads its output,
 or synchronizes the device, before ``check()``: ``GPU_ONLY``) runs on two ranks,
 once with the copy engines (``transport="dma"``) and once with the lsa kernel (``"lsa"``; the lost

@@ -203,7 +203,7 @@ def test_the_gpu_suites_local_failure_check_runs_on_cpu_ranks():
 
 
 class _Notes:
-    """``RejectionNotes`` of a stand-in store: the ranks that posted a rejection of each seq."""
+    """``PeerNotes`` of a stand-in store: the ranks that posted a rejection of each seq."""
 
     def __init__(self, posted):
         self.posted_by, self.asked = posted, 0
@@ -264,9 +264,57 @@ def test_rejection_notes_say_whether_a_rank_posted_without_waiting():
 
     import torch.distributed as dist
 
-    from cco.transport.reasons import RejectionNotes
+    from cco.transport.reasons import PeerNotes
 
-    notes = RejectionNotes(SimpleNamespace(store=dist.HashStore()), "op")
+    notes = PeerNotes(SimpleNamespace(store=dist.HashStore()), "op")
     assert not notes.posted(seq=3, rank=1)
     notes.post(seq=3, rank=1, reason="RuntimeError: out of memory")
     assert notes.posted(seq=3, rank=1) and not notes.posted(seq=3, rank=0) and not notes.posted(seq=4, rank=1)
+
+
+@pytest.mark.host
+def test_closed_notes_name_the_peers_that_closed_before_the_call_and_never_hold_the_caller():
+    """A timeout's note on closed peers (``note_closed_peers``): it names a peer that closed its op
+    before this rank's call, not one that closed after it (a survivor closing the op a dead peer
+    failed), adds itself once to an error raised again, and returns within its bound where the
+    store's reads hang (a store served by a dead rank): the fault bound is deadline + 2 s."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from cco.transport.protocol import CommTimeoutError
+    from cco.transport.reasons import CLOSED_LOOKUP_S, PeerNotes, note_closed_peers
+
+    notes = PeerNotes(SimpleNamespace(store=dist.HashStore()), "op")
+    notes.post_closed(rank=1, seq=3)
+    notes.post_closed(rank=2, seq=5)
+    err = CommTimeoutError("rank 0: waited")
+    note_closed_peers(err, notes, rank=0, world=4, seq=5, what="GemmAllReduceOp")
+    assert err.__notes__ == ["rank 1 closed its GemmAllReduceOp (close()) after its call seq 3, so rank 0's calls "
+                             "since cannot complete: close the op on every rank together (or none)"]
+    note_closed_peers(err, notes, rank=0, world=4, seq=6, what="GemmAllReduceOp")  # the same error, raised again
+    assert len(err.__notes__) == 1
+    other = ValueError("not a timeout")
+    note_closed_peers(other, notes, rank=0, world=4, seq=6, what="GemmAllReduceOp")
+    assert not getattr(other, "__notes__", None)
+
+    release = threading.Event()
+
+    class HangingStore:  # every read waits, as a client of a store whose server died may
+        def check(self, keys):
+            release.wait(30)
+            return True
+
+        def get(self, key):
+            return b"1"
+
+    hung = CommTimeoutError("rank 0: waited")
+    t0 = time.monotonic()
+    note_closed_peers(hung, PeerNotes(SimpleNamespace(store=HangingStore()), "op"), rank=0, world=2, seq=2,
+                      what="GemmAllReduceOp")
+    took = time.monotonic() - t0
+    release.set()
+    assert took < 2 * CLOSED_LOOKUP_S, took
+    assert not getattr(hung, "__notes__", None)

@@ -1,7 +1,8 @@
 """The all-reduce op's fault scenarios (``fault_scenarios``) played on the sequence-parallel ops: a
-rank's one-sided bad input, a mismatched M (same and fewer chunks), a stalled rank, a killed rank, a
-lost put. Every live rank raises within deadline + 2 s, nothing wrong is returned, and the op (or a
-fresh one) computes correctly afterwards. Real CPU rank processes; short deadlines."""
+rank's one-sided bad input, a mismatched M (same and fewer chunks), a stalled rank, a rank that
+closed its op, a killed rank, a lost put. Every live rank raises within deadline + 2 s, nothing
+wrong is returned, and the op (or a fresh one) computes correctly afterwards. Real CPU rank
+processes; short deadlines."""
 
 import pytest
 
@@ -15,7 +16,7 @@ N, K = 384, 256
 # rows per call: the reduce-scatter along tokens has M/W rows per slice, so 2 chunks of 64 rows at
 # world 4 need M = 512 (the "dropped" scenario loses chunk 1); the all-gather passes M rows per rank
 ROWS = {"reduce-scatter-rows": 512, "reduce-scatter-cols": 128, "all-gather": 128}
-SCENARIOS = ("bad-input", "m-mismatch", "m-mismatch-chunks", "stalled", "dropped", "killed")
+SCENARIOS = ("bad-input", "m-mismatch", "m-mismatch-chunks", "stalled", "closed", "dropped", "killed")
 CASES = [pytest.param(p, name, 2, id=f"{p}-{name}-w2") for p in ("reduce-scatter-rows", "all-gather")
          for name in SCENARIOS]
 CASES += [pytest.param("reduce-scatter-rows", "dropped", 4, id="reduce-scatter-rows-dropped-w4"),
