@@ -75,7 +75,8 @@ def test_resume_counts_what_passed_on_this_tree_and_runs_the_rest(tmp_path):
     """The suite over several calls (``CCO_GPU_SUITE_RESUME=1``): a module recorded as passed on this
     tree's digest is not run again and counts as passed; one that failed, a record of another tree,
     and the C++ build always run; a failure drops the module's record; ``CCO_GPU_SUITE_PACK`` packs
-    the log folder. The modules are a stand-in interpreter (``PYTHON``) that logs its arguments and
+    the log folder; under ``CCO_GPU_SUITE_BUDGET`` a module starts only where what is left holds its
+    typical time. The modules are a stand-in interpreter (``PYTHON``) that logs its arguments and
     fails where ``FAKE_FAIL`` names one, so the script's bookkeeping runs here without a GPU."""
     import tarfile
 
@@ -117,3 +118,14 @@ def test_resume_counts_what_passed_on_this_tree_and_runs_the_rest(tmp_path):
     (logs / "passed.txt").write_text((logs / "passed.txt").read_text().replace(tree, "000000000000"))
     done, ran = suite(CCO_GPU_SUITE_RESUME="1")  # records of another tree count for nothing
     assert done.returncode == 0 and len(ran) == 10 and "earlier" not in done.stdout
+
+    # a budget that holds some modules' typical time and not others': those start, the rest wait for
+    # the next call (a module cut at the budget's end, as cuda_hf twice on 2026-12-06, wastes its time)
+    (logs / "passed.txt").write_text("")
+    done, ran = suite(CCO_GPU_SUITE_RESUME="1", CCO_GPU_SUITE_BUDGET="105")  # ~90 s left for each module
+    assert done.returncode == 3, done.stdout  # cuda_nn (95 s), cuda_op (110 s), cuda_hf (130 s) not started
+    skipped = {line.split()[0] for line in done.stdout.splitlines() if "not started: budget" in line}
+    assert skipped == {"cuda_nn", "cuda_op", "cuda_hf"} and len(ran) == 7, (done.stdout, ran)
+    assert "cuda_faults_ag" in (logs / "passed.txt").read_text()  # the last module still ran: it fits
+    done, ran = suite(CCO_GPU_SUITE_RESUME="1")
+    assert done.returncode == 0 and len(ran) == 4 and "10 passed (6 of them in an earlier run" in done.stdout, ran
