@@ -186,7 +186,7 @@ _STORE_S = 1.0  # a close's store calls, bounded: a store served by a dead rank 
 def _free_unmapped() -> None:
     """Free every allocation in ``_UNFREED`` that no peer maps any longer."""
     from cco.cuda.memops import mem_free
-    from cco.transport.reasons import within
+    from cco.transport.store import within
 
     for entry in list(_UNFREED):
         ptr, store, keys = entry
@@ -239,7 +239,7 @@ class IpcWindow(Window):
 
     def _release(self) -> None:
         from cco.cuda.memops import ipc_close, mem_free
-        from cco.transport.reasons import store_of, within
+        from cco.transport.store import store_of, within
 
         self._peers = []
         for ptr in self._opened:

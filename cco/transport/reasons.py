@@ -15,26 +15,15 @@ after which call, instead of leaving "stalled, died or lost a put" to guess (:me
 from __future__ import annotations
 
 import datetime
-import threading
 
 from cco.transport.protocol import CommTimeoutError, PeerRejectedError
+from cco.transport.store import store_of, within
 
 REASON_CHARS = 400  # of the rejecting rank's error message, enough for its first sentences
 _FETCH_S = 5.0  # a peer's wait for the reason; it was written before the stamp the peer just read
 # a timed-out rank's look for closed peers: on the error path, within the fault bound (deadline + 2 s)
 # even where the store's server is on a dead rank and its reads would wait for the store's own timeout
 CLOSED_LOOKUP_S = 1.0
-
-
-def store_of(comm):
-    """The store of ``comm``'s process group: ``comm.store`` if the communicator has one, else the
-    default group's (torchrun, mpirun and spawn all create one)."""
-    store = getattr(comm, "store", None)
-    if store is not None:
-        return store
-    import torch.distributed as dist
-
-    return dist.distributed_c10d._get_default_store()
 
 
 class PeerNotes:
@@ -97,27 +86,6 @@ class PeerNotes:
             return found
 
         return within(read, within_s) or {}
-
-
-def within(fn, seconds: float):
-    """``fn()``'s result, or None where it raised or did not return within ``seconds``: the store
-    calls of an error path or of a local close(), run in a daemon thread so that a store whose
-    server died (a client may wait out the store's own timeout, minutes) does not hold the caller."""
-    result: list = []
-
-    def run():
-        try:
-            result.append(fn())
-        except Exception:  # noqa: BLE001 - best effort: the caller goes on without it
-            pass
-
-    worker = threading.Thread(target=run, name="cco-store", daemon=True)
-    try:
-        worker.start()
-    except RuntimeError:  # no new thread at the interpreter's shutdown (a close() from a finalizer)
-        return None
-    worker.join(seconds)
-    return result[0] if result else None
 
 
 def note_closed_peers(error: BaseException, notes: PeerNotes | None, *, rank: int, world: int, seq: int,
