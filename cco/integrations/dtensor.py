@@ -50,7 +50,11 @@ call (not split). Every check reads global shapes only, so every rank reaches th
 
 from __future__ import annotations
 
+import sys
+from contextlib import contextmanager
 from functools import partial
+
+import torch
 
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -59,6 +63,34 @@ from cco.integrations.fused import (FusedOptions, check_column_parallel, check_r
                                     fuse_linear, run_fused)
 
 _ROW, _COL = "FusedRowwiseParallel", "FusedColwiseParallel"
+
+
+def _plan_path(module) -> str | None:
+    """``module``'s path in the model given to ``parallelize_module``, or None where that cannot be
+    told. torch hands a style's ``_apply`` the module alone; the outermost ``parallelize_module``
+    frame on the stack holds the model (its ``module`` argument), whose ``named_modules`` name it.
+    Read on the error path only (a refusal that names "Linear" leaves a plan of many to search)."""
+    frame, model = sys._getframe(1), None
+    while frame is not None:
+        if frame.f_code.co_name == "parallelize_module" and isinstance(frame.f_locals.get("module"), torch.nn.Module):
+            model = frame.f_locals["module"]
+        frame = frame.f_back
+    if model is None:
+        return None
+    return next((name for name, m in model.named_modules() if m is module), None)
+
+
+@contextmanager
+def _path_on_error(module):
+    """An error of a style's ``_apply`` on ``module`` gets a note with the module's path in the model
+    (:func:`_plan_path`), where it can be told."""
+    try:
+        yield
+    except Exception as err:
+        path = _plan_path(module)
+        if path:  # ("": the model itself, which the error's own words already name)
+            err.add_note(f"(the module {path!r} of the model passed to parallelize_module)")
+        raise
 
 
 def _check_mesh(device_mesh, fn: str) -> int:
@@ -157,12 +189,13 @@ class FusedRowwiseParallel(RowwiseParallel):
 
     def _apply(self, module, device_mesh):
         name = f"{type(module).__name__} under {_ROW}"
-        world = _check_mesh(device_mesh, _ROW)
-        check_row_parallel(module, name=name, world=world, fn=_ROW)  # before torch shards anything
-        # torch: shards W (Shard(1)) and b, installs the input/output steps
-        module = super()._apply(module, device_mesh)
-        layer = fuse_linear(module, group=device_mesh.get_group(), world=world, options=self.options, name=name,
-                            fn=_ROW, sequence_parallel=self.sequence_parallel)
+        with _path_on_error(module):
+            world = _check_mesh(device_mesh, _ROW)
+            check_row_parallel(module, name=name, world=world, fn=_ROW)  # before torch shards anything
+            # torch: shards W (Shard(1)) and b, installs the input/output steps
+            module = super()._apply(module, device_mesh)
+            layer = fuse_linear(module, group=device_mesh.get_group(), world=world, options=self.options, name=name,
+                                fn=_ROW, sequence_parallel=self.sequence_parallel)
         if self.sequence_parallel:
             module.forward = partial(_row_sp_forward, layer, device_mesh, self.output_layouts[0])
         else:
@@ -200,12 +233,13 @@ class FusedColwiseParallel(ColwiseParallel):
 
     def _apply(self, module, device_mesh):
         name = f"{type(module).__name__} under {_COL}"
-        world = _check_mesh(device_mesh, _COL)
-        check_column_parallel(module, name=name, world=world, fn=_COL)  # before torch shards anything
-        # torch: shards W and b (Shard(0)), installs the input/output steps
-        module = super()._apply(module, device_mesh)
-        layer = fuse_column_linear(module, group=device_mesh.get_group(), world=world, options=self.options,
-                                   name=name, fn=_COL)
+        with _path_on_error(module):
+            world = _check_mesh(device_mesh, _COL)
+            check_column_parallel(module, name=name, world=world, fn=_COL)  # before torch shards anything
+            # torch: shards W and b (Shard(0)), installs the input/output steps
+            module = super()._apply(module, device_mesh)
+            layer = fuse_column_linear(module, group=device_mesh.get_group(), world=world, options=self.options,
+                                       name=name, fn=_COL)
         module.forward = partial(_col_sp_forward, layer, device_mesh, self.input_layouts[0])
         return module
 

@@ -138,6 +138,11 @@ def _rank_main(comm):
                                                              FusedColwiseParallel(input_layouts=Shard(1))))
     out["uneven_out"] = error_of(lambda: parallelize_module(torch.nn.Linear(H, 129), mesh,
                                                            FusedColwiseParallel(input_layouts=Shard(1))))
+    # in a plan over a model: the refusal says which module (torch gives the style the module alone)
+    model = torch.nn.ModuleDict({"blocks": torch.nn.ModuleList([MLPBlock(), torch.nn.ModuleDict(
+        {"norm": torch.nn.LayerNorm(H)})])})
+    out["not_a_linear_in_plan"] = error_of(lambda: parallelize_module(
+        model, mesh, {"blocks.1.norm": FusedColwiseParallel(input_layouts=Shard(1))}), notes=True)
     col = parallelize_module(MLPBlock().gate, mesh, FusedColwiseParallel(input_layouts=Shard(1), m_max=M_MAX))
     row = parallelize_module(MLPBlock().down, mesh, FusedRowwiseParallel(output_layouts=Shard(1), m_max=M_MAX))
     odd = torch.randn(2, 15, H).to(torch.bfloat16)
@@ -221,6 +226,10 @@ def test_refused_cases_raise_on_every_rank_and_the_ranks_stay_in_step(ranks):
     for r in ranks:
         for key, prefix in expected.items():
             assert r[key].startswith(prefix), (key, r[key])
+        # the same refusal in a plan over a model, with the module's path (before: its class alone)
+        assert r["not_a_linear_in_plan"].startswith(expected["not_a_linear"]), r["not_a_linear_in_plan"]
+        assert r["not_a_linear_in_plan"].endswith(
+            "\n(the module 'blocks.1.norm' of the model passed to parallelize_module)"), r["not_a_linear_in_plan"]
     # before the rejection, rank 0's call returned (paired with rank 1's next call's rows) and rank 0
     # waited out its deadline a call later
     assert ranks[1]["row_odd_one_rank"].startswith(expected["row_odd_seq"]), ranks[1]["row_odd_one_rank"]
