@@ -180,7 +180,6 @@ class _DevicePointer:
 # it unmapped it, checked whenever this process opens or closes an IPC window; the rest go with the
 # process (its context's teardown).
 _UNFREED: list = []  # (pointer, the store, the peers' keys)
-_STORE_S = 1.0  # a close's store calls, bounded: a store served by a dead rank must not hold it
 
 
 def _free_unmapped() -> None:
@@ -190,7 +189,7 @@ def _free_unmapped() -> None:
 
     for entry in list(_UNFREED):
         ptr, store, keys = entry
-        if within(lambda: store.check(keys), _STORE_S):
+        if within(lambda: store.check(keys)):
             _UNFREED.remove(entry)
             mem_free(ptr)
 
@@ -251,11 +250,11 @@ class IpcWindow(Window):
         if self._unmapped_key is None or self.world == 1:  # no handle went out: no peer maps it
             mem_free(own)
             return
-        store = within(lambda: store_of(self.comm), _STORE_S)
-        if store is None:  # no store to tell: kept until the process exits
-            _UNFREED.append((own, None, None))
+        try:
+            store = store_of(self.comm)
+        except Exception:  # noqa: BLE001 - no store to tell (no process group left): kept until the process exits
             return
-        within(lambda: store.set(f"{self._unmapped_key}{self.rank}", "1"), _STORE_S)
+        within(lambda: store.set(f"{self._unmapped_key}{self.rank}", "1"))
         _UNFREED.append((own, store, [f"{self._unmapped_key}{r}" for r in range(self.world) if r != self.rank]))
         _free_unmapped()
 

@@ -55,7 +55,6 @@ from contextlib import contextmanager
 from functools import partial
 
 import torch
-
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 

@@ -17,13 +17,10 @@ from __future__ import annotations
 import datetime
 
 from cco.transport.protocol import CommTimeoutError, PeerRejectedError
-from cco.transport.store import store_of, within
+from cco.transport.store import STORE_CALL_S, store_of, within
 
 REASON_CHARS = 400  # of the rejecting rank's error message, enough for its first sentences
 _FETCH_S = 5.0  # a peer's wait for the reason; it was written before the stamp the peer just read
-# a timed-out rank's look for closed peers: on the error path, within the fault bound (deadline + 2 s)
-# even where the store's server is on a dead rank and its reads would wait for the store's own timeout
-CLOSED_LOOKUP_S = 1.0
 
 
 class PeerNotes:
@@ -72,9 +69,9 @@ class PeerNotes:
         must neither fail nor wait on the store; where it cannot be written, the peers' timeouts say
         what they said before)."""
         key = self._closed_key(rank)
-        within(lambda: store_of(self.comm).set(key, str(seq)), CLOSED_LOOKUP_S)
+        within(lambda: store_of(self.comm).set(key, str(seq)))
 
-    def closed(self, peers, *, within_s: float = CLOSED_LOOKUP_S) -> dict[int, int]:
+    def closed(self, peers, *, within_s: float = STORE_CALL_S) -> dict[int, int]:
         """``{rank: seq of its last call}`` of the ``peers`` that closed their op, read within
         ``within_s`` (:func:`within`; none where the reads did not end by then)."""
         def read() -> dict[int, int]:

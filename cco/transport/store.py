@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import threading
 
+# The bound of one such call: a store round trip takes milliseconds; an error's note must stay within
+# the fault bound (deadline + 2 s) where the store's server is on a dead rank and a read would wait
+# out the store's own timeout (minutes)
+STORE_CALL_S = 1.0
+
 
 def store_of(comm):
     """The store of ``comm``'s process group: ``comm.store`` if the communicator has one, else the
@@ -20,7 +25,7 @@ def store_of(comm):
     return dist.distributed_c10d._get_default_store()
 
 
-def within(fn, seconds: float):
+def within(fn, seconds: float = STORE_CALL_S):
     """``fn()``'s result, or None where it raised or did not return within ``seconds``: the store
     calls of an error path or of a local close(), run in a daemon thread so that a store whose
     server died (a client may wait out the store's own timeout, minutes) does not hold the caller."""
