@@ -76,7 +76,7 @@ def with_config(D, quant: str, cfg) -> None:
     bn, bk, split, warps, stages = cfg
     for m in (2, D.MMA_ROWS_MAX):  # the rows' tables and the wide MMA's
         set_tables((bn, bk, warps, stages), quant, m)
-    D.MMA_SPLIT[quant] = split
+    D.MMA_SPLIT[quant] = D.MMA_SPLIT_WIDE[quant] = split
     D.MMA_SPLIT_WAVES[quant] = 1 << 20  # the config's split wherever the steps allow it
 
 
@@ -144,7 +144,7 @@ def main(argv=None):
     NV.ENABLED = False  # the Python path's launches, as a graph captures them
     # every table with_config sets (decode's own dicts, set in place), and their values before
     tables = [t for quant in args.quant for m in (2, D.MMA_ROWS_MAX) for t in D.tables(quant, m)]
-    tables += [D.MMA_SPLIT, D.MMA_SPLIT_WAVES]
+    tables += [D.MMA_SPLIT, D.MMA_SPLIT_WIDE, D.MMA_SPLIT_WAVES]
     saved = [dict(t) for t in tables]
 
     def restore():

@@ -38,6 +38,8 @@ SHAPES = {  # name: (N, K)
     "70b-o-tp8": (8192, 1024),
     # transformers' Llama keeps q/k/v and gate/up as separate linears: the shapes its decode step calls
     "8b-gate-tp1": (14336, 4096), "8b-kv-tp1": (1024, 4096),
+    # and its k/v_proj at TP 2 and 8 (column-parallel: the decode GEMM at any world), 8 and 2 blocks of 64
+    "8b-kv-tp2": (512, 4096), "8b-kv-tp8": (128, 4096),
 }
 
 

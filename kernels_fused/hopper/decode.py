@@ -140,7 +140,18 @@ WIDE_STAGES = {"ptpc": 4, "blockscale": 3}
 # ptpc's cap went from 2 to 8 (2026-12-05 night, one H100, the same probe at 8B kv: 16 blocks, K 4096,
 # 8 / 16 rows, BLOCK_K 256): split 2 6.39 / 6.52 us, 4 5.92 / 6.02, 8 5.97 / 6.02 against nn.Linear's
 # 6.36 / 6.41; the waves bound keeps weights of more than 33 blocks where they were (8B o and down at 2).
-MMA_SPLIT = {"ptpc": 8, "blockscale": 4}
+# From MMA_SPLIT_WIDE_ROWS rows (the MMA's ROWS) on, ptpc's cap is MMA_SPLIT_WIDE's 4: a block's last
+# program sums SPLIT partials of [BLOCK_N, ROWS] fp32, and at 8B kv (16 blocks) 8 slices of two steps
+# lost to 4 from 32 rows. blockscale's cap went from 4 to 8 (its weights of 33 blocks or fewer: more
+# take fewer slices by the waves bound), where its MMA, which waits for each scale group's product,
+# gains from every slice. One H100, 2026-12-06, probe_decode_split_k --cold --block-n 64 --block-k
+# 256 at 8B kv at TP 1 / 2 / 8 (16 / 8 / 2 blocks, K 4096), 2..64 rows, a weight a call: ptpc at 32 /
+# 64 rows 4 slices 7.8 / 8.9, 6.5 / 7.8, 6.3 / 7.3 us against 8 slices' 8.2 / 10.0, 6.5 / 8.1, 6.4 /
+# 7.8 (equal at 2..16 rows); blockscale 8 slices 6.8-9.5, 5.7-7.8, 5.5-7.6 us against 4 slices'
+# 7.1-10.7, 5.8-8.9, 5.5-8.5 (the gap growing with the rows: 1.1 us at 64 rows at TP 1).
+MMA_SPLIT = {"ptpc": 8, "blockscale": 8}
+MMA_SPLIT_WIDE_ROWS = 32
+MMA_SPLIT_WIDE = {"ptpc": 4, "blockscale": 8}
 MMA_SPLIT_WAVES = {"ptpc": 1, "blockscale": 2}
 # One row under a graph capture takes the quantizer + MMA where the fp8 weight has at least this many
 # bytes, else the one-row kernel as eagerly: the quantizer's launch costs ~2 us of a replay, which a
@@ -436,12 +447,14 @@ def one_slices(m: int, k_padded: int, programs: int) -> tuple[int, int]:
     return -(-k_padded // slice_k), slice_k
 
 
-def mma_split(quant: str, programs: int, steps: int, device: int) -> int:
+def mma_split(quant: str, programs: int, steps: int, device: int, rows: int = 16) -> int:
     """The MMA's K slices per weight block for a weight of ``programs`` blocks and ``steps`` K steps
-    on ``device``: ``MMA_SPLIT``, halved while the grid would exceed ``MMA_SPLIT_WAVES`` programs per
+    on ``device``, the MMA ``rows`` wide (its ``ROWS``): ``MMA_SPLIT`` (from ``MMA_SPLIT_WIDE_ROWS``
+    rows ``MMA_SPLIT_WIDE``), halved while the grid would exceed ``MMA_SPLIT_WAVES`` programs per
     SM (one SM under Triton's interpreter: ``resident_programs``) or a slice would have fewer than
     two steps."""
-    split, most = MMA_SPLIT[quant], MMA_SPLIT_WAVES[quant] * resident_programs(device)
+    cap = (MMA_SPLIT_WIDE if rows >= MMA_SPLIT_WIDE_ROWS else MMA_SPLIT)[quant]
+    split, most = cap, MMA_SPLIT_WAVES[quant] * resident_programs(device)
     while split > 1 and (programs * split > most or steps < 2 * split):
         split //= 2
     return split
@@ -576,7 +589,7 @@ class _Launch:
         options = dict(num_warps=table_warps[quant], num_stages=table_stages[quant])
         if quant in QUANTIZED_ROWS:
             programs = -(-n // block_n)
-            split = mma_split(quant, programs, k_padded // step, device)
+            split = mma_split(quant, programs, k_padded // step, device, mma_rows(m))
             self.layout = MmaScratch(quant, m, k_padded, programs, split, block_n, mma_rows(m))
             zero_words = self.layout.counter_words  # (0 without a split: nothing to zero)
             if quant == "ptpc":  # the quantizer's ROW_BLOCK, SLICE_K, SKIP_ZEROS, ROUND_IN_FP32, ZERO_WORDS

@@ -558,7 +558,8 @@ def check_decode_native(comm, log):
 
 def check_decode_split(comm, log):
     """The MMA over quantized rows with K split over programs (``decode.MMA_SPLIT``: a weight of 16
-    blocks of 64 features, K 4096, so ptpc splits K in 8 and blockscale in 4) and one row under a
+    blocks of 64 features, K 4096, so ptpc splits K in 8 up to 16 rows and in 4 from 32
+    (``MMA_SPLIT_WIDE``), blockscale in 8) and one row under a
     capture (the quantizer's launch and the MMA, where eager calls take the one-row kernel): within
     the fp8 GEMM's budget at 1, 8 and 40 rows, eagerly and in graph replays into NaN-poisoned outputs;
     a repeat gives the same bits; and two graphs of one call shape replayed at once on two streams
@@ -583,10 +584,11 @@ def check_decode_split(comm, log):
             layer = RowParallelLinear(k, n, group=solo, quant=quant, bias=False, m_max=64)
             layer.load_weight((torch.randn(n, k, generator=g) / k ** 0.5).to(torch.bfloat16).to(comm.device))
             wd = layer.dequantized_weight().cpu()
-            split = D.mma_split(quant, n // D.WIDE_BLOCK_N[quant], k // D.WIDE_BLOCK_K[quant], comm.device.index)
-            if split != D.MMA_SPLIT[quant]:
-                raise AssertionError(f"decode split {quant}: the rule gives {split} slices, {D.MMA_SPLIT[quant]} "
-                                     f"expected")
+            splits = {m: D.mma_split(quant, n // D.WIDE_BLOCK_N[quant], k // D.WIDE_BLOCK_K[quant], comm.device.index,
+                                     D.mma_rows(m)) for m in rows}
+            want = {m: (D.MMA_SPLIT_WIDE if D.mma_rows(m) >= D.MMA_SPLIT_WIDE_ROWS else D.MMA_SPLIT)[quant] for m in rows}
+            if splits != want:
+                raise AssertionError(f"decode split {quant}: the rule gives {splits} slices by rows, {want} expected")
 
             def budget(x, got, where):
                 a = Q.dequantize_a(*Q.quantize_a(x.cpu().float(), quant), quant)
@@ -603,9 +605,9 @@ def check_decode_split(comm, log):
                         raise AssertionError(f"decode split {quant} M={m}: a repeated eager call differs")
                     grids = {launch.kernel.grid for key, launch in D._LAUNCHES.items()
                              if key[0] == m and key[-4] == n and launch.quant == quant and launch.kernel is not None}
-                    if (n // 64, split) not in grids:
+                    if (n // 64, splits[m]) not in grids:
                         raise AssertionError(f"decode split {quant} M={m}: the MMA's grids {grids}, "
-                                             f"({n // 64}, {split}) expected")
+                                             f"({n // 64}, {splits[m]}) expected")
                     statics = [x.clone(), torch.randn(m, k, generator=g).to(torch.bfloat16).to(comm.device)]
                     graphs = [captured(lambda v=v: layer(v)) for v in statics]
                     wants = []
@@ -633,7 +635,8 @@ def check_decode_split(comm, log):
     finally:
         D.CAPTURED_ROW_MIN_BYTES = bound
     solo.close()
-    log(f"ok decode split: ptpc K in {D.MMA_SPLIT['ptpc']}, blockscale in {D.MMA_SPLIT['blockscale']}, M {rows} "
+    log(f"ok decode split: ptpc K in {D.MMA_SPLIT['ptpc']} ({D.MMA_SPLIT_WIDE['ptpc']} from "
+        f"{D.MMA_SPLIT_WIDE_ROWS} rows), blockscale in {D.MMA_SPLIT['blockscale']}, M {rows} "
         f"(one row captured: quantizer + MMA) eager and graph replays within the fp8 budget, repeats equal, two "
         f"graphs of one shape replayed at once on two streams x20 equal to their own products")
 

@@ -427,9 +427,10 @@ def test_vendor_rows_rule(monkeypatch, cublas):
 
 def test_mma_split_rule(monkeypatch):
     """The MMA's K split (``mma_split``): ptpc 2 where twice the weight's blocks fit one program per
-    SM (Llama-3-8B's 64 blocks of 4096 features on 132 SMs; not 70B's 128 nor 8B qkv's 96),
-    blockscale 4 where four times them fit two per SM (64 blocks), else 2 where twice them do (96
-    and 128 blocks; not gate+up's 448), halved until each slice has two K steps; one SM (Triton's
+    SM (Llama-3-8B's 64 blocks of 4096 features on 132 SMs; not 70B's 128 nor 8B qkv's 96), up to
+    8 (4 from 32 rows wide) where a few blocks leave room (8B kv's 16); blockscale 4 where four times
+    them fit two per SM (64 blocks), else 2 where twice them do (96 and 128 blocks; not gate+up's
+    448), up to 8 at any width (8B kv); halved until each slice has two K steps; one SM (Triton's
     interpreter) never splits ptpc."""
     from kernels_fused.hopper import decode as D
 
@@ -439,20 +440,23 @@ def test_mma_split_rule(monkeypatch):
         4, 4, 2, 2, 2, 2, 1, 1]
     assert [D.mma_split("blockscale", 64, s, 0) for s in (8, 7, 4, 3, 1)] == [4, 2, 2, 1, 1]
     assert [D.mma_split("ptpc", 64, s, 0) for s in (4, 3)] == [2, 1]
+    # 8B kv (16 blocks, 16 steps): ptpc 8 slices up to 16 rows wide, 4 from 32 (MMA_SPLIT_WIDE)
+    assert [D.mma_split("ptpc", 16, 16, 0, rows) for rows in (16, 32, 64)] == [8, 4, 4]
+    assert [D.mma_split("blockscale", 16, 16, 0, rows) for rows in (16, 32, 64)] == [8, 8, 8]
     monkeypatch.undo()
     assert D.mma_split("ptpc", 1, 56, -1) == 1
 
 
-# the slices the rule gives (ptpc, blockscale): MMA_SPLIT's cap (8, 4) halved while a slice would take
+# the slices the rule gives (ptpc, blockscale): MMA_SPLIT's cap (8, 8) halved while a slice would take
 # fewer than two steps of BLOCK_K 256 (128 where 256 does not divide K_PAD)
 @pytest.mark.parametrize("m, n, k, k_padded, splits", [(2, 200, 2000, 2048, (4, 4)), (17, 200, 2000, 2048, (4, 4)),
-                                                         (5, 130, 1100, 1152, (4, 4)), (3, 200, 4000, 4096, (8, 4))],
+                                                         (5, 130, 1100, 1152, (4, 4)), (3, 200, 4000, 4096, (8, 8))],
                          ids=lambda v: str(v))
 @pytest.mark.parametrize("quant", ["ptpc", "blockscale"])
 def test_mma_rows_with_k_split(monkeypatch, quant, m, n, k, k_padded, splits):
     """The MMA over quantized rows with K split over programs (a GPU of 132 SMs assumed, so the
-    rule splits a weight of 3 or 4 blocks into as many slices as its K steps allow: 4, and ptpc's 8
-    at K 4096): within one ulp of the two-launch reference at 16 and 32 rows wide, the bias as
+    rule splits a weight of 3 or 4 blocks into as many slices as its K steps allow: 4, and 8 at K
+    4096): within one ulp of the two-launch reference at 16 and 32 rows wide, the bias as
     ``out += bias``, the same bits on a repeat, and the same product as the unsplit MMA to within its
     rounding. K 1152 is 9 steps of 128 (256 does not divide it), so the slices take 3, 3, 3 and 0
     steps (an empty slice counts in with a zero partial) and N 130 leaves a block of 2 features."""
@@ -473,6 +477,7 @@ def test_mma_rows_with_k_split(monkeypatch, quant, m, n, k, k_padded, splits):
     assert torch.equal(D.decode_gemm(x, wq, ws, quant, n=n, bias=bias), got + bias)
     assert torch.equal(D.decode_gemm(x, wq, ws, quant, n=n), got)
     monkeypatch.setattr(D, "MMA_SPLIT", {"ptpc": 1, "blockscale": 1})
+    monkeypatch.setattr(D, "MMA_SPLIT_WIDE", {"ptpc": 1, "blockscale": 1})
     D._LAUNCHES.clear()
     unsplit = D.decode_gemm(x, wq, ws, quant, n=n)
     assert [launch.kernel.grid for launch in D._LAUNCHES.values()] == [(blocks, 1)]
