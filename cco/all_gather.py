@@ -59,12 +59,14 @@ class AllGatherGemmOp(CollectiveGemmOp):
             n=n, k=k, m_max=m_max, quant=quant, mode=mode, transport=transport, gather_dtype="bf16",
             chunks=chunks, deadline_s=deadline_s, weight_layout=weight_layout))
 
-    def __call__(self, a, b_pre, a_scale, b_scale, *, return_a: bool = False):
+    def __call__(self, a, b_pre, a_scale, b_scale, *, return_a: bool = False, tag: int = 0):
         """bf16 ``[W * m, n]`` for this rank's rows ``a [m, K]``: every rank's rows, in rank order,
-        times this rank's weight. ``return_a``: ``(out, a_all, a_scale_all)``."""
+        times this rank's weight. ``return_a``: ``(out, a_all, a_scale_all)``. ``tag``: the caller,
+        stamped with the call (``ScatterGemmOp.__call__``)."""
+        self._tag = tag
         if not return_a:
             launch = self._launches.launch_for(a, b_pre, a_scale, b_scale)  # one rank: the plain GEMM, kept
-            if launch is not None:
+            if launch is not None and type(tag) is int and 0 <= tag < layout.CALL_TAGS:  # (else _call rejects it)
                 self._seq += self._alone
                 return launch(a, a_scale)
             return self._call(a, b_pre, a_scale, b_scale, self._gather_call)
@@ -96,7 +98,7 @@ class AllGatherGemmOp(CollectiveGemmOp):
             gathered = (torch.empty(total, self.config.k, dtype=a.dtype, device=a.device),
                         self._scale_like(a_scale, total))
         self._collective(lambda plan: self._backend.all_gather_gemm(a, b_pre, a_scale, b_scale, out=out, plan=plan,
-                                                                   gathered=gathered), m)
+                                                                   gathered=gathered), m, self._tag)
         return out if not with_a else (out, gathered[0], as_passed(gathered[1]))
 
     def _as_slot(self, a_scale: torch.Tensor):

@@ -312,6 +312,10 @@ def _pick_block_n(n_slice: int) -> int | None:
     return next((b for b in BLOCK_N_CHOICES if n_slice % b == 0), None)
 
 
+MAX_M = (1 << 24) - 1  # the most rows of a call: the 24 bits of M in a call's (seq, tag, M) stamp (cco.transport.base)
+CALL_TAGS = 1 << 8  # a call's caller tag, 0 .. CALL_TAGS - 1: the stamp's 8 bits above M (cco.nn's layers)
+
+
 def build_config(*, n: int, k: int, m_max: int, world: int, quant: str = "ptpc", mode: str = "fused",
                  transport: str | None = None, gather_dtype: str = "bf16", chunks: int | None = None,
                  block_m: int | None = None, block_n: int | None = None,
@@ -332,6 +336,9 @@ def build_config(*, n: int, k: int, m_max: int, world: int, quant: str = "ptpc",
     for name, value in (("n", n), ("k", k), ("m_max", m_max), ("world", world)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive int")
+    if m_max > MAX_M:
+        raise ValueError(f"m_max={m_max} is more rows than a call's stamp holds ({MAX_M}); run the rows in calls of "
+                         f"at most {MAX_M}")
     if quant not in QUANTS:
         raise ValueError(f"quant={quant!r} is not supported; pass one of {', '.join(QUANTS)}")
     if gather_dtype not in GATHER_DTYPES:
@@ -621,6 +628,7 @@ class CallPlan:
     tiles: tuple[Tile, ...]
     slice_m: int = 0  # rows of one slice (layout.slice_rows); plan_call sets it
     origins: tuple[tuple[int, int], ...] = ()  # per dest, slice_origin
+    tag: int = 0  # the caller's tag, stamped with (seq, M): which of an op's users (cco.nn layers) made the call
 
     def target(self, dest: int, chunk: int) -> int:
         return self.counter_targets[dest][chunk]
@@ -650,11 +658,11 @@ def zero_counters(world: int) -> tuple[tuple[int, ...], ...]:
 
 
 def plan_call(cfg: OpConfig, *, m: int, seq: int, rank: int,
-              counter_base: tuple[tuple[int, ...], ...]) -> CallPlan:
+              counter_base: tuple[tuple[int, ...], ...], tag: int = 0) -> CallPlan:
     """The plan of call ``seq`` with ``m`` rows; ``counter_base`` is the previous plan's
     ``counter_targets`` (``zero_counters(world)`` for the first call)."""
     assert seq >= 1
-    return plan_from(call_shape(cfg, m, rank), seq=seq, counter_base=counter_base)
+    return plan_from(call_shape(cfg, m, rank), seq=seq, counter_base=counter_base, tag=tag)
 
 
 def call_shape(cfg: OpConfig, m: int, rank: int) -> tuple:
@@ -664,12 +672,13 @@ def call_shape(cfg: OpConfig, m: int, rank: int) -> tuple:
     return _call_shape(cfg, m, rank)
 
 
-def plan_from(shape: tuple, *, seq: int, counter_base: tuple[tuple[int, ...], ...]) -> CallPlan:
-    """The plan of call ``seq`` of the :func:`call_shape` ``shape``, after ``counter_base``."""
+def plan_from(shape: tuple, *, seq: int, counter_base: tuple[tuple[int, ...], ...], tag: int = 0) -> CallPlan:
+    """The plan of call ``seq`` of the :func:`call_shape` ``shape``, after ``counter_base``, made by
+    the caller ``tag``."""
     m, rank, padded, per_chunk, rows, tiles, slice_m, origins = shape
     targets = tuple(tuple(map(operator.add, base, per_chunk)) for base in counter_base)
     return CallPlan(seq=seq, m=m, padded_m=padded, rank=rank, chunks=len(rows), rows=rows, counter_base=counter_base,
-                    counter_targets=targets, tiles=tiles, slice_m=slice_m, origins=origins)
+                    counter_targets=targets, tiles=tiles, slice_m=slice_m, origins=origins, tag=tag)
 
 
 @functools.lru_cache(maxsize=TILE_TABLE_CACHE)

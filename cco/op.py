@@ -307,6 +307,7 @@ class CollectiveGemmOp:
         self.deadline_s = float(deadline_s)
         self.rank, self.world = comm.rank, comm.world
         self._seq = 0
+        self._tag = 0  # the caller's tag of the call in progress (__call__'s ``tag``), stamped with its (seq, M)
         self._counter_base = layout.zero_counters(self.world)
         notes = None
         if self.world > 1 and self.config.mode != "gemm-only":  # the same key prefix on every rank
@@ -422,6 +423,8 @@ class CollectiveGemmOp:
             self._raise_failed()
         try:
             m = self._check(a, b_pre, a_scale, b_scale, f"{self._FN}.__call__")
+            if not (type(self._tag) is int and 0 <= self._tag < layout.CALL_TAGS):
+                raise ValueError(f"{self._FN}.__call__: tag={self._tag!r} must be an int in 0..{layout.CALL_TAGS - 1}")
         except (TypeError, ValueError) as err:
             if collective:  # still a collective call: the peers fail it too and stay in step
                 self._reject(err)
@@ -489,15 +492,16 @@ class CollectiveGemmOp:
             err.add_note(f"{self._FN}: rank {self.rank} could not take part in call seq {seq} it rejected: "
                          f"{type(problem).__name__}: {problem}")
 
-    def _collective(self, body, m: int):
-        """Run one collective call with the next seq; on failure bring the own counters to the
-        call's targets (no tile of it is in flight any more) so the next call's targets hold."""
+    def _collective(self, body, m: int, tag: int = 0):
+        """Run one collective call with the next seq, stamped with the caller's ``tag``; on failure
+        bring the own counters to the call's targets (no tile of it is in flight any more) so the
+        next call's targets hold."""
         shape = self._call_shapes.get(m)
         if shape is None:  # what the plan takes from M alone, kept per M (layout.plan_call hashes the config)
             if len(self._call_shapes) >= CALL_SHAPES:
                 self._call_shapes.clear()
             shape = self._call_shapes[m] = layout.call_shape(self.config, m, self.rank)
-        plan = layout.plan_from(shape, seq=self._seq + 1, counter_base=self._counter_base)
+        plan = layout.plan_from(shape, seq=self._seq + 1, counter_base=self._counter_base, tag=tag)
         self._seq, self._counter_base = plan.seq, plan.counter_targets
         try:
             return body(plan)
@@ -696,13 +700,17 @@ class ScatterGemmOp(CollectiveGemmOp):
     """The patterns whose GEMM tiles are scattered to the owner of their output slice and reduced
     there (all-reduce, reduce-scatter): one call body, the pattern's output shape."""
 
-    def __call__(self, a, b_pre, a_scale, b_scale) -> torch.Tensor:
+    def __call__(self, a, b_pre, a_scale, b_scale, *, tag: int = 0) -> torch.Tensor:
         """bf16 output of this rank's ``a [M, K] @ unshuffle(b_pre) [N, K].T`` summed over the ranks: the
-        whole ``[M, N]`` (all-reduce) or this rank's share (reduce-scatter, ``layout.out_shape``)."""
+        whole ``[M, N]`` (all-reduce) or this rank's share (reduce-scatter, ``layout.out_shape``).
+        ``tag`` (0 .. ``layout.CALL_TAGS - 1``): the caller, where several share the op (``cco.nn``'s
+        layers of one family: ``WindowPool.layer_tag``); peers whose call of the same seq has another
+        tag fail it as they fail other rows (``PeerMismatchError``)."""
+        self._tag = tag
         # a call like an accepted one: its kept launch (a plain GEMM's, or a collective call's around
         # the backend's bound launch, which counts its own seq: _alone is 0 there; a closed op keeps none)
         launch = self._launches.launch_for(a, b_pre, a_scale, b_scale)
-        if launch is not None:
+        if launch is not None and type(tag) is int and 0 <= tag < layout.CALL_TAGS:  # (else _call rejects it)
             self._seq += self._alone
             return launch(a, a_scale)
         return self._call(a, b_pre, a_scale, b_scale, self._reduce_call)
@@ -723,7 +731,7 @@ class ScatterGemmOp(CollectiveGemmOp):
             if kept is not None:  # kept for the calls like it, and this call runs through it
                 self._launches.keep(a, b_pre, a_scale, b_scale, self._kept_collective(kept, m, new_out))
                 body = functools.partial(kept, a, a_scale, out)  # (then its plan)
-        self._collective(body, m)
+        self._collective(body, m, self._tag)
         return out
 
     def _out_maker(self, m: int):
@@ -744,7 +752,7 @@ class ScatterGemmOp(CollectiveGemmOp):
 
         def body(a, _b, a_scale, _s, m):
             out = new_out()
-            op()._collective(functools.partial(kept, a, a_scale, out), m)
+            op()._collective(functools.partial(kept, a, a_scale, out), m, op()._tag)
             return out
 
         def launch(a, a_scale):

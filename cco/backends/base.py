@@ -43,10 +43,11 @@ Protocol every backend follows (see ``cco.layout`` for the regions):
    ``recv[rank]`` of the owner ``dest`` (lsa); after a tile's stores are complete, one
    ``counters[dest, chunk] += 1`` (release). A chunk is complete at ``plan.target(dest, chunk)``.
 3. Scatter: the transport puts each completed (dest, chunk) into ``recv[rank]`` of ``dest``; before
-   the first chunk's flag it writes ``scatter_m[rank] = m`` in the peer, then
-   ``scatter_flags[rank, chunk] = seq`` (release) after the data.
-4. Reduce (owner): wait ``scatter_flags[src, c] >= seq`` for every src, check
-   ``scatter_m[src] == m`` (raise ``cco.transport.protocol.PeerMismatchError`` otherwise), sum
+   the first chunk's flag it writes ``scatter_m[rank]`` = the call's (seq, tag, m) stamp
+   (``transport.base.stamp_of_plan``: the caller's tag tells the layers sharing one op apart) in the
+   peer, then ``scatter_flags[rank, chunk] = seq`` (release) after the data.
+4. Reduce (owner): wait ``scatter_flags[src, c] >= seq`` for every src, check that ``scatter_m[src]``
+   is its own stamp (raise ``cco.transport.protocol.PeerMismatchError`` otherwise), sum
    ``partial[rank] + recv[src]`` in fp32 in ``layout.reduce_order``; round to bf16 (or e4m3 + one
    fp32 scale per row and 128 columns for ``gather_dtype="fp8"``).
 5. Gather: put the reduced chunk into ``gather[rank]`` of every rank (self included), then

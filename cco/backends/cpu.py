@@ -16,7 +16,7 @@ from cco.backends.base import Backend, row_major_readings
 from cco.preshuffle import unshuffle_b
 from cco.quant import dequantize_a, dequantize_b, dequantize_gather, quantize_gather
 from cco.transport import transport_class
-from cco.transport.base import REJECTED_M, stamp_rejected, stamp_seq_m, unstamp_seq_m
+from cco.transport.base import REJECTED_M, mismatch_text, stamp_of_plan, stamp_rejected, unstamp
 from cco.transport.protocol import CommTimeoutError, Deadline, PeerMismatchError, release, wait_at_least
 from cco.transport.reasons import post_rejection, rejected_error
 from kernels_fused.cpu.tiles import dequantized_operands, run_arriving_tiles, run_chunks, run_tiles
@@ -195,7 +195,7 @@ class CpuBackend(Backend):
             for dest in layout.dest_order(rank, self.world)[:-1]:
                 copies = [(rows[r0:r1], self._a_rows[dest][rank][r0:r1]),
                           (self._scale_rows(scales, r0, r1), self._scale_rows(self._a_scales[dest][rank], r0, r1))]
-                stamp = (self._peer_scatter_m[dest], rank, stamp_seq_m(plan.seq, plan.m)) if chunk == 0 else None
+                stamp = (self._peer_scatter_m[dest], rank, stamp_of_plan(plan)) if chunk == 0 else None
                 self.transport.put(dest=dest, copies=copies, flag_words=self._peer_scatter_flags[dest],
                                    flag_index=layout.counter_index(rank, chunk), seq=plan.seq, phase="scatter",
                                    chunk=chunk, stamp=stamp)
@@ -366,17 +366,14 @@ class CpuBackend(Backend):
                                    f"seq {plan.seq}; the ranks are out of step; rebuild the op on every rank")
 
     def _check_peer_m(self, src, plan) -> None:
-        seq, m = unstamp_seq_m(int(self._scatter_m[src]))
+        seq, m, tag = unstamp(int(self._scatter_m[src]))
         if seq != plan.seq:
             raise PeerMismatchError(f"rank {self.rank}: rank {src}'s chunk-0 stamp is for seq {seq}, not {plan.seq}; "
                                     f"the ranks are out of step; rebuild the op on every rank")
         if m == REJECTED_M:
             raise rejected_error(self.notes, rank=self.rank, src=src, seq=seq)
-        if m != plan.m:
-            raise PeerMismatchError(
-                f"rank {self.rank}: called with M={plan.m} but rank {src} called with M={m} (call seq "
-                f"{plan.seq}); every rank must pass the same number of rows"
-            )
+        if (m, tag) != (plan.m, plan.tag):
+            raise PeerMismatchError(mismatch_text(self.rank, (plan.m, plan.tag), src, (m, tag), plan.seq))
 
     def _reduce_gather_assemble(self, plan, out, deadline):
         rank, seq = self.rank, plan.seq

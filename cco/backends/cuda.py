@@ -915,8 +915,8 @@ class CudaBackend(Backend):
         status = self.schedule.check()
         if status:
             raise PeerMismatchError(
-                f"rank {self.rank}: rank {status - 1} stamped another (seq, M) than this rank for the same call; "
-                f"every rank must call with the same M, in the same order")
+                f"rank {self.rank}: rank {status - 1} stamped another (seq, M) or layer than this rank for the same "
+                f"call; every rank must call the same layers with the same M, in the same order")
 
     def close(self):
         if self.schedule is not None:

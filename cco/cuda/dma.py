@@ -116,7 +116,7 @@ from cco import layout
 from cco.cuda import kernels
 from cco.cuda import memops as cuda_memops
 from cco.cuda.kernels import STATUS_WORDS
-from cco.transport.base import stamp_rejected, stamp_seq_m
+from cco.transport.base import stamp_of_plan, stamp_rejected
 
 _WORD = 8  # bytes of one int64 counter or flag
 STREAMS_KEPT = 64  # current_stream's Stream objects kept, by (stream id, device, type)
@@ -420,8 +420,8 @@ class CopyEngineSchedule:
         self.begin_event.record(main)
 
     def stamp_of(self, plan: layout.CallPlan) -> int:
-        """The (seq, M) stamp of ``plan``'s call; the rejected stamp for a call this rank rejected."""
-        return stamp_rejected(plan.seq) if plan.seq == self.rejected_seq else stamp_seq_m(plan.seq, plan.m)
+        """The (seq, tag, M) stamp of ``plan``'s call; the rejected stamp for a call this rank rejected."""
+        return stamp_rejected(plan.seq) if plan.seq == self.rejected_seq else stamp_of_plan(plan)
 
     def set_counters(self, plan: layout.CallPlan) -> None:
         """Bring this call's counters to their targets without a GEMM (``all_reduce_window``)."""

@@ -80,7 +80,7 @@ import torch
 
 from cco import layout
 from cco.cuda.kernels import STATUS_WORDS
-from cco.transport.base import REJECTED_M, stamp_seq_m, unstamp_seq_m
+from cco.transport.base import REJECTED_M, describe_call, mismatch_text, stamp_seq_m, unstamp, unstamp_seq_m
 from cco.transport.protocol import CommTimeoutError, PeerMismatchError
 from cco.transport.reasons import rejected_error
 
@@ -327,19 +327,21 @@ class Watchdog:
     # ---- errors -------------------------------------------------------------------------------------
     def _call_name(self) -> str:
         plan = self.plan
-        return "the call in flight" if plan is None else f"call seq {plan.seq} (M={plan.m})"
+        return "the call in flight" if plan is None else f"call seq {plan.seq} ({describe_call(plan.m, plan.tag)})"
 
     def _status_error(self, status: int, stamp: int) -> Exception:
         """The error of a call whose reduce found rank ``status - 1``'s (seq, M) ``stamp`` unlike its own."""
         src = status - 1
-        seq, m = unstamp_seq_m(stamp)
+        seq, m, tag = unstamp(stamp)
         if m == REJECTED_M:
             return rejected_error(self.notes, rank=self.rank, src=src, seq=seq, output=" and its output is NaN")
         plan = self.plan
-        own = f"M={plan.m}" if plan is not None and plan.seq == seq else "another M"
-        return PeerMismatchError(
-            f"rank {self.rank}: rank {src} called with M={m} in call seq {seq}, this rank with {own}: every rank "
-            f"must call with the same M, in the same order; the call's output is NaN (the next call works)")
+        if plan is not None and plan.seq == seq:
+            text = mismatch_text(self.rank, (plan.m, plan.tag), src, (m, tag), seq)
+        else:
+            text = (f"rank {self.rank}: rank {src} called with {describe_call(m, tag)} in call seq {seq}, this rank "
+                    f"with another M or layer: every rank must call the same layers with the same M, in the same order")
+        return PeerMismatchError(f"{text}; the call's output is NaN (the next call works)")
 
     def _diagnosed(self, waited: float) -> Exception:
         """:meth:`_timeout_error`, or a plain one if the diagnosis fails or does not end within
@@ -372,14 +374,15 @@ class Watchdog:
         """Diagnose the stuck call from what the peers sent (read before the release): their (seq, M)
         stamps, the flags of theirs not yet consumed here, a stamp a reduce found unlike its own."""
         own = self._read_words(self.schedule.stamp)
-        seq, m = unstamp_seq_m(own[0]) if own is not None else (None, None)
-        call = f"call seq {seq} (M={m})" if seq is not None else self._call_name()
+        seq, m, tag = unstamp(own[0]) if own is not None else (None, None, 0)
+        call = f"call seq {seq} ({describe_call(m, tag)})" if seq is not None else self._call_name()
         lsa = getattr(self.schedule, "path", None) == "lsa"
         details, mismatch = [], None
         status = self._read_words(self.schedule.status)
         if status is not None and status[0]:
-            p_seq, p_m = unstamp_seq_m(status[1])
-            mismatch = f"rank {status[0] - 1} called with M={p_m} in call seq {p_seq}, this rank with M={m}"
+            p_seq, p_m, p_tag = unstamp(status[1])
+            mismatch = (f"rank {status[0] - 1} called with {describe_call(p_m, p_tag)} in call seq {p_seq}, this rank "
+                        f"with {describe_call(m, tag)}")
         if lsa:  # the lsa kernel's words: per-tile flags holding the sender's stamp until consumed
             planes = self._read_words(self._tile_flags)
             n = self._tile_flags[0, 0].numel()
@@ -389,8 +392,8 @@ class Watchdog:
                     continue
                 scatter, gather = planes[p * n:(p + 1) * n], planes[(self.world + p) * n:(self.world + p + 1) * n]
                 sent = [v for v in scatter + gather if v]
-                stamps = {unstamp_seq_m(v) for v in sent}
-                other = [(ps, pm) for ps, pm in stamps if (ps, pm) != (seq, m)]
+                stamps = {unstamp(v) for v in sent}
+                other = [(ps, describe_call(pm, pt)) for ps, pm, pt in stamps if (ps, pm, pt) != (seq, m, tag)]
                 if other and mismatch is None:
                     mismatch = f"rank {p} sent tiles stamped (seq, M) = {sorted(other)}, this rank is in {call}"
                 details.append(f"rank {p}: {len(sent)} of its tiles wait unconsumed here (none: it has not sent "
@@ -402,13 +405,14 @@ class Watchdog:
                 if stamps is None:
                     details.append(f"rank {p}: its stamps could not be read")
                     continue
-                p_seq, p_m = unstamp_seq_m(stamps[p])
+                p_seq, p_m, p_tag = unstamp(stamps[p])
                 if seq is not None and p_seq < seq:
                     details.append(f"rank {p} sent nothing of call seq {seq} (its last stamp is for seq {p_seq}: it "
                                    f"has not started the call, stalled or died)")
                     continue
-                if p_seq == seq and p_m not in (m, REJECTED_M) and mismatch is None:
-                    mismatch = f"rank {p} called with M={p_m}, this rank with M={m} (call seq {seq})"
+                if p_seq == seq and p_m != REJECTED_M and (p_m, p_tag) != (m, tag) and mismatch is None:
+                    mismatch = (f"rank {p} called with {describe_call(p_m, p_tag)}, this rank with "
+                                f"{describe_call(m, tag)} (call seq {seq})")
                 line = f"rank {p} started call seq {p_seq}"
                 if flags[0] is not None and flags[1] is not None:
                     chunks = len(self.plan.rows) if self.plan is not None else layout.MAX_CHUNKS

@@ -186,7 +186,7 @@ class ColumnParallelLinear(_ParallelLinear):
             self._require_loaded()
         if self.op is not None:
             a, a_scale = self._before_op(quantized)
-            return self.op(a, qweight, a_scale, scale)
+            return self.op(a, qweight, a_scale, scale, tag=self._tag)
         a, a_scale = quantized()  # the local GEMM
         return Q.reference_gemm(a, self._row_major(qweight), a_scale, scale, self.quant)
 

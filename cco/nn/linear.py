@@ -211,7 +211,7 @@ class RowParallelLinear(_ParallelLinear):
         rows = self._rows_for(m)
         a, a_scale = self._before_op(lambda: quantize_activation(flat_rows(x, k), self.quant, k_padded=self.k_padded,
                                                                  m_padded=rows))
-        out = self.op(a, qweight, a_scale, scale)
+        out = self.op(a, qweight, a_scale, scale, tag=self._tag)
         return out if rows == m else out[:m]
 
     def _rows_for(self, m: int) -> int:

@@ -169,6 +169,7 @@ class _ParallelLinear(torch.nn.Module):
             error = err
         # construction is collective: every rank of the group agrees on the arguments first
         self.comm.agree(self._FN, arguments, error=error)
+        self._tag = self._pool.layer_tag(self.comm)  # (after the agreement: every rank takes it, or none)
         self.out_features, self.in_features_per_rank = n, k  # the shard [N, K], whatever the subclass calls them
         self.quant, self.m_max, self.mode = quant, m_max, mode
         self._deadline_s = deadline_s
@@ -209,7 +210,6 @@ class _ParallelLinear(torch.nn.Module):
         # init of the master weight) moves one, so "loaded" costs no flag that a loader could forget
         self._blank = (self.qweight._version, None if self.weight is None else self.weight._version)
         self._loaded = False
-        self._headers = 0  # call headers exchanged (_agree_rows): the unfused path's call seq
         # sequence parallel, backward="fp8": the dual collective fused with grad_y @ W_r (cco.nn.sequence)
         self._dual = sequence.make_dual(self, backward, gathers=self._DUAL_GATHERS, n=k, k=n,
                                         mode="fused" if mode == "unfused" else mode, transport=transport,
@@ -340,12 +340,12 @@ class _ParallelLinear(torch.nn.Module):
         comm = self.comm
         blank = not self._loaded and not self._weight_written()
         try:
-            # the call's seq: the op's (its calls and this layer's headers of the family interleave
-            # alike on every rank), else this layer's own count of headers (every unfused call has one)
-            seq = self.op.calls if self.op is not None else self._headers
-            self._headers += 1
-            every = comm.gather_words([m, m if total is None else total, error is not None, blank, step], seq=seq,
-                                      timeout_s=self._deadline_s, what=f"{self._name()}: this call's header")
+            # the call's seq: the op's (its calls and the headers of its family's layers interleave
+            # alike on every rank), else the pool's count of the unfused headers on the communicator
+            # (every unfused call has one); the layer's tag tells the layers of one count apart
+            seq = self.op.calls if self.op is not None else self._pool.header_seq(comm)
+            every = comm.gather_words([m, m if total is None else total, error is not None, blank, step, self._tag],
+                                      seq=seq, timeout_s=self._deadline_s, what=f"{self._name()}: this call's header")
         except PeerMismatchError as mismatch:
             # this rank's header met its peers' header of a later call: they made op calls this rank
             # missed (their call failed without it: an op call of rows against this rank's header of
@@ -376,6 +376,11 @@ class _ParallelLinear(torch.nn.Module):
         if refused:
             raise PeerRejectedError(f"{self._name()}: rank(s) {refused} refused their input to this call (each raised "
                                     f"its own error); rank {comm.rank} raises too, and the ranks stay in step")
+        tags = [t[5] for t in every]
+        if len(set(tags)) > 1:
+            raise PeerMismatchError(f"{self._name()}: the ranks called different layers: " + ", ".join(
+                f"layer #{tag} on rank {r}" for r, tag in enumerate(tags)) + "; every rank must call the same layers "
+                "in the same order")
         steps = [t[4] for t in every]
         if len(set(steps)) > 1:
             raise PeerMismatchError(f"{self._name()}: the ranks are in different calls: " + ", ".join(

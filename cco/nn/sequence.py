@@ -82,7 +82,7 @@ def row_parallel_body(layer, x, qweight, scale, bias, quantize) -> torch.Tensor:
         if not layer._loaded:
             layer._require_loaded()
         a, a_scale = layer._before_op(lambda: quantize(flat_rows(x, k), layer.quant, k_padded=layer.k_padded))
-        out = layer.op(a, qweight, a_scale, scale)
+        out = layer.op(a, qweight, a_scale, scale, tag=layer._tag)
     else:
         def term():  # this rank's term of the reduce-scatter, and the reduce-scatter's output
             a, a_scale = quantize(flat_rows(x, k), layer.quant, k_padded=layer.k_padded)
@@ -140,7 +140,7 @@ class DualGemm:
         opts = {**options, "quant": BACKWARD_QUANT}
         plan, self.weight_layout, self.reason = group_plan(comm, n, k, m_max=layer.m_max, pattern=pattern, **opts)
         self.n_padded, self.k_padded = plan.n_padded, plan.k_padded
-        self.op, self._pool = None, pool
+        self.op, self._pool, self._tag = None, pool, layer._tag  # (the layer's calls and its backward's alike)
         if self.reason is None:
             extra = {"scatter_dim": 0} if pattern == "reduce-scatter-rows" else {}
             self.op = pool.acquire(comm, op_class=op_class, fn=layer._FN, n=self.n_padded, k=self.k_padded,
@@ -163,7 +163,7 @@ class DualGemm:
         except Exception as err:
             self.op.reject(err)
             raise
-        return self.op(a, b, a_scale, b_scale, **kw)
+        return self.op(a, b, a_scale, b_scale, tag=self._tag, **kw)
 
     def close(self) -> None:
         if self.op is not None:

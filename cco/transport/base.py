@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -129,7 +129,7 @@ class Transport(abc.ABC):
         copies = [] if data_in_place else [(self._partial[dest][r0:r1], self._recv[dest][self.rank][r0:r1])]
         stamp = None
         if chunk == 0:
-            stamp = (self._scatter_m[dest], self.rank, stamp_seq_m(plan.seq, plan.m))
+            stamp = (self._scatter_m[dest], self.rank, stamp_of_plan(plan))
         # executed inline: dma calls this from its copier, lsa from the producer
         self._execute_put(dest=dest, copies=copies, stamp=stamp, flag_words=self._scatter_flags[dest],
                  flag_index=layout.counter_index(self.rank, chunk), seq=plan.seq, phase="scatter", chunk=chunk)
@@ -149,15 +149,33 @@ class Transport(abc.ABC):
         release(flag_words, flag_index, seq)
 
 
-STAMP_M_BITS = 32
+STAMP_M_BITS = 32  # the word's low half: the call's (tag, M); the high half its seq
+MAX_STAMP_ROWS = layout.MAX_M  # M: build_config refuses an m_max above
+STAMP_ROW_BITS = MAX_STAMP_ROWS.bit_length()
+LAYER_TAGS = layout.CALL_TAGS  # the bits above M
+assert LAYER_TAGS << STAMP_ROW_BITS == 1 << STAMP_M_BITS
 REJECTED_M = 0  # the M of a (seq, M) stamp that says "this rank rejected its inputs to call seq"
 
 
-def stamp_seq_m(seq: int, m: int) -> int:
-    """One int64 word holding (seq, m): written and read whole, so the pair is never torn. ``m`` is
-    a call's rows, or :data:`REJECTED_M` (see :func:`stamp_rejected`)."""
-    assert 0 <= m < (1 << STAMP_M_BITS)
-    return (seq << STAMP_M_BITS) | m
+class Stamp(NamedTuple):
+    seq: int
+    m: int  # the call's rows, or REJECTED_M
+    tag: int  # the caller's tag (0: the op called directly; cco.nn layers: their layer_tag)
+
+
+def stamp_seq_m(seq: int, m: int, tag: int = 0) -> int:
+    """One int64 word holding (seq, tag, m): written and read whole, so the triple is never torn.
+    ``m`` is a call's rows, or :data:`REJECTED_M` (see :func:`stamp_rejected`). ``tag`` names the
+    caller among the users of one op (``cco.nn``'s layers of one family share their op, so their
+    calls take seqs of one count: without it, rank 0's call of one layer and rank 1's of another
+    would pair). The peers compare the whole word, on the host and on the device alike."""
+    assert 0 <= m <= MAX_STAMP_ROWS and 0 <= tag < LAYER_TAGS
+    return (seq << STAMP_M_BITS) | (tag << STAMP_ROW_BITS) | m
+
+
+def stamp_of_plan(plan: layout.CallPlan) -> int:
+    """The (seq, tag, M) stamp of ``plan``'s call."""
+    return stamp_seq_m(plan.seq, plan.m, plan.tag)
 
 
 def stamp_rejected(seq: int) -> int:
@@ -166,5 +184,28 @@ def stamp_rejected(seq: int) -> int:
     return stamp_seq_m(seq, REJECTED_M)
 
 
+def unstamp(word: int) -> Stamp:
+    low = word & ((1 << STAMP_M_BITS) - 1)
+    return Stamp(word >> STAMP_M_BITS, low & MAX_STAMP_ROWS, low >> STAMP_ROW_BITS)
+
+
 def unstamp_seq_m(word: int) -> tuple[int, int]:
-    return word >> STAMP_M_BITS, word & ((1 << STAMP_M_BITS) - 1)
+    """(seq, M) of a stamp, its tag left out (for words that carry no tag: the watchdog's record)."""
+    seq, m, _ = unstamp(word)
+    return seq, m
+
+
+def describe_call(m: int, tag: int) -> str:
+    """How an error names a call: its rows and, where a layer made it, the layer's tag."""
+    return f"M={m}" + (f" (layer #{tag})" if tag else "")
+
+
+def mismatch_text(rank: int, own: tuple[int, int], src: int, theirs: tuple[int, int], seq: int) -> str:
+    """The error of a call whose (M, tag) ``own`` differs from the (M, tag) ``theirs`` that rank
+    ``src`` stamped for the same call ``seq``: other rows, or another layer of the op's family."""
+    if own[0] != theirs[0]:
+        return (f"rank {rank}: called with {describe_call(*own)} but rank {src} called with "
+                f"{describe_call(*theirs)} (call seq {seq}); every rank must pass the same number of rows")
+    return (f"rank {rank}: called layer #{own[1]} but rank {src} called layer #{theirs[1]} of the same op (call seq "
+            f"{seq}, M={own[0]}): the layers of one shape share their op (cco.nn.WindowPool), and every rank must "
+            f"call the same layers in the same order (#0: the op called directly)")

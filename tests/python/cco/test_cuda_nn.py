@@ -239,6 +239,35 @@ def check_local_failure(comm, log):
         restore()
 
 
+def check_layers_called_apart(comm, log):
+    """Two layers of one family (one op): rank 0 calling one while rank 1 calls the other fails
+    that call on both ranks with PeerMismatchError naming the two layers (from the call or
+    ``check()``: the device compares the (seq, tag, M) stamps whole), for the lsa kernel and the
+    copy engines, and the calls after it are right (tests/python/cco/test_nn_linear.py on the CPU:
+    before the tag, both ranks returned a sum of the two layers' products with no error)."""
+    for transport in ("lsa", "dma"):
+        a, b = (_layer(comm, "ptpc", transport=transport, wseed=s) for s in (0, 2))
+        if a.op is not b.op:
+            raise AssertionError("two layers of one shape did not share their op")
+        got = []
+        for seed, (mine, theirs) in ((11, (a, a)), (12, (a, b)), (13, (b, b))):
+            layer = mine if comm.rank == 0 else theirs
+            ref = _budget(comm, layer, seed)  # collective: every rank, every call
+            try:
+                out = layer(_inputs(comm.rank, seed)[0].to(comm.device))
+                layer.op.check()
+                got.append(f"{_bad(out, ref)} bad")
+            except Exception as err:
+                got.append(type(err).__name__)
+                if "layer" not in str(err):
+                    raise AssertionError(f"layers called apart ({transport}): the error names no layer: {err}")
+        if got != ["0 bad", "PeerMismatchError", "0 bad"]:
+            raise AssertionError(f"layers called apart, transport {transport}: calls gave {got} on rank {comm.rank}")
+        log(f"ok two layers of one op called apart ({transport}): {got} on rank {comm.rank}, the next call right")
+        a.close()
+        b.close()
+
+
 def captured(fn, *, sync=None):
     """``(graph, output)``: ``fn()`` run once on a side stream (what a capture must not be the first
     to do: compile, plan, keep launches), then captured into a CUDA graph. ``sync()``, where given,
@@ -910,7 +939,8 @@ def rank_main():
               lambda: check_backward(comm, log), lambda: check_decode(comm, log),
               lambda: check_decode_one_launch(comm, log), lambda: check_decode_native(comm, log),
               lambda: check_decode_split(comm, log), lambda: check_decode_vendor(comm, log), lambda: check_mxfp8_copy_under_graphs(comm, log),
-              lambda: check_preshuffled_copy_under_graphs(comm, log), lambda: check_local_failure(comm, log)]
+              lambda: check_preshuffled_copy_under_graphs(comm, log), lambda: check_local_failure(comm, log),
+              lambda: check_layers_called_apart(comm, log)]
     failures = []
     for check in checks:  # keep going so one run reports every failing check
         try:

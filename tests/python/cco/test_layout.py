@@ -5,7 +5,7 @@ import itertools
 import pytest
 
 from cco import layout
-from cco.transport.base import stamp_seq_m, unstamp_seq_m
+from cco.transport.base import stamp_seq_m, unstamp, unstamp_seq_m
 
 pytestmark = pytest.mark.host
 
@@ -175,9 +175,17 @@ def test_padded_m_and_counter_index():
     assert seen == set(range(8 * layout.MAX_CHUNKS))
 
 
-def test_seq_m_stamp_round_trips():
-    for seq, m in [(1, 1), (50, 16384), (2**30, 2**31 - 1)]:
-        assert unstamp_seq_m(stamp_seq_m(seq, m)) == (seq, m)
+def test_seq_tag_m_stamp_round_trips():
+    """A call's stamp holds its seq, its caller's tag and its rows whole: a tag that spilled into M
+    (or M into the tag) would pass two layers' calls as one, or fail calls of the same layer."""
+    for seq, m, tag in [(1, 1, 0), (50, 16384, 1), (2**30, layout.MAX_M, layout.CALL_TAGS - 1), (7, 1, 255)]:
+        word = stamp_seq_m(seq, m, tag)
+        assert unstamp(word) == (seq, m, tag)
+        assert unstamp_seq_m(word) == (seq, m)
+    # every field changes the word
+    assert len({stamp_seq_m(5, 8, 1), stamp_seq_m(5, 8, 2), stamp_seq_m(5, 9, 1), stamp_seq_m(6, 8, 1)}) == 4
+    with pytest.raises(ValueError, match=f"m_max={layout.MAX_M + 1} is more rows than a call's stamp holds"):
+        layout.build_config(n=256, k=256, m_max=layout.MAX_M + 1, world=2)
 
 
 def test_transport_auto_and_backend_defaults():

@@ -660,3 +660,80 @@ def test_a_job_that_closes_its_layers_and_destroys_its_group_leaves_no_gloo_work
     assert len(seen) == 2, proc.stdout
     for line in seen:
         assert "gloo" not in line, line
+
+
+# --------------------------------------------------------------------------------------------------
+# two layers of one family (one op in the pool): the ranks must call the same layer
+LAYER_KINDS = ("row", "row, sequence parallel", "column, sequence parallel")
+
+
+def _two_layers(comm, kind, mode, pool, w_a, w_b, deadline_s):
+    """Two layers of ``kind`` of one shape in ``pool`` (fused: one op for both), with weights
+    ``w_a`` and ``w_b`` [256, 512], and a function from a full input [8, 512] to this rank's input."""
+    from cco.nn import ColumnParallelLinear, RowParallelLinear
+
+    r = comm.rank
+    layers = []
+    for w in (w_a, w_b):
+        if kind == "column, sequence parallel":
+            layer = ColumnParallelLinear(512, 128, group=comm, quant="ptpc", m_max=8, sequence_parallel=True,
+                                         mode=mode, pool=pool, deadline_s=deadline_s)
+            layer.load_weight(w[r * 128:(r + 1) * 128])
+        else:
+            layer = RowParallelLinear(256, 256, group=comm, quant="ptpc", m_max=8, mode=mode, pool=pool,
+                                      sequence_parallel=kind == "row, sequence parallel", deadline_s=deadline_s)
+            layer.load_weight(w[:, r * 256:(r + 1) * 256])
+        layers.append(layer)
+    if kind == "column, sequence parallel":
+        return layers, lambda x: x[r * 4:(r + 1) * 4], lambda y: y
+    sp = kind == "row, sequence parallel"
+    return layers, lambda x: x[:, r * 256:(r + 1) * 256], (lambda y: y[r * 4:(r + 1) * 4]) if sp else (lambda y: y)
+
+
+def _ranks_call_different_layers(comm, kind, mode):
+    """Rank 0 calls layer a, rank 1 layer b (same shape, one family), then both call a, then b:
+    this rank's verdict on the mixed call ("returned" and its error against either layer's
+    product, or the error) and whether the two calls after it are right."""
+    from cco.nn import WindowPool
+
+    g = torch.Generator().manual_seed(0)
+    w_a, w_b = torch.randn(256, 512, generator=g), torch.randn(256, 512, generator=g)
+    x = torch.randn(8, 512, generator=g).to(torch.bfloat16)
+    pool = WindowPool()
+    (a, b), mine, share = _two_layers(comm, kind, mode, pool, w_a, w_b, deadline_s=10)
+    if kind == "column, sequence parallel":
+        want = {"a": x.float() @ w_a[comm.rank * 128:(comm.rank + 1) * 128].t(),
+                "b": x.float() @ w_b[comm.rank * 128:(comm.rank + 1) * 128].t()}
+    else:
+        want = {"a": share(x.float() @ w_a.t()), "b": share(x.float() @ w_b.t())}
+    with torch.no_grad():
+        try:
+            y = (a if comm.rank == 0 else b)(mine(x))
+            if hasattr(a.op, "check") and a.op is not None:
+                a.op.check()  # an asynchronous backend raises a peer's mismatch here at the latest
+            verdict = f"returned (rel. error {min(Q.rel_l2(y, t) for t in want.values()):.2f})"
+        except Exception as err:
+            verdict = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+        after = [bool(Q.rel_l2(a(mine(x)), want["a"]) < 0.1), bool(Q.rel_l2(b(mine(x)), want["b"]) < 0.1)]
+    shared = a.op is not None and a.op is b.op
+    a.close()
+    b.close()
+    return verdict, after, shared
+
+
+@pytest.mark.parametrize("mode", ["fused", "unfused"])
+@pytest.mark.parametrize("kind", LAYER_KINDS)
+def test_ranks_calling_different_layers_of_one_family_raise_on_every_rank(kind, mode):
+    """Guards: two layers of one shape share their op (``WindowPool``: one window for the family),
+    so their calls take seqs of one count. Rank 0 calling layer a while rank 1 calls layer b (a
+    rank's control flow that skipped a layer, or took the layers in another order) paired the
+    two calls: the op's stamps compared (seq, M) only, the unfused header rows only, and both
+    ranks returned a sum of two layers' products (1250 of 1280 outputs off) with no error. Each
+    call now carries its layer's tag (the layer's place among the group's layers, agreed at
+    construction) in the stamp and the header: both ranks raise PeerMismatchError naming the
+    layers, and the next calls are right."""
+    outs = check_outcomes(spawn(_ranks_call_different_layers, world=2, args=(kind, mode), timeout_s=120))
+    for rank, (verdict, after, shared) in enumerate(outs):
+        assert shared == (mode == "fused"), (rank, shared)
+        assert verdict.startswith("PeerMismatchError") and "layer" in verdict, (rank, verdict)
+        assert after == [True, True], (rank, after)

@@ -259,6 +259,39 @@ def test_rank_with_other_m_gets_a_clear_error_then_op_recovers():
     assert_close(per_rank[0][1], reference(world, 96, 384, 256, "ptpc"), "ptpc", "bf16")
 
 
+def _tag_mismatch(comm):
+    """One op, three calls of the same operands: rank 1 with tag 4 against tag 3 (two callers of
+    one op: the layers of a family), rank 1 with a tag out of range, then both with tag 3."""
+    n, k = 384, 256
+    found = []
+    with GemmAllReduceOp(comm, n=n, k=k, m_max=128, chunks=2, deadline_s=DEADLINE_S) as op:
+        p, b_pre = operands(comm.rank, 64, n, k, "ptpc")
+        for tag in (4 if comm.rank == 1 else 3, 256 if comm.rank == 1 else 3):
+            try:
+                op(p.a, b_pre, p.a_scale, p.b_scale, tag=tag)
+                found.append(("returned", ""))
+            except Exception as err:
+                found.append((type(err).__name__, str(err).splitlines()[0]))
+        return found, op(p.a, b_pre, p.a_scale, p.b_scale, tag=3)
+
+
+def test_calls_of_one_op_with_other_tags_fail_on_every_rank():
+    """Guards: a call's stamp carried (seq, M) only, so two callers sharing one op (cco.nn's layers
+    of one shape) on different ranks paired their calls and returned a sum of two products. The
+    tag is stamped too: every rank raises PeerMismatchError naming both tags; a tag out of range is
+    a rejected input (ValueError here, PeerRejectedError on the peer); the next call is right."""
+    per_rank = check_outcomes(spawn(_tag_mismatch, world=2, timeout_s=60))
+    for rank, (found, after) in enumerate(per_rank):
+        (kind, msg), (bad_kind, bad_msg) = found
+        assert kind == "PeerMismatchError" and "layer #3" in msg and "layer #4" in msg, (rank, msg)
+        if rank == 1:
+            assert bad_kind == "ValueError" and "tag=256 must be an int in 0..255" in bad_msg, bad_msg
+        else:
+            assert bad_kind == "PeerRejectedError" and "rank 1" in bad_msg, bad_msg
+        assert torch.equal(after, per_rank[0][1])
+    assert_close(per_rank[0][1], reference(2, 64, 384, 256, "ptpc"), "ptpc", "bf16")
+
+
 # --------------------------------------------------------------------------------------------------
 def _self_test(comm, transport, gather, silent):
     with GemmAllReduceOp(comm, n=384, k=256, m_max=96, transport=transport, gather_dtype=gather,
