@@ -16,7 +16,7 @@ from cco.backends.base import Backend, row_major_readings
 from cco.preshuffle import unshuffle_b
 from cco.quant import dequantize_a, dequantize_b, dequantize_gather, quantize_gather
 from cco.transport import transport_class
-from cco.transport.base import REJECTED_M, mismatch_text, stamp_of_plan, stamp_rejected, unstamp
+from cco.transport.base import REJECTED_M, mismatch_text, stamp_of_plan, stamp_rejected, stamp_seq, unstamp
 from cco.transport.protocol import CommTimeoutError, Deadline, PeerMismatchError, release, wait_at_least
 from cco.transport.reasons import post_rejection, rejected_error
 from kernels_fused.cpu.tiles import dequantized_operands, run_arriving_tiles, run_chunks, run_tiles
@@ -367,11 +367,12 @@ class CpuBackend(Backend):
 
     def _check_peer_m(self, src, plan) -> None:
         seq, m, tag = unstamp(int(self._scatter_m[src]))
-        if seq != plan.seq:
-            raise PeerMismatchError(f"rank {self.rank}: rank {src}'s chunk-0 stamp is for seq {seq}, not {plan.seq}; "
+        if seq != stamp_seq(plan.seq):
+            raise PeerMismatchError(f"rank {self.rank}: rank {src}'s chunk-0 stamp is for seq {seq}, not "
+                                    f"{stamp_seq(plan.seq)} (cco.transport.base.stamp_seq); "
                                     f"the ranks are out of step; rebuild the op on every rank")
         if m == REJECTED_M:
-            raise rejected_error(self.notes, rank=self.rank, src=src, seq=seq)
+            raise rejected_error(self.notes, rank=self.rank, src=src, seq=plan.seq)
         if (m, tag) != (plan.m, plan.tag):
             raise PeerMismatchError(mismatch_text(self.rank, (plan.m, plan.tag), src, (m, tag), plan.seq))
 

@@ -86,7 +86,7 @@ import torch
 from cco import layout
 from cco.backends.base import Backend, WeightDerived, row_major_readings
 from cco.preshuffle import unshuffle_b
-from cco.transport.base import REJECTED_M, unstamp_seq_m
+from cco.transport.base import REJECTED_M, stamp_seq, unstamp_seq_m
 from cco.transport.protocol import PeerMismatchError
 from cco.transport.reasons import post_rejection
 from kernels_fused.hopper import gemm as hopper_gemm
@@ -867,16 +867,16 @@ class CudaBackend(Backend):
         w = self.config.window
         stamps = self.window.words(w.scatter_m, rank=self.rank)
         tiles = self.window.tensor(w.tile_flags, rank=self.rank)[0].reshape(self.world, -1)
-        waiting = {p for p in range(self.world) if p != self.rank}
+        waiting, stamped = {p for p in range(self.world) if p != self.rank}, stamp_seq(seq)
         until, notes_at = time.monotonic() + self.deadline_s, 0.0
         while waiting and time.monotonic() < until:
             seen, tile_words = stamps.tolist(), tiles.cpu()
             for p in sorted(waiting):
                 for word in [seen[p], *tile_words[p].unique().tolist()]:
                     p_seq, p_m = unstamp_seq_m(word)
-                    if p_seq == seq and p_m != REJECTED_M:
+                    if p_seq == stamped and p_m != REJECTED_M:
                         return p_m
-                    if p_seq == seq:
+                    if p_seq == stamped:
                         waiting.discard(p)
             if self.notes is not None and time.monotonic() >= notes_at:  # a store round trip: every 10 ms
                 waiting = {p for p in waiting if not self.notes.posted(seq=seq, rank=p)}

@@ -80,7 +80,8 @@ import torch
 
 from cco import layout
 from cco.cuda.kernels import STATUS_WORDS
-from cco.transport.base import REJECTED_M, describe_call, mismatch_text, stamp_seq_m, unstamp, unstamp_seq_m
+from cco.transport.base import (REJECTED_M, STAMP_SEQS, describe_call, mismatch_text, stamp_seq, stamp_seq_m, unstamp,
+                                unstamp_seq_m)
 from cco.transport.protocol import CommTimeoutError, PeerMismatchError
 from cco.transport.reasons import rejected_error
 
@@ -333,9 +334,11 @@ class Watchdog:
         """The error of a call whose reduce found rank ``status - 1``'s (seq, M) ``stamp`` unlike its own."""
         src = status - 1
         seq, m, tag = unstamp(stamp)
+        plan = self.plan
+        if plan is not None and stamp_seq(plan.seq) == seq:
+            seq = plan.seq  # (a stamp holds the seq modulo STAMP_SEQS; the rejection's note is under the whole one)
         if m == REJECTED_M:
             return rejected_error(self.notes, rank=self.rank, src=src, seq=seq, output=" and its output is NaN")
-        plan = self.plan
         if plan is not None and plan.seq == seq:
             text = mismatch_text(self.rank, (plan.m, plan.tag), src, (m, tag), seq)
         else:
@@ -406,7 +409,7 @@ class Watchdog:
                     details.append(f"rank {p}: its stamps could not be read")
                     continue
                 p_seq, p_m, p_tag = unstamp(stamps[p])
-                if seq is not None and p_seq < seq:
+                if seq is not None and 0 < (seq - p_seq) % STAMP_SEQS < STAMP_SEQS // 2:  # (seqs modulo STAMP_SEQS)
                     details.append(f"rank {p} sent nothing of call seq {seq} (its last stamp is for seq {p_seq}: it "
                                    f"has not started the call, stalled or died)")
                     continue

@@ -149,7 +149,10 @@ class Transport(abc.ABC):
         release(flag_words, flag_index, seq)
 
 
-STAMP_M_BITS = 32  # the word's low half: the call's (tag, M); the high half its seq
+STAMP_M_BITS = 32  # the word's low half: the call's (tag, M); the high half its seq, modulo STAMP_SEQS
+STAMP_SEQS = (1 << 31) - 1  # a stamp's seqs 1 .. STAMP_SEQS (a word of seq 2**31 and up would pass int64: an
+# op of 80 layers at 30 steps/s gets there in ~10 days; peers compare stamps of calls a few seqs apart at most,
+# so the residue tells them apart; never 0, the seq of a word no call has written)
 MAX_STAMP_ROWS = layout.MAX_M  # M: build_config refuses an m_max above
 STAMP_ROW_BITS = MAX_STAMP_ROWS.bit_length()
 LAYER_TAGS = layout.CALL_TAGS  # the bits above M
@@ -164,13 +167,20 @@ class Stamp(NamedTuple):
 
 
 def stamp_seq_m(seq: int, m: int, tag: int = 0) -> int:
-    """One int64 word holding (seq, tag, m): written and read whole, so the triple is never torn.
+    """One int64 word holding (seq, tag, m), the seq as :func:`stamp_seq` holds it: written and read
+    whole, so the triple is never torn.
     ``m`` is a call's rows, or :data:`REJECTED_M` (see :func:`stamp_rejected`). ``tag`` names the
     caller among the users of one op (``cco.nn``'s layers of one family share their op, so their
     calls take seqs of one count: without it, rank 0's call of one layer and rank 1's of another
     would pair). The peers compare the whole word, on the host and on the device alike."""
     assert 0 <= m <= MAX_STAMP_ROWS and 0 <= tag < LAYER_TAGS
-    return (seq << STAMP_M_BITS) | (tag << STAMP_ROW_BITS) | m
+    return (stamp_seq(seq) << STAMP_M_BITS) | (tag << STAMP_ROW_BITS) | m
+
+
+def stamp_seq(seq: int) -> int:
+    """The seq a stamp of call ``seq`` >= 1 holds, 1 .. :data:`STAMP_SEQS` (``seq`` itself below
+    that): compare a stamp's seq with this."""
+    return (seq - 1) % STAMP_SEQS + 1 if seq > 0 else seq
 
 
 def stamp_of_plan(plan: layout.CallPlan) -> int:

@@ -268,6 +268,26 @@ def check_layers_called_apart(comm, log):
         b.close()
 
 
+def check_calls_across_the_seq_wrap(comm, log):
+    """Calls of an op whose calls so far number 2**31 - 3, across the stamp's seq range (it cycles
+    the seq through 1 .. 2**31 - 1; before, call 2**31 made a stamp word past int64), on the lsa kernel and
+    the copy engines: every call right (tests/python/cco/test_op_cpu.py on the CPU)."""
+    for transport in ("lsa", "dma"):
+        layer = _layer(comm, "ptpc", transport=transport)
+        layer.op._seq = 2**31 - 3  # the calls before, as if made (the CUDA window keeps no seq of them)
+        got = []
+        for seed in range(21, 26):
+            ref = _budget(comm, layer, seed)
+            out = layer(_inputs(comm.rank, seed)[0].to(comm.device))
+            layer.op.check()
+            got.append(_bad(out, ref))
+        if got != [0] * 5 or layer.op.calls != 2**31 + 2:
+            raise AssertionError(f"across the seq wrap ({transport}): bad elements per call {got}, calls "
+                                 f"{layer.op.calls}")
+        log(f"ok calls 2**31 - 2 .. 2**31 + 2 ({transport}): 0 bad elements each")
+        layer.close()
+
+
 def captured(fn, *, sync=None):
     """``(graph, output)``: ``fn()`` run once on a side stream (what a capture must not be the first
     to do: compile, plan, keep launches), then captured into a CUDA graph. ``sync()``, where given,
@@ -940,7 +960,7 @@ def rank_main():
               lambda: check_decode_one_launch(comm, log), lambda: check_decode_native(comm, log),
               lambda: check_decode_split(comm, log), lambda: check_decode_vendor(comm, log), lambda: check_mxfp8_copy_under_graphs(comm, log),
               lambda: check_preshuffled_copy_under_graphs(comm, log), lambda: check_local_failure(comm, log),
-              lambda: check_layers_called_apart(comm, log)]
+              lambda: check_layers_called_apart(comm, log), lambda: check_calls_across_the_seq_wrap(comm, log)]
     failures = []
     for check in checks:  # keep going so one run reports every failing check
         try:

@@ -182,6 +182,11 @@ def test_seq_tag_m_stamp_round_trips():
         word = stamp_seq_m(seq, m, tag)
         assert unstamp(word) == (seq, m, tag)
         assert unstamp_seq_m(word) == (seq, m)
+    # the seq cycles through 1 .. 2**31 - 1 (never 0: a word no call wrote): a word past int64 from
+    # call 2**31 on before (test_op_cpu: calls across it)
+    for seq, held in ((2**31 - 1, 2**31 - 1), (2**31, 1), (2**31 + 5, 6), (2 * (2**31 - 1), 2**31 - 1)):
+        word = stamp_seq_m(seq, layout.MAX_M, layout.CALL_TAGS - 1)
+        assert 0 <= word < 2**63 and unstamp(word) == (held, layout.MAX_M, layout.CALL_TAGS - 1), seq
     # every field changes the word
     assert len({stamp_seq_m(5, 8, 1), stamp_seq_m(5, 8, 2), stamp_seq_m(5, 9, 1), stamp_seq_m(6, 8, 1)}) == 4
     with pytest.raises(ValueError, match=f"m_max={layout.MAX_M + 1} is more rows than a call's stamp holds"):

@@ -349,3 +349,43 @@ def test_a_self_test_with_a_stalled_peer_fails_within_its_deadline():
     (kind0, t0), (kind1, _) = check_outcomes(spawn(_self_test_with_a_stalled_peer, world=2, timeout_s=90))
     assert kind0 == "CommTimeoutError" and t0 < 2.0 + 2.0, (kind0, t0)
     assert kind1 != "passed", kind1
+
+
+def _across_the_stamp_seq_limit(comm, transport):
+    """An op whose calls so far number 2**31 - 3 (a serving job's op after ~days of decode: 80
+    layers of one family at 30 steps/s make 2**31 calls in ~10 days), then five calls, each with
+    other rows, one of them with a peer's other M: every call's result, or its error."""
+    from cco import layout
+
+    n, k, start = 384, 256, 2**31 - 3
+    found = []
+    with GemmAllReduceOp(comm, n=n, k=k, m_max=128, chunks=2, transport=transport, deadline_s=DEADLINE_S) as op:
+        op._seq = start  # the calls before, as if made (nothing else of them is in the window)
+        op._backend._header[layout.HEADER_LEFT] = start
+        comm.barrier()
+        for m in (32, 64, 96, 64, 128):
+            p, b_pre = operands(comm.rank, m if (m, comm.rank) != (96, 1) else 64, n, k, "ptpc")
+            try:
+                found.append((m, op(p.a, b_pre, p.a_scale, p.b_scale)))
+            except Exception as err:
+                found.append((m, f"{type(err).__name__}: {str(err).splitlines()[0]}"))
+        return found, op.calls
+
+
+@pytest.mark.parametrize("transport", ["dma", "lsa"])
+def test_calls_past_the_stamps_seq_range_stay_right(transport):
+    """Guards: a call's stamp held its seq in the int64 word's upper 32 bits, so call 2**31 of one
+    op made a word past int64 (the CPU window refused it with an overflow; on CUDA the stamp
+    became negative and the host read of a peer's stamp no longer matched its call). The stamp now
+    holds the seq cycled through 1 .. 2**31 - 1 (peers compare calls a few apart at most): calls
+    across the limit are right, and a mismatch there is still every rank's error."""
+    per_rank = check_outcomes(spawn(_across_the_stamp_seq_limit, world=2, args=(transport,), timeout_s=90))
+    for rank, (found, calls) in enumerate(per_rank):
+        assert calls == 2**31 + 2, calls
+        for (m, got), (_, other) in zip(found, per_rank[1 - rank][0]):
+            if m == 96:
+                assert isinstance(got, str) and got.startswith("PeerMismatchError") and "M=64" in got, (rank, got)
+                continue
+            assert isinstance(got, torch.Tensor), (rank, m, got)
+            assert torch.equal(got, other)
+            assert_close(got, reference(2, m, 384, 256, "ptpc"), "ptpc", "bf16")
