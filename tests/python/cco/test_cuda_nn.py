@@ -174,6 +174,21 @@ def check_layers(comm, log):
 
 
 
+def _verdict(comm, layer, seed: int, before=None):
+    """(``"N bad"``: elements of ``layer``'s output on the inputs of ``seed`` outside the budget, or
+    the error's type name; the error or None). ``before()`` runs after the reference, before the
+    call. Collective: every rank, every call (the reference is)."""
+    ref = _budget(comm, layer, seed)
+    if before is not None:
+        before()
+    try:
+        out = layer(_inputs(comm.rank, seed)[0].to(comm.device))
+        layer.op.check()
+        return f"{_bad(out, ref)} bad", None
+    except Exception as err:
+        return type(err).__name__, err
+
+
 class LocalFault(RuntimeError):
     """The simulated failure of one rank's own work inside a call (a CUDA out-of-memory, say)."""
 
@@ -219,17 +234,7 @@ def check_local_failure(comm, log):
             layer = RowParallelLinear(K_RANK, N, group=comm, quant="ptpc", m_max=M_MAX, transport=transport,
                                       deadline_s=20)
             layer.load_weight(_inputs(comm.rank, 0)[1].to(comm.device))
-            got = []
-            for seed in (11, 12, 13):
-                ref = _budget(comm, layer, seed)  # collective: every rank, every call
-                if seed == 12:
-                    arm()  # rank 1's only
-                try:
-                    out = layer(_inputs(comm.rank, seed)[0].to(comm.device))
-                    layer.op.check()
-                    got.append(f"{_bad(out, ref)} bad")
-                except Exception as err:
-                    got.append(type(err).__name__)
+            got = [_verdict(comm, layer, seed, before=arm if seed == 12 else None)[0] for seed in (11, 12, 13)]
             want = ["0 bad", "LocalFault" if comm.rank == 1 else "PeerRejectedError", "0 bad"]
             if got != want:
                 raise AssertionError(f"local failure, transport {transport}: calls gave {got}, expected {want}")
@@ -251,16 +256,10 @@ def check_layers_called_apart(comm, log):
             raise AssertionError("two layers of one shape did not share their op")
         got = []
         for seed, (mine, theirs) in ((11, (a, a)), (12, (a, b)), (13, (b, b))):
-            layer = mine if comm.rank == 0 else theirs
-            ref = _budget(comm, layer, seed)  # collective: every rank, every call
-            try:
-                out = layer(_inputs(comm.rank, seed)[0].to(comm.device))
-                layer.op.check()
-                got.append(f"{_bad(out, ref)} bad")
-            except Exception as err:
-                got.append(type(err).__name__)
-                if "layer" not in str(err):
-                    raise AssertionError(f"layers called apart ({transport}): the error names no layer: {err}")
+            verdict, err = _verdict(comm, mine if comm.rank == 0 else theirs, seed)
+            if err is not None and "layer" not in str(err):
+                raise AssertionError(f"layers called apart ({transport}): the error names no layer: {err}")
+            got.append(verdict)
         if got != ["0 bad", "PeerMismatchError", "0 bad"]:
             raise AssertionError(f"layers called apart, transport {transport}: calls gave {got} on rank {comm.rank}")
         log(f"ok two layers of one op called apart ({transport}): {got} on rank {comm.rank}, the next call right")
@@ -275,14 +274,9 @@ def check_calls_across_the_seq_wrap(comm, log):
     for transport in ("lsa", "dma"):
         layer = _layer(comm, "ptpc", transport=transport)
         layer.op._seq = 2**31 - 3  # the calls before, as if made (the CUDA window keeps no seq of them)
-        got = []
-        for seed in range(21, 26):
-            ref = _budget(comm, layer, seed)
-            out = layer(_inputs(comm.rank, seed)[0].to(comm.device))
-            layer.op.check()
-            got.append(_bad(out, ref))
-        if got != [0] * 5 or layer.op.calls != 2**31 + 2:
-            raise AssertionError(f"across the seq wrap ({transport}): bad elements per call {got}, calls "
+        got = [_verdict(comm, layer, seed)[0] for seed in range(21, 26)]
+        if got != ["0 bad"] * 5 or layer.op.calls != 2**31 + 2:
+            raise AssertionError(f"across the seq wrap ({transport}): the calls gave {got}, calls "
                                  f"{layer.op.calls}")
         log(f"ok calls 2**31 - 2 .. 2**31 + 2 ({transport}): 0 bad elements each")
         layer.close()
