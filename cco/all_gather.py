@@ -66,7 +66,7 @@ class AllGatherGemmOp(CollectiveGemmOp):
         self._tag = tag
         if not return_a:
             launch = self._launches.launch_for(a, b_pre, a_scale, b_scale)  # one rank: the plain GEMM, kept
-            if launch is not None and type(tag) is int and 0 <= tag < layout.CALL_TAGS:  # (else _call rejects it)
+            if launch is not None and layout.valid_tag(tag):  # (else _call rejects it)
                 self._seq += self._alone
                 return launch(a, a_scale)
             return self._call(a, b_pre, a_scale, b_scale, self._gather_call)

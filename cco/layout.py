@@ -316,6 +316,11 @@ MAX_M = (1 << 24) - 1  # the most rows of a call: the 24 bits of M in a call's (
 CALL_TAGS = 1 << 8  # a call's caller tag, 0 .. CALL_TAGS - 1: the stamp's 8 bits above M (cco.nn's layers)
 
 
+def valid_tag(tag) -> bool:
+    """Whether ``tag`` is a caller tag a call's stamp holds: an int 0 .. ``CALL_TAGS - 1`` (a bool is not)."""
+    return type(tag) is int and 0 <= tag < CALL_TAGS
+
+
 def build_config(*, n: int, k: int, m_max: int, world: int, quant: str = "ptpc", mode: str = "fused",
                  transport: str | None = None, gather_dtype: str = "bf16", chunks: int | None = None,
                  block_m: int | None = None, block_n: int | None = None,

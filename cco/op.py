@@ -423,7 +423,7 @@ class CollectiveGemmOp:
             self._raise_failed()
         try:
             m = self._check(a, b_pre, a_scale, b_scale, f"{self._FN}.__call__")
-            if not (type(self._tag) is int and 0 <= self._tag < layout.CALL_TAGS):
+            if not layout.valid_tag(self._tag):
                 raise ValueError(f"{self._FN}.__call__: tag={self._tag!r} must be an int in 0..{layout.CALL_TAGS - 1}")
         except (TypeError, ValueError) as err:
             if collective:  # still a collective call: the peers fail it too and stay in step
@@ -704,13 +704,13 @@ class ScatterGemmOp(CollectiveGemmOp):
         """bf16 output of this rank's ``a [M, K] @ unshuffle(b_pre) [N, K].T`` summed over the ranks: the
         whole ``[M, N]`` (all-reduce) or this rank's share (reduce-scatter, ``layout.out_shape``).
         ``tag`` (0 .. ``layout.CALL_TAGS - 1``): the caller, where several share the op (``cco.nn``'s
-        layers of one family: ``WindowPool.layer_tag``); peers whose call of the same seq has another
+        layers of one family: ``cco.nn.pool.layer_tag``); peers whose call of the same seq has another
         tag fail it as they fail other rows (``PeerMismatchError``)."""
         self._tag = tag
         # a call like an accepted one: its kept launch (a plain GEMM's, or a collective call's around
         # the backend's bound launch, which counts its own seq: _alone is 0 there; a closed op keeps none)
         launch = self._launches.launch_for(a, b_pre, a_scale, b_scale)
-        if launch is not None and type(tag) is int and 0 <= tag < layout.CALL_TAGS:  # (else _call rejects it)
+        if launch is not None and layout.valid_tag(tag):  # (else _call rejects it)
             self._seq += self._alone
             return launch(a, a_scale)
         return self._call(a, b_pre, a_scale, b_scale, self._reduce_call)

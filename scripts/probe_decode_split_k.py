@@ -36,12 +36,13 @@ from scripts.tune_decode import with_config as set_tables
 GRAPH_CALLS = 10  # calls per captured graph (--cold: also each on a weight of its own)
 
 
-def configs(quant: str, k: int, block_ns=(32, 64), warps=(4,), stages=None, block_ks=None):
+def configs(quant: str, k: int, block_ns=(32, 64), warps=(4,), stages=None, block_ks=None, splits=(1, 2, 4, 8)):
     """(BLOCK_N, BLOCK_K, SPLIT, warps, stages) tried: at least two K steps per slice; ``stages``
     a list of num_stages, or None for the quant's own (ptpc 4, blockscale 3); ``block_ks`` a list
-    of BLOCK_K, or None for the quant's own (ptpc 128 and 256, blockscale 256 and 512)."""
+    of BLOCK_K, or None for the quant's own (ptpc 128 and 256, blockscale 256 and 512); ``splits``
+    the K slices per block tried."""
     steps = block_ks or ((128, 256) if quant == "ptpc" else (256, 512))
-    for bn, bk, split, w, st in itertools.product(block_ns, steps, (1, 2, 4, 8), warps,
+    for bn, bk, split, w, st in itertools.product(block_ns, steps, splits, warps,
                                                   stages or [4 if quant == "ptpc" else 3]):
         if k % bk == 0 and k // bk >= 2 * split:
             yield bn, bk, split, w, st
@@ -63,6 +64,9 @@ def parse_args(argv=None):
                             "takes multiples of 128)")
         p.add_argument("--stages", type=ints, default=None,
                        help="comma list of num_stages tried (default: the quant's own, ptpc 4, blockscale 3)")
+        p.add_argument("--splits", type=ints, default=[1, 2, 4, 8],
+                       help="comma list of K slices per weight block tried (default 1,2,4,8; each slice keeps "
+                            "at least two K steps)")
         p.add_argument("--cold", action="store_true",
                        help=f"each arm also timed as a graph whose {GRAPH_CALLS} calls are each on a weight of "
                             f"its own, as a model's layers (no call finds its weight in L2 from the call before), "
@@ -179,7 +183,7 @@ def main(argv=None):
                     D.decode_gemm(x, wq, ws, quant, n=n)
                     (row,) = D._LAUNCHES.values()
                 launches = []
-                for cfg in configs(quant, k, args.block_n, args.warps, args.stages, args.block_k):
+                for cfg in configs(quant, k, args.block_n, args.warps, args.stages, args.block_k, args.splits):
                     with_config(D, quant, cfg)
                     launches.append(("/".join(map(str, cfg)), D._Launch(m, k, k, n, quant, False, 0)))
                 restore()

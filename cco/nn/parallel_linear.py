@@ -34,7 +34,7 @@ from cco.comm import Communicator
 from cco.nn import checkpoint as C
 from cco.nn import sequence
 from cco.nn.collectives import step_name
-from cco.nn.pool import DEFAULT_POOL, WindowPool, group_plan
+from cco.nn.pool import DEFAULT_POOL, WindowPool, group_plan, header_seq, layer_tag
 from cco.preshuffle import preshuffle_b, unshuffle_b
 
 log = logging.getLogger("cco.nn")
@@ -169,7 +169,7 @@ class _ParallelLinear(torch.nn.Module):
             error = err
         # construction is collective: every rank of the group agrees on the arguments first
         self.comm.agree(self._FN, arguments, error=error)
-        self._tag = self._pool.layer_tag(self.comm)  # (after the agreement: every rank takes it, or none)
+        self._tag = layer_tag(self.comm)  # (after the agreement: every rank takes it, or none)
         self.out_features, self.in_features_per_rank = n, k  # the shard [N, K], whatever the subclass calls them
         self.quant, self.m_max, self.mode = quant, m_max, mode
         self._deadline_s = deadline_s
@@ -341,9 +341,9 @@ class _ParallelLinear(torch.nn.Module):
         blank = not self._loaded and not self._weight_written()
         try:
             # the call's seq: the op's (its calls and the headers of its family's layers interleave
-            # alike on every rank), else the pool's count of the unfused headers on the communicator
+            # alike on every rank), else the count of the unfused headers on the communicator's group
             # (every unfused call has one); the layer's tag tells the layers of one count apart
-            seq = self.op.calls if self.op is not None else self._pool.header_seq(comm)
+            seq = self.op.calls if self.op is not None else header_seq(comm)
             every = comm.gather_words([m, m if total is None else total, error is not None, blank, step, self._tag],
                                       seq=seq, timeout_s=self._deadline_s, what=f"{self._name()}: this call's header")
         except PeerMismatchError as mismatch:

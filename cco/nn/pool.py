@@ -49,8 +49,6 @@ class WindowPool:
     def __init__(self):
         self._comms: dict[int, tuple[object, Communicator]] = {}  # id(group) -> (group, comm)
         self._ops: dict[tuple, list] = {}  # family key -> [op, users]
-        self._layers: dict[int, int] = {}  # id(comm) -> layers built on it (layer_tag)
-        self._headers: dict[int, int] = {}  # id(comm) -> unfused call headers exchanged on it (header_seq)
         _POOLS.add(self)
 
     def communicator(self, group=None, *, cpu_group=None) -> Communicator:
@@ -87,27 +85,6 @@ class WindowPool:
             entry = self._ops[key] = [op_class(comm, **options), 0]
         entry[1] += 1
         return entry[0]
-
-    def layer_tag(self, comm: Communicator) -> int:
-        """The tag of a layer built on ``comm`` now, 1 .. ``layout.CALL_TAGS - 1``: its place among
-        this pool's layers on ``comm`` (cycled past 255). Every call of the layer carries it (the
-        op's (seq, tag, M) stamp, the unfused header), so that rank 0's call of one layer and rank
-        1's of another, which take the same seq of a shared op (one family) or of the unfused
-        headers (:meth:`header_seq`), fail on every rank instead of pairing. A layer's construction
-        is collective, so it has the same tag on every rank; two layers whose places are 255 apart
-        share a tag."""
-        count = self._layers.get(id(comm), 0)
-        self._layers[id(comm)] = count + 1
-        return 1 + count % (layout.CALL_TAGS - 1)
-
-    def header_seq(self, comm: Communicator) -> int:
-        """The seq of the next call header that no op's call numbers (the unfused layers'): one count
-        for this pool's layers on ``comm``, as a shared op's seq is one count for its family, so
-        that a call of one layer against a peer's call of another (their tags differ: every rank
-        raises) leaves the ranks in step for the next calls."""
-        seq = self._headers.get(id(comm), 0)
-        self._headers[id(comm)] = seq + 1
-        return seq
 
     def users(self, op: GemmAllReduceOp) -> int:
         """Layers sharing ``op`` now."""
@@ -151,6 +128,42 @@ _POOLS: "weakref.WeakSet[WindowPool]" = weakref.WeakSet()
 def _drop_groups_at_exit() -> None:
     for pool in list(_POOLS):
         pool.drop_groups()
+
+
+# What a bootstrap group's layers count, whichever pool built them: [layers built (layer_tag), unfused
+# call headers (header_seq)]. Keyed by the group, not the pool or the Communicator: every header and
+# every op's bootstrap exchange of those layers goes over that group, so two pools (or two Communicators
+# from_group of one group) that counted apart gave their first layers one tag and their unfused
+# headers one seq, and a call of one against a peer's call of the other paired. Weak: a group the
+# job destroys takes its counts with it (every rank destroys it collectively, so none counts on).
+_GROUP_COUNTS: "weakref.WeakKeyDictionary[object, list[int]]" = weakref.WeakKeyDictionary()
+
+
+def _counts(comm: Communicator) -> list[int]:
+    return _GROUP_COUNTS.setdefault(comm.group, [0, 0])
+
+
+def layer_tag(comm: Communicator) -> int:
+    """The tag of a layer built on ``comm`` now, 1 .. ``layout.CALL_TAGS - 1``: its place among the
+    layers built on ``comm``'s bootstrap group in this process, in any pool (cycled past 255). Every
+    call of the layer carries it (the op's (seq, tag, M) stamp, the unfused header), so that rank 0's
+    call of one layer and rank 1's of another, which take the same seq of a shared op (one family) or
+    of the group's unfused headers (:func:`header_seq`), fail on every rank instead of pairing. A
+    layer's construction is collective, so it has the same tag on every rank; two layers whose places
+    are 255 apart share a tag."""
+    counts = _counts(comm)
+    counts[0] += 1
+    return 1 + (counts[0] - 1) % (layout.CALL_TAGS - 1)
+
+
+def header_seq(comm: Communicator) -> int:
+    """The seq of the next call header that no op's call numbers (the unfused layers'): one count for
+    the layers on ``comm``'s bootstrap group, as a shared op's seq is one count for its family, so
+    that a call of one layer against a peer's call of another (their tags differ: every rank raises)
+    leaves the ranks in step for the next calls."""
+    counts = _counts(comm)
+    counts[1] += 1
+    return counts[1] - 1
 
 
 DEFAULT_POOL = WindowPool()

@@ -153,10 +153,8 @@ STAMP_M_BITS = 32  # the word's low half: the call's (tag, M); the high half its
 STAMP_SEQS = (1 << 31) - 1  # a stamp's seqs 1 .. STAMP_SEQS (a word of seq 2**31 and up would pass int64: an
 # op of 80 layers at 30 steps/s gets there in ~10 days; peers compare stamps of calls a few seqs apart at most,
 # so the residue tells them apart; never 0, the seq of a word no call has written)
-MAX_STAMP_ROWS = layout.MAX_M  # M: build_config refuses an m_max above
-STAMP_ROW_BITS = MAX_STAMP_ROWS.bit_length()
-LAYER_TAGS = layout.CALL_TAGS  # the bits above M
-assert LAYER_TAGS << STAMP_ROW_BITS == 1 << STAMP_M_BITS
+STAMP_ROW_BITS = layout.MAX_M.bit_length()  # M's bits (build_config refuses an m_max above layout.MAX_M); the tag's above
+assert layout.CALL_TAGS << STAMP_ROW_BITS == 1 << STAMP_M_BITS
 REJECTED_M = 0  # the M of a (seq, M) stamp that says "this rank rejected its inputs to call seq"
 
 
@@ -173,7 +171,7 @@ def stamp_seq_m(seq: int, m: int, tag: int = 0) -> int:
     caller among the users of one op (``cco.nn``'s layers of one family share their op, so their
     calls take seqs of one count: without it, rank 0's call of one layer and rank 1's of another
     would pair). The peers compare the whole word, on the host and on the device alike."""
-    assert 0 <= m <= MAX_STAMP_ROWS and 0 <= tag < LAYER_TAGS
+    assert 0 <= m <= layout.MAX_M and layout.valid_tag(tag)
     return (stamp_seq(seq) << STAMP_M_BITS) | (tag << STAMP_ROW_BITS) | m
 
 
@@ -196,7 +194,7 @@ def stamp_rejected(seq: int) -> int:
 
 def unstamp(word: int) -> Stamp:
     low = word & ((1 << STAMP_M_BITS) - 1)
-    return Stamp(word >> STAMP_M_BITS, low & MAX_STAMP_ROWS, low >> STAMP_ROW_BITS)
+    return Stamp(word >> STAMP_M_BITS, low & layout.MAX_M, low >> STAMP_ROW_BITS)
 
 
 def unstamp_seq_m(word: int) -> tuple[int, int]:

@@ -355,6 +355,10 @@ def test_split_probe_configs_take_the_block_n_and_warps_asked_for():
     assert {st for *_, st in configs("blockscale", 4096, deep.block_n, deep.warps, deep.stages)} == {4, 6}
     narrow = parse_args(["--block-k", "128", "8b-o-tp1", "8", "a.json"])
     assert {bk for _, bk, *_ in configs("blockscale", 4096, narrow.block_n, narrow.warps, None, narrow.block_k)} == {128}
+    many = parse_args(["--block-k", "128", "--splits", "8,16", "8b-kv-tp8", "8", "a.json"])
+    assert default.splits == [1, 2, 4, 8] and many.splits == [8, 16]
+    # 16 slices of 128 columns take 2 steps each at K 4096; 32 would take one, so it is not tried
+    assert {s for _, _, s, _, _ in configs("blockscale", 4096, [64], [4], None, [128], [8, 16, 32])} == {8, 16}
     assert list(configs("ptpc", 1024, default.block_n, default.warps)) == [
         (32, 128, 1, 4, 4), (32, 128, 2, 4, 4), (32, 128, 4, 4, 4), (32, 256, 1, 4, 4), (32, 256, 2, 4, 4),
         (64, 128, 1, 4, 4), (64, 128, 2, 4, 4), (64, 128, 4, 4, 4), (64, 256, 1, 4, 4), (64, 256, 2, 4, 4)]

@@ -667,14 +667,15 @@ def test_a_job_that_closes_its_layers_and_destroys_its_group_leaves_no_gloo_work
 LAYER_KINDS = ("row", "row, sequence parallel", "column, sequence parallel")
 
 
-def _two_layers(comm, kind, mode, pool, w_a, w_b, deadline_s):
-    """Two layers of ``kind`` of one shape in ``pool`` (fused: one op for both), with weights
-    ``w_a`` and ``w_b`` [256, 512], and a function from a full input [8, 512] to this rank's input."""
+def _two_layers(comm, kind, mode, pools, w_a, w_b, deadline_s):
+    """Two layers of ``kind`` of one shape, the first in ``pools[0]``, the second in ``pools[1]`` (one
+    pool, fused: one op for both), with weights ``w_a`` and ``w_b`` [256, 512], and a function from a
+    full input [8, 512] to this rank's input."""
     from cco.nn import ColumnParallelLinear, RowParallelLinear
 
     r = comm.rank
     layers = []
-    for w in (w_a, w_b):
+    for w, pool in zip((w_a, w_b), pools):
         if kind == "column, sequence parallel":
             layer = ColumnParallelLinear(512, 128, group=comm, quant="ptpc", m_max=8, sequence_parallel=True,
                                          mode=mode, pool=pool, deadline_s=deadline_s)
@@ -690,17 +691,18 @@ def _two_layers(comm, kind, mode, pool, w_a, w_b, deadline_s):
     return layers, lambda x: x[:, r * 256:(r + 1) * 256], (lambda y: y[r * 4:(r + 1) * 4]) if sp else (lambda y: y)
 
 
-def _ranks_call_different_layers(comm, kind, mode):
-    """Rank 0 calls layer a, rank 1 layer b (same shape, one family), then both call a, then b:
-    this rank's verdict on the mixed call ("returned" and its error against either layer's
-    product, or the error) and whether the two calls after it are right."""
+def _ranks_call_different_layers(comm, kind, mode, pools=1):
+    """Rank 0 calls layer a, rank 1 layer b (same shape; one family, or ``pools=2``: each in a pool
+    of its own), then both call a, then b: this rank's verdict on the mixed call ("returned" and its
+    error against either layer's product, or the error) and whether the two calls after it are right."""
     from cco.nn import WindowPool
 
     g = torch.Generator().manual_seed(0)
     w_a, w_b = torch.randn(256, 512, generator=g), torch.randn(256, 512, generator=g)
     x = torch.randn(8, 512, generator=g).to(torch.bfloat16)
     pool = WindowPool()
-    (a, b), mine, share = _two_layers(comm, kind, mode, pool, w_a, w_b, deadline_s=10)
+    (a, b), mine, share = _two_layers(comm, kind, mode, [pool, pool if pools == 1 else WindowPool()], w_a, w_b,
+                                      deadline_s=10)
     if kind == "column, sequence parallel":
         want = {"a": x.float() @ w_a[comm.rank * 128:(comm.rank + 1) * 128].t(),
                 "b": x.float() @ w_b[comm.rank * 128:(comm.rank + 1) * 128].t()}
@@ -735,5 +737,19 @@ def test_ranks_calling_different_layers_of_one_family_raise_on_every_rank(kind, 
     outs = check_outcomes(spawn(_ranks_call_different_layers, world=2, args=(kind, mode), timeout_s=120))
     for rank, (verdict, after, shared) in enumerate(outs):
         assert shared == (mode == "fused"), (rank, shared)
+        assert verdict.startswith("PeerMismatchError") and "layer" in verdict, (rank, verdict)
+        assert after == [True, True], (rank, after)
+
+
+@pytest.mark.parametrize("kind", LAYER_KINDS)
+def test_unfused_layers_of_two_pools_on_one_group_raise_on_every_rank(kind):
+    """Guards: the tags and the unfused headers' seq were counted per pool, so the first unfused
+    layers of two pools (``pool=``) on one group had one tag and their calls one header seq: rank
+    0 calling the one while rank 1 called the other paired the two calls' headers and all-reduced
+    two layers' partial products, with no error. They are counted per group now: both ranks raise
+    PeerMismatchError naming the layers, and the next calls are right."""
+    outs = check_outcomes(spawn(_ranks_call_different_layers, world=2, args=(kind, "unfused", 2), timeout_s=120))
+    for rank, (verdict, after, shared) in enumerate(outs):
+        assert not shared, rank
         assert verdict.startswith("PeerMismatchError") and "layer" in verdict, (rank, verdict)
         assert after == [True, True], (rank, after)
