@@ -223,11 +223,12 @@ def main(argv=None):
                 base = t["nn.Linear bf16"]
                 cfgs = [(v, a) for a, v in t.items() if a.count("/") == 4]
                 best = sorted(cfgs)[:4]
-                unsplit = min((v, a) for v, a in cfgs if a.split("/")[2] == "1")
+                unsplit = min(((v, a) for v, a in cfgs if a.split("/")[2] == "1"), default=None)  # (--splits without 1)
                 print(f"[{time.time() - t0:.0f} s] {name} {quant} M={m}: bf16 {base:.1f} us | "
                       + " | ".join(f"{a} {t[a]:.1f} ({t[a] / base:.2f}x)" for a in
                                    ("quantizer + cuBLAS", "decode_gemm", "one-row kernel") if a in t)
-                      + f" | unsplit best {unsplit[1]} {unsplit[0]:.1f} ({unsplit[0] / base:.2f}x) | best: "
+                      + (f" | unsplit best {unsplit[1]} {unsplit[0]:.1f} ({unsplit[0] / base:.2f}x)" if unsplit else "")
+                      + " | best: "
                       + ", ".join(f"{a} {v:.1f} ({v / base:.2f}x)" for v, a in best), flush=True)
                 out_rows.append({"shape": name, "n": n, "k": k, "m": m, "quant": quant, "us": t,
                                  **({"us_cold": t_cold, "cold_weights": len(copies)} if t_cold else {}),
