@@ -48,6 +48,14 @@ def configs(quant: str, k: int, block_ns=(32, 64), warps=(4,), stages=None, bloc
             yield bn, bk, split, w, st
 
 
+_SPLIT_STYLES = (":", "-.", (0, (1, 3)), (0, (5, 2, 1, 2)), (0, (3, 1)))  # a line style per K-slice count drawn
+
+
+def _config_arms(times: dict) -> list[str]:
+    """The config arms of a row's times (``BLOCK_N/BLOCK_K/SPLIT/warps/stages``)."""
+    return [a for a in times if a.count("/") == 4]
+
+
 def one_row_kernel(launch):
     """The kernel an eager one-row call of ``launch`` (a ``decode._Launch`` of one row) runs: its
     eager path ``one`` beside the captured quantizer + MMA, or the launch's only kernel where the
@@ -84,10 +92,11 @@ def with_config(D, quant: str, cfg) -> None:
     D.MMA_SPLIT_WAVES[quant] = 1 << 20  # the config's split wherever the steps allow it
 
 
-def plot(path: str, png: str) -> None:
-    """One panel per shape of the run at ``path``: device us per call over M, ``nn.Linear`` bf16 and
-    per quant the quantizer + cuBLAS (dashed), the rule's ``decode_gemm`` (solid) and at one row the
-    one-row kernel (hollow); lower is better."""
+def plot(path: str, png: str):
+    """One panel per shape of the run at ``path``: device us per call over M (a ``--cold`` run's cold
+    times), ``nn.Linear`` bf16 and 0.8x of it (the target), and per quant the quantizer + cuBLAS
+    (dashed), the rule's ``decode_gemm`` (solid), at one row the one-row kernel (hollow), and per K
+    slice count the best config of that many slices (thin); lower is better. Returns the figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -100,32 +109,42 @@ def plot(path: str, png: str) -> None:
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise SystemExit(f"probe_decode_split_k: --from {path}: not this probe's JSON ({err})") from None
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
-    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4.2), squeeze=False)
+    # a --cold run's figures are the model's (each call on its own weight): draw those where every row has them
+    key = "us_cold" if all("us_cold" in r for r in rows) else "us"
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4.6), squeeze=False)
     colors = {"ptpc": "tab:blue", "blockscale": "tab:orange"}
     for ax, shape in zip(axes[0], shapes):
         mine = sorted((r for r in rows if r["shape"] == shape), key=lambda r: r["m"])
-        bf16 = {r["m"]: r["us"]["nn.Linear bf16"] for r in mine if r["quant"] == mine[0]["quant"]}
+        bf16 = {r["m"]: r[key]["nn.Linear bf16"] for r in mine if r["quant"] == mine[0]["quant"]}
         ax.plot(list(bf16), list(bf16.values()), color="black", marker="o", label="nn.Linear bf16")
+        ax.plot(list(bf16), [0.8 * v for v in bf16.values()], color="gray", linestyle="--", linewidth=0.8,
+                label="0.8x nn.Linear (the target)")
         for quant in dict.fromkeys(r["quant"] for r in mine):
             q = [r for r in mine if r["quant"] == quant]
             ms = [r["m"] for r in q]
-            ax.plot(ms, [r["us"]["quantizer + cuBLAS"] for r in q], color=colors.get(quant), linestyle="--",
+            ax.plot(ms, [r[key]["quantizer + cuBLAS"] for r in q], color=colors.get(quant), linestyle="--",
                     marker="x", label=f"{quant}: quantizer + cuBLAS")
-            ax.plot(ms, [r["us"]["decode_gemm"] for r in q], color=colors.get(quant), marker="s",
+            ax.plot(ms, [r[key]["decode_gemm"] for r in q], color=colors.get(quant), marker="s",
                     label=f"{quant}: decode_gemm (the rule, captured)")
-            one = [(r["m"], r["us"]["one-row kernel"]) for r in q if "one-row kernel" in r["us"]]
+            one = [(r["m"], r[key]["one-row kernel"]) for r in q if "one-row kernel" in r[key]]
             if one:
                 ax.plot(*zip(*one), color=colors.get(quant), marker="o", fillstyle="none", linestyle="none",
                         label=f"{quant}: one-row kernel (eager's)")
+            for split, style in zip(sorted({int(c.split("/")[2]) for c in _config_arms(q[0][key])}), _SPLIT_STYLES):
+                best = [min(v for c, v in r[key].items() if c in _config_arms(r[key]) and int(c.split("/")[2]) == split)
+                        for r in q]
+                ax.plot(ms, best, color=colors.get(quant), linestyle=style, linewidth=0.9, alpha=0.8,
+                        label=f"{quant}: best config of {split} K slice{'s' if split > 1 else ''}")
         ax.set_title(f"{shape} (N {mine[0]['n']}, K {mine[0]['k']})", fontsize=10)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("M (rows of the call)")
-        ax.set_ylabel("device us per call, graph replay (lower is better)")
+        ax.set_ylabel(f"device us per call, graph replay{', cold' if key == 'us_cold' else ''} (lower is better)")
         ax.set_ylim(bottom=0)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6)
     fig.suptitle(f"decode MMA with K split, {run.get('gpu', '')}, {run.get('date', '')}", fontsize=10)
     fig.tight_layout()
     fig.savefig(png, dpi=100)
+    return fig
 
 
 def main(argv=None):
@@ -218,10 +237,10 @@ def main(argv=None):
                           + " | ".join(f"{a} {t_cold[a]:.1f} ({t_cold[a] / c:.2f}x)" for a in
                                        ("quantizer + cuBLAS", "decode_gemm", "one-row kernel") if a in t_cold)
                           + " | best: " + ", ".join(f"{a} {v:.1f} ({v / c:.2f}x)" for v, a in
-                                                    sorted((v, a) for a, v in t_cold.items() if a.count("/") == 4)[:4]),
+                                                    sorted((t_cold[a], a) for a in _config_arms(t_cold))[:4]),
                           flush=True)
                 base = t["nn.Linear bf16"]
-                cfgs = [(v, a) for a, v in t.items() if a.count("/") == 4]
+                cfgs = [(t[a], a) for a in _config_arms(t)]
                 best = sorted(cfgs)[:4]
                 unsplit = min(((v, a) for v, a in cfgs if a.split("/")[2] == "1"), default=None)  # (--splits without 1)
                 print(f"[{time.time() - t0:.0f} s] {name} {quant} M={m}: bf16 {base:.1f} us | "

@@ -364,6 +364,30 @@ def test_split_probe_configs_take_the_block_n_and_warps_asked_for():
         (64, 128, 1, 4, 4), (64, 128, 2, 4, 4), (64, 128, 4, 4, 4), (64, 256, 1, 4, 4), (64, 256, 2, 4, 4)]
 
 
+def test_split_probe_plot_draws_the_cold_times_and_the_best_of_each_slice_count(tmp_path):
+    """``probe_decode_split_k --from RUN.json --plot``: a --cold run is drawn from its cold times,
+    with 0.8x of nn.Linear's, and each K-slice count's best config as a line of its own."""
+    pytest.importorskip("matplotlib")
+    import json
+
+    from scripts.probe_decode_split_k import plot
+
+    def times(scale):
+        return {"nn.Linear bf16": 10 * scale, "quantizer + cuBLAS": 20 * scale, "decode_gemm": 7 * scale,
+                "64/256/4/4/3": 9 * scale, "64/128/4/4/3": 8 * scale, "64/256/16/4/3": 11 * scale}
+
+    rows = [{"shape": "8b-kv-tp1", "n": 1024, "k": 4096, "m": m, "quant": "blockscale", "us": times(1),
+             "us_cold": times(m)} for m in (2, 8)]
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"date": "d", "gpu": "g", "rows": rows}))
+    fig = plot(str(run), str(tmp_path / "run.png"))
+    lines = {line.get_label(): list(line.get_ydata()) for line in fig.axes[0].get_lines()}
+    assert lines["nn.Linear bf16"] == [20, 80] and lines["0.8x nn.Linear (the target)"] == [16, 64]
+    assert lines["blockscale: best config of 4 K slices"] == [16, 64]  # the better of the two 4-slice configs
+    assert lines["blockscale: best config of 16 K slices"] == [22, 88]
+    assert (tmp_path / "run.png").stat().st_size > 10_000
+
+
 def test_ptpc_one_launch_refused_falls_back_to_two():
     """A cooperative launch the driver refuses on the first call of a shape (a GPU share under MPS
     or green contexts: "too many blocks in cooperative launch") warns once and takes the two
