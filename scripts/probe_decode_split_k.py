@@ -51,9 +51,18 @@ def configs(quant: str, k: int, block_ns=(32, 64), warps=(4,), stages=None, bloc
 _SPLIT_STYLES = (":", "-.", (0, (1, 3)), (0, (5, 2, 1, 2)), (0, (3, 1)))  # a line style per K-slice count drawn
 
 
+INLINE = "inline: "  # the label's prefix of a config's --inline arm
+
+
 def _config_arms(times: dict) -> list[str]:
-    """The config arms of a row's times (``BLOCK_N/BLOCK_K/SPLIT/warps/stages``)."""
-    return [a for a in times if a.count("/") == 4]
+    """The config arms of a row's times (``BLOCK_N/BLOCK_K/SPLIT/warps/stages``), the quantizer's
+    launch and the MMA's."""
+    return [a for a in times if a.count("/") == 4 and not a.startswith(INLINE)]
+
+
+def _inline_arms(times: dict) -> list[str]:
+    """The ``--inline`` arms of a row's times: the same configs with the quantizer inside the MMA."""
+    return [a for a in times if a.startswith(INLINE)]
 
 
 def one_row_kernel(launch):
@@ -75,6 +84,10 @@ def parse_args(argv=None):
         p.add_argument("--splits", type=ints, default=[1, 2, 4, 8],
                        help="comma list of K slices per weight block tried (default 1,2,4,8; each slice keeps "
                             "at least two K steps)")
+        p.add_argument("--inline", action="store_true",
+                       help="blockscale: each config also with the quantizer inside the MMA's launch "
+                            "(scripts/inline_quant_mma.py, a probe's kernel: one launch instead of two), "
+                            "checked for the two launches' bits first")
         p.add_argument("--cold", action="store_true",
                        help=f"each arm also timed as a graph whose {GRAPH_CALLS} calls are each on a weight of "
                             f"its own, as a model's layers (no call finds its weight in L2 from the call before), "
@@ -130,6 +143,9 @@ def plot(path: str, png: str):
             if one:
                 ax.plot(*zip(*one), color=colors.get(quant), marker="o", fillstyle="none", linestyle="none",
                         label=f"{quant}: one-row kernel (eager's)")
+            if all(_inline_arms(r[key]) for r in q):
+                ax.plot(ms, [min(r[key][a] for a in _inline_arms(r[key])) for r in q], color=colors.get(quant),
+                        marker="^", linewidth=1.6, label=f"{quant}: quantizer inside the MMA, best config (--inline)")
             for split, style in zip(sorted({int(c.split("/")[2]) for c in _config_arms(q[0][key])}), _SPLIT_STYLES):
                 best = [min(v for c, v in r[key].items() if c in _config_arms(r[key]) and int(c.split("/")[2]) == split)
                         for r in q]
@@ -163,6 +179,7 @@ def main(argv=None):
     from kernels_fused.hopper import vendor
     from kernels_fused.hopper.quantize import quantize_activation
     from scripts.bench_decode import one_weight_and_cold, switched_off
+    from scripts.inline_quant_mma import InlineLaunch
 
     NV.ENABLED = False  # the Python path's launches, as a graph captures them
     # every table with_config sets (decode's own dicts, set in place), and their values before
@@ -201,13 +218,16 @@ def main(argv=None):
                 if m == 1:  # (restore() left no launch: the one made here is the row's)
                     D.decode_gemm(x, wq, ws, quant, n=n)
                     (row,) = D._LAUNCHES.values()
-                launches = []
+                launches, inline = [], []
                 for cfg in configs(quant, k, args.block_n, args.warps, args.stages, args.block_k, args.splits):
                     with_config(D, quant, cfg)
                     launches.append(("/".join(map(str, cfg)), D._Launch(m, k, k, n, quant, False, 0)))
+                    if args.inline and quant == "blockscale":
+                        inline.append((INLINE + launches[-1][0], InlineLaunch(m, k, k, n, cfg, dev)))
                 restore()
 
-                def arms_of(w_bf16, wq, ws, vw, x=x, m=m, quant=quant, rows_v=rows_v, row=row, launches=launches):
+                def arms_of(w_bf16, wq, ws, vw, x=x, m=m, quant=quant, rows_v=rows_v, row=row, launches=launches,
+                            inline=inline):
                     """Every arm over one weight copy, each a callable of no argument."""
                     arms = {"nn.Linear bf16": lambda: torch.nn.functional.linear(x, w_bf16),
                             "quantizer + cuBLAS": lambda: vendor.vendor_gemm(
@@ -223,10 +243,25 @@ def main(argv=None):
                         arms[label] = switched_off(lambda launch=launch, o=torch.empty(m, n, dtype=torch.bfloat16,
                                                                                      device=dev):
                                                    (launch(x, x.stride(0), wq, ws, None, o), o)[1], D, "ONE_LAUNCH")
+                    for label, launch in inline:
+                        arms[label] = lambda launch=launch, o=torch.empty(m, n, dtype=torch.bfloat16, device=dev): \
+                            launch(x, wq, ws, o)
                     return arms
 
                 arms = arms_of(*copies[0])
                 cold = [arms_of(*c) for c in copies[1:]]
+                # --inline: each config's one launch against its two launches, bit for bit (twice: the
+                # inline counters carry over from call to call); an arm that differs is left out
+                bits = {}
+                for label, _ in inline:
+                    two = arms[label[len(INLINE):]]().clone()
+                    bits[label] = all(torch.equal(arms[label](), two) for _ in range(2))
+                    if not bits[label]:
+                        print(f"{name} {quant} M={m}: {label} differs from its two launches' bits: left out",
+                              flush=True)
+                        del arms[label]
+                        for c in cold:
+                            del c[label]
                 _, bad, wrong, _ = checked_arms(arms, ref, dot_abs, f"{name} {quant} M={m}")
                 # --cold: each arm also as a graph over every copy, in the same passes as the one-weight graphs
                 # (an arm found wrong on the first copy is left out of both)
@@ -237,7 +272,9 @@ def main(argv=None):
                           + " | ".join(f"{a} {t_cold[a]:.1f} ({t_cold[a] / c:.2f}x)" for a in
                                        ("quantizer + cuBLAS", "decode_gemm", "one-row kernel") if a in t_cold)
                           + " | best: " + ", ".join(f"{a} {v:.1f} ({v / c:.2f}x)" for v, a in
-                                                    sorted((t_cold[a], a) for a in _config_arms(t_cold))[:4]),
+                                                    sorted((t_cold[a], a) for a in _config_arms(t_cold))[:4])
+                          + "".join(f" | best {INLINE}{a[len(INLINE):]} {v:.1f} ({v / c:.2f}x)" for v, a in
+                                    sorted((t_cold[a], a) for a in _inline_arms(t_cold))[:1]),
                           flush=True)
                 base = t["nn.Linear bf16"]
                 cfgs = [(t[a], a) for a in _config_arms(t)]
@@ -248,9 +285,12 @@ def main(argv=None):
                                    ("quantizer + cuBLAS", "decode_gemm", "one-row kernel") if a in t)
                       + (f" | unsplit best {unsplit[1]} {unsplit[0]:.1f} ({unsplit[0] / base:.2f}x)" if unsplit else "")
                       + " | best: "
-                      + ", ".join(f"{a} {v:.1f} ({v / base:.2f}x)" for v, a in best), flush=True)
+                      + ", ".join(f"{a} {v:.1f} ({v / base:.2f}x)" for v, a in best)
+                      + "".join(f" | best {a} {v:.1f} ({v / base:.2f}x)" for v, a in
+                                sorted((t[a], a) for a in _inline_arms(t))[:1]), flush=True)
                 out_rows.append({"shape": name, "n": n, "k": k, "m": m, "quant": quant, "us": t,
                                  **({"us_cold": t_cold, "cold_weights": len(copies)} if t_cold else {}),
+                                 **({"inline_same_bits": bits} if bits else {}),
                                  "outside_budget": bad, "wrong": wrong})
                 with open(args.json, "w") as f:  # after every cell: a run cut short keeps what it timed
                     json.dump({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -366,7 +366,8 @@ def test_split_probe_configs_take_the_block_n_and_warps_asked_for():
 
 def test_split_probe_plot_draws_the_cold_times_and_the_best_of_each_slice_count(tmp_path):
     """``probe_decode_split_k --from RUN.json --plot``: a --cold run is drawn from its cold times,
-    with 0.8x of nn.Linear's, and each K-slice count's best config as a line of its own."""
+    with 0.8x of nn.Linear's, each K-slice count's best config as a line of its own, and the best of
+    the --inline arms (one launch) as another, which the slice counts' lines leave out."""
     pytest.importorskip("matplotlib")
     import json
 
@@ -374,7 +375,8 @@ def test_split_probe_plot_draws_the_cold_times_and_the_best_of_each_slice_count(
 
     def times(scale):
         return {"nn.Linear bf16": 10 * scale, "quantizer + cuBLAS": 20 * scale, "decode_gemm": 7 * scale,
-                "64/256/4/4/3": 9 * scale, "64/128/4/4/3": 8 * scale, "64/256/16/4/3": 11 * scale}
+                "64/256/4/4/3": 9 * scale, "64/128/4/4/3": 8 * scale, "64/256/16/4/3": 11 * scale,
+                "inline: 64/256/4/4/3": 6 * scale, "inline: 64/128/4/4/3": 5 * scale}  # (--inline's arms)
 
     rows = [{"shape": "8b-kv-tp1", "n": 1024, "k": 4096, "m": m, "quant": "blockscale", "us": times(1),
              "us_cold": times(m)} for m in (2, 8)]
@@ -384,8 +386,50 @@ def test_split_probe_plot_draws_the_cold_times_and_the_best_of_each_slice_count(
     lines = {line.get_label(): list(line.get_ydata()) for line in fig.axes[0].get_lines()}
     assert lines["nn.Linear bf16"] == [20, 80] and lines["0.8x nn.Linear (the target)"] == [16, 64]
     assert lines["blockscale: best config of 4 K slices"] == [16, 64]  # the better of the two 4-slice configs
+    assert lines["blockscale: quantizer inside the MMA, best config (--inline)"] == [10, 40]  # not among those
     assert lines["blockscale: best config of 16 K slices"] == [22, 88]
     assert (tmp_path / "run.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("m, n, k, k_padded, cfg", [(3, 200, 2000, 2048, (64, 256, 4, 4, 3)),
+                                                    (17, 130, 1100, 1152, (32, 128, 4, 4, 3)),
+                                                    (2, 64, 512, 512, (64, 256, 1, 4, 3)),
+                                                    (40, 128, 4096, 4096, (64, 256, 8, 4, 3))], ids=lambda v: str(v))
+def test_probe_inline_quantizer_gives_the_two_launches_bits(monkeypatch, m, n, k, k_padded, cfg):
+    """``scripts/inline_quant_mma.py`` (a probe's kernel: blockscale's MMA quantizing its own slice of
+    the rows): the bits of the two launches at the same config (the group quantizer, then the split
+    MMA), K padded (1100 -> 1152: an empty slice), N past a block, 2..40 rows (16 and 64 wide), one
+    slice and 4 / 8; and again on the next calls, whose counters are never reset (each call adds
+    SPLIT: the broken variant, a count compared with SPLIT - 1, leaves the second call's output
+    unwritten: its NaNs stay)."""
+    from kernels_fused.hopper import decode as D
+    from scripts.inline_quant_mma import InlineLaunch
+    from scripts.probe_decode_split_k import with_config
+
+    monkeypatch.setattr(D, "resident_programs", lambda device: 132)
+    x = activations(m, k, seed=m + 11)
+    wq, ws = weight(n, k, k_padded, "blockscale", seed=2)
+    saved = {id(t): dict(t) for t in (*D.tables("blockscale", 2), *D.tables("blockscale", D.MMA_ROWS_MAX),
+                                       D.MMA_SPLIT, D.MMA_SPLIT_WIDE, D.MMA_SPLIT_WAVES)}
+    try:
+        with_config(D, "blockscale", cfg)
+        two = D._Launch(m, k, k_padded, n, "blockscale", False, -1)
+        assert two.kernel.grid == (-(-n // cfg[0]), cfg[2])
+        want = torch.empty(m, n, dtype=torch.bfloat16)
+        two(x, x.stride(0), wq, ws, None, want)
+    finally:
+        for t in (*D.tables("blockscale", 2), *D.tables("blockscale", D.MMA_ROWS_MAX), D.MMA_SPLIT,
+                  D.MMA_SPLIT_WIDE, D.MMA_SPLIT_WAVES):
+            t.clear()
+            t.update(saved[id(t)])
+        D._LAUNCHES.clear()
+    assert_within_one_ulp(want, two_launches(x, wq, ws, "blockscale", n, k_padded))
+    inline = InlineLaunch(m, k, k_padded, n, cfg, "cpu")
+    for call in range(3):  # the counters carry over from call to call
+        got = inline(x, wq, ws, torch.full((m, n), float("nan"), dtype=torch.bfloat16))
+        assert torch.equal(got, want), call
+    if cfg[2] > 1:
+        assert inline.counters.tolist() == [3 * cfg[2]] * len(inline.counters)
 
 
 def test_ptpc_one_launch_refused_falls_back_to_two():
