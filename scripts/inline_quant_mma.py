@@ -5,8 +5,9 @@ writes the e4m3 rows and their scales, then ``decode_mma_rows_kernel`` reads the
 programs. At small weights (Llama-3-8B's k/v_proj: 1-8 MB) the quantizer's launch and the dependency
 between the two are a large part of the call. Here each MMA program quantizes the activation columns
 of its own K slice as it reads them: blockscale's scale is per row and 128 columns, so a program
-needs no other program's rows (ptpc's row amax over all of K would). Every program of a weight
-block quantizes the same rows again (the price of one launch), from L2.
+needs no other program's rows (ptpc's row amax over all of K would). The programs of every weight
+block quantize the same columns of the rows again (the price of one launch: N / BLOCK_N times the
+quantizer's work, the rows read from L2).
 
 The bits are the two launches': each 128-column group's scale and e4m3 values as the quantizer
 computes them (the same IEEE divisions, zeros skipped as at decode sizes), multiplied and scaled
