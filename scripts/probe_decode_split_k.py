@@ -105,6 +105,22 @@ def with_config(D, quant: str, cfg) -> None:
     D.MMA_SPLIT_WAVES[quant] = 1 << 20  # the config's split wherever the steps allow it
 
 
+def table_restorer(D, quants):
+    """A function that puts every table :func:`with_config` sets for ``quants`` (``decode``'s own
+    dicts, set in place) back to its values now, and drops the launches kept since."""
+    tables = [t for quant in quants for m in (2, D.MMA_ROWS_MAX) for t in D.tables(quant, m)]
+    tables += [D.MMA_SPLIT, D.MMA_SPLIT_WIDE, D.MMA_SPLIT_WAVES]
+    saved = [dict(t) for t in tables]
+
+    def restore():
+        for table, old in zip(tables, saved):
+            table.clear()
+            table.update(old)
+        D._LAUNCHES.clear()
+
+    return restore
+
+
 def plot(path: str, png: str):
     """One panel per shape of the run at ``path``: device us per call over M (a ``--cold`` run's cold
     times), ``nn.Linear`` bf16 and 0.8x of it (the target), and per quant the quantizer + cuBLAS
@@ -182,17 +198,7 @@ def main(argv=None):
     from scripts.inline_quant_mma import InlineLaunch
 
     NV.ENABLED = False  # the Python path's launches, as a graph captures them
-    # every table with_config sets (decode's own dicts, set in place), and their values before
-    tables = [t for quant in args.quant for m in (2, D.MMA_ROWS_MAX) for t in D.tables(quant, m)]
-    tables += [D.MMA_SPLIT, D.MMA_SPLIT_WIDE, D.MMA_SPLIT_WAVES]
-    saved = [dict(t) for t in tables]
-
-    def restore():
-        for table, old in zip(tables, saved):
-            table.clear()
-            table.update(old)
-        D._LAUNCHES.clear()
-
+    restore = table_restorer(D, args.quant)
     dev = torch.device("cuda")
     out_rows = []
     t0 = time.time()

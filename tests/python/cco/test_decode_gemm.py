@@ -404,13 +404,12 @@ def test_probe_inline_quantizer_gives_the_two_launches_bits(monkeypatch, m, n, k
     unwritten: its NaNs stay)."""
     from kernels_fused.hopper import decode as D
     from scripts.inline_quant_mma import InlineLaunch
-    from scripts.probe_decode_split_k import with_config
+    from scripts.probe_decode_split_k import table_restorer, with_config
 
     monkeypatch.setattr(D, "resident_programs", lambda device: 132)
     x = activations(m, k, seed=m + 11)
     wq, ws = weight(n, k, k_padded, "blockscale", seed=2)
-    saved = {id(t): dict(t) for t in (*D.tables("blockscale", 2), *D.tables("blockscale", D.MMA_ROWS_MAX),
-                                       D.MMA_SPLIT, D.MMA_SPLIT_WIDE, D.MMA_SPLIT_WAVES)}
+    restore = table_restorer(D, ["blockscale"])
     try:
         with_config(D, "blockscale", cfg)
         two = D._Launch(m, k, k_padded, n, "blockscale", False, -1)
@@ -418,11 +417,7 @@ def test_probe_inline_quantizer_gives_the_two_launches_bits(monkeypatch, m, n, k
         want = torch.empty(m, n, dtype=torch.bfloat16)
         two(x, x.stride(0), wq, ws, None, want)
     finally:
-        for t in (*D.tables("blockscale", 2), *D.tables("blockscale", D.MMA_ROWS_MAX), D.MMA_SPLIT,
-                  D.MMA_SPLIT_WIDE, D.MMA_SPLIT_WAVES):
-            t.clear()
-            t.update(saved[id(t)])
-        D._LAUNCHES.clear()
+        restore()
     assert_within_one_ulp(want, two_launches(x, wq, ws, "blockscale", n, k_padded))
     inline = InlineLaunch(m, k, k_padded, n, cfg, "cpu")
     for call in range(3):  # the counters carry over from call to call
