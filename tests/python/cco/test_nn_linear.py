@@ -723,9 +723,10 @@ def _ranks_call_different_layers(comm, kind, mode, pools=1):
     return verdict, after, shared
 
 
-@pytest.mark.parametrize("mode", ["fused", "unfused"])
+@pytest.mark.parametrize("mode, pools", [("fused", 1), ("unfused", 1), ("unfused", 2)],
+                         ids=["fused", "unfused", "unfused, two pools"])
 @pytest.mark.parametrize("kind", LAYER_KINDS)
-def test_ranks_calling_different_layers_of_one_family_raise_on_every_rank(kind, mode):
+def test_ranks_calling_different_layers_raise_on_every_rank(kind, mode, pools):
     """Guards: two layers of one shape share their op (``WindowPool``: one window for the family),
     so their calls take seqs of one count. Rank 0 calling layer a while rank 1 calls layer b (a
     rank's control flow that skipped a layer, or took the layers in another order) paired the
@@ -733,23 +734,13 @@ def test_ranks_calling_different_layers_of_one_family_raise_on_every_rank(kind, 
     ranks returned a sum of two layers' products (1250 of 1280 outputs off) with no error. Each
     call now carries its layer's tag (the layer's place among the group's layers, agreed at
     construction) in the stamp and the header: both ranks raise PeerMismatchError naming the
-    layers, and the next calls are right."""
-    outs = check_outcomes(spawn(_ranks_call_different_layers, world=2, args=(kind, mode), timeout_s=120))
+    layers, and the next calls are right.
+
+    ``pools=2``: the unfused layers each in a pool of their own on one group. The tags and the
+    unfused headers' seq were counted per pool, so their first layers had one tag and their calls
+    one header seq, and the two calls' headers paired with no error; they are counted per group."""
+    outs = check_outcomes(spawn(_ranks_call_different_layers, world=2, args=(kind, mode, pools), timeout_s=120))
     for rank, (verdict, after, shared) in enumerate(outs):
         assert shared == (mode == "fused"), (rank, shared)
-        assert verdict.startswith("PeerMismatchError") and "layer" in verdict, (rank, verdict)
-        assert after == [True, True], (rank, after)
-
-
-@pytest.mark.parametrize("kind", LAYER_KINDS)
-def test_unfused_layers_of_two_pools_on_one_group_raise_on_every_rank(kind):
-    """Guards: the tags and the unfused headers' seq were counted per pool, so the first unfused
-    layers of two pools (``pool=``) on one group had one tag and their calls one header seq: rank
-    0 calling the one while rank 1 called the other paired the two calls' headers and all-reduced
-    two layers' partial products, with no error. They are counted per group now: both ranks raise
-    PeerMismatchError naming the layers, and the next calls are right."""
-    outs = check_outcomes(spawn(_ranks_call_different_layers, world=2, args=(kind, "unfused", 2), timeout_s=120))
-    for rank, (verdict, after, shared) in enumerate(outs):
-        assert not shared, rank
         assert verdict.startswith("PeerMismatchError") and "layer" in verdict, (rank, verdict)
         assert after == [True, True], (rank, after)
