@@ -462,7 +462,16 @@ class CollectiveGemmOp:
     def _note_closed_peers(self, err: BaseException) -> None:
         """Where ``err`` is a timeout, say which peers had closed their op before this rank's calls
         (``PeerNotes.closed``): "stalled, died or lost a put" was all such a timeout could say."""
-        note_closed_peers(err, self._notes, rank=self.rank, world=self.world, seq=self._seq, what=self._FN)
+        note_closed_peers(err, self._notes, rank=self.rank, world=self.world, seq=self._seq, what=self._FN,
+                          tag=self._tag)
+
+    def note_layer_closed(self, tag: int) -> None:
+        """Leave a note for the peers that this rank's caller ``tag`` (a ``cco.nn`` layer of the family
+        sharing this op) is closed, the op staying open: a peer's later call of that layer waits out
+        its deadline, and its ``CommTimeoutError`` then names this rank and the layer
+        (:func:`note_closed_peers`). Local; best effort, bounded."""
+        if self._notes is not None and not self._closed:
+            self._notes.post_closed_layer(rank=self.rank, tag=tag, seq=self._seq)
 
     def reject(self, error: Exception) -> None:
         """Take part in this rank's next collective call as a rejected one: for a caller (a layer)

@@ -771,6 +771,8 @@ class _ParallelLinear(torch.nn.Module):
             self._dual.close()
         if self.op is not None:
             self._pool.release(self.op)
+            if self._pool.users(self.op):  # the family's other layers keep the op open: its peers'
+                self.op.note_layer_closed(self._tag)  # timeouts on this layer's calls then name this rank
             self.op = None
 
     def _check_open(self) -> None:

@@ -71,13 +71,24 @@ class PeerNotes:
         key = self._closed_key(rank)
         within(lambda: store_of(self.comm).set(key, str(seq)))
 
-    def closed(self, peers, *, within_s: float = STORE_CALL_S) -> dict[int, int]:
+    def _closed_layer_key(self, rank: int, tag: int) -> str:
+        return f"cco/{self.token}/closed-layer/{tag}/{rank}"
+
+    def post_closed_layer(self, *, rank: int, tag: int, seq: int) -> None:
+        """``rank`` closed its layer ``tag`` (``cco.nn.pool.layer_tag``) of the family sharing this op
+        after the op's call ``seq``, the op staying open for the family's other layers; best effort
+        and bounded, as :meth:`post_closed`."""
+        key = self._closed_layer_key(rank, tag)
+        within(lambda: store_of(self.comm).set(key, str(seq)))
+
+    def closed(self, peers, *, within_s: float = STORE_CALL_S, tag: int | None = None) -> dict[int, int]:
         """``{rank: seq of its last call}`` of the ``peers`` that closed their op, read within
-        ``within_s`` (:func:`within`; none where the reads did not end by then)."""
+        ``within_s`` (:func:`within`; none where the reads did not end by then); with ``tag``, the
+        peers that closed that layer of the op's family instead (:meth:`post_closed_layer`)."""
         def read() -> dict[int, int]:
             store, found = store_of(self.comm), {}
             for p in peers:
-                key = self._closed_key(p)
+                key = self._closed_key(p) if tag is None else self._closed_layer_key(p, tag)
                 if store.check([key]):
                     found[p] = int(store.get(key))
             return found
@@ -86,17 +97,27 @@ class PeerNotes:
 
 
 def note_closed_peers(error: BaseException, notes: PeerNotes | None, *, rank: int, world: int, seq: int,
-                      what: str) -> None:
+                      what: str, tag: int = 0) -> None:
     """Where ``error`` is a wait that passed its deadline (``CommTimeoutError``) in this rank's calls
     up to ``seq``, add a note naming each peer that closed its op (``what``) before that call: those
-    calls could not complete. Once per error object (a failed op raises the same error again)."""
+    calls could not complete; and, for a call of a layer (``tag`` > 0), each peer that closed that
+    layer while its family's op stayed open (the peer's calls of the family's other layers go on,
+    so its op is not closed, but this layer's calls never come). Once per error object (a failed op
+    raises the same error again)."""
     if notes is None or not isinstance(error, CommTimeoutError) or getattr(error, "_cco_closed_looked", False):
         return
     error._cco_closed_looked = True
-    for peer, last in sorted(notes.closed([p for p in range(world) if p != rank]).items()):
+    peers = [p for p in range(world) if p != rank]
+    for peer, last in sorted(notes.closed(peers).items()):
         if last < seq:
             error.add_note(f"rank {peer} closed its {what} (close()) after its call seq {last}, so rank {rank}'s "
                            f"calls since cannot complete: close the op on every rank together (or none)")
+    if tag > 0:
+        for peer, last in sorted(notes.closed(peers, tag=tag).items()):
+            if last < seq:
+                error.add_note(f"rank {peer} closed layer #{tag} (close()) after its {what}'s call seq {last}, so "
+                               f"rank {rank}'s calls of that layer since cannot complete: close the layers on every "
+                               f"rank together (cco.nn.close_layers), or none")
 
 
 def post_rejection(notes: PeerNotes | None, *, seq: int, rank: int, error: BaseException) -> None:

@@ -744,3 +744,53 @@ def test_ranks_calling_different_layers_raise_on_every_rank(kind, mode, pools):
         assert shared == (mode == "fused"), (rank, shared)
         assert verdict.startswith("PeerMismatchError") and "layer" in verdict, (rank, verdict)
         assert after == [True, True], (rank, after)
+
+
+def _peer_calls_a_layer_closed_here(comm, kind):
+    """Two fused layers of one family (one op); rank 1 closes layer a, the op staying open for b;
+    rank 0 then calls a. Rank 0's verdict (its error's type, first line and notes, and the seconds
+    it took), rank 1's "closed"; both meet at a barrier after."""
+    import time
+
+    from cco.nn import WindowPool
+
+    g = torch.Generator().manual_seed(0)
+    w_a, w_b = torch.randn(256, 512, generator=g), torch.randn(256, 512, generator=g)
+    x = torch.randn(8, 512, generator=g).to(torch.bfloat16)
+    (a, b), mine, _ = _two_layers(comm, kind, "fused", [WindowPool()] * 2, w_a, w_b, deadline_s=2)
+    assert a.op is b.op and a.op is not None
+    verdict = "closed"
+    with torch.no_grad():
+        b(mine(x))  # a call of the family, on both ranks
+        if comm.rank == 1:
+            a.close()
+        comm.barrier()
+        if comm.rank == 0:
+            t0 = time.monotonic()
+            try:
+                a(mine(x))
+                a.op.check()
+                verdict = "returned"
+            except Exception as err:
+                verdict = (type(err).__name__, str(err).splitlines()[0], getattr(err, "__notes__", []),
+                           time.monotonic() - t0, a._tag)
+    comm.barrier()
+    a.close()
+    b.close()
+    return verdict
+
+
+@pytest.mark.parametrize("kind", LAYER_KINDS)
+def test_a_layer_closed_on_one_rank_is_named_in_its_peers_timeout(kind):
+    """Guards: layers of one shape share their op, so closing one layer on one rank leaves the op
+    open for the others (``WindowPool``). A peer that then calls the closed layer waits for a rank
+    that never comes and times out, as it must; its ``CommTimeoutError`` said only "stalled, died or
+    lost a put" (the op's closed-op note needs the op closed). ``close()`` now leaves a note in the
+    store when its op stays open, and the peer's timeout on that layer's call names the rank and
+    the layer."""
+    outs = check_outcomes(spawn(_peer_calls_a_layer_closed_here, world=2, args=(kind,), timeout_s=120))
+    assert outs[1] == "closed"
+    name, first, notes, seconds, tag = outs[0]
+    assert name == "CommTimeoutError", outs[0]
+    assert seconds < 2 + 2, outs[0]  # within the deadline + 2 s
+    assert any(f"rank 1 closed layer #{tag} (close())" in note for note in notes), outs[0]
