@@ -1,4 +1,6 @@
-"""A probe's kernel, not the library's: blockscale's decode MMA with the activation quantizer inside it.
+"""Probes' kernels, not the library's: a captured decode call of 2..64 rows as one launch instead of two
+(blockscale's MMA with the activation quantizer inside it; ptpc's quantizer and split MMA as two
+phases of one cooperative launch, ``ptpc_split_one_kernel`` below).
 
 The shipped captured call of 2..64 rows is two launches: the group quantizer (``quantize_groups_kernel``)
 writes the e4m3 rows and their scales, then ``decode_mma_rows_kernel`` reads them, its K split over
@@ -27,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_fused.hopper.decode_kernels import _finish_rows
-from kernels_fused.hopper.quantize_kernels import _div_rn, _to_e4m3
+from kernels_fused.hopper.decode_kernels import _finish_rows, _grid_wait
+from kernels_fused.hopper.quantize_kernels import _div_rn, _to_e4m3, quantize_row_slice
 
 
 @triton.jit
@@ -105,4 +107,129 @@ class InlineLaunch:
 
         self.kernel(out.get_device(), x, wq, ws, out, self.counters, self.parts, *self.sizes, x.stride(0),
                     ws.stride(0), _TINY, FP8_MAX, *self.consts)
+        return out
+
+
+# ---- ptpc: the quantizer and the split MMA as two phases of one cooperative launch, for a capture --------
+#
+# ptpc's scale is the row's amax over all of K, so no MMA program can quantize its own slice alone
+# (blockscale's way above): the rows are quantized once by the whole grid, then every program waits
+# for all (``decode_kernels._grid_wait``), then multiplies its weight block's K slice. The eager one
+# launch (``decode_ptpc_kernel``) does that with a program per weight block, every slice in one
+# program; a captured call takes the two launches instead (the quantizer, then the split MMA). Here
+# the grid is the split MMA's (a program per block and slice), and each program loads its first
+# weight tile before the wait (``PREFETCH``): the weight does not depend on the quantizer, so that
+# read overlaps the quantizing phase, the wait and the launch's start. The counters of the split are
+# zeroed in the first phase (program 0, before the wait that orders it ahead of every count).
+@triton.jit
+def ptpc_split_one_kernel(x_ptr, q_ptr, w_ptr, ws_ptr, out_ptr, sync_ptr, cnt_ptr, part_ptr, M, N, K, K_PAD,
+                          K_SLICE, stride_x, tiny, fp8_max, SLICES, COUNTERS, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr, ROW_BLOCK: tl.constexpr,
+                          SLICE_K: tl.constexpr, PHASES: tl.constexpr, PREFETCH: tl.constexpr,
+                          ROUND_IN_FP32: tl.constexpr):
+    """``out [M, N] = bf16(quant(x) @ dequant(w).T)`` for ptpc: program ``p`` is weight block ``p //
+    SPLIT`` over K slice ``p % SPLIT`` (``K_SLICE`` columns). ``q`` holds the e4m3 rows ``[M, K_PAD]``
+    then their fp32 scales. ``PHASES``: 3 both phases and the wait (the GPU); 1 or 2 one phase alone
+    (two launches: Triton's interpreter runs programs in turn, so a wait with more than one program
+    never ends there)."""
+    sa_ptr = (q_ptr + M * K_PAD).to(tl.pointer_type(tl.float32), bitcast=True)
+    pid = tl.program_id(0)
+    block = pid // SPLIT
+    s = pid % SPLIT
+    k_lo = s * K_SLICE
+    k_hi = tl.minimum(k_lo + K_SLICE, K_PAD)
+    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = cols < N
+    rows = tl.arange(0, ROWS)
+    r_ok = rows < M
+    kk = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * K_PAD + kk[None, :]
+    q_rows = q_ptr + rows.to(tl.int64)[:, None] * K_PAD + kk[None, :]
+    if PHASES != 2:
+        gen = tl.atomic_add(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
+        if PREFETCH and PHASES == 3:
+            w_first = tl.load(w_rows + k_lo, mask=n_ok[:, None] & (k_lo + kk < k_hi)[None, :], other=0.0)
+        if pid == 0 and SPLIT > 1:
+            c = tl.arange(0, 1024)
+            for c0 in range(0, COUNTERS, 1024):
+                tl.store(cnt_ptr + c0 + c, tl.zeros((1024,), dtype=tl.int32), mask=c0 + c < COUNTERS)
+        for item in range(pid, M * SLICES, tl.num_programs(0)):
+            quantize_row_slice(x_ptr, q_ptr, sa_ptr, item // SLICES, item % SLICES, M, M, K, K_PAD, stride_x, tiny,
+                               fp8_max, ROW_BLOCK, SLICE_K, True, ROUND_IN_FP32)
+        if PHASES == 3:
+            _grid_wait(sync_ptr, gen)
+    if PHASES != 1:
+        if not (PREFETCH and PHASES == 3):
+            w_first = tl.load(w_rows + k_lo, mask=n_ok[:, None] & (k_lo + kk < k_hi)[None, :], other=0.0)
+        # the split MMA's chain (decode_kernels._mma_partial, ptpc), its first tile the one read above
+        # (an empty slice, K_PAD's last: its tiles read as zeros, a zero sum, as the chain's)
+        q_first = tl.load(q_rows + k_lo, mask=r_ok[:, None] & (k_lo + kk < k_hi)[None, :], other=0.0)
+        acc = tl.dot(w_first, tl.trans(q_first), tl.zeros((BLOCK_N, ROWS), dtype=tl.float32))
+        for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+            w = tl.load(w_rows + k0, mask=n_ok[:, None], other=0.0)
+            q = tl.load(q_rows + k0, mask=r_ok[:, None], other=0.0)
+            acc = tl.dot(w, tl.trans(q), acc)
+        if SPLIT == 1:
+            _finish_rows(acc, sa_ptr, ws_ptr, out_ptr, out_ptr, cols, n_ok, rows, r_ok, N, 0, False, ROUND_IN_FP32)
+        else:  # (decode_kernels._mma_rows's split tail: the last of a block's programs sums in slice order)
+            tile = tl.arange(0, BLOCK_N)[:, None] * ROWS + rows[None, :]
+            parts = part_ptr + block.to(tl.int64) * (SPLIT * BLOCK_N * ROWS)
+            tl.store(parts + s * (BLOCK_N * ROWS) + tile, acc)
+            tl.debug_barrier()
+            if tl.atomic_add(cnt_ptr + block, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+                total = tl.load(parts + tile, cache_modifier=".cg")
+                for i in tl.static_range(1, SPLIT):
+                    total += tl.load(parts + i * (BLOCK_N * ROWS) + tile, cache_modifier=".cg")
+                _finish_rows(total, sa_ptr, ws_ptr, out_ptr, out_ptr, cols, n_ok, rows, r_ok, N, 0, False,
+                             ROUND_IN_FP32)
+
+
+class PtpcOneLaunch:
+    """One call shape's cooperative launch of :func:`ptpc_split_one_kernel` at ``cfg`` = (BLOCK_N,
+    BLOCK_K, SPLIT, warps, stages); its scratch (rows, scales), wait counter, split counters and
+    partials are its own, so its calls must not overlap. Raises ValueError where the grid (blocks x
+    slices) is not resident at once (``decode.resident_programs``). ``device`` "cpu": Triton's
+    interpreter, the two phases as two launches."""
+
+    def __init__(self, m: int, k: int, k_padded: int, n: int, cfg: tuple, device, prefetch: bool = True):
+        from kernels_fused.hopper import decode as D
+        from kernels_fused.hopper.launch import Kernel
+        from kernels_fused.hopper.quantize import _interpreting
+
+        block_n, block_k, split, warps, stages = cfg
+        dev = torch.device(device)
+        blocks = -(-n // block_n)
+        programs = blocks * split
+        resident = D.resident_programs(dev.index if dev.type == "cuda" else -1)
+        if dev.type == "cuda" and programs > resident:
+            raise ValueError(f"PtpcOneLaunch: {programs} programs (blocks x slices) are more than the "
+                             f"{resident} resident at once")
+        if k_padded % block_k:
+            raise ValueError(f"PtpcOneLaunch: BLOCK_K={block_k} must divide K_PAD={k_padded}")
+        rows = D.mma_rows(m)
+        slices, slice_k = D.one_slices(m, k_padded, programs)
+        k_slice = -(-(k_padded // block_k) // split) * block_k
+        self.cpu = dev.type != "cuda"
+        self.m, self.k_padded = m, k_padded
+        self.sizes = (m, n, k, k_padded, k_slice)
+        self.counts = (slices, blocks)
+        self.consts = (block_n, block_k, rows, split, min(D._pow2(k), D.ONE_ROW_BLOCK), slice_k)
+        self.tail = (bool(prefetch), _interpreting())
+        self.scratch = torch.empty(D.rows_and_scales(m, k_padded), dtype=D.FP8, device=dev)  # rows, then scales
+        self.sync = torch.zeros(2, dtype=torch.int32, device=dev)
+        self.counters = torch.zeros(blocks, dtype=torch.int32, device=dev)
+        self.parts = torch.empty(max(1, programs * block_n * rows), dtype=torch.float32, device=dev)
+        options = dict(num_warps=warps, num_stages=stages)
+        if self.cpu:
+            self.kernel = Kernel(ptpc_split_one_kernel, (programs,), **options)
+        else:
+            self.kernel = Kernel(ptpc_split_one_kernel, (programs,), launch_cooperative_grid=True, **options)
+
+    def __call__(self, x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        from cco.quant import _TINY, FP8_MAX
+
+        args = (x, self.scratch, wq, ws, out, self.sync, self.counters, self.parts, *self.sizes, x.stride(0), _TINY,
+                FP8_MAX, *self.counts, *self.consts)
+        for phases in ((1, 2) if self.cpu else (3,)):
+            self.kernel(out.get_device(), *args, phases, *self.tail)
         return out

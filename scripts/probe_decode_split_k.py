@@ -85,9 +85,11 @@ def parse_args(argv=None):
                        help="comma list of K slices per weight block tried (default 1,2,4,8; each slice keeps "
                             "at least two K steps)")
         p.add_argument("--inline", action="store_true",
-                       help="blockscale: each config also with the quantizer inside the MMA's launch "
-                            "(scripts/inline_quant_mma.py, a probe's kernel: one launch instead of two), "
-                            "checked for the two launches' bits first")
+                       help="each config also as one launch instead of two (scripts/inline_quant_mma.py, a "
+                            "probe's kernels): blockscale's MMA quantizing its own K slice; ptpc's quantizer and "
+                            "split MMA as two phases of one cooperative launch with a grid-wide wait (where the "
+                            "grid is resident at once), each checked for the two launches' bits first and "
+                            "left out where a graph cannot capture it")
         p.add_argument("--cold", action="store_true",
                        help=f"each arm also timed as a graph whose {GRAPH_CALLS} calls are each on a weight of "
                             f"its own, as a model's layers (no call finds its weight in L2 from the call before), "
@@ -195,7 +197,7 @@ def main(argv=None):
     from kernels_fused.hopper import vendor
     from kernels_fused.hopper.quantize import quantize_activation
     from scripts.bench_decode import one_weight_and_cold, switched_off
-    from scripts.inline_quant_mma import InlineLaunch
+    from scripts.inline_quant_mma import InlineLaunch, PtpcOneLaunch
 
     NV.ENABLED = False  # the Python path's launches, as a graph captures them
     restore = table_restorer(D, args.quant)
@@ -230,6 +232,11 @@ def main(argv=None):
                     launches.append(("/".join(map(str, cfg)), D._Launch(m, k, k, n, quant, False, 0)))
                     if args.inline and quant == "blockscale":
                         inline.append((INLINE + launches[-1][0], InlineLaunch(m, k, k, n, cfg, dev)))
+                    elif args.inline and quant == "ptpc":
+                        try:
+                            inline.append((INLINE + launches[-1][0], PtpcOneLaunch(m, k, k, n, cfg, dev)))
+                        except ValueError as err:  # a grid not resident at once: no arm
+                            print(f"{name} {quant} M={m} {launches[-1][0]}: no one launch: {err}", flush=True)
                 restore()
 
                 def arms_of(w_bf16, wq, ws, vw, x=x, m=m, quant=quant, rows_v=rows_v, row=row, launches=launches,
@@ -268,6 +275,23 @@ def main(argv=None):
                         del arms[label]
                         for c in cold:
                             del c[label]
+                for label, _ in inline:  # (compiled by the bit check above) a launch a graph cannot capture: left out
+                    if label in arms:
+                        try:
+                            torch.cuda.synchronize()
+                            g = torch.cuda.CUDAGraph()
+                            with torch.cuda.graph(g):
+                                arms[label]()
+                            g.replay()
+                            torch.cuda.synchronize()
+                            del g
+                        except Exception as err:  # noqa: BLE001 - recorded, the arm dropped
+                            torch.cuda.synchronize()
+                            bits[label] = f"not captured: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+                            print(f"{name} {quant} M={m}: {label} {bits[label]}: left out", flush=True)
+                            del arms[label]
+                            for c in cold:
+                                del c[label]
                 _, bad, wrong, _ = checked_arms(arms, ref, dot_abs, f"{name} {quant} M={m}")
                 # --cold: each arm also as a graph over every copy, in the same passes as the one-weight graphs
                 # (an arm found wrong on the first copy is left out of both)
