@@ -114,7 +114,8 @@ def _one_line_error(rc, out, err, *said, code=None):
     ("bench_eager", []), ("bench_quantize", []), ("tune_decode", []), ("probe_decode_rows", []),
     ("probe_producer_parts", []), ("probe_blockscale_rows", ["8b-o-tp1", "8", "bs.json"]),
     ("probe_mx_dot_scaled", ["8b-o-tp1", "8", "mx.json"]), ("probe_driver_holds", []),
-    ("probe_eager_graph_bits", ["8b-o-tp1", "1,8", "bits.json"])])
+    ("probe_eager_graph_bits", ["8b-o-tp1", "1,8", "bits.json"]), ("probe_decode_model_host", []),
+    ("probe_decode_interleave", [])])
 def test_a_gpu_tool_without_a_gpu_says_so_in_one_line(script, argv):
     rc, out, err = _run(script, *argv)
     _one_line_error(rc, out, err, f"{script}: needs a CUDA GPU")
