@@ -63,21 +63,35 @@ def blockscale_inline_mma_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, cnt_ptr, part_pt
             q = _to_e4m3(tl.clamp(_div_rn(x, sa[:, None], True), -fp8_max, fp8_max), ROUND_IN_FP32)
             # (rows past M: q is zero, so the column is zero whatever its scale, as the two launches' is)
             acc += tl.dot(w, tl.trans(q)) * (sa * tl.load(ws_row + kb // 128))[None, :]
+    _split_finish(acc, ws_ptr, ws_ptr, out_ptr, cnt_ptr, part_ptr, block, s, cols, n_ok, rows, r_ok, N, 1, BLOCK_N,
+                  ROWS, SPLIT, True, ROUND_IN_FP32)
+
+
+@triton.jit
+def _split_finish(acc, sa_ptr, ws_ptr, out_ptr, cnt_ptr, part_ptr, block, s, cols, n_ok, rows, r_ok, N,
+                  QUANT: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
+                  NEVER_RESET: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+    """A program's partial ``acc`` of weight block ``block`` over K slice ``s``, finished as
+    ``decode_kernels._mma_rows`` finishes it: stored to ``part``, counted in on the block's counter,
+    and the last of the block's programs sums the partials in slice order and stores the output.
+    ``NEVER_RESET``: the counters are never zeroed between calls (each call adds SPLIT), so the count
+    that reaches a multiple of SPLIT (a power of two: the int32's wrap keeps the residue) is this
+    call's last; else they are zeroed before each call and the count SPLIT - 1 is."""
     if SPLIT == 1:
-        _finish_rows(acc, ws_ptr, ws_ptr, out_ptr, out_ptr, cols, n_ok, rows, r_ok, N, 1, False, ROUND_IN_FP32)
+        _finish_rows(acc, sa_ptr, ws_ptr, out_ptr, out_ptr, cols, n_ok, rows, r_ok, N, QUANT, False, ROUND_IN_FP32)
     else:
         tile = tl.arange(0, BLOCK_N)[:, None] * ROWS + rows[None, :]
         parts = part_ptr + block.to(tl.int64) * (SPLIT * BLOCK_N * ROWS)
         tl.store(parts + s * (BLOCK_N * ROWS) + tile, acc)
         tl.debug_barrier()  # every thread's partial stored before the count
-        # never reset: the count that reaches a multiple of SPLIT (a power of two, so the int32's wrap
-        # keeps the residue) is this call's last
         arrived = tl.atomic_add(cnt_ptr + block, 1, sem="acq_rel", scope="gpu")
-        if (arrived & (SPLIT - 1)) == SPLIT - 1:
-            total = tl.load(parts + tile, cache_modifier=".cg")
+        if NEVER_RESET:
+            arrived = arrived & (SPLIT - 1)
+        if arrived == SPLIT - 1:
+            total = tl.load(parts + tile, cache_modifier=".cg")  # (L2: the other SMs' stores)
             for i in tl.static_range(1, SPLIT):
                 total += tl.load(parts + i * (BLOCK_N * ROWS) + tile, cache_modifier=".cg")
-            _finish_rows(total, ws_ptr, ws_ptr, out_ptr, out_ptr, cols, n_ok, rows, r_ok, N, 1, False,
+            _finish_rows(total, sa_ptr, ws_ptr, out_ptr, out_ptr, cols, n_ok, rows, r_ok, N, QUANT, False,
                          ROUND_IN_FP32)
 
 
@@ -169,19 +183,8 @@ def ptpc_split_one_kernel(x_ptr, q_ptr, w_ptr, ws_ptr, out_ptr, sync_ptr, cnt_pt
             w = tl.load(w_rows + k0, mask=n_ok[:, None], other=0.0)
             q = tl.load(q_rows + k0, mask=r_ok[:, None], other=0.0)
             acc = tl.dot(w, tl.trans(q), acc)
-        if SPLIT == 1:
-            _finish_rows(acc, sa_ptr, ws_ptr, out_ptr, out_ptr, cols, n_ok, rows, r_ok, N, 0, False, ROUND_IN_FP32)
-        else:  # (decode_kernels._mma_rows's split tail: the last of a block's programs sums in slice order)
-            tile = tl.arange(0, BLOCK_N)[:, None] * ROWS + rows[None, :]
-            parts = part_ptr + block.to(tl.int64) * (SPLIT * BLOCK_N * ROWS)
-            tl.store(parts + s * (BLOCK_N * ROWS) + tile, acc)
-            tl.debug_barrier()
-            if tl.atomic_add(cnt_ptr + block, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-                total = tl.load(parts + tile, cache_modifier=".cg")
-                for i in tl.static_range(1, SPLIT):
-                    total += tl.load(parts + i * (BLOCK_N * ROWS) + tile, cache_modifier=".cg")
-                _finish_rows(total, sa_ptr, ws_ptr, out_ptr, out_ptr, cols, n_ok, rows, r_ok, N, 0, False,
-                             ROUND_IN_FP32)
+        _split_finish(acc, sa_ptr, ws_ptr, out_ptr, cnt_ptr, part_ptr, block, s, cols, n_ok, rows, r_ok, N, 0,
+                      BLOCK_N, ROWS, SPLIT, False, ROUND_IN_FP32)
 
 
 class PtpcOneLaunch:

@@ -395,71 +395,43 @@ def test_split_probe_plot_draws_the_cold_times_and_the_best_of_each_slice_count(
                                                     (17, 130, 1100, 1152, (32, 128, 4, 4, 3)),
                                                     (2, 64, 512, 512, (64, 256, 1, 4, 3)),
                                                     (40, 128, 4096, 4096, (64, 256, 8, 4, 3))], ids=lambda v: str(v))
-def test_probe_inline_quantizer_gives_the_two_launches_bits(monkeypatch, m, n, k, k_padded, cfg):
-    """``scripts/inline_quant_mma.py`` (a probe's kernel: blockscale's MMA quantizing its own slice of
-    the rows): the bits of the two launches at the same config (the group quantizer, then the split
-    MMA), K padded (1100 -> 1152: an empty slice), N past a block, 2..40 rows (16 and 64 wide), one
-    slice and 4 / 8; and again on the next calls, whose counters are never reset (each call adds
+@pytest.mark.parametrize("quant", ["blockscale", "ptpc"])
+def test_probe_one_launch_gives_the_two_launches_bits(monkeypatch, quant, m, n, k, k_padded, cfg):
+    """``scripts/inline_quant_mma.py``, probes' kernels that run a captured call of 2..64 rows as one
+    launch: blockscale's MMA quantizing its own slice of the rows (``InlineLaunch``), ptpc's quantizer
+    and split MMA as two phases of one cooperative launch, each program's first weight tile read
+    before the wait (``PtpcOneLaunch``; under Triton's interpreter its phases run as two launches: a
+    wait with more than one program never ends there; the probe checks the wait's bits on the GPU).
+    Each gives the bits of the two launches at the same config (the quantizer, then the split MMA),
+    K padded (1100 -> 1152: an empty slice), N past a block, 2..40 rows (16 and 64 wide), one slice
+    and 4 / 8; and again on the next calls. blockscale's counters are never reset (each call adds
     SPLIT: the broken variant, a count compared with SPLIT - 1, leaves the second call's output
-    unwritten: its NaNs stay)."""
+    unwritten: its NaNs stay); ptpc's are zeroed by its first phase (with that zeroing left out,
+    likewise)."""
     from kernels_fused.hopper import decode as D
-    from scripts.inline_quant_mma import InlineLaunch
+    from scripts.inline_quant_mma import InlineLaunch, PtpcOneLaunch
     from scripts.probe_decode_split_k import table_restorer, with_config
 
     monkeypatch.setattr(D, "resident_programs", lambda device: 132)
-    x = activations(m, k, seed=m + 11)
-    wq, ws = weight(n, k, k_padded, "blockscale", seed=2)
-    restore = table_restorer(D, ["blockscale"])
+    monkeypatch.setattr(D, "ONE_LAUNCH", False)  # the two launches, as a capture takes them (ptpc's eager one
+    x = activations(m, k, seed=m + 11)  # launch's wait, one program after another here, would never end)
+    wq, ws = weight(n, k, k_padded, quant, seed=2)
+    restore = table_restorer(D, [quant])
     try:
-        with_config(D, "blockscale", cfg)
-        two = D._Launch(m, k, k_padded, n, "blockscale", False, -1)
+        with_config(D, quant, cfg)
+        two = D._Launch(m, k, k_padded, n, quant, False, -1)
         assert two.kernel.grid == (-(-n // cfg[0]), cfg[2])
         want = torch.empty(m, n, dtype=torch.bfloat16)
         two(x, x.stride(0), wq, ws, None, want)
     finally:
         restore()
-    assert_within_one_ulp(want, two_launches(x, wq, ws, "blockscale", n, k_padded))
-    inline = InlineLaunch(m, k, k_padded, n, cfg, "cpu")
-    for call in range(3):  # the counters carry over from call to call
-        got = inline(x, wq, ws, torch.full((m, n), float("nan"), dtype=torch.bfloat16))
-        assert torch.equal(got, want), call
-    if cfg[2] > 1:
-        assert inline.counters.tolist() == [3 * cfg[2]] * len(inline.counters)
-
-
-@pytest.mark.parametrize("m, n, k, k_padded, cfg", [(3, 200, 2000, 2048, (64, 256, 4, 4, 3)),
-                                                    (17, 130, 1100, 1152, (32, 128, 4, 4, 3)),
-                                                    (2, 64, 512, 512, (64, 256, 1, 4, 3)),
-                                                    (40, 128, 4096, 4096, (64, 256, 8, 4, 3))], ids=lambda v: str(v))
-def test_probe_ptpc_one_launch_gives_the_two_launches_bits(monkeypatch, m, n, k, k_padded, cfg):
-    """``scripts/inline_quant_mma.PtpcOneLaunch`` (a probe's kernel: ptpc's quantizer and split MMA
-    as two phases of one launch, each program's first weight tile read before the wait): the bits of
-    the two launches at the same config, and again on the next calls (the split's counters are
-    zeroed by the first phase: with that zeroing left out, the second call's output is never
-    written). Under Triton's interpreter its phases run as two launches (a wait with more than one
-    program never ends there); the wait itself runs on the GPU (the probe checks the bits there)."""
-    from kernels_fused.hopper import decode as D
-    from scripts.inline_quant_mma import PtpcOneLaunch
-    from scripts.probe_decode_split_k import table_restorer, with_config
-
-    monkeypatch.setattr(D, "resident_programs", lambda device: 132)
-    monkeypatch.setattr(D, "ONE_LAUNCH", False)  # the two launches, as a capture takes them (the eager one
-    x = activations(m, k, seed=m + 13)  # launch's wait, one program after another here, would never end)
-    wq, ws = weight(n, k, k_padded, "ptpc", seed=3)
-    restore = table_restorer(D, ["ptpc"])
-    try:
-        with_config(D, "ptpc", cfg)
-        two = D._Launch(m, k, k_padded, n, "ptpc", False, -1)
-        assert two.kernel.grid == (-(-n // cfg[0]), cfg[2])
-        want = torch.empty(m, n, dtype=torch.bfloat16)
-        two(x, x.stride(0), wq, ws, None, want)
-    finally:
-        restore()
-    assert_within_one_ulp(want, two_launches(x, wq, ws, "ptpc", n, k_padded))
-    one = PtpcOneLaunch(m, k, k_padded, n, cfg, "cpu")
-    for call in range(3):
+    assert_within_one_ulp(want, two_launches(x, wq, ws, quant, n, k_padded))
+    one = (InlineLaunch if quant == "blockscale" else PtpcOneLaunch)(m, k, k_padded, n, cfg, "cpu")
+    for call in range(3):  # blockscale's counters carry over from call to call; ptpc's are zeroed by each
         got = one(x, wq, ws, torch.full((m, n), float("nan"), dtype=torch.bfloat16))
         assert torch.equal(got, want), call
+    if cfg[2] > 1:
+        assert one.counters.tolist() == [3 * cfg[2] if quant == "blockscale" else cfg[2]] * len(one.counters)
 
 
 def test_ptpc_one_launch_refused_falls_back_to_two():
