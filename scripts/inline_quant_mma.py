@@ -34,6 +34,17 @@ from kernels_fused.hopper.quantize_kernels import _div_rn, _to_e4m3, quantize_ro
 
 
 @triton.jit
+def _program_tile(block, s, K_SLICE, K_PAD, M, N, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+    """A split MMA program's share, as ``decode_kernels._mma_partial`` takes it: K columns ``[k_lo,
+    k_hi)`` of slice ``s``, weight block ``block``'s rows ``cols`` (``n_ok``: below N), the MMA's
+    ``ROWS`` columns ``rows`` (``r_ok``: below M)."""
+    k_lo = s * K_SLICE
+    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, ROWS)
+    return k_lo, tl.minimum(k_lo + K_SLICE, K_PAD), cols, cols < N, rows, rows < M
+
+
+@triton.jit
 def blockscale_inline_mma_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, cnt_ptr, part_ptr, M, N, K, K_PAD, K_SLICE, stride_x,
                                  stride_ws, tiny, fp8_max, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                  ROWS: tl.constexpr, SPLIT: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
@@ -42,12 +53,7 @@ def blockscale_inline_mma_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, cnt_ptr, part_pt
     ``[N / 128, K_PAD / 128]`` fp32 scales (row stride ``stride_ws``)."""
     block = tl.program_id(0)
     s = tl.program_id(1)
-    k_lo = s * K_SLICE
-    k_hi = tl.minimum(k_lo + K_SLICE, K_PAD)
-    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = cols < N
-    rows = tl.arange(0, ROWS)
-    r_ok = rows < M
+    k_lo, k_hi, cols, n_ok, rows, r_ok = _program_tile(block, s, K_SLICE, K_PAD, M, N, BLOCK_N, ROWS)
     kk = tl.arange(0, 128)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * K_PAD + kk[None, :]
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x + kk[None, :]
@@ -150,12 +156,7 @@ def ptpc_split_one_kernel(x_ptr, q_ptr, w_ptr, ws_ptr, out_ptr, sync_ptr, cnt_pt
     pid = tl.program_id(0)
     block = pid // SPLIT
     s = pid % SPLIT
-    k_lo = s * K_SLICE
-    k_hi = tl.minimum(k_lo + K_SLICE, K_PAD)
-    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = cols < N
-    rows = tl.arange(0, ROWS)
-    r_ok = rows < M
+    k_lo, k_hi, cols, n_ok, rows, r_ok = _program_tile(block, s, K_SLICE, K_PAD, M, N, BLOCK_N, ROWS)
     kk = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * K_PAD + kk[None, :]
     q_rows = q_ptr + rows.to(tl.int64)[:, None] * K_PAD + kk[None, :]
