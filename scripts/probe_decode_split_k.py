@@ -161,9 +161,11 @@ def plot(path: str, png: str):
             if one:
                 ax.plot(*zip(*one), color=colors.get(quant), marker="o", fillstyle="none", linestyle="none",
                         label=f"{quant}: one-row kernel (eager's)")
-            if all(_inline_arms(r[key]) for r in q):
-                ax.plot(ms, [min(r[key][a] for a in _inline_arms(r[key])) for r in q], color=colors.get(quant),
-                        marker="^", linewidth=1.6, label=f"{quant}: quantizer inside the MMA, best config (--inline)")
+            inline = [(r["m"], min(r[key][a] for a in _inline_arms(r[key]))) for r in q if _inline_arms(r[key])]
+            if inline:  # (the cells whose one launch was checked and captured: an arm left out is not drawn)
+                what = "quantizer inside the MMA" if quant == "blockscale" else "quantizer and MMA in one launch"
+                ax.plot(*zip(*inline), color=colors.get(quant), marker="^", linewidth=1.6,
+                        label=f"{quant}: {what}, best config (--inline)")
             for split, style in zip(sorted({int(c.split("/")[2]) for c in _config_arms(q[0][key])}), _SPLIT_STYLES):
                 best = [min(v for c, v in r[key].items() if c in _config_arms(r[key]) and int(c.split("/")[2]) == split)
                         for r in q]

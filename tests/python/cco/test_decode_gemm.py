@@ -367,7 +367,8 @@ def test_split_probe_configs_take_the_block_n_and_warps_asked_for():
 def test_split_probe_plot_draws_the_cold_times_and_the_best_of_each_slice_count(tmp_path):
     """``probe_decode_split_k --from RUN.json --plot``: a --cold run is drawn from its cold times,
     with 0.8x of nn.Linear's, each K-slice count's best config as a line of its own, and the best of
-    the --inline arms (one launch) as another, which the slice counts' lines leave out."""
+    the --inline arms (one launch) as another, which the slice counts' lines leave out, drawn at the
+    cells where it was timed (an arm left out at a cell: not captured, other bits)."""
     pytest.importorskip("matplotlib")
     import json
 
@@ -380,6 +381,11 @@ def test_split_probe_plot_draws_the_cold_times_and_the_best_of_each_slice_count(
 
     rows = [{"shape": "8b-kv-tp1", "n": 1024, "k": 4096, "m": m, "quant": "blockscale", "us": times(1),
              "us_cold": times(m)} for m in (2, 8)]
+    # ptpc: its one launch left out at 8 rows (not captured, say): drawn where it was timed only
+    ptpc = [{"shape": "8b-kv-tp1", "n": 1024, "k": 4096, "m": m, "quant": "ptpc", "us": times(1),
+             "us_cold": times(m) if m == 2 else {a: v for a, v in times(m).items() if not a.startswith("inline")}}
+            for m in (2, 8)]
+    rows += ptpc
     run = tmp_path / "run.json"
     run.write_text(json.dumps({"date": "d", "gpu": "g", "rows": rows}))
     fig = plot(str(run), str(tmp_path / "run.png"))
@@ -388,6 +394,8 @@ def test_split_probe_plot_draws_the_cold_times_and_the_best_of_each_slice_count(
     assert lines["blockscale: best config of 4 K slices"] == [16, 64]  # the better of the two 4-slice configs
     assert lines["blockscale: quantizer inside the MMA, best config (--inline)"] == [10, 40]  # not among those
     assert lines["blockscale: best config of 16 K slices"] == [22, 88]
+    assert lines["ptpc: quantizer and MMA in one launch, best config (--inline)"] == [10]
+    assert list(lines["ptpc: decode_gemm (the rule, captured)"]) == [14, 56]
     assert (tmp_path / "run.png").stat().st_size > 10_000
 
 
