@@ -1,6 +1,7 @@
 """Where an eager decode step of ``bench_decode``'s model spends its host time, slot by slot (one GPU)::
 
     python3 -m scripts.probe_decode_model_host --quant ptpc --batch 1 --json host.json
+    python3 -m scripts.probe_decode_model_host --from host.json [more.json ...] --plot host.png  # no GPU
 
 Why: with o_proj and down_proj alone in fp8 the eager step is 1.03-1.17x of bf16's, yet with every
 linear in fp8 it is 0.90-0.92x, and one layer call alone costs 0.4-1.0x of ``nn.Linear``'s host time
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import torch
@@ -44,7 +46,50 @@ class Timed(torch.nn.Module):
         return y
 
 
+def plot(paths: list[str], out: str):
+    """Draw runs of this probe (their JSON files): a panel per (quant, batch), each slot's host us per
+    call in the model as bars per arm, its call alone as a dot, and each arm's step in the legend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [(json.load(open(path)), r) for path in paths for r in json.load(open(path))["runs"]]
+    panels = sorted({(d["quant"], r["batch"]) for d, r in runs})
+    arms = list(dict.fromkeys(r["arm"] for _, r in runs))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 3.6 * len(panels)), squeeze=False)
+    width = 0.8 / len(arms)
+    for ax, (quant, batch) in zip(axes[:, 0], panels):
+        mine = {r["arm"]: (d, r) for d, r in runs if d["quant"] == quant and r["batch"] == batch}
+        for i, arm in enumerate(arms):
+            if arm not in mine:
+                continue
+            d, r = mine[arm]
+            xs = [j + (i - (len(arms) - 1) / 2) * width for j in range(len(SLOTS))]
+            ax.bar(xs, [r["slot_us_in_model"][n] for n in SLOTS], width,
+                   label=f"{arm}: step {r['host_ms_per_token']:.2f} ms (rest {r['rest_ms_per_token']:.2f})")
+            ax.plot(xs, [r["slot_us_alone"][n] for n in SLOTS], "k.", markersize=5,
+                    label="the slot's call alone" if i == 0 else None)
+        ax.set_xticks(range(len(SLOTS)), SLOTS)
+        ax.set_ylim(0, 1.5 * max(max(r["slot_us_in_model"].values()) for _, r in mine.values()))  # (the legend's room)
+        ax.set_ylabel("host us per call (lower is better)")
+        d0 = next(iter(mine.values()))[0]
+        ax.set_title(f"{quant}, batch {batch}: eager step, host time per linear slot in the model "
+                     f"({d0['device']}, {d0['date']})", fontsize=9)
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    return fig
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--from"]:  # draw earlier runs, no GPU
+        if len(argv) < 4 or argv[-2] != "--plot":
+            raise SystemExit("usage: python3 -m scripts.probe_decode_model_host --from RUN.json [RUN.json ...] "
+                             "--plot OUT.png")
+        plot(argv[1:-2], argv[-1])
+        return 0
     p = argparse.ArgumentParser(description="host time of bench_decode's eager step, slot by slot")
     p.add_argument("--quant", default="ptpc")
     p.add_argument("--batch", type=ints, default=[1])

@@ -399,6 +399,30 @@ def test_split_probe_plot_draws_the_cold_times_and_the_best_of_each_slice_count(
     assert (tmp_path / "run.png").stat().st_size > 10_000
 
 
+def test_model_host_probe_plot_draws_each_slot_per_arm(tmp_path):
+    """``probe_decode_model_host --from RUN.json --plot``: a panel per (quant, batch), per arm a bar
+    per linear slot (its host us per call in the model) and a dot for its call alone."""
+    pytest.importorskip("matplotlib")
+    import json
+
+    from scripts.probe_decode_model_host import SLOTS, plot
+
+    def run(arm, scale):
+        return {"batch": 1, "arm": arm, "host_ms_per_token": 6.0 * scale, "timed_ms_per_token": 6.5 * scale,
+                "linears_ms_per_token": 1.0, "rest_ms_per_token": 5.5 * scale,
+                "slot_us_in_model": {n: 20.0 * scale + i for i, n in enumerate(SLOTS)},
+                "slot_us_alone": {n: 10.0 * scale for n in SLOTS}}
+
+    path = tmp_path / "host.json"
+    path.write_text(json.dumps({"date": "d", "device": "g", "quant": "ptpc", "runs": [run("bf16", 1), run("row", 2)]}))
+    fig = plot([str(path)], str(tmp_path / "host.png"))
+    (ax,) = fig.axes
+    heights = sorted(round(p.get_height(), 1) for p in ax.patches)
+    assert heights == sorted([20.0 + i for i in range(7)] + [40.0 + i for i in range(7)])
+    assert [list(line.get_ydata()) for line in ax.get_lines()] == [[10.0] * 7, [20.0] * 7]
+    assert (tmp_path / "host.png").stat().st_size > 10_000
+
+
 @pytest.mark.parametrize("m, n, k, k_padded, cfg", [(3, 200, 2000, 2048, (64, 256, 4, 4, 3)),
                                                     (17, 130, 1100, 1152, (32, 128, 4, 4, 3)),
                                                     (2, 64, 512, 512, (64, 256, 1, 4, 3)),
