@@ -164,10 +164,11 @@ def ptpc_split_one_kernel(x_ptr, q_ptr, w_ptr, ws_ptr, out_ptr, sync_ptr, cnt_pt
         gen = tl.atomic_add(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
         if PREFETCH and PHASES == 3:
             w_first = tl.load(w_rows + k_lo, mask=n_ok[:, None] & (k_lo + kk < k_hi)[None, :], other=0.0)
-        if pid == 0 and SPLIT > 1:
-            c = tl.arange(0, 1024)
-            for c0 in range(0, COUNTERS, 1024):
-                tl.store(cnt_ptr + c0 + c, tl.zeros((1024,), dtype=tl.int32), mask=c0 + c < COUNTERS)
+        if SPLIT > 1:
+            if pid == 0:
+                c = tl.arange(0, 1024)
+                for c0 in range(0, COUNTERS, 1024):
+                    tl.store(cnt_ptr + c0 + c, tl.zeros((1024,), dtype=tl.int32), mask=c0 + c < COUNTERS)
         for item in range(pid, M * SLICES, tl.num_programs(0)):
             quantize_row_slice(x_ptr, q_ptr, sa_ptr, item // SLICES, item % SLICES, M, M, K, K_PAD, stride_x, tiny,
                                fp8_max, ROW_BLOCK, SLICE_K, True, ROUND_IN_FP32)
