@@ -54,7 +54,11 @@ def plot(paths: list[str], out: str):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [(json.load(open(path)), r) for path in paths for r in json.load(open(path))["runs"]]
+    files = []
+    for path in paths:
+        with open(path) as f:
+            files.append(json.load(f))
+    runs = [(d, r) for d in files for r in d["runs"]]
     panels = sorted({(d["quant"], r["batch"]) for d, r in runs})
     arms = list(dict.fromkeys(r["arm"] for _, r in runs))
     fig, axes = plt.subplots(len(panels), 1, figsize=(11, 3.6 * len(panels)), squeeze=False)
@@ -119,10 +123,10 @@ def main(argv=None) -> int:
             dec = B.Decoder(model, batch, model_args.prompt, args.tokens, device)
             spent, on = {}, [False]
             built = {}
+            slots = [name for _, name, _ in model._cco_rowwise + model._cco_colwise]  # (swapped's order)
             for arm, (make, make_col) in makers.items():
-                mods = B.swapped(model, make, make_col) if make is not None else B.swapped(model, None)
-                slots = [name for _, name, _ in model._cco_rowwise + model._cco_colwise]
-                built[arm] = [Timed(m, f"{arm}/{name}", spent, on) for m, name in zip(mods, slots)]
+                built[arm] = [Timed(m, f"{arm}/{name}", spent, on)
+                              for m, name in zip(B.swapped(model, make, make_col), slots)]
             B.swapped(model, None)
             dec.prefill()
             dec.step()
@@ -150,9 +154,10 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
             # each slot alone: its first layer's call on a [batch, 1, K] input, back to back
             alone = {}
+            layers, rowwise = len(model.model.layers), len(model._cco_rowwise)
             for arm in makers:
-                for mod in built[arm][:len(model._cco_rowwise) // len(model.model.layers)] + \
-                        built[arm][len(model._cco_rowwise):][:5]:
+                for mod in built[arm][:rowwise // layers] + \
+                        built[arm][rowwise:][:len(model._cco_colwise) // layers]:
                     inner = mod.inner
                     k = inner.in_features if hasattr(inner, "in_features") else inner.in_features_per_rank
                     x = torch.randn(batch, 1, k, device=device, dtype=torch.bfloat16)

@@ -268,15 +268,18 @@ def main(argv=None):
                 # --inline: each config's one launch against its two launches, bit for bit (twice: the
                 # inline counters carry over from call to call); an arm that differs is left out
                 bits = {}
+
+                def drop(label, why, arms=arms, cold=cold):  # an --inline arm left out of every copy's arms
+                    print(f"{name} {quant} M={m}: {label} {why}: left out", flush=True)
+                    del arms[label]
+                    for c in cold:
+                        del c[label]
+
                 for label, _ in inline:
                     two = arms[label[len(INLINE):]]().clone()
                     bits[label] = all(torch.equal(arms[label](), two) for _ in range(2))
                     if not bits[label]:
-                        print(f"{name} {quant} M={m}: {label} differs from its two launches' bits: left out",
-                              flush=True)
-                        del arms[label]
-                        for c in cold:
-                            del c[label]
+                        drop(label, "differs from its two launches' bits")
                 for label, _ in inline:  # (compiled by the bit check above) a launch a graph cannot capture: left out
                     if label in arms:
                         try:
@@ -290,10 +293,7 @@ def main(argv=None):
                         except Exception as err:  # noqa: BLE001 - recorded, the arm dropped
                             torch.cuda.synchronize()
                             bits[label] = f"not captured: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
-                            print(f"{name} {quant} M={m}: {label} {bits[label]}: left out", flush=True)
-                            del arms[label]
-                            for c in cold:
-                                del c[label]
+                            drop(label, bits[label])
                 _, bad, wrong, _ = checked_arms(arms, ref, dot_abs, f"{name} {quant} M={m}")
                 # --cold: each arm also as a graph over every copy, in the same passes as the one-weight graphs
                 # (an arm found wrong on the first copy is left out of both)
@@ -305,7 +305,7 @@ def main(argv=None):
                                        ("quantizer + cuBLAS", "decode_gemm", "one-row kernel") if a in t_cold)
                           + " | best: " + ", ".join(f"{a} {v:.1f} ({v / c:.2f}x)" for v, a in
                                                     sorted((t_cold[a], a) for a in _config_arms(t_cold))[:4])
-                          + "".join(f" | best {INLINE}{a[len(INLINE):]} {v:.1f} ({v / c:.2f}x)" for v, a in
+                          + "".join(f" | best {a} {v:.1f} ({v / c:.2f}x)" for v, a in
                                     sorted((t_cold[a], a) for a in _inline_arms(t_cold))[:1]),
                           flush=True)
                 base = t["nn.Linear bf16"]
