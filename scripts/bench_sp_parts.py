@@ -16,8 +16,10 @@ a call issues:
   group of an owner's consecutive chunks, ``RS_PRODUCER_ROWS``, of A's rows into ``partial[owner]``,
   the peers' slices first, each followed by its chunks' counters' release, dealt to
   ``cco.cuda.dma.PRODUCER_STREAMS`` streams), ``rs-rows vendor chunks`` (the same with a GEMM per
-  (owner, chunk): W*C GEMMs of M/(W*C) rows) and ``rs-rows kernel`` (one tile-table launch of the
-  own Triton GEMM walking the row slices, each tile's add releasing its counter). Timed until every
+  (owner, chunk): W*C GEMMs of M/(W*C) rows) and ``rs-rows kernel`` (one launch of the own Triton
+  GEMM walking the row slices, each tile's add releasing its counter; its launch as
+  ``RS_ROWS_KERNEL_LAUNCH`` picks it, and each forced: ``kernel-grid`` a program per entry of the
+  tile table, ``kernel-ws`` persistent warp-specialized programs computing the walk). Timed until every
   slice is released. The puts to the peers are not issued: one GPU has no link to time them on. The
   line shows the rule's arm, then the forced ones.
 - ``ag``: the all-gather's call (``CudaBackend.all_gather_gemm``) with the peers' rows already in
@@ -73,6 +75,7 @@ from cco.cuda.dma import MAX_PRODUCER_STREAMS
 MODELS = {"llama3-70b": (8192, 28672), "deepseek-v3": (7168, 18432)}  # (hidden, intermediate) of the MLP
 PATTERNS = {"rs-rows": "reduce-scatter-rows", "ag": "all-gather"}  # this script's names -> cco's
 TARGET = 1.1  # the ratio to the whole GEMM the sequence-parallel issue asks for
+ROWS_KERNEL_LAUNCHES = ("grid", "ws")  # rs-rows: the kernel producer forced to each (CudaBackend.rows_kernel_launch)
 
 
 def layer_shape(pattern: str, model: str, tp: int) -> tuple[int, int, str]:
@@ -259,14 +262,14 @@ def sp_arms(pattern: str, backend, sets: list[Q.Problem], m: int, dev, landed: b
 
         sch, dealt = backend.schedule, backend.schedule.producer_streams
 
-        def producing(producer, least=None, on=None):
+        def producing(producer, least=None, on=None, launch=None):
             def rs(i):
                 p, backend.producer, backend.producer_rows = sets[i], producer, least
-                sch.producer_streams = dealt if on is None else on
+                sch.producer_streams, backend.rows_kernel_launch = (dealt if on is None else on), launch
                 try:
                     return backend._produce(p.a, p.b, p.a_scale, p.b_scale, plan)
                 finally:
-                    backend.producer = backend.producer_rows = None
+                    backend.producer = backend.producer_rows = backend.rows_kernel_launch = None
                     sch.producer_streams = dealt
             return rs
 
@@ -280,6 +283,8 @@ def sp_arms(pattern: str, backend, sets: list[Q.Problem], m: int, dev, landed: b
         arms[pattern] = (producing(None), rs_read)
         for producer in PRODUCERS:
             arms[f"{pattern} {producer}"] = (producing(producer), rs_read)
+        for launch in ROWS_KERNEL_LAUNCHES:  # the kernel producer's two launches (RS_ROWS_KERNEL_LAUNCH)
+            arms[f"{pattern} kernel-{launch}"] = (producing("kernel", launch=launch), rs_read)
         arms[f"{pattern} vendor chunks"] = (producing("vendor", 1), rs_read)
         for on in streams:
             arms[f"{pattern} vendor streams{on}"] = (producing("vendor", on=on), rs_read)

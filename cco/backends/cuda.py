@@ -54,7 +54,8 @@ inputs runs the call all the same, on NaN data, with its peers' M and a rejected
 
 Patterns (``cco.layout.PATTERNS``; ``cco.cuda.dma``'s module note has the streams): the
 reduce-scatter runs the all-reduce's dma schedule without the gather's data (fused and split; along
-columns the same producers, along rows the kernel producer walking row slices or one GEMM per group of
+columns the same producers, along rows the kernel producer walking row slices (the tile table, or
+the walk computed by persistent warp-specialized programs: ``RS_ROWS_KERNEL_LAUNCH``) or one GEMM per group of
 a dest's consecutive chunks of A's rows, ``RS_PRODUCER_ROWS``; ``RS_ROWS_PRODUCER`` picks by the rows
 of such a GEMM: ``_produce``);
 the all-gather puts its rows and scales on the copy engines and runs the GEMM of each peer's chunks
@@ -157,6 +158,11 @@ RS_ROWS_PRODUCER = {
 # the own slice's: what a group gives up is the finer start of its own first chunks' puts, while
 # W * C GEMMs of M / (W C) rows become fewer, fuller ones. 1: a GEMM per chunk.
 RS_PRODUCER_ROWS = {"ptpc": 512, "blockscale": 512, "mxfp8": 512}
+# the reduce-scatter along rows' kernel producer, per quant: "ws" the persistent warp-specialized
+# walk with computed coordinates (``fp8_gemm_rows_ws``; the dest-major order only), else the grid
+# launch over the tile table (``fp8_gemm(fuse=True, slice_rows=)``). Measured: docs/BENCHMARKS.md,
+# "The reduce-scatter along rows: the warp-specialized walk".
+RS_ROWS_KERNEL_LAUNCH = {"ptpc": "ws", "blockscale": "grid", "mxfp8": "grid"}
 PRODUCERS = ("kernel", "vendor")
 # the all-gather's consumer (``all_gather_gemm``), per quant: the fewest rows one GEMM over a peer's
 # landed chunks takes. Consecutive chunks of one source go to one GEMM until they reach it
@@ -287,6 +293,7 @@ class CudaBackend(Backend):
     weight_layouts = ("row-major", "bpreshuffle")  # the Triton kernels read row-major: taken as is
     consumer_rows: int | None = None  # the all-gather's least rows a GEMM: None AG_CONSUMER_ROWS, 1 one per chunk
     producer_rows: int | None = None  # the reduce-scatter's vendor producer's: None RS_PRODUCER_ROWS
+    rows_kernel_launch: str | None = None  # its kernel producer's launch: None RS_ROWS_KERNEL_LAUNCH, "ws", "grid"
     # the all-gather's peers' GEMMs merged into one over their slots after the last wait: None the rule
     # (one group per source and no pad rows: consumer_merges), True always (refused where the slots hold
     # pad rows), False never (a GEMM per group of each source's chunks)
@@ -496,6 +503,14 @@ class CudaBackend(Backend):
             self._tables[key] = table
         return table
 
+    def _chunk_map(self, plan) -> torch.Tensor:
+        key = ("rows chunks", plan.m)
+        chunks = self._tables.get(key)
+        if chunks is None:
+            chunks = hopper_gemm.rows_chunk_map(layout.chunk_tiles(self.config, plan.m), device=self.device)
+            self._tables[key] = chunks
+        return chunks
+
     def _lsa_table(self, m: int) -> torch.Tensor:
         key = ("lsa", m)
         table = self._tables.get(key)
@@ -595,7 +610,7 @@ class CudaBackend(Backend):
         one GEMM of those rows of A into ``partial[d][rows]`` (the dest-major planes, which the
         puts and the reduce read as they are), then the group's counters released; every peer's
         slices before the own one, so the puts start on the first. (The kernel producer walks the
-        same slices' tiles in one launch: ``fp8_gemm(slice_rows=)``.)"""
+        same slices' tiles in one launch: ``fp8_gemm(slice_rows=)`` or ``fp8_gemm_rows_ws``.)"""
         self.counters.zero_()  # see the module note: consumed words, zero at the call's start
         self.schedule.begin(plan)
         gemm = self._rows_gemm(b_pre, b_scale)
@@ -635,7 +650,8 @@ class CudaBackend(Backend):
         return gemm
 
     def _fused_gemm(self, a, b_pre, a_scale, b_scale, plan, *, reduce_into=None) -> None:
-        """The kernel producer: the tile-table GEMM into the window's dest-major planes;
+        """The kernel producer: the tile-table GEMM into the window's dest-major planes (the
+        reduce-scatter along rows: the walk computed, where ``RS_ROWS_KERNEL_LAUNCH`` takes "ws");
         ``reduce_into``: the caller's ``out``, the own tiles reduced into it in the epilogue."""
         self.counters.zero_()  # see the module note: consumed words, zero at the call's start
         self.schedule.begin(plan)
@@ -647,6 +663,13 @@ class CudaBackend(Backend):
                 scatter_flags=sch.scatter_flags, scatter_m=sch.scatter_m, stamp=sch.stamp, status=sch.status,
                 ticket=sch.ticket)
         by_rows = self.config.pattern_spec.owner_by == "rows"  # slices of A's rows, every column
+        if by_rows and self.dma_peers_first and \
+                (self.rows_kernel_launch or RS_ROWS_KERNEL_LAUNCH[self.config.quant]) == "ws":
+            hopper_gemm.fp8_gemm_rows_ws(a, self._unshuffled(b_pre), a_scale, b_scale, quant=self.config.quant,
+                                         out=self.partial, counters=self.counters, chunk_map=self._chunk_map(plan),
+                                         rank=self.rank, slice_rows=plan.slice_m, tile_weight=self.tile_weight,
+                                         config=self.fused_config, b_dense=self._dense_b(b_pre, b_scale))
+            return
         hopper_gemm.fp8_gemm(a, self._unshuffled(b_pre), a_scale, b_scale, quant=self.config.quant, out=self.partial,
                              fuse=True, tile_table=self._table(plan), counters=self.counters,
                              tile_weight=self.tile_weight, config=self.fused_config, reduce=reduce,

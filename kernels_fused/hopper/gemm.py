@@ -185,10 +185,11 @@ def merge_tile_pairs(rows, *, layout_block_n: int) -> list[list[int]]:
 
 @functools.cache
 def _kernels():
-    """(plain/dma kernel, lsa kernel, warp-specialized plain kernel), imported on first use."""
+    """(plain/dma kernel, lsa kernel, warp-specialized plain kernel, its reduce-scatter-along-rows
+    walk), imported on first use."""
     from kernels_fused.hopper import kernels as tk
 
-    return tk.fp8_gemm_kernel, tk.fp8_gemm_lsa_kernel, tk.fp8_gemm_ws_kernel
+    return tk.fp8_gemm_kernel, tk.fp8_gemm_lsa_kernel, tk.fp8_gemm_ws_kernel, tk.fp8_gemm_rows_ws_kernel
 
 
 def _operands(a, b, a_scale, b_scale, *, quant: str, config: GemmConfig, b_dense=None):
@@ -297,26 +298,11 @@ def fp8_gemm(
     if fuse:
         if out is None or tile_table is None or counters is None:
             raise ValueError(f"{fn}: fuse=True needs out (the partial region), tile_table and counters")
-        world = out.shape[0] if out.dim() == 3 else 0
-        # column slices: [W, rows >= M, N/W]; row slices: [W, rows >= slice_rows, N] with W * slice_rows = M
-        rows_min, cols = (m, n // world if world and n % world == 0 else -1) if slice_rows is None else (slice_rows, n)
-        if out.dtype != torch.bfloat16 or world < 1 or out.shape[2] != cols or out.shape[1] < rows_min \
-                or not out.is_contiguous() or (slice_rows is not None and (slice_rows < 1 or slice_rows * world != m)):
-            raise ValueError(
-                f"{fn}: with fuse=True, out must be the contiguous bf16 partial region [W, rows >= {m}, N/W] with "
-                f"W * N/W = {n}, got {out.dtype} {list(out.shape)}" if slice_rows is None else
-                f"{fn}: with fuse=True and slice_rows={slice_rows}, out must be the contiguous bf16 partial "
-                f"region [W, rows >= slice_rows, N={n}] with W * slice_rows = M = {m}, got {out.dtype} "
-                f"{list(out.shape)}")
         if slice_rows is not None and reduce is not None:
             raise ValueError(f"{fn}: reduce (the all-reduce's own tiles) walks column slices, not slice_rows")
+        world = _check_partial(out, counters, m=m, n=n, slice_rows=slice_rows, block_n=cfg.block_n, fn=fn)
         if tile_table.dtype != torch.int32 or tile_table.dim() != 2 or tile_table.shape[1] != 4:
             raise ValueError(f"{fn}: tile_table must be int32 [T, 4], got {tile_table.dtype} {list(tile_table.shape)}")
-        if counters.dtype != torch.int64 or counters.numel() < world * MAX_CHUNKS:
-            raise TypeError(f"{fn}: counters must be int64 with >= {world * MAX_CHUNKS} entries, got "
-                            f"{counters.dtype} with {counters.numel()}")
-        if out.shape[2] % cfg.block_n:
-            raise ValueError(f"{fn}: block_n={cfg.block_n} must divide the column slice N/W={out.shape[2]}")
         grid = tile_table.shape[0]
         n_slice, dest_stride, stride_c = out.shape[2], out.stride(0), out.stride(1)
         # a slice's origin: (dest * row_step, dest * col_step); its rows stop at rows_out
@@ -377,6 +363,73 @@ def fp8_gemm(
         WORLD=world, FP8_GATHER=fp8_gather, GATHER_GROUP=GATHER_GROUP,
         EPILOGUE_PIECES=_epilogue_pieces(cfg.block_n, fp8_gather),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def _check_partial(out, counters, *, m: int, n: int, slice_rows: int | None, block_n: int, fn: str) -> int:
+    """A fused launch's partial region and counters (column slices: ``[W, rows >= M, N/W]``; row
+    slices: ``[W, rows >= slice_rows, N]`` with ``W * slice_rows = M``); returns W."""
+    from cco.layout import MAX_CHUNKS
+
+    world = out.shape[0] if out.dim() == 3 else 0
+    rows_min, cols = (m, n // world if world and n % world == 0 else -1) if slice_rows is None else (slice_rows, n)
+    if out.dtype != torch.bfloat16 or world < 1 or out.shape[2] != cols or out.shape[1] < rows_min \
+            or not out.is_contiguous() or (slice_rows is not None and (slice_rows < 1 or slice_rows * world != m)):
+        raise ValueError(
+            f"{fn}: with fuse=True, out must be the contiguous bf16 partial region [W, rows >= {m}, N/W] with "
+            f"W * N/W = {n}, got {out.dtype} {list(out.shape)}" if slice_rows is None else
+            f"{fn}: with fuse=True and slice_rows={slice_rows}, out must be the contiguous bf16 partial "
+            f"region [W, rows >= slice_rows, N={n}] with W * slice_rows = M = {m}, got {out.dtype} "
+            f"{list(out.shape)}")
+    if counters.dtype != torch.int64 or counters.numel() < world * MAX_CHUNKS:
+        raise TypeError(f"{fn}: counters must be int64 with >= {world * MAX_CHUNKS} entries, got "
+                        f"{counters.dtype} with {counters.numel()}")
+    if out.shape[2] % block_n:
+        raise ValueError(f"{fn}: block_n={block_n} must divide the column slice N/W={out.shape[2]}")
+    return world
+
+
+def rows_chunk_map(chunk_tiles, *, device) -> torch.Tensor:
+    """int32 ``[m-tiles of a slice]``: each m-tile's chunk (``cco.layout.chunk_tiles``: runs of
+    m-tiles), what :func:`fp8_gemm_rows_ws` releases a tile's counter by."""
+    return torch.tensor([c for c, (t0, t1) in enumerate(chunk_tiles) for _ in range(t0, t1)], dtype=torch.int32,
+                        device=device)
+
+
+def fp8_gemm_rows_ws(a, b, a_scale, b_scale, *, quant: str, out: torch.Tensor, counters: torch.Tensor,
+                     chunk_map: torch.Tensor, rank: int, slice_rows: int, tile_weight: int = 1,
+                     config: GemmConfig | None = None, b_dense=None) -> torch.Tensor:
+    """The reduce-scatter along rows' fused producer as one persistent warp-specialized launch
+    (``fp8_gemm_rows_ws_kernel``): what ``fp8_gemm(fuse=True, slice_rows=slice_rows)`` writes and
+    releases with the dest-major tile table of ``rank`` (``cco.layout.tile_table(dest_major=True)``),
+    the walk computed instead of read. ``chunk_map``: :func:`rows_chunk_map` of the call's chunks.
+    The caller has validated the operands (``cco.validate.check_operands``), as the op does."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from cco.layout import MAX_CHUNKS
+
+    fn = "fp8_gemm_rows_ws"
+    shape = _shape(a, b)
+    m, n, k = shape.m, shape.n, shape.k
+    cfg = config or default_config(quant)
+    check_dense_b(b_dense, quant=quant, n=n, k=k, fn=fn)
+    world = _check_partial(out, counters, m=m, n=n, slice_rows=slice_rows, block_n=cfg.block_n, fn=fn)
+    tiles_m = -(-slice_rows // cfg.block_m)
+    if not cfg.tma or chunk_map.dtype != torch.int32 or chunk_map.numel() != tiles_m or not 0 <= rank < world:
+        raise ValueError(f"{fn}: needs config.tma, an int32 chunk_map of the slice's {tiles_m} m-tiles (got "
+                         f"{chunk_map.dtype} {chunk_map.numel()}) and 0 <= rank={rank} < W={world}")
+    a_src, b_src, a_scale, b_scale, strides = _operands(a, b, a_scale, b_scale, quant=quant, config=cfg,
+                                                        b_dense=b_dense)
+    # the slices' rows only: a slice's last m-tile is clipped at its end (no pad row written)
+    c_desc = TensorDescriptor.from_tensor(out[:, :slice_rows], [1, cfg.block_m, cfg.block_n // 2])
+    programs = min(persistent_programs(out.device), world * tiles_m * (n // cfg.block_n))
+    _kernels()[3][(programs,)](
+        a_src, b_src, c_desc, a_scale, b_scale, chunk_map, counters, m, n, k, rank, slice_rows, tiles_m, *strides[2:],
+        QUANT=QUANT_ID[quant], MX_BF16=not _interpreting(), PRECISE_ACC=cfg.precise_acc,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SCALE_BLOCK=SCALE_BLOCK,
+        WORLD=world, MAX_CHUNKS=MAX_CHUNKS, TILE_WEIGHT=int(tile_weight), NUM_PROGS=programs,
+        INTERPRET=_interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 

@@ -1,7 +1,8 @@
 """Device code of the NVIDIA Triton GEMM (host side and formats: ``kernels_fused.hopper.gemm``).
 
 ``_tile_acc`` is the K loop every launch shares; ``fp8_gemm_ws_kernel`` is the plain GEMM (persistent,
-warp-specialized); ``fp8_gemm_kernel`` writes a plain tensor or (the ``dma`` transport) the window's
+warp-specialized), ``fp8_gemm_rows_ws_kernel`` the same walk as the reduce-scatter along rows'
+producer; ``fp8_gemm_kernel`` writes a plain tensor or (the ``dma`` transport) the window's
 partial region with a release add per tile; ``fp8_gemm_lsa_kernel`` is the persistent kernel of the
 ``lsa`` transport, whose epilogue scatters, reduces and gathers; ``mx_to_bf16_kernel`` dequantizes an
 mxfp8 operand for them.
@@ -100,6 +101,58 @@ def fp8_gemm_ws_kernel(
         halves = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
         c_desc.store([m0, n0], halves[0].to(tl.bfloat16))
         c_desc.store([m0, n0 + BLOCK_N // 2], halves[1].to(tl.bfloat16))
+
+
+@triton.jit
+def _bulk_writes_done(x, INTERPRET: tl.constexpr):
+    """``x``, once this thread's bulk (TMA) stores have written global memory: the full
+    ``cp.async.bulk.wait_group 0``, where a store wait for reuse of the staging (``.read``) does
+    not order the writes. (The interpreter's stores are synchronous.)"""
+    if INTERPRET:
+        return x
+    return tl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tmov.u32 $0, $1;", "=r,r", [x],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def fp8_gemm_rows_ws_kernel(
+    a_src, b_src, c_desc, as_ptr, bs_ptr, chunk_ptr, counter_ptr, M, N, K, rank, slice_rows, tiles_m,
+    stride_asm, stride_ask, stride_bsn, stride_bsk,
+    QUANT: tl.constexpr, MX_BF16: tl.constexpr, PRECISE_ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+    WORLD: tl.constexpr, MAX_CHUNKS: tl.constexpr, TILE_WEIGHT: tl.constexpr, NUM_PROGS: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """The reduce-scatter along rows' fused producer as the plain GEMM's persistent
+    warp-specialized walk (``launch="ws"``): ``partial[dest][row] = (A @ B.T)[dest * slice_rows +
+    row]`` for every dest, each tile released by an add of ``TILE_WEIGHT`` to
+    ``counters[dest, chunk]``. The walk is the dest-major tile table's (``cco.layout.tile_table``):
+    every peer's slice in ``dest_order`` and the own one last, within a slice the m-tiles in order
+    (a chunk is a run of them: ``chunk_ptr[m-tile]``), within an m-tile the n-tiles; so tile ``t``'s
+    coordinates are computed, not loaded. ``c_desc`` addresses the planes' first ``slice_rows``
+    rows ``[W, slice_rows, N]``, so the TMA store clips a slice's last m-tile at its end.
+
+    The release follows the tile's TMA store, whose one elected thread waits for the store's
+    writes (``_bulk_writes_done``); Triton's store lowering ends in a barrier of the epilogue's
+    warps before the add (``kernels_fused.hopper.ptx`` checks that in the compiled PTX). No
+    ``tl.debug_barrier`` here: one in the loop stops Triton from pipelining it (one stage)."""
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_dest = tiles_m * tiles_n
+    for tile in tl.range(tl.program_id(0), WORLD * per_dest, NUM_PROGS, flatten=True, warp_specialize=True):
+        j = tile // per_dest
+        r = tile - j * per_dest
+        dest = (j + 1 + rank) % WORLD
+        mt = r // tiles_n
+        m0 = mt * BLOCK_M
+        n0 = (r - mt * tiles_n) * BLOCK_N
+        acc = _tile_acc(a_src, b_src, as_ptr, bs_ptr, dest * slice_rows + m0, n0, M, N, K, 0, 0,
+                        stride_asm, stride_ask, stride_bsn, stride_bsk, QUANT, True, MX_BF16, PRECISE_ACC,
+                        BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BLOCK)
+        halves = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        c_desc.store([dest, m0, n0], tl.reshape(halves[0].to(tl.bfloat16), (1, BLOCK_M, BLOCK_N // 2)))
+        c_desc.store([dest, m0, n0 + BLOCK_N // 2], tl.reshape(halves[1].to(tl.bfloat16), (1, BLOCK_M, BLOCK_N // 2)))
+        chunk = _bulk_writes_done(tl.load(chunk_ptr + mt), INTERPRET)
+        tl.atomic_add(counter_ptr + dest * MAX_CHUNKS + chunk, TILE_WEIGHT, sem="release", scope="gpu")
 
 
 @triton.jit

@@ -96,7 +96,8 @@ def _bytes(t: torch.Tensor) -> bytes:
 def test_arms_issue_the_backends_gemm_calls_and_pass_their_checks(monkeypatch, pattern, quant, world):
     """The pattern's arm issues exactly the vendor GEMM calls (operand bytes, rows, output address,
     accumulation, order) that the backend's own call issues on the same inputs: ``fused`` for the
-    reduce-scatter along rows (its vendor producer; the kernel producer's arm issues none, and the
+    reduce-scatter along rows (its vendor producer; the kernel producer's arms, either launch, issue
+    none, and the
     rule's arm what ``rows_producer`` picks), ``all_gather_gemm`` with the peers' rows in the window;
     ``whole`` is one GEMM of every row. Each arm's output passes the benchmark's check, and a peer's
     rows missing from the window fails it."""
@@ -120,8 +121,9 @@ def test_arms_issue_the_backends_gemm_calls_and_pass_their_checks(monkeypatch, p
 
     monkeypatch.setattr(vendor, "vendor_gemm", recording)
     arms = sp.sp_arms(pattern, backend, sets, m, cpu, streams=(1, 3))
-    assert list(arms) == (["whole", pattern, f"{pattern} kernel", f"{pattern} vendor", f"{pattern} vendor chunks",
-                           f"{pattern} vendor streams1", f"{pattern} vendor streams3"]
+    assert list(arms) == (["whole", pattern, f"{pattern} kernel", f"{pattern} vendor", f"{pattern} kernel-grid",
+                           f"{pattern} kernel-ws", f"{pattern} vendor chunks", f"{pattern} vendor streams1",
+                           f"{pattern} vendor streams3"]
                           if pattern == "rs-rows"
                           else ["whole", pattern, f"{pattern} chunks", f"{pattern} sources", f"{pattern} merged"])
     idx = sp.check_rows(m)
@@ -142,7 +144,8 @@ def test_arms_issue_the_backends_gemm_calls_and_pass_their_checks(monkeypatch, p
     if pattern == "rs-rows":
         from cco.backends.cuda import rows_producer
 
-        assert issued[f"{pattern} kernel"] == []  # one tile-table launch, no vendor GEMM
+        for kernel in ("kernel", "kernel-grid", "kernel-ws"):  # one launch each, no vendor GEMM
+            assert issued[f"{pattern} {kernel}"] == [], kernel
         assert len(issued[f"{pattern} vendor chunks"]) == world * plan.chunks  # a GEMM per (owner, chunk)
         assert issued[pattern] == issued[f"{pattern} {rows_producer(cfg, m)}"]
         arm_calls = issued[f"{pattern} vendor"]

@@ -17,6 +17,10 @@ rank's fp32 partial, summed and sliced, in the budget of bf16 partials):
 - a call captured in a CUDA graph and replayed with changing inputs into a NaN-poisoned output
   (the consumed words: a flag left set would let a replay read stale slots);
 - ``self_test()`` (bytes moved bit-exact).
+The reduce-scatter along rows runs its rule's producer and kernel launch, and each forced other
+(the vendor producer; the kernel's other launch, ``CudaBackend.rows_kernel_launch``), and the
+warp-specialized launch's PTX as this machine's Triton makes it orders every release after its
+tile's stores (``kernels_fused.hopper.ptx``).
 The fault scenarios of these ops are ``test_cuda_faults.py --pattern``.
 
 The layers: the CUDA backend runs both patterns, so both layers run fused on every rank (the dry
@@ -385,14 +389,28 @@ def _off(setup, out, seed, m, world) -> int:
     return fault_scenarios._wrong(out.cpu(), setup.reference(range(world), seed, m))
 
 
-def check_op(ctx, pattern, quant, mode, log, producer=None, consumer_rows=None):
+def check_rows_ws_releases(quants, log) -> None:
+    """The reduce-scatter along rows' warp-specialized producer as this machine's Triton compiles
+    it: every tile's release add follows the full wait for its bulk stores and a barrier
+    (``kernels_fused.hopper.ptx``: the kernel's own code has no barrier, Triton's lowering must)."""
+    from kernels_fused.hopper.ptx import bulk_release_problem, rows_ws_ptx_sm90
+
+    problems = {q: bulk_release_problem(rows_ws_ptx_sm90(q)) for q in quants}
+    bad = {q: p for q, p in problems.items() if p}
+    if bad:
+        raise AssertionError(f"fp8_gemm_rows_ws_kernel's releases are not ordered after its stores: {bad}")
+    log(f"ok rows ws releases: {', '.join(quants)} (full bulk wait, then a barrier, before every release add)")
+
+
+def check_op(ctx, pattern, quant, mode, log, producer=None, consumer_rows=None, rows_launch=None):
     """One op of ``pattern`` (see the module note): calls of alternating M, a captured call replayed,
     the self test; every rank's errors raised on every rank. ``producer``: the CUDA backend's
     producer forced (the reduce-scatter along rows: its rule picks by the rows of a chunk, the kernel
     producer for the small calls here). ``consumer_rows``: the all-gather's least rows a consumer GEMM
     forced (its rule, ``AG_CONSUMER_ROWS``, takes all of a peer's chunks at once at these sizes, and
     a call that fills the slots merges the peers' GEMMs: ``CudaBackend.consumer_merges``; 1: a GEMM
-    per chunk)."""
+    per chunk). ``rows_launch``: the reduce-scatter along rows' kernel producer's launch forced
+    (``CudaBackend.rows_kernel_launch``; its rule, ``RS_ROWS_KERNEL_LAUNCH``, takes one per quant)."""
     from tests.python.cco import fault_scenarios
 
     comm, d, dev = ctx["comm"], ctx["op_dims"], ctx["comm"].device
@@ -409,6 +427,9 @@ def check_op(ctx, pattern, quant, mode, log, producer=None, consumer_rows=None):
         if consumer_rows is not None:
             op._backend.consumer_rows = consumer_rows
             seen.append(f"consumer_rows {consumer_rows}")
+        if rows_launch is not None:
+            op._backend.rows_kernel_launch = rows_launch
+            seen.append(f"kernel producer's launch {rows_launch}")
         for i, m in enumerate(rows):
             _poison(op)
             out = op(*setup.operands(rank, i, m))
@@ -486,6 +507,10 @@ def run_checks(comm, dims: dict, log, *, compile_quants=None, op_dims=None, op_q
             nccl = probe_nccl(comm)
     checks = []
     if only in (None, "ops"):
+        if comm.device.type == "cuda":
+            from cco.backends.cuda import RS_ROWS_KERNEL_LAUNCH
+
+            checks.append(("rows ws releases", lambda: check_rows_ws_releases(op_quants or Q.QUANTS, log)))
         for pattern in SP_PATTERNS:
             for quant in op_quants or Q.QUANTS:
                 for mode in ("fused", "split"):
@@ -494,6 +519,11 @@ def run_checks(comm, dims: dict, log, *, compile_quants=None, op_dims=None, op_q
                     if pattern == "reduce-scatter-rows" and comm.device.type == "cuda":  # the other producer
                         checks.append((f"op {pattern} {quant} {mode} vendor producer",
                                        lambda p=pattern, q=quant, m=mode: check_op(ctx, p, q, m, log, "vendor")))
+                    if pattern == "reduce-scatter-rows" and comm.device.type == "cuda":  # the rule's other launch
+                        other = "grid" if RS_ROWS_KERNEL_LAUNCH[quant] == "ws" else "ws"
+                        checks.append((f"op {pattern} {quant} {mode} kernel launch {other}",
+                                       lambda p=pattern, q=quant, m=mode, o=other: check_op(ctx, p, q, m, log,
+                                                                                            rows_launch=o)))
                     if pattern == "all-gather" and mode == "fused" and comm.device.type == "cuda":  # a GEMM per chunk
                         checks.append((f"op {pattern} {quant} {mode} consumer per chunk",
                                        lambda p=pattern, q=quant, m=mode: check_op(ctx, p, q, m, log, consumer_rows=1)))

@@ -279,14 +279,16 @@ def test_fused_epilogue_writes_partial_and_counts_tiles(quant, world):
         _assert_close(full, ref, quant, f"{quant} fused rank {rank}/{world}")
 
 
+@pytest.mark.parametrize("launch", ["grid", "ws"])
 @pytest.mark.parametrize("world", [2, 3], ids=lambda w: f"world{w}")
 @pytest.mark.parametrize("quant", Q.QUANTS)
-def test_fused_row_slices_write_each_owners_rows(quant, world):
-    """fuse=True with ``slice_rows`` (the reduce-scatter along rows' kernel producer): a tile of
-    dest d reads A's rows from ``d * M/W`` on and lands at its row within ``partial[d]``, every
-    column; the slice's last m-tile stores none of the next slice's rows (M/W = 48 is not a multiple
-    of the 32-row tile), and each (dest, chunk) counter ends at the layout's target."""
-    from kernels_fused.hopper.gemm import default_config, fp8_gemm, tile_table_tensor
+def test_fused_row_slices_write_each_owners_rows(quant, world, launch):
+    """The reduce-scatter along rows' kernel producer, ``fuse=True`` with ``slice_rows`` over the
+    tile table (grid) and ``fp8_gemm_rows_ws`` (the walk computed): a tile of dest d reads A's rows
+    from ``d * M/W`` on and lands at its row within ``partial[d]``, every column; the slice's last
+    m-tile stores none of the next slice's rows (M/W = 48 is not a multiple of the 32-row tile), and
+    each (dest, chunk) counter ends at the layout's target."""
+    from kernels_fused.hopper.gemm import default_config, fp8_gemm, fp8_gemm_rows_ws, rows_chunk_map, tile_table_tensor
 
     m = 48 * world
     p = Q.random_problem(m, N, K, quant, seed=10 + world)
@@ -298,9 +300,14 @@ def test_fused_row_slices_write_each_owners_rows(quant, world):
         plan = layout.plan_call(cfg, m=m, seq=1, rank=rank, counter_base=layout.zero_counters(world))
         partial = torch.full((world, cfg.m_max_padded, N), float("nan"), dtype=torch.bfloat16)
         counters = torch.zeros(world * layout.MAX_CHUNKS, dtype=torch.int64)
-        fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant=quant, out=partial, fuse=True,
-                 tile_table=tile_table_tensor(layout.tile_table_rows(plan.tiles), device="cpu"),
-                 counters=counters, config=gc, slice_rows=plan.slice_m)
+        if launch == "ws":
+            fp8_gemm_rows_ws(p.a, p.b, p.a_scale, p.b_scale, quant=quant, out=partial, counters=counters,
+                             chunk_map=rows_chunk_map(layout.chunk_tiles(cfg, m), device="cpu"), rank=rank,
+                             slice_rows=plan.slice_m, config=gc)
+        else:
+            fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant=quant, out=partial, fuse=True,
+                     tile_table=tile_table_tensor(layout.tile_table_rows(plan.tiles), device="cpu"),
+                     counters=counters, config=gc, slice_rows=plan.slice_m)
         assert counters.view(world, layout.MAX_CHUNKS).tolist() == [list(t) for t in plan.counter_targets]
         for d in range(world):
             _assert_close(partial[d, :48], ref[d * 48:(d + 1) * 48], quant, f"{quant} rows of dest {d}, rank {rank}")
