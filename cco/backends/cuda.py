@@ -160,9 +160,9 @@ RS_ROWS_PRODUCER = {
 RS_PRODUCER_ROWS = {"ptpc": 512, "blockscale": 512, "mxfp8": 512}
 # the reduce-scatter along rows' kernel producer, per quant: "ws" the persistent warp-specialized
 # walk with computed coordinates (``fp8_gemm_rows_ws``; the dest-major order only), else the grid
-# launch over the tile table (``fp8_gemm(fuse=True, slice_rows=)``). "grid" everywhere until the walk
-# is timed on a GPU against it (docs/BENCHMARKS.md, "The reduce-scatter along rows: the
-# warp-specialized walk"); ``rows_kernel_launch`` or bench_sp_parts' ``kernel-ws`` arm takes it.
+# launch over the tile table (``fp8_gemm(fuse=True, slice_rows=)``), by the two timed side by side
+# (bench_sp_parts' ``kernel-grid`` and ``kernel-ws`` arms; docs/BENCHMARKS.md, "The reduce-scatter
+# along rows: the warp-specialized walk"); ``rows_kernel_launch`` forces either.
 RS_ROWS_KERNEL_LAUNCH = {"ptpc": "grid", "blockscale": "grid", "mxfp8": "grid"}
 PRODUCERS = ("kernel", "vendor")
 # the all-gather's consumer (``all_gather_gemm``), per quant: the fewest rows one GEMM over a peer's
