@@ -669,7 +669,8 @@ class CudaBackend(Backend):
             hopper_gemm.fp8_gemm_rows_ws(a, self._unshuffled(b_pre), a_scale, b_scale, quant=self.config.quant,
                                          out=self.partial, counters=self.counters, chunk_map=self._chunk_map(plan),
                                          rank=self.rank, slice_rows=plan.slice_m, tile_weight=self.tile_weight,
-                                         config=self.fused_config, b_dense=self._dense_b(b_pre, b_scale))
+                                         config=hopper_gemm.rows_ws_config(self.fused_config, self.config.quant),
+                                         b_dense=self._dense_b(b_pre, b_scale))
             return
         hopper_gemm.fp8_gemm(a, self._unshuffled(b_pre), a_scale, b_scale, quant=self.config.quant, out=self.partial,
                              fuse=True, tile_table=self._table(plan), counters=self.counters,

@@ -59,7 +59,7 @@ kernels_fused`` works without it.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -397,14 +397,23 @@ def rows_chunk_map(chunk_tiles, *, device) -> torch.Tensor:
                         device=device)
 
 
+def rows_ws_config(config: GemmConfig, quant: str) -> GemmConfig:
+    """:func:`fp8_gemm_rows_ws`'s launch config from the fused launch's tile (``config``): the stage
+    count of the plain GEMM's warp-specialized launch where ``quant`` takes it (``TRITON_PLAIN``: its
+    tile leaves through TMA in halves, which leaves shared memory for a fourth stage)."""
+    plain = TRITON_PLAIN[quant]
+    return replace(config, num_stages=plain.num_stages if plain.launch == "ws" else config.num_stages)
+
+
 def fp8_gemm_rows_ws(a, b, a_scale, b_scale, *, quant: str, out: torch.Tensor, counters: torch.Tensor,
                      chunk_map: torch.Tensor, rank: int, slice_rows: int, tile_weight: int = 1,
                      config: GemmConfig | None = None, b_dense=None) -> torch.Tensor:
     """The reduce-scatter along rows' fused producer as one persistent warp-specialized launch
     (``fp8_gemm_rows_ws_kernel``): what ``fp8_gemm(fuse=True, slice_rows=slice_rows)`` writes and
     releases with the dest-major tile table of ``rank`` (``cco.layout.tile_table(dest_major=True)``),
-    the walk computed instead of read. ``chunk_map``: :func:`rows_chunk_map` of the call's chunks.
-    The caller has validated the operands (``cco.validate.check_operands``), as the op does."""
+    the walk computed instead of read. ``chunk_map``: :func:`rows_chunk_map` of the call's chunks;
+    ``config``: the tile (the fused launch's, :func:`rows_ws_config`'s stages by default). The
+    caller has validated the operands (``cco.validate.check_operands``), as the op does."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from cco.layout import MAX_CHUNKS
@@ -412,7 +421,7 @@ def fp8_gemm_rows_ws(a, b, a_scale, b_scale, *, quant: str, out: torch.Tensor, c
     fn = "fp8_gemm_rows_ws"
     shape = _shape(a, b)
     m, n, k = shape.m, shape.n, shape.k
-    cfg = config or default_config(quant)
+    cfg = config or rows_ws_config(default_config(quant), quant)
     check_dense_b(b_dense, quant=quant, n=n, k=k, fn=fn)
     world = _check_partial(out, counters, m=m, n=n, slice_rows=slice_rows, block_n=cfg.block_n, fn=fn)
     tiles_m = -(-slice_rows // cfg.block_m)

@@ -52,17 +52,17 @@ def bulk_release_problem(ptx: str) -> str | None:
 def rows_ws_ptx_sm90(quant: str = "ptpc") -> str:
     """The PTX of ``fp8_gemm_rows_ws_kernel`` compiled for sm_90 by the installed Triton on this
     host (no GPU needed), as the reduce-scatter along rows' producer launches it for ``quant``
-    (its fused config, world 8). Not under Triton's interpreter (run it in a process of its own)."""
+    (its fused tile at ``rows_ws_config``'s stages, world 8). Not under Triton's interpreter (run it in a process of its own)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from cco.layout import MAX_CHUNKS
     from cco.quant import SCALE_BLOCK
-    from kernels_fused.hopper.gemm import QUANT_ID, default_config
+    from kernels_fused.hopper.gemm import QUANT_ID, default_config, rows_ws_config
     from kernels_fused.hopper.kernels import fp8_gemm_rows_ws_kernel
 
-    cfg = default_config(quant)
+    cfg = rows_ws_config(default_config(quant), quant)
     operand = "bf16" if quant == "mxfp8" else "fp8e4nv"  # mxfp8's operands arrive dequantized
     signature = {"a_src": f"tensordesc<{operand}[{cfg.block_m}, {cfg.block_k}]>",
                  "b_src": f"tensordesc<{operand}[{cfg.block_n}, {cfg.block_k}]>",
