@@ -417,7 +417,7 @@ class CudaBackend(Backend):
         if cfg.pattern_spec.scatter and cfg.pattern_spec.owner_by == "cols":
             self.partial_rows, self.partial_by_rows = row_major_readings(self.partial, cfg)
         self.schedule.load_kernels(tuple(p for p in (self.partial, self.partial_by_rows) if p is not None))
-        self._tables: dict[int, torch.Tensor] = {}
+        self._tables: dict[tuple, torch.Tensor] = {}  # _kept's
         self._plain_configs: dict[int, object] = {}  # M -> PLAIN_RULE's config
         # the preshuffled weight unshuffled for the Triton kernels and the vendor GEMM, and the weight
         # as the vendor GEMM takes it (mxfp8's is a bf16 copy): per weight, since the layers of this
@@ -495,33 +495,30 @@ class CudaBackend(Backend):
                                                                       k=self.config.k)
         return cfg
 
+    def _kept(self, key: tuple, build) -> torch.Tensor:
+        """The call shape's device tensor under ``key`` (a tile table, a chunk map), ``build()`` once:
+        kept for the backend's life (the window's m_max bounds the shapes)."""
+        kept = self._tables.get(key)
+        if kept is None:
+            kept = self._tables[key] = build()
+        return kept
+
     def _table(self, plan) -> torch.Tensor:
-        key = (plan.m, self.dma_peers_first)
-        table = self._tables.get(key)
-        if table is None:
-            table = fused_table(self.config, m=plan.m, rank=self.rank, dest_major=self.dma_peers_first,
-                                tile_weight=self.tile_weight, device=self.device)
-            self._tables[key] = table
-        return table
+        return self._kept((plan.m, self.dma_peers_first), lambda: fused_table(
+            self.config, m=plan.m, rank=self.rank, dest_major=self.dma_peers_first, tile_weight=self.tile_weight,
+            device=self.device))
 
     def _chunk_map(self, plan) -> torch.Tensor:
-        key = ("rows chunks", plan.m)
-        chunks = self._tables.get(key)
-        if chunks is None:
-            chunks = hopper_gemm.rows_chunk_map(layout.chunk_tiles(self.config, plan.m), device=self.device)
-            self._tables[key] = chunks
-        return chunks
+        return self._kept(("rows chunks", plan.m), lambda: hopper_gemm.rows_chunk_map(
+            layout.chunk_tiles(self.config, plan.m), device=self.device))
 
     def _lsa_table(self, m: int) -> torch.Tensor:
-        key = ("lsa", m)
-        table = self._tables.get(key)
-        if table is None:
+        def build():
             from kernels_fused.hopper.gemm import lsa_walk_rows, tile_table_tensor
 
-            rows = lsa_walk_rows(self.config, m=m, rank=self.rank, width=self.lsa_weight)
-            table = tile_table_tensor(rows, device=self.device)
-            self._tables[key] = table
-        return table
+            return tile_table_tensor(lsa_walk_rows(self.config, m=m, rank=self.rank, width=self.lsa_weight),
+                                     device=self.device)
+        return self._kept(("lsa", m), build)
 
     def _lsa(self, a, b_pre, a_scale, b_scale, out, plan, *, from_partial: bool) -> None:
         from kernels_fused.hopper.gemm import fp8_gemm_lsa

@@ -81,6 +81,14 @@ def _claim(ticket_ptr, n_tiles):
 
 
 @triton.jit
+def _bf16_halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The tile's left and right column halves in bf16: a TMA store of each stages half the tile
+    (the shared memory that leaves the warp-specialized launches a fourth pipeline stage)."""
+    left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+    return left.to(tl.bfloat16), right.to(tl.bfloat16)
+
+
+@triton.jit
 def fp8_gemm_ws_kernel(
     a_src, b_src, c_desc, as_ptr, bs_ptr, M, N, K, stride_asm, stride_ask, stride_bsn, stride_bsk,
     QUANT: tl.constexpr, MX_BF16: tl.constexpr, PRECISE_ACC: tl.constexpr,
@@ -98,9 +106,9 @@ def fp8_gemm_ws_kernel(
         acc = _tile_acc(a_src, b_src, as_ptr, bs_ptr, m0, n0, M, N, K, 0, 0,
                         stride_asm, stride_ask, stride_bsn, stride_bsk, QUANT, True, MX_BF16, PRECISE_ACC,
                         BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BLOCK)
-        halves = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-        c_desc.store([m0, n0], halves[0].to(tl.bfloat16))
-        c_desc.store([m0, n0 + BLOCK_N // 2], halves[1].to(tl.bfloat16))
+        left, right = _bf16_halves(acc, BLOCK_M, BLOCK_N)
+        c_desc.store([m0, n0], left)
+        c_desc.store([m0, n0 + BLOCK_N // 2], right)
 
 
 @triton.jit
@@ -148,9 +156,9 @@ def fp8_gemm_rows_ws_kernel(
         acc = _tile_acc(a_src, b_src, as_ptr, bs_ptr, dest * slice_rows + m0, n0, M, N, K, 0, 0,
                         stride_asm, stride_ask, stride_bsn, stride_bsk, QUANT, True, MX_BF16, PRECISE_ACC,
                         BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BLOCK)
-        halves = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-        c_desc.store([dest, m0, n0], tl.reshape(halves[0].to(tl.bfloat16), (1, BLOCK_M, BLOCK_N // 2)))
-        c_desc.store([dest, m0, n0 + BLOCK_N // 2], tl.reshape(halves[1].to(tl.bfloat16), (1, BLOCK_M, BLOCK_N // 2)))
+        left, right = _bf16_halves(acc, BLOCK_M, BLOCK_N)
+        c_desc.store([dest, m0, n0], tl.reshape(left, (1, BLOCK_M, BLOCK_N // 2)))
+        c_desc.store([dest, m0, n0 + BLOCK_N // 2], tl.reshape(right, (1, BLOCK_M, BLOCK_N // 2)))
         chunk = _bulk_writes_done(tl.load(chunk_ptr + mt), INTERPRET)
         tl.atomic_add(counter_ptr + dest * MAX_CHUNKS + chunk, TILE_WEIGHT, sem="release", scope="gpu")
 
