@@ -205,6 +205,8 @@ class PtpcOneLaunch:
         dev = torch.device(device)
         blocks = -(-n // block_n)
         programs = blocks * split
+        if dev.type == "cuda" and dev.index is None:  # "cuda": the current device (the probe's)
+            dev = torch.device("cuda", torch.cuda.current_device())
         resident = D.resident_programs(dev.index if dev.type == "cuda" else -1)
         if dev.type == "cuda" and programs > resident:
             raise ValueError(f"PtpcOneLaunch: {programs} programs (blocks x slices) are more than the "

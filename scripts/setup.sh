@@ -2,7 +2,8 @@
 # Installs everything the project, its tests and its CPU main job need on a fresh Debian machine
 # with no GPU: Debian's lld-19 (FlyDSL 0.5 emits code object v6, which ld.lld 14 rejects with
 # "unknown abi version"; kernels_fused.gfx950.toolchain picks an ld.lld >= 18), the CPU build of torch,
-# and the package with its test extras (flydsl, triton for the interpreter, mpi4py + mpich).
+# and the package with its test extras (flydsl, triton for the interpreter, mpi4py + mpich), and the
+# GPU machines' Triton in .toolchain/ for the host's PTX checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -89,5 +90,17 @@ if ! pip_logged cco -e ".[test]"; then
 fi
 if unreachable cco; then
     echo "[setup] an index was unreachable; pip found every package elsewhere (pip's log: $PIP_LOG_DIR/cco.log)"
+fi
+# The GPU machines' Triton (3.6), beside the installed one and not imported by it: the host tests
+# compile the reduce-scatter along rows' persistent producer with it for sm_90 and read the order of
+# its releases in the PTX (tests/python/cco/test_hopper_ptx.py), which differs between Triton versions.
+TRITON_GPU=triton==3.6.0
+TRITON_GPU_DIR=.toolchain/triton-3.6
+if [ ! -f "$TRITON_GPU_DIR/triton/__init__.py" ]; then
+    echo "[setup] installing ${TRITON_GPU} into ${TRITON_GPU_DIR} (the GPU machines' Triton, for PTX checks)"
+    if ! pip_logged triton-gpu --no-deps --target "$TRITON_GPU_DIR" "$TRITON_GPU"; then
+        show_failure triton-gpu
+        exit 1
+    fi
 fi
 "$PY" -c "import cco, kernels_fused, torch; print(f'[setup] ok: torch {torch.__version__}')"

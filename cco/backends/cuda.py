@@ -162,7 +162,10 @@ RS_PRODUCER_ROWS = {"ptpc": 512, "blockscale": 512, "mxfp8": 512}
 # walk with computed coordinates (``fp8_gemm_rows_ws``; the dest-major order only), else the grid
 # launch over the tile table (``fp8_gemm(fuse=True, slice_rows=)``), by the two timed side by side
 # (bench_sp_parts' ``kernel-grid`` and ``kernel-ws`` arms; docs/BENCHMARKS.md, "The reduce-scatter
-# along rows: the warp-specialized walk"); ``rows_kernel_launch`` forces either.
+# along rows: the warp-specialized walk"); ``rows_kernel_launch`` forces either. Timed on one H100
+# (2026-12-07) before the walk's wait carried its barrier: ptpc 0.90-0.95x of grid's time, blockscale
+# 1.5-2.1x. The walk as it is now (the barrier that Triton 3.6 needs) has not run on a GPU: grid
+# until it has.
 RS_ROWS_KERNEL_LAUNCH = {"ptpc": "grid", "blockscale": "grid", "mxfp8": "grid"}
 PRODUCERS = ("kernel", "vendor")
 # the all-gather's consumer (``all_gather_gemm``), per quant: the fewest rows one GEMM over a peer's

@@ -113,12 +113,16 @@ def fp8_gemm_ws_kernel(
 
 @triton.jit
 def _bulk_writes_done(x, INTERPRET: tl.constexpr):
-    """``x``, once this thread's bulk (TMA) stores have written global memory: the full
-    ``cp.async.bulk.wait_group 0``, where a store wait for reuse of the staging (``.read``) does
-    not order the writes. (The interpreter's stores are synchronous.)"""
+    """``x``, once every thread's bulk (TMA) stores have written global memory: each thread's full
+    ``cp.async.bulk.wait_group 0`` (the ``.read`` form only waits until the staging is read), then
+    a barrier of the block, since a tile's store is issued by one elected thread per storing warp
+    (two with Triton 3.6) and the release add by another. The barrier sits in the asm because a
+    ``tl.debug_barrier`` in the persistent loop stops Triton from pipelining it (one stage); so
+    the loop must run on every thread of the block, which ``kernels_fused.hopper.ptx`` checks (no
+    warp-specialized partitions). (The interpreter's stores are synchronous.)"""
     if INTERPRET:
         return x
-    return tl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tmov.u32 $0, $1;", "=r,r", [x],
+    return tl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tbar.sync 0;\n\tmov.u32 $0, $1;", "=r,r", [x],
                                      dtype=tl.int32, is_pure=False, pack=1)
 
 
@@ -140,10 +144,10 @@ def fp8_gemm_rows_ws_kernel(
     coordinates are computed, not loaded. ``c_desc`` addresses the planes' first ``slice_rows``
     rows ``[W, slice_rows, N]``, so the TMA store clips a slice's last m-tile at its end.
 
-    The release follows the tile's TMA store, whose one elected thread waits for the store's
-    writes (``_bulk_writes_done``); Triton's store lowering ends in a barrier of the epilogue's
-    warps before the add (``kernels_fused.hopper.ptx`` checks that in the compiled PTX). No
-    ``tl.debug_barrier`` here: one in the loop stops Triton from pipelining it (one stage)."""
+    The release follows the tile's TMA stores: every thread waits for its own stores' writes, then
+    the block meets at a barrier, then one thread adds (``_bulk_writes_done``;
+    ``kernels_fused.hopper.ptx`` checks that order in the compiled PTX). Triton 3.6 issues the
+    store from two threads and the add from a third, with no barrier of its own between them."""
     tiles_n = tl.cdiv(N, BLOCK_N)
     per_dest = tiles_m * tiles_n
     for tile in tl.range(tl.program_id(0), WORLD * per_dest, NUM_PROGS, flatten=True, warp_specialize=True):

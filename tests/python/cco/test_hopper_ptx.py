@@ -1,9 +1,12 @@
-"""The reduce-scatter along rows' warp-specialized producer (``fp8_gemm_rows_ws_kernel``) releases
-each tile with no barrier of its own: its order after the tile's TMA stores is Triton's lowering's
-(``kernels_fused.hopper.ptx``). Here the host's Triton compiles it for sm_90 (no GPU needed) and
-the check reads its PTX; the GPU suite (``test_cuda_sp.py``) checks the GPU machine's Triton the
-same way. The check itself fails a PTX whose bulk wait is the ``.read`` form, or whose barrier is
-missing."""
+"""The reduce-scatter along rows' persistent producer (``fp8_gemm_rows_ws_kernel``) releases each
+tile after its TMA stores; that order is read in the PTX (``kernels_fused.hopper.ptx``), since
+Triton versions lower the stores differently: 3.9 puts a barrier between the stores' wait and the
+add, 3.6 (the GPU machines') does not, so the kernel's wait carries its own. Here the host's Triton
+and the GPU machines' (``scripts/setup.sh`` puts it in ``.toolchain/triton-3.6``) compile it for
+sm_90 (no GPU needed) and the check reads its PTX; with 3.6 the kernel without its barrier fails
+the check. The GPU suite (``test_cuda_sp.py``) checks the GPU machine's Triton the same way. The
+check itself fails a PTX whose bulk wait is the ``.read`` form, whose barrier is missing, or whose
+kernel is split into warp-specialized partitions (the block-wide barrier would hang)."""
 
 import os
 import subprocess
@@ -39,6 +42,8 @@ def test_the_check_passes_a_release_after_the_full_wait_and_a_barrier():
     (ORDERED.replace("cp.async.bulk.wait_group 0;\n    bar.sync 0;", "bar.sync 0;\n    cp.async.bulk.wait_group 0;"),
      "no barrier between"),
     (ORDERED.replace(STORE, ""), "no release add follows"),
+    ("\tsetmaxnreg.inc.sync.aligned.u32 240;" + ORDERED, "split into warp-specialized partitions"),
+    (ORDERED + "\tbar.sync 1, 128;", "split into warp-specialized partitions"),
 ])
 def test_the_check_fails_a_release_that_may_pass_its_stores(broken, words):
     assert words in (bulk_release_problem(broken) or "")
@@ -51,3 +56,49 @@ def test_the_hosts_triton_orders_every_release_after_its_stores():
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.count("every release follows a full bulk wait and a barrier") == 3, done.stdout
+
+
+GPU_TRITON = ROOT / ".toolchain" / "triton-3.6"
+# Run with the GPU machines' Triton: the kernel as it is, or (argument "without") with its wait's
+# barrier taken out: ``_bulk_writes_done`` replaced before the compile, which reads the module's
+# globals. One variant a process: Triton keeps a kernel's cache key from its first compile.
+VARIANT = """
+import sys
+import triton, triton.language as tl
+import kernels_fused.hopper.kernels as K
+from kernels_fused.hopper.ptx import bulk_release_problem, rows_ws_ptx_sm90
+
+@triton.jit
+def wait_only(x, INTERPRET: tl.constexpr):
+    return tl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\\n\\tmov.u32 $0, $1;", "=r,r", [x],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+if sys.argv[1] == "without":
+    K._bulk_writes_done = wait_only
+print("triton", triton.__version__)
+print(sys.argv[1] + ":", bulk_release_problem(rows_ws_ptx_sm90("ptpc")))
+"""
+
+
+def test_the_gpu_machines_triton_needs_the_kernels_own_barrier(tmp_path):
+    """Triton 3.6 issues a tile's store from two threads and its add from a third with no barrier
+    between them: the kernel's own barrier is what orders the release (found on the GPU machine,
+    2026-12-07, by the suite's check)."""
+    if not (GPU_TRITON / "triton" / "__init__.py").is_file():
+        if os.environ.get("CI"):
+            pytest.fail(f"CI needs the GPU machines' Triton in {GPU_TRITON} (scripts/setup.sh installs it)")
+        pytest.skip(f"no {GPU_TRITON} (scripts/setup.sh installs the GPU machines' Triton there)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(GPU_TRITON), str(ROOT)])
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")  # (not the installed Triton's cache)
+    script = tmp_path / "variant.py"  # (Triton reads a jit function's source from its file)
+    script.write_text(VARIANT)
+    said = {}
+    for variant in ("as-is", "without"):
+        done = subprocess.run([sys.executable, str(script), variant], env=env, cwd=ROOT, capture_output=True,
+                              text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert "triton 3.6." in done.stdout, done.stdout
+        said[variant] = done.stdout.splitlines()[-1]
+    assert said["as-is"] == "as-is: None", said
+    assert said["without"].startswith("without: no barrier between the full bulk wait and the release"), said
