@@ -117,7 +117,7 @@ def compile_for_sm90(kernel: str = "gemm", *, stages: int = 4, rows: int = 64, s
         raise ValueError(f"compile_for_sm90: kernel={kernel!r}; pass 'gemm' or 'decode'")
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     source = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 128), options={"num_warps": num_warps})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])

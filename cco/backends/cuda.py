@@ -165,7 +165,9 @@ RS_PRODUCER_ROWS = {"ptpc": 512, "blockscale": 512, "mxfp8": 512}
 # along rows: the warp-specialized walk"); ``rows_kernel_launch`` forces either. Timed on one H100
 # (2026-12-07) before the walk's wait carried its barrier: ptpc 0.90-0.95x of grid's time, blockscale
 # 1.5-2.1x. The walk as it is now (the barrier that Triton 3.6 needs) has not run on a GPU: grid
-# until it has.
+# until it has. Where the installed Triton's compile of the walk may release a tile before its stores
+# land (``hopper_gemm.check_releases``, before the launch), this rule's "ws" runs the grid launch and
+# a forced one raises.
 RS_ROWS_KERNEL_LAUNCH = {"ptpc": "grid", "blockscale": "grid", "mxfp8": "grid"}
 PRODUCERS = ("kernel", "vendor")
 # the all-gather's consumer (``all_gather_gemm``), per quant: the fewest rows one GEMM over a peer's
@@ -421,6 +423,9 @@ class CudaBackend(Backend):
             self.partial_rows, self.partial_by_rows = row_major_readings(self.partial, cfg)
         self.schedule.load_kernels(tuple(p for p in (self.partial, self.partial_by_rows) if p is not None))
         self._tables: dict[tuple, torch.Tensor] = {}  # _kept's
+        # the rule's walk for the reduce-scatter along rows refused by this Triton's compile
+        # (hopper_gemm.UnorderedReleases): the grid launch from then on
+        self._walk_refused = False
         self._plain_configs: dict[int, object] = {}  # M -> PLAIN_RULE's config
         # the preshuffled weight unshuffled for the Triton kernels and the vendor GEMM, and the weight
         # as the vendor GEMM takes it (mxfp8's is a bf16 copy): per weight, since the layers of this
@@ -664,14 +669,20 @@ class CudaBackend(Backend):
                 scatter_flags=sch.scatter_flags, scatter_m=sch.scatter_m, stamp=sch.stamp, status=sch.status,
                 ticket=sch.ticket)
         by_rows = self.config.pattern_spec.owner_by == "rows"  # slices of A's rows, every column
-        if by_rows and self.dma_peers_first and \
-                (self.rows_kernel_launch or RS_ROWS_KERNEL_LAUNCH[self.config.quant]) == "ws":
-            hopper_gemm.fp8_gemm_rows_ws(a, self._unshuffled(b_pre), a_scale, b_scale, quant=self.config.quant,
-                                         out=self.partial, counters=self.counters, chunk_map=self._chunk_map(plan),
-                                         rank=self.rank, slice_rows=plan.slice_m, tile_weight=self.tile_weight,
-                                         config=hopper_gemm.rows_ws_config(self.fused_config, self.config.quant),
-                                         b_dense=self._dense_b(b_pre, b_scale))
-            return
+        walk = self.rows_kernel_launch or (None if self._walk_refused else RS_ROWS_KERNEL_LAUNCH[self.config.quant])
+        if by_rows and self.dma_peers_first and walk == "ws":
+            try:
+                hopper_gemm.fp8_gemm_rows_ws(a, self._unshuffled(b_pre), a_scale, b_scale, quant=self.config.quant,
+                                             out=self.partial, counters=self.counters,
+                                             chunk_map=self._chunk_map(plan), rank=self.rank,
+                                             slice_rows=plan.slice_m, tile_weight=self.tile_weight,
+                                             config=hopper_gemm.rows_ws_config(self.fused_config, self.config.quant),
+                                             b_dense=self._dense_b(b_pre, b_scale))
+                return
+            except hopper_gemm.UnorderedReleases:  # raised before the launch, alike on every rank
+                if self.rows_kernel_launch == "ws":  # forced: the caller asked for the walk itself
+                    raise
+                self._walk_refused = True  # the rule's pick: the grid launch below does the same work
         hopper_gemm.fp8_gemm(a, self._unshuffled(b_pre), a_scale, b_scale, quant=self.config.quant, out=self.partial,
                              fuse=True, tile_table=self._table(plan), counters=self.counters,
                              tile_weight=self.tile_weight, config=self.fused_config, reduce=reduce,

@@ -433,14 +433,50 @@ def fp8_gemm_rows_ws(a, b, a_scale, b_scale, *, quant: str, out: torch.Tensor, c
     # the slices' rows only: a slice's last m-tile is clipped at its end (no pad row written)
     c_desc = TensorDescriptor.from_tensor(out[:, :slice_rows], [1, cfg.block_m, cfg.block_n // 2])
     programs = min(persistent_programs(out.device), world * tiles_m * (n // cfg.block_n))
-    _kernels()[3][(programs,)](
-        a_src, b_src, c_desc, a_scale, b_scale, chunk_map, counters, m, n, k, rank, slice_rows, tiles_m, *strides[2:],
-        QUANT=QUANT_ID[quant], MX_BF16=not _interpreting(), PRECISE_ACC=cfg.precise_acc,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SCALE_BLOCK=SCALE_BLOCK,
-        WORLD=world, MAX_CHUNKS=MAX_CHUNKS, TILE_WEIGHT=int(tile_weight), NUM_PROGS=programs,
-        INTERPRET=_interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    args = (a_src, b_src, c_desc, a_scale, b_scale, chunk_map, counters, m, n, k, rank, slice_rows, tiles_m,
+            *strides[2:])
+    kwargs = dict(QUANT=QUANT_ID[quant], MX_BF16=not _interpreting(), PRECISE_ACC=cfg.precise_acc,
+                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SCALE_BLOCK=SCALE_BLOCK,
+                  WORLD=world, MAX_CHUNKS=MAX_CHUNKS, TILE_WEIGHT=int(tile_weight), NUM_PROGS=programs,
+                  INTERPRET=_interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    kernel = _kernels()[3]
+    check_releases(kernel, (programs,), args, kwargs, out.device, fn=fn)
+    kernel[(programs,)](*args, **kwargs)
     return out
+
+
+class UnorderedReleases(RuntimeError):
+    """The installed Triton's compile of the reduce-scatter along rows' walk does not order a
+    tile's release after its stores (``kernels_fused.hopper.ptx``): the walk must not run there."""
+
+
+# the verdict of ``kernels_fused.hopper.ptx.bulk_release_problem`` per (device, launch constants):
+# one compile's PTX read per launch configuration in a process (None: ordered)
+_RELEASE_VERDICTS: dict[tuple, str | None] = {}
+
+
+def check_releases(kernel, grid, args, kwargs, device, *, fn: str) -> None:
+    """Raise :class:`UnorderedReleases` before ``kernel`` (the walk) is launched where its compile
+    (``kernel.warmup``: the launch's own, cached by Triton, so no second compile) releases a tile
+    before its stores are written: Triton versions lower the stores and the add differently
+    (3.6 needed the kernel's own barrier), and a Triton that is not the one the checks ran with
+    must not race silently. Every rank of a job runs the same Triton, so every rank reaches the
+    same verdict. Not under the interpreter (its stores are synchronous)."""
+    if _interpreting():
+        return
+    key = (str(device), tuple(sorted(kwargs.items())))
+    if key not in _RELEASE_VERDICTS:
+        from kernels_fused.hopper.ptx import bulk_release_problem
+
+        compiled = kernel.warmup(*args, grid=grid, **kwargs)
+        compiled = compiled.result() if hasattr(compiled, "result") else compiled  # (an asynchronous compile)
+        ptx = getattr(compiled, "asm", {}).get("ptx")
+        _RELEASE_VERDICTS[key] = bulk_release_problem(ptx) if ptx else "Triton gave no PTX of it to read"
+    if _RELEASE_VERDICTS[key] is not None:
+        import triton
+
+        raise UnorderedReleases(f"{fn}: Triton {triton.__version__}'s compile of the walk may release a tile "
+                                f"before its stores are written ({_RELEASE_VERDICTS[key]}); use the grid launch")
 
 
 def _epilogue_pieces(block_n: int, fp8_gather: bool) -> int:

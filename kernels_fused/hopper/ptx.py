@@ -89,7 +89,7 @@ def rows_ws_ptx_sm90(quant: str = "ptpc") -> str:
                       MAX_CHUNKS=MAX_CHUNKS, TILE_WEIGHT=1, NUM_PROGS=132, INTERPRET=False)
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     compiled = triton.compile(ASTSource(fn=fp8_gemm_rows_ws_kernel, signature=signature, constexprs=constexprs),
-                              target=GPUTarget("cuda", 90, 128),
+                              target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
     return compiled.asm["ptx"]
 

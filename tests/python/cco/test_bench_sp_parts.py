@@ -314,3 +314,39 @@ def test_measure_checks_and_records_every_shape_on_the_host(monkeypatch, capsys)
         assert "error" not in runs[0]
         waits = [op for op in logs[-1].ops if op[1] in ("wait", "wait_block")]
         assert bool(waits) == landed, (landed, waits[:3])
+
+
+def test_a_walk_the_installed_triton_may_race_is_the_grid_launch_or_refused_where_forced(monkeypatch):
+    """Where ``RS_ROWS_KERNEL_LAUNCH`` takes the walk and the installed Triton's compile of it does
+    not order its releases (``hopper_gemm.UnorderedReleases``, raised before the launch), the
+    backend runs the grid launch, asks once, and computes the same slices and counters; a walk the
+    caller forced (``rows_kernel_launch="ws"``) raises instead."""
+    from cco.backends import cuda as cuda_backend
+    from cco.bench.timing import gemm_mismatches
+    from kernels_fused.hopper import gemm as hopper_gemm
+    from tests.python.cco.test_dma_schedule import _host_backend, _Log
+
+    backend, sched = _host_backend(monkeypatch, _Log(), pattern=sp.PATTERNS["rs-rows"], quant="ptpc", world=2)
+    backend.config = dataclasses.replace(backend.config, weight_layout="row-major")
+    cfg, cpu = backend.config, torch.device("cpu")
+    m = cfg.m_max
+    sets = [sp.rows_of(p, 0, m) for p in sp.device_problems(m, cfg.n, cfg.k, "ptpc", 1, cpu)]
+    idx = sp.check_rows(m)
+    ref, dot_abs = sp.sampled_terms(sets[0], idx)
+    monkeypatch.setitem(cuda_backend.RS_ROWS_KERNEL_LAUNCH, "ptpc", "ws")
+    asked = []
+
+    def unordered(*args, **kwargs):
+        asked.append(kwargs["rank"])
+        raise hopper_gemm.UnorderedReleases("fp8_gemm_rows_ws: this Triton's walk may race (test)")
+
+    monkeypatch.setattr(hopper_gemm, "fp8_gemm_rows_ws", unordered)
+    arms = sp.sp_arms("rs-rows", backend, sets, m, cpu)
+    call, read = arms["rs-rows kernel"]  # the kernel producer at the rule's launch
+    for _ in range(2):
+        got, wrong = read(call(0), idx)
+        assert gemm_mismatches(got, ref, dot_abs) == 0 and wrong == 0
+    assert len(asked) == 1  # then the grid launch without asking again
+    with pytest.raises(hopper_gemm.UnorderedReleases, match="may race"):
+        arms["rs-rows kernel-ws"][0](0)
+    assert len(asked) == 2

@@ -102,3 +102,50 @@ def test_the_gpu_machines_triton_needs_the_kernels_own_barrier(tmp_path):
         said[variant] = done.stdout.splitlines()[-1]
     assert said["as-is"] == "as-is: None", said
     assert said["without"].startswith("without: no barrier between the full bulk wait and the release"), said
+
+
+class _Compiled:
+    def __init__(self, ptx):
+        self.asm = {"ptx": ptx}
+
+
+class _Walk:
+    """A stand-in for the walk's JIT function: its compile's PTX, and how often it was asked."""
+
+    def __init__(self, ptx):
+        self.ptx, self.warmups = ptx, 0
+
+    def warmup(self, *args, grid, **kwargs):
+        self.warmups += 1
+        return _Compiled(self.ptx)
+
+
+@pytest.mark.parametrize("ptx, refused", [(ORDERED, False), (ORDERED.replace("bar.sync 0;", ""), True)],
+                         ids=["ordered", "no-barrier"])
+def test_the_walk_is_refused_before_its_launch_where_its_compile_may_race(monkeypatch, ptx, refused):
+    """``hopper_gemm.check_releases`` reads the launch's own compile (``warmup``) once per launch
+    configuration and raises before the launch where a release may pass its stores; under the
+    interpreter (synchronous stores) it reads nothing."""
+    from kernels_fused.hopper import gemm as hopper_gemm
+
+    monkeypatch.setattr(hopper_gemm, "_RELEASE_VERDICTS", {})
+    monkeypatch.setattr(hopper_gemm, "_interpreting", lambda: False)
+
+    def check(walk, kwargs, device="cuda:0"):
+        hopper_gemm.check_releases(walk, (4,), (), kwargs, device, fn="fp8_gemm_rows_ws")
+
+    walk, kwargs = _Walk(ptx), dict(WORLD=2, num_warps=8, num_stages=4)
+    for _ in range(2):
+        if refused:
+            with pytest.raises(hopper_gemm.UnorderedReleases, match="no barrier between"):
+                check(walk, kwargs)
+        else:
+            check(walk, kwargs)
+    assert walk.warmups == 1  # one compile read per configuration
+    if not refused:
+        check(walk, dict(kwargs, WORLD=4))  # another configuration: its compile read too
+        assert walk.warmups == 2
+    monkeypatch.setattr(hopper_gemm, "_interpreting", lambda: True)
+    racy = _Walk(ORDERED.replace("bar.sync 0;", ""))
+    check(racy, kwargs, "cuda:1")  # the interpreter's stores are synchronous: nothing read, nothing refused
+    assert racy.warmups == 0
