@@ -392,8 +392,8 @@ def _off(setup, out, seed, m, world) -> int:
 def check_rows_ws_releases(quants, log) -> None:
     """The reduce-scatter along rows' warp-specialized producer as this machine's Triton compiles
     it: every tile's release add follows the full wait for its bulk stores and a barrier
-    (``kernels_fused.hopper.ptx``: the kernel's own code has no barrier, Triton's lowering must)."""
-    from kernels_fused.hopper.ptx import bulk_release_problem, rows_ws_ptx_sm90
+    (``kernels_fused.hopper.ptx``; the kernel's wait carries the barrier: Triton 3.6 puts none there)."""
+    from kernels_fused.hopper.walk_ptx import bulk_release_problem, rows_ws_ptx_sm90
 
     problems = {q: bulk_release_problem(rows_ws_ptx_sm90(q)) for q in quants}
     bad = {q: p for q, p in problems.items() if p}

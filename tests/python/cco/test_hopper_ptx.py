@@ -52,8 +52,8 @@ def test_the_check_fails_a_release_that_may_pass_its_stores(broken, words):
 def test_the_hosts_triton_orders_every_release_after_its_stores():
     """In a process of its own, without the interpreter the test process runs kernels in."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "kernels_fused.hopper.ptx", "ptpc", "blockscale", "mxfp8"], env=env,
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-m", "kernels_fused.hopper.walk_ptx", "ptpc", "blockscale", "mxfp8"],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.count("every release follows a full bulk wait and a barrier") == 3, done.stdout
 
@@ -66,7 +66,7 @@ VARIANT = """
 import sys
 import triton, triton.language as tl
 import kernels_fused.hopper.kernels as K
-from kernels_fused.hopper.ptx import bulk_release_problem, rows_ws_ptx_sm90
+from kernels_fused.hopper.walk_ptx import bulk_release_problem, rows_ws_ptx_sm90
 
 @triton.jit
 def wait_only(x, INTERPRET: tl.constexpr):
