@@ -405,6 +405,19 @@ def rows_ws_config(config: GemmConfig, quant: str) -> GemmConfig:
     return replace(config, num_stages=plain.num_stages if plain.launch == "ws" else config.num_stages)
 
 
+def rows_ws_constants(config: GemmConfig, quant: str, *, world: int, tile_weight: int, programs: int,
+                      interpret: bool) -> dict:
+    """``fp8_gemm_rows_ws_kernel``'s compile-time arguments for a launch of ``config``: what
+    :func:`fp8_gemm_rows_ws` launches with, and what ``kernels_fused.hopper.walk_ptx`` compiles on a
+    host without a GPU, so that the checked kernel is the launched one."""
+    from cco.layout import MAX_CHUNKS
+
+    return dict(QUANT=QUANT_ID[quant], MX_BF16=not interpret, PRECISE_ACC=config.precise_acc,
+                BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SCALE_BLOCK=SCALE_BLOCK,
+                WORLD=world, MAX_CHUNKS=MAX_CHUNKS, TILE_WEIGHT=int(tile_weight), NUM_PROGS=programs,
+                INTERPRET=interpret)
+
+
 def fp8_gemm_rows_ws(a, b, a_scale, b_scale, *, quant: str, out: torch.Tensor, counters: torch.Tensor,
                      chunk_map: torch.Tensor, rank: int, slice_rows: int, tile_weight: int = 1,
                      config: GemmConfig | None = None, b_dense=None) -> torch.Tensor:
@@ -415,8 +428,6 @@ def fp8_gemm_rows_ws(a, b, a_scale, b_scale, *, quant: str, out: torch.Tensor, c
     ``config``: the tile (the fused launch's, :func:`rows_ws_config`'s stages by default). The
     caller has validated the operands (``cco.validate.check_operands``), as the op does."""
     from triton.tools.tensor_descriptor import TensorDescriptor
-
-    from cco.layout import MAX_CHUNKS
 
     fn = "fp8_gemm_rows_ws"
     shape = _shape(a, b)
@@ -435,10 +446,8 @@ def fp8_gemm_rows_ws(a, b, a_scale, b_scale, *, quant: str, out: torch.Tensor, c
     programs = min(persistent_programs(out.device), world * tiles_m * (n // cfg.block_n))
     args = (a_src, b_src, c_desc, a_scale, b_scale, chunk_map, counters, m, n, k, rank, slice_rows, tiles_m,
             *strides[2:])
-    kwargs = dict(QUANT=QUANT_ID[quant], MX_BF16=not _interpreting(), PRECISE_ACC=cfg.precise_acc,
-                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SCALE_BLOCK=SCALE_BLOCK,
-                  WORLD=world, MAX_CHUNKS=MAX_CHUNKS, TILE_WEIGHT=int(tile_weight), NUM_PROGS=programs,
-                  INTERPRET=_interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    kwargs = dict(rows_ws_constants(cfg, quant, world=world, tile_weight=tile_weight, programs=programs,
+                                    interpret=_interpreting()), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     kernel = _kernels()[3]
     check_releases(kernel, (programs,), args, kwargs, out.device, fn=fn)
     kernel[(programs,)](*args, **kwargs)

@@ -19,9 +19,7 @@ def rows_ws_ptx_sm90(quant: str = "ptpc") -> str:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from cco.layout import MAX_CHUNKS
-    from cco.quant import SCALE_BLOCK
-    from kernels_fused.hopper.gemm import QUANT_ID, default_config, rows_ws_config
+    from kernels_fused.hopper.gemm import default_config, rows_ws_config, rows_ws_constants
     from kernels_fused.hopper.kernels import fp8_gemm_rows_ws_kernel
 
     cfg = rows_ws_config(default_config(quant), quant)
@@ -32,9 +30,7 @@ def rows_ws_ptx_sm90(quant: str = "ptpc") -> str:
                  "as_ptr": "*fp32", "bs_ptr": "*fp32", "chunk_ptr": "*i32", "counter_ptr": "*i64",
                  **dict.fromkeys(("M", "N", "K", "rank", "slice_rows", "tiles_m", "stride_asm", "stride_ask",
                                   "stride_bsn", "stride_bsk"), "i32")}
-    constexprs = dict(QUANT=QUANT_ID[quant], MX_BF16=True, PRECISE_ACC=cfg.precise_acc, BLOCK_M=cfg.block_m,
-                      BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SCALE_BLOCK=SCALE_BLOCK, WORLD=8,
-                      MAX_CHUNKS=MAX_CHUNKS, TILE_WEIGHT=1, NUM_PROGS=132, INTERPRET=False)
+    constexprs = rows_ws_constants(cfg, quant, world=8, tile_weight=1, programs=132, interpret=False)
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     compiled = triton.compile(ASTSource(fn=fp8_gemm_rows_ws_kernel, signature=signature, constexprs=constexprs),
                               target=GPUTarget("cuda", 90, 32),
