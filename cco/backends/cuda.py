@@ -163,12 +163,14 @@ RS_PRODUCER_ROWS = {"ptpc": 512, "blockscale": 512, "mxfp8": 512}
 # launch over the tile table (``fp8_gemm(fuse=True, slice_rows=)``), by the two timed side by side
 # (bench_sp_parts' ``kernel-grid`` and ``kernel-ws`` arms; docs/BENCHMARKS.md, "The reduce-scatter
 # along rows: the warp-specialized walk"); ``rows_kernel_launch`` forces either. Timed on one H100
-# (2026-12-07) before the walk's wait carried its barrier: ptpc 0.90-0.95x of grid's time, blockscale
-# 1.5-2.1x. The walk as it is now (the barrier that Triton 3.6 needs) has not run on a GPU: grid
-# until it has. Where the installed Triton's compile of the walk may release a tile before its stores
-# land (``hopper_gemm.check_releases``, before the launch), this rule's "ws" runs the grid launch and
-# a forced one raises.
-RS_ROWS_KERNEL_LAUNCH = {"ptpc": "grid", "blockscale": "grid", "mxfp8": "grid"}
+# (2026-12-07 02:51 UTC, the walk with the barrier Triton 3.6 needs; raw
+# docs/results/2026-12-07b_rows_ws_mended_h100/): ptpc's walk is below the grid launch in all eight
+# cells (Llama-3-70B and DeepSeek-V3 down_proj, W 4 and 8, 4096 and 16384 tokens; 0.91-0.97x of its
+# time, median 0.937), hence "ws"; blockscale's ran 1.5-2.1x of grid's (the 00:10 run), grid stays.
+# Where the installed Triton's compile of the walk may release a tile before its stores land
+# (``hopper_gemm.check_releases``, before the launch), this rule's "ws" runs the grid launch and a
+# forced one raises.
+RS_ROWS_KERNEL_LAUNCH = {"ptpc": "ws", "blockscale": "grid", "mxfp8": "grid"}
 PRODUCERS = ("kernel", "vendor")
 # the all-gather's consumer (``all_gather_gemm``), per quant: the fewest rows one GEMM over a peer's
 # landed chunks takes. Consecutive chunks of one source go to one GEMM until they reach it
