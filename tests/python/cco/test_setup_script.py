@@ -51,6 +51,9 @@ _STAND_IN = textwrap.dedent('''\
     if "-e" in args:                                   # the package and its test extras
         print("Successfully installed cco-0.1.0")
         sys.exit(0)
+    if "--target" in args:                             # the GPU machines' Triton into .toolchain/
+        print("Successfully installed triton-3.6.0")
+        sys.exit(0)
     cpu_index = "--index-url" in args
     if case == "reachable":
         print("Downloading https://download.pytorch.org/whl/cpu/torch-2.13.0%2Bcpu-cp311-cp311-linux_x86_64.whl (190 MB)")
