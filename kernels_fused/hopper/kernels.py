@@ -127,6 +127,14 @@ def _bulk_writes_done(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _release_held(counter_ptr, held, TILE_WEIGHT: tl.constexpr, INTERPRET: tl.constexpr):
+    """RELEASE_LAG's release of the tile whose counter word is ``held`` (-1: none), once every
+    store issued before it has been written (``_bulk_writes_done``)."""
+    word = _bulk_writes_done(held, INTERPRET)
+    tl.atomic_add(counter_ptr + word, TILE_WEIGHT, mask=word >= 0, sem="release", scope="gpu")
+
+
+@triton.jit
 def fp8_gemm_rows_ws_kernel(
     a_src, b_src, c_desc, as_ptr, bs_ptr, chunk_ptr, counter_ptr, M, N, K, rank, slice_rows, tiles_m,
     stride_asm, stride_ask, stride_bsn, stride_bsk,
@@ -170,8 +178,7 @@ def fp8_gemm_rows_ws_kernel(
                         BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BLOCK)
         left, right = _bf16_halves(acc, BLOCK_M, BLOCK_N)
         if RELEASE_LAG:  # the previous tile's writes, issued a main loop ago: released before this one's
-            word = _bulk_writes_done(held, INTERPRET)
-            tl.atomic_add(counter_ptr + word, TILE_WEIGHT, mask=word >= 0, sem="release", scope="gpu")
+            _release_held(counter_ptr, held, TILE_WEIGHT, INTERPRET)
         c_desc.store([dest, m0, n0], tl.reshape(left, (1, BLOCK_M, BLOCK_N // 2)))
         c_desc.store([dest, m0, n0 + BLOCK_N // 2], tl.reshape(right, (1, BLOCK_M, BLOCK_N // 2)))
         if RELEASE_LAG:
@@ -180,8 +187,7 @@ def fp8_gemm_rows_ws_kernel(
             chunk = _bulk_writes_done(tl.load(chunk_ptr + mt), INTERPRET)
             tl.atomic_add(counter_ptr + dest * MAX_CHUNKS + chunk, TILE_WEIGHT, sem="release", scope="gpu")
     if RELEASE_LAG:  # the program's last tile
-        word = _bulk_writes_done(held, INTERPRET)
-        tl.atomic_add(counter_ptr + word, TILE_WEIGHT, mask=word >= 0, sem="release", scope="gpu")
+        _release_held(counter_ptr, held, TILE_WEIGHT, INTERPRET)
 
 
 @triton.jit
