@@ -19,7 +19,8 @@ a call issues:
   (owner, chunk): W*C GEMMs of M/(W*C) rows) and ``rs-rows kernel`` (one launch of the own Triton
   GEMM walking the row slices, each tile's add releasing its counter; its launch as
   ``RS_ROWS_KERNEL_LAUNCH`` picks it, and each forced: ``kernel-grid`` a program per entry of the
-  tile table, ``kernel-ws`` persistent warp-specialized programs computing the walk). Timed until every
+  tile table, ``kernel-ws`` persistent warp-specialized programs computing the walk, ``kernel-ws-lag``
+  the same releasing each tile one tile late). Timed until every
   slice is released. The puts to the peers are not issued: one GPU has no link to time them on. The
   line shows the rule's arm, then the forced ones.
 - ``ag``: the all-gather's call (``CudaBackend.all_gather_gemm``) with the peers' rows already in
@@ -75,7 +76,7 @@ from cco.cuda.dma import MAX_PRODUCER_STREAMS
 MODELS = {"llama3-70b": (8192, 28672), "deepseek-v3": (7168, 18432)}  # (hidden, intermediate) of the MLP
 PATTERNS = {"rs-rows": "reduce-scatter-rows", "ag": "all-gather"}  # this script's names -> cco's
 TARGET = 1.1  # the ratio to the whole GEMM the sequence-parallel issue asks for
-ROWS_KERNEL_LAUNCHES = ("grid", "ws")  # rs-rows: the kernel producer forced to each (CudaBackend.rows_kernel_launch)
+ROWS_KERNEL_LAUNCHES = ("grid", "ws", "ws-lag")  # rs-rows: the kernel producer forced to each (CudaBackend.rows_kernel_launch)
 
 
 def layer_shape(pattern: str, model: str, tp: int) -> tuple[int, int, str]:
@@ -283,7 +284,7 @@ def sp_arms(pattern: str, backend, sets: list[Q.Problem], m: int, dev, landed: b
         arms[pattern] = (producing(None), rs_read)
         for producer in PRODUCERS:
             arms[f"{pattern} {producer}"] = (producing(producer), rs_read)
-        for launch in ROWS_KERNEL_LAUNCHES:  # the kernel producer's two launches (RS_ROWS_KERNEL_LAUNCH)
+        for launch in ROWS_KERNEL_LAUNCHES:  # the kernel producer's launches (RS_ROWS_KERNEL_LAUNCH, WALKS)
             arms[f"{pattern} kernel-{launch}"] = (producing("kernel", launch=launch), rs_read)
         arms[f"{pattern} vendor chunks"] = (producing("vendor", 1), rs_read)
         for on in streams:

@@ -171,6 +171,10 @@ RS_PRODUCER_ROWS = {"ptpc": 512, "blockscale": 512, "mxfp8": 512}
 # (``hopper_gemm.check_releases``, before the launch), this rule's "ws" runs the grid launch and a
 # forced one raises.
 RS_ROWS_KERNEL_LAUNCH = {"ptpc": "ws", "blockscale": "grid", "mxfp8": "grid"}
+# the walk's two forms: "ws" releases each tile once its writes are done; "ws-lag" one tile late,
+# before the program's next tile's stores (``fp8_gemm_rows_ws(release_lag=True)``: on Triton 3.6
+# the loop then need not wait for a tile's writes; not timed yet, so no rule takes it)
+WALKS = ("ws", "ws-lag")
 PRODUCERS = ("kernel", "vendor")
 # the all-gather's consumer (``all_gather_gemm``), per quant: the fewest rows one GEMM over a peer's
 # landed chunks takes. Consecutive chunks of one source go to one GEMM until they reach it
@@ -301,7 +305,7 @@ class CudaBackend(Backend):
     weight_layouts = ("row-major", "bpreshuffle")  # the Triton kernels read row-major: taken as is
     consumer_rows: int | None = None  # the all-gather's least rows a GEMM: None AG_CONSUMER_ROWS, 1 one per chunk
     producer_rows: int | None = None  # the reduce-scatter's vendor producer's: None RS_PRODUCER_ROWS
-    rows_kernel_launch: str | None = None  # its kernel producer's launch: None RS_ROWS_KERNEL_LAUNCH, "ws", "grid"
+    rows_kernel_launch: str | None = None  # its kernel producer's launch: None RS_ROWS_KERNEL_LAUNCH, "ws", "ws-lag", "grid"
     # the all-gather's peers' GEMMs merged into one over their slots after the last wait: None the rule
     # (one group per source and no pad rows: consumer_merges), True always (refused where the slots hold
     # pad rows), False never (a GEMM per group of each source's chunks)
@@ -672,17 +676,17 @@ class CudaBackend(Backend):
                 ticket=sch.ticket)
         by_rows = self.config.pattern_spec.owner_by == "rows"  # slices of A's rows, every column
         walk = self.rows_kernel_launch or (None if self._walk_refused else RS_ROWS_KERNEL_LAUNCH[self.config.quant])
-        if by_rows and self.dma_peers_first and walk == "ws":
+        if by_rows and self.dma_peers_first and walk in WALKS:
             try:
                 hopper_gemm.fp8_gemm_rows_ws(a, self._unshuffled(b_pre), a_scale, b_scale, quant=self.config.quant,
                                              out=self.partial, counters=self.counters,
                                              chunk_map=self._chunk_map(plan), rank=self.rank,
                                              slice_rows=plan.slice_m, tile_weight=self.tile_weight,
                                              config=hopper_gemm.rows_ws_config(self.fused_config, self.config.quant),
-                                             b_dense=self._dense_b(b_pre, b_scale))
+                                             b_dense=self._dense_b(b_pre, b_scale), release_lag=walk == "ws-lag")
                 return
             except hopper_gemm.UnorderedReleases:  # raised before the launch, alike on every rank
-                if self.rows_kernel_launch == "ws":  # forced: the caller asked for the walk itself
+                if self.rows_kernel_launch in WALKS:  # forced: the caller asked for the walk itself
                     raise
                 self._walk_refused = True  # the rule's pick: the grid launch below does the same work
         hopper_gemm.fp8_gemm(a, self._unshuffled(b_pre), a_scale, b_scale, quant=self.config.quant, out=self.partial,

@@ -406,7 +406,7 @@ def rows_ws_config(config: GemmConfig, quant: str) -> GemmConfig:
 
 
 def rows_ws_constants(config: GemmConfig, quant: str, *, world: int, tile_weight: int, programs: int,
-                      interpret: bool) -> dict:
+                      interpret: bool, release_lag: bool = False) -> dict:
     """``fp8_gemm_rows_ws_kernel``'s compile-time arguments for a launch of ``config``: what
     :func:`fp8_gemm_rows_ws` launches with, and what ``kernels_fused.hopper.walk_ptx`` compiles on a
     host without a GPU, so that the checked kernel is the launched one."""
@@ -415,18 +415,19 @@ def rows_ws_constants(config: GemmConfig, quant: str, *, world: int, tile_weight
     return dict(QUANT=QUANT_ID[quant], MX_BF16=not interpret, PRECISE_ACC=config.precise_acc,
                 BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SCALE_BLOCK=SCALE_BLOCK,
                 WORLD=world, MAX_CHUNKS=MAX_CHUNKS, TILE_WEIGHT=int(tile_weight), NUM_PROGS=programs,
-                INTERPRET=interpret)
+                INTERPRET=interpret, RELEASE_LAG=bool(release_lag))
 
 
 def fp8_gemm_rows_ws(a, b, a_scale, b_scale, *, quant: str, out: torch.Tensor, counters: torch.Tensor,
                      chunk_map: torch.Tensor, rank: int, slice_rows: int, tile_weight: int = 1,
-                     config: GemmConfig | None = None, b_dense=None) -> torch.Tensor:
+                     config: GemmConfig | None = None, b_dense=None, release_lag: bool = False) -> torch.Tensor:
     """The reduce-scatter along rows' fused producer as one persistent warp-specialized launch
     (``fp8_gemm_rows_ws_kernel``): what ``fp8_gemm(fuse=True, slice_rows=slice_rows)`` writes and
     releases with the dest-major tile table of ``rank`` (``cco.layout.tile_table(dest_major=True)``),
     the walk computed instead of read. ``chunk_map``: :func:`rows_chunk_map` of the call's chunks;
-    ``config``: the tile (the fused launch's, :func:`rows_ws_config`'s stages by default). The
-    caller has validated the operands (``cco.validate.check_operands``), as the op does."""
+    ``config``: the tile (the fused launch's, :func:`rows_ws_config`'s stages by default);
+    ``release_lag``: each tile released one tile late (the kernel's RELEASE_LAG). The caller has
+    validated the operands (``cco.validate.check_operands``), as the op does."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     fn = "fp8_gemm_rows_ws"
@@ -447,7 +448,8 @@ def fp8_gemm_rows_ws(a, b, a_scale, b_scale, *, quant: str, out: torch.Tensor, c
     args = (a_src, b_src, c_desc, a_scale, b_scale, chunk_map, counters, m, n, k, rank, slice_rows, tiles_m,
             *strides[2:])
     kwargs = dict(rows_ws_constants(cfg, quant, world=world, tile_weight=tile_weight, programs=programs,
-                                    interpret=_interpreting()), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                                    interpret=_interpreting(), release_lag=release_lag),
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     kernel = _kernels()[3]
     check_releases(kernel, (programs,), args, kwargs, out.device, fn=fn)
     kernel[(programs,)](*args, **kwargs)

@@ -127,13 +127,21 @@ def _bulk_writes_done(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _release_held(counter_ptr, held, TILE_WEIGHT: tl.constexpr, INTERPRET: tl.constexpr):
+    """RELEASE_LAG's release of the tile whose counter word is ``held`` (-1: none), once every
+    store issued before it has been written (``_bulk_writes_done``)."""
+    word = _bulk_writes_done(held, INTERPRET)
+    tl.atomic_add(counter_ptr + word, TILE_WEIGHT, mask=word >= 0, sem="release", scope="gpu")
+
+
+@triton.jit
 def fp8_gemm_rows_ws_kernel(
     a_src, b_src, c_desc, as_ptr, bs_ptr, chunk_ptr, counter_ptr, M, N, K, rank, slice_rows, tiles_m,
     stride_asm, stride_ask, stride_bsn, stride_bsk,
     QUANT: tl.constexpr, MX_BF16: tl.constexpr, PRECISE_ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
     WORLD: tl.constexpr, MAX_CHUNKS: tl.constexpr, TILE_WEIGHT: tl.constexpr, NUM_PROGS: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, RELEASE_LAG: tl.constexpr,
 ):
     """The reduce-scatter along rows' fused producer as the plain GEMM's persistent
     warp-specialized walk (``launch="ws"``): ``partial[dest][row] = (A @ B.T)[dest * slice_rows +
@@ -147,9 +155,17 @@ def fp8_gemm_rows_ws_kernel(
     The release follows the tile's TMA stores: every thread waits for its own stores' writes, then
     the block meets at a barrier, then one thread adds (``_bulk_writes_done``;
     ``kernels_fused.hopper.ptx`` checks that order in the compiled PTX). Triton 3.6 issues the
-    store from two threads and the add from a third, with no barrier of its own between them."""
+    store from two threads and the add from a third, with no barrier of its own between them.
+
+    RELEASE_LAG: a tile is released one tile late, once the program's next tile has been computed
+    and before that tile's stores (the last tile after the loop). The same wait then finds the
+    writes done, since they had the next tile's main loop to land, where without the lag the
+    loop stalls on each tile's writes (Triton 3.6 leaves them in flight: its stores wait only for
+    their staging to be read). A chunk's counter reaches its target up to one tile's main loop
+    later. Every release still follows a full wait for every store issued before it."""
     tiles_n = tl.cdiv(N, BLOCK_N)
     per_dest = tiles_m * tiles_n
+    held = -1  # RELEASE_LAG: the counter word of the program's last stored tile, not yet released (-1: none)
     for tile in tl.range(tl.program_id(0), WORLD * per_dest, NUM_PROGS, flatten=True, warp_specialize=True):
         j = tile // per_dest
         r = tile - j * per_dest
@@ -161,10 +177,17 @@ def fp8_gemm_rows_ws_kernel(
                         stride_asm, stride_ask, stride_bsn, stride_bsk, QUANT, True, MX_BF16, PRECISE_ACC,
                         BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BLOCK)
         left, right = _bf16_halves(acc, BLOCK_M, BLOCK_N)
+        if RELEASE_LAG:  # the previous tile's writes, issued a main loop ago: released before this one's
+            _release_held(counter_ptr, held, TILE_WEIGHT, INTERPRET)
         c_desc.store([dest, m0, n0], tl.reshape(left, (1, BLOCK_M, BLOCK_N // 2)))
         c_desc.store([dest, m0, n0 + BLOCK_N // 2], tl.reshape(right, (1, BLOCK_M, BLOCK_N // 2)))
-        chunk = _bulk_writes_done(tl.load(chunk_ptr + mt), INTERPRET)
-        tl.atomic_add(counter_ptr + dest * MAX_CHUNKS + chunk, TILE_WEIGHT, sem="release", scope="gpu")
+        if RELEASE_LAG:
+            held = dest * MAX_CHUNKS + tl.load(chunk_ptr + mt)
+        else:
+            chunk = _bulk_writes_done(tl.load(chunk_ptr + mt), INTERPRET)
+            tl.atomic_add(counter_ptr + dest * MAX_CHUNKS + chunk, TILE_WEIGHT, sem="release", scope="gpu")
+    if RELEASE_LAG:  # the program's last tile
+        _release_held(counter_ptr, held, TILE_WEIGHT, INTERPRET)
 
 
 @triton.jit

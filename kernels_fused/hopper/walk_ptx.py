@@ -11,10 +11,11 @@ from __future__ import annotations
 from kernels_fused.hopper.ptx import bulk_release_problem
 
 
-def rows_ws_ptx_sm90(quant: str = "ptpc") -> str:
+def rows_ws_ptx_sm90(quant: str = "ptpc", *, release_lag: bool = False) -> str:
     """The PTX of ``fp8_gemm_rows_ws_kernel`` compiled for sm_90 by the installed Triton on this
     host (no GPU needed), as the reduce-scatter along rows' producer launches it for ``quant``
-    (its fused tile at ``rows_ws_config``'s stages, world 8). Not under Triton's interpreter (run it in a process of its own)."""
+    (its fused tile at ``rows_ws_config``'s stages, world 8; ``release_lag``: each tile released
+    one tile late). Not under Triton's interpreter (run it in a process of its own)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -30,7 +31,8 @@ def rows_ws_ptx_sm90(quant: str = "ptpc") -> str:
                  "as_ptr": "*fp32", "bs_ptr": "*fp32", "chunk_ptr": "*i32", "counter_ptr": "*i64",
                  **dict.fromkeys(("M", "N", "K", "rank", "slice_rows", "tiles_m", "stride_asm", "stride_ask",
                                   "stride_bsn", "stride_bsk"), "i32")}
-    constexprs = rows_ws_constants(cfg, quant, world=8, tile_weight=1, programs=132, interpret=False)
+    constexprs = rows_ws_constants(cfg, quant, world=8, tile_weight=1, programs=132, interpret=False,
+                                   release_lag=release_lag)
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     compiled = triton.compile(ASTSource(fn=fp8_gemm_rows_ws_kernel, signature=signature, constexprs=constexprs),
                               target=GPUTarget("cuda", 90, 32),
@@ -40,15 +42,18 @@ def rows_ws_ptx_sm90(quant: str = "ptpc") -> str:
 
 def main(argv=None) -> int:
     """``python -m kernels_fused.hopper.walk_ptx [QUANT ...]``: compile the reduce-scatter along
-    rows' warp-specialized producer for sm_90 here and check its releases; exit 1 on a problem."""
+    rows' warp-specialized producer for sm_90 here (each tile released at once, and one tile late)
+    and check its releases; exit 1 on a problem."""
     import sys
 
     quants = (sys.argv[1:] if argv is None else argv) or ["ptpc"]
     problems = 0
     for quant in quants:
-        problem = bulk_release_problem(rows_ws_ptx_sm90(quant))
-        problems += problem is not None
-        print(f"{quant}: {problem or 'every release follows a full bulk wait and a barrier (one partition)'}")
+        for lag in (False, True):
+            problem = bulk_release_problem(rows_ws_ptx_sm90(quant, release_lag=lag))
+            problems += problem is not None
+            print(f"{quant}{' (released a tile late)' if lag else ''}: "
+                  f"{problem or 'every release follows a full bulk wait and a barrier (one partition)'}")
     return 1 if problems else 0
 
 

@@ -122,7 +122,8 @@ def test_arms_issue_the_backends_gemm_calls_and_pass_their_checks(monkeypatch, p
     monkeypatch.setattr(vendor, "vendor_gemm", recording)
     arms = sp.sp_arms(pattern, backend, sets, m, cpu, streams=(1, 3))
     assert list(arms) == (["whole", pattern, f"{pattern} kernel", f"{pattern} vendor", f"{pattern} kernel-grid",
-                           f"{pattern} kernel-ws", f"{pattern} vendor chunks", f"{pattern} vendor streams1",
+                           f"{pattern} kernel-ws", f"{pattern} kernel-ws-lag", f"{pattern} vendor chunks",
+                           f"{pattern} vendor streams1",
                            f"{pattern} vendor streams3"]
                           if pattern == "rs-rows"
                           else ["whole", pattern, f"{pattern} chunks", f"{pattern} sources", f"{pattern} merged"])
@@ -144,7 +145,7 @@ def test_arms_issue_the_backends_gemm_calls_and_pass_their_checks(monkeypatch, p
     if pattern == "rs-rows":
         from cco.backends.cuda import rows_producer
 
-        for kernel in ("kernel", "kernel-grid", "kernel-ws"):  # one launch each, no vendor GEMM
+        for kernel in ("kernel", "kernel-grid", "kernel-ws", "kernel-ws-lag"):  # one launch each, no vendor GEMM
             assert issued[f"{pattern} {kernel}"] == [], kernel
         assert len(issued[f"{pattern} vendor chunks"]) == world * plan.chunks  # a GEMM per (owner, chunk)
         assert issued[pattern] == issued[f"{pattern} {rows_producer(cfg, m)}"]
@@ -320,7 +321,7 @@ def test_a_walk_the_installed_triton_may_race_is_the_grid_launch_or_refused_wher
     """Where ``RS_ROWS_KERNEL_LAUNCH`` takes the walk and the installed Triton's compile of it does
     not order its releases (``hopper_gemm.UnorderedReleases``, raised before the launch), the
     backend runs the grid launch, asks once, and computes the same slices and counters; a walk the
-    caller forced (``rows_kernel_launch="ws"``) raises instead."""
+    caller forced (``rows_kernel_launch="ws"`` or ``"ws-lag"``) raises instead."""
     from cco.backends import cuda as cuda_backend
     from cco.bench.timing import gemm_mismatches
     from kernels_fused.hopper import gemm as hopper_gemm
@@ -347,6 +348,7 @@ def test_a_walk_the_installed_triton_may_race_is_the_grid_launch_or_refused_wher
         got, wrong = read(call(0), idx)
         assert gemm_mismatches(got, ref, dot_abs) == 0 and wrong == 0
     assert len(asked) == 1  # then the grid launch without asking again
-    with pytest.raises(hopper_gemm.UnorderedReleases, match="may race"):
-        arms["rs-rows kernel-ws"][0](0)
-    assert len(asked) == 2
+    for forced in ("rs-rows kernel-ws", "rs-rows kernel-ws-lag"):
+        with pytest.raises(hopper_gemm.UnorderedReleases, match="may race"):
+            arms[forced][0](0)
+    assert len(asked) == 3

@@ -279,12 +279,13 @@ def test_fused_epilogue_writes_partial_and_counts_tiles(quant, world):
         _assert_close(full, ref, quant, f"{quant} fused rank {rank}/{world}")
 
 
-@pytest.mark.parametrize("launch", ["grid", "ws"])
+@pytest.mark.parametrize("launch", ["grid", "ws", "ws-lag"])
 @pytest.mark.parametrize("world", [2, 3], ids=lambda w: f"world{w}")
 @pytest.mark.parametrize("quant", Q.QUANTS)
 def test_fused_row_slices_write_each_owners_rows(quant, world, launch):
     """The reduce-scatter along rows' kernel producer, ``fuse=True`` with ``slice_rows`` over the
-    tile table (grid) and ``fp8_gemm_rows_ws`` (the walk computed): a tile of dest d reads A's rows
+    tile table (grid) and ``fp8_gemm_rows_ws`` (the walk computed; ws-lag: each tile released one
+    tile late): a tile of dest d reads A's rows
     from ``d * M/W`` on and lands at its row within ``partial[d]``, every column; the slice's last
     m-tile stores none of the next slice's rows (M/W = 48 is not a multiple of the 32-row tile), and
     each (dest, chunk) counter ends at the layout's target."""
@@ -300,10 +301,10 @@ def test_fused_row_slices_write_each_owners_rows(quant, world, launch):
         plan = layout.plan_call(cfg, m=m, seq=1, rank=rank, counter_base=layout.zero_counters(world))
         partial = torch.full((world, cfg.m_max_padded, N), float("nan"), dtype=torch.bfloat16)
         counters = torch.zeros(world * layout.MAX_CHUNKS, dtype=torch.int64)
-        if launch == "ws":
+        if launch != "grid":
             fp8_gemm_rows_ws(p.a, p.b, p.a_scale, p.b_scale, quant=quant, out=partial, counters=counters,
                              chunk_map=rows_chunk_map(layout.chunk_tiles(cfg, m), device="cpu"), rank=rank,
-                             slice_rows=plan.slice_m, config=gc)
+                             slice_rows=plan.slice_m, config=gc, release_lag=launch == "ws-lag")
         else:
             fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant=quant, out=partial, fuse=True,
                      tile_table=tile_table_tensor(layout.tile_table_rows(plan.tiles), device="cpu"),
@@ -315,6 +316,58 @@ def test_fused_row_slices_write_each_owners_rows(quant, world, launch):
     with pytest.raises(ValueError, match="W \\* slice_rows = M"):
         fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant=quant, out=partial, fuse=True, slice_rows=47,
                  tile_table=torch.zeros(1, 4, dtype=torch.int32), counters=counters, config=gc)
+
+
+@pytest.mark.parametrize("launch", ["grid", "ws", "ws-lag"])
+def test_a_chunk_is_released_only_once_its_rows_are_written(monkeypatch, launch):
+    """Guards the order of the reduce-scatter along rows' releases: when a (dest, chunk) counter
+    reaches its target (the copy engine may put the chunk then), every row of that chunk is in
+    ``partial[dest]``. The interpreter runs each add in program order and its stores at once, so
+    this checks which tile an add releases, which the PTX check (every add after a full wait for
+    the stores issued before it) cannot; it fails on a walk that releases a tile before its stores,
+    with and without the lag (docs/experiments.md, 2026-12-07)."""
+    from triton.runtime import interpreter
+
+    from kernels_fused.hopper.gemm import default_config, fp8_gemm, fp8_gemm_rows_ws, rows_chunk_map, tile_table_tensor
+
+    world, quant = 3, "ptpc"
+    m = 48 * world  # 48-row slices: two 32-row m-tiles each, the second clipped
+    p = Q.random_problem(m, N, K, quant, seed=31)
+    gc = default_config(quant, interpret=True)
+    cfg = layout.build_config(n=N, k=K, m_max=m, world=world, quant=quant, chunks=2, block_m=gc.block_m,
+                              block_n=gc.block_n, pattern="reduce-scatter-rows")
+    rank = 1
+    plan = layout.plan_call(cfg, m=m, seq=1, rank=rank, counter_base=layout.zero_counters(world))
+    chunks = layout.chunk_tiles(cfg, m)
+    partial = torch.full((world, cfg.m_max_padded, N), float("nan"), dtype=torch.bfloat16)
+    counters = torch.zeros(world * layout.MAX_CHUNKS, dtype=torch.int64)
+    targets = [list(t) for t in plan.counter_targets]
+    complete, early = set(), []
+    real = interpreter.InterpreterBuilder.create_atomic_rmw
+
+    def watched(self, *args, **kwargs):  # after each add: the chunks it completed must be written
+        result = real(self, *args, **kwargs)
+        counted = counters.view(world, layout.MAX_CHUNKS)
+        for d in range(world):
+            for c, (t0, t1) in enumerate(chunks):
+                if (d, c) not in complete and targets[d][c] and counted[d, c].item() == targets[d][c]:
+                    complete.add((d, c))
+                    rows = partial[d, t0 * gc.block_m:min(t1 * gc.block_m, plan.slice_m)]
+                    if rows.isnan().any():
+                        early.append((d, c, int(rows.isnan().any(dim=1).sum())))
+        return result
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_atomic_rmw", watched)
+    if launch == "grid":
+        fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant=quant, out=partial, fuse=True,
+                 tile_table=tile_table_tensor(layout.tile_table_rows(plan.tiles), device="cpu"),
+                 counters=counters, config=gc, slice_rows=plan.slice_m)
+    else:
+        fp8_gemm_rows_ws(p.a, p.b, p.a_scale, p.b_scale, quant=quant, out=partial, counters=counters,
+                         chunk_map=rows_chunk_map(chunks, device="cpu"), rank=rank, slice_rows=plan.slice_m,
+                         config=gc, release_lag=launch == "ws-lag")
+    assert len(complete) == world * len(chunks), "a chunk's counter never reached its target"
+    assert not early, f"chunks released before all their rows were written (dest, chunk, rows missing): {early}"
 
 
 def test_fused_requires_table_and_counters():
