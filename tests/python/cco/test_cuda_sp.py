@@ -18,9 +18,10 @@ rank's fp32 partial, summed and sliced, in the budget of bf16 partials):
   (the consumed words: a flag left set would let a replay read stale slots);
 - ``self_test()`` (bytes moved bit-exact).
 The reduce-scatter along rows runs its rule's producer and kernel launch, and each forced other
-(the vendor producer; the kernel's other launch, ``CudaBackend.rows_kernel_launch``), and the
-warp-specialized launch's PTX as this machine's Triton makes it orders every release after its
-tile's stores (``kernels_fused.hopper.ptx``).
+(the vendor producer; each of the kernel's other launches: the grid launch and the walk's two
+release forms, ``CudaBackend.rows_kernel_launch``), and the warp-specialized launch's PTX as this
+machine's Triton makes it, in both release forms, orders every release after its tile's stores
+(``kernels_fused.hopper.ptx``).
 The fault scenarios of these ops are ``test_cuda_faults.py --pattern``.
 
 The layers: the CUDA backend runs both patterns, so both layers run fused on every rank (the dry
@@ -395,11 +396,13 @@ def check_rows_ws_releases(quants, log) -> None:
     (``kernels_fused.hopper.ptx``; the kernel's wait carries the barrier: Triton 3.6 puts none there)."""
     from kernels_fused.hopper.walk_ptx import bulk_release_problem, rows_ws_ptx_sm90
 
-    problems = {q: bulk_release_problem(rows_ws_ptx_sm90(q)) for q in quants}
-    bad = {q: p for q, p in problems.items() if p}
+    problems = {(q, lag): bulk_release_problem(rows_ws_ptx_sm90(q, release_lag=lag))
+                for q in quants for lag in (False, True)}
+    bad = {f"{q}{' (released a tile late)' if lag else ''}": p for (q, lag), p in problems.items() if p}
     if bad:
         raise AssertionError(f"fp8_gemm_rows_ws_kernel's releases are not ordered after its stores: {bad}")
-    log(f"ok rows ws releases: {', '.join(quants)} (full bulk wait, then a barrier, before every release add)")
+    log(f"ok rows ws releases: {', '.join(quants)}, each released at its tile and a tile late (full bulk wait, "
+        f"then a barrier, before every release add)")
 
 
 def check_op(ctx, pattern, quant, mode, log, producer=None, consumer_rows=None, rows_launch=None):
@@ -508,7 +511,7 @@ def run_checks(comm, dims: dict, log, *, compile_quants=None, op_dims=None, op_q
     checks = []
     if only in (None, "ops"):
         if comm.device.type == "cuda":
-            from cco.backends.cuda import RS_ROWS_KERNEL_LAUNCH
+            from cco.backends.cuda import RS_ROWS_KERNEL_LAUNCH, WALKS
 
             checks.append(("rows ws releases", lambda: check_rows_ws_releases(op_quants or Q.QUANTS, log)))
         for pattern in SP_PATTERNS:
@@ -519,11 +522,12 @@ def run_checks(comm, dims: dict, log, *, compile_quants=None, op_dims=None, op_q
                     if pattern == "reduce-scatter-rows" and comm.device.type == "cuda":  # the other producer
                         checks.append((f"op {pattern} {quant} {mode} vendor producer",
                                        lambda p=pattern, q=quant, m=mode: check_op(ctx, p, q, m, log, "vendor")))
-                    if pattern == "reduce-scatter-rows" and comm.device.type == "cuda":  # the rule's other launch
-                        other = "grid" if RS_ROWS_KERNEL_LAUNCH[quant] == "ws" else "ws"
-                        checks.append((f"op {pattern} {quant} {mode} kernel launch {other}",
-                                       lambda p=pattern, q=quant, m=mode, o=other: check_op(ctx, p, q, m, log,
-                                                                                            rows_launch=o)))
+                    if pattern == "reduce-scatter-rows" and comm.device.type == "cuda":  # the rule's other launches
+                        for other in ("grid", *WALKS):
+                            if other != RS_ROWS_KERNEL_LAUNCH[quant]:
+                                checks.append((f"op {pattern} {quant} {mode} kernel launch {other}",
+                                               lambda p=pattern, q=quant, m=mode, o=other: check_op(
+                                                   ctx, p, q, m, log, rows_launch=o)))
                     if pattern == "all-gather" and mode == "fused" and comm.device.type == "cuda":  # a GEMM per chunk
                         checks.append((f"op {pattern} {quant} {mode} consumer per chunk",
                                        lambda p=pattern, q=quant, m=mode: check_op(ctx, p, q, m, log, consumer_rows=1)))
