@@ -173,7 +173,9 @@ RS_PRODUCER_ROWS = {"ptpc": 512, "blockscale": 512, "mxfp8": 512}
 RS_ROWS_KERNEL_LAUNCH = {"ptpc": "ws", "blockscale": "grid", "mxfp8": "grid"}
 # the walk's two forms: "ws" releases each tile once its writes are done; "ws-lag" one tile late,
 # before the program's next tile's stores (``fp8_gemm_rows_ws(release_lag=True)``: on Triton 3.6
-# the loop then need not wait for a tile's writes; not timed yet, so no rule takes it)
+# the loop then need not wait for a tile's writes). Timed beside "ws" (one H100, 2026-12-07 05:11
+# UTC, raw docs/results/2026-12-07c_rows_ws_lag_h100/): lower in 6 of the 8 cells, median 0.983x
+# of its time, short of the 0.97x set before the run; so no rule takes it, a forced launch does
 WALKS = ("ws", "ws-lag")
 PRODUCERS = ("kernel", "vendor")
 # the all-gather's consumer (``all_gather_gemm``), per quant: the fewest rows one GEMM over a peer's
