@@ -70,13 +70,13 @@ import torch
 
 from cco import layout
 from cco import quant as Q
-from cco.backends.cuda import AG_CONSUMER_ROWS, PRODUCERS, RS_PRODUCER_ROWS, consumer_groups, rows_producer
+from cco.backends.cuda import AG_CONSUMER_ROWS, PRODUCERS, RS_PRODUCER_ROWS, WALKS, consumer_groups, rows_producer
 from cco.cuda.dma import MAX_PRODUCER_STREAMS
 
 MODELS = {"llama3-70b": (8192, 28672), "deepseek-v3": (7168, 18432)}  # (hidden, intermediate) of the MLP
 PATTERNS = {"rs-rows": "reduce-scatter-rows", "ag": "all-gather"}  # this script's names -> cco's
 TARGET = 1.1  # the ratio to the whole GEMM the sequence-parallel issue asks for
-ROWS_KERNEL_LAUNCHES = ("grid", "ws", "ws-lag")  # rs-rows: the kernel producer forced to each (CudaBackend.rows_kernel_launch)
+ROWS_KERNEL_LAUNCHES = ("grid", *WALKS)  # rs-rows: the kernel producer forced to each (CudaBackend.rows_kernel_launch)
 
 
 def layer_shape(pattern: str, model: str, tp: int) -> tuple[int, int, str]:

@@ -279,17 +279,32 @@ def test_fused_epilogue_writes_partial_and_counts_tiles(quant, world):
         _assert_close(full, ref, quant, f"{quant} fused rank {rank}/{world}")
 
 
+def _produce_row_slices(launch, p, quant, gc, plan, chunks, rank, partial, counters):
+    """The reduce-scatter along rows' kernel producer for ``plan`` of ``rank`` as ``launch`` runs it
+    (``CudaBackend.rows_kernel_launch``): "grid" the fused launch over the dest-major tile table,
+    "ws" / "ws-lag" the computed walk, releasing each tile at once / one tile late."""
+    from kernels_fused.hopper.gemm import fp8_gemm, fp8_gemm_rows_ws, rows_chunk_map, tile_table_tensor
+
+    if launch == "grid":
+        fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant=quant, out=partial, fuse=True,
+                 tile_table=tile_table_tensor(layout.tile_table_rows(plan.tiles), device="cpu"),
+                 counters=counters, config=gc, slice_rows=plan.slice_m)
+    else:
+        fp8_gemm_rows_ws(p.a, p.b, p.a_scale, p.b_scale, quant=quant, out=partial, counters=counters,
+                         chunk_map=rows_chunk_map(chunks, device="cpu"), rank=rank, slice_rows=plan.slice_m,
+                         config=gc, release_lag=launch == "ws-lag")
+
+
 @pytest.mark.parametrize("launch", ["grid", "ws", "ws-lag"])
 @pytest.mark.parametrize("world", [2, 3], ids=lambda w: f"world{w}")
 @pytest.mark.parametrize("quant", Q.QUANTS)
 def test_fused_row_slices_write_each_owners_rows(quant, world, launch):
     """The reduce-scatter along rows' kernel producer, ``fuse=True`` with ``slice_rows`` over the
     tile table (grid) and ``fp8_gemm_rows_ws`` (the walk computed; ws-lag: each tile released one
-    tile late): a tile of dest d reads A's rows
-    from ``d * M/W`` on and lands at its row within ``partial[d]``, every column; the slice's last
+    tile late): a tile of dest d reads A's rows from ``d * M/W`` on and lands at its row within ``partial[d]``, every column; the slice's last
     m-tile stores none of the next slice's rows (M/W = 48 is not a multiple of the 32-row tile), and
     each (dest, chunk) counter ends at the layout's target."""
-    from kernels_fused.hopper.gemm import default_config, fp8_gemm, fp8_gemm_rows_ws, rows_chunk_map, tile_table_tensor
+    from kernels_fused.hopper.gemm import default_config, fp8_gemm
 
     m = 48 * world
     p = Q.random_problem(m, N, K, quant, seed=10 + world)
@@ -301,14 +316,7 @@ def test_fused_row_slices_write_each_owners_rows(quant, world, launch):
         plan = layout.plan_call(cfg, m=m, seq=1, rank=rank, counter_base=layout.zero_counters(world))
         partial = torch.full((world, cfg.m_max_padded, N), float("nan"), dtype=torch.bfloat16)
         counters = torch.zeros(world * layout.MAX_CHUNKS, dtype=torch.int64)
-        if launch != "grid":
-            fp8_gemm_rows_ws(p.a, p.b, p.a_scale, p.b_scale, quant=quant, out=partial, counters=counters,
-                             chunk_map=rows_chunk_map(layout.chunk_tiles(cfg, m), device="cpu"), rank=rank,
-                             slice_rows=plan.slice_m, config=gc, release_lag=launch == "ws-lag")
-        else:
-            fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant=quant, out=partial, fuse=True,
-                     tile_table=tile_table_tensor(layout.tile_table_rows(plan.tiles), device="cpu"),
-                     counters=counters, config=gc, slice_rows=plan.slice_m)
+        _produce_row_slices(launch, p, quant, gc, plan, layout.chunk_tiles(cfg, m), rank, partial, counters)
         assert counters.view(world, layout.MAX_CHUNKS).tolist() == [list(t) for t in plan.counter_targets]
         for d in range(world):
             _assert_close(partial[d, :48], ref[d * 48:(d + 1) * 48], quant, f"{quant} rows of dest {d}, rank {rank}")
@@ -328,7 +336,7 @@ def test_a_chunk_is_released_only_once_its_rows_are_written(monkeypatch, launch)
     with and without the lag (docs/experiments.md, 2026-12-07)."""
     from triton.runtime import interpreter
 
-    from kernels_fused.hopper.gemm import default_config, fp8_gemm, fp8_gemm_rows_ws, rows_chunk_map, tile_table_tensor
+    from kernels_fused.hopper.gemm import default_config
 
     world, quant = 3, "ptpc"
     m = 48 * world  # 48-row slices: two 32-row m-tiles each, the second clipped
@@ -358,14 +366,7 @@ def test_a_chunk_is_released_only_once_its_rows_are_written(monkeypatch, launch)
         return result
 
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_atomic_rmw", watched)
-    if launch == "grid":
-        fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant=quant, out=partial, fuse=True,
-                 tile_table=tile_table_tensor(layout.tile_table_rows(plan.tiles), device="cpu"),
-                 counters=counters, config=gc, slice_rows=plan.slice_m)
-    else:
-        fp8_gemm_rows_ws(p.a, p.b, p.a_scale, p.b_scale, quant=quant, out=partial, counters=counters,
-                         chunk_map=rows_chunk_map(chunks, device="cpu"), rank=rank, slice_rows=plan.slice_m,
-                         config=gc, release_lag=launch == "ws-lag")
+    _produce_row_slices(launch, p, quant, gc, plan, chunks, rank, partial, counters)
     assert len(complete) == world * len(chunks), "a chunk's counter never reached its target"
     assert not early, f"chunks released before all their rows were written (dest, chunk, rows missing): {early}"
 
