@@ -40,6 +40,9 @@ SHAPES = {  # name: (N, K)
     "8b-gate-tp1": (14336, 4096), "8b-kv-tp1": (1024, 4096),
     # and its k/v_proj at TP 2 and 8 (column-parallel: the decode GEMM at any world), 8 and 2 blocks of 64
     "8b-kv-tp2": (512, 4096), "8b-kv-tp8": (128, 4096),
+    # the row-parallel layers at TP 2 and 8 (o_proj, down_proj: K sharded), what a world >= 2 decode call runs
+    "8b-o-tp2": (4096, 2048), "8b-down-tp2": (4096, 7168), "70b-o-tp2": (8192, 4096), "70b-down-tp2": (8192, 14336),
+    "8b-o-tp8": (4096, 512), "70b-down-tp8": (8192, 3584),
 }
 
 

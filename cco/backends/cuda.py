@@ -209,6 +209,22 @@ LSA_LAUNCH = "ticket"  # GemmConfig.launch of the lsa kernel (docs/experiments.m
 # gather lsa/dma 149/219 us at M=2048, 269/304 at 4096, 479/484 at 8192, 921/842 at 16384; fp8 gather
 # 157/206 at 2048, 286/282 at 4096.
 LSA_AUTO_MAX_ELEMENTS = {"bf16": 8192 * 7168, "fp8": 2048 * 7168}
+# A fused lsa call of at most this many rows, per quant, under a CUDA graph capture: its GEMM as the
+# decode MMA over the quantized rows (kernels_fused.hopper.decode.RowsMma: every multiprocessor, K
+# split over programs) into an [M, N] partial, then the lsa kernel's transfers on it (from_partial),
+# instead of the lsa kernel's own GEMM, whose programs are one per output tile: 16-64 of them reading
+# the whole weight at decode sizes. The transfers are the same kernel's either way. Measured on one
+# H100, cold weights, graph replay (scripts/probe_decode_world_gemm.py, docs/decode.md, "World >= 2:
+# the decode MMA before the lsa kernel's transfers"): the lsa kernel's GEMM 0.88-2.25x of nn.Linear's
+# device time at Llama-3-8B / 70B o_proj and down_proj at TP 2 and 8, 1..64 rows, against 0.57-1.57x
+# for the decode MMA plus one more launch: 0.7-28.7 us less a call at every cell (median ratio 0.66).
+# mxfp8 (no fp8 MMA over its rows past one) keeps the lsa kernel's GEMM.
+DECODE_SPLIT_ROWS = {"ptpc": 64, "blockscale": 64}
+# ... and in eager calls too: off, as an eager decode-sized call at world >= 2 is bound by its host
+# time (docs/decode.md, "World 2 and more"), which the kept lsa launch (fused_launcher) cuts and a
+# second launch would raise. So an eager call and a captured one of these rows sum in other orders
+# (both within the fp8 GEMM's budget), as an eager one-row call at world 1 does.
+DECODE_SPLIT_EAGER = False
 
 
 def _not_capturing() -> bool:
@@ -301,6 +317,9 @@ class CudaBackend(Backend):
     block_n = GEMM_BLOCK_N
     default_transport = "auto"
     lsa_max_elements: int | None = 0  # uses_lsa: None always, 0 never, else up to M * N elements
+    # DECODE_SPLIT_ROWS' pick per call (None); True: every lsa call of rows the decode MMA takes, eager
+    # or captured; False: none (the GPU tests' arms)
+    decode_split: bool | None = None
     dma_peers_first = DMA_PEERS_FIRST  # the fused dma launch's tile order (False: the layout's chunk-major)
     dma_reduce_in_gemm = DMA_REDUCE_IN_GEMM  # the fused dma launch reduces its own tiles (kernel producer)
     producer = "kernel"  # who fills the partial region on the dma path (PRODUCERS); None: DMA_PRODUCER per call
@@ -562,6 +581,41 @@ class CudaBackend(Backend):
         if marks is not None:
             marks.leave(sch._write, sch.main)
 
+    def splits_decode(self, a, a_scale, m: int) -> bool:
+        """Whether a fused lsa call of ``m`` rows runs the decode MMA before the lsa kernel's transfers
+        (``DECODE_SPLIT_ROWS``, ``decode_split``): rows the MMA takes (contiguous, their scales in the
+        activation quantizer's layout), else the lsa kernel's own GEMM, which moves the same bytes."""
+        from cco.quant import SCALE_BLOCK
+        from kernels_fused.hopper.decode import MMA_ROWS_MAX, QUANTIZED_ROWS
+
+        quant, force = self.config.quant, self.decode_split
+        if force is False or quant not in QUANTIZED_ROWS:
+            return False
+        if force is None and not (m <= DECODE_SPLIT_ROWS.get(quant, 0)
+                                  and (DECODE_SPLIT_EAGER or torch.cuda.is_current_stream_capturing())):
+            return False
+        scales = (m,) if quant == "ptpc" else (1, m)
+        return (1 <= m <= MMA_ROWS_MAX and self.config.k % SCALE_BLOCK == 0 and a.is_contiguous()
+                and (a_scale.is_contiguous() if quant == "ptpc" else a_scale.stride() == scales))
+
+    def _decode_lsa(self, a, w, a_scale, b_scale, out, plan) -> None:
+        """A fused lsa call as the decode MMA over ``a`` and the row-major weight ``w`` (``_unshuffled``)
+        into an [M, N] partial (the window's partial
+        region read as rows: the dma path's producer, which also fills it, has finished with it by the
+        end of its call), then the lsa kernel's transfers on that partial."""
+        from kernels_fused.hopper.decode import RowsMma
+        from kernels_fused.hopper.gemm import fp8_gemm_lsa
+
+        m, n = plan.m, self.config.n
+        mma = self._kept(("decode mma", m), lambda: RowsMma(self.config.quant, m, self.config.k, n, self.device))
+        partial = self._kept(("decode partial", m), lambda: self.partial.view(-1)[:m * n].view(m, n))
+        mma(a, a_scale, w, b_scale, partial)
+        silent = self.faults is not None and self.faults.silent
+        self._lsa_call(plan, lambda stamp: fp8_gemm_lsa(
+            None, None, None, None, quant=self.config.quant, out=out, win=self.lsa_window,
+            tile_table=self._lsa_table(m), rank=self.rank, stamp=stamp, config=self.lsa_config, from_partial=True,
+            move_bytes=not silent, validated=True, partial=partial))
+
     def keeps_fused(self, m: int) -> bool:
         """Fused calls of ``m`` rows on the lsa kernel, with no fault plan in force (its silent
         transport changes the launch) and no graph being captured (the copies a launch binds are kept
@@ -580,11 +634,16 @@ class CudaBackend(Backend):
             return None
         from kernels_fused.hopper.gemm import lsa_launch
 
-        kept = lsa_launch(a, self._unshuffled(b_pre), a_scale, b_scale, quant=self.config.quant, out=out,
+        w = self._unshuffled(b_pre)
+        kept = lsa_launch(a, w, a_scale, b_scale, quant=self.config.quant, out=out,
                           win=self.lsa_window, tile_table=self._lsa_table(m), rank=self.rank, config=self.lsa_config,
                           b_dense=self._dense_b(b_pre, b_scale))
+        w, w_scale = w.detach(), b_scale.detach()  # aliases of the bytes, as the kept launch binds them
 
         def run(a, a_scale, out, plan):
+            if self.splits_decode(a, a_scale, plan.m):  # a capture of a call kept eagerly (DECODE_SPLIT_EAGER)
+                self._decode_lsa(a, w, a_scale, w_scale, out, plan)
+                return
             self._lsa_call(plan, lambda stamp: kept(a, a_scale, out, stamp))
         return run
 
@@ -720,7 +779,10 @@ class CudaBackend(Backend):
 
     def fused(self, a, b_pre, a_scale, b_scale, *, out, plan):
         if self.uses_lsa(plan.m):
-            self._lsa(a, b_pre, a_scale, b_scale, out, plan, from_partial=False)
+            if self.splits_decode(a, a_scale, plan.m):
+                self._decode_lsa(a, self._unshuffled(b_pre), a_scale, b_scale, out, plan)
+            else:
+                self._lsa(a, b_pre, a_scale, b_scale, out, plan, from_partial=False)
             return
         in_gemm = self.dma_reduce_in_gemm and self.config.pattern_spec.gather  # its epilogue writes gather
         partial = self._produce(a, b_pre, a_scale, b_scale, plan, reduce_into=out if in_gemm else None)

@@ -535,6 +535,66 @@ def dense_gemm(a, w, bias, out, m: int, n: int) -> None:
     into_out(out, m, n, a.shape[0], w.shape[0], bias, lambda full: torch.matmul(a, w.t(), out=full))
 
 
+def _block(quant: str, m: int, k_padded: int) -> tuple:
+    """``(BLOCK_N, BLOCK_K, launch options)`` of the kernel that takes ``m`` rows of ``quant`` over
+    ``k_padded`` columns (``tables``; BLOCK_K halved until it divides ``k_padded``)."""
+    table_n, table_k, table_warps, table_stages = tables(quant, max(m, 2))
+    block_n = table_n[quant]
+    if quant == "blockscale" and SCALE_BLOCK % block_n:  # a program's rows share one weight scale block
+        raise ValueError(f"decode_gemm: BLOCK_N={block_n} must divide {SCALE_BLOCK} for blockscale")
+    step = table_k[quant]
+    if quant == "blockscale" and quant not in QUANTIZED_ROWS:  # the rows kernel: one scale group a step
+        step = SCALE_BLOCK
+    while k_padded % step:  # (a power of two times 128 that divides it: 128 does)
+        step //= 2
+    return block_n, step, dict(num_warps=table_warps[quant], num_stages=table_stages[quant])
+
+
+def _mma(quant: str, m: int, k_padded: int, n: int, has_bias: bool, device: int) -> tuple:
+    """``(kernel, layout, ints, consts)`` of the MMA over ``m`` quantized rows of a ``QUANTIZED_ROWS``
+    quant: its launch (a program per weight block and K slice), its scratch (``MmaScratch``) and its
+    integer arguments and constants in the kernel's order: M, N, K_PAD, K_SLICE, scale stride
+    (blockscale's rows: M), then QUANT, HAS_BIAS, BLOCK_N, BLOCK_K, ROWS, SPLIT, ROUND_IN_FP32."""
+    block_n, step, options = _block(quant, m, k_padded)
+    programs = -(-n // block_n)
+    split = mma_split(quant, programs, k_padded // step, device, mma_rows(m))
+    layout = MmaScratch(quant, m, k_padded, programs, split, block_n, mma_rows(m))
+    ints = (m, n, k_padded, -(-(k_padded // step) // split) * step, m if quant == "blockscale" else 0)
+    consts = (_QUANT_CODE[quant], has_bias, block_n, step, mma_rows(m), split, _interpreting())
+    return Kernel(_kernel("mma"), (programs, split), **options), layout, ints, consts
+
+
+class RowsMma:
+    """The decode MMA over ``m`` rows quantized elsewhere (the e4m3 rows ``[m, K_PAD]``, contiguous,
+    and their scales in the activation quantizer's layout: ptpc fp32 ``[m]``, blockscale fp32
+    ``[K_PAD / 128, m]`` storage), for a caller that holds them already: a collective call of a
+    few rows computes its partial so on every multiprocessor before the lsa kernel moves it
+    (``cco.backends.cuda.DECODE_SPLIT_ROWS``). ptpc and blockscale (``QUANTIZED_ROWS``), 1..
+    ``MMA_ROWS_MAX`` rows. It keeps its split's counters and partials (one launch at a time: the
+    caller's stream orders its calls) and zeroes the counters before each launch, which the
+    decode path's quantizer does there."""
+
+    __slots__ = ("kernel", "ints", "consts", "counters", "parts")
+
+    def __init__(self, quant: str, m: int, k_padded: int, n: int, device: torch.device):
+        if quant not in QUANTIZED_ROWS or not 1 <= m <= MMA_ROWS_MAX:
+            raise ValueError(f"RowsMma: {quant} rows of {m}: the MMA over quantized rows takes "
+                             f"{sorted(QUANTIZED_ROWS)} at 1..{MMA_ROWS_MAX} rows")
+        index = device.index if device.type == "cuda" else -1
+        self.kernel, layout, self.ints, self.consts = _mma(quant, m, k_padded, n, False, index)
+        self.counters = torch.zeros(max(1, layout.counter_words), dtype=torch.int32, device=device)
+        self.parts = torch.empty(max(1, layout.part_floats), dtype=torch.float32, device=device)
+
+    def __call__(self, q: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                 out: torch.Tensor) -> None:
+        """``out [m, N] = (q @ dequant(w).T)`` in bf16 (``w [N_pad, K_PAD]`` row-major e4m3, ``w_scale``
+        in ``cco.quant``'s layout; ``out`` contiguous)."""
+        if self.consts[5] > 1:  # SPLIT: the last slice of a block to arrive finishes it
+            self.counters.zero_()
+        self.kernel(out.get_device(), q, sa, w, w_scale, out, out, self.counters, self.parts, *self.ints,
+                    w_scale.stride(0), *self.consts)
+
+
 class _Launch:
     """One call shape's launches: the kernel that takes ``m`` rows (the one-row kernel per row, the
     rows kernel, or, for ``QUANTIZED_ROWS``, the quantizer's launch then the MMA over its rows, in
@@ -577,20 +637,10 @@ class _Launch:
             # 63.2 / 9.4 against 28.2 / 98.9 / 12.7; one H200, scripts/probe_decode_split_k.py,
             # docs/decode.md). A weight under CAPTURED_ROW_MIN_BYTES (8B o) took the branch above.
             self.one = row
-        table_n, table_k, table_warps, table_stages = tables(quant, max(m, 2))
-        block_n = table_n[quant]
-        if quant == "blockscale" and SCALE_BLOCK % block_n:  # a program's rows share one weight scale block
-            raise ValueError(f"decode_gemm: BLOCK_N={block_n} must divide {SCALE_BLOCK} for blockscale")
-        step = table_k[quant]
-        if quant == "blockscale" and quant not in QUANTIZED_ROWS:  # the rows kernel: one scale group a step
-            step = SCALE_BLOCK
-        while k_padded % step:  # (a power of two times 128 that divides it: 128 does)
-            step //= 2
-        options = dict(num_warps=table_warps[quant], num_stages=table_stages[quant])
+        block_n, step, options = _block(quant, m, k_padded)
         if quant in QUANTIZED_ROWS:
-            programs = -(-n // block_n)
-            split = mma_split(quant, programs, k_padded // step, device, mma_rows(m))
-            self.layout = MmaScratch(quant, m, k_padded, programs, split, block_n, mma_rows(m))
+            self.kernel, self.layout, self.ints, self.consts = _mma(quant, m, k_padded, n, has_bias, device)
+            programs, split = self.kernel.grid
             zero_words = self.layout.counter_words  # (0 without a split: nothing to zero)
             if quant == "ptpc":  # the quantizer's ROW_BLOCK, SLICE_K, SKIP_ZEROS, ROUND_IN_FP32, ZERO_WORDS
                 grid, row_block, slice_k = split_launch(m, k, k_padded)
@@ -599,13 +649,8 @@ class _Launch:
             else:  # blockscale: the group quantizer's constants, its ZERO_WORDS last
                 self.quantize, consts = launch_for(quant, False, m, k, k_padded)
                 consts = (*consts[:-1], zero_words)
-            # the quantizer's M, M_OUT, K, K_PAD (then x's row stride, tiny, fp8_max, its constants);
-            # the MMA's M, N, K_PAD, K_SLICE, scale stride (blockscale's rows: M), and QUANT,
-            # HAS_BIAS, BLOCK_N, BLOCK_K, ROWS, SPLIT, ROUND_IN_FP32
+            # the quantizer's M, M_OUT, K, K_PAD (then x's row stride, tiny, fp8_max, its constants)
             self.q_args = ((m, m, k, k_padded), consts)
-            self.ints = (m, n, k_padded, -(-(k_padded // step) // split) * step, m if quant == "blockscale" else 0)
-            self.consts = (_QUANT_CODE[quant], has_bias, block_n, step, mma_rows(m), split, _interpreting())
-            self.kernel = Kernel(_kernel("mma"), (programs, split), **options)
             if quant == "ptpc" and m > 1 and programs <= resident_programs(device) \
                     and n * k_padded <= ONE_LAUNCH_MAX_BYTES:
                 slices, slice_k = one_slices(m, k_padded, programs)
@@ -713,5 +758,5 @@ class _Launch:
             two = [nv.describe(self.kernel, self._row(x, w, scale, b, out, row_stride, scale_stride))]
         return one, two, self.scratch_one() if one else 0, scratch_two
 
-__all__ = ["DECODE_MAX_M", "KEPT_CALL", "LT_ROWS", "VENDOR_ROWS", "block_k", "check_operands", "decode_gemm", "decode_max_m",
+__all__ = ["DECODE_MAX_M", "KEPT_CALL", "LT_ROWS", "RowsMma", "VENDOR_ROWS", "block_k", "check_operands", "decode_gemm", "decode_max_m",
            "lt_workspace_bytes", "resident_programs", "rows_max", "tables", "vendor_rows"]

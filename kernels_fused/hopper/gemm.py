@@ -675,7 +675,7 @@ def _multiprocessors(device: torch.device) -> int:
 def fp8_gemm_lsa(a, b, a_scale, b_scale, *, quant: str, out: torch.Tensor, win: LsaWindow,
                  tile_table: torch.Tensor, rank: int, stamp: int, config: GemmConfig,
                  from_partial: bool = False, move_bytes: bool = True, validated: bool = False,
-                 b_dense: torch.Tensor | None = None) -> None:
+                 b_dense: torch.Tensor | None = None, partial: torch.Tensor | None = None) -> None:
     """The ``lsa`` fused launch: GEMM, scatter, reduce, gather and assemble in one kernel.
 
     Programs claim tiles per ``config.launch`` (:class:`GemmConfig`) along ``tile_table``
@@ -693,17 +693,20 @@ def fp8_gemm_lsa(a, b, a_scale, b_scale, *, quant: str, out: torch.Tensor, win: 
     assemble tiles only for peers' reduce tiles; a program that waits holds a later entry of the
     walk than every earlier entry of its rank (tickets, or a persistent program's stride), so those
     are held by running programs. ``from_partial`` replaces the GEMM by the tiles found in
-    ``win.partial`` (the self test); ``move_bytes=False`` releases flags without storing data (the
+    ``partial``: the window's ``win.partial`` planes (None, the self test) or a bf16 ``[M, N]``
+    product with unit column stride that the caller computed (a decode-sized call's GEMM on every
+    multiprocessor: ``cco.backends.cuda``, ``DECODE_SPLIT_ROWS``; read only by this rank's own
+    programs, so any local tensor); ``move_bytes=False`` releases flags without storing data (the
     silent-transport fault); ``validated``, ``b_dense``: as :func:`fp8_gemm`'s.
     """
     args, launch = _lsa_launch(a, b, a_scale, b_scale, quant=quant, out=out, win=win, tile_table=tile_table,
                                rank=rank, stamp=stamp, config=config, from_partial=from_partial,
-                               move_bytes=move_bytes, validated=validated, b_dense=b_dense)
+                               move_bytes=move_bytes, validated=validated, b_dense=b_dense, partial=partial)
     launch(out.get_device(), *args)
 
 
 def _lsa_launch(a, b, a_scale, b_scale, *, quant, out, win, tile_table, rank, stamp, config, from_partial,
-                move_bytes, validated, b_dense):
+                move_bytes, validated, b_dense, partial=None):
     """``(args, launch)`` of :func:`fp8_gemm_lsa`'s call: the kernel's arguments in order and the
     launch kept for them (``_LSA_LAUNCHES``)."""
     from cco.layout import GATHER_GROUP
@@ -715,8 +718,17 @@ def _lsa_launch(a, b, a_scale, b_scale, *, quant, out, win, tile_table, rank, st
                          f"of {GATHER_GROUP}")
     if from_partial:
         m, k = out.shape[0], config.block_k
-        a_src = b_src = a_scale = b_scale = win.partial
-        strides = (0, 0, 0, 0, 0, 0)
+        if partial is None:  # the window's [W, rows, n_slice] planes
+            partial, read = win.partial, (win.partial.stride(0), win.partial.stride(1))
+        elif (partial.dtype != torch.bfloat16 or partial.dim() != 2 or tuple(partial.shape) != (m, n)
+              or partial.stride(1) != 1 or partial.device != out.device):
+            raise ValueError(f"fp8_gemm_lsa: partial must be bf16 [{m}, {n}] with unit column stride on "
+                             f"{out.device}, got {partial.dtype} {list(partial.shape)} on {partial.device}")
+        else:  # [M, N]: owner d's columns start at d * n_slice
+            read = (n_slice, partial.stride(0))
+        a_src = b_src = a_scale = b_scale = partial
+        # the partial's (owner, row) strides travel as stride_am and stride_bn, which this mode does not read
+        strides = (*read, 0, 0, 0, 0)
         use_tma = False
     else:
         shape = _shape(a, b) if validated else check_operands(a, b, a_scale, b_scale, quant=quant, fn="fp8_gemm_lsa")
@@ -731,10 +743,11 @@ def _lsa_launch(a, b, a_scale, b_scale, *, quant, out, win, tile_table, rank, st
         raise ValueError(f"fp8_gemm_lsa: out must be bf16 [{m}, {n}] with unit column stride, got "
                          f"{out.dtype} {list(out.shape)}")
     fp8 = win.gather_scale is not None
-    (ticket, partial, recv, gather, gscale, scatter_flags, gather_flags, deltas, status), fixed = win.launch_args
+    (ticket, win_partial, recv, gather, gscale, scatter_flags, gather_flags, deltas, status), fixed = win.launch_args
     n_tiles = tile_table.shape[0]
     programs = min(persistent_programs(out.device), n_tiles) if config.launch == "persistent" else 0
-    args = (ticket, n_tiles, a_src, b_src, a_scale, b_scale, out, partial, recv, gather, gscale, scatter_flags,
+    args = (ticket, n_tiles, a_src, b_src, a_scale, b_scale, out, partial if from_partial else win_partial, recv,
+            gather, gscale, scatter_flags,
             gather_flags, deltas, status, tile_table,
             rank, stamp, m, n, k, strides[0], strides[1], out.stride(0), n_slice,
             win.recv.stride(0), win.tile_flags.stride(1), gscale.stride(0) if fp8 else 0, *strides[2:],

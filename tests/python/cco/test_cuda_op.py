@@ -316,6 +316,8 @@ def rank_main(quants=None, arms=None):
                 checks = [first_call] if mode == "gemm-only" else [first_call, lambda: op.self_test()]
                 if mode == "fused" and op._backend.uses_lsa(M):
                     checks.append(lambda: _kept_lsa_launch(op, probs, b_pre, log, quant, gather))
+                if mode == "fused" and transport == "lsa" and quant in DECODE_SPLIT_QUANTS:
+                    checks.append(lambda: _decode_split(op, probs, b_pre, log, quant, gather))
                 if mode == "fused" and not fp8:
                     checks += [lambda: _repeat_poisoned(op, probs, b_pre, refs, log, quant),
                                lambda: _graph_replays(op, probs, b_pre, refs, log, quant),
@@ -424,6 +426,77 @@ def _kept_lsa_launch(op, probs, b_pre, log, quant, gather):
         raise AssertionError(f"{quant} lsa gather={gather}: {differ} differ from the call's whole Python path")
     log(f"ok {quant:10s} lsa gather={gather}: the kept collective call == the Python path == JITFunction.run == "
         f"scales off alignment, bit for bit")
+
+
+DECODE_SPLIT_QUANTS = ("ptpc", "blockscale")  # cco.backends.cuda.DECODE_SPLIT_ROWS' quants
+
+
+def _decode_split(op, probs, b_pre, log, quant, gather):
+    """Decode-sized fused lsa calls as the decode MMA into an [M, N] partial and the lsa kernel's
+    transfers on it (``DECODE_SPLIT_ROWS``; ``CudaBackend._decode_lsa``), at 1, 8 and 64 rows: eager
+    with the path forced, against the reference; eager with the lsa kernel's own GEMM forced, too;
+    then the rule's pick under a capture (taken through the op's kept collective call, which the
+    eager calls made), replayed 20 times with the inputs alternating and out, recv, gather and the
+    partial region poisoned with NaN before each replay: bit for bit the forced eager call of the
+    same input (the same kernels over the same bytes). A spy counts the calls that took the path."""
+    from cco import quant as Q
+
+    backend, fp8 = op._backend, gather == "fp8"
+    taken = []
+    real = backend._decode_lsa
+    backend._decode_lsa = lambda *a, **k: (taken.append(a[-1].m), real(*a, **k))[1]
+    try:
+        for m in (1, 8, 64):
+            inputs = []
+            for p in probs:
+                a, a_s = p.a[:m], p.a_scale[:m]
+                if quant == "blockscale":  # column-major [M, K/128] slice keeps stride (1, M_full): re-layout
+                    a_s = a_s.t().contiguous().t()
+                inputs.append((a, a_s, _reference_sum(Q.Problem(quant, a, p.b, a_s, p.b_scale))))
+            eager = {}
+            for split in (True, False):
+                backend.decode_split = split
+                for j, (a, a_s, ref) in enumerate(inputs):
+                    for _ in range(2):  # the second call of the weight through the kept collective call
+                        out = op(a, b_pre, a_s, probs[0].b_scale)
+                    _check(out, ref, quant=quant, fp8_gather=fp8, what=f"{quant} lsa {gather} M={m} split={split}")
+                    if split:
+                        eager[j] = out
+            if taken.count(m) != 2 * len(inputs):
+                raise AssertionError(f"{quant} lsa {gather} M={m}: {taken.count(m)} calls took the decode MMA, "
+                                     f"{2 * len(inputs)} forced")
+            backend.decode_split = None  # the rule: a capture of these rows takes the decode MMA
+            static = [t.clone() for t in inputs[0][:2]]
+            torch.cuda.synchronize()
+            op.comm.barrier()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = op(static[0], b_pre, static[1], probs[0].b_scale)
+            torch.cuda.synchronize()
+            op.comm.barrier()
+            if taken.count(m) != 2 * len(inputs) + 1:
+                raise AssertionError(f"{quant} lsa {gather} M={m}: the captured call did not take the decode MMA")
+            for i in range(20):
+                j = i % 2
+                static[0].copy_(inputs[j][0])
+                static[1].copy_(inputs[j][1])
+                out.fill_(float("nan"))
+                backend.partial.fill_(float("nan"))
+                _poison(op)
+                g.replay()
+                torch.cuda.synchronize()
+                if not torch.equal(out, eager[j]):
+                    bad = int((out != eager[j]).sum())
+                    raise AssertionError(f"{quant} lsa {gather} M={m}: replay {i} differs from the eager decode MMA "
+                                         f"call in {bad} of {out.numel()} elements")
+            del g
+            torch.cuda.synchronize()
+            op.comm.barrier()
+    finally:
+        del backend._decode_lsa
+        backend.decode_split = None
+    log(f"ok {quant:10s} lsa gather={gather}: the decode MMA + the lsa kernel's transfers at 1, 8, 64 rows (eager "
+        f"forced, the lsa GEMM forced, 20 poisoned replays of the rule's capture == eager, bit for bit)")
 
 
 def _repeat_poisoned(op, probs, b_pre, refs, log, quant):

@@ -685,3 +685,76 @@ def test_lt_workspace_rule(monkeypatch):
     assert D.lt_workspace_bytes(0) == 1 << 20
     monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", "65536")
     assert D.lt_workspace_bytes(0) == 64 << 20
+
+
+@pytest.mark.parametrize("m, n, k, k_padded", [(1, 200, 2000, 2048), (3, 200, 2000, 2048), (64, 64, 1024, 1024)],
+                         ids=lambda v: str(v))
+@pytest.mark.parametrize("quant", ["ptpc", "blockscale"])
+def test_rows_mma_over_rows_quantized_elsewhere(monkeypatch, quant, m, n, k, k_padded):
+    """``RowsMma``: the decode MMA over rows the activation quantizer wrote for someone else (a
+    collective call's operands, ``cco.backends.cuda.DECODE_SPLIT_ROWS``), K split over programs (a
+    GPU of 132 SMs assumed): within one ulp of the two-launch reference, the decode GEMM's own
+    captured path bit for bit (the same MMA over the same bytes) from two rows on, and the same bits
+    again on a second call into an output poisoned with NaN: the split's counters, which a call
+    leaves at the slice count, are zeroed before each launch (without that no program of a block
+    sees itself last and the second call writes nothing: checked by hand, 2026-12-07)."""
+    from kernels_fused.hopper import decode as D
+    from kernels_fused.hopper.quantize import quantize_activation
+
+    monkeypatch.setattr(D, "resident_programs", lambda device: 132)
+    monkeypatch.setattr(D, "ONE_LAUNCH", False)  # decode_gemm's two launches, as a capture takes them
+    x = activations(m, k, seed=m + 7)
+    wq, ws = weight(n, k, k_padded, quant)
+    a, sa = quantize_activation(x, quant, k_padded=k_padded)
+    mma = D.RowsMma(quant, m, k_padded, n, torch.device("cpu"))
+    split = mma.kernel.grid[1]
+    assert split > 1, "the rule split no weight here: the counters go unchecked"
+    outs = []
+    for _ in range(2):
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+        mma(a, sa, wq, ws, out)
+        outs.append(out)
+        assert bool((mma.counters[:-(-n // mma.consts[2])] == split).all())  # left at the slice count
+    assert torch.equal(outs[0], outs[1])
+    assert_within_one_ulp(outs[0], two_launches(x, wq, ws, quant, n, k_padded))
+    if m > 1:
+        D._LAUNCHES.clear()
+        assert torch.equal(outs[0], D.decode_gemm(x, wq, ws, quant, n=n))
+        D._LAUNCHES.clear()
+    with pytest.raises(ValueError, match="RowsMma: mxfp8 rows of 2"):
+        D.RowsMma("mxfp8", 2, k_padded, n, torch.device("cpu"))
+    with pytest.raises(ValueError, match=f"rows of {D.MMA_ROWS_MAX + 1}"):
+        D.RowsMma(quant, D.MMA_ROWS_MAX + 1, k_padded, n, torch.device("cpu"))
+
+
+def test_world_gemm_probe_times_the_backends_lsa_tiles_and_draws_each_shape(tmp_path):
+    """``probe_decode_world_gemm``: the lsa tiles it times are the CUDA backend's (``_init_lsa``: the
+    layout's m-tile, ptpc's 256-column tile where the slice takes two layout tiles, blockscale's 128,
+    the ticket launch), and ``--from RUN.json --plot`` draws a panel per shape from the cold times,
+    an arm missing at a cell (found wrong there) left out of that cell only."""
+    pytest.importorskip("matplotlib")
+    import json
+
+    from cco.backends.cuda import LSA_LAUNCH
+    from scripts.probe_decode_world_gemm import lsa_config, plot
+
+    ptpc, bs = lsa_config("ptpc", 4096, 2), lsa_config("blockscale", 4096, 8)
+    assert (ptpc.block_m, ptpc.block_n, ptpc.launch) == (128, 256, LSA_LAUNCH)
+    assert (bs.block_m, bs.block_n, bs.launch) == (64, 128, LSA_LAUNCH)
+    assert lsa_config("ptpc", 128 * 3 * 2, 2).block_n == 128  # a slice of 3 layout tiles: not two wide
+
+    def times(m, drop=()):
+        t = {"nn.Linear bf16": 10.0 * m, "lsa GEMM": 20.0 * m, "decode GEMM": 6.0 * m, "decode GEMM + copy": 7.0 * m}
+        return {a: v for a, v in t.items() if a not in drop}
+
+    rows = [{"shape": s, "n": 4096, "k": 2048, "m": m, "quant": q, "us": times(1),
+             "us_cold": times(m, ("lsa GEMM",) if (q, m) == ("blockscale", 8) else ())}
+            for s in ("8b-o-tp2", "8b-down-tp2") for q in ("ptpc", "blockscale") for m in (1, 8)]
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"date": "d", "gpu": "g", "rows": rows}))
+    fig = plot(str(run), str(tmp_path / "run.png"))
+    assert len([ax for ax in fig.axes if ax.get_visible()]) == 2
+    lines = {line.get_label(): list(line.get_ydata()) for line in fig.axes[1].get_lines()}
+    assert lines["nn.Linear bf16"] == [10, 80] and lines["ptpc: lsa GEMM"] == [20, 160]
+    assert lines["blockscale: lsa GEMM"] == [20] and lines["blockscale: decode GEMM + copy"] == [7, 56]
+    assert (tmp_path / "run.png").stat().st_size > 10_000

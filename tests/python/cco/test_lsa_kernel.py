@@ -25,7 +25,11 @@ SLICE = 256  # columns per rank: two 128-wide kernel tiles (layout tiles 64 wide
 
 
 def _run_rank(comm, quant, gather, stamp_skew, move_bytes, from_partial=False, launch="ticket", interleave=False,
-              kept=False):
+              kept=False, rows_partial=None, m=M):
+    """One rank's lsa call of ``m`` rows (a window of ``M``): the GEMM, or ``from_partial`` the window's
+    planes, or with ``rows_partial`` an [m, N] partial of this rank: "pattern" (``_pattern``) or
+    "mma" (the decode MMA over the rank's problem, ``RowsMma``, as ``CudaBackend._decode_lsa``
+    computes it). Returns (out, flags left, status) and, with ``rows_partial``, the partial."""
     from triton.runtime.interpreter import InterpretedFunction
 
     from cco.cuda.kernels import STATUS_WORDS
@@ -56,21 +60,31 @@ def _run_rank(comm, quant, gather, stamp_skew, move_bytes, from_partial=False, l
                         deltas=torch.tensor(peer_deltas([window.tensor(w.header, rank=p).data_ptr()
                                                          for p in range(world)], rank), dtype=torch.int64),
                         status=torch.zeros(STATUS_WORDS, dtype=torch.int64), ticket=torch.zeros(1, dtype=torch.int64))
-        table = tile_table_tensor(lsa_walk_rows(cfg, m=M, rank=rank, width=2, interleave=interleave), device="cpu")
-        p = Q.random_problem(M, cfg.n, K, quant, seed=rank)
-        out = torch.full((M, cfg.n), float("nan"), dtype=torch.bfloat16)
-        stamp = stamp_seq_m(1, M) + (stamp_skew if rank == 1 else 0)
+        table = tile_table_tensor(lsa_walk_rows(cfg, m=m, rank=rank, width=2, interleave=interleave), device="cpu")
+        p = Q.random_problem(m, cfg.n, K, quant, seed=rank)
+        out = torch.full((m, cfg.n), float("nan"), dtype=torch.bfloat16)
+        stamp = stamp_seq_m(1, m) + (stamp_skew if rank == 1 else 0)
+        partial = None
+        if rows_partial == "pattern":
+            partial = _pattern(rank, (m, cfg.n))
+        elif rows_partial == "mma":
+            from kernels_fused.hopper.decode import RowsMma
+
+            partial = torch.full((m, cfg.n), float("nan"), dtype=torch.bfloat16)
+            RowsMma(quant, m, K, cfg.n, torch.device("cpu"))(p.a, p.a_scale, p.b, p.b_scale, partial)
         config = GemmConfig(block_m=32, block_n=128, num_warps=4, num_stages=1, launch=launch)
         if kept:  # lsa_launch's kept call (LsaLaunch), as the CUDA backend's kept collective call runs it
             lsa_launch(p.a, p.b, p.a_scale, p.b_scale, quant=quant, out=out, win=win, tile_table=table, rank=rank,
                        config=config)(p.a, p.a_scale, out, stamp)
         else:
             fp8_gemm_lsa(p.a, p.b, p.a_scale, p.b_scale, quant=quant, out=out, win=win, tile_table=table, rank=rank,
-                         stamp=stamp, config=config, move_bytes=move_bytes, from_partial=from_partial)
+                         stamp=stamp, config=config, move_bytes=move_bytes, from_partial=from_partial, partial=partial)
         comm.barrier()  # every rank's kernel has returned: all stores into this window are done
         flags_left = int(window.tensor(w.tile_flags, rank=rank).count_nonzero())
         assert win.ticket.item() == 0, "the last program did not reset the ticket"
         comm.barrier()  # no rank unmaps its window while a peer still reads it
+        if rows_partial is not None:
+            return out, flags_left, int(win.status[0].item()), partial
         return out, flags_left, int(win.status[0].item())
     finally:
         window.close()
@@ -185,6 +199,32 @@ def test_lsa_kernel_from_partial_is_the_self_tests_all_reduce():
     for out, flags_left, status in (o.value for o in outcomes):
         assert flags_left == 0 and status == 0
         assert torch.equal(out, expect)
+
+
+@pytest.mark.parametrize("source, quant, m", [("pattern", "ptpc", M), ("mma", "ptpc", 24), ("mma", "blockscale", 3)],
+                         ids=lambda v: str(v))
+def test_lsa_kernel_from_a_partial_of_rows(source, quant, m):
+    """``from_partial`` with an [M, N] partial of the caller's (what a decode-sized fused call runs
+    after the decode MMA: ``CudaBackend._decode_lsa``), not the window's planes: every rank's output
+    is the sum of the ranks' partials, own term first, rounded once (bit for bit), and every flag is
+    consumed, and every rank holds the same bytes (each owner's columns as the owner rounded them).
+    "mma" computes each rank's partial with ``RowsMma`` over its own problem, as the backend does;
+    its sums are checked to one bf16 ulp (the interpreter rounds fp32 to bf16 by truncation)."""
+    outcomes = spawn(_run_rank, world=2, args=(quant, "bf16", 0, True, True, "ticket", False, False, source, m),
+                     timeout_s=600)
+    check_outcomes(outcomes)
+    partials = [o.value[3] for o in outcomes]
+    assert not any(bool(p.isnan().any()) for p in partials)
+    exact = partials[0].float() + partials[1].float()
+    outs = [o.value[0] for o in outcomes]
+    assert torch.equal(outs[0], outs[1])
+    for out, flags_left, status, _ in (o.value for o in outcomes):
+        assert flags_left == 0 and status == 0
+        if source == "pattern":  # small integers: every sum exact
+            assert torch.equal(out, exact.bfloat16())
+        else:
+            ulp = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(2 ** -100))) - 7)
+            assert bool(((out.float() - exact).abs() <= ulp).all())
 
 
 def test_lsa_launch_is_kept_per_call_shape_with_the_windows_arguments_keyed_once(monkeypatch):
