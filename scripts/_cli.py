@@ -47,3 +47,15 @@ def shape_probe_args(doc: str, shapes, argv=None, quants: tuple[str, ...] = (), 
     if where and not os.path.isdir(where):  # now, not after every shape has been timed
         p.error(f"json {args.json}: directory {where} does not exist")
     return args
+
+
+def drew_an_earlier_run(argv, script: str, plot) -> bool:
+    """``--from RUN.json --plot OUT.png`` as a probe's whole command line: ``plot(RUN.json, OUT.png)``
+    draws that earlier run's picture (no GPU) and this returns True; False for any other command
+    line (the probe runs); a ``--from`` line of another shape is one usage line, exit status 1."""
+    if not argv or argv[0] != "--from":
+        return False
+    if len(argv) != 4 or argv[2] != "--plot":
+        raise SystemExit(f"usage: python3 -m scripts.{script} --from RUN.json --plot OUT.png")
+    plot(argv[1], argv[3])
+    return True

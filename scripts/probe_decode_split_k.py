@@ -28,7 +28,7 @@ import time
 import torch
 
 from cco import quant as Q
-from scripts._cli import ints, shape_probe_args
+from scripts._cli import drew_an_earlier_run, ints, shape_probe_args
 from scripts.tune_decode import SHAPES, checked_arms, graph_us, shape_weight
 from scripts.tune_decode import with_config as set_tables
 
@@ -185,10 +185,7 @@ def plot(path: str, png: str):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "--from":  # the picture of an earlier run
-        if len(argv) != 4 or argv[2] != "--plot":
-            raise SystemExit("usage: python3 -m scripts.probe_decode_split_k --from RUN.json --plot OUT.png")
-        plot(argv[1], argv[3])
+    if drew_an_earlier_run(argv, "probe_decode_split_k", plot):
         return
     args = parse_args(argv)
     from cco.bench.timing import require_cuda

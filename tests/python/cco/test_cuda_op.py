@@ -467,13 +467,7 @@ def _decode_split(op, probs, b_pre, log, quant, gather):
                                      f"{2 * len(inputs)} forced")
             backend.decode_split = None  # the rule: a capture of these rows takes the decode MMA
             static = [t.clone() for t in inputs[0][:2]]
-            torch.cuda.synchronize()
-            op.comm.barrier()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                out = op(static[0], b_pre, static[1], probs[0].b_scale)
-            torch.cuda.synchronize()
-            op.comm.barrier()
+            g, out = _captured(op, static, b_pre, probs[0].b_scale)
             if taken.count(m) != 2 * len(inputs) + 1:
                 raise AssertionError(f"{quant} lsa {gather} M={m}: the captured call did not take the decode MMA")
             for i in range(20):
@@ -529,6 +523,19 @@ def _bad(out, ref):
     return allreduce_mismatches(out, total, abs_sum, dot_abs_sum, fp8_gather=False)
 
 
+def _captured(op, static, b_pre, b_scale):
+    """``(graph, out)``: one call of ``op`` on the rows and scales ``static`` captured, every rank
+    capturing between the same two barriers (the call is collective)."""
+    torch.cuda.synchronize()
+    op.comm.barrier()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = op(static[0], b_pre, static[1], b_scale)
+    torch.cuda.synchronize()
+    op.comm.barrier()
+    return g, out
+
+
 def _graph_replays(op, probs, b_pre, refs, log, quant):
     static = [t.clone() for t in (probs[0].a, probs[0].a_scale)]
     s = torch.cuda.Stream()
@@ -536,13 +543,7 @@ def _graph_replays(op, probs, b_pre, refs, log, quant):
     with torch.cuda.stream(s):
         op(static[0], b_pre, static[1], probs[0].b_scale)  # warm outside the capture
     torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    op.comm.barrier()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = op(static[0], b_pre, static[1], probs[0].b_scale)
-    torch.cuda.synchronize()
-    op.comm.barrier()
+    g, out = _captured(op, static, b_pre, probs[0].b_scale)
     for i in range(REPEATS):
         j = i % 2
         static[0].copy_(probs[j].a)
