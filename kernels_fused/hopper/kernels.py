@@ -445,9 +445,9 @@ def fp8_gemm_lsa_kernel(
         if FROM_PARTIAL:  # the transfers alone, on a partial computed before: the self test's pattern in the
             # window's planes, or a decode-sized call's product [M, N]; its (owner, row) strides come as
             # stride_am and stride_bn (the GEMM's operand strides, unread in this mode)
-            src = partial_ptr + (dest % WORLD) * tl.cast(stride_am, tl.int64) \
-                + offs_m[:, None].to(tl.int64) * stride_bn + offs_c[None, :]
-            acc = tl.load(src, mask=mask, other=0.0)  # unused if assemble
+            acc = tl.load(partial_ptr + (dest % WORLD) * tl.cast(stride_am, tl.int64)
+                          + offs_m[:, None].to(tl.int64) * stride_bn + offs_c[None, :],
+                          mask=mask, other=0.0)  # unused if assemble
             acc = acc.to(tl.float32)
         else:  # an assemble tile runs the loop zero times (no GEMM nested in a branch: it stays pipelined)
             acc = _tile_acc(a_src, b_src, as_ptr, bs_ptr, m0, col, M, N, tl.where(assemble, 0, K), stride_am,
