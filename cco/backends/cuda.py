@@ -80,6 +80,7 @@ finished call s (its assemble included).
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import torch
@@ -209,22 +210,24 @@ LSA_LAUNCH = "ticket"  # GemmConfig.launch of the lsa kernel (docs/experiments.m
 # gather lsa/dma 149/219 us at M=2048, 269/304 at 4096, 479/484 at 8192, 921/842 at 16384; fp8 gather
 # 157/206 at 2048, 286/282 at 4096.
 LSA_AUTO_MAX_ELEMENTS = {"bf16": 8192 * 7168, "fp8": 2048 * 7168}
-# A fused lsa call of at most this many rows, per quant, under a CUDA graph capture: its GEMM as the
-# decode MMA over the quantized rows (kernels_fused.hopper.decode.RowsMma: every multiprocessor, K
-# split over programs) into an [M, N] partial, then the lsa kernel's transfers on it (from_partial),
-# instead of the lsa kernel's own GEMM, whose programs are one per output tile: 16-64 of them reading
-# the whole weight at decode sizes. The transfers are the same kernel's either way. Measured on one
-# H100, cold weights, graph replay (scripts/probe_decode_world_gemm.py, docs/decode.md, "World >= 2:
-# the decode MMA before the lsa kernel's transfers"): the lsa kernel's GEMM 0.88-2.25x of nn.Linear's
-# device time at Llama-3-8B / 70B o_proj and down_proj at TP 2 and 8, 1..64 rows, against 0.57-1.57x
-# for the decode MMA plus one more launch: 0.7-28.7 us less a call at every cell (median ratio 0.66).
-# mxfp8 (no fp8 MMA over its rows past one) keeps the lsa kernel's GEMM.
+# A fused lsa call of at most this many rows, per quant, where DECODE_SPLIT is on (or a backend's
+# decode_split forces it): its GEMM as the decode MMA over the quantized rows
+# (kernels_fused.hopper.decode.RowsMma: every multiprocessor, K split over programs) into an [M, N]
+# partial, then the lsa kernel's transfers on it (from_partial), instead of the lsa kernel's own
+# GEMM, whose programs are one per output tile: 16-64 of them reading the whole weight at decode
+# sizes. The transfers are the same kernel's either way. Measured on one H100, cold weights, graph
+# replay (scripts/probe_decode_world_gemm.py, docs/decode.md, "World >= 2: the decode MMA before the
+# lsa kernel's transfers"): the lsa kernel's GEMM 0.88-2.25x of nn.Linear's device time at
+# Llama-3-8B / 70B o_proj and down_proj at TP 2 and 8, 1..64 rows, against 0.57-1.57x for the decode
+# MMA plus one more launch: 0.7-28.7 us less a call at every cell (median ratio 0.66). mxfp8 (no fp8
+# MMA over its rows past one) keeps the lsa kernel's GEMM.
 DECODE_SPLIT_ROWS = {"ptpc": 64, "blockscale": 64}
-# ... and in eager calls too: off, as an eager decode-sized call at world >= 2 is bound by its host
-# time (docs/decode.md, "World 2 and more"), which the kept lsa launch (fused_launcher) cuts and a
-# second launch would raise. So an eager call and a captured one of these rows sum in other orders
-# (both within the fp8 GEMM's budget), as an eager one-row call at world 1 does.
-DECODE_SPLIT_EAGER = False
+# Off by default (CCO_DECODE_SPLIT=1 turns it on), eager and captured calls alike when on. Taken under
+# graph captures only, it made a captured greedy decode at world 2 pick other tokens than the eager
+# steps (test_cuda_hf's static-cache check, 2026-12-07: the two GEMMs sum in other orders), and an
+# eager call's host cost with the second launch (eager decode at world >= 2 is bound by the host) is
+# not measured on two GPUs; the GPU suite has run the path forced (test_cuda_op) but not a model on it.
+DECODE_SPLIT = os.environ.get("CCO_DECODE_SPLIT", "0") == "1"
 
 
 def _not_capturing() -> bool:
@@ -317,8 +320,8 @@ class CudaBackend(Backend):
     block_n = GEMM_BLOCK_N
     default_transport = "auto"
     lsa_max_elements: int | None = 0  # uses_lsa: None always, 0 never, else up to M * N elements
-    # DECODE_SPLIT_ROWS' pick per call (None); True: every lsa call of rows the decode MMA takes, eager
-    # or captured; False: none (the GPU tests' arms)
+    # DECODE_SPLIT's pick per call (None); True: every lsa call of rows the decode MMA takes; False:
+    # none (the GPU tests' arms)
     decode_split: bool | None = None
     dma_peers_first = DMA_PEERS_FIRST  # the fused dma launch's tile order (False: the layout's chunk-major)
     dma_reduce_in_gemm = DMA_REDUCE_IN_GEMM  # the fused dma launch reduces its own tiles (kernel producer)
@@ -591,8 +594,7 @@ class CudaBackend(Backend):
         quant, force = self.config.quant, self.decode_split
         if force is False or quant not in QUANTIZED_ROWS:
             return False
-        if force is None and not (m <= DECODE_SPLIT_ROWS.get(quant, 0)
-                                  and (DECODE_SPLIT_EAGER or torch.cuda.is_current_stream_capturing())):
+        if force is None and not (DECODE_SPLIT and m <= DECODE_SPLIT_ROWS.get(quant, 0)):
             return False
         scales = (m,) if quant == "ptpc" else (1, m)
         return (1 <= m <= MMA_ROWS_MAX and self.config.k % SCALE_BLOCK == 0 and a.is_contiguous()
@@ -641,7 +643,7 @@ class CudaBackend(Backend):
         w, w_scale = w.detach(), b_scale.detach()  # aliases of the bytes, as the kept launch binds them
 
         def run(a, a_scale, out, plan):
-            if self.splits_decode(a, a_scale, plan.m):  # a capture of a call kept eagerly (DECODE_SPLIT_EAGER)
+            if self.splits_decode(a, a_scale, plan.m):
                 self._decode_lsa(a, w, a_scale, w_scale, out, plan)
                 return
             self._lsa_call(plan, lambda stamp: kept(a, a_scale, out, stamp))

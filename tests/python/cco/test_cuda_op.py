@@ -435,11 +435,13 @@ def _decode_split(op, probs, b_pre, log, quant, gather):
     """Decode-sized fused lsa calls as the decode MMA into an [M, N] partial and the lsa kernel's
     transfers on it (``DECODE_SPLIT_ROWS``; ``CudaBackend._decode_lsa``), at 1, 8 and 64 rows: eager
     with the path forced, against the reference; eager with the lsa kernel's own GEMM forced, too;
-    then the rule's pick under a capture (taken through the op's kept collective call, which the
+    then the path forced under a capture (taken through the op's kept collective call, which the
     eager calls made), replayed 20 times with the inputs alternating and out, recv, gather and the
     partial region poisoned with NaN before each replay: bit for bit the forced eager call of the
-    same input (the same kernels over the same bytes). A spy counts the calls that took the path."""
+    same input (the same kernels over the same bytes); and the rule's pick eagerly (``DECODE_SPLIT``,
+    off by default: the lsa kernel's GEMM). A spy counts the calls that took the path."""
     from cco import quant as Q
+    from cco.backends import cuda as C
 
     backend, fp8 = op._backend, gather == "fp8"
     taken = []
@@ -465,10 +467,16 @@ def _decode_split(op, probs, b_pre, log, quant, gather):
             if taken.count(m) != 2 * len(inputs):
                 raise AssertionError(f"{quant} lsa {gather} M={m}: {taken.count(m)} calls took the decode MMA, "
                                      f"{2 * len(inputs)} forced")
-            backend.decode_split = None  # the rule: a capture of these rows takes the decode MMA
+            backend.decode_split = None  # the rule
+            op(inputs[0][0], b_pre, inputs[0][1], probs[0].b_scale)
+            if taken.count(m) != 2 * len(inputs) + C.DECODE_SPLIT:
+                raise AssertionError(f"{quant} lsa {gather} M={m}: DECODE_SPLIT={C.DECODE_SPLIT}, yet the rule's "
+                                     f"call {'did not take' if C.DECODE_SPLIT else 'took'} the decode MMA")
+            taken.clear()
+            backend.decode_split = True
             static = [t.clone() for t in inputs[0][:2]]
             g, out = _captured(op, static, b_pre, probs[0].b_scale)
-            if taken.count(m) != 2 * len(inputs) + 1:
+            if taken.count(m) != 1:
                 raise AssertionError(f"{quant} lsa {gather} M={m}: the captured call did not take the decode MMA")
             for i in range(20):
                 j = i % 2
@@ -490,7 +498,8 @@ def _decode_split(op, probs, b_pre, log, quant, gather):
         del backend._decode_lsa
         backend.decode_split = None
     log(f"ok {quant:10s} lsa gather={gather}: the decode MMA + the lsa kernel's transfers at 1, 8, 64 rows (eager "
-        f"forced, the lsa GEMM forced, 20 poisoned replays of the rule's capture == eager, bit for bit)")
+        f"forced, the lsa GEMM forced, 20 poisoned replays of its capture == eager, bit for bit; the rule's pick "
+        f"with DECODE_SPLIT={C.DECODE_SPLIT})")
 
 
 def _repeat_poisoned(op, probs, b_pre, refs, log, quant):
