@@ -14,24 +14,20 @@ from __future__ import annotations
 
 
 def lsa_ptx_sm90(quant: str = "ptpc", *, from_partial: bool = False, fp8_gather: bool = False) -> str:
-    """The PTX of ``fp8_gemm_lsa_kernel`` for sm_90 as the CUDA backend launches it for ``quant`` at
-    world 2 (its lsa tile, the ticket launch, pointer operands), the GEMM's or ``from_partial``'s
-    form. Not under Triton's interpreter (run it in a process of its own)."""
-    import dataclasses
-
+    """The PTX of ``fp8_gemm_lsa_kernel`` for sm_90 for ``quant`` at world 2 with the quant's fused
+    tile (``default_config``: the lsa kernel's wherever the slice takes it, ``CudaBackend._init_lsa``),
+    pointer operands, the GEMM's or ``from_partial``'s form. Not under Triton's interpreter (run it
+    in a process of its own)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from cco.backends.cuda import CudaBackend
     from cco.layout import GATHER_GROUP
     from cco.quant import SCALE_BLOCK
     from kernels_fused.hopper.gemm import QUANT_ID, default_config
     from kernels_fused.hopper.kernels import fp8_gemm_lsa_kernel
 
-    base = default_config(quant)
-    block_m, block_n = CudaBackend.tile(quant)
-    cfg = dataclasses.replace(base, block_m=block_m, block_n=block_n * (2 if base.block_n == 2 * block_n else 1))
+    cfg = default_config(quant)
     operand = "*bf16" if from_partial or quant == "mxfp8" else "*fp8e4nv"  # mxfp8's arrive dequantized
     scale = operand if from_partial or quant == "mxfp8" else "*fp32"  # (unread there: any tensor)
     signature = {"ticket_ptr": "*i64", "n_tiles": "i32", "a_src": operand, "b_src": operand, "as_ptr": scale,
