@@ -18,14 +18,11 @@ def lsa_ptx_sm90(quant: str = "ptpc", *, from_partial: bool = False, fp8_gather:
     tile (``default_config``: the lsa kernel's wherever the slice takes it, ``CudaBackend._init_lsa``),
     pointer operands, the GEMM's or ``from_partial``'s form. Not under Triton's interpreter (run it
     in a process of its own)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from cco.layout import GATHER_GROUP
     from cco.quant import SCALE_BLOCK
     from kernels_fused.hopper.gemm import QUANT_ID, default_config
     from kernels_fused.hopper.kernels import fp8_gemm_lsa_kernel
+    from kernels_fused.hopper.sm90 import sm90_ptx
 
     cfg = default_config(quant)
     operand = "*bf16" if from_partial or quant == "mxfp8" else "*fp8e4nv"  # mxfp8's arrive dequantized
@@ -41,11 +38,7 @@ def lsa_ptx_sm90(quant: str = "ptpc", *, from_partial: bool = False, fp8_gather:
                       BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SCALE_BLOCK=SCALE_BLOCK,
                       WORLD=2, FP8_GATHER=fp8_gather, GATHER_GROUP=GATHER_GROUP, FROM_PARTIAL=from_partial,
                       MOVE_BYTES=True, NUM_PROGS=0)
-    signature.update(dict.fromkeys(constexprs, "constexpr"))
-    compiled = triton.compile(ASTSource(fn=fp8_gemm_lsa_kernel, signature=signature, constexprs=constexprs),
-                              target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-    return compiled.asm["ptx"]
+    return sm90_ptx(fp8_gemm_lsa_kernel, signature, constexprs, cfg)
 
 
 def main(argv=None) -> int:

@@ -16,12 +16,9 @@ def rows_ws_ptx_sm90(quant: str = "ptpc", *, release_lag: bool = False) -> str:
     host (no GPU needed), as the reduce-scatter along rows' producer launches it for ``quant``
     (its fused tile at ``rows_ws_config``'s stages, world 8; ``release_lag``: each tile released
     one tile late). Not under Triton's interpreter (run it in a process of its own)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from kernels_fused.hopper.gemm import default_config, rows_ws_config, rows_ws_constants
     from kernels_fused.hopper.kernels import fp8_gemm_rows_ws_kernel
+    from kernels_fused.hopper.sm90 import sm90_ptx
 
     cfg = rows_ws_config(default_config(quant), quant)
     operand = "bf16" if quant == "mxfp8" else "fp8e4nv"  # mxfp8's operands arrive dequantized
@@ -33,11 +30,7 @@ def rows_ws_ptx_sm90(quant: str = "ptpc", *, release_lag: bool = False) -> str:
                                   "stride_bsn", "stride_bsk"), "i32")}
     constexprs = rows_ws_constants(cfg, quant, world=8, tile_weight=1, programs=132, interpret=False,
                                    release_lag=release_lag)
-    signature.update(dict.fromkeys(constexprs, "constexpr"))
-    compiled = triton.compile(ASTSource(fn=fp8_gemm_rows_ws_kernel, signature=signature, constexprs=constexprs),
-                              target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-    return compiled.asm["ptx"]
+    return sm90_ptx(fp8_gemm_rows_ws_kernel, signature, constexprs, cfg)
 
 
 def main(argv=None) -> int:

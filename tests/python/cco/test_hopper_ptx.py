@@ -82,11 +82,10 @@ print(sys.argv[1] + " lag:", bulk_release_problem(rows_ws_ptx_sm90("ptpc", relea
 """
 
 
-def test_the_gpu_machines_triton_needs_the_kernels_own_barrier(tmp_path):
-    """Triton 3.6 issues a tile's store from two threads and its add from a third with no barrier
-    between them: the kernel's own barrier is what orders the release (found on the GPU machine,
-    2026-12-07, by the suite's check), in the walk as launched and in the walk that releases each
-    tile one tile late."""
+def _gpu_triton_env(tmp_path) -> dict:
+    """The environment of a process that compiles with the GPU machines' Triton (not under the
+    interpreter, its own cache); the test is skipped where that Triton is not installed, and fails
+    in CI, whose setup installs it."""
     if not (GPU_TRITON / "triton" / "__init__.py").is_file():
         if os.environ.get("CI"):
             pytest.fail(f"CI needs the GPU machines' Triton in {GPU_TRITON} (scripts/setup.sh installs it)")
@@ -94,6 +93,15 @@ def test_the_gpu_machines_triton_needs_the_kernels_own_barrier(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(GPU_TRITON), str(ROOT)])
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")  # (not the installed Triton's cache)
+    return env
+
+
+def test_the_gpu_machines_triton_needs_the_kernels_own_barrier(tmp_path):
+    """Triton 3.6 issues a tile's store from two threads and its add from a third with no barrier
+    between them: the kernel's own barrier is what orders the release (found on the GPU machine,
+    2026-12-07, by the suite's check), in the walk as launched and in the walk that releases each
+    tile one tile late."""
+    env = _gpu_triton_env(tmp_path)
     script = tmp_path / "variant.py"  # (Triton reads a jit function's source from its file)
     script.write_text(VARIANT)
     said = {}
@@ -162,13 +170,7 @@ def test_the_lsa_kernel_compiles_in_both_forms_with_the_gpu_machines_triton(tmp_
     branch against the code after it, the compiler does (a name first bound in the partial's branch
     and bound again with another type further down passed every host test and failed the compile
     on the GPU, 2026-12-07; this compile fails it, shown)."""
-    if not (GPU_TRITON / "triton" / "__init__.py").is_file():
-        if os.environ.get("CI"):
-            pytest.fail(f"CI needs the GPU machines' Triton in {GPU_TRITON} (scripts/setup.sh installs it)")
-        pytest.skip(f"no {GPU_TRITON} (scripts/setup.sh installs the GPU machines' Triton there)")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(GPU_TRITON), str(ROOT)])
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    env = _gpu_triton_env(tmp_path)
     done = subprocess.run([sys.executable, "-m", "kernels_fused.hopper.lsa_ptx", "ptpc", "blockscale"], env=env,
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
