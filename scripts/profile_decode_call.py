@@ -19,6 +19,13 @@ op's kept collective call, twice each (``CollectiveGemmOp._kept_collective``); t
 calls again with the functions of its path timed inclusively (``PARTS_TIMED``: us per layer call, a function called twice a call counts twice;
 ~0.3 us of the timer itself per wrapped call). Written to ``OUT/parts_rank{r}.json`` and appended
 to the rank's text.
+
+``--alternate PASSES`` (world >= 2) compares the layer's call with and without the op's kept
+collective call, pass by pass; ``--alternate-split PASSES`` its GEMM on the decode MMA before the lsa
+kernel's transfers against the lsa kernel's own (``CCO_DECODE_SPLIT``: what an eager call costs with
+the second launch)::
+
+    torchrun --nproc-per-node 2 -m scripts.profile_decode_call --quant ptpc -n 4096 -k 7168 -m 8 --calls 100 --alternate-split 10
 """
 
 from __future__ import annotations
@@ -52,6 +59,10 @@ def main(argv=None) -> None:
                         "the op's kept collective call, each pass CALLS calls back to back (host us per call) and "
                         "CALLS on an idle queue (median); the median over passes of each, and every pass's, in "
                         "OUT/alternate_rank{r}.json")
+    p.add_argument("--alternate-split", type=int, default=0, metavar="PASSES",
+                   help="the same, alternating the layer's call with its GEMM on the decode MMA before the lsa "
+                        "kernel's transfers (cco.backends.cuda.DECODE_SPLIT_ROWS, forced) and on the lsa kernel's own "
+                        "GEMM (forced), both through the op's kept collective call; OUT/alternate_split_rank{r}.json")
     args = p.parse_args(argv)
     if min(args.n, args.k, args.m, args.calls) < 1:
         raise SystemExit("profile_decode_call: -n, -k, -m and --calls must be >= 1")
@@ -118,14 +129,16 @@ def main(argv=None) -> None:
             json.dump(dict(rank=comm.rank, world=comm.world, quant=args.quant, n=args.n, k=args.k, m=args.m,
                            calls=args.calls, **found), f, indent=1)
         print("\n".join(lines), flush=True)
-    if args.alternate:
+    for passes, what, name in ((args.alternate, "kept", "alternate"), (args.alternate_split, "split", "alternate_split")):
+        if not passes:
+            continue
         with torch.no_grad():
-            found = alternate(layer, x, comm, args.calls, args.alternate, sync)
-        line = (f"rank {comm.rank}/{comm.world} alternating {args.alternate} passes, host us per call (median over "
-                f"passes; every pass in alternate_rank{comm.rank}.json): " + "; ".join(
+            found = alternate(layer, x, comm, args.calls, passes, sync, *_alternatives(layer, x, comm, what))
+        line = (f"rank {comm.rank}/{comm.world} alternating {passes} passes, host us per call (median over "
+                f"passes; every pass in {name}_rank{comm.rank}.json): " + "; ".join(
                     f"{arm}: back to back {v['back_to_back']:.1f}, idle queue {v['idle']:.1f}"
                     for arm, v in found["median"].items()))
-        with open(os.path.join(args.out, f"alternate_rank{comm.rank}.json"), "w") as f:
+        with open(os.path.join(args.out, f"{name}_rank{comm.rank}.json"), "w") as f:
             json.dump(dict(rank=comm.rank, world=comm.world, quant=args.quant, n=args.n, k=args.k, m=args.m,
                            calls=args.calls, **found), f, indent=1)
         print(line, flush=True)
@@ -145,19 +158,48 @@ def _kept_call(op, on: bool) -> None:
         op._backend.keeps_fused = lambda m: False
 
 
-def alternate(layer, x, comm, calls: int, passes: int, sync) -> dict:
-    """``--alternate``: the layer's call with (``kept``) and without (``not kept``: the op's kept
-    launches and the backend's ``keeps_fused`` shadowed on the instances, its whole Python path)
-    the op's kept collective call, alternating per pass; per pass and arm the host us per call of
-    ``calls`` calls issued back to back (the GPU synchronized before and after, the host loop timed)
-    and the median of ``calls`` calls each issued on an idle queue."""
+def _alternatives(layer, x, comm, what: str) -> tuple:
+    """``(arms, restore)`` of ``alternate``: ``what`` "kept": the layer's call with (``kept``) and
+    without (``not kept``: the op's kept launches and the backend's ``keeps_fused`` shadowed on the
+    instances, its whole Python path) the op's kept collective call; "split": its GEMM forced on the
+    decode MMA before the lsa kernel's transfers and on the lsa kernel's own (the backend's
+    ``decode_split``; the rule's again after)."""
     if layer.op is None or comm.world < 2:
-        raise SystemExit("profile_decode_call: --alternate needs the fused layer at world >= 2")
+        raise SystemExit(f"profile_decode_call: --alternate{'-split' if what == 'split' else ''} needs the fused "
+                         f"layer at world >= 2")
     op = layer.op
+    if what == "kept":
+        return {"kept": lambda: None, "not kept": lambda: _kept_call(op, False)}, lambda: _kept_call(op, True)
+    from kernels_fused.hopper.decode import MMA_ROWS_MAX, QUANTIZED_ROWS
 
-    def arm(kept: bool):
-        if not kept:
-            _kept_call(op, False)
+    backend, rows = op._backend, layer._rows_for(x.shape[0])
+    if layer.quant not in QUANTIZED_ROWS or not 1 <= rows <= MMA_ROWS_MAX:
+        raise SystemExit(f"profile_decode_call: --alternate-split: {layer.quant} calls of {rows} rows cannot take "
+                         f"the decode MMA (decode.RowsMma: {sorted(QUANTIZED_ROWS)}, 1..{MMA_ROWS_MAX} rows)")
+    taken = []
+    real = backend._decode_lsa
+
+    def split():
+        backend.decode_split = True
+        backend._decode_lsa = lambda *a: (taken.append(1), real(*a))[1]
+
+    def restore():
+        if not taken and backend.decode_split:
+            raise SystemExit("profile_decode_call: --alternate-split: no call took the decode MMA")
+        taken.clear()
+        vars(backend).pop("_decode_lsa", None)
+        backend.decode_split = None
+
+    return {"decode MMA + lsa transfers": split, "lsa kernel": lambda: setattr(backend, "decode_split", False)}, restore
+
+
+def alternate(layer, x, comm, calls: int, passes: int, sync, arms: dict, restore) -> dict:
+    """``--alternate`` / ``--alternate-split``: the layer's call under each of the two ``arms``
+    (name -> the switch that sets it; ``restore()`` undoes it), alternating per pass; per pass and
+    arm the host us per call of ``calls`` calls issued back to back (the GPU synchronized before and
+    after, the host loop timed) and the median of ``calls`` calls each issued on an idle queue."""
+    def arm(name: str):
+        arms[name]()
         try:
             for _ in range(5):  # warm (the kept arm: keeps its launch again)
                 layer(x)
@@ -171,13 +213,14 @@ def alternate(layer, x, comm, calls: int, passes: int, sync) -> dict:
             comm.barrier()
             idle = _idle_times(lambda: layer(x), calls, sync)["median"]
         finally:
-            _kept_call(op, True)
+            restore()
         return dict(back_to_back=b2b, idle=idle)
 
-    runs = {"kept": [], "not kept": []}
+    first, second = arms
+    runs = {first: [], second: []}
     for p in range(passes):
-        for name in (("kept", "not kept") if p % 2 == 0 else ("not kept", "kept")):
-            runs[name].append(arm(name == "kept"))
+        for name in ((first, second) if p % 2 == 0 else (second, first)):
+            runs[name].append(arm(name))
     return dict(passes=runs, median={name: {what: statistics.median_high([r[what] for r in rs])
                                             for what in ("back_to_back", "idle")} for name, rs in runs.items()})
 

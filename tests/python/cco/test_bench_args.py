@@ -480,3 +480,54 @@ def test_decode_cold_graphs_read_a_weight_a_call(cold):
             assert len(set(outs[arm + COLD])) == 3, (arm, outs[arm + COLD])  # a weight a call
     assert ("graph_us_cold" in keys, weights) == ((True, 3) if cold else (False, None))
     assert cold or not any(name.endswith(COLD) for name in outs)  # no cold graph made without --cold
+
+
+def test_profile_decode_call_alternates_the_world2_gemms(tmp_path):
+    """``profile_decode_call --alternate-split`` times the layer's call with its GEMM forced on the
+    decode MMA and forced on the lsa kernel's own, alternating per pass, and restores the rule after
+    each arm; it refuses a run where the decode MMA arm took no call (a timing of the wrong path)
+    and a layer whose calls cannot take it, and at world 1 (no collective call) before anything."""
+    import types
+
+    from scripts import profile_decode_call as P
+
+    class Backend:
+        decode_split = None
+
+        def __init__(self):
+            self.real = []
+
+        def _decode_lsa(self, *a):
+            self.real.append(a)
+
+    backend = Backend()
+    seen = []
+
+    class Layer:
+        quant, op = "ptpc", types.SimpleNamespace(_backend=backend)
+
+        def _rows_for(self, m):
+            return m
+
+        def __call__(self, x):
+            seen.append(backend.decode_split)
+            if backend.decode_split:
+                backend._decode_lsa("a", "plan")
+
+    comm = types.SimpleNamespace(world=2, barrier=lambda: None)
+    layer, x = Layer(), torch.zeros(8, 4)
+    found = P.alternate(layer, x, comm, 3, 2, lambda: None, *P._alternatives(layer, x, comm, "split"))
+    assert list(found["passes"]) == ["decode MMA + lsa transfers", "lsa kernel"]
+    assert all(len(v) == 2 for v in found["passes"].values())
+    assert set(seen) == {True, False} and backend.decode_split is None and "_decode_lsa" not in vars(backend)
+    assert len(backend.real) == seen.count(True)
+    # the split arm's calls not reaching the decode MMA: refused, not timed as if they had
+    Layer.__call__ = lambda self, x: None
+    with pytest.raises(SystemExit, match="no call took the decode MMA"):
+        P.alternate(layer, x, comm, 3, 1, lambda: None, *P._alternatives(layer, x, comm, "split"))
+    layer.quant = "mxfp8"
+    with pytest.raises(SystemExit, match="mxfp8 calls of 8 rows cannot take the decode MMA"):
+        P._alternatives(layer, x, comm, "split")
+    with pytest.raises(SystemExit, match="--alternate-split needs the fused layer at world >= 2"):
+        P.main(["--quant", "ptpc", "-n", "64", "-k", "128", "-m", "2", "--calls", "2", "--out", str(tmp_path),
+                "--alternate-split", "1"])
