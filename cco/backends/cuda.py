@@ -606,17 +606,18 @@ class CudaBackend(Backend):
         region read as rows: the dma path's producer, which also fills it, has finished with it by the
         end of its call), then the lsa kernel's transfers on that partial."""
         from kernels_fused.hopper.decode import RowsMma
-        from kernels_fused.hopper.gemm import fp8_gemm_lsa
+        from kernels_fused.hopper.gemm import lsa_partial_launch
 
         m, n = plan.m, self.config.n
         mma = self._kept(("decode mma", m), lambda: RowsMma(self.config.quant, m, self.config.k, n, self.device))
         partial = self._kept(("decode partial", m), lambda: self.partial.view(-1)[:m * n].view(m, n))
+        # the transfers' launch kept per M with the partial bound (an eager call's host time: the
+        # kept lsa call's reason, "The kept world-2 call" in docs/decode.md)
+        transfers = self._kept(("decode transfers", m), lambda: lsa_partial_launch(
+            partial, quant=self.config.quant, out=out, win=self.lsa_window, tile_table=self._lsa_table(m),
+            rank=self.rank, config=self.lsa_config, move_bytes=not (self.faults is not None and self.faults.silent)))
         mma(a, a_scale, w, b_scale, partial)
-        silent = self.faults is not None and self.faults.silent
-        self._lsa_call(plan, lambda stamp: fp8_gemm_lsa(
-            None, None, None, None, quant=self.config.quant, out=out, win=self.lsa_window,
-            tile_table=self._lsa_table(m), rank=self.rank, stamp=stamp, config=self.lsa_config, from_partial=True,
-            move_bytes=not silent, validated=True, partial=partial))
+        self._lsa_call(plan, lambda stamp: transfers(partial, partial, out, stamp))
 
     def keeps_fused(self, m: int) -> bool:
         """Fused calls of ``m`` rows on the lsa kernel, with no fault plan in force (its silent

@@ -824,10 +824,24 @@ def lsa_launch(a, b, a_scale, b_scale, *, quant: str, out: torch.Tensor, win: Ls
     return kept
 
 
+def lsa_partial_launch(partial: torch.Tensor, *, quant: str, out: torch.Tensor, win: LsaWindow,
+                       tile_table: torch.Tensor, rank: int, config: GemmConfig, move_bytes: bool = True) -> LsaLaunch:
+    """The :class:`LsaLaunch` of calls like ``fp8_gemm_lsa(..., from_partial=True, partial=partial,
+    out=out)`` (the transfers on a caller's [M, N] partial, which stays bound: call it as
+    ``launch(partial, partial, out, stamp)``; ``out`` only taken as an example of its layout)."""
+    args, launch = _lsa_launch(None, None, None, None, quant=quant, out=out, win=win, tile_table=tile_table,
+                               rank=rank, stamp=0, config=config, from_partial=True, move_bytes=move_bytes,
+                               validated=True, b_dense=None, partial=partial)
+    kept = LsaLaunch(args, launch, device=out.get_device(), quant=quant, a_block=None,
+                     aligned=tuple(t.data_ptr() % 16 for t in (partial, partial, out)))
+    kept.args[2] = kept.args[4] = kept.args[6] = None
+    return kept
+
+
 _LSA_STAMP = 17  # the position of ``stamp`` among fp8_gemm_lsa_kernel's arguments
 _LSA_LAUNCHES: dict = {}  # fp8_gemm_lsa's kept launches (kernels_fused.hopper.launch), by call shape
 
 
 __all__ = ["GemmConfig", "LsaLaunch", "LsaWindow", "QUANTS", "ReduceEpilogue", "default_config", "fp8_gemm",
-           "fp8_gemm_lsa", "lsa_launch", "merge_tile_pairs", "lsa_walk_rows", "peer_deltas", "persistent_programs",
+           "fp8_gemm_lsa", "lsa_launch", "lsa_partial_launch", "merge_tile_pairs", "lsa_walk_rows", "peer_deltas", "persistent_programs",
            "tile_table_tensor"]

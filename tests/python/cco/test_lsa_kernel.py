@@ -73,7 +73,12 @@ def _run_rank(comm, quant, gather, stamp_skew, move_bytes, from_partial=False, l
             partial = torch.full((m, cfg.n), float("nan"), dtype=torch.bfloat16)
             RowsMma(quant, m, K, cfg.n, torch.device("cpu"))(p.a, p.a_scale, p.b, p.b_scale, partial)
         config = GemmConfig(block_m=32, block_n=128, num_warps=4, num_stages=1, launch=launch)
-        if kept:  # lsa_launch's kept call (LsaLaunch), as the CUDA backend's kept collective call runs it
+        if kept and partial is not None:  # lsa_partial_launch's kept call, as CudaBackend._decode_lsa runs it
+            from kernels_fused.hopper.gemm import lsa_partial_launch
+
+            lsa_partial_launch(partial, quant=quant, out=out, win=win, tile_table=table, rank=rank,
+                               config=config)(partial, partial, out, stamp)
+        elif kept:  # lsa_launch's kept call (LsaLaunch), as the CUDA backend's kept collective call runs it
             lsa_launch(p.a, p.b, p.a_scale, p.b_scale, quant=quant, out=out, win=win, tile_table=table, rank=rank,
                        config=config)(p.a, p.a_scale, out, stamp)
         else:
@@ -201,16 +206,18 @@ def test_lsa_kernel_from_partial_is_the_self_tests_all_reduce():
         assert torch.equal(out, expect)
 
 
-@pytest.mark.parametrize("source, quant, m", [("pattern", "ptpc", M), ("mma", "ptpc", 24), ("mma", "blockscale", 3)],
-                         ids=lambda v: str(v))
-def test_lsa_kernel_from_a_partial_of_rows(source, quant, m):
+@pytest.mark.parametrize("source, quant, m, kept", [("pattern", "ptpc", M, False), ("mma", "ptpc", 24, False),
+                                                    ("mma", "blockscale", 3, False), ("pattern", "ptpc", M, True),
+                                                    ("mma", "blockscale", 3, True)], ids=lambda v: str(v))
+def test_lsa_kernel_from_a_partial_of_rows(source, quant, m, kept):
     """``from_partial`` with an [M, N] partial of the caller's (what a decode-sized fused call runs
     after the decode MMA: ``CudaBackend._decode_lsa``), not the window's planes: every rank's output
     is the sum of the ranks' partials, own term first, rounded once (bit for bit), and every flag is
-    consumed, and every rank holds the same bytes (each owner's columns as the owner rounded them).
+    consumed, and every rank holds the same bytes (each owner's columns as the owner rounded them),
+    called as such or through its kept launch (``lsa_partial_launch``, the backend's).
     "mma" computes each rank's partial with ``RowsMma`` over its own problem, as the backend does;
     its sums are checked to one bf16 ulp (the interpreter rounds fp32 to bf16 by truncation)."""
-    outcomes = spawn(_run_rank, world=2, args=(quant, "bf16", 0, True, True, "ticket", False, False, source, m),
+    outcomes = spawn(_run_rank, world=2, args=(quant, "bf16", 0, True, True, "ticket", False, kept, source, m),
                      timeout_s=600)
     check_outcomes(outcomes)
     partials = [o.value[3] for o in outcomes]
@@ -225,6 +232,56 @@ def test_lsa_kernel_from_a_partial_of_rows(source, quant, m):
         else:
             ulp = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(2 ** -100))) - 7)
             assert bool(((out.float() - exact).abs() <= ulp).all())
+
+
+def test_the_partials_kept_launch_passes_what_fp8_gemm_lsa_passes(monkeypatch):
+    """``lsa_partial_launch`` (``CudaBackend._decode_lsa``'s kept transfers): per call the same
+    arguments, one by one, as ``fp8_gemm_lsa(from_partial=True, partial=...)`` with that call's
+    ``out`` and stamp, the partial's (owner, row) strides among them; none of a call's tensors held
+    after it; an ``out`` at another 16-byte alignment launched through ``JITFunction.run``. A
+    partial of the wrong shape is refused by name."""
+    from kernels_fused.hopper import gemm as G
+
+    calls = []
+
+    class Launch:  # stands in for launch.Kernel: records what would be launched, and how
+        def __init__(self, fn, grid, **options):
+            pass
+
+        def __call__(self, device, *args):
+            calls.append(("fast", args))
+
+        def run_jit(self, device, *args):
+            calls.append(("jit", args))
+
+    monkeypatch.setattr(G, "Kernel", Launch)
+    G._LSA_LAUNCHES.clear()
+    world, n = 2, 2 * SLICE
+    win = G.LsaWindow(partial=torch.zeros(world, M, SLICE, dtype=torch.bfloat16),
+                      recv=torch.zeros(world, M, SLICE, dtype=torch.bfloat16),
+                      gather=torch.zeros(world, M, SLICE, dtype=torch.bfloat16), gather_scale=None,
+                      tile_flags=torch.zeros(2, world, 3, 2, dtype=torch.int64), deltas=torch.zeros(world, dtype=torch.int64),
+                      status=torch.zeros(1, dtype=torch.int64), ticket=torch.zeros(1, dtype=torch.int64))
+    table = torch.zeros(4, 4, dtype=torch.int32)
+    config = G.GemmConfig(block_m=32, block_n=128, num_warps=4, num_stages=1, tma=False)
+    partial = torch.zeros(M, n, dtype=torch.bfloat16)
+    buffer = torch.zeros(M * n + 8, dtype=torch.bfloat16)
+    kept = G.lsa_partial_launch(partial, quant="ptpc", out=buffer[:M * n].view(M, n), win=win, tile_table=table,
+                                rank=1, config=config)
+    for stamp, offset in ((5, 0), (6, 0), (7, 1)):
+        out = buffer[offset:offset + M * n].view(M, n)
+        G.fp8_gemm_lsa(None, None, None, None, quant="ptpc", out=out, win=win, tile_table=table, rank=1, stamp=stamp,
+                       config=config, from_partial=True, partial=partial)
+        kept(partial, partial, out, stamp)
+        (_, want), (how, got) = calls[-2:]
+        assert len(got) == len(want) and all(g is w or g == w for g, w in zip(got, want))
+        assert got[7] is partial and got[G._LSA_STAMP] == stamp and (got[21], got[22]) == (SLICE, n)
+        assert how == ("jit" if offset else "fast")
+        assert kept.args[2] is kept.args[4] is kept.args[6] is None
+    with pytest.raises(ValueError, match=r"partial must be bf16 \[80, 512\]"):
+        G.lsa_partial_launch(partial[:, :SLICE], quant="ptpc", out=buffer[:M * n].view(M, n), win=win,
+                             tile_table=table, rank=1, config=config)
+    G._LSA_LAUNCHES.clear()
 
 
 def test_lsa_launch_is_kept_per_call_shape_with_the_windows_arguments_keyed_once(monkeypatch):
