@@ -234,6 +234,36 @@ def test_lsa_kernel_from_a_partial_of_rows(source, quant, m, kept):
             assert bool(((out.float() - exact).abs() <= ulp).all())
 
 
+def _recorded_launches(monkeypatch, G) -> tuple[list, list]:
+    """``(made, calls)``: ``G.Kernel`` replaced by a stand-in that records each launch made (its
+    grid) and each call (``("kept", args)`` through the kept launcher, ``("jit", args)`` through
+    ``JITFunction.run``) instead of compiling or launching; ``G``'s kept launches cleared."""
+    made, calls = [], []
+
+    class Launch:
+        def __init__(self, fn, grid, **options):
+            made.append(grid)
+
+        def __call__(self, device, *args):
+            calls.append(("kept", args))
+
+        def run_jit(self, device, *args):
+            calls.append(("jit", args))
+
+    monkeypatch.setattr(G, "Kernel", Launch)
+    G._LSA_LAUNCHES.clear()
+    return made, calls
+
+
+def _host_window(G, world: int):
+    """An ``LsaWindow`` of ``world`` ranks in host memory, M rows of SLICE columns (never launched on)."""
+    planes = [torch.zeros(world, M, SLICE, dtype=torch.bfloat16) for _ in range(3)]
+    return G.LsaWindow(partial=planes[0], recv=planes[1], gather=planes[2], gather_scale=None,
+                       tile_flags=torch.zeros(2, world, 3, 2, dtype=torch.int64),
+                       deltas=torch.zeros(world, dtype=torch.int64), status=torch.zeros(1, dtype=torch.int64),
+                       ticket=torch.zeros(1, dtype=torch.int64))
+
+
 def test_the_partials_kept_launch_passes_what_fp8_gemm_lsa_passes(monkeypatch):
     """``lsa_partial_launch`` (``CudaBackend._decode_lsa``'s kept transfers): per call the same
     arguments, one by one, as ``fp8_gemm_lsa(from_partial=True, partial=...)`` with that call's
@@ -242,26 +272,9 @@ def test_the_partials_kept_launch_passes_what_fp8_gemm_lsa_passes(monkeypatch):
     partial of the wrong shape is refused by name."""
     from kernels_fused.hopper import gemm as G
 
-    calls = []
-
-    class Launch:  # stands in for launch.Kernel: records what would be launched, and how
-        def __init__(self, fn, grid, **options):
-            pass
-
-        def __call__(self, device, *args):
-            calls.append(("fast", args))
-
-        def run_jit(self, device, *args):
-            calls.append(("jit", args))
-
-    monkeypatch.setattr(G, "Kernel", Launch)
-    G._LSA_LAUNCHES.clear()
+    _, calls = _recorded_launches(monkeypatch, G)
     world, n = 2, 2 * SLICE
-    win = G.LsaWindow(partial=torch.zeros(world, M, SLICE, dtype=torch.bfloat16),
-                      recv=torch.zeros(world, M, SLICE, dtype=torch.bfloat16),
-                      gather=torch.zeros(world, M, SLICE, dtype=torch.bfloat16), gather_scale=None,
-                      tile_flags=torch.zeros(2, world, 3, 2, dtype=torch.int64), deltas=torch.zeros(world, dtype=torch.int64),
-                      status=torch.zeros(1, dtype=torch.int64), ticket=torch.zeros(1, dtype=torch.int64))
+    win = _host_window(G, world)
     table = torch.zeros(4, 4, dtype=torch.int32)
     config = G.GemmConfig(block_m=32, block_n=128, num_warps=4, num_stages=1, tma=False)
     partial = torch.zeros(M, n, dtype=torch.bfloat16)
@@ -276,7 +289,7 @@ def test_the_partials_kept_launch_passes_what_fp8_gemm_lsa_passes(monkeypatch):
         (_, want), (how, got) = calls[-2:]
         assert len(got) == len(want) and all(g is w or g == w for g, w in zip(got, want))
         assert got[7] is partial and got[G._LSA_STAMP] == stamp and (got[21], got[22]) == (SLICE, n)
-        assert how == ("jit" if offset else "fast")
+        assert how == ("jit" if offset else "kept")
         assert kept.args[2] is kept.args[4] is kept.args[6] is None
     with pytest.raises(ValueError, match=r"partial must be bf16 \[80, 512\]"):
         G.lsa_partial_launch(partial[:, :SLICE], quant="ptpc", out=buffer[:M * n].view(M, n), win=win,
@@ -347,27 +360,9 @@ def test_a_kept_lsa_call_launches_what_fp8_gemm_lsa_launches(monkeypatch, quant,
     (``Kernel.run_jit``), which specializes on it."""
     from kernels_fused.hopper import gemm as G
 
-    made, calls = [], []
-
-    class Launch:  # stands in for launch.Kernel: records what would be compiled and launched
-        def __init__(self, fn, grid, **options):
-            made.append(grid)
-
-        def __call__(self, device, *args):
-            calls.append(("kept", args))
-
-        def run_jit(self, device, *args):
-            calls.append(("jit", args))
-
-    monkeypatch.setattr(G, "Kernel", Launch)
-    G._LSA_LAUNCHES.clear()
+    made, calls = _recorded_launches(monkeypatch, G)
     world = 2
-    win = G.LsaWindow(partial=torch.zeros(world, M, SLICE, dtype=torch.bfloat16),
-                      recv=torch.zeros(world, M, SLICE, dtype=torch.bfloat16),
-                      gather=torch.zeros(world, M, SLICE, dtype=torch.bfloat16), gather_scale=None,
-                      tile_flags=torch.zeros(2, world, 3, 2, dtype=torch.int64),
-                      deltas=torch.zeros(world, dtype=torch.int64), status=torch.zeros(1, dtype=torch.int64),
-                      ticket=torch.zeros(1, dtype=torch.int64))
+    win = _host_window(G, world)
     table = torch.zeros(4, 4, dtype=torch.int32)
     config = G.GemmConfig(block_m=32, block_n=128, num_warps=4, num_stages=1, tma=tma)
     weight = Q.random_problem(M, SLICE * world, K, quant, seed=0)
