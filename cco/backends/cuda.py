@@ -43,6 +43,9 @@ assemble by one kernel (``kernels_fused.hopper.gemm.fp8_gemm_lsa``) and no side 
 claim the entries of a walk that stores every peer's tiles straight into the owner's ``recv``, then
 reduces the own tiles as the peers' tiles land and stores them into every peer's ``gather``, then
 copies the peers' gathered tiles into ``out`` as they land. split-lsa is not implemented on CUDA.
+With ``DECODE_SPLIT`` (``CCO_DECODE_SPLIT=1``; off by default) a call of at most ``DECODE_SPLIT_ROWS``
+rows computes its GEMM first with the decode MMA on every multiprocessor into an [M, N] partial, and
+the same kernel then runs only its transfers on it (``_decode_lsa``).
 
 Deadlines (``cco.cuda.watchdog``): every call marks its entry and its exit in host memory from the
 device; a watchdog thread per op releases a call that stays in past ``deadline_s`` (NaN output, the
