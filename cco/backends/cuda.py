@@ -591,13 +591,14 @@ class CudaBackend(Backend):
         """Whether a fused lsa call of ``m`` rows runs the decode MMA before the lsa kernel's transfers
         (``DECODE_SPLIT_ROWS``, ``decode_split``): rows the MMA takes (contiguous, their scales in the
         activation quantizer's layout), else the lsa kernel's own GEMM, which moves the same bytes."""
+        force = self.decode_split
+        if force is False or (force is None and not DECODE_SPLIT):  # (first: every kept eager call asks)
+            return False
         from cco.quant import SCALE_BLOCK
         from kernels_fused.hopper.decode import MMA_ROWS_MAX, QUANTIZED_ROWS
 
-        quant, force = self.config.quant, self.decode_split
-        if force is False or quant not in QUANTIZED_ROWS:
-            return False
-        if force is None and not (DECODE_SPLIT and m <= DECODE_SPLIT_ROWS.get(quant, 0)):
+        quant = self.config.quant
+        if quant not in QUANTIZED_ROWS or (force is None and m > DECODE_SPLIT_ROWS.get(quant, 0)):
             return False
         scales = (m,) if quant == "ptpc" else (1, m)
         return (1 <= m <= MMA_ROWS_MAX and self.config.k % SCALE_BLOCK == 0 and a.is_contiguous()
@@ -605,9 +606,9 @@ class CudaBackend(Backend):
 
     def _decode_lsa(self, a, w, a_scale, b_scale, out, plan) -> None:
         """A fused lsa call as the decode MMA over ``a`` and the row-major weight ``w`` (``_unshuffled``)
-        into an [M, N] partial (the window's partial
-        region read as rows: the dma path's producer, which also fills it, has finished with it by the
-        end of its call), then the lsa kernel's transfers on that partial."""
+        into an [M, N] partial (the window's partial region read as rows: the dma path's producer,
+        which also fills it, has finished with it by the end of its call), then the lsa kernel's
+        transfers on that partial."""
         from kernels_fused.hopper.decode import RowsMma
         from kernels_fused.hopper.gemm import lsa_partial_launch
 

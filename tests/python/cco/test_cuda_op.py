@@ -633,3 +633,38 @@ def test_dma_producer_rule_reads_its_table(monkeypatch):
         rows = cuda.DMA_PRODUCER[quant]
         bounds = [largest for largest, _ in rows[:-1]]
         assert rows[-1][0] is None and bounds == sorted(bounds) and {p for _, p in rows} <= set(cuda.PRODUCERS)
+
+
+def test_decode_split_rule(monkeypatch):
+    """``CudaBackend.splits_decode``: off by default (``DECODE_SPLIT``); on, ptpc and blockscale calls
+    of up to ``DECODE_SPLIT_ROWS`` rows whose rows are contiguous and whose scales lie as the
+    activation quantizer writes them (blockscale: [M, K/128] with stride (1, M)) and whose K is a
+    multiple of 128; the backend's ``decode_split`` forces it either way within what the decode MMA
+    takes (1..MMA_ROWS_MAX rows); mxfp8 never."""
+    import types
+
+    from cco.backends import cuda as C
+    from kernels_fused.hopper.decode import MMA_ROWS_MAX
+
+    backend = C.CudaBackend.__new__(C.CudaBackend)  # (the rule reads the config and the switches only)
+
+    def takes(quant, m, *, k=256, on=False, force=None, scale_layout="quantizer"):
+        monkeypatch.setattr(C, "DECODE_SPLIT", on)
+        backend.config, backend.decode_split = types.SimpleNamespace(quant=quant, k=k), force
+        groups = max(1, k // 128)
+        if quant == "ptpc":
+            scales = torch.zeros(m)
+        else:
+            scales = torch.zeros(groups, m).t() if scale_layout == "quantizer" else torch.zeros(m, groups)
+        return backend.splits_decode(torch.zeros(m, k), scales, m)
+
+    assert not C.DECODE_SPLIT or __import__("os").environ.get("CCO_DECODE_SPLIT") == "1"
+    for quant in ("ptpc", "blockscale"):
+        assert not takes(quant, 8) and takes(quant, 8, on=True) and takes(quant, 8, force=True)
+        assert not takes(quant, 8, on=True, force=False)
+        assert takes(quant, C.DECODE_SPLIT_ROWS[quant], on=True)
+        assert not takes(quant, C.DECODE_SPLIT_ROWS[quant] + 1, on=True)
+        assert not takes(quant, MMA_ROWS_MAX + 1, force=True)
+        assert not takes(quant, 8, k=200, force=True)
+    assert not takes("blockscale", 8, k=512, force=True, scale_layout="row-major")
+    assert not takes("mxfp8", 8, on=True) and not takes("mxfp8", 8, force=True)
