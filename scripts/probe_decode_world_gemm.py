@@ -26,7 +26,6 @@ Every arm is checked against the fp32 product (none outside the fp8 budget, equa
 repeat) before it is timed; each is timed as a graph of 10 calls on one weight and, in the same
 passes, on 10 weights in turn (``us_cold``: a model's layers each read their own). Lower is better.
 """
-import dataclasses
 import json
 import sys
 import time
@@ -45,14 +44,11 @@ def lsa_config(quant: str, n: int, world: int):
     """The GemmConfig the CUDA backend's lsa kernel runs for ``quant`` at N = ``n`` over ``world``
     ranks (``CudaBackend._init_lsa``: the layout's m-tile, the quant's tile two layout tiles wide
     where the slice allows, the ticket launch)."""
-    from cco.backends.cuda import LSA_LAUNCH, CudaBackend
+    from cco.backends import cuda
     from kernels_fused.hopper.gemm import default_config
 
-    base = default_config(quant)
-    block_m, block_n = CudaBackend.tile(quant)
-    n_slice = n // world
-    width = 2 if n_slice % (2 * block_n) == 0 and base.block_n == 2 * block_n else 1
-    return dataclasses.replace(base, block_m=block_m, block_n=block_n * width, launch=LSA_LAUNCH)
+    block_m, block_n = cuda.CudaBackend.tile(quant)
+    return cuda.lsa_config(default_config(quant), block_m=block_m, block_n=block_n, n_slice=n // world)[0]
 
 
 def parse_args(argv=None):

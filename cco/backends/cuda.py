@@ -296,6 +296,14 @@ def fused_config(cfg: layout.OpConfig):
     return dataclasses.replace(base, block_m=cfg.block_m, block_n=cfg.block_n * weight), weight
 
 
+def lsa_config(base, *, block_m: int, block_n: int, n_slice: int):
+    """(GemmConfig, tile weight) of the lsa kernel: the quant's fused tile ``base`` over the layout's
+    ``block_m`` x ``block_n`` tiles, two layout tiles wide where ``base`` is and a rank's ``n_slice``
+    columns hold them in pairs, claimed by ticket (``LSA_LAUNCH``)."""
+    width = 2 if n_slice % (2 * block_n) == 0 and base.block_n == 2 * block_n else 1
+    return dataclasses.replace(base, block_m=block_m, block_n=block_n * width, launch=LSA_LAUNCH), width
+
+
 def dense_block_scales(quant: str, a_scale: torch.Tensor, rows: int) -> torch.Tensor:
     """``a_scale`` of a block of ``rows`` rows as a GEMM of those rows reads it: blockscale's
     ``[rows, K/128]`` column-major with column stride ``rows`` (a copy where it is a view of a longer
@@ -488,10 +496,8 @@ class CudaBackend(Backend):
         from kernels_fused.hopper.gemm import LsaWindow, peer_deltas
 
         cfg, w, r = self.config, self.config.window, self.rank
-        width = 2 if cfg.n_slice % (2 * cfg.block_n) == 0 and base.block_n == 2 * cfg.block_n else 1
-        self.lsa_weight = width
-        self.lsa_config = dataclasses.replace(base, block_m=cfg.block_m, block_n=cfg.block_n * width,
-                                              launch=LSA_LAUNCH)
+        self.lsa_config, self.lsa_weight = lsa_config(base, block_m=cfg.block_m, block_n=cfg.block_n,
+                                                      n_slice=cfg.n_slice)
         deltas = peer_deltas([self.window.tensor(w.header, rank=p).data_ptr() for p in range(self.world)], r)
         fp8 = cfg.gather_dtype == "fp8"
         self.lsa_window = LsaWindow(
@@ -536,9 +542,10 @@ class CudaBackend(Backend):
                                                                       k=self.config.k)
         return cfg
 
-    def _kept(self, key: tuple, build) -> torch.Tensor:
-        """The call shape's device tensor under ``key`` (a tile table, a chunk map), ``build()`` once:
-        kept for the backend's life (the window's m_max bounds the shapes)."""
+    def _kept(self, key: tuple, build):
+        """The call shape's device tensor under ``key`` (a tile table, a chunk map; or what a decode
+        call's path keeps per M, ``_decode_lsa``), ``build()`` once: kept for the backend's life (the
+        window's m_max bounds the shapes)."""
         kept = self._tables.get(key)
         if kept is None:
             kept = self._tables[key] = build()
@@ -600,9 +607,8 @@ class CudaBackend(Backend):
         quant = self.config.quant
         if quant not in QUANTIZED_ROWS or (force is None and m > DECODE_SPLIT_ROWS.get(quant, 0)):
             return False
-        scales = (m,) if quant == "ptpc" else (1, m)
         return (1 <= m <= MMA_ROWS_MAX and self.config.k % SCALE_BLOCK == 0 and a.is_contiguous()
-                and (a_scale.is_contiguous() if quant == "ptpc" else a_scale.stride() == scales))
+                and (a_scale.is_contiguous() if quant == "ptpc" else a_scale.stride() == (1, m)))
 
     def _decode_lsa(self, a, w, a_scale, b_scale, out, plan) -> None:
         """A fused lsa call as the decode MMA over ``a`` and the row-major weight ``w`` (``_unshuffled``)
@@ -612,14 +618,16 @@ class CudaBackend(Backend):
         from kernels_fused.hopper.decode import RowsMma
         from kernels_fused.hopper.gemm import lsa_partial_launch
 
-        m, n = plan.m, self.config.n
-        mma = self._kept(("decode mma", m), lambda: RowsMma(self.config.quant, m, self.config.k, n, self.device))
-        partial = self._kept(("decode partial", m), lambda: self.partial.view(-1)[:m * n].view(m, n))
-        # the transfers' launch kept per M with the partial bound (an eager call's host time: the
-        # kept lsa call's reason, "The kept world-2 call" in docs/decode.md)
-        transfers = self._kept(("decode transfers", m), lambda: lsa_partial_launch(
-            partial, quant=self.config.quant, out=out, win=self.lsa_window, tile_table=self._lsa_table(m),
-            rank=self.rank, config=self.lsa_config, move_bytes=not (self.faults is not None and self.faults.silent)))
+        m = plan.m
+
+        def build():  # per M: the MMA, its partial, and the transfers' launch with the partial bound (an
+            # eager call's host time: the kept lsa call's reason, "The kept world-2 call" in docs/decode.md)
+            cfg = self.config
+            partial = self.partial.view(-1)[:m * cfg.n].view(m, cfg.n)
+            return RowsMma(cfg.quant, m, cfg.k, cfg.n, self.device), partial, lsa_partial_launch(
+                partial, quant=cfg.quant, out=out, win=self.lsa_window, tile_table=self._lsa_table(m), rank=self.rank,
+                config=self.lsa_config, move_bytes=not (self.faults is not None and self.faults.silent))
+        mma, partial, transfers = self._kept(("decode", m), build)
         mma(a, a_scale, w, b_scale, partial)
         self._lsa_call(plan, lambda stamp: transfers(partial, partial, out, stamp))
 

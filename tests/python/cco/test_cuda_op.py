@@ -641,6 +641,7 @@ def test_decode_split_rule(monkeypatch):
     activation quantizer writes them (blockscale: [M, K/128] with stride (1, M)) and whose K is a
     multiple of 128; the backend's ``decode_split`` forces it either way within what the decode MMA
     takes (1..MMA_ROWS_MAX rows); mxfp8 never."""
+    import os
     import types
 
     from cco.backends import cuda as C
@@ -658,7 +659,7 @@ def test_decode_split_rule(monkeypatch):
             scales = torch.zeros(groups, m).t() if scale_layout == "quantizer" else torch.zeros(m, groups)
         return backend.splits_decode(torch.zeros(m, k), scales, m)
 
-    assert not C.DECODE_SPLIT or __import__("os").environ.get("CCO_DECODE_SPLIT") == "1"
+    assert not C.DECODE_SPLIT or os.environ.get("CCO_DECODE_SPLIT") == "1"
     for quant in ("ptpc", "blockscale"):
         assert not takes(quant, 8) and takes(quant, 8, on=True) and takes(quant, 8, force=True)
         assert not takes(quant, 8, on=True, force=False)
