@@ -22,8 +22,8 @@ to the rank's text.
 
 ``--alternate PASSES`` (world >= 2) compares the layer's call with and without the op's kept
 collective call, pass by pass; ``--alternate-split PASSES`` its GEMM on the decode MMA before the lsa
-kernel's transfers against the lsa kernel's own (``CCO_DECODE_SPLIT``: what an eager call costs with
-the second launch)::
+kernel's transfers against the lsa kernel's own (``CCO_DECODE_SPLIT``, on by default: what an eager
+call costs with the second launch)::
 
     torchrun --nproc-per-node 2 -m scripts.profile_decode_call --quant ptpc -n 4096 -k 7168 -m 8 --calls 100 --alternate-split 10
 """

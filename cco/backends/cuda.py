@@ -43,7 +43,7 @@ assemble by one kernel (``kernels_fused.hopper.gemm.fp8_gemm_lsa``) and no side 
 claim the entries of a walk that stores every peer's tiles straight into the owner's ``recv``, then
 reduces the own tiles as the peers' tiles land and stores them into every peer's ``gather``, then
 copies the peers' gathered tiles into ``out`` as they land. split-lsa is not implemented on CUDA.
-With ``DECODE_SPLIT`` (``CCO_DECODE_SPLIT=1``; off by default) a call of at most ``DECODE_SPLIT_ROWS``
+With ``DECODE_SPLIT`` (on by default; ``CCO_DECODE_SPLIT=0`` turns it off) a call of at most ``DECODE_SPLIT_ROWS``
 rows computes its GEMM first with the decode MMA on every multiprocessor into an [M, N] partial, and
 the same kernel then runs only its transfers on it (``_decode_lsa``).
 
@@ -225,12 +225,12 @@ LSA_AUTO_MAX_ELEMENTS = {"bf16": 8192 * 7168, "fp8": 2048 * 7168}
 # MMA plus one more launch: 0.7-28.7 us less a call at every cell (median ratio 0.66). mxfp8 (no fp8
 # MMA over its rows past one) keeps the lsa kernel's GEMM.
 DECODE_SPLIT_ROWS = {"ptpc": 64, "blockscale": 64}
-# Off by default (CCO_DECODE_SPLIT=1 turns it on), eager and captured calls alike when on. Taken under
+# On by default (CCO_DECODE_SPLIT=0 turns it off), eager and captured calls alike: taken under
 # graph captures only, it made a captured greedy decode at world 2 pick other tokens than the eager
-# steps (test_cuda_hf's static-cache check, 2026-12-07: the two GEMMs sum in other orders), and an
-# eager call's host cost with the second launch (eager decode at world >= 2 is bound by the host) is
-# not measured on two GPUs; the GPU suite has run the path forced (test_cuda_op) but not a model on it.
-DECODE_SPLIT = os.environ.get("CCO_DECODE_SPLIT", "0") == "1"
+# steps (test_cuda_hf's static-cache check, 2026-12-07: the two GEMMs sum in other orders); taken by
+# both, the whole GPU suite passed (one H100, 2026-12-07 09:13-09:31 UTC). Its eager cost: one launch
+# more than the kept lsa call (docs/decode.md, "On by default").
+DECODE_SPLIT = os.environ.get("CCO_DECODE_SPLIT", "1") != "0"
 
 
 def _not_capturing() -> bool:

@@ -571,8 +571,8 @@ class RowsMma:
     few rows computes its partial so on every multiprocessor before the lsa kernel moves it
     (``cco.backends.cuda.DECODE_SPLIT_ROWS``). ptpc and blockscale (``QUANTIZED_ROWS``), 1..
     ``MMA_ROWS_MAX`` rows. It keeps its split's counters and partials (one launch at a time: the
-    caller's stream orders its calls) and zeroes the counters before each launch, which the
-    decode path's quantizer does there."""
+    caller's stream orders its calls); the counters start at zero and each block's last slice
+    sets its count back to zero (``decode_mma_rows_kernel``), so a call is the MMA's one launch."""
 
     __slots__ = ("kernel", "ints", "consts", "counters", "parts")
 
@@ -589,8 +589,6 @@ class RowsMma:
                  out: torch.Tensor) -> None:
         """``out [m, N] = (q @ dequant(w).T)`` in bf16 (``w [N_pad, K_PAD]`` row-major e4m3, ``w_scale``
         in ``cco.quant``'s layout; ``out`` contiguous)."""
-        if self.consts[5] > 1:  # SPLIT: the last slice of a block to arrive finishes it
-            self.counters.zero_()
         self.kernel(out.get_device(), q, sa, w, w_scale, out, out, self.counters, self.parts, *self.ints,
                     w_scale.stride(0), *self.consts)
 

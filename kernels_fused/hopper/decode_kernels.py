@@ -215,9 +215,12 @@ def _mma_rows(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, cnt_ptr, part_ptr
 
     ``SPLIT`` > 1 (a weight of few ``BLOCK_N`` blocks, which would leave most SMs idle): each
     program stores its fp32 partial to ``part`` (``SPLIT`` per n block), then counts itself in on
-    the n block's int32 ``cnt`` (zero before the call: the quantizer's launch zeroes it); the last
-    to arrive sums the partials in slice order, so the bits do not depend on which program came
-    last, and finishes as an unsplit program does."""
+    the n block's int32 ``cnt`` (zero before the call); the last to arrive sums the partials in
+    slice order, so the bits do not depend on which program came last, finishes as an unsplit
+    program does, and sets the count back to zero: a caller that keeps its counters
+    (``decode.RowsMma``) launches no zeroing before each call, one launch less an eager call (the
+    next launch on the stream starts after this one has ended; the decode path's quantizer still
+    zeroes its own scratch, which is new each call)."""
     cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = cols < N
     rows = tl.arange(0, ROWS)
@@ -238,6 +241,8 @@ def _mma_rows(q_ptr, sa_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, cnt_ptr, part_ptr
                 total += tl.load(parts + j * (BLOCK_N * ROWS) + tile, cache_modifier=".cg")
             _finish_rows(total, sa_ptr, ws_ptr, bias_ptr, out_ptr, cols, n_ok, rows, r_ok, N, QUANT, HAS_BIAS,
                          ROUND_IN_FP32)
+            tl.atomic_xchg(cnt_ptr + block, 0, sem="relaxed", scope="gpu")  # every slice has arrived: no one
+            # counts on this block again in this launch
 
 
 @triton.jit

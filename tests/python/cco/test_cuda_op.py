@@ -438,8 +438,9 @@ def _decode_split(op, probs, b_pre, log, quant, gather):
     then the path forced under a capture (taken through the op's kept collective call, which the
     eager calls made), replayed 20 times with the inputs alternating and out, recv, gather and the
     partial region poisoned with NaN before each replay: bit for bit the forced eager call of the
-    same input (the same kernels over the same bytes); and the rule's pick eagerly (``DECODE_SPLIT``,
-    off by default: the lsa kernel's GEMM). A spy counts the calls that took the path."""
+    same input (the same kernels over the same bytes); and the rule's pick eagerly (``DECODE_SPLIT``:
+    on by default, the decode MMA; ``CCO_DECODE_SPLIT=0``, the lsa kernel's GEMM). A spy counts the
+    calls that took the path."""
     from cco import quant as Q
     from cco.backends import cuda as C
 
@@ -636,16 +637,28 @@ def test_dma_producer_rule_reads_its_table(monkeypatch):
 
 
 def test_decode_split_rule(monkeypatch):
-    """``CudaBackend.splits_decode``: off by default (``DECODE_SPLIT``); on, ptpc and blockscale calls
+    """``CudaBackend.splits_decode``: on by default (``DECODE_SPLIT``; ``CCO_DECODE_SPLIT=0`` turns it
+    off, any other value leaves it on: a fresh interpreter each); on, ptpc and blockscale calls
     of up to ``DECODE_SPLIT_ROWS`` rows whose rows are contiguous and whose scales lie as the
     activation quantizer writes them (blockscale: [M, K/128] with stride (1, M)) and whose K is a
     multiple of 128; the backend's ``decode_split`` forces it either way within what the decode MMA
     takes (1..MMA_ROWS_MAX rows); mxfp8 never."""
     import os
+    import subprocess
+    import sys
     import types
 
     from cco.backends import cuda as C
     from kernels_fused.hopper.decode import MMA_ROWS_MAX
+
+    def default(value):  # DECODE_SPLIT as an interpreter with CCO_DECODE_SPLIT=value (None: unset) reads it
+        env = {k: v for k, v in os.environ.items() if k != "CCO_DECODE_SPLIT"}
+        if value is not None:
+            env["CCO_DECODE_SPLIT"] = value
+        return subprocess.run([sys.executable, "-c", "import cco.backends.cuda as C; print(C.DECODE_SPLIT)"],
+                              env=env, capture_output=True, text=True, check=True, timeout=120).stdout.strip()
+
+    assert [default(v) for v in (None, "0", "1")] == ["True", "False", "True"]
 
     backend = C.CudaBackend.__new__(C.CudaBackend)  # (the rule reads the config and the switches only)
 
@@ -659,7 +672,6 @@ def test_decode_split_rule(monkeypatch):
             scales = torch.zeros(groups, m).t() if scale_layout == "quantizer" else torch.zeros(m, groups)
         return backend.splits_decode(torch.zeros(m, k), scales, m)
 
-    assert not C.DECODE_SPLIT or os.environ.get("CCO_DECODE_SPLIT") == "1"
     for quant in ("ptpc", "blockscale"):
         assert not takes(quant, 8) and takes(quant, 8, on=True) and takes(quant, 8, force=True)
         assert not takes(quant, 8, on=True, force=False)
