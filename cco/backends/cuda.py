@@ -91,11 +91,13 @@ import torch
 from cco import layout
 from cco.backends.base import Backend, WeightDerived, row_major_readings
 from cco.preshuffle import unshuffle_b
+from cco.quant import SCALE_BLOCK
 from cco.transport.base import REJECTED_M, stamp_seq, unstamp_seq_m
 from cco.transport.protocol import PeerMismatchError
 from cco.transport.reasons import post_rejection
 from kernels_fused.hopper import gemm as hopper_gemm
 from kernels_fused.hopper import vendor
+from kernels_fused.hopper.decode import MMA_ROWS_MAX, QUANTIZED_ROWS, RowsMma
 
 GEMM_BLOCK_M = 128  # wgmma-friendly tile rows; also the layout's m-tile (chunk granularity), but
 # blockscale's, whose fused kernel runs 64-row programs (CudaBackend.tile)
@@ -601,9 +603,6 @@ class CudaBackend(Backend):
         force = self.decode_split
         if force is False or (force is None and not DECODE_SPLIT):  # (first: every kept eager call asks)
             return False
-        from cco.quant import SCALE_BLOCK
-        from kernels_fused.hopper.decode import MMA_ROWS_MAX, QUANTIZED_ROWS
-
         quant = self.config.quant
         if quant not in QUANTIZED_ROWS or (force is None and m > DECODE_SPLIT_ROWS.get(quant, 0)):
             return False
@@ -615,7 +614,6 @@ class CudaBackend(Backend):
         into an [M, N] partial (the window's partial region read as rows: the dma path's producer,
         which also fills it, has finished with it by the end of its call), then the lsa kernel's
         transfers on that partial."""
-        from kernels_fused.hopper.decode import RowsMma
         from kernels_fused.hopper.gemm import lsa_partial_launch
 
         m = plan.m
@@ -960,7 +958,7 @@ class CudaBackend(Backend):
         """Operands of the op's shape, quant and ``m`` rows whose product is NaN everywhere: A all
         e4m3 NaN, B zero, unit scales in the quant's layouts. A call on them runs the kernels a real
         call of the peers runs (no kernel variant compiles while their deadline runs) and sends NaN."""
-        from cco.quant import E8M0, FP8, MX_GROUP, SCALE_BLOCK
+        from cco.quant import E8M0, FP8, MX_GROUP
 
         cfg, dev = self.config, self.device
         a = torch.full((m, cfg.k), 0x7F, dtype=torch.uint8, device=dev).view(FP8)  # 0x7F: e4m3fn NaN

@@ -759,7 +759,7 @@ def _lsa_launch(a, b, a_scale, b_scale, *, quant, out, win, tile_table, rank, st
     # kernel's do_not_specialize), the launch options and the device: a decode-sized call's host time
     # is mostly its launch (docs/decode.md, "World 2 and more"). The window's tensors are keyed once per
     # window (LsaWindow.launch_args); the call's own (operands, out, tile table) and every integer here.
-    key = (fixed, specialization(args[2:7] + (tile_table,)), n_tiles, rank, args[_LSA_STAMP + 1:],
+    key = (fixed, specialization(args[_LSA_A:_LSA_OUT + 1] + (tile_table,)), n_tiles, rank, args[_LSA_STAMP + 1:],
            programs or n_tiles, config.num_warps, config.num_stages, out.get_device())
     launch = _LSA_LAUNCHES.get(key)
     if launch is None:
@@ -785,6 +785,12 @@ class LsaLaunch:
     def __init__(self, args: tuple, launch, *, device: int, quant: str, a_block, aligned: tuple):
         self.args, self.launch, self.device, self.quant = list(args), launch, device, quant
         self.a_block, self.aligned = a_block, aligned
+        self._drop_call()  # the example call's rows, scales and out: layout only, not held
+
+    def _drop_call(self) -> None:
+        """Hold none of a call's own tensors (rows, their scales, out) between calls."""
+        args = self.args
+        args[_LSA_A] = args[_LSA_A_SCALE] = args[_LSA_OUT] = None
 
     def __call__(self, a, a_scale, out, stamp: int) -> None:
         if self.quant == "mxfp8":  # the kernel takes bf16 rows (_operands); the scale argument is unread
@@ -794,17 +800,17 @@ class LsaLaunch:
         if self.a_block is not None:
             from triton.tools.tensor_descriptor import TensorDescriptor
 
-            args[2] = TensorDescriptor.from_tensor(a, self.a_block)
+            args[_LSA_A] = TensorDescriptor.from_tensor(a, self.a_block)
         else:
-            args[2] = a
-        args[4], args[6], args[_LSA_STAMP] = a_scale, out, stamp
+            args[_LSA_A] = a
+        args[_LSA_A_SCALE], args[_LSA_OUT], args[_LSA_STAMP] = a_scale, out, stamp
         try:
             if aligned:
                 self.launch(self.device, *args)
             else:
                 self.launch.run_jit(self.device, *args)
-        finally:  # hold none of this call's tensors past it
-            args[2] = args[4] = args[6] = None
+        finally:
+            self._drop_call()
 
 
 def lsa_launch(a, b, a_scale, b_scale, *, quant: str, out: torch.Tensor, win: LsaWindow, tile_table: torch.Tensor,
@@ -816,12 +822,11 @@ def lsa_launch(a, b, a_scale, b_scale, *, quant: str, out: torch.Tensor, win: Ls
     args, launch = _lsa_launch(a, b, a_scale, b_scale, quant=quant, out=out, win=win, tile_table=tile_table,
                                rank=rank, stamp=0, config=config, from_partial=False, move_bytes=True,
                                validated=True, b_dense=b_dense)
-    aligned = (args[2].base if config.tma else args[2], args[4], out)
-    kept = LsaLaunch(args, launch, device=out.get_device(), quant=quant,
+    a_arg = args[_LSA_A]
+    aligned = (a_arg.base if config.tma else a_arg, args[_LSA_A_SCALE], out)
+    return LsaLaunch(args, launch, device=out.get_device(), quant=quant,
                      a_block=[config.block_m, config.block_k] if config.tma else None,
                      aligned=tuple(t.data_ptr() % 16 for t in aligned))
-    kept.args[2] = kept.args[4] = kept.args[6] = None
-    return kept
 
 
 def lsa_partial_launch(partial: torch.Tensor, *, quant: str, out: torch.Tensor, win: LsaWindow,
@@ -832,13 +837,12 @@ def lsa_partial_launch(partial: torch.Tensor, *, quant: str, out: torch.Tensor, 
     args, launch = _lsa_launch(None, None, None, None, quant=quant, out=out, win=win, tile_table=tile_table,
                                rank=rank, stamp=0, config=config, from_partial=True, move_bytes=move_bytes,
                                validated=True, b_dense=None, partial=partial)
-    kept = LsaLaunch(args, launch, device=out.get_device(), quant=quant, a_block=None,
+    return LsaLaunch(args, launch, device=out.get_device(), quant=quant, a_block=None,
                      aligned=tuple(t.data_ptr() % 16 for t in (partial, partial, out)))
-    kept.args[2] = kept.args[4] = kept.args[6] = None
-    return kept
 
 
-_LSA_STAMP = 17  # the position of ``stamp`` among fp8_gemm_lsa_kernel's arguments
+# positions among fp8_gemm_lsa_kernel's arguments (_lsa_launch's ``args``) of what each call brings
+_LSA_A, _LSA_A_SCALE, _LSA_OUT, _LSA_STAMP = 2, 4, 6, 17
 _LSA_LAUNCHES: dict = {}  # fp8_gemm_lsa's kept launches (kernels_fused.hopper.launch), by call shape
 
 

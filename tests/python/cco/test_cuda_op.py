@@ -658,7 +658,7 @@ def test_decode_split_rule(monkeypatch):
         return subprocess.run([sys.executable, "-c", "import cco.backends.cuda as C; print(C.DECODE_SPLIT)"],
                               env=env, capture_output=True, text=True, check=True, timeout=120).stdout.strip()
 
-    assert [default(v) for v in (None, "0", "1")] == ["True", "False", "True"]
+    assert [default(v) for v in (None, "0", "1", "yes")] == ["True", "False", "True", "True"]
 
     backend = C.CudaBackend.__new__(C.CudaBackend)  # (the rule reads the config and the switches only)
 
