@@ -53,8 +53,8 @@ class AllGatherGemmOp(CollectiveGemmOp):
     _FN = _FN
 
     def __init__(self, comm, *, n: int, k: int, m_max: int, quant: str = "ptpc", mode: str = "fused",
-                 transport: str | None = None, chunks: int | None = None, deadline_s: float = DEFAULT_DEADLINE_S,
-                 faults=None, weight_layout: str = "bpreshuffle"):
+                 transport: str | None = None, chunks: int | tuple[int, ...] | None = None,
+                 deadline_s: float = DEFAULT_DEADLINE_S, faults=None, weight_layout: str = "bpreshuffle"):
         super().__init__(comm, pattern="all-gather", faults=faults, arguments=dict(
             n=n, k=k, m_max=m_max, quant=quant, mode=mode, transport=transport, gather_dtype="bf16",
             chunks=chunks, deadline_s=deadline_s, weight_layout=weight_layout))

@@ -322,7 +322,7 @@ def valid_tag(tag) -> bool:
 
 
 def build_config(*, n: int, k: int, m_max: int, world: int, quant: str = "ptpc", mode: str = "fused",
-                 transport: str | None = None, gather_dtype: str = "bf16", chunks: int | None = None,
+                 transport: str | None = None, gather_dtype: str = "bf16", chunks: int | tuple[int, ...] | None = None,
                  block_m: int | None = None, block_n: int | None = None,
                  default_transport: str = "dma", weight_layout: str = "bpreshuffle",
                  pattern: str = "all-reduce") -> OpConfig:

@@ -697,9 +697,10 @@ class CollectiveGemmOp:
 
     def __repr__(self):
         c = self.config
+        gather = f", gather_dtype={c.gather_dtype!r}" if c.pattern_spec.gather else ""  # (a constructor argument
+        # of the all-reduce alone: the other patterns gather no output)
         return (f"{self._FN}(rank={self.rank}/{self.world}, n={c.n}, k={c.k}, m_max={c.m_max}, quant={c.quant!r}, "
-                f"mode={c.mode!r}, transport={c.transport!r}, gather_dtype={c.gather_dtype!r}, chunks={c.chunks}"
-                f"{self._repr_extra()})")
+                f"mode={c.mode!r}, transport={c.transport!r}{gather}, chunks={c.chunks}{self._repr_extra()})")
 
     def _repr_extra(self) -> str:
         return ""
@@ -799,7 +800,7 @@ class GemmAllReduceOp(ScatterGemmOp):
     _FN = _FN
 
     def __init__(self, comm, *, n: int, k: int, m_max: int, quant: str = "ptpc", mode: str = "fused",
-                 transport: str | None = None, gather_dtype: str = "bf16", chunks: int | None = None,
+                 transport: str | None = None, gather_dtype: str = "bf16", chunks: int | tuple[int, ...] | None = None,
                  deadline_s: float = DEFAULT_DEADLINE_S, faults=None, weight_layout: str = "bpreshuffle"):
         super().__init__(comm, pattern="all-reduce", faults=faults, arguments=dict(
             n=n, k=k, m_max=m_max, quant=quant, mode=mode, transport=transport, gather_dtype=gather_dtype,

@@ -47,7 +47,7 @@ class GemmReduceScatterOp(ScatterGemmOp):
     _FN = _FN
 
     def __init__(self, comm, *, n: int, k: int, m_max: int, scatter_dim: int = 0, quant: str = "ptpc",
-                 mode: str = "fused", transport: str | None = None, chunks: int | None = None,
+                 mode: str = "fused", transport: str | None = None, chunks: int | tuple[int, ...] | None = None,
                  deadline_s: float = DEFAULT_DEADLINE_S, faults=None, weight_layout: str = "bpreshuffle"):
         error = None
         try:

@@ -152,6 +152,8 @@ def run(opts, device) -> dict:
     arms = {"eager": block, "compiled": torch.compile(block, fullgraph=True, mode=opts.compile_mode)}
     arms = {name: fn for name, fn in arms.items() if opts.compile in ("both", "on" if name == "compiled" else "off")}
     result = {"repr": repr(block.down), "tp": tp, "arms": {}}
+    if sp:  # the column layer's path too: fused, or unfused and why
+        result["gate_up repr"] = repr(block.gate_up)
     for name, fn in arms.items():
         block.zero_grad(set_to_none=True)
         with torch.set_grad_enabled(opts.train):
@@ -181,6 +183,8 @@ def report(results: list[dict], opts) -> bool:
           f"quant={opts.quant}, world {len(results)}, TP {r0['tp']}"
           + (", sequence parallel" if r0.get("sequence_parallel") else ""))
     print(f"  rank 0 down projection: {r0['repr']}")
+    if "gate_up repr" in r0:
+        print(f"  rank 0 gate/up projection: {r0['gate_up repr']}")
     ok = True
     for name in r0["arms"]:
         for what in r0["arms"][name]:
@@ -189,26 +193,29 @@ def report(results: list[dict], opts) -> bool:
                 else FP8_TOL
             good = worst <= tol
             ok &= good
-            print(f"  {name:8s} {what:24s} rel L2 {worst:.2e} (worst rank, tol {tol:.0e}) -> {'ok' if good else 'FAIL'}")
+            print(f"  {name:8s} {what:24s} rel L2 {worst:.2e} (worst rank, tol {tol:g}) -> {'ok' if good else 'FAIL'}")
     print("PASS" if ok else "FAIL")
     return ok
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m examples.tp_mlp", description=__doc__.split("\n\n")[0])
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--intermediate", type=int, default=1536)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq", type=int, default=24)
-    p.add_argument("--quant", choices=Q.QUANTS, default="ptpc")
+    p = argparse.ArgumentParser(prog="python -m examples.tp_mlp", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--hidden", type=int, default=512, help="hidden size H")
+    p.add_argument("--intermediate", type=int, default=1536, help="intermediate size I (split over the TP ranks)")
+    p.add_argument("--batch", type=int, default=2, help="sequences per DP replica")
+    p.add_argument("--seq", type=int, default=24, help="tokens per sequence")
+    p.add_argument("--quant", choices=Q.QUANTS, default="ptpc", help="fp8 format of the cco layers")
     p.add_argument("--m-max", type=int, default=256, help="tokens one fused call takes (sizes the window)")
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: the whole world)")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size; None: the whole world")
     p.add_argument("--world", type=int, default=2, help="ranks to spawn when not under torchrun")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--compile", choices=("off", "on", "both"), default="both")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: start the ranks with torchrun")
+    p.add_argument("--compile", choices=("off", "on", "both"), default="both",
+                   help="run the block eager (off), under torch.compile(fullgraph=True) (on), or both")
     p.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. reduce-overhead (CUDA graphs)")
-    p.add_argument("--train", action="store_true", help="a trainable down projection; also run a backward and check "
-                   "this rank's weight gradients (no communication: the row-parallel backward needs none)")
+    p.add_argument("--train", action="store_true", help="trainable weights: also run a backward and check this "
+                   "rank's gate/up and down weight gradients against the unfused model's (with --sequence-parallel "
+                   "the backward runs the dual collectives: reduce-scatter of grad_x, all-gather of grad_y)")
     p.add_argument("--sequence-parallel", action="store_true", help="keep each TP rank's block of tokens between "
                    "the layers: ColumnParallelLinear(sequence_parallel=True) fuses the all-gather into gate/up, "
                    "RowParallelLinear(sequence_parallel=True) ends in a reduce-scatter")
@@ -226,10 +233,22 @@ def _check_tp(tp: int | None, world: int, opts=None) -> int:
     tp = world if tp is None else tp
     if tp < 1 or world % tp:
         raise SystemExit(f"--tp={tp} must be a positive divisor of the world ({world} ranks)")
-    if opts is not None and opts.sequence_parallel and (opts.batch * opts.seq) % tp:
-        raise SystemExit(f"--sequence-parallel: --batch x --seq = {opts.batch * opts.seq} tokens must be a multiple "
-                         f"of TP={tp} (each TP rank keeps its block of them)")
+    if opts is not None and opts.sequence_parallel:
+        tokens = opts.batch * opts.seq
+        if tokens % tp:
+            raise SystemExit(f"--sequence-parallel: --batch x --seq = {tokens} tokens must be a multiple of TP={tp} "
+                             f"(each TP rank keeps its block of them)")
+        if tokens > opts.m_max:  # the layers' own check would raise on every rank, with every rank's traceback
+            raise SystemExit(f"--sequence-parallel: --m-max={opts.m_max} is below the block's {tokens} tokens "
+                             f"(--batch x --seq); a sequence-parallel call is never split: pass --m-max >= {tokens}")
     return tp
+
+
+def _started(opts, world: int) -> None:
+    """One line before the ranks build, compile and check (tens of seconds on CPU ranks)."""
+    arms = {"both": "eager and compiled", "on": "compiled", "off": "eager"}[opts.compile]
+    print(f"tp_mlp: {world} {opts.device.upper()} ranks: building the block, running it {arms}"
+          f"{' with a backward' if opts.train else ''} and checking it (CPU ranks: ~20 s)...", flush=True)
 
 
 def _rank_main(comm, opts):
@@ -248,6 +267,8 @@ def main(argv=None) -> int:
         else:
             device = torch.device("cpu")
         dist.init_process_group("gloo" if opts.device == "cpu" else "cpu:gloo,cuda:nccl")
+        if dist.get_rank() == 0:
+            _started(opts, dist.get_world_size())
         result = run(opts, device)
         results = [None] * dist.get_world_size()
         dist.all_gather_object(results, result)
@@ -261,6 +282,7 @@ def main(argv=None) -> int:
     from cco.comm import check_outcomes, spawn
 
     _check_tp(opts.tp, opts.world, opts)  # before any rank starts
+    _started(opts, opts.world)
     results = check_outcomes(spawn(_rank_main, world=opts.world, args=(opts,), timeout_s=900))
     return 0 if report(results, opts) else 1
 

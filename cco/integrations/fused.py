@@ -72,6 +72,13 @@ class FusedOptions:
     def layer_kwargs(self) -> dict:
         return dataclasses.asdict(self)
 
+    def row_kwargs(self, *, sequence_parallel: bool) -> dict:
+        """The options ``RowParallelLinear`` takes: gather_dtype without sequence parallelism (the
+        reduce-scatter gathers nothing), backward with it (the all-reduce's backward runs no
+        collective); the layer refuses the other one set, so one options object serves both styles."""
+        drop = "gather_dtype" if sequence_parallel else "backward"
+        return {k: v for k, v in self.layer_kwargs().items() if k != drop}
+
     def column_kwargs(self) -> dict:
         """The options ``ColumnParallelLinear`` takes (it gathers the input in fp8: no gather_dtype)."""
         return {k: v for k, v in self.layer_kwargs().items() if k != "gather_dtype"}
@@ -195,7 +202,8 @@ def fuse_linear(module: torch.nn.Linear, *, group, world: int, options: FusedOpt
         DEFAULT_POOL.communicator(group).agree(fn, {"module": name, "fp8": source}, error=error)
     b = _local_bias(module.bias, name=name, fn=fn)
     layer = RowParallelLinear(w.shape[1], module.out_features, group=group, bias=b is not None,
-                              sequence_parallel=sequence_parallel, **options.layer_kwargs())
+                              sequence_parallel=sequence_parallel,
+                              **options.row_kwargs(sequence_parallel=sequence_parallel))
     if fp8 is not None:
         layer.load_fp8(fp8.qweight, fp8.scale)  # the checkpoint's bytes and scales, as stored
     else:

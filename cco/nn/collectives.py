@@ -16,6 +16,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+# The tensor collectives by their current names: torch 2.13 renamed them (the old names warn on every
+# call), torch 2.11 (the GPU machines') has only the old ones. Same arguments, same result.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def flat_rows(x: torch.Tensor, features: int) -> torch.Tensor:
     """``x [..., features]`` as the rows a layer's call quantizes: ``[tokens, features]``, unit
@@ -44,9 +49,9 @@ def all_gather_rows(x: torch.Tensor, group, world: int, out: torch.Tensor | None
     x = x.contiguous()
     out = gathered_rows(x, world) if out is None else out
     if x.element_size() == 1 and x.dtype != torch.uint8:
-        dist.all_gather_into_tensor(out.view(torch.uint8), x.view(torch.uint8), group=group)
+        _all_gather_single(out.view(torch.uint8), x.view(torch.uint8), group=group)
     else:
-        dist.all_gather_into_tensor(out, x, group=group)
+        _all_gather_single(out, x, group=group)
     return out
 
 
@@ -58,7 +63,7 @@ def reduce_scatter_rows(x: torch.Tensor, group, world: int, out: torch.Tensor | 
         return x.clone()
     x = x.contiguous()
     out = scattered_rows(x, world) if out is None else out
-    dist.reduce_scatter_tensor(out, x, group=group)
+    _reduce_scatter_single(out, x, group=group)
     return out
 
 

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from cco import quant as Q
 from cco.nn.collectives import (all_gather_rows, backward_step, flat_rows, gathered_rows, reduce_scatter_rows,
                                 scattered_rows)
-from cco.nn.parallel_linear import _ParallelLinear, quantize_activation
+from cco.nn.parallel_linear import _ParallelLinear, quantize_activation, untraced
 from cco.nn.pool import WindowPool
 from cco.nn.sequence import check_token_rows
 from cco.op import DEFAULT_DEADLINE_S, GemmAllReduceOp
@@ -60,6 +60,7 @@ class ColumnParallelLinear(_ParallelLinear):
                      Without it the input is replicated and the GEMM local (the op's ``gemm-only``).
       backward:      with sequence_parallel: "bf16" (the reduce-scatter of grad_x unfused, in bf16) or
                      "fp8" (``GemmReduceScatterOp`` fuses it with grad_y @ W_r, e4m3 gradients).
+                     Without sequence_parallel the all-reduce of grad_x runs in bf16: "fp8" is refused.
 
     The weight is blank until :meth:`load_weight`, :meth:`load_fp8`, :meth:`load_checkpoint` or
     ``load_state_dict``: a call before that raises (it would return zeros); with
@@ -120,7 +121,7 @@ class ColumnParallelLinear(_ParallelLinear):
         for the replicated ``x [M, ..., in_features]`` (local)."""
         if self._decode_call(x):  # as RowParallelLinear's: an eager call of a few rows, one launch
             return self._decode(x, *self.quantized_weight(), self._parameters.get("bias"))
-        if not isinstance(x, torch.Tensor):
+        if not isinstance(x, torch.Tensor) or (untraced(x) and x.device != self.device):
             self._check_call(x)  # as RowParallelLinear's: refused on every rank of the call
         qweight, scale = self._own_work(x, self.quantized_weight)  # as RowParallelLinear's
         if self._eager(x):  # as RowParallelLinear's: an untraced inference call runs the body directly

@@ -25,14 +25,16 @@ run on, ``mode="unfused"``), the layer runs the unfused equivalent above (a GEMM
 quantized operands, then ``torch.distributed.all_reduce`` on the group), says why in ``repr`` and in
 a warning of the ``cco.nn`` logger, and every rank of the group takes the same path.
 
-Autograd (training): the backward needs no communication. The output is replicated, so each rank
-already holds the whole ``grad_y``; with straight-through quantization::
+Autograd (training): without sequence parallelism the backward needs no communication. The output
+is replicated, so each rank already holds the whole ``grad_y``; with straight-through quantization::
 
     grad_x_r = grad_y @ W_r          # W_r: the weight the forward used, dequantized to bf16
     grad_W_r = grad_y.T @ x_r        # only with trainable=True: a bf16 master weight
     grad_bias = grad_y.sum(leading)  # the same on every rank
 
-in bf16 matmuls (fp32 accumulation). A trainable layer requantizes its master weight in every
+in bf16 matmuls (fp32 accumulation). With ``sequence_parallel=True`` each rank holds only its rows
+of ``grad_y``, and ``grad_x_r = all_gather(grad_y_r, dim=0) @ W_r`` (``backward=``: the all-gather in
+bf16, or fused in fp8; ``cco.nn.sequence``). A trainable layer requantizes its master weight in every
 training forward; ``eval()`` refreshes the stored fp8 weight from it.
 """
 
@@ -68,13 +70,17 @@ class RowParallelLinear(_ParallelLinear):
       bias:          add a bf16 bias of ``out_features`` after the all-reduce.
       m_max:         rows (tokens) one op call takes; sizes the shared window. Calls with more rows
                      run in pieces of ``m_max``. Sequence parallel: every rank's tokens, at least
-                     the group's size (a smaller one is refused: no call would fit).
+                     the group's size (a smaller one is refused: no call would fit); a call is never
+                     split (more rows are refused on every rank).
       mode:          "fused" | "split" (the op's modes) | "unfused" (GEMM + all_reduce, the fallback).
-      transport, gather_dtype, chunks, deadline_s: the op's (``cco.op.GemmAllReduceOp``).
+      transport, gather_dtype, chunks, deadline_s: the op's (``cco.op.GemmAllReduceOp``);
+                     ``gather_dtype`` other than "bf16" is refused with sequence_parallel (the
+                     reduce-scatter gathers no output).
       trainable:     keep a bf16 master weight (a Parameter) and compute its gradient.
       pool:          the :class:`cco.nn.WindowPool` whose ops this layer shares (default: the process's).
       backward:      with sequence_parallel: "bf16" (the all-gather of grad_y unfused, in bf16) or "fp8"
                      (fused into grad_y @ W_r by ``AllGatherGemmOp``, e4m3 gradients); ``cco.nn.sequence``.
+                     Without sequence_parallel the backward runs no collective: "fp8" is refused.
       sequence_parallel: return this rank's rows ``r*M/W..(r+1)*M/W`` of the output (``[M/W, ...,
                      out_features]``, the first input dimension the tokens) through the fused
                      reduce-scatter (``cco.reduce_scatter``) instead of every row; ``cco.nn.sequence``.
@@ -135,12 +141,15 @@ class RowParallelLinear(_ParallelLinear):
     # ---- forward ----------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """bf16 ``[..., out_features]``, the same on every rank of the group, for this rank's input
-        slice ``x [..., in_features_per_rank]`` (any float dtype). Collective: every rank calls it
-        with the same leading shape."""
+        slice ``x [..., in_features_per_rank]`` (any float dtype); with ``sequence_parallel=True``
+        this rank's rows of it, ``[M/W, ..., out_features]`` (M: the first dimension, the tokens).
+        Collective: every rank calls it with the same leading shape, on the layer's device."""
         if self._decode_call(x):  # bias: nn.Module's lookup costs a decode call a microsecond
             return self._decode(x, *self.quantized_weight(), self._parameters.get("bias"))
-        if not isinstance(x, torch.Tensor):
-            self._check_call(x)  # refused on every rank of the call (the op's schema would refuse it here only)
+        if not isinstance(x, torch.Tensor) or (untraced(x) and x.device != self.device):
+            # refused on every rank of the call: the op's schema would refuse a non-tensor here only, and
+            # a tensor on another device would reach that device's kernel (meta: the fake one, no collective)
+            self._check_call(x)
         qweight, scale = self._own_work(x, self.quantized_weight)
         # the body checks x where it runs (_check_call): here, or in the registered op (_op_forward)
         if self.sequence_parallel:

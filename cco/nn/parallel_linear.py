@@ -105,12 +105,20 @@ def _check_arguments(fn: str, sizes: dict, *, mode, quant, backward, deadline_s,
         raise ValueError(f"{fn}: mode={mode!r} is not supported; pass one of {', '.join(MODES)}")
     Q.check_quant(quant, fn=fn)
     sequence.check_backward(backward, fn)
+    if backward != "bf16" and not sequence_parallel:  # (taken and dropped before: a silent no-op)
+        raise ValueError(f"{fn}: backward={backward!r} fuses a sequence-parallel layer's backward collective (the "
+                         f"all-gather or reduce-scatter of its gradients); without sequence_parallel=True the backward "
+                         f"runs in bf16: pass backward='bf16', or sequence_parallel=True")
     if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) or not deadline_s > 0:
         raise ValueError(f"{fn}: deadline_s={deadline_s!r} must be > 0 seconds")
     try:
         layout.check_call_options(**options)
     except ValueError as err:
         raise ValueError(f"{fn}: {err}") from None
+    if sequence_parallel and options.get("gather_dtype", "bf16") != "bf16":
+        raise ValueError(f"{fn}: gather_dtype={options['gather_dtype']!r} sets the all-reduce's gather phase; with "
+                         f"sequence_parallel=True the layer ends in a reduce-scatter, which gathers nothing: leave "
+                         f"gather_dtype at 'bf16'")
 
 
 def _master_mark(master: torch.Tensor) -> tuple[int, int]:
@@ -250,9 +258,10 @@ class _ParallelLinear(torch.nn.Module):
 
     def _check_input(self, x, *, features: int, name: str, hint: str, collective: bool) -> None:
         """Raise for an input no call takes (not a tensor, 0-d, not a float activation, another
-        feature count); where the call is ``collective``, this rank still takes part in it as a
-        rejected one first (``op.reject``), so that its peers fail the same call and every rank
-        stays in step (a rank that raised without it would pair its next call with the peers' this one)."""
+        feature count, another device than the layer's); where the call is ``collective``, this rank
+        still takes part in it as a rejected one first (``op.reject``), so that its peers fail the
+        same call and every rank stays in step (a rank that raised without it would pair its next
+        call with the peers' this one)."""
         err = None
         if not isinstance(x, torch.Tensor):
             err = TypeError(f"{self._FN}: x must be a torch.Tensor [..., {name}], got {type(x).__name__}")
@@ -266,6 +275,9 @@ class _ParallelLinear(torch.nn.Module):
         elif x.shape[-1] != features:
             err = ValueError(f"{self._FN}: x has {x.shape[-1]} features in its last dimension but the layer takes "
                              f"{name}={features}{hint}")
+        elif x.device != self.device:
+            err = ValueError(f"{self._FN}: x is on {x.device} but the layer (its weight, window and group) is on "
+                             f"{self.device}; move x there first (x.to(layer.device))")
         if err is None:
             return
         if collective:

@@ -351,6 +351,49 @@ def test_layer_options_no_backend_takes_raise_on_every_rank():
                 (o.rank, layer, mode, option, value, kind, head)
 
 
+# settings a layer took and dropped: backward="fp8" without sequence parallelism (no collective to
+# fuse), gather_dtype with it (the reduce-scatter gathers nothing); refused now, on every rank
+IGNORED_BEFORE = (("row", {"backward": "fp8"}, "backward='fp8' fuses a sequence-parallel"),
+                  ("column", {"backward": "fp8", "sequence_parallel": False},
+                   "backward='fp8' fuses a sequence-parallel"),
+                  ("row", {"gather_dtype": "fp8", "sequence_parallel": True}, "gather_dtype='fp8' sets the all-reduce"))
+
+
+def _build_with_ignored_settings(comm):
+    found = []
+    for layer, overrides, _ in IGNORED_BEFORE:
+        build = _build_column if layer == "column" else _build_layer
+        try:
+            build(comm, {comm.rank: overrides})
+            found.append(("built", ""))
+        except Exception as err:
+            found.append((type(err).__name__, str(err).splitlines()[0]))
+    return found
+
+
+def test_settings_a_layer_would_ignore_raise_on_every_rank():
+    """Before, ``RowParallelLinear(backward="fp8")`` and ``ColumnParallelLinear(backward="fp8")``
+    without sequence parallelism, and ``RowParallelLinear(sequence_parallel=True,
+    gather_dtype="fp8")``, built and dropped the setting with nothing said (each case "built"
+    there); ``cco.integrations``' ``FusedOptions`` hands each layer only what applies to it."""
+    outcomes = spawn(_build_with_ignored_settings, world=2, timeout_s=120)
+    for o in outcomes:
+        assert o.error is None, (o.rank, o.error_type, o.error)
+        for (layer, _, text), (kind, head) in zip(IGNORED_BEFORE, o.value):
+            name = "ColumnParallelLinear" if layer == "column" else "RowParallelLinear"
+            assert kind == "ValueError" and head.startswith(f"{name}:") and text in head, (o.rank, layer, kind, head)
+
+
+def test_fused_options_hand_each_row_layer_what_applies_to_it():
+    from cco.integrations.fused import FusedOptions
+
+    opts = FusedOptions(gather_dtype="fp8", backward="fp8")
+    sp, plain = opts.row_kwargs(sequence_parallel=True), opts.row_kwargs(sequence_parallel=False)
+    assert "gather_dtype" not in sp and sp["backward"] == "fp8"
+    assert "backward" not in plain and plain["gather_dtype"] == "fp8"
+    assert "gather_dtype" not in opts.column_kwargs() and opts.column_kwargs()["backward"] == "fp8"
+
+
 # --------------------------------------------------------------------------------------------------
 # the window pool: whether a family's op is open must be the same on every rank
 def _closed_on_one_rank(comm):

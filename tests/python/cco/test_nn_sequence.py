@@ -182,6 +182,49 @@ def test_a_rank_whose_tokens_do_not_split_fails_the_call_on_every_rank():
     assert shape0 == shape1 == (2, 256)
 
 
+def _wrong_device_on_one_rank(comm, kind, grad):
+    """Rank 1 passes its rows on the meta device (a tensor on another device than the layer's),
+    rank 0 real ones; then both call again with real rows."""
+    from cco.nn import ColumnParallelLinear, RowParallelLinear
+
+    torch.manual_seed(0)
+    sp = kind != "row"
+    if kind == "column-sp":
+        layer = ColumnParallelLinear(128, 64, group=comm, m_max=16, sequence_parallel=True, deadline_s=5,
+                                     trainable=grad)
+    else:
+        layer = RowParallelLinear(128, 256, group=comm, m_max=16, sequence_parallel=sp, deadline_s=5,
+                                  trainable=grad)
+    layer.load_weight(torch.randn(layer.out_features, layer.in_features_per_rank) / 16)
+    device = "meta" if comm.rank == 1 else "cpu"
+    try:
+        with torch.set_grad_enabled(grad):
+            y = layer(torch.randn(4, 128, device=device, requires_grad=grad))
+        first = ("returned", str(y.device))
+    except Exception as err:
+        first = (type(err).__name__, str(err))
+    x = torch.randn(4, 128, generator=torch.Generator().manual_seed(comm.rank))
+    with torch.no_grad():
+        again = layer(x)
+    layer.close()
+    return first, again
+
+
+@pytest.mark.parametrize("kind,grad", [("row-sp", False), ("column-sp", True), ("row", True)])
+def test_a_rank_whose_input_is_on_another_device_fails_the_call_on_every_rank(kind, grad):
+    """Before, a sequence-parallel row layer's call (any layer's, where a gradient is recorded) on
+    a meta tensor reached the registered op's fake kernel: that rank returned a meta tensor without
+    taking part, its peer's call paired with the rank's next one and returned a wrong result, and
+    the peer's next call timed out. Now the rank refuses the call before the op, naming the devices,
+    and its peer fails the same call."""
+    per_rank = check_outcomes(spawn(_wrong_device_on_one_rank, world=2, args=(kind, grad), timeout_s=90))
+    (kind0, msg0), y0 = per_rank[0]
+    (kind1, msg1), y1 = per_rank[1]
+    assert kind1 == "ValueError" and "x is on meta" in msg1 and "x.to(layer.device)" in msg1, (kind1, msg1)
+    assert kind0 == "PeerRejectedError" and "rank 1 rejected" in msg0, (kind0, msg0)
+    assert y0.device.type == y1.device.type == "cpu" and torch.isfinite(y0).all() and torch.isfinite(y1).all()
+
+
 def _one_rank_refuses_the_pattern(comm):
     """Rank 1's backend does not run the all-gather / reduce-scatter patterns (as the GPU backends
     today); rank 0's does."""
