@@ -121,7 +121,7 @@ class ColumnParallelLinear(_ParallelLinear):
         for the replicated ``x [M, ..., in_features]`` (local)."""
         if self._decode_call(x):  # as RowParallelLinear's: an eager call of a few rows, one launch
             return self._decode(x, *self.quantized_weight(), self._parameters.get("bias"))
-        if not isinstance(x, torch.Tensor) or (untraced(x) and x.device != self.device):
+        if not isinstance(x, torch.Tensor) or (x.device != self.device and untraced(x)):
             self._check_call(x)  # as RowParallelLinear's: refused on every rank of the call
         qweight, scale = self._own_work(x, self.quantized_weight)  # as RowParallelLinear's
         if self._eager(x):  # as RowParallelLinear's: an untraced inference call runs the body directly
