@@ -28,7 +28,9 @@ Guards, per check:
   bytes, and without its wait reads rows not yet written (the race shown, then shown gone);
 - a rank's own work failing inside a call (rank 1's quantizer, once) fails that call on both ranks
   (``PeerRejectedError`` on rank 0) and the next call is right, on the lsa kernel and the copy
-  engines (its code dry-run on two CPU ranks in test_local_failures.py, beside the CPU cases).
+  engines (its code dry-run on two CPU ranks in test_local_failures.py, beside the CPU cases);
+- a rank's rows on another device than the layer's (rank 1's on the CPU, eagerly and through the
+  registered op) fail that call on both ranks, and the next call is right.
 """
 
 from __future__ import annotations
@@ -242,6 +244,39 @@ def check_local_failure(comm, log):
             layer.close()
     finally:
         restore()
+
+
+def check_wrong_device(comm, log):
+    """Rank 1 passing its rows on the CPU to the CUDA layer (eagerly, and with a gradient recorded:
+    through the registered op) fails that call on both ranks, rank 1 with a ``ValueError`` that names
+    both devices, rank 0 with ``PeerRejectedError``; the next call is right, on the lsa kernel and the
+    copy engines (test_nn_sequence.py: meta rows on CPU ranks)."""
+    from cco.nn import RowParallelLinear
+
+    for transport in ("lsa", "dma"):
+        layer = RowParallelLinear(K_RANK, N, group=comm, quant="ptpc", m_max=M_MAX, transport=transport,
+                                  trainable=True, deadline_s=20)
+        layer.load_weight(_inputs(comm.rank, 0)[1].to(comm.device))
+        for grad in (False, True):
+            got = []
+            for seed in (21, 22, 23):
+                ref = _budget(comm, layer, seed)
+                x = _inputs(comm.rank, seed)[0]
+                x = x if seed == 22 and comm.rank == 1 else x.to(comm.device)
+                try:
+                    with torch.set_grad_enabled(grad):
+                        out = layer(x.requires_grad_(grad))
+                    layer.op.check()
+                    got.append(f"{_bad(out.detach(), ref)} bad")
+                except Exception as err:
+                    named = isinstance(err, ValueError) and "x is on cpu but the layer" in str(err)
+                    got.append(type(err).__name__ + (" naming the devices" if named else ""))
+            want = ["0 bad", "ValueError naming the devices" if comm.rank == 1 else "PeerRejectedError", "0 bad"]
+            if got != want:
+                raise AssertionError(f"wrong device, transport {transport}, grad {grad}: calls gave {got}, "
+                                     f"expected {want}")
+            log(f"ok rank 1's rows on the CPU ({transport}, grad {grad}): {got} on rank {comm.rank}")
+        layer.close()
 
 
 def check_layers_called_apart(comm, log):
@@ -954,6 +989,7 @@ def rank_main():
               lambda: check_decode_one_launch(comm, log), lambda: check_decode_native(comm, log),
               lambda: check_decode_split(comm, log), lambda: check_decode_vendor(comm, log), lambda: check_mxfp8_copy_under_graphs(comm, log),
               lambda: check_preshuffled_copy_under_graphs(comm, log), lambda: check_local_failure(comm, log),
+              lambda: check_wrong_device(comm, log),
               lambda: check_layers_called_apart(comm, log), lambda: check_calls_across_the_seq_wrap(comm, log)]
     failures = []
     for check in checks:  # keep going so one run reports every failing check
