@@ -253,6 +253,7 @@ def check_wrong_device(comm, log):
     copy engines (test_nn_sequence.py: meta rows on CPU ranks)."""
     from cco.nn import RowParallelLinear
 
+    problems = []
     for transport in ("lsa", "dma"):
         layer = RowParallelLinear(K_RANK, N, group=comm, quant="ptpc", m_max=M_MAX, transport=transport,
                                   trainable=True, deadline_s=20)
@@ -269,14 +270,17 @@ def check_wrong_device(comm, log):
                     layer.op.check()
                     got.append(f"{_bad(out.detach(), ref)} bad")
                 except Exception as err:
-                    named = isinstance(err, ValueError) and "x is on cpu but the layer" in str(err)
+                    # (a peer's PeerRejectedError, a ValueError too, quotes the message)
+                    named = type(err) is ValueError and "x is on cpu but the layer" in str(err)
                     got.append(type(err).__name__ + (" naming the devices" if named else ""))
             want = ["0 bad", "ValueError naming the devices" if comm.rank == 1 else "PeerRejectedError", "0 bad"]
-            if got != want:
-                raise AssertionError(f"wrong device, transport {transport}, grad {grad}: calls gave {got}, "
-                                     f"expected {want}")
-            log(f"ok rank 1's rows on the CPU ({transport}, grad {grad}): {got} on rank {comm.rank}")
+            if got != want:  # raised after every case: a rank that stopped early would leave its peer waiting
+                problems.append(f"transport {transport}, grad {grad}: calls gave {got}, expected {want}")
+            else:
+                log(f"ok rank 1's rows on the CPU ({transport}, grad {grad}): {got} on rank {comm.rank}")
         layer.close()
+    if problems:
+        raise AssertionError(f"wrong device on rank {comm.rank}: " + "; ".join(problems))
 
 
 def check_layers_called_apart(comm, log):
