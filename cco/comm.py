@@ -501,6 +501,12 @@ def spawn(fn, *, world: int, args: tuple = (), device="cpu", timeout_s: float = 
                         messages[rank] = pickle.loads(pipe.recv_bytes())
                     except EOFError:
                         break
+                    except Exception as err:  # sent, but it does not load here: this rank's error, not the parent's
+                        messages[rank] = ("error", "ResultNotReadable",
+                                          f"rank {rank}: its result was sent but does not load in the parent "
+                                          f"({type(err).__name__}: {err}); torch's pickle of some dtypes (fp8 "
+                                          f"among them, torch 2.13) does not load back: return such a tensor "
+                                          f"as its bytes, t.view(torch.uint8)", float("nan"))
                 elif not p.is_alive() or left <= 0:
                     if pipe.poll(0):
                         continue

@@ -1,9 +1,9 @@
 """Fused fp8 GEMM + all-reduce on CPU ranks, checked against the fp32 reference.
 
-    python -m cco.demo                      # spawns 2 local CPU ranks
-    python -m cco.demo --world 4 --mode split-lsa --gather-dtype fp8
-    torchrun --nproc-per-node 2 -m cco.demo # ranks from torchrun
-    mpiexec -n 2 python -m cco.demo         # ranks from mpirun (mpi4py)
+    python3 -m cco.demo                              # spawns 2 local CPU ranks
+    python3 -m cco.demo --world 4 --mode split-lsa --gather-dtype fp8
+    torchrun --nproc-per-node 2 -m cco.demo          # ranks from torchrun
+    mpiexec -n 2 python3 -m mpi4py -m cco.demo       # ranks from mpirun (mpi4py)
 
 Every rank builds its own operands (seeded by rank), the op all-reduces the partial products, and
 each rank checks the result against ``cco.quant.reference_gemm`` of every rank's operands summed
@@ -124,21 +124,30 @@ def report(results: list[dict], opts, launcher: str, bootstrap_s: float | None) 
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m cco.demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--world", type=int, default=2, help="ranks to spawn when not under torchrun/mpirun")
+    p = argparse.ArgumentParser(prog="python3 -m cco.demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--world", type=int, default=2,
+                   help="ranks to spawn when not under torchrun/mpirun (default: %(default)s)")
     p.add_argument("--shape", default="x".join(str(DEFAULT_SHAPE[d]) for d in "mnk"), metavar="MxNxK",
-                   help="rows of a, rows of the weight, K per rank (default %(default)s)")
-    p.add_argument("--quant", choices=QUANTS, default="ptpc")
-    p.add_argument("--mode", choices=sorted(set(MODES) | set(MODE_ALIASES)), default="fused")
+                   help="rows of a, rows of the weight, K per rank (default: %(default)s)")
+    p.add_argument("--quant", choices=QUANTS, default="ptpc", help="the fp8 recipe (default: %(default)s)")
+    p.add_argument("--mode", choices=sorted(set(MODES) | set(MODE_ALIASES)), default="fused",
+                   help="the op's mode (default: %(default)s)")
     p.add_argument("--transport", choices=TRANSPORTS, default=None,
                    help="default: the backend's (auto on CUDA: lsa at small M, copy engines above; dma elsewhere)")
-    p.add_argument("--gather-dtype", choices=GATHER_DTYPES, default="bf16")
-    p.add_argument("--chunks", type=int, default=None)
-    p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--deadline", type=float, default=30.0, help="seconds a call may wait on peers")
+    p.add_argument("--gather-dtype", choices=GATHER_DTYPES, default="bf16",
+                   help="dtype of the reduced slices the ranks gather (default: %(default)s)")
+    p.add_argument("--chunks", type=int, default=None, metavar="N",
+                   help=f"row chunks per call, an int in 1..{layout.MAX_CHUNKS} (default: the backend's)")
+    p.add_argument("--iters", type=int, default=3, help="op calls timed, >= 1 (default: %(default)s)")
+    p.add_argument("--deadline", type=float, default=30.0,
+                   help="seconds a call may wait on peers, > 0 (default: %(default)s)")
     p.add_argument("--device", choices=("cpu", "auto"), default="cpu",
                    help="cpu: CPU ranks (default); auto: one GPU per local rank where there are GPUs")
     opts = p.parse_args(argv)
+    # the op's own message offers a tuple of relative sizes or None, which this flag cannot pass: say what it takes
+    if opts.chunks is not None and not 1 <= opts.chunks <= layout.MAX_CHUNKS:
+        p.error(f"--chunks={opts.chunks} is not supported; pass an int in 1..{layout.MAX_CHUNKS}, or leave it out "
+                f"for the backend's")
     try:
         opts.m, opts.n, opts.k = (int(v) for v in opts.shape.lower().split("x"))
     except ValueError:

@@ -352,8 +352,9 @@ def build_config(*, n: int, k: int, m_max: int, world: int, quant: str = "ptpc",
         raise ValueError(f"k={k} is not supported; K must be >= {K_MIN} and a multiple of {K_ALIGN}: pad the "
                          f"reduction dimension with zeros to k={padded_k(k)} (zero weight columns and activation "
                          f"columns add nothing; cco.nn.RowParallelLinear pads both)")
+    layer = "ColumnParallelLinear" if PATTERNS[pattern].gathers_input else "RowParallelLinear"  # (its layer)
     pad_n = (f"pad N with zero weight rows to n={padded_n(n, world, quant=quant, block_n=block_n)} "
-             f"(cco.nn.RowParallelLinear does, and drops the extra output columns)")
+             f"(cco.nn.{layer} does, and drops the extra output columns)")
     if quant == "blockscale" and n % BLOCKSCALE_N:
         raise ValueError(f"n={n} is not supported with quant='blockscale'; N must be a multiple of {BLOCKSCALE_N}: "
                          f"{pad_n}")
@@ -441,6 +442,16 @@ def most_call_rows(pattern: str, rows: int, world: int) -> int:
     if pattern == "reduce-scatter-rows":
         return rows - rows % world
     return rows
+
+
+def call_rows_allowed(cfg: OpConfig) -> str:
+    """The rows a call may pass, in words (for an ``m`` that is not an int >= 1): what
+    :func:`call_rows_error` accepts."""
+    if cfg.pattern == "all-gather":
+        return f"1..{cfg.slice_m_max} rows per rank (m_max={cfg.m_max} gathered rows over world={cfg.world})"
+    if cfg.pattern == "reduce-scatter-rows":
+        return f"a multiple of world={cfg.world} from {cfg.world} to m_max={cfg.m_max}"
+    return f"1..m_max={cfg.m_max}"
 
 
 def call_rows_error(cfg: OpConfig, m: int) -> str | None:

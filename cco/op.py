@@ -562,7 +562,7 @@ class CollectiveGemmOp:
         elif m is not None:
             # (past m_max call_rows_error says so itself)
             why = (layout.call_rows_error(self.config, m) if isinstance(m, int) and m >= 1
-                   else f"1..m_max={self.config.m_max}")
+                   else layout.call_rows_allowed(self.config))
             if why is not None:
                 error = ValueError(f"{fn}: m={m} must be rows a call may pass: {why}")
         try:
@@ -670,8 +670,8 @@ class CollectiveGemmOp:
         moved = (self.world - 1) * layout.slice_rows(cfg, m) * cfg.n_slice * 2  # scatter bytes received here
         what = "all-reduced output equals the exact sum" if cfg.pattern_spec.gather else \
             "reduced slice equals the exact sum"
-        return {"gather_dtype": cfg.gather_dtype, "scatter_bytes_received": moved,
-                "checked": f"recv slots bit-exact from every peer; {what}"}
+        gather = {"gather_dtype": cfg.gather_dtype} if cfg.pattern_spec.gather else {}  # (the all-reduce's alone)
+        return {**gather, "scatter_bytes_received": moved, "checked": f"recv slots bit-exact from every peer; {what}"}
 
     # ---- lifetime -----------------------------------------------------------------------------------
     def close(self) -> None:

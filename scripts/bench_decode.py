@@ -55,7 +55,11 @@ import os
 import statistics
 import sys
 import tempfile
+import textwrap
 import time
+
+if not __package__:  # run by path (python3 scripts/bench_decode.py): the repository root, which -m puts on
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # sys.path, holds scripts.*
 
 import torch
 
@@ -80,10 +84,14 @@ SIZES = ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "prom
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
-    """Defaults shown, except None (an output not written): "(default: None)" says nothing."""
+    """Defaults shown, except None (an output not written) and a flag's False: "(default: None)" says nothing.
+    Lines break at spaces only, so a shape name (8b-down-tp8) reads as the user types it."""
 
     def _get_help_string(self, action):
-        return action.help if action.default is None else super()._get_help_string(action)
+        return action.help if action.default is None or action.default is False else super()._get_help_string(action)
+
+    def _split_lines(self, text, width):
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
 PROFILE_STEM = "bench_decode"  # --profile's files without --json: bench_decode_profile.txt, ..._model_profile.txt
@@ -96,6 +104,8 @@ def profile_path(args, what: str) -> str:
 
 
 def parse_args(argv=None):
+    # the comma-list options' defaults are strings, as the user types them (--help shows "1,8", not "[1, 8]"):
+    # argparse runs a string default through type=, so args holds the parsed list either way
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()).replace("``", ""),
                                 formatter_class=_Help)
     p.add_argument("--layers", type=int, default=8, help="the model: decoder layers")
@@ -104,13 +114,14 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=32, help="the model: attention heads")
     p.add_argument("--kv-heads", type=int, default=8, help="the model: key/value heads")
     p.add_argument("--vocab", type=int, default=128256, help="the model: vocabulary size")
-    p.add_argument("--batch", type=ints, default=[1, 8], help="the model: comma list of batch sizes")
+    p.add_argument("--batch", type=ints, default="1,8", help="the model: comma list of batch sizes")
     p.add_argument("--prompt", type=int, default=16, help="the model: prompt tokens per sequence")
     p.add_argument("--tokens", type=int, default=64, help="the model: greedy decode steps per timed decode")
     p.add_argument("--repeats", type=int, default=5, help="the model: timed decodes per arm and mode")
-    p.add_argument("--quant", type=_quants, default=list(Q.QUANTS), help="comma list of " + ", ".join(Q.QUANTS))
-    p.add_argument("-m", type=ints, default=[1, 8, 64, 256], help="per-call table: row counts")
-    p.add_argument("--shapes", default="all", help="per-call table: all, or a comma list such as 8b-down-tp1")
+    p.add_argument("--quant", type=_quants, default=",".join(Q.QUANTS), help="comma list of " + ", ".join(Q.QUANTS))
+    p.add_argument("-m", type=ints, default="1,8,64,256", help="per-call table: comma list of row counts")
+    p.add_argument("--shapes", default="all",
+                   help=f"per-call table: all, or a comma list of {', '.join(shapes('all'))}")
     p.add_argument("--graph-calls", type=int, default=10, help="per-call table: calls per captured CUDA graph")
     p.add_argument("--calls", type=int, default=50, help="per-call table: eager calls per arm and pass")
     p.add_argument("--passes", type=int, default=3, help="per-call table: timing passes (>= 3)")
@@ -128,8 +139,8 @@ def parse_args(argv=None):
                         "the Python path's kept launches), eager only, in the same passes")
     p.add_argument("--kept-arms", "--lt-arms", dest="kept_arms", action="store_true",
                    help="each cco arm of a quant whose rows take the C++ table's kept vendor call (blockscale's "
-                        "cuBLASLt call with CCO_DECODE_BLOCKSCALE_CUBLAS=1, mxfp8's cublasGemmEx) also with it off (decode.KEPT_CALL: torch's "
-                        "at::_scaled_mm / at::mm), eager only, in the same passes")
+                        "cuBLASLt call with CCO_DECODE_BLOCKSCALE_CUBLAS=1, mxfp8's cublasGemmEx) also with it off "
+                        "(decode.KEPT_CALL: torch's at::_scaled_mm / at::mm), eager only, in the same passes")
     p.add_argument("--profile", action="store_true",
                    help="cProfile of eager calls at the first shape into <json>_profile.txt and, with the model, "
                         "of eager decode steps into "

@@ -1,6 +1,5 @@
-"""gemm-ar benchmark: the fused fp8 GEMM + all-reduce against what a model runs today.
-
-Launch one process per GPU with torchrun (the world comes from it)::
+"""gemm-ar benchmark: the fused fp8 GEMM + all-reduce against what a model runs today; launch it with
+torchrun, one rank per GPU (each rank needs a CUDA GPU of its own; --check-only lets ranks share one)::
 
     torchrun --nproc-per-node 2 -m scripts.bench_gemm_ar --mode all --quant ptpc -m 16384 -n 7168 -k 2048
     torchrun --nproc-per-node 2 -m scripts.bench_gemm_ar --mode all --sweep --plot sweep.png
@@ -82,7 +81,11 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 import time
+
+if not __package__:  # run by path (python3 scripts/bench_gemm_ar.py): the repository root, which -m puts on
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # sys.path, holds scripts.*
 
 import torch
 import torch.distributed as dist
@@ -143,10 +146,14 @@ NCCL_ARMS = ("scaled_mm+nccl", "symm_mem", "nccl-fp8+scaled_mm", "nccl-bf16+scal
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
-    """Defaults shown, except None (an output not written, a value the run picks): "(default: None)" says nothing."""
+    """Defaults shown, except None (an output not written, a value the run picks) and a flag's False:
+    "(default: None)" says nothing. Lines break at spaces only, so an arm's name (fused-lsa-fp8) reads whole."""
 
     def _get_help_string(self, action):
-        return action.help if action.default is None else super()._get_help_string(action)
+        return action.help if action.default is None or action.default is False else super()._get_help_string(action)
+
+    def _split_lines(self, text, width):
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
 def description(doc: str) -> str:
@@ -216,13 +223,16 @@ def parse_args(argv=None):
         from scripts.plot_results import check_plot_path
 
         check_plot_path(p, "--plot", args.plot)
+    try:  # here, before main sets up the GPU and the communicator: a misspelt arm is a usage error on any host
+        arms = select_arms(args.mode, args.quant, args.pattern)
+    except SystemExit as err:
+        p.error(str(err))
+    if not arms:  # (select_arms drops symm_mem off ptpc and scaled_mm at mxfp8): a run that would time nothing
+        p.error(f"--mode {args.mode} has no arm at --pattern {args.pattern} --quant {args.quant} (symm_mem runs "
+                f"ptpc only, scaled_mm no mxfp8): pick another --mode or --quant")
     if args.trace:
-        try:
-            arms = select_arms(args.mode, args.quant, args.pattern)
-        except SystemExit as err:
-            p.error(str(err))
         if args.trace_arm is None:
-            args.trace_arm = DEFAULT_TRACE_ARM if DEFAULT_TRACE_ARM in arms or not arms else arms[0]
+            args.trace_arm = DEFAULT_TRACE_ARM if DEFAULT_TRACE_ARM in arms else arms[0]
         elif args.trace_arm not in arms:
             p.error(f"--trace-arm {args.trace_arm} is not an arm this run times (--mode {args.mode} --pattern "
                     f"{args.pattern} --quant {args.quant}: {', '.join(arms) or 'none'})")
@@ -241,14 +251,15 @@ def select_arms(mode: str, quant: str, pattern: str = "ar") -> list[str]:
         for part in mode.split(","):
             part = part.strip()
             if part == "split-lsa":
-                raise SystemExit("--mode split-lsa: split with the lsa transport is not implemented on CUDA; use split-sdma")
+                raise SystemExit("--mode split-lsa: split with the lsa transport is not implemented on CUDA; "
+                                 "use split-sdma")
             if part in MORI_NAMES:
                 arms.extend(MORI_NAMES[part])
             elif part in ARMS or part in ALTERNATIVES:
                 arms.append(part)
             else:
-                raise SystemExit(f"--mode {part!r} is not an arm; pick from all, baselines, {', '.join(ARMS)}, "
-                                 f"{', '.join(ALTERNATIVES)}, {', '.join(MORI_NAMES)}")
+                names = dict.fromkeys(("all", "baselines", *ARMS, *ALTERNATIVES, *MORI_NAMES))  # (each once)
+                raise SystemExit(f"--mode {part!r} is not an arm; pick from {', '.join(names)}")
     if quant != "ptpc":  # symm-mem's fused scaled matmul scales rows only
         arms = [a for a in arms if a != "symm_mem"]
     if quant == "mxfp8":  # cuBLAS has no e8m0 block scaling on Hopper (cco.bench.timing.cublas_gemm)
@@ -663,6 +674,32 @@ def launch_command(argv=None) -> str:
     return f"{head} -m scripts.bench_gemm_ar " + " ".join(sys.argv[1:] if argv is None else argv)
 
 
+class _PassLines:
+    """``--sweep``'s progress where tqdm is not installed: a line per timed pass on stderr, flushed (so a
+    log read while the sweep runs shows it)."""
+
+    def __init__(self, total: int):
+        self.total, self.done = total, 0
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        print(f"sweep: {self.done}/{self.total} passes", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def sweep_progress(total: int):
+    """Rank 0's ``--sweep`` progress bar: tqdm's, else ``_PassLines``. tqdm is in the [bench] extra, not
+    [nvidia]: an ImportError on rank 0 alone, after the communicator is up, would leave its peers waiting in
+    a collective."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _PassLines(total)
+    return tqdm(total=total, desc="sweep", unit="pass", file=sys.stderr)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from cco.comm import Communicator
@@ -690,11 +727,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"bench_gemm_ar: --pattern {args.pattern} splits M over the ranks: pass -m a multiple of "
                          f"world={comm.world}")
     results = []
-    bar = None
-    if args.sweep and comm.rank == 0:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(ms) * args.passes, desc="sweep", unit="pass", file=sys.stderr)
+    bar = sweep_progress(len(ms) * args.passes) if args.sweep and comm.rank == 0 else None
     for m in ms:
         res = run_shape(args, comm, m, arms_wanted=arms_wanted, m_max=m,
                         progress=(lambda p: bar.update(1)) if bar else None)

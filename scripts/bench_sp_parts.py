@@ -63,8 +63,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
+import textwrap
 import time
+
+if not __package__:  # run by path (python3 scripts/bench_sp_parts.py): the repository root, which -m puts on
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # sys.path, holds scripts.*
 
 import torch
 
@@ -99,22 +104,49 @@ def _list(kind, allowed):
     return parse
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults shown, except where there is none to show (None: an output not written; a flag's False; an
+    empty list: no extra arms). Lines break at spaces only, so a name (rs-rows, llama3-70b) reads whole."""
+
+    def _get_help_string(self, action):
+        unset = action.default is None or action.default is False or action.default == []
+        return action.help if unset else super()._get_help_string(action)
+
+    def _split_lines(self, text, width):
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
+def _names(choices) -> str:
+    return ",".join(map(str, choices))
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()).replace("``", ""))
-    p.add_argument("--pattern", type=_list(str, PATTERNS), default=list(PATTERNS))
-    p.add_argument("--quant", type=_list(str, Q.QUANTS), default=list(Q.QUANTS))
-    p.add_argument("--model", type=_list(str, MODELS), default=list(MODELS))
-    p.add_argument("--tp", type=_list(int, None), default=[2, 4, 8], help="tensor-parallel degrees = owners W")
-    p.add_argument("-m", type=_list(int, None), default=[4096, 8192, 16384], help="tokens of the sequence")
-    p.add_argument("--passes", type=int, default=5)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--rotate", type=int, default=2, help="input sets the calls cycle through")
+    # the comma-list options' defaults are strings, as the user types them (--help shows "2,4,8", not
+    # "[2, 4, 8]"): argparse runs a string default through type=, so args holds the parsed list either way
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()).replace("``", ""),
+                                formatter_class=_Help)
+    p.add_argument("--pattern", type=_list(str, PATTERNS), default=_names(PATTERNS),
+                   help=f"comma list of {', '.join(PATTERNS)} (rs-rows: the reduce-scatter's producer; ag: the "
+                        f"all-gather's consumer)")
+    p.add_argument("--quant", type=_list(str, Q.QUANTS), default=_names(Q.QUANTS),
+                   help=f"comma list of {', '.join(Q.QUANTS)}")
+    p.add_argument("--model", type=_list(str, MODELS), default=_names(MODELS),
+                   help="comma list of " + ", ".join(f"{name} (hidden {hidden}, intermediate {inter})"
+                                                     for name, (hidden, inter) in MODELS.items()))
+    p.add_argument("--tp", type=_list(int, None), default="2,4,8",
+                   help="comma list of tensor-parallel degrees = owners W, each >= 2")
+    p.add_argument("-m", type=_list(int, None), default="4096,8192,16384",
+                   help="comma list of tokens of the sequence, each a multiple of every --tp")
+    p.add_argument("--passes", type=int, default=5, help="timing passes (>= 3), the arms alternating in each")
+    p.add_argument("--iters", type=int, default=10, help="timed calls per arm and pass (>= 1)")
+    p.add_argument("--rotate", type=int, default=2, help="input sets the calls cycle through (>= 1)")
     p.add_argument("--flags-landed", action="store_true",
                    help="ag: set every peer's flags of a call before it and run its waits on them (the call's "
                         "waits once every peer's rows have landed), instead of dropping the waits")
     p.add_argument("--producer-streams", type=_list(int, range(1, MAX_PRODUCER_STREAMS + 1)), default=[],
-                   help="rs-rows: the vendor producer also dealt to each of these many streams (extra arms; "
-                        "the call's own: cco.cuda.dma.PRODUCER_STREAMS)")
+                   help=f"rs-rows: comma list of stream counts in 1..{MAX_PRODUCER_STREAMS}; the vendor producer "
+                        f"also dealt to each of these many streams (extra arms; the call's own: "
+                        f"cco.cuda.dma.PRODUCER_STREAMS)")
     p.add_argument("--json", help="write every record here")
     p.add_argument("--plot", help="write the ratios over M to this PNG")
     p.add_argument("--from", dest="from_json", help="plot these --json files (comma list) instead of measuring")
@@ -523,6 +555,7 @@ def main(argv=None) -> int:
 
         before, after = args.compare.split(",")
         plot_compare(runs_from_json(before, **FROM), runs_from_json(after, **FROM), args.plot)
+        print(f"bench_sp_parts: wrote {args.plot} ({before} against {after})", flush=True)
         return 0
     if args.from_json:
         from scripts.bench_gemm import runs_from_json
@@ -532,6 +565,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"bench_sp_parts: --from {args.from_json}: no timed record (every one has an error) "
                              f"to draw")
         plot(runs, args.plot)
+        print(f"bench_sp_parts: wrote {args.plot} (from {args.from_json})", flush=True)
         return 0
     from cco.bench.timing import idle_check, require_cuda
 
@@ -556,6 +590,7 @@ def main(argv=None) -> int:
                        "idle_before": idle_before, "idle_after": idle_after, "runs": runs}, f, indent=1)
     if args.plot:
         plot(runs, args.plot)
+        print(f"bench_sp_parts: wrote {args.plot}", flush=True)
     failed = failures(runs)
     if failed:  # after the JSON and the plot: what was measured is kept, the run still fails
         print(f"bench_sp_parts: FAILED, {len(failed)} not timed: " + "; ".join(failed), file=sys.stderr, flush=True)

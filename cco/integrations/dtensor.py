@@ -58,8 +58,8 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from cco.integrations.fused import (FusedOptions, check_column_parallel, check_row_parallel, fuse_column_linear,
-                                    fuse_linear, run_fused)
+from cco.integrations.fused import (FusedOptions, check_column_parallel, check_mesh, check_row_parallel,
+                                    fuse_column_linear, fuse_linear, run_fused, stands_in_for)
 
 _ROW, _COL = "FusedRowwiseParallel", "FusedColwiseParallel"
 
@@ -68,7 +68,8 @@ def _plan_path(module) -> str | None:
     """``module``'s path in the model given to ``parallelize_module``, or None where that cannot be
     told. torch hands a style's ``_apply`` the module alone; the outermost ``parallelize_module``
     frame on the stack holds the model (its ``module`` argument), whose ``named_modules`` name it.
-    Read on the error path only (a refusal that names "Linear" leaves a plan of many to search)."""
+    Read on the error path, and once per fused module for its calls' errors (a refusal that names
+    "Linear" leaves a plan of many to search)."""
     frame, model = sys._getframe(1), None
     while frame is not None:
         if frame.f_code.co_name == "parallelize_module" and isinstance(frame.f_locals.get("module"), torch.nn.Module):
@@ -77,6 +78,14 @@ def _plan_path(module) -> str | None:
     if model is None:
         return None
     return next((name for name, m in model.named_modules() if m is module), None)
+
+
+def _stands_in_for(layer, module, name: str) -> None:
+    """The module's path in the model for the layer's call errors (``run_fused``'s note), read once
+    per fused module while ``parallelize_module`` runs (:func:`_plan_path`: the model is on the stack
+    only then)."""
+    path = _plan_path(module)
+    stands_in_for(layer, f"{path!r} ({name})" if path else repr(name))
 
 
 @contextmanager
@@ -90,13 +99,6 @@ def _path_on_error(module):
         if path:  # ("": the model itself, which the error's own words already name)
             err.add_note(f"(the module {path!r} of the model passed to parallelize_module)")
         raise
-
-
-def _check_mesh(device_mesh, fn: str) -> int:
-    if device_mesh.ndim != 1:
-        raise ValueError(f"{fn}: the mesh has {device_mesh.ndim} dimensions; pass the 1-D tensor-parallel "
-                         f"sub-mesh (e.g. mesh['tp'])")
-    return device_mesh.size()
 
 
 def _token_dim(layer, placement: Shard, x: DTensor, world: int, fn: str, what: str) -> int:
@@ -189,12 +191,13 @@ class FusedRowwiseParallel(RowwiseParallel):
     def _apply(self, module, device_mesh):
         name = f"{type(module).__name__} under {_ROW}"
         with _path_on_error(module):
-            world = _check_mesh(device_mesh, _ROW)
-            check_row_parallel(module, name=name, world=world, fn=_ROW)  # before torch shards anything
+            world = check_mesh(device_mesh, _ROW)
+            check_row_parallel(module, name=name, world=world, fn=_ROW, keep="RowwiseParallel")  # before torch shards
             # torch: shards W (Shard(1)) and b, installs the input/output steps
             module = super()._apply(module, device_mesh)
             layer = fuse_linear(module, group=device_mesh.get_group(), world=world, options=self.options, name=name,
                                 fn=_ROW, sequence_parallel=self.sequence_parallel)
+            _stands_in_for(layer, module, name)
         if self.sequence_parallel:
             module.forward = partial(_row_sp_forward, layer, device_mesh, self.output_layouts[0])
         else:
@@ -233,12 +236,13 @@ class FusedColwiseParallel(ColwiseParallel):
     def _apply(self, module, device_mesh):
         name = f"{type(module).__name__} under {_COL}"
         with _path_on_error(module):
-            world = _check_mesh(device_mesh, _COL)
+            world = check_mesh(device_mesh, _COL)
             check_column_parallel(module, name=name, world=world, fn=_COL)  # before torch shards anything
             # torch: shards W and b (Shard(0)), installs the input/output steps
             module = super()._apply(module, device_mesh)
             layer = fuse_column_linear(module, group=device_mesh.get_group(), world=world, options=self.options,
                                        name=name, fn=_COL)
+            _stands_in_for(layer, module, name)
         module.forward = partial(_col_sp_forward, layer, device_mesh, self.input_layouts[0])
         return module
 

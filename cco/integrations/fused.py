@@ -33,6 +33,7 @@ from cco import quant as Q
 from cco.nn import DEFAULT_POOL, ColumnParallelLinear, RowParallelLinear
 from cco.nn import checkpoint as C
 from cco.nn.linear import MODES
+from cco.nn.parallel_linear import check_op_options
 from cco.nn.sequence import check_backward
 from cco.op import DEFAULT_DEADLINE_S
 
@@ -68,6 +69,9 @@ class FusedOptions:
             raise ValueError(f"{fn}: mode={self.mode!r} is not supported; pass one of {', '.join(MODES)}")
         if isinstance(self.chunks, list):  # a plan's options must hash: relative chunk sizes as a tuple
             object.__setattr__(self, "chunks", tuple(self.chunks))
+        # here, not when the plan's first layer is built (after a checkpoint's every shard has loaded)
+        check_op_options(fn, transport=self.transport, gather_dtype=self.gather_dtype, chunks=self.chunks,
+                         deadline_s=self.deadline_s)
 
     def layer_kwargs(self) -> dict:
         return dataclasses.asdict(self)
@@ -107,9 +111,25 @@ def _check_linear(module, *, name: str, world: int, fn: str, split: str, what: s
                          f"tensor-parallel size that divides {size}, or keep the framework's own style for this module")
 
 
-def check_row_parallel(module, *, name: str, world: int, fn: str) -> None:
-    """:func:`_check_linear` for the row-parallel layer (K split over the ranks)."""
-    _check_linear(module, name=name, world=world, fn=fn, split="in_features", what="row-parallel", keep="'rowwise'")
+def check_mesh(mesh, fn: str) -> int:
+    """The tensor-parallel size of ``mesh``, a 1-D ``DeviceMesh`` (a process group or a 2-D mesh are
+    refused, naming how to get one)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{fn}: the mesh must be a 1-D torch DeviceMesh, got a {type(mesh).__name__}; build one with "
+                        f"torch.distributed.device_mesh.init_device_mesh(device_type, (tp_size,)), or from a process "
+                        f"group with DeviceMesh.from_group(group, device_type)")
+    if mesh.ndim != 1:
+        raise ValueError(f"{fn}: the mesh has {mesh.ndim} dimensions; pass the 1-D tensor-parallel sub-mesh (e.g. "
+                         f"mesh['tp'])")
+    return mesh.size()
+
+
+def check_row_parallel(module, *, name: str, world: int, fn: str, keep: str = "'rowwise'") -> None:
+    """:func:`_check_linear` for the row-parallel layer (K split over the ranks); ``keep``: the
+    framework's own style to name (transformers' "rowwise", torch's ``RowwiseParallel``)."""
+    _check_linear(module, name=name, world=world, fn=fn, split="in_features", what="row-parallel", keep=keep)
 
 
 def check_column_parallel(module, *, name: str, world: int, fn: str) -> None:
@@ -222,6 +242,7 @@ def _hold(module, layer, name: str) -> None:
     shard and bias are dropped (they would only hold memory), and so is the module's place in a
     framework checkpoint (:func:`_refuse_state_dict`)."""
     module.add_module(FUSED_CHILD, layer)
+    stands_in_for(layer, repr(name))
     module.weight = None
     module.bias = None
     module.register_state_dict_pre_hook(functools.partial(_refuse_state_dict, name=name))
@@ -384,6 +405,24 @@ def check_fp8_shard(fp8: C.Fp8Weight, local: torch.Tensor, *, name: str, fn: str
 
 def run_fused(layer: RowParallelLinear, x_local: torch.Tensor) -> torch.Tensor:
     """The fused layer on this rank's K slice; the output (reduced, the same on every rank) in the
-    input's dtype, as the Linear it stands in for returns it."""
-    y = layer(x_local)
+    input's dtype, as the Linear it stands in for returns it. An error of the call gets a note naming
+    the module the layer stands in for (:func:`stands_in_for`): raised tens of frames inside a
+    framework's forward, the layer's own words name only the layer."""
+    try:
+        y = layer(x_local)
+    except Exception as err:
+        where = layer.__dict__.get(_STANDS_IN_FOR)
+        if where:
+            err.add_note(f"(raised by the cco layer that stands in for {where}; its options, m_max={layer.m_max} "
+                         f"among them, are the plan's style's)")
+        raise
     return y if y.dtype == x_local.dtype else y.to(x_local.dtype)
+
+
+_STANDS_IN_FOR = "_cco_stands_in_for"  # the fused layer's attribute: which module of the model it replaced
+
+
+def stands_in_for(layer, what: str) -> None:
+    """Record ``what`` (the module's path in the model, or what is known of it) on ``layer`` for
+    :func:`run_fused`'s note."""
+    layer.__dict__[_STANDS_IN_FOR] = what

@@ -8,7 +8,8 @@ Loading a checkpoint (transformers reads each rank's shard; every rank runs thes
     plan = cco_hf.tp_plan(path, quant="ptpc", m_max=4096)        # the model's plan, "rowwise" -> cco
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
                                                  distributed_config=DistributedConfig(tp_plan=plan))
-    cco_hf.fuse(model)     # optional: swap in the fused layers now; else the first forward does
+    cco_hf.fuse(model)     # swap in the fused layers now (else the first forward does) and check
+                           # the model was sharded (a rank that loaded it whole raises here)
 
 A model already loaded whole on every rank, parallelized in place::
 
@@ -81,7 +82,8 @@ from transformers.distributed.tensor_parallel import (
 )
 
 from cco.integrations.fp8 import Fp8Checkpoint
-from cco.integrations.fused import FusedOptions, check_row_parallel, fuse_linear, fused_layer, run_fused
+from cco.integrations.fused import (FusedOptions, check_mesh, check_row_parallel, fuse_linear, fused_layer,
+                                    run_fused)
 
 TRANSFORMERS_VERSION = "5.17.0"  # the version whose style names and TensorParallelLayer hooks this module uses
 _PENDING = "_cco_pending"  # set on a module by a cco style: (style, mesh) until its layer is built
@@ -298,8 +300,7 @@ def parallelize(model: PreTrainedModel, *, quant: str | None = None, m_max: int 
     if mesh is None:
         device_type = next(model.parameters()).device.type
         mesh = torch.distributed.device_mesh.init_device_mesh(device_type, (dist.get_world_size(),))
-    if mesh.ndim != 1:
-        raise ValueError(f"{fn}: mesh has {mesh.ndim} dimensions; pass the 1-D tensor-parallel sub-mesh (mesh['tp'])")
+    check_mesh(mesh, fn)
     model.tp_plan = plan
     apply_tensor_parallelism(model, mesh)
     # what from_pretrained records for a distributed model (generate sizes a static cache by _tp_size)

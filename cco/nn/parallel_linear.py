@@ -109,16 +109,22 @@ def _check_arguments(fn: str, sizes: dict, *, mode, quant, backward, deadline_s,
         raise ValueError(f"{fn}: backward={backward!r} fuses a sequence-parallel layer's backward collective (the "
                          f"all-gather or reduce-scatter of its gradients); without sequence_parallel=True the backward "
                          f"runs in bf16: pass backward='bf16', or sequence_parallel=True")
-    if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) or not deadline_s > 0:
-        raise ValueError(f"{fn}: deadline_s={deadline_s!r} must be > 0 seconds")
-    try:
-        layout.check_call_options(**options)
-    except ValueError as err:
-        raise ValueError(f"{fn}: {err}") from None
+    check_op_options(fn, deadline_s=deadline_s, **options)
     if sequence_parallel and options.get("gather_dtype", "bf16") != "bf16":
         raise ValueError(f"{fn}: gather_dtype={options['gather_dtype']!r} sets the all-reduce's gather phase; with "
                          f"sequence_parallel=True the layer ends in a reduce-scatter, which gathers nothing: leave "
                          f"gather_dtype at 'bf16'")
+
+
+def check_op_options(fn: str, *, transport, gather_dtype, chunks, deadline_s) -> None:
+    """The op's options as a layer (or a plan's ``FusedOptions``) passes them on: a ValueError
+    naming ``fn`` for a value no backend takes."""
+    if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) or not deadline_s > 0:
+        raise ValueError(f"{fn}: deadline_s={deadline_s!r} must be > 0 seconds")
+    try:
+        layout.check_call_options(transport=transport, gather_dtype=gather_dtype, chunks=chunks)
+    except ValueError as err:
+        raise ValueError(f"{fn}: {err}") from None
 
 
 def _master_mark(master: torch.Tensor) -> tuple[int, int]:

@@ -171,6 +171,29 @@ def test_spawn_reports_errors_and_deaths_without_hanging():
         check_outcomes(outcomes)
 
 
+class _NotLoadable:
+    """Pickles, and fails to load (as torch 2.13's pickle of an fp8 tensor does)."""
+
+    def __reduce__(self):
+        return (_fail_to_load, ())
+
+
+def _fail_to_load():
+    raise AttributeError("type object 'UntypedStorage' has no attribute 'dtype' (simulated)")
+
+
+def _result_not_loadable_on_rank1(comm):
+    return _NotLoadable() if comm.rank == 1 else comm.rank
+
+
+def test_spawn_reports_a_result_the_parent_cannot_load_as_that_ranks_error():
+    """Before, the parent's unpickle raised out of ``spawn`` itself: every rank's outcome was lost to
+    an AttributeError from torch's unpickler."""
+    outcomes = spawn(_result_not_loadable_on_rank1, world=2, timeout_s=60)
+    assert outcomes[0].ok and outcomes[0].value == 0
+    assert outcomes[1].error_type == "ResultNotReadable" and "t.view(torch.uint8)" in outcomes[1].error
+
+
 def test_spawn_refuses_a_function_its_ranks_cannot_import():
     """The ranks import ``fn`` by name: a nested function or a lambda killed each of them before it
     reported anything, and the outcomes said only "Died ... exited with code 1"."""

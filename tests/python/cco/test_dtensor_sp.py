@@ -151,7 +151,15 @@ def _rank_main(comm):
     out["row_features"] = error_of(lambda: parallelize_module(
         MLPBlock().down, mesh, FusedRowwiseParallel(output_layouts=Shard(2), m_max=M_MAX))(
             torch.randn(2, 16, INTER // WORLD).to(torch.bfloat16)))
-    out["row_too_many"] = error_of(lambda: row(torch.randn(4, 32, INTER // WORLD).to(torch.bfloat16)))
+    out["row_too_many"] = error_of(lambda: row(torch.randn(4, 32, INTER // WORLD).to(torch.bfloat16)), notes=True)
+    # in a plan: the call's error names the module the layer stands in for (raised deep in a forward)
+    planned = parallelize_module(MLPBlock(), mesh, {"down": FusedRowwiseParallel(output_layouts=Shard(1),
+                                                                                   m_max=M_MAX)})
+    out["row_too_many_in_plan"] = error_of(
+        lambda: planned.down(torch.randn(4, 32, INTER // WORLD).to(torch.bfloat16)), notes=True)
+    # a process group where the mesh goes: refused naming the DeviceMesh (an AttributeError before)
+    out["mesh_is_a_group"] = error_of(lambda: parallelize_module(MLPBlock().down, torch.distributed.group.WORLD,
+                                                                 FusedRowwiseParallel(m_max=M_MAX)))
     # one rank's sequence does not split (its global shape is built from its own local one): that
     # rank raises, its peer fails the same call, and the next call pairs rightly
     seq = 15 if comm.rank == 1 else 16
@@ -226,6 +234,14 @@ def test_refused_cases_raise_on_every_rank_and_the_ranks_stay_in_step(ranks):
     for r in ranks:
         for key, prefix in expected.items():
             assert r[key].startswith(prefix), (key, r[key])
+        assert r["row_too_many"].endswith("\n(raised by the cco layer that stands in for 'Linear under "
+                                          f"FusedRowwiseParallel'; its options, m_max={M_MAX} among them, are the "
+                                          "plan's style's)"), r["row_too_many"]
+        assert r["row_too_many_in_plan"].startswith(expected["row_too_many"]), r["row_too_many_in_plan"]
+        assert "stands in for 'down' (Linear under FusedRowwiseParallel)" in r["row_too_many_in_plan"], \
+            r["row_too_many_in_plan"]
+        assert r["mesh_is_a_group"].startswith("TypeError: FusedRowwiseParallel: the mesh must be a 1-D torch "
+                                               "DeviceMesh, got a ProcessGroup"), r["mesh_is_a_group"]
         # the same refusal in a plan over a model, with the module's path (before: its class alone)
         assert r["not_a_linear_in_plan"].startswith(expected["not_a_linear"]), r["not_a_linear_in_plan"]
         assert r["not_a_linear_in_plan"].endswith(

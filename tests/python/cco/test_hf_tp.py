@@ -18,6 +18,7 @@ a Linear, a shape that does not split) must raise on both ranks, which then go o
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -82,6 +83,14 @@ def test_options_are_checked_when_the_plan_is_built():
         cco_hf.tp_plan(family_config("llama"), m_max=0)
     with pytest.raises(TypeError, match="source must be"):
         cco_hf.tp_plan(42)
+    # the op's options too (before, each was taken, its style registered, and refused only when the
+    # first layer was built: after every checkpoint shard had loaded)
+    for option, value, says in (("transport", "nvlink", "transport='nvlink' is not supported"),
+                                ("gather_dtype", "int8", "gather_dtype='int8' is not supported"),
+                                ("chunks", 0, "chunks=0 is not supported"),
+                                ("deadline_s", "soon", "deadline_s='soon' must be > 0 seconds")):
+        with pytest.raises(ValueError, match=re.escape(f"FusedOptions: {says}")):
+            cco_hf.tp_plan(family_config("llama"), **{option: value})
 
 
 @pytest.mark.host

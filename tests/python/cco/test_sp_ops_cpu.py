@@ -250,6 +250,28 @@ def test_self_test_passes_on_a_working_transport_and_fails_on_a_silent_one(which
         assert kind == "SelfTestError" and "did not arrive" in msg, msg
 
 
+def _self_test_of_no_rows(comm, which):
+    kw = dict(n=256, k=K, m_max=128, deadline_s=DEADLINE_S)
+    op = AllGatherGemmOp(comm, **kw) if which == "ag" else GemmReduceScatterOp(comm, scatter_dim=0, **kw)
+    with op:
+        try:
+            op.self_test(m=0)
+        except ValueError as err:
+            return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize("which, says", [("ag", "m=0 must be rows a call may pass: 1..64 rows per rank (m_max=128 "
+                                                "gathered rows over world=2)"),
+                                         ("rs0", "m=0 must be rows a call may pass: a multiple of world=2 from 2 to "
+                                                 "m_max=128")])
+def test_self_test_of_no_rows_names_the_pattern_s_row_counts(which, says):
+    """Before, every pattern's message said 1..m_max (128): the all-gather takes 64 per rank, the
+    reduce-scatter along rows only even counts."""
+    for msg in check_outcomes(spawn(_self_test_of_no_rows, world=2, args=(which,), timeout_s=60)):
+        assert says in msg, msg
+
+
 # --------------------------------------------------------------------------------------------------
 # what a direct caller passes: scale forms, a constructor argument on one rank, the library op, supports
 def _gather_scales_in_every_form(comm):
