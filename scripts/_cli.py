@@ -6,6 +6,20 @@ from __future__ import annotations
 
 import argparse
 import os
+import textwrap
+
+
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with each option's default, except where there is none to show (None: an output not
+    written, a value the run picks; a flag's False; an empty list: no extra arms). Lines break at
+    spaces only, so a name such as rs-rows, 8b-down-tp8 or fused-lsa-fp8 reads as the user types it."""
+
+    def _get_help_string(self, action):
+        unset = action.default is None or action.default is False or action.default == []
+        return action.help if unset else super()._get_help_string(action)
+
+    def _split_lines(self, text, width):
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
 def ints(text: str) -> list[int]:

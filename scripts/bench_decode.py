@@ -55,7 +55,6 @@ import os
 import statistics
 import sys
 import tempfile
-import textwrap
 import time
 
 if not __package__:  # run by path (python3 scripts/bench_decode.py): the repository root, which -m puts on
@@ -64,7 +63,7 @@ if not __package__:  # run by path (python3 scripts/bench_decode.py): the reposi
 import torch
 
 from cco import quant as Q
-from scripts._cli import ints
+from scripts._cli import DefaultsHelp, ints
 
 # (model, hidden, intermediate): the two models whose row-parallel shapes the per-call table takes
 MODELS = {"8b": (4096, 14336), "70b": (8192, 28672)}
@@ -83,17 +82,6 @@ SIZES = ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "prom
          "graph_calls", "calls", "profile_calls")  # each >= 1
 
 
-class _Help(argparse.ArgumentDefaultsHelpFormatter):
-    """Defaults shown, except None (an output not written) and a flag's False: "(default: None)" says nothing.
-    Lines break at spaces only, so a shape name (8b-down-tp8) reads as the user types it."""
-
-    def _get_help_string(self, action):
-        return action.help if action.default is None or action.default is False else super()._get_help_string(action)
-
-    def _split_lines(self, text, width):
-        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
-
-
 PROFILE_STEM = "bench_decode"  # --profile's files without --json: bench_decode_profile.txt, ..._model_profile.txt
 
 
@@ -107,7 +95,7 @@ def parse_args(argv=None):
     # the comma-list options' defaults are strings, as the user types them (--help shows "1,8", not "[1, 8]"):
     # argparse runs a string default through type=, so args holds the parsed list either way
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()).replace("``", ""),
-                                formatter_class=_Help)
+                                formatter_class=DefaultsHelp)
     p.add_argument("--layers", type=int, default=8, help="the model: decoder layers")
     p.add_argument("--hidden", type=int, default=4096, help="the model: hidden size")
     p.add_argument("--intermediate", type=int, default=14336, help="the model: MLP intermediate size")

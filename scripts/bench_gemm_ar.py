@@ -81,7 +81,6 @@ import argparse
 import json
 import os
 import sys
-import textwrap
 import time
 
 if not __package__:  # run by path (python3 scripts/bench_gemm_ar.py): the repository root, which -m puts on
@@ -95,6 +94,7 @@ from cco import quant as Q
 from cco.bench.timing import (allreduce_mismatches, allreduce_terms, budget_terms, check_output_dirs, cublas_gemm,
                               gemm_mismatches, graphed, idle_check, override, require_a_gpu_per_rank, require_cuda,
                               tflops, time_arms)
+from scripts._cli import DefaultsHelp
 from scripts.bench_sp_parts import CONSUMERS
 
 SWEEP_M = (2048, 4096, 8192, 16384, 32768)
@@ -145,17 +145,6 @@ SP_ALTERNATIVES = {"ag": {"fused-per-chunk": CONSUMERS["chunks"], "fused-per-pee
 NCCL_ARMS = ("scaled_mm+nccl", "symm_mem", "nccl-fp8+scaled_mm", "nccl-bf16+scaled_mm")  # not on a shared GPU
 
 
-class _Help(argparse.ArgumentDefaultsHelpFormatter):
-    """Defaults shown, except None (an output not written, a value the run picks) and a flag's False:
-    "(default: None)" says nothing. Lines break at spaces only, so an arm's name (fused-lsa-fp8) reads whole."""
-
-    def _get_help_string(self, action):
-        return action.help if action.default is None or action.default is False else super()._get_help_string(action)
-
-    def _split_lines(self, text, width):
-        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
-
-
 def description(doc: str) -> str:
     """The first paragraph of a module's docstring in one line: ``--help``'s description."""
     text = " ".join(doc.split("\n\n")[0].split()).replace("``", "")
@@ -176,7 +165,7 @@ DEFAULT_M, DEFAULT_TRACE_ARM = 16384, "fused"
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=description(__doc__), formatter_class=_Help)
+    p = argparse.ArgumentParser(description=description(__doc__), formatter_class=DefaultsHelp)
     p.add_argument("--mode", default="all", help=mode_help())
     p.add_argument("--quant", default="ptpc", choices=Q.QUANTS, help="the fp8 recipe")
     p.add_argument("--pattern", default="ar", choices=tuple(PATTERNS),

@@ -65,7 +65,6 @@ import gc
 import json
 import os
 import sys
-import textwrap
 import time
 
 if not __package__:  # run by path (python3 scripts/bench_sp_parts.py): the repository root, which -m puts on
@@ -77,6 +76,7 @@ from cco import layout
 from cco import quant as Q
 from cco.backends.cuda import AG_CONSUMER_ROWS, PRODUCERS, RS_PRODUCER_ROWS, WALKS, consumer_groups, rows_producer
 from cco.cuda.dma import MAX_PRODUCER_STREAMS
+from scripts._cli import DefaultsHelp
 
 MODELS = {"llama3-70b": (8192, 28672), "deepseek-v3": (7168, 18432)}  # (hidden, intermediate) of the MLP
 PATTERNS = {"rs-rows": "reduce-scatter-rows", "ag": "all-gather"}  # this script's names -> cco's
@@ -104,18 +104,6 @@ def _list(kind, allowed):
     return parse
 
 
-class _Help(argparse.ArgumentDefaultsHelpFormatter):
-    """Defaults shown, except where there is none to show (None: an output not written; a flag's False; an
-    empty list: no extra arms). Lines break at spaces only, so a name (rs-rows, llama3-70b) reads whole."""
-
-    def _get_help_string(self, action):
-        unset = action.default is None or action.default is False or action.default == []
-        return action.help if unset else super()._get_help_string(action)
-
-    def _split_lines(self, text, width):
-        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
-
-
 def _names(choices) -> str:
     return ",".join(map(str, choices))
 
@@ -124,7 +112,7 @@ def parse_args(argv=None):
     # the comma-list options' defaults are strings, as the user types them (--help shows "2,4,8", not
     # "[2, 4, 8]"): argparse runs a string default through type=, so args holds the parsed list either way
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()).replace("``", ""),
-                                formatter_class=_Help)
+                                formatter_class=DefaultsHelp)
     p.add_argument("--pattern", type=_list(str, PATTERNS), default=_names(PATTERNS),
                    help=f"comma list of {', '.join(PATTERNS)} (rs-rows: the reduce-scatter's producer; ag: the "
                         f"all-gather's consumer)")

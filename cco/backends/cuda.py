@@ -614,15 +614,13 @@ class CudaBackend(Backend):
         into an [M, N] partial (the window's partial region read as rows: the dma path's producer,
         which also fills it, has finished with it by the end of its call), then the lsa kernel's
         transfers on that partial."""
-        from kernels_fused.hopper.gemm import lsa_partial_launch
-
         m = plan.m
 
         def build():  # per M: the MMA, its partial, and the transfers' launch with the partial bound (an
             # eager call's host time: the kept lsa call's reason, "The kept world-2 call" in docs/decode.md)
             cfg = self.config
             partial = self.partial.view(-1)[:m * cfg.n].view(m, cfg.n)
-            return RowsMma(cfg.quant, m, cfg.k, cfg.n, self.device), partial, lsa_partial_launch(
+            return RowsMma(cfg.quant, m, cfg.k, cfg.n, self.device), partial, hopper_gemm.lsa_partial_launch(
                 partial, quant=cfg.quant, out=out, win=self.lsa_window, tile_table=self._lsa_table(m), rank=self.rank,
                 config=self.lsa_config, move_bytes=not (self.faults is not None and self.faults.silent))
         mma, partial, transfers = self._kept(("decode", m), build)

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from cco import quant as Q
 from cco.nn.collectives import (all_gather_rows, backward_step, flat_rows, gathered_rows, reduce_scatter_rows,
                                 scattered_rows)
-from cco.nn.parallel_linear import _ParallelLinear, quantize_activation, untraced
+from cco.nn.parallel_linear import _ParallelLinear, quantize_activation
 from cco.nn.pool import WindowPool
 from cco.nn.sequence import check_token_rows
 from cco.op import DEFAULT_DEADLINE_S, GemmAllReduceOp
@@ -121,8 +121,7 @@ class ColumnParallelLinear(_ParallelLinear):
         for the replicated ``x [M, ..., in_features]`` (local)."""
         if self._decode_call(x):  # as RowParallelLinear's: an eager call of a few rows, one launch
             return self._decode(x, *self.quantized_weight(), self._parameters.get("bias"))
-        if not isinstance(x, torch.Tensor) or (x.device != self.device and untraced(x)):
-            self._check_call(x)  # as RowParallelLinear's: refused on every rank of the call
+        self._check_before_op(x)  # as RowParallelLinear's
         qweight, scale = self._own_work(x, self.quantized_weight)  # as RowParallelLinear's
         if self._eager(x):  # as RowParallelLinear's: an untraced inference call runs the body directly
             self._check_call(x)

@@ -146,10 +146,7 @@ class RowParallelLinear(_ParallelLinear):
         Collective: every rank calls it with the same leading shape, on the layer's device."""
         if self._decode_call(x):  # bias: nn.Module's lookup costs a decode call a microsecond
             return self._decode(x, *self.quantized_weight(), self._parameters.get("bias"))
-        if not isinstance(x, torch.Tensor) or (x.device != self.device and untraced(x)):
-            # refused on every rank of the call: the op's schema would refuse a non-tensor here only, and
-            # a tensor on another device would reach that device's kernel (meta: the fake one, no collective)
-            self._check_call(x)
+        self._check_before_op(x)
         qweight, scale = self._own_work(x, self.quantized_weight)
         # the body checks x where it runs (_check_call): here, or in the registered op (_op_forward)
         if self.sequence_parallel:

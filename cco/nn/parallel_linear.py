@@ -262,6 +262,15 @@ class _ParallelLinear(torch.nn.Module):
         return (type(x) is torch.Tensor and 0 < x.numel() <= self._decode_numel and x.dtype in ACTIVATION_DTYPES
                 and x.ndim and x.shape[-1] == self.in_features_per_rank and self._eager(x))
 
+    def _check_before_op(self, x) -> None:
+        """Refuse here, on every rank of a collective call (:meth:`_check_call`), an input the
+        registered op must not see: not a tensor (its schema would refuse it on this rank alone), or
+        a plain tensor on another device than the layer's (the dispatcher would run that device's
+        kernel: for meta the fake one, which takes no part in the collective). Traced inputs are
+        checked where the op runs (:meth:`_op_forward`)."""
+        if not isinstance(x, torch.Tensor) or (x.device != self.device and untraced(x)):
+            self._check_call(x)
+
     def _check_input(self, x, *, features: int, name: str, hint: str, collective: bool) -> None:
         """Raise for an input no call takes (not a tensor, 0-d, not a float activation, another
         feature count, another device than the layer's); where the call is ``collective``, this rank
