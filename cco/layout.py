@@ -33,6 +33,9 @@ Window regions (one symmetric window per rank, same offsets on every rank)::
     gather        bf16 | e4m3 [W, m_max_padded, n_slice]
     gather_scale  fp32  [W, m_max_padded, ceil(n_slice / GATHER_GROUP)]   (fp8 gather only)
 
+An op that publishes nothing (``mode="gemm-only"``, or one rank: :func:`publishes`) keeps the words
+and no data plane (zero rows): its plain GEMM writes the output.
+
 Patterns (:data:`PATTERNS`): the same regions, counters and flags serve the three collectives of a
 tensor-parallel block; a pattern says who owns an output slice and which phases run::
 
@@ -227,9 +230,12 @@ def gather_scale_cols(n_slice: int) -> int:
 
 def window_layout(*, world: int, m_max_padded: int, n_slice: int, gather_dtype: str,
                   m_tiles: int = 0, n_tiles: int = 0, pattern: str = "all-reduce", k: int = 0,
-                  quant: str = "ptpc") -> WindowLayout:
-    """The regions of one rank's window; those a pattern does not use are empty (zero rows)."""
+                  quant: str = "ptpc", publishes: bool = True) -> WindowLayout:
+    """The regions of one rank's window; those a pattern does not use are empty (zero rows), and so
+    are every data plane where nothing is published (``publishes`` false: :func:`publishes`)."""
     pat = PATTERNS[pattern]
+    if not publishes:  # the words stay (a few KiB): the backends bind them whatever the mode
+        m_max_padded = m_tiles = 0
     rows = m_max_padded if pat.scatter else 0  # partial / recv
     g_rows = m_max_padded if pat.gather else 0
     a_rows = m_max_padded if pat.gathers_input else 0
@@ -301,11 +307,20 @@ class OpConfig:
         set_("window", window_layout(world=self.world, m_max_padded=self.m_max_padded,
                                      n_slice=self.n_slice, gather_dtype=self.gather_dtype,
                                      m_tiles=self.m_max_padded // self.block_m, n_tiles=self.n_tiles_per_dest,
-                                     pattern=self.pattern, k=self.k, quant=self.quant))
+                                     pattern=self.pattern, k=self.k, quant=self.quant,
+                                     publishes=publishes(self.mode, self.world)))
 
     @property
     def pattern_spec(self) -> Pattern:
         return PATTERNS[self.pattern]
+
+
+def publishes(mode: str, world: int) -> bool:
+    """Whether an op's calls put anything into the window: not with ``mode="gemm-only"`` (the plain
+    GEMM writes its output) nor with one rank (the collective is the identity: the plain GEMM too).
+    Where not, the window's data planes have no rows (an 8B model's down projection at m_max 4096
+    mapped 96 MiB of them, never written), so such an op has no self test either."""
+    return mode != "gemm-only" and world > 1
 
 
 def _pick_block_n(n_slice: int) -> int | None:

@@ -315,7 +315,7 @@ class CollectiveGemmOp:
         self._notes = notes
         self._accepted: set = set()  # operand signatures that passed _check
         # gemm-only, or one rank (the collective is the identity): the plain GEMM writes ``out``
-        self._plain = self.config.mode == "gemm-only" or self.world == 1
+        self._plain = not layout.publishes(self.config.mode, self.world)
         self._alone = self.world == 1 and self.config.mode != "gemm-only"  # a plain call that counts as a call
         self._plain_plans: dict = {}
         self._call_shapes: dict = {}  # M -> layout.call_shape, for a collective call's plan
@@ -349,6 +349,13 @@ class CollectiveGemmOp:
     @property
     def pattern(self) -> str:
         return self.config.pattern
+
+    @property
+    def publishes(self) -> bool:
+        """Whether calls move data between ranks (``cco.layout.publishes``): not with
+        ``mode="gemm-only"`` nor with one rank, where the window maps no data planes and
+        :meth:`self_test` has nothing to test."""
+        return not self._plain
 
     @property
     def calls(self) -> int:
@@ -525,7 +532,11 @@ class CollectiveGemmOp:
         """Wait for the calls issued so far and raise what an asynchronous backend recorded: a
         call released at its deadline (``CommTimeoutError``, the op is then failed), a peer's
         mismatched M (``PeerMismatchError``) or rejected inputs (``PeerRejectedError``). The wait is
-        bounded by the deadline. The CPU backend raises inside the call itself."""
+        bounded by the deadline. The CPU backend raises inside the call itself. After :meth:`close`
+        it raises ``RuntimeError`` (the backend that recorded the calls is gone: check before closing)."""
+        if self._closed:
+            raise RuntimeError(f"{self._FN}.check: the op is closed; call check() before close() to see what its "
+                               f"calls recorded")
         try:
             self._backend.check()
         except Exception as err:
@@ -554,8 +565,9 @@ class CollectiveGemmOp:
         the lsa kernel takes), one collective run each; the result lists them under ``"runs"``.
         """
         fn = f"{self._FN}.self_test"
-        if self.config.mode == "gemm-only":  # (the same on every rank: construction agreed on it)
-            raise RuntimeError(f"{fn}: mode 'gemm-only' moves no data; there is nothing to test")
+        if not self.publishes:  # (the same on every rank: agreed at construction)
+            why = "mode 'gemm-only'" if self.config.mode == "gemm-only" else "one rank (world 1)"
+            raise RuntimeError(f"{fn}: {why} moves no data and maps no data planes; there is nothing to test")
         error = None
         if self._closed:
             error = RuntimeError(f"{fn}: the op is closed")
@@ -676,7 +688,9 @@ class CollectiveGemmOp:
     # ---- lifetime -----------------------------------------------------------------------------------
     def close(self) -> None:
         """Release the backend and the window (local, idempotent); ``comm`` stays open. A peer that
-        calls the op after this times out, its error naming this rank as closed (``PeerNotes``)."""
+        calls the op after this times out, its error naming this rank as closed (``PeerNotes``).
+        It waits for the calls in flight (bounded by the deadline) but raises nothing they recorded:
+        call :meth:`check` first to see it."""
         if self._closed:
             return
         self._closed = True

@@ -101,7 +101,7 @@ def row_major_readings(partial: "torch.Tensor", cfg: "OpConfig") -> tuple["torch
     partial region ``partial`` (``[W, rows, n_slice]``): ``[m_max_padded, N]`` row-major, which it
     writes, and the ``[W, rows, n_slice]`` planes of that reading the transfers take
     (``cco.layout.partial_strides``)."""
-    return (partial.view(cfg.m_max_padded, cfg.n),
+    return (partial.view(partial.shape[1], cfg.n),  # (m_max_padded rows; none where nothing is published)
             partial.as_strided(partial.shape, layout.partial_strides(cfg, by_rows=True)))
 
 

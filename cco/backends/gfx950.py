@@ -365,7 +365,7 @@ class Gfx950Backend(CudaBackend):
         faults = self.faults
         self._launchers = {}
         self._args: dict[int, FusedLaunchArgs] = {}
-        if cfg.mode != "gemm-only":
+        if layout.publishes(cfg.mode, cfg.world):  # (gemm-only, one rank: the plain GEMM writes out, no planes)
             schedule_cls = copy_engine_schedule()
             memops = HipMemOps()
             why = memops.supported(self.device.index or 0)
@@ -449,8 +449,9 @@ class Gfx950Backend(CudaBackend):
     def _fused_gemm(self, a, b_pre, a_scale, b_scale, plan, *, reduce_into=None) -> None:
         assert reduce_into is None, "the FlyDSL kernel has no epilogue reduce (dma_reduce_in_gemm is False)"
         cfg = self.config
-        if self.schedule is None:  # gemm-only op: no transport was built
-            raise RuntimeError(f"Gfx950Backend: the op was built with mode={cfg.mode!r}; it has no transport")
+        if self.schedule is None:  # gemm-only or one rank: no transport was built
+            raise RuntimeError(f"Gfx950Backend: the op was built with mode={cfg.mode!r} at world {cfg.world}; "
+                               f"it has no transport")
         args = self._fused_args(plan)
         self.counters.zero_()  # consumed words, zeroed at the call's start (see cco.cuda.dma)
         self.schedule.begin(plan)
@@ -460,7 +461,8 @@ class Gfx950Backend(CudaBackend):
 
     def all_reduce_window(self, *, out, plan):
         if self.schedule is None:
-            raise RuntimeError(f"Gfx950Backend: the op was built with mode={self.config.mode!r}; it has no transport")
+            raise RuntimeError(f"Gfx950Backend: the op was built with mode={self.config.mode!r} at world "
+                               f"{self.config.world}; it has no transport")
         super().all_reduce_window(out=out, plan=plan)
 
     def check(self) -> None:

@@ -75,14 +75,27 @@ def test_matches_reference_and_is_identical_on_all_ranks(world, quant, m, n, com
 def _gemm_only(comm, quant, m, n, k):
     p, b_pre = operands(comm.rank, m, n, k, quant)
     with GemmAllReduceOp(comm, n=n, k=k, m_max=m, quant=quant, mode="gemm-only") as op:
-        return op(p.a, b_pre, p.a_scale, p.b_scale), op.calls
+        return op(p.a, b_pre, p.a_scale, p.b_scale), op.calls, _quiet_window(op)
+
+
+def _quiet_window(op) -> tuple:
+    """(publishes, window bytes, what self_test raised) of an op that moves nothing."""
+    try:
+        op.self_test()
+        refused = None
+    except RuntimeError as err:
+        refused = str(err)
+    return op.publishes, op.config.window.nbytes, refused
 
 
 def test_gemm_only_returns_the_local_partial():
     outs = check_outcomes(spawn(_gemm_only, world=2, args=("blockscale", 64, 256, 256), timeout_s=60))
-    for rank, (out, calls) in enumerate(outs):
+    for rank, (out, calls, (publishes, nbytes, refused)) in enumerate(outs):
         assert calls == 0  # no collective happened
         assert torch.equal(out, operands(rank, 64, 256, 256, "blockscale")[0].reference())
+        # no data planes mapped (m_max 64 x n 256: 96 KiB of them before), and no self test to run
+        assert not publishes and nbytes < 16 << 10, nbytes
+        assert refused is not None and "mode 'gemm-only' moves no data" in refused, refused
 
 
 def _alone(comm, quant, m, n, k):
@@ -93,7 +106,7 @@ def _alone(comm, quant, m, n, k):
             outs = [op(p.a, b_pre, p.a_scale, p.b_scale) for _ in range(2)]
             w = op.config.window
             untouched = all(not op.window.tensor(r, rank=0).view(torch.uint8).any() for r in (w.partial, w.counters))
-            got[mode] = (outs, op.calls, untouched)
+            got[mode] = (outs, op.calls, untouched, _quiet_window(op))
     return got
 
 
@@ -102,11 +115,39 @@ def test_one_rank_runs_the_plain_gemm_and_leaves_the_window_alone():
     the fp8 gather asked for), counted as a call, with no window traffic."""
     (got,) = check_outcomes(spawn(_alone, world=1, args=("mxfp8", 64, 256, 256), timeout_s=60))
     ref = operands(0, 64, 256, 256, "mxfp8")[0].reference()
-    for mode, (outs, calls, untouched) in got.items():
+    for mode, (outs, calls, untouched, (publishes, nbytes, refused)) in got.items():
         assert calls == 2, mode
         assert untouched, f"{mode}: a world-1 call wrote the window"
+        assert not publishes and nbytes < 16 << 10, (mode, nbytes)  # its words alone: no data planes
+        assert refused is not None and "one rank (world 1) moves no data" in refused, (mode, refused)
         for out in outs:
             assert torch.equal(out, ref), mode
+
+
+def _closed_op(comm):
+    p, b_pre = operands(comm.rank, 64, 256, 256, "ptpc")
+    op = GemmAllReduceOp(comm, n=256, k=256, m_max=64, deadline_s=DEADLINE_S)
+    op(p.a, b_pre, p.a_scale, p.b_scale)
+    op.check()
+    op.close()
+    op.close()  # idempotent
+    got = {}
+    for name, fn in (("call", lambda: op(p.a, b_pre, p.a_scale, p.b_scale)), ("check", op.check),
+                     ("reject", lambda: op.reject(ValueError("x"))), ("self_test", op.self_test)):
+        try:
+            fn()
+            got[name] = None
+        except RuntimeError as err:
+            got[name] = str(err)
+    return got
+
+
+def test_every_entry_of_a_closed_op_says_it_is_closed():
+    """Before, ``check()`` after ``close()`` returned as if every call had passed; the other entries
+    raised. Now each names the op as closed (local: a closed op takes part in no call)."""
+    for got in check_outcomes(spawn(_closed_op, world=2, timeout_s=60)):
+        assert all(msg is not None and "closed" in msg for msg in got.values()), got
+        assert got["check"].startswith("GemmAllReduceOp.check: the op is closed"), got["check"]
 
 
 # --------------------------------------------------------------------------------------------------
