@@ -100,7 +100,8 @@ import torch
 from cco import layout
 from cco.backends.base import KEPT_WEIGHTS
 from cco.preshuffle import LAYOUT_MARK
-from cco.transport.protocol import PeerMismatchError, PeerRejectedError, SelfTestError
+from cco.transport.protocol import (CommTimeoutError, PeerMismatchError, PeerRejectedError, SelfTestError,
+                                    TransferError)
 from cco.transport.reasons import PeerNotes, note_closed_peers
 from cco.validate import check_operands
 from cco.window import open_window
@@ -270,6 +271,11 @@ def _configure(comm, fn: str, pattern: str, a: dict):
     if not a["deadline_s"] > 0:
         raise ValueError(f"{fn}: deadline_s={a['deadline_s']!r} must be > 0 seconds")
     return backend_cls, config
+
+
+# the errors of a collective call that name ranks, peers and steps but not the op (the self test's
+# and the argument checks' errors start with the op's name)
+_TRANSPORT_ERRORS = (CommTimeoutError, PeerMismatchError, TransferError)
 
 
 class CollectiveGemmOp:
@@ -468,9 +474,16 @@ class CollectiveGemmOp:
 
     def _note_closed_peers(self, err: BaseException) -> None:
         """Where ``err`` is a timeout, say which peers had closed their op before this rank's calls
-        (``PeerNotes.closed``): "stalled, died or lost a put" was all such a timeout could say."""
+        (``PeerNotes.closed``): "stalled, died or lost a put" was all such a timeout could say. And
+        where it is the transport's (a peer's mismatch or rejection, a timeout, a lost transfer), name
+        this op: those errors name the rank, the peer and the step, and a job holds an op per weight
+        shape. Once per error object (a failed op raises the same error again)."""
         note_closed_peers(err, self._notes, rank=self.rank, world=self.world, seq=self._seq, what=self._FN,
                           tag=self._tag)
+        if isinstance(err, _TRANSPORT_ERRORS) and not getattr(err, "_cco_op_named", False):
+            err._cco_op_named = True
+            err.add_note(f"(raised by {self!r}; its last call: seq {self._seq}"
+                         f"{f', layer tag {self._tag}' if self._tag else ''})")
 
     def note_layer_closed(self, tag: int) -> None:
         """Leave a note for the peers that this rank's caller ``tag`` (a ``cco.nn`` layer of the family

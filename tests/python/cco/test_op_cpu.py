@@ -285,7 +285,7 @@ def _m_mismatch(comm):
             op(p.a, b_pre, p.a_scale, p.b_scale)
             first = ("returned", "")
         except PeerMismatchError as err:
-            first = ("PeerMismatchError", str(err))
+            first = ("PeerMismatchError", str(err), getattr(err, "__notes__", []))
         p, b_pre = operands(comm.rank, 96, n, k, "ptpc")
         return first, op(p.a, b_pre, p.a_scale, p.b_scale)
 
@@ -293,9 +293,13 @@ def _m_mismatch(comm):
 def test_rank_with_other_m_gets_a_clear_error_then_op_recovers():
     world = 3
     per_rank = check_outcomes(spawn(_m_mismatch, world=world, timeout_s=60))
-    for rank, ((kind, msg), after) in enumerate(per_rank):
+    for rank, ((kind, msg, notes), after) in enumerate(per_rank):
         assert kind == "PeerMismatchError", (rank, msg)
         assert "M=64" in msg and "M=128" in msg and "same number of rows" in msg
+        # the transport's error names ranks and the step; a note names the op (a job holds several)
+        named = [n for n in notes if n.startswith("(raised by GemmAllReduceOp(")]
+        assert len(named) == 1 and f"rank={rank}/3, n=384, k=256, m_max=128" in named[0] and "seq 1" in named[0], \
+            notes
         assert torch.equal(after, per_rank[0][1])
     assert_close(per_rank[0][1], reference(world, 96, 384, 256, "ptpc"), "ptpc", "bf16")
 

@@ -206,15 +206,16 @@ def _ag_mismatch(comm):
             op(p.a, b_pre, p.a_scale, p.b_scale)
             first = ("returned", "")
         except PeerMismatchError as err:
-            first = ("PeerMismatchError", str(err))
+            first = ("PeerMismatchError", str(err), getattr(err, "__notes__", []))
         p, b_pre = operands(comm.rank, 64, 256, "ptpc", seed=3)
         return first, op(p.a, b_pre, p.a_scale, p.b_scale)
 
 
 def test_all_gather_rank_with_other_rows_gets_a_clear_error_then_op_recovers():
     per_rank = check_outcomes(spawn(_ag_mismatch, world=3, timeout_s=60))
-    for (kind, msg), after in per_rank:
+    for (kind, msg, notes), after in per_rank:
         assert kind == "PeerMismatchError" and "M=40" in msg and "M=64" in msg, msg
+        assert sum(n.startswith("(raised by AllGatherGemmOp(") for n in notes) == 1, notes  # the op, named once
     for rank, (_, after) in enumerate(per_rank):
         p = operands(rank, 64, 256, "ptpc", seed=3)[0]  # this rank's weight of the second call
         a_all = torch.cat([operands(r, 64, 256, "ptpc", seed=3)[0].a for r in range(3)])
