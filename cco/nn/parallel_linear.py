@@ -147,7 +147,8 @@ def close_layers(module: torch.nn.Module) -> int:
 
 
 def _mib(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.1f} MiB"
+    """Bytes as MiB, or KiB below 64 KiB (a window that maps no data planes: a few KiB of words)."""
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 64 << 10 else f"{nbytes / 2**10:.1f} KiB"
 
 
 class _ParallelLinear(torch.nn.Module):

@@ -162,15 +162,17 @@ def _loads(comm, quant, n, k):
             errors.append(None)
         except (TypeError, ValueError) as err:
             errors.append(str(err))
-    return same, errors
+    return same, errors, (a.window_bytes, repr(a))
 
 
 @pytest.mark.parametrize("quant", Q.QUANTS)
 def test_fp8_checkpoint_shard_loads_like_its_float_source(quant):
     """K = 200 per rank: blockscale's and mxfp8's last block is partial in the checkpoint; padded
     with zero weights whose scales are one, the stored operands equal the float load's."""
-    (same, errors), = check_outcomes(spawn(_loads, world=1, args=(quant, 256, 200), timeout_s=60))
+    (same, errors, (window, text)), = check_outcomes(spawn(_loads, world=1, args=(quant, 256, 200), timeout_s=60))
     assert same
+    # one rank: the layer's op publishes nothing, so its window holds words alone (cco.layout.publishes)
+    assert window < 16 << 10 and f"window {window / 1024:.1f} KiB shared by" in text, (window, text)
     expect = ["float8_e4m3fn", "[256, 200]", "w_scale", "load_fp8", "in_features_per_rank=200"]
     for err, word in zip(errors, expect):
         assert err is not None and word in err, (err, word)
