@@ -458,21 +458,21 @@ class CollectiveGemmOp:
                 # on this rank alone): take part in the call as a rejected one, or this rank's next
                 # call would take this seq and pair with the peers' this one (a result of two calls)
                 self._reject(err)
-            self._note_closed_peers(err)
+            self._note_error(err)
             raise
         self._backend.raise_deferred()
         return out
 
     def _raise_failed(self) -> None:
         """The backend's ``raise_failed`` (a failed op's error, at its next call), its error noted as
-        :meth:`_note_closed_peers` notes it."""
+        :meth:`_note_error` notes it."""
         try:
             self._backend.raise_failed()
         except Exception as err:
-            self._note_closed_peers(err)
+            self._note_error(err)
             raise
 
-    def _note_closed_peers(self, err: BaseException) -> None:
+    def _note_error(self, err: BaseException) -> None:
         """Where ``err`` is a timeout, say which peers had closed their op before this rank's calls
         (``PeerNotes.closed``): "stalled, died or lost a put" was all such a timeout could say. And
         where it is the transport's (a peer's mismatch or rejection, a timeout, a lost transfer), name
@@ -553,7 +553,7 @@ class CollectiveGemmOp:
         try:
             self._backend.check()
         except Exception as err:
-            self._note_closed_peers(err)
+            self._note_error(err)
             raise
 
     def vendor_weight(self, b_pre, b_scale):
@@ -595,7 +595,7 @@ class CollectiveGemmOp:
             rows = [m] if m is not None else [self._probe_rows(r) for r in self._backend.path_rows()]
             runs = [self._self_test_rows(r, fn) for r in rows]
         except Exception as err:
-            self._note_closed_peers(err)
+            self._note_error(err)
             raise
         return {**runs[0], "runs": runs}
 
@@ -796,7 +796,7 @@ class ScatterGemmOp(CollectiveGemmOp):
             try:  # (inline, not _raise_failed: an eager call pays for every frame)
                 backend.raise_failed()
             except Exception as err:
-                op()._note_closed_peers(err)
+                op()._note_error(err)
                 raise
             return op()._run_call(body, a, None, a_scale, None, m)
         return launch
