@@ -89,8 +89,9 @@ def parse_args(argv=None):
 def compile_for_sm90(kernel: str = "gemm", *, stages: int = 4, rows: int = 64, split: int = 4) -> dict:
     """A kernel of ``kernels_fused.hopper.gluon_gemm`` compiled for sm_90 by the installed Triton, on the
     host: its PTX and the cubin's registers, spills (local memory) and shared memory (``cuobjdump``
-    from Triton's own bundle). ``kernel``: "gemm" (the 128x128 GEMM, 8 warps) or "decode" (the MMA
-    over ``rows`` quantized rows, 4 warps, K in ``split`` slices)."""
+    from Triton's own bundle). ``kernel``: "gemm" (the 128x128 GEMM, 8 warps), "pingpong" (ptpc's
+    ping-pong GEMM of ``kernels_fused.hopper.gluon_pingpong``: 4 warps a partition, 12 in all) or
+    "decode" (the MMA over ``rows`` quantized rows, 4 warps, K in ``split`` slices)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -101,12 +102,22 @@ def compile_for_sm90(kernel: str = "gemm", *, stages: int = 4, rows: int = 64, s
 
     def desc(block, dtype=torch.float8_e4m3fn, gl_dtype=gl.float8e4nv):  # (its type: the block and layout)
         return mangle_type(gluon_gemm.descriptor(torch.empty(256, 256, dtype=dtype), block, gl_dtype))
+    options = {}
     if kernel == "gemm":
         fn, num_warps = gluon_gemm.fp8_blockscale_gemm_kernel, 8
         signature = {"a_desc": desc([128, 128]), "b_desc": desc([128, 128]),
                      "c_desc": desc([128, 128], torch.bfloat16, gl.bfloat16), "as_ptr": "*fp32", "bs_ptr": "*fp32",
                      **dict.fromkeys(("M", "N", "K", "stride_asm", "stride_ask", "stride_bsn", "stride_bsk"), "i32")}
         constexprs = {"GROUP_M": 8, "STAGES": stages, "num_warps": num_warps}
+    elif kernel == "pingpong":  # ptpc's ping-pong GEMM (kernels_fused.hopper.gluon_pingpong), 12 warps in all
+        from kernels_fused.hopper import gluon_pingpong
+
+        fn, num_warps = gluon_pingpong.fp8_ptpc_pingpong_kernel, 4
+        options["maxnreg"] = gluon_pingpong.MAXNREG
+        signature = {"a_desc": desc([128, 128]), "b_desc": desc([128, 128]),
+                     "c_desc": desc([128, 128], torch.bfloat16, gl.bfloat16), "as_ptr": "*fp32", "bs_ptr": "*fp32",
+                     **dict.fromkeys(("M", "N", "K"), "i32")}
+        constexprs = {"STAGES": stages, "num_warps": num_warps}
     elif kernel == "decode":
         fn, num_warps = gluon_gemm.decode_blockscale_mma_kernel, 4
         signature = {"w_desc": desc([64, 128]), "q_desc": desc([rows, 128]), "sa_ptr": "*fp32", "ws_ptr": "*fp32",
@@ -114,10 +125,10 @@ def compile_for_sm90(kernel: str = "gemm", *, stages: int = 4, rows: int = 64, s
                      **dict.fromkeys(("M", "N", "K_PAD", "K_SLICE", "stride_sa", "stride_ws"), "i32")}
         constexprs = {"HAS_BIAS": False, "SPLIT": split, "STAGES": stages, "num_warps": num_warps}
     else:
-        raise ValueError(f"compile_for_sm90: kernel={kernel!r}; pass 'gemm' or 'decode'")
+        raise ValueError(f"compile_for_sm90: kernel={kernel!r}; pass 'gemm', 'pingpong' or 'decode'")
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     source = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, **options})
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -146,6 +157,28 @@ def compile_problems(report: dict) -> list[str]:
         problems.append(f"{report['shared_bytes']} bytes of shared memory, more than sm_90's {HOPPER_SHARED}")
     if loop_waits(report["ptx"]).get(1, 0) < 1:
         problems.append("no wgmma.wait_group 1: every MMA is waited for before the next")
+    if report["kernel"] == "pingpong":
+        problems += pingpong_problems(report["ptx"])
+    return problems
+
+
+def pingpong_problems(ptx: str) -> list[str]:
+    """Why the ping-pong GEMM's PTX is not what it exists for (empty: it is): its partitions' registers
+    moved (``setmaxnreg``: the consumers up, the loader down; else the compiler did not split the
+    kernel), and a barrier of the issuing warpgroup after every wait for a TMA store's reads (the
+    wait is the issuing thread's; a staging tile written again before the store read it is a race)."""
+    problems = []
+    moved = set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+);", ptx))
+    if ("inc", "232") not in moved or ("dec", "40") not in moved:
+        problems.append(f"the partitions' registers not moved to 232 / 40 (setmaxnreg: {sorted(moved)})")
+    lines = [ln.strip() for ln in ptx.splitlines() if ln.strip()]
+    waits = [i for i, ln in enumerate(lines) if ln.startswith("cp.async.bulk.wait_group.read")]
+    for i in waits:  # the first barrier or shared store after the wait must be the barrier
+        first = next((ln for ln in lines[i + 1:] if re.match(r"(bar|barrier)\.sync|st\.shared|stmatrix", ln)), "")
+        if not re.match(r"(bar|barrier)\.sync", first):
+            problems.append(f"PTX line {i}: a TMA store's wait followed by {first or 'nothing'!r} before any barrier")
+    if len(waits) < 2:
+        problems.append(f"{len(waits)} waits for a TMA store's reads: each consumer waits before it writes its staging")
     return problems
 
 
@@ -171,15 +204,15 @@ def arms_of(p, stages: list[int]) -> dict:
     return arms
 
 
-def check(arms: dict, p) -> dict:
+def check(arms: dict, p, quant: str = "blockscale") -> dict:
     """Label -> why the arm is wrong (absent: right): sampled rows against the fp32 product."""
     from cco import quant as Q
     from cco.bench.timing import gemm_mismatches
     from scripts.bench_sp_parts import check_rows
 
     idx = check_rows(p.a.shape[0]).to(p.a.device)
-    a = Q.dequantize_a(p.a, p.a_scale, "blockscale")[idx]
-    b = Q.dequantize_b(p.b, p.b_scale, "blockscale")
+    a = Q.dequantize_a(p.a, p.a_scale, quant)[idx]
+    b = Q.dequantize_b(p.b, p.b_scale, quant)
     ref, dot_abs = a @ b.t(), a.abs() @ b.abs().t()
     wrong = {}
     for label, fn in arms.items():
@@ -197,7 +230,7 @@ def check(arms: dict, p) -> dict:
 # what --compile-only builds: the GEMM at both ring depths, and the decode MMA at the narrowest rows unsplit
 # and the widest split
 COMPILED = (("gemm", dict(stages=3)), ("gemm", dict(stages=4)), ("decode", dict(rows=16, split=1)),
-            ("decode", dict(rows=64, split=4)))
+            ("decode", dict(rows=64, split=4)), ("pingpong", dict(stages=3)), ("pingpong", dict(stages=4)))
 
 
 def compile_only(json_path: str | None = None) -> int:
@@ -274,12 +307,22 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.compile_only:
         return compile_only(args.json)
-    from cco.bench.timing import per_pass_ratio, require_cuda, time_arms
+    from cco.bench.timing import require_cuda
 
     require_cuda("probe_gluon_blockscale")
     command = "python3 -m scripts.probe_gluon_blockscale " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.decode is not None:
         return 1 if decode_rows_table(args, command) else 0
+    return 1 if gemm_table(args, command, "blockscale", lambda p: arms_of(p, args.stages)) else 0
+
+
+def gemm_table(args, command: str, quant: str, make_arms, checks=()) -> int:
+    """One row per (model, TP, M) of ``args`` at the reduce-scatter producers' shapes into ``args.json``
+    (written after each): ``make_arms(p)``'s arms on a ``quant`` problem, each checked against the
+    fp32 product (:func:`check`) and by each of ``checks`` (``fn(arms) -> {label: why}``), a wrong arm
+    dropped, the others timed (``bench_decode.graph_timings``, graphs of ``GRAPH_CALLS`` calls) against
+    ``cuBLAS`` where it is an arm, else the first. Returns the number of cells with a wrong arm."""
+    from cco.bench.timing import per_pass_ratio, time_arms
     from scripts.bench_decode import graph_timings
     from scripts.bench_sp_parts import device_problems, layer_shape
 
@@ -289,16 +332,18 @@ def main(argv=None) -> int:
         for tp in args.tp:
             n, k, _ = layer_shape("rs-rows", model, tp)
             for m in args.m:
-                (p,) = device_problems(m, n, k, "blockscale", 1, dev)
-                arms = arms_of(p, args.stages)
-                wrong = check(arms, p)
+                (p,) = device_problems(m, n, k, quant, 1, dev)
+                arms = make_arms(p)
+                wrong = check(arms, p, quant)
+                for more in checks:
+                    wrong.update(more({a: fn for a, fn in arms.items() if a not in wrong}))
                 for label, why in wrong.items():
                     print(f"{model} TP{tp} M={m} {label}: WRONG, {why}", flush=True)
                     del arms[label]
                 failed += bool(wrong)
                 t = graph_timings(arms, GRAPH_CALLS, args.passes, time_arms)
-                base = "cuBLAS" if "cuBLAS" in t else "own grid 64x128"
-                ratios = {a: per_pass_ratio(t[a].pass_us, t[base].pass_us) for a in t if a != base and base in t}
+                base = "cuBLAS" if "cuBLAS" in t else next(iter(t))
+                ratios = {a: per_pass_ratio(t[a].pass_us, t[base].pass_us) for a in t if a != base}
                 row = {"model": model, "tp": tp, "m": m, "n": n, "k": k, "wrong": wrong, "baseline": base,
                        "us": {a: v.median_us / GRAPH_CALLS for a, v in t.items()},
                        "pass_us": {a: [u / GRAPH_CALLS for u in v.pass_us] for a, v in t.items()},
@@ -316,7 +361,7 @@ def main(argv=None) -> int:
                                "rows": rows}, f, indent=1)
                 del p, arms
                 torch.cuda.empty_cache()
-    return 1 if failed else 0
+    return failed
 
 
 if __name__ == "__main__":

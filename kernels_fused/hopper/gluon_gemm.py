@@ -33,8 +33,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 # the TMA copies' and the block barrier's names: Triton 3.6 (the GPU machines') has only these, later releases
 # renamed them
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 _block_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # (3.6's name; later ones call it barrier)
 SCALE_BLOCK = gl.constexpr(128)  # blockscale's scale block along N and K: one weight scale per (tile, step)
 
@@ -64,8 +64,8 @@ def _scaled_mma_loop(x_desc, x_row, y_desc, y_row, first, steps, sx_ptr, sx_offs
     for i in gl.static_range(STAGES):  # the walk's first STAGES groups, one a slot
         have = i < steps
         mbarrier.expect(landed.index(i), tile_bytes, pred=have)
-        _tma_load(x_desc, [x_row, (first + i) * BLOCK_K], landed.index(i), x_ring.index(i), pred=have)
-        _tma_load(y_desc, [y_row, (first + i) * BLOCK_K], landed.index(i), y_ring.index(i), pred=have)
+        tma_load(x_desc, [x_row, (first + i) * BLOCK_K], landed.index(i), x_ring.index(i), pred=have)
+        tma_load(y_desc, [y_row, (first + i) * BLOCK_K], landed.index(i), y_ring.index(i), pred=have)
 
     blank = gl.zeros((X, Y), gl.float32, acc_layout)  # the MMAs' unread accumulator input
     acc = gl.zeros((X, Y), gl.float32, acc_layout)
@@ -85,8 +85,8 @@ def _scaled_mma_loop(x_desc, x_row, y_desc, y_row, first, steps, sx_ptr, sx_offs
         free = ahead % STAGES
         have = ahead < steps
         mbarrier.expect(landed.index(free), tile_bytes, pred=have)
-        _tma_load(x_desc, [x_row, (first + ahead) * BLOCK_K], landed.index(free), x_ring.index(free), pred=have)
-        _tma_load(y_desc, [y_row, (first + ahead) * BLOCK_K], landed.index(free), y_ring.index(free), pred=have)
+        tma_load(x_desc, [x_row, (first + ahead) * BLOCK_K], landed.index(free), x_ring.index(free), pred=have)
+        tma_load(y_desc, [y_row, (first + ahead) * BLOCK_K], landed.index(free), y_ring.index(free), pred=have)
         g = first + i
         scale = gl.load(sx_ptr + sx_offs + g * sx_step, mask=sx_mask, other=0.0) * gl.load(sy_ptr + g * sy_step)
         product = nxt
@@ -98,6 +98,19 @@ def _scaled_mma_loop(x_desc, x_row, y_desc, y_row, first, steps, sx_ptr, sx_offs
 
 
 @gluon.jit
+def grouped_tile(tile, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
+    """(first row, first column) of output tile ``tile`` in grouped order: ``GROUP_M`` tile rows walked
+    column by column, so the programs running together share B tiles in L2."""
+    tiles_m = gl.cdiv(M, BLOCK_M)
+    per_group = GROUP_M * gl.cdiv(N, BLOCK_N)
+    first_m = (tile // per_group) * GROUP_M
+    rows_in_group = gl.minimum(tiles_m - first_m, GROUP_M)
+    m0 = (first_m + (tile % per_group) % rows_in_group) * BLOCK_M
+    n0 = ((tile % per_group) // rows_in_group) * BLOCK_N
+    return m0, n0
+
+
+@gluon.jit
 def fp8_blockscale_gemm_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, M, N, K,
                                stride_asm, stride_ask, stride_bsn, stride_bsk,
                                GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
@@ -105,14 +118,7 @@ def fp8_blockscale_gemm_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, M, N, K,
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     gl.static_assert(BLOCK_N == SCALE_BLOCK, "one weight scale block per tile")
 
-    # the tile: grouped order (GROUP_M tile rows walked column by column share B tiles in L2)
-    pid = gl.program_id(0)
-    tiles_m = gl.cdiv(M, BLOCK_M)
-    per_group = GROUP_M * gl.cdiv(N, BLOCK_N)
-    first_m = (pid // per_group) * GROUP_M
-    rows_in_group = gl.minimum(tiles_m - first_m, GROUP_M)
-    m0 = (first_m + (pid % per_group) % rows_in_group) * BLOCK_M
-    n0 = ((pid % per_group) // rows_in_group) * BLOCK_N
+    m0, n0 = grouped_tile(gl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     # the accumulator's layout: warps stacked along M, one wgmma N of the whole tile
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -125,7 +131,7 @@ def fp8_blockscale_gemm_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, M, N, K,
     out = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
     out.store(acc.to(c_desc.dtype))
     fence_async_shared()  # the tile's shared-memory stores before the TMA store reads them
-    _tma_store(c_desc, [m0, n0], out)
+    tma_store(c_desc, [m0, n0], out)
     tma.store_wait(0)
 
 
