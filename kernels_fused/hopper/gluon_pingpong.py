@@ -69,7 +69,7 @@ def _loader(a_desc, b_desc, c_desc, a_ring, b_ring, c_stage, ready, empty, order
 def _consumer(a_desc, b_desc, c_desc, a_ring, b_ring, c_stage, ready, empty, order, as_ptr, bs_ptr, M, N, K,
               PARITY: gl.constexpr):
     """One warpgroup: the program's tiles 2t + PARITY. Its main loop starts once the other consumer's
-    has issued its last MMA (``order``), so the two main loops take the ring's steps in turn and
+    has retired its last MMA (``order``), so the two main loops take the ring's steps in turn and
     this one's epilogue runs under the other's main loop."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -86,7 +86,7 @@ def _consumer(a_desc, b_desc, c_desc, a_ring, b_ring, c_stage, ready, empty, ord
     for tile in range(gl.program_id(0) + PARITY * gl.num_programs(0), tiles, 2 * gl.num_programs(0)):
         m0, n0 = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         j = 2 * t + PARITY  # the program's j-th tile: its steps are the ring's j * steps ..
-        if j > 0:  # the other consumer issued the previous tile's last MMA
+        if j > 0:  # the other consumer retired the previous tile's MMAs
             mbarrier.wait(mine, ((j - 1) // 2) & 1)
         g = j * steps
         acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)
