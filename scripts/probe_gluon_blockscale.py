@@ -103,20 +103,20 @@ def compile_for_sm90(kernel: str = "gemm", *, stages: int = 4, rows: int = 64, s
     def desc(block, dtype=torch.float8_e4m3fn, gl_dtype=gl.float8e4nv):  # (its type: the block and layout)
         return mangle_type(gluon_gemm.descriptor(torch.empty(256, 256, dtype=dtype), block, gl_dtype))
     options = {}
+    # the two GEMMs' operands: 128x128 tiles of e4m3 A and B and of the bf16 output, and the scales
+    gemm_operands = {"a_desc": desc([128, 128]), "b_desc": desc([128, 128]),
+                     "c_desc": desc([128, 128], torch.bfloat16, gl.bfloat16), "as_ptr": "*fp32", "bs_ptr": "*fp32",
+                     **dict.fromkeys(("M", "N", "K"), "i32")}
     if kernel == "gemm":
         fn, num_warps = gluon_gemm.fp8_blockscale_gemm_kernel, 8
-        signature = {"a_desc": desc([128, 128]), "b_desc": desc([128, 128]),
-                     "c_desc": desc([128, 128], torch.bfloat16, gl.bfloat16), "as_ptr": "*fp32", "bs_ptr": "*fp32",
-                     **dict.fromkeys(("M", "N", "K", "stride_asm", "stride_ask", "stride_bsn", "stride_bsk"), "i32")}
+        signature = {**gemm_operands, **dict.fromkeys(("stride_asm", "stride_ask", "stride_bsn", "stride_bsk"), "i32")}
         constexprs = {"GROUP_M": 8, "STAGES": stages, "num_warps": num_warps}
     elif kernel == "pingpong":  # ptpc's ping-pong GEMM (kernels_fused.hopper.gluon_pingpong), 12 warps in all
         from kernels_fused.hopper import gluon_pingpong
 
         fn, num_warps = gluon_pingpong.fp8_ptpc_pingpong_kernel, 4
         options["maxnreg"] = gluon_pingpong.MAXNREG
-        signature = {"a_desc": desc([128, 128]), "b_desc": desc([128, 128]),
-                     "c_desc": desc([128, 128], torch.bfloat16, gl.bfloat16), "as_ptr": "*fp32", "bs_ptr": "*fp32",
-                     **dict.fromkeys(("M", "N", "K"), "i32")}
+        signature = gemm_operands
         constexprs = {"STAGES": stages, "num_warps": num_warps}
     elif kernel == "decode":
         fn, num_warps = gluon_gemm.decode_blockscale_mma_kernel, 4
