@@ -308,11 +308,16 @@ class OpConfig:
                                      n_slice=self.n_slice, gather_dtype=self.gather_dtype,
                                      m_tiles=self.m_max_padded // self.block_m, n_tiles=self.n_tiles_per_dest,
                                      pattern=self.pattern, k=self.k, quant=self.quant,
-                                     publishes=publishes(self.mode, self.world)))
+                                     publishes=self.publishes))
 
     @property
     def pattern_spec(self) -> Pattern:
         return PATTERNS[self.pattern]
+
+    @property
+    def publishes(self) -> bool:
+        """Whether this op's calls put anything into the window (module-level :func:`publishes`)."""
+        return publishes(self.mode, self.world)
 
 
 def publishes(mode: str, world: int) -> bool:

@@ -321,7 +321,7 @@ class CollectiveGemmOp:
         self._notes = notes
         self._accepted: set = set()  # operand signatures that passed _check
         # gemm-only, or one rank (the collective is the identity): the plain GEMM writes ``out``
-        self._plain = not layout.publishes(self.config.mode, self.world)
+        self._plain = not self.config.publishes
         self._alone = self.world == 1 and self.config.mode != "gemm-only"  # a plain call that counts as a call
         self._plain_plans: dict = {}
         self._call_shapes: dict = {}  # M -> layout.call_shape, for a collective call's plan
@@ -576,6 +576,10 @@ class CollectiveGemmOp:
         ``m`` given: the path calls with ``m`` rows take. ``m=None``: every path the op can take
         (the most rows a call may pass, and under ``transport="auto"`` on CUDA also the most rows
         the lsa kernel takes), one collective run each; the result lists them under ``"runs"``.
+
+        An op that moves nothing (``mode="gemm-only"``, or one rank: :attr:`publishes` false) raises
+        ``RuntimeError`` saying so; code that runs at any TP size calls ``if op.publishes:
+        op.self_test()``.
         """
         fn = f"{self._FN}.self_test"
         if not self.publishes:  # (the same on every rank: agreed at construction)

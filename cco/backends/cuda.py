@@ -283,7 +283,7 @@ def lsa_max_elements(cfg: layout.OpConfig) -> int | None:
     """Largest output (M * N elements) a fused call runs through the lsa kernel: None for any, 0
     for none (transport dma, and split mode), else the ``auto`` threshold of the gather dtype."""
     if (cfg.mode == "split" or cfg.transport == "dma" or cfg.pattern != "all-reduce"
-            or not layout.publishes(cfg.mode, cfg.world)):  # (no planes for its window to bind)
+            or not cfg.publishes):  # (no planes for its window to bind)
         return 0
     return None if cfg.transport == "lsa" else LSA_AUTO_MAX_ELEMENTS[cfg.gather_dtype]
 
@@ -465,7 +465,7 @@ class CudaBackend(Backend):
         self.partial_rows = self.partial_by_rows = None
         if cfg.pattern_spec.scatter and cfg.pattern_spec.owner_by == "cols":
             self.partial_rows, self.partial_by_rows = row_major_readings(self.partial, cfg)
-        if layout.publishes(cfg.mode, cfg.world):  # (else no call launches them: the plain GEMM writes out)
+        if cfg.publishes:  # (else no call launches them: the plain GEMM writes out)
             self.schedule.load_kernels(tuple(p for p in (self.partial, self.partial_by_rows) if p is not None))
         self._tables: dict[tuple, torch.Tensor] = {}  # _kept's
         # the rule's walk for the reduce-scatter along rows refused by this Triton's compile

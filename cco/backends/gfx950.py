@@ -365,7 +365,7 @@ class Gfx950Backend(CudaBackend):
         faults = self.faults
         self._launchers = {}
         self._args: dict[int, FusedLaunchArgs] = {}
-        if layout.publishes(cfg.mode, cfg.world):  # (gemm-only, one rank: the plain GEMM writes out, no planes)
+        if cfg.publishes:  # (gemm-only, one rank: the plain GEMM writes out, no planes)
             schedule_cls = copy_engine_schedule()
             memops = HipMemOps()
             why = memops.supported(self.device.index or 0)
