@@ -7,8 +7,10 @@ device time under graph replay, one GPU::
 Why: the reduce-scatter along rows' producer runs 1.18-1.22x of cuBLAS's whole GEMM at W 8, and the
 own ws GEMM itself 1.07-1.17x there (docs/BENCHMARKS.md): each program stores a tile before its
 next tile's MMAs start. The ping-pong overlaps one warpgroup's epilogue with the other's main loop.
-Whether it is right on a GPU, and how far it gets against cuBLAS, is what this measures; no launch
-path calls it before that.
+Whether it is right on a GPU, and how far it gets against cuBLAS, is what this measures. On one
+H100 (2026-12-07; docs/hopper_gemm.md has the table): right everywhere, 1.05-1.17x at 4 stages,
+no better than the own ws kernel, so no launch path calls it. ``--stages 5`` (224 KiB of shared
+memory) fits an H100 block and loses at 16384 tokens.
 
 Shapes: ``scripts.bench_sp_parts.layer_shape("rs-rows", ...)`` (N = hidden, K = intermediate / TP).
 Arms: ``cuBLAS`` (fast accumulation, as the own kernel accumulates), ``own ws 128x256x4`` (the
@@ -37,7 +39,7 @@ def parse_args(argv=None):
     p.add_argument("--model", type=_list(str, MODELS), default=list(MODELS), help="comma list of models")
     p.add_argument("--tp", type=_list(int, (2, 4, 8)), default=[4, 8], help="comma list of TP degrees")
     p.add_argument("-m", type=_list(int, None), default=[4096, 16384], help="comma list of token counts M")
-    p.add_argument("--stages", type=_list(int, (2, 3, 4)), default=[3, 4], help="the ring depths timed")
+    p.add_argument("--stages", type=_list(int, (2, 3, 4, 5)), default=[3, 4], help="the ring depths timed")
     p.add_argument("--passes", type=int, default=3, help="timing passes (arms alternate within each)")
     p.add_argument("json", help="write the rows here (after every shape)")
     return p.parse_args(argv)

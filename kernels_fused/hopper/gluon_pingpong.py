@@ -30,8 +30,12 @@ consumers raised to 232 (a 128x128 fp32 accumulator is 128 a thread), the loader
 
 Status: compiled for sm_90 on the host with Triton 3.6 and 3.9 (``python3 -m
 scripts.probe_gluon_blockscale --compile-only``: no spills, 196856 bytes of shared memory at 4
-stages, ``setmaxnreg`` per partition, one MMA left in flight). **Not run on a GPU yet**: its
-products and times are what ``python3 -m scripts.probe_pingpong`` measures; no launch path calls it.
+stages, ``setmaxnreg`` per partition, one MMA left in flight). Run on one H100 (2026-12-07,
+``python3 -m scripts.probe_pingpong``): right (the fp32 product, equal bits on a repeat) at every
+producer shape and ring depth, but at 4 stages 1.05-1.17x of cuBLAS, no better than the own ws
+kernel (ahead at 16384 tokens, behind at 4096): the 128x128 tile reads a third more a flop than
+the own kernel's 128x256, and the Gluon of the GPU machines' Triton has no multicast load to share
+an operand over a CTA pair (docs/hopper_gemm.md, the ping-pong's section). No launch path calls it.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
