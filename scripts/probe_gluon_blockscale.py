@@ -316,12 +316,24 @@ def main(argv=None) -> int:
     return 1 if gemm_table(args, command, "blockscale", lambda p: arms_of(p, args.stages)) else 0
 
 
+def kernel_names(fn) -> list[str]:
+    """The names of the CUDA kernels one call of ``fn`` launches (torch's profiler), in order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def gemm_table(args, command: str, quant: str, make_arms, checks=()) -> int:
     """One row per (model, TP, M) of ``args`` at the reduce-scatter producers' shapes into ``args.json``
     (written after each): ``make_arms(p)``'s arms on a ``quant`` problem, each checked against the
     fp32 product (:func:`check`) and by each of ``checks`` (``fn(arms) -> {label: why}``), a wrong arm
     dropped, the others timed (``bench_decode.graph_timings``, graphs of ``GRAPH_CALLS`` calls) against
-    ``cuBLAS`` where it is an arm, else the first. Returns the number of cells with a wrong arm."""
+    ``cuBLAS`` where it is an arm, else the first; each row also names every arm's kernels
+    (:func:`kernel_names`). Returns the number of cells with a wrong arm."""
     from cco.bench.timing import per_pass_ratio, time_arms
     from scripts.bench_decode import graph_timings
     from scripts.bench_sp_parts import device_problems, layer_shape
@@ -341,16 +353,19 @@ def gemm_table(args, command: str, quant: str, make_arms, checks=()) -> int:
                     print(f"{model} TP{tp} M={m} {label}: WRONG, {why}", flush=True)
                     del arms[label]
                 failed += bool(wrong)
+                kernels = {a: kernel_names(fn) for a, fn in arms.items()}
                 t = graph_timings(arms, GRAPH_CALLS, args.passes, time_arms)
                 base = "cuBLAS" if "cuBLAS" in t else next(iter(t))
                 ratios = {a: per_pass_ratio(t[a].pass_us, t[base].pass_us) for a in t if a != base}
                 row = {"model": model, "tp": tp, "m": m, "n": n, "k": k, "wrong": wrong, "baseline": base,
                        "us": {a: v.median_us / GRAPH_CALLS for a, v in t.items()},
                        "pass_us": {a: [u / GRAPH_CALLS for u in v.pass_us] for a, v in t.items()},
-                       "vs_baseline": ratios}
+                       "vs_baseline": ratios, "kernels": kernels}
                 print(f"[{time.time() - t0:.0f} s] {model} TP{tp} [{m}, {n}, {k}]: " + " | ".join(
                     f"{a} {row['us'][a]:.1f}" + (f" ({ratios[a][0]:.3f}x, {ratios[a][1]:.3f}-{ratios[a][2]:.3f})"
                                                   if a in ratios else "") for a in t), flush=True)
+                if base in kernels:  # (which vendor kernel the others are held against: its tile and cluster)
+                    print(f"    {base}'s kernels: {', '.join(kernels[base])}", flush=True)
                 rows.append(row)
                 with open(args.json, "w") as f:
                     json.dump({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
