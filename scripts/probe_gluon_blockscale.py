@@ -86,12 +86,14 @@ def parse_args(argv=None):
     return args
 
 
-def compile_for_sm90(kernel: str = "gemm", *, stages: int = 4, rows: int = 64, split: int = 4) -> dict:
+def compile_for_sm90(kernel: str = "gemm", *, stages: int = 4, rows: int = 64, split: int = 4,
+                     loads_only: bool = False) -> dict:
     """A kernel of ``kernels_fused.hopper.gluon_gemm`` compiled for sm_90 by the installed Triton, on the
     host: its PTX and the cubin's registers, spills (local memory) and shared memory (``cuobjdump``
     from Triton's own bundle). ``kernel``: "gemm" (the 128x128 GEMM, 8 warps), "pingpong" (ptpc's
     ping-pong GEMM of ``kernels_fused.hopper.gluon_pingpong``: 4 warps a partition, 12 in all) or
-    "decode" (the MMA over ``rows`` quantized rows, 4 warps, K in ``split`` slices)."""
+    "decode" (the MMA over ``rows`` quantized rows, 4 warps, K in ``split`` slices). ``loads_only``:
+    the ping-pong's measurement of its ring alone (``LOADS_ONLY``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -117,7 +119,7 @@ def compile_for_sm90(kernel: str = "gemm", *, stages: int = 4, rows: int = 64, s
         fn, num_warps = gluon_pingpong.fp8_ptpc_pingpong_kernel, 4
         options["maxnreg"] = gluon_pingpong.MAXNREG
         signature = gemm_operands
-        constexprs = {"STAGES": stages, "num_warps": num_warps}
+        constexprs = {"STAGES": stages, "num_warps": num_warps, "LOADS_ONLY": loads_only}
     elif kernel == "decode":
         fn, num_warps = gluon_gemm.decode_blockscale_mma_kernel, 4
         signature = {"w_desc": desc([64, 128]), "q_desc": desc([rows, 128]), "sa_ptr": "*fp32", "ws_ptr": "*fp32",
@@ -327,13 +329,14 @@ def kernel_names(fn) -> list[str]:
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-def gemm_table(args, command: str, quant: str, make_arms, checks=()) -> int:
+def gemm_table(args, command: str, quant: str, make_arms, checks=(), unchecked: str | None = None) -> int:
     """One row per (model, TP, M) of ``args`` at the reduce-scatter producers' shapes into ``args.json``
     (written after each): ``make_arms(p)``'s arms on a ``quant`` problem, each checked against the
     fp32 product (:func:`check`) and by each of ``checks`` (``fn(arms) -> {label: why}``), a wrong arm
     dropped, the others timed (``bench_decode.graph_timings``, graphs of ``GRAPH_CALLS`` calls) against
     ``cuBLAS`` where it is an arm, else the first; each row also names every arm's kernels
-    (:func:`kernel_names`). Returns the number of cells with a wrong arm."""
+    (:func:`kernel_names`). Arms whose label starts with ``unchecked`` compute nothing (measurements of
+    a part of a kernel): timed, never checked. Returns the number of cells with a wrong arm."""
     from cco.bench.timing import per_pass_ratio, time_arms
     from scripts.bench_decode import graph_timings
     from scripts.bench_sp_parts import device_problems, layer_shape
@@ -346,9 +349,10 @@ def gemm_table(args, command: str, quant: str, make_arms, checks=()) -> int:
             for m in args.m:
                 (p,) = device_problems(m, n, k, quant, 1, dev)
                 arms = make_arms(p)
-                wrong = check(arms, p, quant)
+                checked = {a: fn for a, fn in arms.items() if unchecked is None or not a.startswith(unchecked)}
+                wrong = check(checked, p, quant)
                 for more in checks:
-                    wrong.update(more({a: fn for a, fn in arms.items() if a not in wrong}))
+                    wrong.update(more({a: fn for a, fn in checked.items() if a not in wrong}))
                 for label, why in wrong.items():
                     print(f"{model} TP{tp} M={m} {label}: WRONG, {why}", flush=True)
                     del arms[label]

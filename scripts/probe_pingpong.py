@@ -14,7 +14,9 @@ memory) fits an H100 block and loses at 16384 tokens.
 
 Shapes: ``scripts.bench_sp_parts.layer_shape("rs-rows", ...)`` (N = hidden, K = intermediate / TP).
 Arms: ``cuBLAS`` (fast accumulation, as the own kernel accumulates), ``own ws 128x256x4`` (the
-plain ptpc GEMM's launch, ``TRITON_PLAIN``), ``pingpong S stages``. Every arm is first checked
+plain ptpc GEMM's launch, ``TRITON_PLAIN``), ``pingpong S stages``, and with ``--loads-only``
+``ring only S stages``: the same walk's loads alone (no MMA, nothing written; never checked), whose
+time against the GEMM's says whether the ring's pace or the MMAs hold it. Every other arm is checked
 against the fp32 product on sampled rows (a wrong arm posts no time; the exit status counts wrong
 cells) and the ping-pong for equal bits on a repeat; then ``bench_decode.graph_timings`` (graphs of
 3 calls, arms alternating per pass). One line per (shape, M): each arm's us and its ratio to
@@ -30,6 +32,9 @@ import torch
 
 
 
+RING_ONLY = "ring only"  # the label of the loads-only arms (timed, not checked: they compute nothing)
+
+
 def parse_args(argv=None):
     from scripts._cli import DefaultsHelp
     from scripts.bench_sp_parts import MODELS, _list
@@ -41,11 +46,14 @@ def parse_args(argv=None):
     p.add_argument("-m", type=_list(int, None), default=[4096, 16384], help="comma list of token counts M")
     p.add_argument("--stages", type=_list(int, (2, 3, 4, 5)), default=[3, 4], help="the ring depths timed")
     p.add_argument("--passes", type=int, default=3, help="timing passes (arms alternate within each)")
+    p.add_argument("--loads-only", action="store_true",
+                   help="also time the ring alone at each depth (arms 'ring only S stages': the same walk's "
+                        "loads taken and released as they land, no MMA, nothing written, so never checked)")
     p.add_argument("json", help="write the rows here (after every shape)")
     return p.parse_args(argv)
 
 
-def arms_of(p, stages) -> dict:
+def arms_of(p, stages, loads_only: bool = False) -> dict:
     """Label -> a call writing its own ``out`` (made once: a graph allocates nothing)."""
     from kernels_fused.hopper import gluon_pingpong
     from kernels_fused.hopper.gemm import TRITON_PLAIN, fp8_gemm
@@ -62,6 +70,9 @@ def arms_of(p, stages) -> dict:
     for s in stages:
         arms[f"pingpong {s} stages"] = (lambda o=fresh(), s=s: gluon_pingpong.ptpc_pingpong_gemm(
             p.a, p.b, p.a_scale.reshape(-1), p.b_scale.reshape(-1), out=o, stages=s))
+        if loads_only:
+            arms[f"{RING_ONLY} {s} stages"] = (lambda o=fresh(), s=s: gluon_pingpong.ptpc_pingpong_gemm(
+                p.a, p.b, p.a_scale.reshape(-1), p.b_scale.reshape(-1), out=o, stages=s, loads_only=True))
     return arms
 
 
@@ -82,8 +93,8 @@ def main(argv=None) -> int:
 
     require_cuda("probe_pingpong")
     command = "python3 -m scripts.probe_pingpong " + " ".join(sys.argv[1:] if argv is None else argv)
-    return 1 if gemm_table(args, command, "ptpc", lambda p: arms_of(p, args.stages),
-                           checks=(same_bits_on_repeat, )) else 0
+    return 1 if gemm_table(args, command, "ptpc", lambda p: arms_of(p, args.stages, args.loads_only),
+                           checks=(same_bits_on_repeat, ), unchecked=RING_ONLY) else 0
 
 
 if __name__ == "__main__":

@@ -132,8 +132,42 @@ def _consumer_1(a_desc, b_desc, c_desc, a_ring, b_ring, c_stage, ready, empty, o
 
 
 @gluon.jit
+def _taker(a_desc, b_desc, c_desc, a_ring, b_ring, c_stage, ready, empty, order, as_ptr, bs_ptr, M, N, K,
+           PARITY: gl.constexpr):
+    """A measurement's consumer (``LOADS_ONLY``): :func:`_consumer`'s tiles, steps and turns, each
+    fill released as it lands, no MMA and nothing stored: the ring's own pace."""
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    STAGES: gl.constexpr = a_ring.type.shape[0]
+    tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+    steps = gl.cdiv(K, BLOCK_K)
+    t = 0
+    for tile in range(gl.program_id(0) + PARITY * gl.num_programs(0), tiles, 2 * gl.num_programs(0)):
+        j = 2 * t + PARITY
+        if j > 0:
+            mbarrier.wait(order.index(PARITY), ((j - 1) // 2) & 1)
+        for kk in range(steps):
+            g = j * steps + kk
+            mbarrier.wait(ready.index(g % STAGES), (g // STAGES) & 1)
+            mbarrier.arrive(empty.index(g % STAGES), count=1)
+        mbarrier.arrive(order.index(1 - PARITY), count=1)
+        t += 1
+
+
+@gluon.jit
+def _taker_0(a_desc, b_desc, c_desc, a_ring, b_ring, c_stage, ready, empty, order, as_ptr, bs_ptr, M, N, K):
+    _taker(a_desc, b_desc, c_desc, a_ring, b_ring, c_stage, ready, empty, order, as_ptr, bs_ptr, M, N, K, 0)
+
+
+@gluon.jit
+def _taker_1(a_desc, b_desc, c_desc, a_ring, b_ring, c_stage, ready, empty, order, as_ptr, bs_ptr, M, N, K):
+    _taker(a_desc, b_desc, c_desc, a_ring, b_ring, c_stage, ready, empty, order, as_ptr, bs_ptr, M, N, K, 1)
+
+
+@gluon.jit
 def fp8_ptpc_pingpong_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, M, N, K,
-                             STAGES: gl.constexpr, num_warps: gl.constexpr):
+                             STAGES: gl.constexpr, num_warps: gl.constexpr, LOADS_ONLY: gl.constexpr = False):
     gl.static_assert(num_warps == 4, "the default partition is consumer 0: one warpgroup")
     a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -148,21 +182,30 @@ def fp8_ptpc_pingpong_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, M, N, K,
         mbarrier.init(order.index(i), count=1)
     fence_async_shared()
     args = (a_desc, b_desc, c_desc, a_ring, b_ring, c_stage, ready, empty, order, as_ptr, bs_ptr, M, N, K)
-    gl.warp_specialize([
-        (_consumer_0, args),
-        (_consumer_1, args),
-        (_loader, args),
-    ], [4, 1], [232, 40])
+    if LOADS_ONLY:  # (a measurement of the ring alone: _taker)
+        gl.warp_specialize([
+            (_taker_0, args),
+            (_taker_1, args),
+            (_loader, args),
+        ], [4, 1], [232, 40])
+    else:
+        gl.warp_specialize([
+            (_consumer_0, args),
+            (_consumer_1, args),
+            (_loader, args),
+        ], [4, 1], [232, 40])
 
 
 MAXNREG = 168  # registers a thread at launch: 12 warps x 168 fills the SM's 64K; setmaxnreg then moves them
 
 
-def ptpc_pingpong_gemm(a, b, a_scale, b_scale, *, out=None, stages: int = 4):
+def ptpc_pingpong_gemm(a, b, a_scale, b_scale, *, out=None, stages: int = 4, loads_only: bool = False):
     """bf16 ``(a @ b.T) * a_scale[:, None] * b_scale[None, :]`` through :func:`fp8_ptpc_pingpong_kernel`
     (into ``out [M, N]`` where given): ``a [M, K]`` and ``b [N, K]`` e4m3 row-major (16-byte aligned
     rows, as TMA needs), ``a_scale [M]`` and ``b_scale [N]`` fp32. One program per SM (fewer where
-    there are fewer tiles). Unchecked beyond that: a probe's launcher (``scripts.probe_pingpong``)."""
+    there are fewer tiles). Unchecked beyond that: a probe's launcher (``scripts.probe_pingpong``).
+    ``loads_only``: a measurement of the ring alone (:func:`_taker`): the same walk's loads taken and
+    released as they land, no MMA, nothing written (``out`` left as it was)."""
     import torch
 
     m, k = a.shape
@@ -173,5 +216,6 @@ def ptpc_pingpong_gemm(a, b, a_scale, b_scale, *, out=None, stages: int = 4):
     descs = [descriptor(t, tile, dtype) for t, dtype in ((a, gl.float8e4nv), (b, gl.float8e4nv), (out, gl.bfloat16))]
     tiles = -(-m // tile[0]) * -(-n // tile[1])
     grid = (min(torch.cuda.get_device_properties(a.device).multi_processor_count, tiles), )
-    fp8_ptpc_pingpong_kernel[grid](*descs, a_scale, b_scale, m, n, k, STAGES=stages, num_warps=4, maxnreg=MAXNREG)
+    fp8_ptpc_pingpong_kernel[grid](*descs, a_scale, b_scale, m, n, k, STAGES=stages, num_warps=4, maxnreg=MAXNREG,
+                                   LOADS_ONLY=loads_only)
     return out
