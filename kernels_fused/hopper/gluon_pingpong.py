@@ -184,7 +184,11 @@ def fp8_ptpc_pingpong_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, M, N, K,
         mbarrier.init(order.index(i), count=1)
     fence_async_shared()
     args = (a_desc, b_desc, c_desc, a_ring, b_ring, c_stage, ready, empty, order, as_ptr, bs_ptr, M, N, K)
-    if LOADS_ONLY:  # (a measurement of the ring alone: _taker)
+    # LOADS_ONLY, a measurement of the ring alone, takes partitions of its own (_taker's) rather than
+    # a flag through _consumer_0/1: with the flag passed there, Triton 3.6 compiles the GEMM itself
+    # differently (one more warpgroup barrier, 16 more bytes of shared memory); this way its PTX is
+    # the same as without LOADS_ONLY, with 3.6 and 3.9
+    if LOADS_ONLY:
         gl.warp_specialize([
             (_taker_0, args),
             (_taker_1, args),
