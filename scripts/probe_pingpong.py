@@ -30,8 +30,6 @@ import sys
 
 import torch
 
-
-
 RING_ONLY = "ring only"  # the label of the loads-only arms (timed, not checked: they compute nothing)
 
 
@@ -67,12 +65,11 @@ def arms_of(p, stages, loads_only: bool = False) -> dict:
                                                use_fast_accum=True),
             "own ws 128x256x4": lambda o=fresh(): fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="ptpc", out=o,
                                                            config=TRITON_PLAIN["ptpc"], validated=True)}
+    kinds = [("pingpong", False)] + ([(RING_ONLY, True)] if loads_only else [])
     for s in stages:
-        arms[f"pingpong {s} stages"] = (lambda o=fresh(), s=s: gluon_pingpong.ptpc_pingpong_gemm(
-            p.a, p.b, p.a_scale.reshape(-1), p.b_scale.reshape(-1), out=o, stages=s))
-        if loads_only:
-            arms[f"{RING_ONLY} {s} stages"] = (lambda o=fresh(), s=s: gluon_pingpong.ptpc_pingpong_gemm(
-                p.a, p.b, p.a_scale.reshape(-1), p.b_scale.reshape(-1), out=o, stages=s, loads_only=True))
+        for kind, loads in kinds:
+            arms[f"{kind} {s} stages"] = (lambda o=fresh(), s=s, loads=loads: gluon_pingpong.ptpc_pingpong_gemm(
+                p.a, p.b, p.a_scale.reshape(-1), p.b_scale.reshape(-1), out=o, stages=s, loads_only=loads))
     return arms
 
 
