@@ -2,13 +2,13 @@
 to read the hardware counters of its kernels (one GPU)::
 
     ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \\
-        -k 'regex:pingpong|fp8_gemm_ws|nvjet' --csv --page details \\
+        -k 'regex:pingpong|fp8_gemm_ws|nvjet|gemm_pair' --csv --page details \\
         python3 -m scripts.ncu_pingpong --model deepseek-v3 --tp 8 -m 4096 > ncu.csv
 
 Why: the probe's times say the ping-pong ties the own ws kernel and that its ring alone
 (``--loads-only``) takes about cuBLAS's whole time (docs/hopper_gemm.md); the counters say where the
 bytes come from (L2 hit rate, L2 and DRAM throughput) and how busy the tensor cores are. The arms
-run in the order cuBLAS, own ws, ping-pong, ring only, each twice (the first call compiles a
+run in the order cuBLAS, own ws, ping-pong, ring only, the CTA pair (``scripts.probe_pair_gemm``), each twice (the first call compiles a
 Triton kernel; the profiler reads both, the second is the one to read); nothing is timed or checked
 here (the probe checks them)."""
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 def main(argv=None) -> int:
     from scripts._cli import DefaultsHelp
     from scripts.bench_sp_parts import MODELS, _list, device_problems, layer_shape
+    from scripts.probe_pair_gemm import arms_of as pair_arms
     from scripts.probe_pingpong import arms_of
 
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()), formatter_class=DefaultsHelp)
@@ -39,6 +40,7 @@ def main(argv=None) -> int:
             for m in args.m:
                 (prob,) = device_problems(m, n, k, "ptpc", 1, torch.device("cuda"))
                 arms = arms_of(prob, [args.stages], loads_only=True)
+                arms.update((a, fn) for a, fn in pair_arms(prob, [8]).items() if a.startswith("pair"))
                 for label, fn in arms.items():
                     fn()  # (compiles; the profiler's filter takes both calls: the second is the one to read)
                     torch.cuda.synchronize()

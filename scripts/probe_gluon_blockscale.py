@@ -329,8 +329,10 @@ def kernel_names(fn) -> list[str]:
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-def gemm_table(args, command: str, quant: str, make_arms, checks=(), unchecked: str | None = None) -> int:
-    """One row per (model, TP, M) of ``args`` at the reduce-scatter producers' shapes into ``args.json``
+def gemm_table(args, command: str, quant: str, make_arms, checks=(), unchecked: str | None = None,
+               patterns=("rs-rows", )) -> int:
+    """One row per (pattern, model, TP, M) of ``args`` at each pattern's GEMM shapes
+    (``bench_sp_parts.layer_shape``: the reduce-scatter producers' by default) into ``args.json``
     (written after each): ``make_arms(p)``'s arms on a ``quant`` problem, each checked against the
     fp32 product (:func:`check`) and by each of ``checks`` (``fn(arms) -> {label: why}``), a wrong arm
     dropped, the others timed (``bench_decode.graph_timings``, graphs of ``GRAPH_CALLS`` calls) against
@@ -343,9 +345,9 @@ def gemm_table(args, command: str, quant: str, make_arms, checks=(), unchecked: 
 
     dev = torch.device("cuda")
     rows, t0, failed = [], time.time(), 0
-    for model in args.model:
+    for pattern, model in ((pt, md) for pt in patterns for md in args.model):
         for tp in args.tp:
-            n, k, _ = layer_shape("rs-rows", model, tp)
+            n, k, _ = layer_shape(pattern, model, tp)
             for m in args.m:
                 (p,) = device_problems(m, n, k, quant, 1, dev)
                 arms = make_arms(p)
@@ -361,7 +363,7 @@ def gemm_table(args, command: str, quant: str, make_arms, checks=(), unchecked: 
                 t = graph_timings(arms, GRAPH_CALLS, args.passes, time_arms)
                 base = "cuBLAS" if "cuBLAS" in t else next(iter(t))
                 ratios = {a: per_pass_ratio(t[a].pass_us, t[base].pass_us) for a in t if a != base}
-                row = {"model": model, "tp": tp, "m": m, "n": n, "k": k, "wrong": wrong, "baseline": base,
+                row = {"pattern": pattern, "model": model, "tp": tp, "m": m, "n": n, "k": k, "wrong": wrong, "baseline": base,
                        "us": {a: v.median_us / GRAPH_CALLS for a, v in t.items()},
                        "pass_us": {a: [u / GRAPH_CALLS for u in v.pass_us] for a, v in t.items()},
                        "vs_baseline": ratios, "kernels": kernels}

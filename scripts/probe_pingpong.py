@@ -73,10 +73,10 @@ def arms_of(p, stages, loads_only: bool = False) -> dict:
     return arms
 
 
-def same_bits_on_repeat(arms) -> dict:
-    """Label -> why, for each ping-pong arm whose second call gives other bits than its first."""
+def same_bits_on_repeat(arms, prefix: str = "pingpong") -> dict:
+    """Label -> why, for each arm labelled ``prefix``... whose second call gives other bits than its first."""
     wrong = {}
-    for label in [a for a in arms if a.startswith("pingpong")]:
+    for label in [a for a in arms if a.startswith(prefix)]:
         first = arms[label]().clone()
         if not torch.equal(first, arms[label]()):
             wrong[label] = "other bits on a repeat of the same call"

@@ -1,0 +1,482 @@
+// ptpc's fp8 GEMM for sm_90a with a CTA pair sharing the weight tile by TMA multicast:
+//   out[M, N] (bf16) = (A[M, K] e4m3 @ B[N, K]^T e4m3) * a_scale[M] * b_scale[N]
+//
+// Why (docs/hopper_gemm.md, "A CTA pair sharing B by multicast"): at the reduce-scatter producers'
+// short K the own Triton GEMMs run 1.05-1.20x of cuBLAS, and the ping-pong's ring alone took about
+// cuBLAS's whole time: the tiles' feed from L2, not the MMAs, sets the pace. cuBLAS pairs its CTAs
+// in a cluster that loads a shared operand once for both. The GPU machines' Triton (3.6) cannot
+// issue a multicast load, so this kernel is CUDA C++ built by nvcc.
+//
+// Arrangement (one persistent CTA per SM, clusters of two CTAs along M):
+// - a cluster walks 256x256 output tiles (grouped order, ``group_m`` tile pairs of rows a group);
+//   CTA r of the pair computes rows m0 + 128 r .. + 127 against the same 256 columns;
+// - warpgroup 0 is the loader (one thread): per K step of 128 it loads its CTA's own A tile
+//   (128x128 bytes) and its half of the shared B tile (128 of the 256 rows) multicast into the slot of
+//   both CTAs, so each CTA reads 32 KiB a step where an unpaired 128x256 tile reads 48 KiB;
+// - warpgroups 1 and 2 are the consumers: rows 0-63 and 64-127 of the CTA's tile, four
+//   m64n256k32 MMAs a step, one step's MMAs left in flight; a slot is released (its ``empty``
+//   barrier in both CTAs: the peer writes half of it) once the MMAs that read it retired;
+// - the epilogue: the fp32 accumulator times the row's and the column's scale, rounded to bf16,
+//   stored from registers; the loader runs ahead into the next tile's steps meanwhile.
+//
+// The ring: ``full[s]`` completes when this CTA's 48 KiB of step g (g % STAGES == s) landed (the own
+// A tile, both halves of B; the loader's expect_tx and the bytes may come in either order);
+// ``empty[s]`` when the four consumer warpgroups of the pair (two a CTA) released the slot. Both
+// CTAs walk the same tiles, so their steps and barrier phases stay in step.
+#include <cstdint>
+#include <cuda_bf16.h>
+
+namespace {
+
+constexpr int BM = 128;             // a CTA's tile rows (two consumer warpgroups of 64)
+constexpr int BN = 256;             // the pair's shared tile columns
+// CCO_BK: K bytes a step, 128 (one row of the 128-byte swizzle) or 64 (the 64-byte swizzle: half the
+// step, so a slot is released twice as often); CCO_STAGES: the ring's depth.
+#ifndef CCO_BK
+#define CCO_BK 128
+#endif
+#ifndef CCO_STAGES
+#define CCO_STAGES 4
+#endif
+constexpr int BK = CCO_BK;
+constexpr int STAGES = CCO_STAGES;
+static_assert(BK == 128 || BK == 64, "a step is one row of the 128- or 64-byte swizzle");
+constexpr int A_BYTES = BM * BK;    // 16 KiB at BK 128
+constexpr int B_BYTES = BN * BK;    // 32 KiB at BK 128
+constexpr int STEP_BYTES = A_BYTES + B_BYTES;
+constexpr int THREADS = 384;        // loader warpgroup + two consumer warpgroups
+// CCO_PAIR: CTAs a cluster sharing B (2; 1 loads the whole B tile a CTA, for comparison).
+// CCO_WIDE_STORES: 1 stores the epilogue in 16-byte pieces that fill whole 32-byte sectors (the
+// quad of lanes holding a row's 8-column block trades its pairs over shuffles); 0 stores each
+// thread's bf16 pairs as they sit in the accumulator (4 bytes a store, half sectors).
+#ifndef CCO_PAIR
+#define CCO_PAIR 2
+#endif
+#ifndef CCO_WIDE_STORES
+#define CCO_WIDE_STORES 1
+#endif
+// CCO_CLUSTER_ORDER: 1 gives the ring's waits acquire and its remote arrives release semantics at
+// the cluster's scope; 0 (default) leaves both at the barrier's defaults. The consumers' reads of a
+// slot are the MMAs' (retired by wgmma.wait_group before the arrive), and the loads are TMA's
+// (ordered by the barrier's transaction count), so no other memory needs ordering.
+// CCO_EARLY_RELEASE: 1 waits for a step's MMAs before issuing the next step's and releases its slot
+// then; 0 keeps one step's MMAs in flight and releases the step before.
+#ifndef CCO_EARLY_RELEASE
+#define CCO_EARLY_RELEASE 0
+#endif
+#ifndef CCO_CLUSTER_ORDER
+#define CCO_CLUSTER_ORDER 0
+#endif
+#if CCO_CLUSTER_ORDER
+#define CCO_WAIT_ORDER ".acquire.cluster"
+#define CCO_ARRIVE_ORDER ".release.cluster"
+#else
+#define CCO_WAIT_ORDER ""
+#define CCO_ARRIVE_ORDER ""
+#endif
+constexpr int PAIR = CCO_PAIR;
+
+struct alignas(64) TensorMap { uint64_t words[16]; };  // CUtensorMap, passed by value
+
+__device__ __forceinline__ uint32_t cta_rank() {
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+__device__ __forceinline__ void cluster_barrier() {  // every thread of both CTAs
+    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void barrier_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ bool barrier_try_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity" CCO_WAIT_ORDER ".shared::cta.b64 p, [%1], %2;\n"
+                 "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    return done;
+}
+
+__device__ __forceinline__ void barrier_wait(uint32_t bar, uint32_t parity) {
+    while (!barrier_try_wait(bar, parity)) {
+    }
+}
+
+__device__ __forceinline__ void barrier_expect(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
+
+// Arrive on the barrier at this CTA's shared address ``bar`` in CTA ``cta`` of the cluster.
+__device__ __forceinline__ void barrier_arrive_in(uint32_t bar, uint32_t cta) {
+    asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+                 "mbarrier.arrive" CCO_ARRIVE_ORDER ".shared::cluster.b64 _, [remote];\n}\n"
+                 :: "r"(bar), "r"(cta) : "memory");
+}
+
+// A 128x128-byte box of the tensor map at (column x, row y) into this CTA's ``dst``.
+__device__ __forceinline__ void tma_load(uint32_t dst, const TensorMap& map, int x, int y, uint32_t bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+                 "[%0], [%1, {%2, %3}], [%4];"
+                 :: "r"(dst), "l"(reinterpret_cast<uint64_t>(&map)), "r"(x), "r"(y), "r"(bar) : "memory");
+}
+
+// The same box into ``dst`` of every CTA in ``mask``, each completing its own barrier at ``bar``.
+__device__ __forceinline__ void tma_load_multicast(uint32_t dst, const TensorMap& map, int x, int y, uint32_t bar,
+                                                   uint16_t mask) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;"
+                 :: "r"(dst), "l"(reinterpret_cast<uint64_t>(&map)), "r"(x), "r"(y), "r"(bar), "h"(mask)
+                 : "memory");
+}
+
+// A K-major operand in shared memory with the BK-byte swizzle: rows of BK bytes, 8-row groups 8 BK
+// bytes apart (the stride byte offset); the leading offset is unused by these swizzles. Mode 1 is the
+// 128-byte swizzle, 2 the 64-byte one.
+__device__ __forceinline__ uint64_t smem_descriptor(uint32_t addr) {
+    constexpr uint64_t mode = BK == 128 ? 1 : 2;
+    return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (1ull << 16) | (static_cast<uint64_t>(8 * BK >> 4) << 32)
+           | (mode << 62);
+}
+
+__device__ __forceinline__ void mma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void mma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void mma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory"); }
+
+// One m64n256k32 MMA of the warpgroup: d (its 64x256 fp32 tile, 128 registers a thread) +=
+// A (64 rows x 32 K bytes, descriptor a) x B (256 rows x 32 K bytes, descriptor b)^T; accumulate = 0
+// overwrites d (a tile's first MMA).
+__device__ __forceinline__ void mma_64x256x32(float (&d)[128], uint64_t a, uint64_t b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, acc, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// The same for a 64x128 tile (64 registers a thread): the ping-pong's MMA, two a consumer a K slice.
+__device__ __forceinline__ void mma_64x128x32(float (&d)[64], uint64_t a, uint64_t b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred acc;\nsetp.ne.b32 acc, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, acc, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// Cluster tile t of the grouped walk: its row pair (256 rows) and column block (256 columns).
+__device__ __forceinline__ void tile_of(int t, int pairs, int n_tiles, int group, int& pair, int& nb) {
+    const int per_group = group * n_tiles;
+    const int first = (t / per_group) * group;
+    const int size = min(pairs - first, group);
+    pair = first + (t % per_group) % size;
+    nb = (t % per_group) / size;
+}
+
+// The epilogue of one warpgroup's 64 rows x 8 BLOCKS columns: its fp32 accumulator times the row's
+// and the column's scale, rounded to bf16, stored at rows row0.. and columns col0.. of ``out``.
+// The accumulator's layout: warp w of the warpgroup holds rows 16 w + lane / 4 and + 8; registers
+// 4 i .. 4 i + 3 are columns 8 i + 2 (lane % 4) + {0, 1} of those two rows.
+template <int BLOCKS>
+__device__ __forceinline__ void store_rows(const float (&acc)[4 * BLOCKS], int row0, int col0, int N,
+                                           const float* __restrict__ a_scale, const float* __restrict__ b_scale,
+                                           __nv_bfloat16* __restrict__ out) {
+    const int warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+    const int row = row0 + warp * 16 + lane / 4;
+    const float sa0 = a_scale[row], sa1 = a_scale[row + 8];
+    const int quad = lane % 4;
+#if CCO_WIDE_STORES
+    // Two 8-column blocks of the two rows are four 16-byte pieces, one a lane of the quad:
+    // lane q takes piece q (row + 8 (q / 2), block i + q % 2). Piece p's pair r sits in lane r.
+    const int piece_row = row + 8 * (quad / 2);
+    __nv_bfloat16* piece_out = out + static_cast<size_t>(piece_row) * N + col0 + 8 * (quad % 2);
+#pragma unroll
+    for (int i = 0; i < BLOCKS; i += 2) {
+        const float2 c0 = *reinterpret_cast<const float2*>(b_scale + col0 + 8 * i + 2 * quad);
+        const float2 c1 = *reinterpret_cast<const float2*>(b_scale + col0 + 8 * i + 8 + 2 * quad);
+        uint32_t mine[4];  // this lane's pair of each piece
+        const __nv_bfloat162 p0 = __floats2bfloat162_rn(acc[4 * i] * sa0 * c0.x, acc[4 * i + 1] * sa0 * c0.y);
+        const __nv_bfloat162 p1 = __floats2bfloat162_rn(acc[4 * i + 4] * sa0 * c1.x, acc[4 * i + 5] * sa0 * c1.y);
+        const __nv_bfloat162 p2 = __floats2bfloat162_rn(acc[4 * i + 2] * sa1 * c0.x, acc[4 * i + 3] * sa1 * c0.y);
+        const __nv_bfloat162 p3 = __floats2bfloat162_rn(acc[4 * i + 6] * sa1 * c1.x, acc[4 * i + 7] * sa1 * c1.y);
+        mine[0] = *reinterpret_cast<const uint32_t*>(&p0);
+        mine[1] = *reinterpret_cast<const uint32_t*>(&p1);
+        mine[2] = *reinterpret_cast<const uint32_t*>(&p2);
+        mine[3] = *reinterpret_cast<const uint32_t*>(&p3);
+        // Round j: lane q receives from lane (q + j) % 4 that lane's pair of piece q, which the
+        // sender holds as mine[(sender - j) % 4]; it is pair (q + j) % 4 of this lane's piece.
+        uint32_t got[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int give = (quad - j) & 3;
+            const uint32_t send = give == 0 ? mine[0] : give == 1 ? mine[1] : give == 2 ? mine[2] : mine[3];
+            got[j] = __shfl_sync(0xffffffffu, send, (lane & ~3) | ((quad + j) & 3));
+        }
+        uint4 piece;  // pair r of the piece came in round (r - q) % 4
+        const int r0 = (0 - quad) & 3, r1 = (1 - quad) & 3, r2 = (2 - quad) & 3, r3 = (3 - quad) & 3;
+        piece.x = r0 == 0 ? got[0] : r0 == 1 ? got[1] : r0 == 2 ? got[2] : got[3];
+        piece.y = r1 == 0 ? got[0] : r1 == 1 ? got[1] : r1 == 2 ? got[2] : got[3];
+        piece.z = r2 == 0 ? got[0] : r2 == 1 ? got[1] : r2 == 2 ? got[2] : got[3];
+        piece.w = r3 == 0 ? got[0] : r3 == 1 ? got[1] : r3 == 2 ? got[2] : got[3];
+        *reinterpret_cast<uint4*>(piece_out + 8 * i) = piece;
+    }
+#else
+    __nv_bfloat16* out0 = out + static_cast<size_t>(row) * N + col0 + 2 * quad;
+    __nv_bfloat16* out1 = out0 + static_cast<size_t>(8) * N;
+    const float* sb = b_scale + col0 + 2 * quad;
+#pragma unroll
+    for (int i = 0; i < BLOCKS; ++i) {
+        const float2 cs = *reinterpret_cast<const float2*>(sb + 8 * i);
+        *reinterpret_cast<__nv_bfloat162*>(out0 + 8 * i) =
+            __floats2bfloat162_rn(acc[4 * i] * sa0 * cs.x, acc[4 * i + 1] * sa0 * cs.y);
+        *reinterpret_cast<__nv_bfloat162*>(out1 + 8 * i) =
+            __floats2bfloat162_rn(acc[4 * i + 2] * sa1 * cs.x, acc[4 * i + 3] * sa1 * cs.y);
+    }
+#endif
+}
+
+}  // namespace
+
+// M a multiple of 256 (the pair's rows), N of 256, K of 128: the launcher refuses other shapes.
+// Grid: an even number of CTAs, clusters of two (compile-time), THREADS threads, SHARED bytes.
+// CCO_MIN_BLOCKS: blocks an SM the compile budgets registers for (1; the host test asks for 3, a
+// budget of 56 registers a thread that ptxas refuses for the MMA's 128-register accumulator).
+#ifndef CCO_MIN_BLOCKS
+#define CCO_MIN_BLOCKS 1
+#endif
+extern "C" __global__ void __cluster_dims__(PAIR, 1, 1) __launch_bounds__(THREADS, CCO_MIN_BLOCKS)
+cco_ptpc_gemm_pair(const __grid_constant__ TensorMap map_a, const __grid_constant__ TensorMap map_b,
+                   const float* __restrict__ a_scale, const float* __restrict__ b_scale,
+                   __nv_bfloat16* __restrict__ out, int M, int N, int K, int group) {
+    extern __shared__ uint8_t shared_raw[];
+    const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(shared_raw));
+    const uint32_t base = (raw + 1023) & ~1023u;  // the swizzled tiles need 1024-byte alignment
+    const uint32_t a_ring = base, b_ring = base + STAGES * A_BYTES;
+    const uint32_t full = base + STAGES * STEP_BYTES, empty = full + 8 * STAGES;
+
+    const uint32_t rank = cta_rank();
+    const int warpgroup = threadIdx.x / 128, thread = threadIdx.x % 128;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            barrier_init(full + 8 * s, 1);
+            barrier_init(empty + 8 * s, 2 * PAIR);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    cluster_barrier();  // both CTAs' barriers exist before any multicast or remote arrive reaches them
+
+    const int pairs = M / (PAIR * BM), n_tiles = N / BN, tiles = pairs * n_tiles, steps = K / BK;
+    const int cluster = blockIdx.x / PAIR, clusters = gridDim.x / PAIR;
+
+    if (warpgroup == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        if (thread == 0) {
+            int s = 0;
+            uint32_t phase = 0;
+            for (int t = cluster; t < tiles; t += clusters) {
+                int pair, nb;
+                tile_of(t, pairs, n_tiles, group, pair, nb);
+                const int m0 = (pair * PAIR + rank) * BM, n0 = nb * BN + rank * (BN / PAIR);
+                for (int k = 0; k < steps; ++k) {
+                    barrier_wait(empty + 8 * s, phase ^ 1);  // (a fresh barrier: its phase 1 counts as done)
+                    barrier_expect(full + 8 * s, STEP_BYTES);
+                    tma_load(a_ring + s * A_BYTES, map_a, k * BK, m0, full + 8 * s);
+                    if (PAIR == 1) {
+                        tma_load(b_ring + s * B_BYTES, map_b, k * BK, n0, full + 8 * s);
+                        tma_load(b_ring + s * B_BYTES + B_BYTES / 2, map_b, k * BK, n0 + BN / 2, full + 8 * s);
+                    } else {
+                        tma_load_multicast(b_ring + s * B_BYTES + rank * (B_BYTES / PAIR), map_b, k * BK, n0,
+                                           full + 8 * s, (1 << PAIR) - 1);
+                    }
+                    if (++s == STAGES) {
+                        s = 0;
+                        phase ^= 1;
+                    }
+                }
+            }
+        }
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+        const int half = warpgroup - 1;  // rows 64 * half .. + 63 of the CTA's tile
+        float acc[128];
+        int s = 0;
+        uint32_t phase = 0;
+        for (int t = cluster; t < tiles; t += clusters) {
+            int pair, nb;
+            tile_of(t, pairs, n_tiles, group, pair, nb);
+#if !CCO_EARLY_RELEASE
+            int held = -1;  // the slot whose MMAs are still in flight
+#endif
+            for (int k = 0; k < steps; ++k) {
+                barrier_wait(full + 8 * s, phase);
+                mma_fence();
+                const uint64_t a = smem_descriptor(a_ring + s * A_BYTES + half * 64 * BK);
+                const uint64_t b = smem_descriptor(b_ring + s * B_BYTES);
+#pragma unroll
+                for (int j = 0; j < BK / 32; ++j)  // 32 K bytes a MMA: 2 in the descriptor's 16-byte units
+                    mma_64x256x32(acc, a + 2 * j, b + 2 * j, k > 0 || j > 0);
+                mma_commit();
+#if CCO_EARLY_RELEASE
+                // This step's MMAs retired before the next step's issue: the slot goes back a step
+                // sooner, and the other consumer's MMAs keep the tensor cores busy meanwhile.
+                mma_wait<0>();
+                if (thread == 0)
+                    for (uint32_t c = 0; c < PAIR; ++c) barrier_arrive_in(empty + 8 * s, c);
+#else
+                if (held >= 0) {
+                    mma_wait<1>();  // the previous step's MMAs retired: its slot may be refilled
+                    if (thread == 0)
+                        for (uint32_t c = 0; c < PAIR; ++c) barrier_arrive_in(empty + 8 * held, c);
+                }
+                held = s;
+#endif
+                if (++s == STAGES) {
+                    s = 0;
+                    phase ^= 1;
+                }
+            }
+#if !CCO_EARLY_RELEASE
+            mma_wait<0>();
+            if (thread == 0)
+                for (uint32_t c = 0; c < PAIR; ++c) barrier_arrive_in(empty + 8 * held, c);
+#endif
+
+            store_rows<BN / 8>(acc, (pair * PAIR + rank) * BM + half * 64, nb * BN, N, a_scale, b_scale, out);
+        }
+    }
+    cluster_barrier();  // no CTA leaves while its peer may still multicast into it or arrive on it
+}
+
+// The ping-pong arrangement of the same pair (cuBLAS's at these shapes: 128x128 tiles, one consumer
+// warpgroup a tile). The two consumers take the CTA's tiles in turn (tile j of the walk to consumer
+// j % 2), each holding a whole 128x128 tile (two m64n128 MMAs a K slice, 128 registers a thread),
+// so one consumer's epilogue runs while the other's MMAs keep the tensor cores busy. ``turn[c]``
+// hands the ring to consumer c: the other consumer arrives on it once it has issued its tile's last
+// MMAs, so the two main loops take the ring's steps strictly in order (a consumer never waits on a
+// slot a lap ahead, where the barrier's parity would repeat). B's 128 rows are shared by the pair,
+// 64 loaded by each CTA (the tensor map of B has 64-row boxes); ``empty[s]`` takes one arrive from
+// the step's consumer in each CTA. M a multiple of 256, N of 128, K of BK.
+constexpr int PP_TN = 128;
+constexpr int PP_A_BYTES = BM * BK, PP_B_BYTES = PP_TN * BK, PP_STEP_BYTES = PP_A_BYTES + PP_B_BYTES;
+
+extern "C" __global__ void __cluster_dims__(PAIR, 1, 1) __launch_bounds__(THREADS, CCO_MIN_BLOCKS)
+cco_ptpc_gemm_pair_pingpong(const __grid_constant__ TensorMap map_a, const __grid_constant__ TensorMap map_b,
+                            const float* __restrict__ a_scale, const float* __restrict__ b_scale,
+                            __nv_bfloat16* __restrict__ out, int M, int N, int K, int group) {
+    extern __shared__ uint8_t shared_raw[];
+    const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(shared_raw));
+    const uint32_t base = (raw + 1023) & ~1023u;
+    const uint32_t a_ring = base, b_ring = base + STAGES * PP_A_BYTES;
+    const uint32_t full = base + STAGES * PP_STEP_BYTES, empty = full + 8 * STAGES, turn = empty + 8 * STAGES;
+
+    const uint32_t rank = cta_rank();
+    const int warpgroup = threadIdx.x / 128, thread = threadIdx.x % 128;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            barrier_init(full + 8 * s, 1);
+            barrier_init(empty + 8 * s, PAIR);
+        }
+        barrier_init(turn, 1);
+        barrier_init(turn + 8, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    cluster_barrier();
+
+    const int pairs = M / (PAIR * BM), n_tiles = N / PP_TN, tiles = pairs * n_tiles, steps = K / BK;
+    const int cluster = blockIdx.x / PAIR, clusters = gridDim.x / PAIR;
+
+    if (warpgroup == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        if (thread == 0) {
+            int s = 0;
+            uint32_t phase = 0;
+            for (int t = cluster; t < tiles; t += clusters) {
+                int pair, nb;
+                tile_of(t, pairs, n_tiles, group, pair, nb);
+                const int m0 = (pair * PAIR + rank) * BM, n0 = nb * PP_TN + rank * (PP_TN / PAIR);
+                for (int k = 0; k < steps; ++k) {
+                    barrier_wait(empty + 8 * s, phase ^ 1);
+                    barrier_expect(full + 8 * s, PP_STEP_BYTES);
+                    tma_load(a_ring + s * PP_A_BYTES, map_a, k * BK, m0, full + 8 * s);
+                    if (PAIR == 1)
+                        tma_load(b_ring + s * PP_B_BYTES, map_b, k * BK, n0, full + 8 * s);
+                    else
+                        tma_load_multicast(b_ring + s * PP_B_BYTES + rank * (PP_B_BYTES / PAIR), map_b, k * BK, n0,
+                                           full + 8 * s, (1 << PAIR) - 1);
+                    if (++s == STAGES) {
+                        s = 0;
+                        phase ^= 1;
+                    }
+                }
+            }
+        }
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+        const int me = warpgroup - 1;
+        float acc0[64], acc1[64];  // rows 0-63 and 64-127 of the consumer's tile
+        for (int j = me;; j += 2) {
+            const int t = cluster + j * clusters;
+            if (t >= tiles)
+                break;
+            int pair, nb;
+            tile_of(t, pairs, n_tiles, group, pair, nb);
+            if (j > 0)
+                barrier_wait(turn + 8 * me, ((j - 1) / 2) & 1);  // the other consumer issued tile j - 1
+            int held = -1;
+            for (int k = 0; k < steps; ++k) {
+                const int g = j * steps + k, s = g % STAGES;
+                barrier_wait(full + 8 * s, (g / STAGES) & 1);
+                mma_fence();
+                const uint64_t a = smem_descriptor(a_ring + s * PP_A_BYTES);
+                const uint64_t b = smem_descriptor(b_ring + s * PP_B_BYTES);
+                constexpr uint64_t half_rows = 64 * BK >> 4;  // rows 64.. of A: the descriptor's 16-byte units
+#pragma unroll
+                for (int x = 0; x < BK / 32; ++x) {
+                    mma_64x128x32(acc0, a + 2 * x, b + 2 * x, k > 0 || x > 0);
+                    mma_64x128x32(acc1, a + half_rows + 2 * x, b + 2 * x, k > 0 || x > 0);
+                }
+                mma_commit();
+                if (held >= 0) {
+                    mma_wait<1>();
+                    if (thread == 0)
+                        for (uint32_t c = 0; c < PAIR; ++c) barrier_arrive_in(empty + 8 * held, c);
+                }
+                held = s;
+            }
+            if (thread == 0)
+                barrier_arrive_in(turn + 8 * (1 - me), rank);  // the ring is the other consumer's
+            mma_wait<0>();
+            if (thread == 0)
+                for (uint32_t c = 0; c < PAIR; ++c) barrier_arrive_in(empty + 8 * held, c);
+            const int row0 = (pair * PAIR + rank) * BM;
+            store_rows<PP_TN / 8>(acc0, row0, nb * PP_TN, N, a_scale, b_scale, out);
+            store_rows<PP_TN / 8>(acc1, row0 + 64, nb * PP_TN, N, a_scale, b_scale, out);
+        }
+    }
+    cluster_barrier();
+}

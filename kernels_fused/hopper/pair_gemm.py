@@ -1,0 +1,199 @@
+"""ptpc's fp8 GEMM with a CTA pair sharing the weight tile by TMA multicast (``csrc/pair_gemm.cu``),
+built by nvcc and launched through the driver.
+
+Why it is CUDA C++: the GPU machines' Triton (3.6) cannot issue a multicast load, and the feed of the
+tiles from L2 is what holds the own Triton GEMMs at 1.05-1.20x of cuBLAS at the reduce-scatter
+producers' shapes (docs/hopper_gemm.md). cuBLAS's kernel there pairs its CTAs in a cluster; this
+kernel does the same with a 128x256 tile a CTA and the pair's 256 B rows loaded once, half by each
+CTA, so a CTA reads two thirds of what an unpaired 128x256 tile reads a K step.
+
+Status: a measurement (``python3 -m scripts.probe_pair_gemm``); no launch path calls it. Shapes:
+M a multiple of 256, N of 256, K of the step (``Variant.bk``); other shapes raise ValueError.
+
+The build: ``nvcc -arch=sm_90a -cubin`` once per source and :class:`Variant` (its fields are the
+source's ``CCO_*`` macros; cached under ``CCO_PAIR_GEMM_CACHE``, default ``~/.cache/cco``), then
+``cuModuleLoadData`` in the current context. The launch: the two operands' tensor maps
+(``cuTensorMapEncodeTiled``: 128-row boxes of one step's bytes, the step's swizzle) passed by value,
+the cluster shape compiled into the kernel (``__cluster_dims__``), so a plain ``cuLaunchKernel`` on
+torch's current stream launches it, and a CUDA graph captures it.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+from typing import NamedTuple
+
+import torch
+
+SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "pair_gemm.cu")
+KERNELS = {False: b"cco_ptpc_gemm_pair", True: b"cco_ptpc_gemm_pair_pingpong"}  # by Variant.pingpong
+THREADS = 384
+BM, BOX_ROWS = 128, 128
+GROUP = 8  # tile pairs of rows a group of the walk (the L2's reuse of B across rows)
+
+_CU_TENSOR_MAP_UINT8, _L2_256B = 0, 3
+_SWIZZLE = {128: 3, 64: 2}  # CU_TENSOR_MAP_SWIZZLE_128B / _64B, by the step's bytes
+_MAX_DYNAMIC_SHARED = 8
+
+
+class Variant(NamedTuple):
+    """One build of the kernel: the source's ``CCO_*`` macros."""
+    pair: int = 2                 # CTAs a cluster sharing B (1: each loads its whole B tile)
+    wide_stores: bool = True      # the epilogue's 16-byte stores (False: 4 bytes a thread)
+    cluster_order: bool = False   # the ring's waits/arrives ordered at the cluster's scope
+    bk: int = 128                 # K bytes a step (128 or 64)
+    stages: int = 4               # the ring's depth
+    early_release: bool = False   # a step's MMAs retired before the next step's issue
+    pingpong: bool = False        # 128x128 tiles a consumer warpgroup, taken in turn (else 128x256 shared)
+
+    @property
+    def tile_n(self) -> int:
+        """Columns of a CTA's tile: 256 split between the consumers, or a ping-pong consumer's 128."""
+        return 128 if self.pingpong else 256
+
+    def defines(self) -> list[str]:
+        return [f"-DCCO_PAIR={self.pair}", f"-DCCO_WIDE_STORES={int(self.wide_stores)}",
+                f"-DCCO_CLUSTER_ORDER={int(self.cluster_order)}", f"-DCCO_BK={self.bk}",
+                f"-DCCO_STAGES={self.stages}", f"-DCCO_EARLY_RELEASE={int(self.early_release)}"]
+
+
+    def shared(self) -> int:
+        """Dynamic shared memory: the ring, its barriers (and the ping-pong's two turns), and the
+        1024-byte alignment of the tiles."""
+        return self.stages * (BM + self.tile_n) * self.bk + 8 * (2 * self.stages + 2 * self.pingpong) + 1024
+
+
+def nvcc() -> str | None:
+    """The nvcc that builds the kernel (PATH, then ``$CUDA_HOME/bin``), or None."""
+    found = shutil.which("nvcc") or os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
+    return found if os.path.exists(found) else None
+
+
+def _compile(variant: Variant, path: str, extra: tuple = ()) -> str:
+    """Compile ``variant`` into the cubin ``path``; ptxas's report (``-v``) is the return value."""
+    compiler = nvcc()
+    if compiler is None:
+        raise RuntimeError("pair_gemm needs nvcc (PATH or $CUDA_HOME/bin) to build its kernel")
+    done = subprocess.run([compiler, "-arch=sm_90a", "-cubin", "-O3", "-Xptxas", "-v", *variant.defines(), *extra,
+                           "-o", path, SOURCE], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"nvcc failed on {SOURCE} ({variant}):\n{done.stderr[-4000:]}")
+    return done.stderr + done.stdout
+
+
+def ptxas_report(variant: Variant, directory: str, extra: tuple = ()) -> dict:
+    """``registers``, ``spill_stores`` and ``spill_loads`` (bytes) of ``variant``'s kernel as ptxas
+    reports them, compiled into ``directory`` with nvcc's ``extra`` options."""
+    log = _compile(variant, os.path.join(directory, "pair_gemm.cubin"), extra)
+    registers = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if not (registers and spills):
+        raise RuntimeError(f"no register or spill line in ptxas's report:\n{log[-2000:]}")
+    return {"registers": int(registers[1]), "spill_stores": int(spills[1]), "spill_loads": int(spills[2])}
+
+
+def build(variant: Variant = Variant()) -> str:
+    """The cubin path of ``variant``, compiled by nvcc once per source text and variant."""
+    with open(SOURCE, "rb") as f:
+        digest = hashlib.sha256(f.read() + " ".join(variant.defines()).encode()).hexdigest()[:16]
+    cache = os.environ.get("CCO_PAIR_GEMM_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "cco"))
+    os.makedirs(cache, exist_ok=True)
+    cubin = os.path.join(cache, f"pair_gemm_{digest}.cubin")
+    if not os.path.exists(cubin):
+        tmp = f"{cubin}.{os.getpid()}"
+        _compile(variant, tmp)
+        os.replace(tmp, cubin)
+    return cubin
+
+
+def _check(result: int, what: str) -> None:
+    if result:
+        raise RuntimeError(f"{what} failed: CUresult {result}")
+
+
+_driver = None
+_functions: dict[tuple, ctypes.c_void_p] = {}
+
+
+def _lib():
+    global _driver
+    if _driver is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuTensorMapEncodeTiled.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
+                                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                               ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+        lib.cuModuleLoadData.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p]
+        lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_char_p]
+        lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+        _driver = lib
+    return _driver
+
+
+def _function(device: int, variant: Variant) -> ctypes.c_void_p:
+    key = (device, variant)
+    if key not in _functions:
+        lib = _lib()
+        with open(build(variant), "rb") as f:
+            image = f.read()
+        module, fn = ctypes.c_void_p(), ctypes.c_void_p()
+        _check(lib.cuModuleLoadData(ctypes.byref(module), image), "cuModuleLoadData")
+        _check(lib.cuModuleGetFunction(ctypes.byref(fn), module, KERNELS[variant.pingpong]), "cuModuleGetFunction")
+        _check(lib.cuFuncSetAttribute(fn, _MAX_DYNAMIC_SHARED, variant.shared()), "cuFuncSetAttribute")
+        _functions[key] = fn
+    return _functions[key]
+
+
+def tensor_map(t: torch.Tensor, bk: int, rows_a_box: int = BOX_ROWS) -> ctypes.Array:
+    """A CUtensorMap (128 bytes) of the row-major one-byte matrix ``t`` in boxes of ``rows_a_box``
+    rows x ``bk`` bytes with the ``bk``-byte swizzle."""
+    rows, cols = t.shape
+    raw = (ctypes.c_uint8 * 192)()  # the map's address must be 64-byte aligned: carve it from a larger buffer
+    m = (ctypes.c_uint64 * 16).from_address((ctypes.addressof(raw) + 63) & ~63)
+    m._keep = raw
+    dims = (ctypes.c_uint64 * 2)(cols, rows)
+    strides = (ctypes.c_uint64 * 1)(t.stride(0))
+    box = (ctypes.c_uint32 * 2)(bk, rows_a_box)
+    unit = (ctypes.c_uint32 * 2)(1, 1)
+    _check(_lib().cuTensorMapEncodeTiled(m, _CU_TENSOR_MAP_UINT8, 2, ctypes.c_void_p(t.data_ptr()), dims, strides,
+                                         box, unit, 0, _SWIZZLE[bk], _L2_256B, 0), "cuTensorMapEncodeTiled")
+    return m
+
+
+def ptpc_pair_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, *,
+                   out: torch.Tensor | None = None, group: int = GROUP, clusters: int | None = None,
+                   variant: Variant = Variant()) -> torch.Tensor:
+    """``(a @ b.T) * a_scale[:, None] * b_scale[None, :]`` in bf16: ``a`` [M, K] and ``b`` [N, K]
+    e4m3, the scales fp32 of M and N; ``clusters`` clusters of ``variant.pair`` CTAs (default: one
+    CTA an SM)."""
+    m, k = a.shape
+    n = b.shape[0]
+    if variant.pair not in (1, 2) or variant.bk not in _SWIZZLE:
+        raise ValueError(f"pair_gemm: pair is 1 or 2 and bk 64 or 128, not {variant}")
+    if m % (2 * BM) or n % variant.tile_n or k % variant.bk or b.shape[1] != k:
+        raise ValueError(f"pair_gemm takes M % 256 == 0, N % {variant.tile_n} == 0, K % {variant.bk} == 0; "
+                         f"got [{m}, {n}, {k}]")
+    if not (a.is_contiguous() and b.is_contiguous()):
+        raise ValueError("pair_gemm takes contiguous row-major operands")
+    a_scale, b_scale = a_scale.reshape(-1).float().contiguous(), b_scale.reshape(-1).float().contiguous()
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
+    props = torch.cuda.get_device_properties(a.device)
+    tiles = (m // (variant.pair * BM)) * (n // variant.tile_n)
+    clusters = min(tiles, clusters or props.multi_processor_count // variant.pair)
+    # B's box: the ping-pong's pair loads 64 of its tile's 128 rows each (one CTA alone all 128); the
+    # 256-column tile is always loaded in 128-row boxes (two a CTA alone, one each in the pair)
+    b_rows = 128 // variant.pair if variant.pingpong else BOX_ROWS
+    map_a, map_b = tensor_map(a.view(torch.uint8), variant.bk), tensor_map(b.view(torch.uint8), variant.bk, b_rows)
+    ptrs = [ctypes.c_uint64(t.data_ptr()) for t in (a_scale, b_scale, out)]
+    ints = [ctypes.c_int(v) for v in (m, n, k, group)]
+    params = (ctypes.c_void_p * 9)(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in
+                                     [map_a, map_b] + ptrs + ints])
+    stream = torch.cuda.current_stream(a.device).cuda_stream
+    _check(_lib().cuLaunchKernel(_function(a.device.index or 0, variant), variant.pair * clusters, 1, 1, THREADS, 1,
+                                 1, variant.shared(), ctypes.c_void_p(stream), params, None), "cuLaunchKernel")
+    return out

@@ -1,0 +1,54 @@
+"""The CTA pair GEMM (``kernels_fused.hopper.pair_gemm``, CUDA C++), on the host: every build the probe
+times compiles for sm_90a within a Hopper SM's budget (no spills, the 384 threads' register share,
+its shared memory), and the launcher refuses shapes the kernel does not cover before it touches a
+GPU. Not run here (no GPU): ``scripts.probe_pair_gemm`` checks its products against the fp32
+product and times it."""
+
+import pytest
+import torch
+
+from kernels_fused.hopper import pair_gemm as G
+from scripts.probe_pair_gemm import VARIANT_ARGS, label
+
+HOPPER_SHARED = 227 * 1024  # the most dynamic shared memory one block may take on sm_90
+VARIANTS = [G.Variant(**kw) for kw in VARIANT_ARGS]
+
+needs_nvcc = pytest.mark.skipif(G.nvcc() is None, reason="nvcc builds this kernel (the GPU machines have it)")
+
+
+@needs_nvcc
+@pytest.mark.parametrize("variant", VARIANTS, ids=[label(v) for v in VARIANTS])
+def test_every_timed_build_compiles_without_spills(variant, tmp_path):
+    report = G.ptxas_report(variant, str(tmp_path))
+    assert report["spill_stores"] == report["spill_loads"] == 0, report
+    assert report["registers"] <= 65536 // G.THREADS, report  # (setmaxnreg moves them between warpgroups)
+    assert variant.shared() <= HOPPER_SHARED
+
+
+@needs_nvcc
+def test_a_build_that_cannot_fit_its_registers_raises_with_ptxas_words(tmp_path):
+    """Budgeted for three blocks an SM (56 registers a thread), the MMA's 128-register accumulator
+    cannot compile: the build raises with ptxas's reason instead of leaving a cubin behind."""
+    with pytest.raises(RuntimeError, match="Insufficient registers"):
+        G.ptxas_report(G.Variant(), str(tmp_path), extra=("-DCCO_MIN_BLOCKS=3", ))
+    assert not (tmp_path / "pair_gemm.cubin").exists()
+
+
+@pytest.mark.parametrize("m, n, k", [(128, 256, 256), (256, 128, 256), (256, 256, 96), (4096, 4608 + 128, 7168)])
+def test_shapes_outside_the_tiles_are_refused_before_any_launch(m, n, k):
+    a = torch.zeros(m, k, dtype=torch.float8_e4m3fn)
+    b = torch.zeros(n, k, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="pair_gemm takes"):
+        G.ptpc_pair_gemm(a, b, torch.ones(m), torch.ones(n))
+
+
+def test_unknown_builds_are_refused():
+    a, b = torch.zeros(256, 256, dtype=torch.float8_e4m3fn), torch.zeros(256, 256, dtype=torch.float8_e4m3fn)
+    for bad in (G.Variant(pair=4), G.Variant(bk=32)):
+        with pytest.raises(ValueError, match="pair is 1 or 2"):
+            G.ptpc_pair_gemm(a, b, torch.ones(256), torch.ones(256), variant=bad)
+
+
+def test_the_ring_fits_and_grows_with_its_depth():
+    assert G.Variant().shared() == 4 * (128 + 256) * 128 + 64 + 1024
+    assert G.Variant(bk=64, stages=9).shared() <= HOPPER_SHARED < G.Variant(bk=128, stages=5).shared()
