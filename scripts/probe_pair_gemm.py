@@ -68,22 +68,14 @@ def label(v) -> str:
 
 def arms_of(p, groups) -> dict:
     """Label -> a call writing its own ``out`` (made once: a graph allocates nothing)."""
-    from kernels_fused.hopper.gemm import TRITON_PLAIN, fp8_gemm
     from kernels_fused.hopper.pair_gemm import Variant, ptpc_pair_gemm
+    from scripts.probe_pingpong import baseline_arms, fresh_out
 
-    m, n = p.a.shape[0], p.b.shape[0]
-
-    def fresh():
-        return torch.empty(m, n, dtype=torch.bfloat16, device=p.a.device)
-    b_t, sa, sb = p.b.t(), p.a_scale.reshape(-1, 1).float(), p.b_scale.reshape(1, -1).float()
-    arms = {"cuBLAS": lambda: torch._scaled_mm(p.a, b_t, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
-                                               use_fast_accum=True),
-            "own ws 128x256x4": lambda o=fresh(): fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="ptpc", out=o,
-                                                           config=TRITON_PLAIN["ptpc"], validated=True)}
+    arms = baseline_arms(p)
     for g in groups:
         for v in (Variant(**kw) for kw in VARIANT_ARGS):
-            arms[f"{label(v)} g{g}"] = (lambda o=fresh(), g=g, v=v: ptpc_pair_gemm(p.a, p.b, p.a_scale, p.b_scale,
-                                                                                  out=o, group=g, variant=v))
+            arms[f"{label(v)} g{g}"] = (lambda o=fresh_out(p), g=g, v=v: ptpc_pair_gemm(
+                p.a, p.b, p.a_scale, p.b_scale, out=o, group=g, variant=v))
     return arms
 
 

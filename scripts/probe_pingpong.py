@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 
 import torch
 
@@ -51,20 +52,30 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def fresh_out(p) -> torch.Tensor:
+    """An output of problem ``p``'s shape, bf16, on its device."""
+    return torch.empty(p.a.shape[0], p.b.shape[0], dtype=torch.bfloat16, device=p.a.device)
+
+
+def baseline_arms(p) -> dict:
+    """The arms every GEMM probe times against: ``cuBLAS`` (row-wise ``_scaled_mm``, fast
+    accumulation, as the own kernels accumulate) and ``own ws 128x256x4`` (the plain ptpc GEMM's
+    launch, ``TRITON_PLAIN``), each writing its own output (made once: a graph allocates nothing)."""
+    from kernels_fused.hopper.gemm import TRITON_PLAIN, fp8_gemm
+
+    b_t, sa, sb = p.b.t(), p.a_scale.reshape(-1, 1).float(), p.b_scale.reshape(1, -1).float()
+    return {"cuBLAS": lambda: torch._scaled_mm(p.a, b_t, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
+                                               use_fast_accum=True),
+            "own ws 128x256x4": lambda o=fresh_out(p): fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="ptpc", out=o,
+                                                                config=TRITON_PLAIN["ptpc"], validated=True)}
+
+
 def arms_of(p, stages, loads_only: bool = False) -> dict:
     """Label -> a call writing its own ``out`` (made once: a graph allocates nothing)."""
     from kernels_fused.hopper import gluon_pingpong
-    from kernels_fused.hopper.gemm import TRITON_PLAIN, fp8_gemm
 
-    m, n = p.a.shape[0], p.b.shape[0]
-
-    def fresh():
-        return torch.empty(m, n, dtype=torch.bfloat16, device=p.a.device)
-    b_t, sa, sb = p.b.t(), p.a_scale.reshape(-1, 1).float(), p.b_scale.reshape(1, -1).float()
-    arms = {"cuBLAS": lambda: torch._scaled_mm(p.a, b_t, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
-                                               use_fast_accum=True),
-            "own ws 128x256x4": lambda o=fresh(): fp8_gemm(p.a, p.b, p.a_scale, p.b_scale, quant="ptpc", out=o,
-                                                           config=TRITON_PLAIN["ptpc"], validated=True)}
+    fresh = partial(fresh_out, p)
+    arms = baseline_arms(p)
     kinds = [("pingpong", False)] + ([(RING_ONLY, True)] if loads_only else [])
     for s in stages:
         for kind, loads in kinds:

@@ -41,9 +41,6 @@ constexpr int BN = 256;             // the pair's shared tile columns
 constexpr int BK = CCO_BK;
 constexpr int STAGES = CCO_STAGES;
 static_assert(BK == 128 || BK == 64, "a step is one row of the 128- or 64-byte swizzle");
-constexpr int A_BYTES = BM * BK;    // 16 KiB at BK 128
-constexpr int B_BYTES = BN * BK;    // 32 KiB at BK 128
-constexpr int STEP_BYTES = A_BYTES + B_BYTES;
 constexpr int THREADS = 384;        // loader warpgroup + two consumer warpgroups
 // CCO_PAIR: CTAs a cluster sharing B (2; 1 loads the whole B tile a CTA, for comparison).
 // CCO_WIDE_STORES: 1 stores the epilogue in 16-byte pieces that fill whole 32-byte sectors (the
@@ -55,15 +52,15 @@ constexpr int THREADS = 384;        // loader warpgroup + two consumer warpgroup
 #ifndef CCO_WIDE_STORES
 #define CCO_WIDE_STORES 1
 #endif
+// CCO_EARLY_RELEASE: 1 waits for a step's MMAs before issuing the next step's and releases its slot
+// then; 0 keeps one step's MMAs in flight and releases the step before (the shared tile only).
+#ifndef CCO_EARLY_RELEASE
+#define CCO_EARLY_RELEASE 0
+#endif
 // CCO_CLUSTER_ORDER: 1 gives the ring's waits acquire and its remote arrives release semantics at
 // the cluster's scope; 0 (default) leaves both at the barrier's defaults. The consumers' reads of a
 // slot are the MMAs' (retired by wgmma.wait_group before the arrive), and the loads are TMA's
 // (ordered by the barrier's transaction count), so no other memory needs ordering.
-// CCO_EARLY_RELEASE: 1 waits for a step's MMAs before issuing the next step's and releases its slot
-// then; 0 keeps one step's MMAs in flight and releases the step before.
-#ifndef CCO_EARLY_RELEASE
-#define CCO_EARLY_RELEASE 0
-#endif
 #ifndef CCO_CLUSTER_ORDER
 #define CCO_CLUSTER_ORDER 0
 #endif
@@ -260,6 +257,71 @@ __device__ __forceinline__ void store_rows(const float (&acc)[4 * BLOCKS], int r
 #endif
 }
 
+// The shared memory of a kernel whose CTA tile has TN columns: STAGES slots of (A: BM rows, B: TN
+// rows) x BK bytes, 1024-byte aligned for the swizzle, then the ``full`` and ``empty`` barriers of
+// each slot and ``extra`` barriers more. Thread 0 initializes them; every thread of the pair then
+// meets at the cluster's barrier, so no multicast or remote arrive reaches a barrier not yet made.
+template <int TN>
+struct Ring {
+    static constexpr int A = BM * BK, B = TN * BK, STEP = A + B;
+    uint32_t a, b, full, empty, extra;
+
+    __device__ explicit Ring(const uint8_t* shared_raw, uint32_t consumers_a_step, int extras) {
+        const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(shared_raw));
+        a = (raw + 1023) & ~1023u;
+        b = a + STAGES * A;
+        full = a + STAGES * STEP;
+        empty = full + 8 * STAGES;
+        extra = empty + 8 * STAGES;
+        if (threadIdx.x == 0) {
+            for (int s = 0; s < STAGES; ++s) {
+                barrier_init(full + 8 * s, 1);
+                barrier_init(empty + 8 * s, consumers_a_step * PAIR);  // every consumer of the step, both CTAs
+            }
+            for (int e = 0; e < extras; ++e) barrier_init(extra + 8 * e, 1);
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        }
+        cluster_barrier();
+    }
+
+    // Release slot s: its empty barrier in each CTA of the pair (the peer writes half of it).
+    __device__ void release(int s) const {
+        for (uint32_t c = 0; c < PAIR; ++c) barrier_arrive_in(empty + 8 * s, c);
+    }
+};
+
+// The loader (one thread): every K step of every tile of this cluster's walk into the ring, in order.
+// A: the CTA's own BM rows. B: the tile's TN rows; alone, in boxes of up to 128 rows; in a pair, this
+// CTA's half multicast into the slot of both CTAs.
+template <int TN>
+__device__ void load_ring(const Ring<TN>& ring, const TensorMap& map_a, const TensorMap& map_b, uint32_t rank,
+                          int cluster, int clusters, int tiles, int pairs, int n_tiles, int group, int steps) {
+    constexpr int BOX = TN / PAIR < 128 ? TN / PAIR : 128;
+    int s = 0;
+    uint32_t phase = 0;
+    for (int t = cluster; t < tiles; t += clusters) {
+        int pair, nb;
+        tile_of(t, pairs, n_tiles, group, pair, nb);
+        const int m0 = (pair * PAIR + rank) * BM;
+        for (int k = 0; k < steps; ++k) {
+            const uint32_t full = ring.full + 8 * s, a = ring.a + s * ring.A, b = ring.b + s * ring.B;
+            barrier_wait(ring.empty + 8 * s, phase ^ 1);  // (a fresh barrier: its phase 1 counts as done)
+            barrier_expect(full, ring.STEP);
+            tma_load(a, map_a, k * BK, m0, full);
+            if (PAIR == 1) {
+                for (int r = 0; r < TN; r += BOX) tma_load(b + r * BK, map_b, k * BK, nb * TN + r, full);
+            } else {
+                tma_load_multicast(b + rank * (ring.B / PAIR), map_b, k * BK, nb * TN + rank * (TN / PAIR), full,
+                                   (1 << PAIR) - 1);
+            }
+            if (++s == STAGES) {
+                s = 0;
+                phase ^= 1;
+            }
+        }
+    }
+}
+
 }  // namespace
 
 // M a multiple of 256 (the pair's rows), N of 256, K of 128: the launcher refuses other shapes.
@@ -274,52 +336,16 @@ cco_ptpc_gemm_pair(const __grid_constant__ TensorMap map_a, const __grid_constan
                    const float* __restrict__ a_scale, const float* __restrict__ b_scale,
                    __nv_bfloat16* __restrict__ out, int M, int N, int K, int group) {
     extern __shared__ uint8_t shared_raw[];
-    const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(shared_raw));
-    const uint32_t base = (raw + 1023) & ~1023u;  // the swizzled tiles need 1024-byte alignment
-    const uint32_t a_ring = base, b_ring = base + STAGES * A_BYTES;
-    const uint32_t full = base + STAGES * STEP_BYTES, empty = full + 8 * STAGES;
-
+    const Ring<BN> ring(shared_raw, 2, 0);
     const uint32_t rank = cta_rank();
     const int warpgroup = threadIdx.x / 128, thread = threadIdx.x % 128;
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            barrier_init(full + 8 * s, 1);
-            barrier_init(empty + 8 * s, 2 * PAIR);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    cluster_barrier();  // both CTAs' barriers exist before any multicast or remote arrive reaches them
-
     const int pairs = M / (PAIR * BM), n_tiles = N / BN, tiles = pairs * n_tiles, steps = K / BK;
     const int cluster = blockIdx.x / PAIR, clusters = gridDim.x / PAIR;
 
     if (warpgroup == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-        if (thread == 0) {
-            int s = 0;
-            uint32_t phase = 0;
-            for (int t = cluster; t < tiles; t += clusters) {
-                int pair, nb;
-                tile_of(t, pairs, n_tiles, group, pair, nb);
-                const int m0 = (pair * PAIR + rank) * BM, n0 = nb * BN + rank * (BN / PAIR);
-                for (int k = 0; k < steps; ++k) {
-                    barrier_wait(empty + 8 * s, phase ^ 1);  // (a fresh barrier: its phase 1 counts as done)
-                    barrier_expect(full + 8 * s, STEP_BYTES);
-                    tma_load(a_ring + s * A_BYTES, map_a, k * BK, m0, full + 8 * s);
-                    if (PAIR == 1) {
-                        tma_load(b_ring + s * B_BYTES, map_b, k * BK, n0, full + 8 * s);
-                        tma_load(b_ring + s * B_BYTES + B_BYTES / 2, map_b, k * BK, n0 + BN / 2, full + 8 * s);
-                    } else {
-                        tma_load_multicast(b_ring + s * B_BYTES + rank * (B_BYTES / PAIR), map_b, k * BK, n0,
-                                           full + 8 * s, (1 << PAIR) - 1);
-                    }
-                    if (++s == STAGES) {
-                        s = 0;
-                        phase ^= 1;
-                    }
-                }
-            }
-        }
+        if (thread == 0)
+            load_ring(ring, map_a, map_b, rank, cluster, clusters, tiles, pairs, n_tiles, group, steps);
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
         const int half = warpgroup - 1;  // rows 64 * half .. + 63 of the CTA's tile
@@ -333,10 +359,10 @@ cco_ptpc_gemm_pair(const __grid_constant__ TensorMap map_a, const __grid_constan
             int held = -1;  // the slot whose MMAs are still in flight
 #endif
             for (int k = 0; k < steps; ++k) {
-                barrier_wait(full + 8 * s, phase);
+                barrier_wait(ring.full + 8 * s, phase);
                 mma_fence();
-                const uint64_t a = smem_descriptor(a_ring + s * A_BYTES + half * 64 * BK);
-                const uint64_t b = smem_descriptor(b_ring + s * B_BYTES);
+                const uint64_t a = smem_descriptor(ring.a + s * ring.A + half * 64 * BK);
+                const uint64_t b = smem_descriptor(ring.b + s * ring.B);
 #pragma unroll
                 for (int j = 0; j < BK / 32; ++j)  // 32 K bytes a MMA: 2 in the descriptor's 16-byte units
                     mma_64x256x32(acc, a + 2 * j, b + 2 * j, k > 0 || j > 0);
@@ -346,12 +372,12 @@ cco_ptpc_gemm_pair(const __grid_constant__ TensorMap map_a, const __grid_constan
                 // sooner, and the other consumer's MMAs keep the tensor cores busy meanwhile.
                 mma_wait<0>();
                 if (thread == 0)
-                    for (uint32_t c = 0; c < PAIR; ++c) barrier_arrive_in(empty + 8 * s, c);
+                    ring.release(s);
 #else
                 if (held >= 0) {
                     mma_wait<1>();  // the previous step's MMAs retired: its slot may be refilled
                     if (thread == 0)
-                        for (uint32_t c = 0; c < PAIR; ++c) barrier_arrive_in(empty + 8 * held, c);
+                        ring.release(held);
                 }
                 held = s;
 #endif
@@ -363,7 +389,7 @@ cco_ptpc_gemm_pair(const __grid_constant__ TensorMap map_a, const __grid_constan
 #if !CCO_EARLY_RELEASE
             mma_wait<0>();
             if (thread == 0)
-                for (uint32_t c = 0; c < PAIR; ++c) barrier_arrive_in(empty + 8 * held, c);
+                ring.release(held);
 #endif
 
             store_rows<BN / 8>(acc, (pair * PAIR + rank) * BM + half * 64, nb * BN, N, a_scale, b_scale, out);
@@ -382,59 +408,23 @@ cco_ptpc_gemm_pair(const __grid_constant__ TensorMap map_a, const __grid_constan
 // 64 loaded by each CTA (the tensor map of B has 64-row boxes); ``empty[s]`` takes one arrive from
 // the step's consumer in each CTA. M a multiple of 256, N of 128, K of BK.
 constexpr int PP_TN = 128;
-constexpr int PP_A_BYTES = BM * BK, PP_B_BYTES = PP_TN * BK, PP_STEP_BYTES = PP_A_BYTES + PP_B_BYTES;
 
 extern "C" __global__ void __cluster_dims__(PAIR, 1, 1) __launch_bounds__(THREADS, CCO_MIN_BLOCKS)
 cco_ptpc_gemm_pair_pingpong(const __grid_constant__ TensorMap map_a, const __grid_constant__ TensorMap map_b,
                             const float* __restrict__ a_scale, const float* __restrict__ b_scale,
                             __nv_bfloat16* __restrict__ out, int M, int N, int K, int group) {
     extern __shared__ uint8_t shared_raw[];
-    const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(shared_raw));
-    const uint32_t base = (raw + 1023) & ~1023u;
-    const uint32_t a_ring = base, b_ring = base + STAGES * PP_A_BYTES;
-    const uint32_t full = base + STAGES * PP_STEP_BYTES, empty = full + 8 * STAGES, turn = empty + 8 * STAGES;
-
+    const Ring<PP_TN> ring(shared_raw, 1, 2);  // the extra barriers: turn[0], turn[1]
+    const uint32_t turn = ring.extra;
     const uint32_t rank = cta_rank();
     const int warpgroup = threadIdx.x / 128, thread = threadIdx.x % 128;
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            barrier_init(full + 8 * s, 1);
-            barrier_init(empty + 8 * s, PAIR);
-        }
-        barrier_init(turn, 1);
-        barrier_init(turn + 8, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    cluster_barrier();
-
     const int pairs = M / (PAIR * BM), n_tiles = N / PP_TN, tiles = pairs * n_tiles, steps = K / BK;
     const int cluster = blockIdx.x / PAIR, clusters = gridDim.x / PAIR;
 
     if (warpgroup == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-        if (thread == 0) {
-            int s = 0;
-            uint32_t phase = 0;
-            for (int t = cluster; t < tiles; t += clusters) {
-                int pair, nb;
-                tile_of(t, pairs, n_tiles, group, pair, nb);
-                const int m0 = (pair * PAIR + rank) * BM, n0 = nb * PP_TN + rank * (PP_TN / PAIR);
-                for (int k = 0; k < steps; ++k) {
-                    barrier_wait(empty + 8 * s, phase ^ 1);
-                    barrier_expect(full + 8 * s, PP_STEP_BYTES);
-                    tma_load(a_ring + s * PP_A_BYTES, map_a, k * BK, m0, full + 8 * s);
-                    if (PAIR == 1)
-                        tma_load(b_ring + s * PP_B_BYTES, map_b, k * BK, n0, full + 8 * s);
-                    else
-                        tma_load_multicast(b_ring + s * PP_B_BYTES + rank * (PP_B_BYTES / PAIR), map_b, k * BK, n0,
-                                           full + 8 * s, (1 << PAIR) - 1);
-                    if (++s == STAGES) {
-                        s = 0;
-                        phase ^= 1;
-                    }
-                }
-            }
-        }
+        if (thread == 0)
+            load_ring(ring, map_a, map_b, rank, cluster, clusters, tiles, pairs, n_tiles, group, steps);
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
         const int me = warpgroup - 1;
@@ -450,10 +440,10 @@ cco_ptpc_gemm_pair_pingpong(const __grid_constant__ TensorMap map_a, const __gri
             int held = -1;
             for (int k = 0; k < steps; ++k) {
                 const int g = j * steps + k, s = g % STAGES;
-                barrier_wait(full + 8 * s, (g / STAGES) & 1);
+                barrier_wait(ring.full + 8 * s, (g / STAGES) & 1);
                 mma_fence();
-                const uint64_t a = smem_descriptor(a_ring + s * PP_A_BYTES);
-                const uint64_t b = smem_descriptor(b_ring + s * PP_B_BYTES);
+                const uint64_t a = smem_descriptor(ring.a + s * ring.A);
+                const uint64_t b = smem_descriptor(ring.b + s * ring.B);
                 constexpr uint64_t half_rows = 64 * BK >> 4;  // rows 64.. of A: the descriptor's 16-byte units
 #pragma unroll
                 for (int x = 0; x < BK / 32; ++x) {
@@ -464,7 +454,7 @@ cco_ptpc_gemm_pair_pingpong(const __grid_constant__ TensorMap map_a, const __gri
                 if (held >= 0) {
                     mma_wait<1>();
                     if (thread == 0)
-                        for (uint32_t c = 0; c < PAIR; ++c) barrier_arrive_in(empty + 8 * held, c);
+                        ring.release(held);
                 }
                 held = s;
             }
@@ -472,7 +462,7 @@ cco_ptpc_gemm_pair_pingpong(const __grid_constant__ TensorMap map_a, const __gri
                 barrier_arrive_in(turn + 8 * (1 - me), rank);  // the ring is the other consumer's
             mma_wait<0>();
             if (thread == 0)
-                for (uint32_t c = 0; c < PAIR; ++c) barrier_arrive_in(empty + 8 * held, c);
+                ring.release(held);
             const int row0 = (pair * PAIR + rank) * BM;
             store_rows<PP_TN / 8>(acc0, row0, nb * PP_TN, N, a_scale, b_scale, out);
             store_rows<PP_TN / 8>(acc1, row0 + 64, nb * PP_TN, N, a_scale, b_scale, out);
