@@ -14,6 +14,7 @@ here (the probe checks them)."""
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 import torch
@@ -30,6 +31,7 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=_list(int, (2, 4, 8)), default=[8], help="comma list of TP degrees")
     p.add_argument("-m", type=_list(int, None), default=[4096], help="comma list of token counts M")
     p.add_argument("--stages", type=int, default=4, help="the ping-pong's ring depth")
+    p.add_argument("--arms", default=None, help="a regular expression: only the arms whose label it finds run")
     args = p.parse_args(argv)
     from cco.bench.timing import require_cuda
 
@@ -40,8 +42,10 @@ def main(argv=None) -> int:
             for m in args.m:
                 (prob,) = device_problems(m, n, k, "ptpc", 1, torch.device("cuda"))
                 arms = arms_of(prob, [args.stages], loads_only=True)
-                arms.update((a, fn) for a, fn in pair_arms(prob, [8]).items() if a.startswith("pair"))
+                arms.update((a, fn) for a, fn in pair_arms(prob, [8]).items() if a not in arms)
                 for label, fn in arms.items():
+                    if args.arms and not re.search(args.arms, label):
+                        continue
                     fn()  # (compiles; the profiler's filter takes both calls: the second is the one to read)
                     torch.cuda.synchronize()
                     fn()

@@ -30,6 +30,7 @@ import torch
 
 
 def parse_args(argv=None):
+    from kernels_fused.hopper.pair_gemm import Variant
     from scripts._cli import DefaultsHelp
     from scripts.bench_sp_parts import MODELS, _list
 
@@ -41,6 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--tp", type=_list(int, (2, 4, 8)), default=[4, 8], help="comma list of TP degrees")
     p.add_argument("-m", type=_list(int, None), default=[4096, 16384], help="comma list of token counts M")
     p.add_argument("--group", type=_list(int, None), default=[8], help="comma list of the walk's row groups")
+    p.add_argument("--builds", type=_list(str, [label(Variant(**kw)) for kw in VARIANT_ARGS]),
+                   default=None, help="comma list of the builds timed, by label (default: every build of VARIANT_ARGS)")
     p.add_argument("--passes", type=int, default=3, help="timing passes (arms alternate within each)")
     p.add_argument("--smoke", action="store_true",
                    help="first check every build at three shapes (one tile, a few tiles, a walk of several tiles a "
@@ -66,14 +69,23 @@ def label(v) -> str:
             + ("" if v.wide_stores else " narrow") + (" cluster-order" if v.cluster_order else ""))
 
 
-def arms_of(p, groups) -> dict:
-    """Label -> a call writing its own ``out`` (made once: a graph allocates nothing)."""
-    from kernels_fused.hopper.pair_gemm import Variant, ptpc_pair_gemm
+def builds(labels=None) -> list:
+    """The builds of ``VARIANT_ARGS`` named in ``labels`` (all where None), in that order."""
+    from kernels_fused.hopper.pair_gemm import Variant
+
+    every = [Variant(**kw) for kw in VARIANT_ARGS]
+    return every if labels is None else [v for v in every if label(v) in labels]
+
+
+def arms_of(p, groups, labels=None) -> dict:
+    """Label -> a call writing its own ``out`` (made once: a graph allocates nothing): the baselines,
+    then each build of ``labels`` (:func:`builds`) at each row group."""
+    from kernels_fused.hopper.pair_gemm import ptpc_pair_gemm
     from scripts.probe_pingpong import baseline_arms, fresh_out
 
     arms = baseline_arms(p)
     for g in groups:
-        for v in (Variant(**kw) for kw in VARIANT_ARGS):
+        for v in builds(labels):
             arms[f"{label(v)} g{g}"] = (lambda o=fresh_out(p), g=g, v=v: ptpc_pair_gemm(
                 p.a, p.b, p.a_scale, p.b_scale, out=o, group=g, variant=v))
     return arms
@@ -82,11 +94,11 @@ def arms_of(p, groups) -> dict:
 SMOKE_SHAPES = ((256, 256, 128), (1024, 768, 1024), (4096, 7168, 2304))
 
 
-def smoke() -> int:
-    """Wrong builds at ``SMOKE_SHAPES`` (random e4m3 operands, scales in [0.5, 1.5)), each checked
+def smoke(labels=None) -> int:
+    """Wrong builds of ``labels`` (:func:`builds`) at ``SMOKE_SHAPES`` (random e4m3 operands, scales in [0.5, 1.5)), each checked
     against the fp32 product with the GEMM's error budget; one line per (shape, build)."""
     from cco.bench.timing import gemm_mismatches
-    from kernels_fused.hopper.pair_gemm import Variant, ptpc_pair_gemm
+    from kernels_fused.hopper.pair_gemm import ptpc_pair_gemm
 
     wrong = 0
     for m, n, k in SMOKE_SHAPES:
@@ -96,7 +108,7 @@ def smoke() -> int:
         sa, sb = (torch.rand(x, device="cuda", generator=g) + 0.5 for x in (m, n))
         ref = (a.float() @ b.float().t()) * sa[:, None] * sb[None, :]
         dot = (a.float().abs() @ b.float().abs().t()) * sa[:, None] * sb[None, :]
-        for v in (Variant(**kw) for kw in VARIANT_ARGS):
+        for v in builds(labels):
             bad = gemm_mismatches(ptpc_pair_gemm(a, b, sa, sb, variant=v), ref, dot)
             wrong += bool(bad)
             print(f"smoke [{m}, {n}, {k}] {label(v)}: {bad} elements outside the budget", flush=True)
@@ -110,10 +122,10 @@ def main(argv=None) -> int:
     from scripts.probe_pingpong import same_bits_on_repeat
 
     require_cuda("probe_pair_gemm")
-    if args.smoke and smoke():
+    if args.smoke and smoke(args.builds):
         return 1
     command = "python3 -m scripts.probe_pair_gemm " + " ".join(sys.argv[1:] if argv is None else argv)
-    return 1 if gemm_table(args, command, "ptpc", lambda p: arms_of(p, args.group),
+    return 1 if gemm_table(args, command, "ptpc", lambda p: arms_of(p, args.group, args.builds),
                            checks=(lambda arms: same_bits_on_repeat(arms, prefix="pair"), ),
                            patterns=args.pattern) else 0
 

@@ -4,16 +4,23 @@ built by nvcc and launched through the driver.
 Why it is CUDA C++: the GPU machines' Triton (3.6) cannot issue a multicast load, and the feed of the
 tiles from L2 is what holds the own Triton GEMMs at 1.05-1.20x of cuBLAS at the reduce-scatter
 producers' shapes (docs/hopper_gemm.md). cuBLAS's kernel there pairs its CTAs in a cluster; this
-kernel does the same with a 128x256 tile a CTA and the pair's 256 B rows loaded once, half by each
-CTA, so a CTA reads two thirds of what an unpaired 128x256 tile reads a K step.
+kernel does the same: the pair's CTAs compute adjacent row tiles against the same columns, and each
+loads half of the tile's B rows into the ring of both (TMA multicast), so B is read once a pair.
 
-Status: a measurement (``python3 -m scripts.probe_pair_gemm``); no launch path calls it. Shapes:
-M a multiple of 256, N of 256, K of the step (``Variant.bk``); other shapes raise ValueError.
+Two arrangements (:class:`Variant`): the CTA's 128x256 tile shared by its two consumer
+warpgroups, and a ping-pong of 128x128 tiles, one consumer warpgroup a tile (``pingpong``).
 
-The build: ``nvcc -arch=sm_90a -cubin`` once per source and :class:`Variant` (its fields are the
-source's ``CCO_*`` macros; cached under ``CCO_PAIR_GEMM_CACHE``, default ``~/.cache/cco``), then
-``cuModuleLoadData`` in the current context. The launch: the two operands' tensor maps
-(``cuTensorMapEncodeTiled``: 128-row boxes of one step's bytes, the step's swizzle) passed by value,
+Status: a measurement, no launch path calls it. Right on an H100 and an H200 at every shape timed;
+the ping-pong with the pair at 1.00-1.24x of cuBLAS at the sequence-parallel shapes of TP 8, ahead
+of the own ws kernel at 5 of 8 cells and behind at three (docs/hopper_gemm.md, ``python3 -m
+scripts.probe_pair_gemm``). Shapes: M a multiple of 256, N of the tile's columns
+(``Variant.tile_n``), K of the step (``Variant.bk``); other shapes raise ValueError.
+
+The build: ``nvcc -arch=sm_90a -cubin`` once per source and :class:`Variant` (its fields but
+``pingpong``, which picks the kernel, are the source's ``CCO_*`` macros; cached under
+``CCO_PAIR_GEMM_CACHE``, default ``~/.cache/cco``), then ``cuModuleLoadData`` in the current context.
+The launch: the two operands' tensor maps (``cuTensorMapEncodeTiled``: boxes of 128 rows, B's of 64
+in the ping-pong's pair, one K step's bytes wide, the step's swizzle) passed by value,
 the cluster shape compiled into the kernel (``__cluster_dims__``), so a plain ``cuLaunchKernel`` on
 torch's current stream launches it, and a CUDA graph captures it.
 """
@@ -41,7 +48,7 @@ _MAX_DYNAMIC_SHARED = 8
 
 
 class Variant(NamedTuple):
-    """One build of the kernel: the source's ``CCO_*`` macros."""
+    """One build of the kernel: the source's ``CCO_*`` macros, and which of its two kernels runs."""
     pair: int = 2                 # CTAs a cluster sharing B (1: each loads its whole B tile)
     wide_stores: bool = True      # the epilogue's 16-byte stores (False: 4 bytes a thread)
     cluster_order: bool = False   # the ring's waits/arrives ordered at the cluster's scope

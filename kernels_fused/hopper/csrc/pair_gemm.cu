@@ -1,28 +1,28 @@
 // ptpc's fp8 GEMM for sm_90a with a CTA pair sharing the weight tile by TMA multicast:
 //   out[M, N] (bf16) = (A[M, K] e4m3 @ B[N, K]^T e4m3) * a_scale[M] * b_scale[N]
 //
-// Why (docs/hopper_gemm.md, "A CTA pair sharing B by multicast"): at the reduce-scatter producers'
-// short K the own Triton GEMMs run 1.05-1.20x of cuBLAS, and the ping-pong's ring alone took about
-// cuBLAS's whole time: the tiles' feed from L2, not the MMAs, sets the pace. cuBLAS pairs its CTAs
-// in a cluster that loads a shared operand once for both. The GPU machines' Triton (3.6) cannot
-// issue a multicast load, so this kernel is CUDA C++ built by nvcc.
+// Why (docs/hopper_gemm.md, "ptpc's GEMM with a CTA pair sharing B"): at the sequence-parallel
+// shapes the own Triton GEMMs run 1.00-1.20x of cuBLAS, and the Gluon ping-pong's ring alone took
+// longer than cuBLAS's whole GEMM: the tiles' feed from L2 sets the pace of a 128x128 tile. cuBLAS
+// pairs its CTAs in a cluster that loads a shared operand once for both. The GPU machines' Triton
+// (3.6) cannot issue a multicast load, so this is CUDA C++ built by nvcc.
 //
-// Arrangement (one persistent CTA per SM, clusters of two CTAs along M):
-// - a cluster walks 256x256 output tiles (grouped order, ``group_m`` tile pairs of rows a group);
-//   CTA r of the pair computes rows m0 + 128 r .. + 127 against the same 256 columns;
-// - warpgroup 0 is the loader (one thread): per K step of 128 it loads its CTA's own A tile
-//   (128x128 bytes) and its half of the shared B tile (128 of the 256 rows) multicast into the slot of
-//   both CTAs, so each CTA reads 32 KiB a step where an unpaired 128x256 tile reads 48 KiB;
-// - warpgroups 1 and 2 are the consumers: rows 0-63 and 64-127 of the CTA's tile, four
-//   m64n256k32 MMAs a step, one step's MMAs left in flight; a slot is released (its ``empty``
-//   barrier in both CTAs: the peer writes half of it) once the MMAs that read it retired;
-// - the epilogue: the fp32 accumulator times the row's and the column's scale, rounded to bf16,
-//   stored from registers; the loader runs ahead into the next tile's steps meanwhile.
+// Two arrangements, one persistent CTA per SM, clusters of PAIR CTAs along M (CTA r of the pair
+// computes rows 128 (2 p + r) .. + 127 of the pair's row block p, against the same B columns):
+// - ``cco_ptpc_gemm_pair``: a CTA's 128x256 tile split between two consumer warpgroups (rows 0-63
+//   and 64-127, four m64n256k32 MMAs a 128-byte K step);
+// - ``cco_ptpc_gemm_pair_pingpong``: a 128x128 tile a consumer warpgroup, the two taking the CTA's
+//   tiles in turn so one's epilogue runs under the other's MMAs (cuBLAS's arrangement here).
+// In both, warpgroup 0 is the loader (one thread): per K step it loads the CTA's own A tile and its
+// half of the tile's B rows, multicast into the slot of both CTAs; a consumer leaves one step's MMAs
+// in flight and releases the step before (its ``empty`` barrier in both CTAs: the peer writes half
+// of the slot); the epilogue (row and column scales, bf16) is stored from registers while the loader
+// runs ahead into the next tile. Both CTAs walk the same tiles, so their steps and barrier phases
+// stay in step. ``full[s]`` completes when this CTA's bytes of the step landed (its A tile, both
+// halves of B; the loader's expect_tx and the peer's bytes may come in either order).
 //
-// The ring: ``full[s]`` completes when this CTA's 48 KiB of step g (g % STAGES == s) landed (the own
-// A tile, both halves of B; the loader's expect_tx and the bytes may come in either order);
-// ``empty[s]`` when the four consumer warpgroups of the pair (two a CTA) released the slot. Both
-// CTAs walk the same tiles, so their steps and barrier phases stay in step.
+// Status: right on an H100 and an H200 (``scripts.probe_pair_gemm``), 1.00-1.24x of cuBLAS for the
+// ping-pong; no launch path calls it.
 #include <cstdint>
 #include <cuda_bf16.h>
 
