@@ -56,17 +56,20 @@ def parse_args(argv=None):
 # The builds timed (kernels_fused.hopper.pair_gemm.Variant). The shared 128x256 tile: the pair at a
 # 128-byte K step and 4 stages, releasing a step's slot before the next step's issue, at a 64-byte
 # step and 8 stages (a slot released twice as often), and one CTA a cluster (no multicast). The
-# ping-pong (128x128 a consumer): the pair at 6 and 7 stages, at a 64-byte step, and one CTA alone.
+# ping-pong (128x128 a consumer): the pair at 6 and 7 stages, at a 64-byte step, one CTA alone, and
+# the pair along N sharing A's tile (``share A``).
 VARIANT_ARGS = (dict(), dict(early_release=True), dict(bk=64, stages=8), dict(bk=64, stages=8, early_release=True),
                 dict(pair=1), dict(pingpong=True, stages=6), dict(pingpong=True, stages=7),
-                dict(pingpong=True, bk=64, stages=12), dict(pingpong=True, pair=1, stages=6))
+                dict(pingpong=True, bk=64, stages=12), dict(pingpong=True, pair=1, stages=6),
+                dict(pingpong=True, stages=6, share_a=True))
 
 
 def label(v) -> str:
     """An arm's name for build ``v``: ``pair2 k128x4``, ``pp pair2 k128x6`` (the ping-pong), ``... early``,
     ``... narrow``, ``... cluster-order``."""
     return (("pp " if v.pingpong else "") + f"pair{v.pair} k{v.bk}x{v.stages}" + (" early" if v.early_release else "")
-            + ("" if v.wide_stores else " narrow") + (" cluster-order" if v.cluster_order else ""))
+            + ("" if v.wide_stores else " narrow") + (" cluster-order" if v.cluster_order else "")
+            + (" share A" if v.share_a else ""))
 
 
 def builds(labels=None) -> list:

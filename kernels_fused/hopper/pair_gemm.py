@@ -13,14 +13,14 @@ warpgroups, and a ping-pong of 128x128 tiles, one consumer warpgroup a tile (``p
 Status: a measurement, no launch path calls it. Right on an H100 and an H200 at every shape timed;
 the ping-pong with the pair at 1.00-1.24x of cuBLAS at the sequence-parallel shapes of TP 8, ahead
 of the own ws kernel at 5 of 8 cells and behind at three (docs/hopper_gemm.md, ``python3 -m
-scripts.probe_pair_gemm``). Shapes: M a multiple of 256, N of the tile's columns
-(``Variant.tile_n``), K of the step (``Variant.bk``); other shapes raise ValueError.
+scripts.probe_pair_gemm``). Shapes: M and N multiples of the pair's tiles side by side
+(``Variant.cluster_tile``), K of the step (``Variant.bk``); other shapes raise ValueError.
 
 The build: ``nvcc -arch=sm_90a -cubin`` once per source and :class:`Variant` (its fields but
 ``pingpong``, which picks the kernel, are the source's ``CCO_*`` macros; cached under
 ``CCO_PAIR_GEMM_CACHE``, default ``~/.cache/cco``), then ``cuModuleLoadData`` in the current context.
-The launch: the two operands' tensor maps (``cuTensorMapEncodeTiled``: boxes of 128 rows, B's of 64
-in the ping-pong's pair, one K step's bytes wide, the step's swizzle) passed by value,
+The launch: the two operands' tensor maps (``cuTensorMapEncodeTiled``: ``Variant.boxes`` rows, one K
+step's bytes wide, the step's swizzle) passed by value,
 the cluster shape compiled into the kernel (``__cluster_dims__``), so a plain ``cuLaunchKernel`` on
 torch's current stream launches it, and a CUDA graph captures it.
 """
@@ -56,6 +56,19 @@ class Variant(NamedTuple):
     stages: int = 4               # the ring's depth
     early_release: bool = False   # a step's MMAs retired before the next step's issue
     pingpong: bool = False        # 128x128 tiles a consumer warpgroup, taken in turn (else 128x256 shared)
+    share_a: bool = False         # the pair along N sharing A's tile (else along M sharing B's)
+
+    @property
+    def cluster_tile(self) -> tuple[int, int]:
+        """(rows, columns) of the pair's tiles side by side: along N where it shares A, else along M."""
+        return (BM, self.pair * self.tile_n) if self.share_a else (self.pair * BM, self.tile_n)
+
+    def boxes(self) -> tuple[int, int]:
+        """Rows of a TMA box of A and of B: the shared operand's half in a pair, else the whole tile's
+        rows, at most 128."""
+        a = BM // self.pair if self.share_a else BM
+        b = self.tile_n if self.share_a else self.tile_n // self.pair
+        return a, min(b, BOX_ROWS)
 
     @property
     def tile_n(self) -> int:
@@ -65,8 +78,8 @@ class Variant(NamedTuple):
     def defines(self) -> list[str]:
         return [f"-DCCO_PAIR={self.pair}", f"-DCCO_WIDE_STORES={int(self.wide_stores)}",
                 f"-DCCO_CLUSTER_ORDER={int(self.cluster_order)}", f"-DCCO_BK={self.bk}",
-                f"-DCCO_STAGES={self.stages}", f"-DCCO_EARLY_RELEASE={int(self.early_release)}"]
-
+                f"-DCCO_STAGES={self.stages}", f"-DCCO_EARLY_RELEASE={int(self.early_release)}",
+                f"-DCCO_SHARE_A={int(self.share_a)}"]
 
     def shared(self) -> int:
         """Dynamic shared memory: the ring, its barriers (and the ping-pong's two turns), and the
@@ -176,13 +189,14 @@ def ptpc_pair_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_sc
                    variant: Variant = Variant()) -> torch.Tensor:
     """``(a @ b.T) * a_scale[:, None] * b_scale[None, :]`` in bf16: ``a`` [M, K] and ``b`` [N, K]
     e4m3, the scales fp32 of M and N; ``clusters`` clusters of ``variant.pair`` CTAs (default: one
-    CTA an SM)."""
+    CTA an SM). M and N multiples of ``variant.cluster_tile``, K of ``variant.bk``."""
     m, k = a.shape
     n = b.shape[0]
     if variant.pair not in (1, 2) or variant.bk not in _SWIZZLE:
         raise ValueError(f"pair_gemm: pair is 1 or 2 and bk 64 or 128, not {variant}")
-    if m % (2 * BM) or n % variant.tile_n or k % variant.bk or b.shape[1] != k:
-        raise ValueError(f"pair_gemm takes M % 256 == 0, N % {variant.tile_n} == 0, K % {variant.bk} == 0; "
+    rows, cols = variant.cluster_tile
+    if m % rows or n % cols or k % variant.bk or b.shape[1] != k:
+        raise ValueError(f"pair_gemm takes M % {rows} == 0, N % {cols} == 0, K % {variant.bk} == 0; "
                          f"got [{m}, {n}, {k}]")
     if not (a.is_contiguous() and b.is_contiguous()):
         raise ValueError("pair_gemm takes contiguous row-major operands")
@@ -190,12 +204,11 @@ def ptpc_pair_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_sc
     if out is None:
         out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     props = torch.cuda.get_device_properties(a.device)
-    tiles = (m // (variant.pair * BM)) * (n // variant.tile_n)
+    tiles = (m // rows) * (n // cols)
     clusters = min(tiles, clusters or props.multi_processor_count // variant.pair)
-    # B's box: the ping-pong's pair loads 64 of its tile's 128 rows each (one CTA alone all 128); the
-    # 256-column tile is always loaded in 128-row boxes (two a CTA alone, one each in the pair)
-    b_rows = 128 // variant.pair if variant.pingpong else BOX_ROWS
-    map_a, map_b = tensor_map(a.view(torch.uint8), variant.bk), tensor_map(b.view(torch.uint8), variant.bk, b_rows)
+    a_rows, b_rows = variant.boxes()
+    map_a = tensor_map(a.view(torch.uint8), variant.bk, a_rows)
+    map_b = tensor_map(b.view(torch.uint8), variant.bk, b_rows)
     ptrs = [ctypes.c_uint64(t.data_ptr()) for t in (a_scale, b_scale, out)]
     ints = [ctypes.c_int(v) for v in (m, n, k, group)]
     params = (ctypes.c_void_p * 9)(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in

@@ -61,6 +61,11 @@ constexpr int THREADS = 384;        // loader warpgroup + two consumer warpgroup
 // the cluster's scope; 0 (default) leaves both at the barrier's defaults. The consumers' reads of a
 // slot are the MMAs' (retired by wgmma.wait_group before the arrive), and the loads are TMA's
 // (ordered by the barrier's transaction count), so no other memory needs ordering.
+// CCO_SHARE_A: 0 pairs the CTAs along M, sharing B's tile (each loads half of its rows); 1 pairs
+// them along N, sharing A's (each loads half of the 128 rows, B's tile its own).
+#ifndef CCO_SHARE_A
+#define CCO_SHARE_A 0
+#endif
 #ifndef CCO_CLUSTER_ORDER
 #define CCO_CLUSTER_ORDER 0
 #endif
@@ -186,19 +191,35 @@ __device__ __forceinline__ void mma_64x128x32(float (&d)[64], uint64_t a, uint64
         : "l"(a), "l"(b), "r"(accumulate));
 }
 
-// Cluster tile t of the grouped walk: its row pair (256 rows) and column block (256 columns).
-__device__ __forceinline__ void tile_of(int t, int pairs, int n_tiles, int group, int& pair, int& nb) {
-    const int per_group = group * n_tiles;
+// Cluster tile t of the grouped walk: its row block and column block (``group`` row blocks a group).
+__device__ __forceinline__ void tile_of(int t, int row_blocks, int col_blocks, int group, int& rb, int& cb) {
+    const int per_group = group * col_blocks;
     const int first = (t / per_group) * group;
-    const int size = min(pairs - first, group);
-    pair = first + (t % per_group) % size;
-    nb = (t % per_group) / size;
+    const int size = min(row_blocks - first, group);
+    rb = first + (t % per_group) % size;
+    cb = (t % per_group) / size;
 }
 
-// The epilogue of one warpgroup's 64 rows x 8 BLOCKS columns: its fp32 accumulator times the row's
-// and the column's scale, rounded to bf16, stored at rows row0.. and columns col0.. of ``out``.
-// The accumulator's layout: warp w of the warpgroup holds rows 16 w + lane / 4 and + 8; registers
-// 4 i .. 4 i + 3 are columns 8 i + 2 (lane % 4) + {0, 1} of those two rows.
+// The tiles of a kernel whose CTA tile is BM x TN: the pair's tiles side by side along N (sharing
+// A) or along M (sharing B), walked in the grouped order; ``origin`` gives this CTA's tile of
+// cluster tile t.
+template <int TN>
+struct Walk {
+    static constexpr int ROWS = CCO_SHARE_A ? BM : PAIR * BM, COLS = CCO_SHARE_A ? PAIR * TN : TN;
+    int row_blocks, col_blocks, tiles, group;
+    uint32_t rank;
+
+    __device__ Walk(int M, int N, int group_, uint32_t rank_)
+        : row_blocks(M / ROWS), col_blocks(N / COLS), tiles(M / ROWS * (N / COLS)), group(group_), rank(rank_) {}
+
+    __device__ void origin(int t, int& m0, int& n0) const {
+        int rb, cb;
+        tile_of(t, row_blocks, col_blocks, group, rb, cb);
+        m0 = rb * ROWS + (CCO_SHARE_A ? 0 : rank * BM);
+        n0 = cb * COLS + (CCO_SHARE_A ? rank * TN : 0);
+    }
+};
+
 template <int BLOCKS>
 __device__ __forceinline__ void store_rows(const float (&acc)[4 * BLOCKS], int row0, int col0, int N,
                                            const float* __restrict__ a_scale, const float* __restrict__ b_scale,
@@ -294,26 +315,29 @@ struct Ring {
 // A: the CTA's own BM rows. B: the tile's TN rows; alone, in boxes of up to 128 rows; in a pair, this
 // CTA's half multicast into the slot of both CTAs.
 template <int TN>
-__device__ void load_ring(const Ring<TN>& ring, const TensorMap& map_a, const TensorMap& map_b, uint32_t rank,
-                          int cluster, int clusters, int tiles, int pairs, int n_tiles, int group, int steps) {
-    constexpr int BOX = TN / PAIR < 128 ? TN / PAIR : 128;
+__device__ void load_ring(const Ring<TN>& ring, const Walk<TN>& walk, const TensorMap& map_a, const TensorMap& map_b,
+                          int cluster, int clusters, int steps) {
+    constexpr bool SHARE_A = PAIR > 1 && CCO_SHARE_A, SHARE_B = PAIR > 1 && !CCO_SHARE_A;
+    constexpr int B_BOX = (SHARE_B ? TN / PAIR : TN) < 128 ? (SHARE_B ? TN / PAIR : TN) : 128;
+    constexpr uint16_t BOTH = (1 << PAIR) - 1;
+    const uint32_t rank = walk.rank;
     int s = 0;
     uint32_t phase = 0;
-    for (int t = cluster; t < tiles; t += clusters) {
-        int pair, nb;
-        tile_of(t, pairs, n_tiles, group, pair, nb);
-        const int m0 = (pair * PAIR + rank) * BM;
+    for (int t = cluster; t < walk.tiles; t += clusters) {
+        int m0, n0;
+        walk.origin(t, m0, n0);
         for (int k = 0; k < steps; ++k) {
             const uint32_t full = ring.full + 8 * s, a = ring.a + s * ring.A, b = ring.b + s * ring.B;
             barrier_wait(ring.empty + 8 * s, phase ^ 1);  // (a fresh barrier: its phase 1 counts as done)
             barrier_expect(full, ring.STEP);
-            tma_load(a, map_a, k * BK, m0, full);
-            if (PAIR == 1) {
-                for (int r = 0; r < TN; r += BOX) tma_load(b + r * BK, map_b, k * BK, nb * TN + r, full);
-            } else {
-                tma_load_multicast(b + rank * (ring.B / PAIR), map_b, k * BK, nb * TN + rank * (TN / PAIR), full,
-                                   (1 << PAIR) - 1);
-            }
+            if (SHARE_A)  // this CTA's half of the pair's A rows, into both CTAs
+                tma_load_multicast(a + rank * (ring.A / PAIR), map_a, k * BK, m0 + rank * (BM / PAIR), full, BOTH);
+            else
+                tma_load(a, map_a, k * BK, m0, full);
+            if (SHARE_B)  // this CTA's half of the pair's B rows, into both CTAs
+                tma_load_multicast(b + rank * (ring.B / PAIR), map_b, k * BK, n0 + rank * (TN / PAIR), full, BOTH);
+            else
+                for (int r = 0; r < TN; r += B_BOX) tma_load(b + r * BK, map_b, k * BK, n0 + r, full);
             if (++s == STAGES) {
                 s = 0;
                 phase ^= 1;
@@ -321,7 +345,6 @@ __device__ void load_ring(const Ring<TN>& ring, const TensorMap& map_a, const Te
         }
     }
 }
-
 }  // namespace
 
 // M a multiple of 256 (the pair's rows), N of 256, K of 128: the launcher refuses other shapes.
@@ -339,22 +362,22 @@ cco_ptpc_gemm_pair(const __grid_constant__ TensorMap map_a, const __grid_constan
     const Ring<BN> ring(shared_raw, 2, 0);
     const uint32_t rank = cta_rank();
     const int warpgroup = threadIdx.x / 128, thread = threadIdx.x % 128;
-    const int pairs = M / (PAIR * BM), n_tiles = N / BN, tiles = pairs * n_tiles, steps = K / BK;
-    const int cluster = blockIdx.x / PAIR, clusters = gridDim.x / PAIR;
+    const Walk<BN> walk(M, N, group, rank);
+    const int steps = K / BK, cluster = blockIdx.x / PAIR, clusters = gridDim.x / PAIR;
 
     if (warpgroup == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
         if (thread == 0)
-            load_ring(ring, map_a, map_b, rank, cluster, clusters, tiles, pairs, n_tiles, group, steps);
+            load_ring(ring, walk, map_a, map_b, cluster, clusters, steps);
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
         const int half = warpgroup - 1;  // rows 64 * half .. + 63 of the CTA's tile
         float acc[128];
         int s = 0;
         uint32_t phase = 0;
-        for (int t = cluster; t < tiles; t += clusters) {
-            int pair, nb;
-            tile_of(t, pairs, n_tiles, group, pair, nb);
+        for (int t = cluster; t < walk.tiles; t += clusters) {
+            int m0, n0;
+            walk.origin(t, m0, n0);
 #if !CCO_EARLY_RELEASE
             int held = -1;  // the slot whose MMAs are still in flight
 #endif
@@ -392,7 +415,7 @@ cco_ptpc_gemm_pair(const __grid_constant__ TensorMap map_a, const __grid_constan
                 ring.release(held);
 #endif
 
-            store_rows<BN / 8>(acc, (pair * PAIR + rank) * BM + half * 64, nb * BN, N, a_scale, b_scale, out);
+            store_rows<BN / 8>(acc, m0 + half * 64, n0, N, a_scale, b_scale, out);
         }
     }
     cluster_barrier();  // no CTA leaves while its peer may still multicast into it or arrive on it
@@ -418,23 +441,23 @@ cco_ptpc_gemm_pair_pingpong(const __grid_constant__ TensorMap map_a, const __gri
     const uint32_t turn = ring.extra;
     const uint32_t rank = cta_rank();
     const int warpgroup = threadIdx.x / 128, thread = threadIdx.x % 128;
-    const int pairs = M / (PAIR * BM), n_tiles = N / PP_TN, tiles = pairs * n_tiles, steps = K / BK;
-    const int cluster = blockIdx.x / PAIR, clusters = gridDim.x / PAIR;
+    const Walk<PP_TN> walk(M, N, group, rank);
+    const int steps = K / BK, cluster = blockIdx.x / PAIR, clusters = gridDim.x / PAIR;
 
     if (warpgroup == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
         if (thread == 0)
-            load_ring(ring, map_a, map_b, rank, cluster, clusters, tiles, pairs, n_tiles, group, steps);
+            load_ring(ring, walk, map_a, map_b, cluster, clusters, steps);
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
         const int me = warpgroup - 1;
         float acc0[64], acc1[64];  // rows 0-63 and 64-127 of the consumer's tile
         for (int j = me;; j += 2) {
             const int t = cluster + j * clusters;
-            if (t >= tiles)
+            if (t >= walk.tiles)
                 break;
-            int pair, nb;
-            tile_of(t, pairs, n_tiles, group, pair, nb);
+            int m0, n0;
+            walk.origin(t, m0, n0);
             if (j > 0)
                 barrier_wait(turn + 8 * me, ((j - 1) / 2) & 1);  // the other consumer issued tile j - 1
             int held = -1;
@@ -463,9 +486,8 @@ cco_ptpc_gemm_pair_pingpong(const __grid_constant__ TensorMap map_a, const __gri
             mma_wait<0>();
             if (thread == 0)
                 ring.release(held);
-            const int row0 = (pair * PAIR + rank) * BM;
-            store_rows<PP_TN / 8>(acc0, row0, nb * PP_TN, N, a_scale, b_scale, out);
-            store_rows<PP_TN / 8>(acc1, row0 + 64, nb * PP_TN, N, a_scale, b_scale, out);
+            store_rows<PP_TN / 8>(acc0, m0, n0, N, a_scale, b_scale, out);
+            store_rows<PP_TN / 8>(acc1, m0 + 64, n0, N, a_scale, b_scale, out);
         }
     }
     cluster_barrier();

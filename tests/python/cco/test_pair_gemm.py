@@ -34,12 +34,25 @@ def test_a_build_that_cannot_fit_its_registers_raises_with_ptxas_words(tmp_path)
     assert not (tmp_path / "pair_gemm.cubin").exists()
 
 
-@pytest.mark.parametrize("m, n, k", [(128, 256, 256), (256, 128, 256), (256, 256, 96), (4096, 4608 + 128, 7168)])
-def test_shapes_outside_the_tiles_are_refused_before_any_launch(m, n, k):
+@pytest.mark.parametrize("variant, m, n, k", [
+    (G.Variant(), 128, 256, 256), (G.Variant(), 256, 128, 256), (G.Variant(), 256, 256, 96),
+    (G.Variant(), 4096, 4608 + 128, 7168), (G.Variant(pingpong=True), 128, 128, 128),
+    (G.Variant(pingpong=True, share_a=True), 128, 128, 128), (G.Variant(bk=64), 256, 256, 96)])
+def test_shapes_outside_the_tiles_are_refused_before_any_launch(variant, m, n, k):
     a = torch.zeros(m, k, dtype=torch.float8_e4m3fn)
     b = torch.zeros(n, k, dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="pair_gemm takes"):
-        G.ptpc_pair_gemm(a, b, torch.ones(m), torch.ones(n))
+        G.ptpc_pair_gemm(a, b, torch.ones(m), torch.ones(n), variant=variant)
+
+
+def test_the_pair_tiles_and_boxes_follow_the_shared_operand():
+    pp = G.Variant(pingpong=True)
+    assert (pp.cluster_tile, pp.boxes()) == ((256, 128), (128, 64))
+    assert (pp._replace(share_a=True).cluster_tile, pp._replace(share_a=True).boxes()) == ((128, 256), (64, 128))
+    assert (pp._replace(pair=1).cluster_tile, pp._replace(pair=1).boxes()) == ((128, 128), (128, 128))
+    shared = G.Variant()
+    assert (shared.cluster_tile, shared.boxes()) == ((256, 256), (128, 128))
+    assert (shared._replace(share_a=True).cluster_tile, shared._replace(share_a=True).boxes()) == ((128, 512), (64, 128))
 
 
 def test_unknown_builds_are_refused():
