@@ -66,7 +66,7 @@ VARIANT_ARGS = (dict(), dict(early_release=True), dict(bk=64, stages=8), dict(bk
 
 def label(v) -> str:
     """An arm's name for build ``v``: ``pair2 k128x4``, ``pp pair2 k128x6`` (the ping-pong), ``... early``,
-    ``... narrow``, ``... cluster-order``."""
+    ``... narrow``, ``... cluster-order``, ``... share A``."""
     return (("pp " if v.pingpong else "") + f"pair{v.pair} k{v.bk}x{v.stages}" + (" early" if v.early_release else "")
             + ("" if v.wide_stores else " narrow") + (" cluster-order" if v.cluster_order else "")
             + (" share A" if v.share_a else ""))
