@@ -11,9 +11,9 @@ Two arrangements (:class:`Variant`): the CTA's 128x256 tile shared by its two co
 warpgroups, and a ping-pong of 128x128 tiles, one consumer warpgroup a tile (``pingpong``).
 
 Status: a measurement, no launch path calls it. Right on an H100 and an H200 at every shape timed;
-the ping-pong with the pair at 1.00-1.24x of cuBLAS at the sequence-parallel shapes of TP 8, ahead
-of the own ws kernel at 5 of 8 cells and behind at three (docs/hopper_gemm.md, ``python3 -m
-scripts.probe_pair_gemm``). Shapes: M and N multiples of the pair's tiles side by side
+the ping-pong with the pair at 1.00-1.28x of cuBLAS at the sequence-parallel shapes of TP 8, a tie
+with the own ws kernel (ahead at 5 of 8 cells in one run, 2 of 8 in another; docs/hopper_gemm.md,
+``python3 -m scripts.probe_pair_gemm``). Shapes: M and N multiples of the pair's tiles side by side
 (``Variant.cluster_tile``), K of the step (``Variant.bk``); other shapes raise ValueError.
 
 The build: ``nvcc -arch=sm_90a -cubin`` once per source and :class:`Variant` (its fields but
