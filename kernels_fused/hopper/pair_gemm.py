@@ -40,7 +40,7 @@ SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "pair_gemm.cu")
 KERNELS = {False: b"cco_ptpc_gemm_pair", True: b"cco_ptpc_gemm_pair_pingpong"}  # by Variant.pingpong
 THREADS = 384
 BM, BOX_ROWS = 128, 128
-GROUP = 8  # tile pairs of rows a group of the walk (the L2's reuse of B across rows)
+GROUP = 8  # row blocks a group of the walk (the L2's reuse of B across rows)
 
 _CU_TENSOR_MAP_UINT8, _L2_256B = 0, 3
 _SWIZZLE = {128: 3, 64: 2}  # CU_TENSOR_MAP_SWIZZLE_128B / _64B, by the step's bytes
@@ -168,8 +168,8 @@ def _function(device: int, variant: Variant) -> ctypes.c_void_p:
     return _functions[key]
 
 
-def tensor_map(t: torch.Tensor, bk: int, rows_a_box: int = BOX_ROWS) -> ctypes.Array:
-    """A CUtensorMap (128 bytes) of the row-major one-byte matrix ``t`` in boxes of ``rows_a_box``
+def tensor_map(t: torch.Tensor, bk: int, box_rows: int = BOX_ROWS) -> ctypes.Array:
+    """A CUtensorMap (128 bytes) of the row-major one-byte matrix ``t`` in boxes of ``box_rows``
     rows x ``bk`` bytes with the ``bk``-byte swizzle."""
     rows, cols = t.shape
     raw = (ctypes.c_uint8 * 192)()  # the map's address must be 64-byte aligned: carve it from a larger buffer
@@ -177,7 +177,7 @@ def tensor_map(t: torch.Tensor, bk: int, rows_a_box: int = BOX_ROWS) -> ctypes.A
     m._keep = raw
     dims = (ctypes.c_uint64 * 2)(cols, rows)
     strides = (ctypes.c_uint64 * 1)(t.stride(0))
-    box = (ctypes.c_uint32 * 2)(bk, rows_a_box)
+    box = (ctypes.c_uint32 * 2)(bk, box_rows)
     unit = (ctypes.c_uint32 * 2)(1, 1)
     _check(_lib().cuTensorMapEncodeTiled(m, _CU_TENSOR_MAP_UINT8, 2, ctypes.c_void_p(t.data_ptr()), dims, strides,
                                          box, unit, 0, _SWIZZLE[bk], _L2_256B, 0), "cuTensorMapEncodeTiled")
@@ -200,6 +200,15 @@ def ptpc_pair_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_sc
                          f"got [{m}, {n}, {k}]")
     if not (a.is_contiguous() and b.is_contiguous()):
         raise ValueError("pair_gemm takes contiguous row-major operands")
+    if a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"pair_gemm takes e4m3 operands, not {a.dtype} and {b.dtype}")
+    if a_scale.numel() != m or b_scale.numel() != n:
+        raise ValueError(f"pair_gemm takes a scale per row of A ({m}) and of B ({n}), not {a_scale.numel()} and "
+                         f"{b_scale.numel()}")
+    if out is not None and (out.shape != (m, n) or out.dtype != torch.bfloat16 or not out.is_contiguous()):
+        raise ValueError(f"pair_gemm writes a contiguous bf16 [{m}, {n}] output, not {out.dtype} {tuple(out.shape)}")
+    if group < 1 or (clusters is not None and clusters < 1):
+        raise ValueError(f"pair_gemm takes group >= 1 and clusters >= 1, not {group} and {clusters}")
     a_scale, b_scale = a_scale.reshape(-1).float().contiguous(), b_scale.reshape(-1).float().contiguous()
     if out is None:
         out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)

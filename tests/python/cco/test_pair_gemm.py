@@ -55,6 +55,21 @@ def test_the_pair_tiles_and_boxes_follow_the_shared_operand():
     assert (shared._replace(share_a=True).cluster_tile, shared._replace(share_a=True).boxes()) == ((128, 512), (64, 128))
 
 
+def test_bad_operands_are_refused_with_what_was_given():
+    e4m3 = torch.float8_e4m3fn
+    a, b = torch.zeros(256, 256, dtype=e4m3), torch.zeros(256, 256, dtype=e4m3)
+    one = torch.ones(256)
+    cases = [((a.to(torch.bfloat16), b, one, one), {}, "e4m3 operands"),
+             ((a, b, torch.ones(128), one), {}, "a scale per row"),
+             ((a, b, one, one), dict(out=torch.empty(256, 256)), "bf16"),
+             ((a, b, one, one), dict(out=torch.empty(256, 128, dtype=torch.bfloat16)), "256, 256"),
+             ((a, b, one, one), dict(group=0), "group >= 1"),
+             ((a.t(), b, one, one), {}, "contiguous")]
+    for args, kwargs, words in cases:
+        with pytest.raises(ValueError, match=words):
+            G.ptpc_pair_gemm(*args, **kwargs)
+
+
 def test_unknown_builds_are_refused():
     a, b = torch.zeros(256, 256, dtype=torch.float8_e4m3fn), torch.zeros(256, 256, dtype=torch.float8_e4m3fn)
     for bad in (G.Variant(pair=4), G.Variant(bk=32)):
