@@ -8,9 +8,10 @@ to read the hardware counters of its kernels (one GPU)::
 Why: the probe's times say the ping-pong ties the own ws kernel and that its ring alone
 (``--loads-only``) takes about cuBLAS's whole time (docs/hopper_gemm.md); the counters say where the
 bytes come from (L2 hit rate, L2 and DRAM throughput) and how busy the tensor cores are. The arms
-run in the order cuBLAS, own ws, ping-pong, ring only, the CTA pair (``scripts.probe_pair_gemm``), each twice (the first call compiles a
-Triton kernel; the profiler reads both, the second is the one to read); nothing is timed or checked
-here (the probe checks them)."""
+run in the order cuBLAS, own ws, ping-pong, ring only, then each build of the CTA pair GEMM
+(``scripts.probe_pair_gemm``), each twice (the first call compiles a kernel; the profiler reads
+both, the second is the one to read); ``--arms`` keeps those whose label a regular expression
+finds. Nothing is timed or checked here (the probes check them)."""
 from __future__ import annotations
 
 import argparse

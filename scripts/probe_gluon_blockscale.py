@@ -363,7 +363,8 @@ def gemm_table(args, command: str, quant: str, make_arms, checks=(), unchecked: 
                 t = graph_timings(arms, GRAPH_CALLS, args.passes, time_arms)
                 base = "cuBLAS" if "cuBLAS" in t else next(iter(t))
                 ratios = {a: per_pass_ratio(t[a].pass_us, t[base].pass_us) for a in t if a != base}
-                row = {"pattern": pattern, "model": model, "tp": tp, "m": m, "n": n, "k": k, "wrong": wrong, "baseline": base,
+                row = {"pattern": pattern, "model": model, "tp": tp, "m": m, "n": n, "k": k, "wrong": wrong,
+                       "baseline": base,
                        "us": {a: v.median_us / GRAPH_CALLS for a, v in t.items()},
                        "pass_us": {a: [u / GRAPH_CALLS for u in v.pass_us] for a, v in t.items()},
                        "vs_baseline": ratios, "kernels": kernels}

@@ -18,7 +18,7 @@ against it is what the multicast saves; BK bytes a K step, S stages), ``early`` 
 slot is released before the next step's issue, ``pp`` for the ping-pong (a 128x128 tile a
 consumer warpgroup, taken in turn).
 Every arm is checked against the fp32 product on sampled rows (a wrong arm posts no time; the exit
-status counts wrong cells) and the pair for equal bits on a repeat; then graphs of 3 calls, arms
+status counts wrong cells) and every build for equal bits on a repeat; then graphs of 3 calls, arms
 alternating per pass, each arm's ratio to cuBLAS pass by pass (median and range; lower is better).
 """
 from __future__ import annotations
@@ -64,6 +64,9 @@ VARIANT_ARGS = (dict(), dict(early_release=True), dict(bk=64, stages=8), dict(bk
                 dict(pingpong=True, stages=6, share_a=True))
 
 
+BUILD_PREFIXES = ("pair", "pp pair")  # what every build's label starts with (:func:`label`)
+
+
 def label(v) -> str:
     """An arm's name for build ``v``: ``pair2 k128x4``, ``pp pair2 k128x6`` (the ping-pong), ``... early``,
     ``... narrow``, ``... cluster-order``, ``... share A``."""
@@ -98,8 +101,9 @@ SMOKE_SHAPES = ((256, 256, 128), (1024, 768, 1024), (4096, 7168, 2304))
 
 
 def smoke(labels=None) -> int:
-    """Wrong builds of ``labels`` (:func:`builds`) at ``SMOKE_SHAPES`` (random e4m3 operands, scales in [0.5, 1.5)), each checked
-    against the fp32 product with the GEMM's error budget; one line per (shape, build)."""
+    """Wrong builds of ``labels`` (:func:`builds`) at ``SMOKE_SHAPES`` (random e4m3 operands, scales in
+    [0.5, 1.5)), each checked against the fp32 product with the GEMM's error budget; one line per
+    (shape, build)."""
     from cco.bench.timing import gemm_mismatches
     from kernels_fused.hopper.pair_gemm import ptpc_pair_gemm
 
@@ -129,7 +133,7 @@ def main(argv=None) -> int:
         return 1
     command = "python3 -m scripts.probe_pair_gemm " + " ".join(sys.argv[1:] if argv is None else argv)
     return 1 if gemm_table(args, command, "ptpc", lambda p: arms_of(p, args.group, args.builds),
-                           checks=(lambda arms: same_bits_on_repeat(arms, prefix="pair"), ),
+                           checks=(lambda arms: same_bits_on_repeat(arms, prefix=BUILD_PREFIXES), ),
                            patterns=args.pattern) else 0
 
 

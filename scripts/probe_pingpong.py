@@ -84,8 +84,9 @@ def arms_of(p, stages, loads_only: bool = False) -> dict:
     return arms
 
 
-def same_bits_on_repeat(arms, prefix: str = "pingpong") -> dict:
-    """Label -> why, for each arm labelled ``prefix``... whose second call gives other bits than its first."""
+def same_bits_on_repeat(arms, prefix: str | tuple[str, ...] = "pingpong") -> dict:
+    """Label -> why, for each arm whose label starts with ``prefix`` (or one of them) and whose second
+    call gives other bits than its first."""
     wrong = {}
     for label in [a for a in arms if a.startswith(prefix)]:
         first = arms[label]().clone()

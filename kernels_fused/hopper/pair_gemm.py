@@ -18,7 +18,7 @@ with the own ws kernel (ahead at 5 of 8 cells in one run, 2 of 8 in another; doc
 
 The build: ``nvcc -arch=sm_90a -cubin`` once per source and :class:`Variant` (its fields but
 ``pingpong``, which picks the kernel, are the source's ``CCO_*`` macros; cached under
-``CCO_PAIR_GEMM_CACHE``, default ``~/.cache/cco``), then ``cuModuleLoadData`` in the current context.
+``CCO_PAIR_GEMM_CACHE``, default ``~/.cache/cco``), then ``cuModuleLoadData`` in the context of the operands' device.
 The launch: the two operands' tensor maps (``cuTensorMapEncodeTiled``: ``Variant.boxes`` rows, one K
 step's bytes wide, the step's swizzle) passed by value,
 the cluster shape compiled into the kernel (``__cluster_dims__``), so a plain ``cuLaunchKernel`` on
@@ -223,6 +223,7 @@ def ptpc_pair_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_sc
     params = (ctypes.c_void_p * 9)(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in
                                      [map_a, map_b] + ptrs + ints])
     stream = torch.cuda.current_stream(a.device).cuda_stream
-    _check(_lib().cuLaunchKernel(_function(a.device.index or 0, variant), variant.pair * clusters, 1, 1, THREADS, 1,
-                                 1, variant.shared(), ctypes.c_void_p(stream), params, None), "cuLaunchKernel")
+    with torch.cuda.device(a.device):  # the module is loaded into, and launched in, a's device's context
+        _check(_lib().cuLaunchKernel(_function(a.device.index, variant), variant.pair * clusters, 1, 1, THREADS, 1,
+                                     1, variant.shared(), ctypes.c_void_p(stream), params, None), "cuLaunchKernel")
     return out

@@ -42,7 +42,7 @@ constexpr int BK = CCO_BK;
 constexpr int STAGES = CCO_STAGES;
 static_assert(BK == 128 || BK == 64, "a step is one row of the 128- or 64-byte swizzle");
 constexpr int THREADS = 384;        // loader warpgroup + two consumer warpgroups
-// CCO_PAIR: CTAs a cluster sharing B (2; 1 loads the whole B tile a CTA, for comparison).
+// CCO_PAIR: CTAs a cluster sharing an operand's tile (2; 1 loads both tiles a CTA, for comparison).
 // CCO_WIDE_STORES: 1 stores the epilogue in 16-byte pieces that fill whole 32-byte sectors (the
 // quad of lanes holding a row's 8-column block trades its pairs over shuffles); 0 stores each
 // thread's bf16 pairs as they sit in the accumulator (4 bytes a store, half sectors).
@@ -57,15 +57,15 @@ constexpr int THREADS = 384;        // loader warpgroup + two consumer warpgroup
 #ifndef CCO_EARLY_RELEASE
 #define CCO_EARLY_RELEASE 0
 #endif
-// CCO_CLUSTER_ORDER: 1 gives the ring's waits acquire and its remote arrives release semantics at
-// the cluster's scope; 0 (default) leaves both at the barrier's defaults. The consumers' reads of a
-// slot are the MMAs' (retired by wgmma.wait_group before the arrive), and the loads are TMA's
-// (ordered by the barrier's transaction count), so no other memory needs ordering.
 // CCO_SHARE_A: 0 pairs the CTAs along M, sharing B's tile (each loads half of its rows); 1 pairs
 // them along N, sharing A's (each loads half of the 128 rows, B's tile its own).
 #ifndef CCO_SHARE_A
 #define CCO_SHARE_A 0
 #endif
+// CCO_CLUSTER_ORDER: 1 gives the ring's waits acquire and its remote arrives release semantics at
+// the cluster's scope; 0 (default) leaves both at the barrier's defaults. The consumers' reads of a
+// slot are the MMAs' (retired by wgmma.wait_group before the arrive), and the loads are TMA's
+// (ordered by the barrier's transaction count), so no other memory needs ordering.
 #ifndef CCO_CLUSTER_ORDER
 #define CCO_CLUSTER_ORDER 0
 #endif
@@ -318,7 +318,8 @@ template <int TN>
 __device__ void load_ring(const Ring<TN>& ring, const Walk<TN>& walk, const TensorMap& map_a, const TensorMap& map_b,
                           int cluster, int clusters, int steps) {
     constexpr bool SHARE_A = PAIR > 1 && CCO_SHARE_A, SHARE_B = PAIR > 1 && !CCO_SHARE_A;
-    constexpr int B_BOX = (SHARE_B ? TN / PAIR : TN) < 128 ? (SHARE_B ? TN / PAIR : TN) : 128;
+    constexpr int B_ROWS = SHARE_B ? TN / PAIR : TN;  // B rows this CTA loads a step
+    constexpr int B_BOX = B_ROWS < 128 ? B_ROWS : 128;
     constexpr uint16_t BOTH = (1 << PAIR) - 1;
     const uint32_t rank = walk.rank;
     int s = 0;
@@ -347,8 +348,8 @@ __device__ void load_ring(const Ring<TN>& ring, const Walk<TN>& walk, const Tens
 }
 }  // namespace
 
-// M a multiple of 256 (the pair's rows), N of 256, K of 128: the launcher refuses other shapes.
-// Grid: an even number of CTAs, clusters of two (compile-time), THREADS threads, SHARED bytes.
+// M and N multiples of the pair's tiles side by side (Walk's ROWS and COLS), K of BK: the launcher
+// refuses other shapes. Grid: a multiple of PAIR CTAs (the cluster is compile-time), THREADS threads.
 // CCO_MIN_BLOCKS: blocks an SM the compile budgets registers for (1; the host test asks for 3, a
 // budget of 56 registers a thread that ptxas refuses for the MMA's 128-register accumulator).
 #ifndef CCO_MIN_BLOCKS
@@ -427,9 +428,9 @@ cco_ptpc_gemm_pair(const __grid_constant__ TensorMap map_a, const __grid_constan
 // so one consumer's epilogue runs while the other's MMAs keep the tensor cores busy. ``turn[c]``
 // hands the ring to consumer c: the other consumer arrives on it once it has issued its tile's last
 // MMAs, so the two main loops take the ring's steps strictly in order (a consumer never waits on a
-// slot a lap ahead, where the barrier's parity would repeat). B's 128 rows are shared by the pair,
-// 64 loaded by each CTA (the tensor map of B has 64-row boxes); ``empty[s]`` takes one arrive from
-// the step's consumer in each CTA. M a multiple of 256, N of 128, K of BK.
+// slot a lap ahead, where the barrier's parity would repeat). The shared operand's 128 rows are
+// loaded 64 by each CTA (its tensor map has 64-row boxes); ``empty[s]`` takes one arrive from the
+// step's consumer in each CTA. Shapes as above, with 128-column CTA tiles.
 constexpr int PP_TN = 128;
 
 extern "C" __global__ void __cluster_dims__(PAIR, 1, 1) __launch_bounds__(THREADS, CCO_MIN_BLOCKS)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels_fused.hopper import pair_gemm as G
-from scripts.probe_pair_gemm import VARIANT_ARGS, label
+from scripts.probe_pair_gemm import BUILD_PREFIXES, VARIANT_ARGS, builds, label
 
 HOPPER_SHARED = 227 * 1024  # the most dynamic shared memory one block may take on sm_90
 VARIANTS = [G.Variant(**kw) for kw in VARIANT_ARGS]
@@ -52,7 +52,14 @@ def test_the_pair_tiles_and_boxes_follow_the_shared_operand():
     assert (pp._replace(pair=1).cluster_tile, pp._replace(pair=1).boxes()) == ((128, 128), (128, 128))
     shared = G.Variant()
     assert (shared.cluster_tile, shared.boxes()) == ((256, 256), (128, 128))
-    assert (shared._replace(share_a=True).cluster_tile, shared._replace(share_a=True).boxes()) == ((128, 512), (64, 128))
+    along_n = shared._replace(share_a=True)
+    assert (along_n.cluster_tile, along_n.boxes()) == ((128, 512), (64, 128))
+
+
+def test_the_probes_repeat_check_reaches_every_build():
+    """The probe checks each build for equal bits on a repeat by its label's start: every build's
+    label must start with one of the prefixes it passes (the ping-pong's ``pp`` labels once escaped)."""
+    assert all(label(v).startswith(BUILD_PREFIXES) for v in builds())
 
 
 def test_bad_operands_are_refused_with_what_was_given():
