@@ -18,10 +18,10 @@ with the own ws kernel (ahead at 5 of 8 cells in one run, 2 of 8 in another; doc
 
 The build: ``nvcc -arch=sm_90a -cubin`` once per source and :class:`Variant` (its fields but
 ``pingpong``, which picks the kernel, are the source's ``CCO_*`` macros; cached under
-``CCO_PAIR_GEMM_CACHE``, default ``~/.cache/cco``), then ``cuModuleLoadData`` in the context of the operands' device.
-The launch: the two operands' tensor maps (``cuTensorMapEncodeTiled``: ``Variant.boxes`` rows, one K
-step's bytes wide, the step's swizzle) passed by value,
-the cluster shape compiled into the kernel (``__cluster_dims__``), so a plain ``cuLaunchKernel`` on
+``CCO_PAIR_GEMM_CACHE``, default ``~/.cache/cco``), then ``cuModuleLoadData`` in the context of
+the operands' device. The launch: the two operands' tensor maps (``cuTensorMapEncodeTiled``:
+``Variant.boxes`` rows, one K step's bytes wide, the step's swizzle) passed by value, the cluster
+shape compiled into the kernel (``__cluster_dims__``), so a plain ``cuLaunchKernel`` on
 torch's current stream launches it, and a CUDA graph captures it.
 """
 from __future__ import annotations
