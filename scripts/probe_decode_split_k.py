@@ -29,7 +29,7 @@ import torch
 
 from cco import quant as Q
 from scripts._cli import drew_an_earlier_run, ints, shape_probe_args
-from scripts.tune_decode import SHAPES, checked_arms, graph_us, shape_weight
+from scripts.tune_decode import SHAPES, checked_arms, decode_panel, earlier_run, graph_us, save_figure, shape_weight
 from scripts.tune_decode import with_config as set_tables
 
 
@@ -133,12 +133,7 @@ def plot(path: str, png: str):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    try:
-        with open(path) as f:
-            run = json.load(f)
-        rows = run["rows"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise SystemExit(f"probe_decode_split_k: --from {path}: not this probe's JSON ({err})") from None
+    run, rows = earlier_run(path, "probe_decode_split_k")
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     # a --cold run's figures are the model's (each call on its own weight): draw those where every row has them
     key = "us_cold" if all("us_cold" in r for r in rows) else "us"
@@ -171,16 +166,8 @@ def plot(path: str, png: str):
                         for r in q]
                 ax.plot(ms, best, color=colors.get(quant), linestyle=style, linewidth=0.9, alpha=0.8,
                         label=f"{quant}: best config of {split} K slice{'s' if split > 1 else ''}")
-        ax.set_title(f"{shape} (N {mine[0]['n']}, K {mine[0]['k']})", fontsize=10)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("M (rows of the call)")
-        ax.set_ylabel(f"device us per call, graph replay{', cold' if key == 'us_cold' else ''} (lower is better)")
-        ax.set_ylim(bottom=0)
-        ax.legend(fontsize=6)
-    fig.suptitle(f"decode MMA with K split, {run.get('gpu', '')}, {run.get('date', '')}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    return fig
+        decode_panel(ax, mine[0], key == "us_cold")
+    return save_figure(fig, "decode MMA with K split", run, png)
 
 
 def main(argv=None):

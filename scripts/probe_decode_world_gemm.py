@@ -34,7 +34,7 @@ import torch
 
 from cco import quant as Q
 from scripts._cli import drew_an_earlier_run, shape_probe_args
-from scripts.tune_decode import SHAPES, checked_arms, graph_us, shape_weight
+from scripts.tune_decode import SHAPES, checked_arms, decode_panel, earlier_run, graph_us, save_figure, shape_weight
 
 GRAPH_CALLS = 10
 ARMS = ("lsa GEMM", "decode GEMM", "decode GEMM + copy")
@@ -67,13 +67,8 @@ def plot(path: str, png: str):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    try:
-        with open(path) as f:
-            run = json.load(f)
-        rows = run["rows"]
-        shapes = list(dict.fromkeys(r["shape"] for r in rows))
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise SystemExit(f"probe_decode_world_gemm: --from {path}: not this probe's JSON ({err})") from None
+    run, rows = earlier_run(path, "probe_decode_world_gemm")
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
     cols = min(3, len(shapes))
     lines = -(-len(shapes) // cols)
     fig, axes = plt.subplots(lines, cols, figsize=(5 * cols, 4.2 * lines), squeeze=False)
@@ -91,17 +86,8 @@ def plot(path: str, png: str):
                 pts = [(r["m"], r["us_cold"][arm]) for r in q if arm in r["us_cold"]]
                 if pts:
                     ax.plot(*zip(*pts), color=colors.get(quant), linestyle=style, marker=marker, label=f"{quant}: {arm}")
-        ax.set_title(f"{shape} (N {mine[0]['n']}, K {mine[0]['k']})", fontsize=9)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("M (rows of the call)")
-        ax.set_ylabel("device us per call, graph replay, cold (lower is better)", fontsize=8)
-        ax.set_ylim(bottom=0)
-        ax.legend(fontsize=6)
-    fig.suptitle(f"a world >= 2 decode call's GEMM: the lsa kernel's tiles vs the decode MMA, {run.get('gpu', '')}, "
-                 f"{run.get('date', '')}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    return fig
+        decode_panel(ax, mine[0], True, fontsize=9)
+    return save_figure(fig, "a world >= 2 decode call's GEMM: the lsa kernel's tiles vs the decode MMA", run, png)
 
 
 def main(argv=None):

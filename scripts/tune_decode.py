@@ -167,6 +167,39 @@ def best_configs(rows: list) -> dict:
     return best
 
 
+def earlier_run(path: str, script: str) -> tuple[dict, list]:
+    """``(run, rows)`` of a decode probe's ``--json`` at ``path`` (its ``--from``), or one line naming
+    ``script`` and what is wrong (SystemExit) where the file is not such a run (rows of a shape each)."""
+    try:
+        with open(path) as f:
+            run = json.load(f)
+        for r in run["rows"]:
+            r["shape"]  # noqa: B018 - a row without one is not a probe's
+        return run, run["rows"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise SystemExit(f"{script}: --from {path}: not this probe's JSON ({err})") from None
+
+
+def decode_panel(ax, row: dict, cold: bool, fontsize: int = 10) -> None:
+    """A decode probe's panel of one shape (``row``: one of its records): title, M on a log2 axis,
+    device us per call from zero (cold: each call of the graph on its own weight), legend."""
+    ax.set_title(f"{row['shape']} (N {row['n']}, K {row['k']})", fontsize=fontsize)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("M (rows of the call)")
+    ax.set_ylabel(f"device us per call, graph replay{', cold' if cold else ''} (lower is better)",
+                  fontsize=fontsize - 2)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=6)
+
+
+def save_figure(fig, title: str, run: dict, png: str):
+    """``fig`` titled ``title`` with the run's GPU and date, saved to ``png``; returned."""
+    fig.suptitle(f"{title}, {run.get('gpu', '')}, {run.get('date', '')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    return fig
+
+
 def plot(out: dict, path: str) -> None:
     """One panel per shape: device us per call over M (log-log) of bf16 ``F.linear``, and per quant
     the two launches (dashed) and the decode GEMM's best config (solid); lower is better."""

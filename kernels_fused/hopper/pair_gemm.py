@@ -17,9 +17,8 @@ with the own ws kernel (ahead at 5 of 8 cells in one run, 2 of 8 in another; doc
 (``Variant.cluster_tile``), K of the step (``Variant.bk``); other shapes raise ValueError.
 
 The build: ``nvcc -arch=sm_90a -cubin`` once per source and :class:`Variant` (its fields but
-``pingpong``, which picks the kernel, are the source's ``CCO_*`` macros; cached under
-``CCO_PAIR_GEMM_CACHE``, default ``~/.cache/cco``), then ``cuModuleLoadData`` in the context of
-the operands' device. The launch: the two operands' tensor maps (``cuTensorMapEncodeTiled``:
+``pingpong``, which picks the kernel, are the source's ``CCO_*`` macros), cached and loaded into the
+operands' device's context by ``kernels_fused.hopper.cubin``. The launch: the two operands' tensor maps (``cuTensorMapEncodeTiled``:
 ``Variant.boxes`` rows, one K step's bytes wide, the step's swizzle) passed by value, the cluster
 shape compiled into the kernel (``__cluster_dims__``), so a plain ``cuLaunchKernel`` on
 torch's current stream launches it, and a CUDA graph captures it.
@@ -27,16 +26,13 @@ torch's current stream launches it, and a CUDA graph captures it.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import re
-import shutil
-import subprocess
 from typing import NamedTuple
 
 import torch
 
-SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "pair_gemm.cu")
+from kernels_fused.hopper import cubin
+
+SOURCE = cubin.source("pair_gemm.cu")
 KERNELS = {False: b"cco_ptpc_gemm_pair", True: b"cco_ptpc_gemm_pair_pingpong"}  # by Variant.pingpong
 THREADS = 384
 BM, BOX_ROWS = 128, 128
@@ -44,7 +40,6 @@ GROUP = 8  # row blocks a group of the walk (the L2's reuse of B across rows)
 
 _CU_TENSOR_MAP_UINT8, _L2_256B = 0, 3
 _SWIZZLE = {128: 3, 64: 2}  # CU_TENSOR_MAP_SWIZZLE_128B / _64B, by the step's bytes
-_MAX_DYNAMIC_SHARED = 8
 
 
 class Variant(NamedTuple):
@@ -88,84 +83,20 @@ class Variant(NamedTuple):
 
 
 def nvcc() -> str | None:
-    """The nvcc that builds the kernel (PATH, then ``$CUDA_HOME/bin``), or None."""
-    found = shutil.which("nvcc") or os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
-    return found if os.path.exists(found) else None
-
-
-def _compile(variant: Variant, path: str, extra: tuple = ()) -> str:
-    """Compile ``variant`` into the cubin ``path``; ptxas's report (``-v``) is the return value."""
-    compiler = nvcc()
-    if compiler is None:
-        raise RuntimeError("pair_gemm needs nvcc (PATH or $CUDA_HOME/bin) to build its kernel")
-    done = subprocess.run([compiler, "-arch=sm_90a", "-cubin", "-O3", "-Xptxas", "-v", *variant.defines(), *extra,
-                           "-o", path, SOURCE], capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"nvcc failed on {SOURCE} ({variant}):\n{done.stderr[-4000:]}")
-    return done.stderr + done.stdout
+    """The nvcc that builds the kernel, or None (``cubin.nvcc``)."""
+    return cubin.nvcc()
 
 
 def ptxas_report(variant: Variant, directory: str, extra: tuple = ()) -> dict:
     """``registers``, ``spill_stores`` and ``spill_loads`` (bytes) of ``variant``'s kernel as ptxas
     reports them, compiled into ``directory`` with nvcc's ``extra`` options."""
-    log = _compile(variant, os.path.join(directory, "pair_gemm.cubin"), extra)
-    registers = re.search(r"Used (\d+) registers", log)
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    if not (registers and spills):
-        raise RuntimeError(f"no register or spill line in ptxas's report:\n{log[-2000:]}")
-    return {"registers": int(registers[1]), "spill_stores": int(spills[1]), "spill_loads": int(spills[2])}
+    report = cubin.ptxas_report(SOURCE, variant.defines(), directory, extra)
+    return report[KERNELS[variant.pingpong].decode()]
 
 
 def build(variant: Variant = Variant()) -> str:
     """The cubin path of ``variant``, compiled by nvcc once per source text and variant."""
-    with open(SOURCE, "rb") as f:
-        digest = hashlib.sha256(f.read() + " ".join(variant.defines()).encode()).hexdigest()[:16]
-    cache = os.environ.get("CCO_PAIR_GEMM_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "cco"))
-    os.makedirs(cache, exist_ok=True)
-    cubin = os.path.join(cache, f"pair_gemm_{digest}.cubin")
-    if not os.path.exists(cubin):
-        tmp = f"{cubin}.{os.getpid()}"
-        _compile(variant, tmp)
-        os.replace(tmp, cubin)
-    return cubin
-
-
-def _check(result: int, what: str) -> None:
-    if result:
-        raise RuntimeError(f"{what} failed: CUresult {result}")
-
-
-_driver = None
-_functions: dict[tuple, ctypes.c_void_p] = {}
-
-
-def _lib():
-    global _driver
-    if _driver is None:
-        lib = ctypes.CDLL("libcuda.so.1")
-        lib.cuTensorMapEncodeTiled.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
-                                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                               ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-        lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-        lib.cuModuleLoadData.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p]
-        lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_char_p]
-        lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-        _driver = lib
-    return _driver
-
-
-def _function(device: int, variant: Variant) -> ctypes.c_void_p:
-    key = (device, variant)
-    if key not in _functions:
-        lib = _lib()
-        with open(build(variant), "rb") as f:
-            image = f.read()
-        module, fn = ctypes.c_void_p(), ctypes.c_void_p()
-        _check(lib.cuModuleLoadData(ctypes.byref(module), image), "cuModuleLoadData")
-        _check(lib.cuModuleGetFunction(ctypes.byref(fn), module, KERNELS[variant.pingpong]), "cuModuleGetFunction")
-        _check(lib.cuFuncSetAttribute(fn, _MAX_DYNAMIC_SHARED, variant.shared()), "cuFuncSetAttribute")
-        _functions[key] = fn
-    return _functions[key]
+    return cubin.build(SOURCE, variant.defines())
 
 
 def tensor_map(t: torch.Tensor, bk: int, box_rows: int = BOX_ROWS) -> ctypes.Array:
@@ -179,8 +110,9 @@ def tensor_map(t: torch.Tensor, bk: int, box_rows: int = BOX_ROWS) -> ctypes.Arr
     strides = (ctypes.c_uint64 * 1)(t.stride(0))
     box = (ctypes.c_uint32 * 2)(bk, box_rows)
     unit = (ctypes.c_uint32 * 2)(1, 1)
-    _check(_lib().cuTensorMapEncodeTiled(m, _CU_TENSOR_MAP_UINT8, 2, ctypes.c_void_p(t.data_ptr()), dims, strides,
-                                         box, unit, 0, _SWIZZLE[bk], _L2_256B, 0), "cuTensorMapEncodeTiled")
+    cubin.check(cubin.driver().cuTensorMapEncodeTiled(m, _CU_TENSOR_MAP_UINT8, 2, ctypes.c_void_p(t.data_ptr()), dims,
+                                                      strides, box, unit, 0, _SWIZZLE[bk], _L2_256B, 0),
+                "cuTensorMapEncodeTiled")
     return m
 
 
@@ -220,10 +152,9 @@ def ptpc_pair_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_sc
     map_b = tensor_map(b.view(torch.uint8), variant.bk, b_rows)
     ptrs = [ctypes.c_uint64(t.data_ptr()) for t in (a_scale, b_scale, out)]
     ints = [ctypes.c_int(v) for v in (m, n, k, group)]
-    params = (ctypes.c_void_p * 9)(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in
-                                     [map_a, map_b] + ptrs + ints])
     stream = torch.cuda.current_stream(a.device).cuda_stream
     with torch.cuda.device(a.device):  # the module is loaded into, and launched in, a's device's context
-        _check(_lib().cuLaunchKernel(_function(a.device.index, variant), variant.pair * clusters, 1, 1, THREADS, 1,
-                                     1, variant.shared(), ctypes.c_void_p(stream), params, None), "cuLaunchKernel")
+        fn = cubin.function(a.device.index, SOURCE, variant.defines(), KERNELS[variant.pingpong], variant.shared())
+        cubin.launch(fn, (variant.pair * clusters, 1, 1), THREADS, variant.shared(), stream,
+                     [map_a, map_b] + ptrs + ints)
     return out

@@ -115,7 +115,7 @@ def _one_line_error(rc, out, err, *said, code=None):
     ("probe_producer_parts", []), ("probe_blockscale_rows", ["8b-o-tp1", "8", "bs.json"]),
     ("probe_mx_dot_scaled", ["8b-o-tp1", "8", "mx.json"]), ("probe_driver_holds", []),
     ("probe_eager_graph_bits", ["8b-o-tp1", "1,8", "bits.json"]), ("probe_decode_model_host", []),
-    ("probe_decode_interleave", [])])
+    ("probe_decode_interleave", []), ("probe_mx_decode", ["8b-o-tp1", "8", "mx.json"])])
 def test_a_gpu_tool_without_a_gpu_says_so_in_one_line(script, argv):
     rc, out, err = _run(script, *argv)
     _one_line_error(rc, out, err, f"{script}: needs a CUDA GPU")
@@ -131,7 +131,8 @@ def test_bench_link_needs_torchrun_and_gpus():
 
 # ---- 2. --help: the usage, exit 0, nothing run ------------------------------------------------------------
 @pytest.mark.parametrize("script", ["probe_driver_holds", "probe_blockscale_rows", "probe_mx_dot_scaled",
-                                    "probe_decode_host", "profile_decode_mma", "probe_eager_graph_bits"])
+                                    "probe_decode_host", "profile_decode_mma", "probe_eager_graph_bits",
+                                    "probe_mx_decode"])
 def test_help_prints_the_usage_and_runs_nothing(script):
     rc, out, err = _run(script, "--help", timeout=60)
     assert rc == 0 and out.startswith("usage: ") and "needs" not in out + err and "RESULT" not in out, (rc, out, err)
@@ -156,7 +157,9 @@ def test_the_gfx950_compile_scripts_help_ends_its_sentence():
     ("probe_quantize_groups", ["--tiles", "8x64", "--quant", "blockscale"], "a multiple of 128"),
     ("probe_quantize_groups", ["-m", "8"], "pass --tiles"),
     ("probe_eager_graph_bits", ["--quant", "fp4", "8b-o-tp1", "8", "a.json"], "--quant fp4: pick from ptpc"),
-    ("probe_eager_graph_bits", ["--layer", "mlp", "8b-o-tp1", "8", "a.json"], "invalid choice: 'mlp'")])
+    ("probe_eager_graph_bits", ["--layer", "mlp", "8b-o-tp1", "8", "a.json"], "invalid choice: 'mlp'"),
+    ("probe_mx_decode", ["8b-up", "8", "a.json"], "unknown shapes ['8b-up']"),
+    ("probe_mx_decode", ["--slices", "4,x", "8b-o-tp1", "8", "a.json"], "'4,x' is not a comma list")])
 def test_the_probes_positionals_are_argparse_errors(script, argv, said):
     rc, out, err = _run(script, *argv, timeout=60)
     _one_line_error(rc, out, err, said, code=2)
