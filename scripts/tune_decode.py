@@ -173,9 +173,10 @@ def earlier_run(path: str, script: str) -> tuple[dict, list]:
     try:
         with open(path) as f:
             run = json.load(f)
-        for r in run["rows"]:
-            r["shape"]  # noqa: B018 - a row without one is not a probe's
-        return run, run["rows"]
+        rows = run["rows"]
+        if not all(isinstance(r, dict) and "shape" in r for r in rows):
+            raise ValueError("a row without its shape")
+        return run, rows
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise SystemExit(f"{script}: --from {path}: not this probe's JSON ({err})") from None
 

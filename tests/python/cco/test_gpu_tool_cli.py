@@ -207,6 +207,17 @@ def test_tune_decode_from_a_file_that_is_not_a_run_is_one_line(tmp_path, text, s
 
 
 # ---- 5. predict_scaling ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("script", ["probe_mx_decode", "probe_decode_split_k", "probe_decode_world_gemm"])
+@pytest.mark.parametrize("text, said", [('{"rows": [{"m": 8}]}', "a row without its shape"),
+                                        ("[]", "list indices must be integers")])
+def test_a_decode_probes_from_a_file_that_is_not_its_run_is_one_line(tmp_path, script, text, said):
+    path = tmp_path / "earlier.json"
+    path.write_text(text)
+    rc, out, err = _run(script, "--from", path, "--plot", tmp_path / "p.png")
+    _one_line_error(rc, out, err, f"{script}: --from {path}: not this probe's JSON", said, code=1)
+    assert not (tmp_path / "p.png").exists()
+
+
 def test_predict_scaling_refuses_a_plot_it_cannot_write_before_the_table(tmp_path):
     rc, out, err = _run("predict_scaling", "--worlds", "8", "-m", "16384", "--plot", tmp_path / "ps.txt")
     _one_line_error(rc, out, err, "--plot", "ps.txt", "png")
