@@ -85,7 +85,8 @@ def check(result: int, what: str) -> None:
 
 
 _driver = None
-_functions: dict[tuple, ctypes.c_void_p] = {}
+_modules: dict[tuple, ctypes.c_void_p] = {}  # (device, source, defines) -> its loaded cubin
+_functions: dict[tuple, tuple[ctypes.c_void_p, int]] = {}  # (.., name) -> (kernel, its shared allowance)
 
 
 def driver():
@@ -106,18 +107,29 @@ def driver():
 
 def function(device: int, src: str, defines: list[str], name: bytes, shared: int) -> ctypes.c_void_p:
     """Kernel ``name`` of ``src``'s build, loaded into ``device``'s current context (the caller holds
-    ``torch.cuda.device(device)``), allowed ``shared`` bytes of dynamic shared memory; kept."""
-    key = (device, src, tuple(defines), name, shared)
-    if key not in _functions:
-        lib = driver()
-        with open(build(src, defines), "rb") as f:
-            image = f.read()
-        module, fn = ctypes.c_void_p(), ctypes.c_void_p()
-        check(lib.cuModuleLoadData(ctypes.byref(module), image), "cuModuleLoadData")
+    ``torch.cuda.device(device)``), allowed at least ``shared`` bytes of dynamic shared memory; kept.
+    A build is loaded once per device, whichever of its kernels are asked for, and a kernel's
+    allowance only grows (one handle serves every size asked)."""
+    build_key = (device, src, tuple(defines))
+    kept = _functions.get((*build_key, name))
+    if kept is not None and kept[1] >= shared:
+        return kept[0]
+    lib = driver()
+    if kept is None:
+        module = _modules.get(build_key)
+        if module is None:
+            with open(build(src, defines), "rb") as f:
+                image = f.read()
+            module = ctypes.c_void_p()
+            check(lib.cuModuleLoadData(ctypes.byref(module), image), "cuModuleLoadData")
+            _modules[build_key] = module
+        fn = ctypes.c_void_p()
         check(lib.cuModuleGetFunction(ctypes.byref(fn), module, name), "cuModuleGetFunction")
-        check(lib.cuFuncSetAttribute(fn, _MAX_DYNAMIC_SHARED, shared), "cuFuncSetAttribute")
-        _functions[key] = fn
-    return _functions[key]
+    else:
+        fn = kept[0]
+    check(lib.cuFuncSetAttribute(fn, _MAX_DYNAMIC_SHARED, shared), "cuFuncSetAttribute")
+    _functions[(*build_key, name)] = (fn, shared)
+    return fn
 
 
 def launch(fn: ctypes.c_void_p, grid: tuple[int, int, int], threads: int, shared: int, stream: int,

@@ -86,6 +86,9 @@ def mx_decode_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, o
     ``checked``: the caller has run :func:`check_scales` on this weight."""
     m, k = x.shape
     n = w.shape[0]
+    if stages < 2 or prefetch < 1 or tiles not in (1, 2):
+        raise ValueError(f"mx_decode takes stages >= 2, prefetch >= 1 and tiles 1 or 2 (4 spills), not {stages}, "
+                         f"{prefetch} and {tiles}")
     if not 1 <= m <= M_MAX:
         raise ValueError(f"mx_decode takes 1..{M_MAX} rows, not {m}")
     rows = block_rows(tiles)
@@ -111,9 +114,6 @@ def mx_decode_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, o
         check_scales(w_scale)
     if slices is None:
         slices = default_slices(n, k, torch.cuda.get_device_properties(x.device).multi_processor_count, tiles)
-    if stages < 2 or prefetch < 1 or tiles not in (1, 2):
-        raise ValueError(f"mx_decode takes stages >= 2, prefetch >= 1 and tiles 1 or 2 (4 spills), not {stages}, "
-                         f"{prefetch} and {tiles}")
     if slices not in SLICES or (slices > 1 and k // STEP < 2 * slices):
         raise ValueError(f"mx_decode takes K slices of {SLICES} with two steps of {STEP} each at least; {slices} at "
                          f"K={k}")

@@ -145,3 +145,42 @@ def test_slices_follow_the_grid_and_keep_two_steps():
         X.mx_decode_gemm(x, w, ws, slices=4)            # 4 steps: one each
     with pytest.raises(ValueError, match="K slices of"):
         X.mx_decode_gemm(x, w, ws, slices=3)
+
+
+def test_a_build_is_loaded_once_and_a_kernels_shared_allowance_only_grows(monkeypatch, tmp_path):
+    """``cubin.function`` on a fake driver: the four token-tile kernels of one build share one loaded
+    module, a second ask for a kernel is the kept handle, and a larger shared-memory ask raises that
+    kernel's allowance (a smaller one leaves it)."""
+    calls = []
+
+    class Driver:
+        def cuModuleLoadData(self, module, image):
+            calls.append(("load", image))
+            return 0
+
+        def cuModuleGetFunction(self, fn, module, name):
+            calls.append(("get", name))
+            return 0
+
+        def cuFuncSetAttribute(self, fn, attribute, value):
+            calls.append(("shared", value))
+            return 0
+
+    image = tmp_path / "k.cubin"
+    image.write_bytes(b"cubin")
+    monkeypatch.setattr(cubin, "driver", Driver)
+    monkeypatch.setattr(cubin, "build", lambda src, defines: str(image))
+    monkeypatch.setattr(cubin, "_modules", {})
+    monkeypatch.setattr(cubin, "_functions", {})
+    for t in X.TOKEN_TILES:
+        cubin.function(0, X.SOURCE, X.defines(), f"cco_mx_decode_{t}".encode(), X.shared_bytes(8 * t))
+    assert [c for c in calls if c[0] == "load"] == [("load", b"cubin")]
+    assert len([c for c in calls if c[0] == "get"]) == len(X.TOKEN_TILES)
+    calls.clear()
+    cubin.function(0, X.SOURCE, X.defines(), b"cco_mx_decode_8", X.shared_bytes(64))
+    cubin.function(0, X.SOURCE, X.defines(), b"cco_mx_decode_8", 1024)
+    assert calls == []
+    cubin.function(0, X.SOURCE, X.defines(), b"cco_mx_decode_8", X.shared_bytes(64) + 16)
+    assert calls == [("shared", X.shared_bytes(64) + 16)]
+    cubin.function(1, X.SOURCE, X.defines(), b"cco_mx_decode_8", 1024)  # another device: its own load
+    assert calls[1:] == [("load", b"cubin"), ("get", b"cco_mx_decode_8"), ("shared", 1024)]
