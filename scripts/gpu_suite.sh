@@ -24,7 +24,7 @@
 # a lent machine: there, run part 1 and part 2 as two calls on the same tree (each part builds, or
 # finds, the C++ decode table first).
 #
-# The code a run tested: every .py, .cpp, .h and .sh file under cco, kernels_fused, tests/python and
+# The code a run tested: every .py, .cpp, .cu, .h and .sh file under cco, kernels_fused, tests/python and
 # scripts, one sha1 a file (LOG_DIR/tree.sha1), sorted by the path's bytes (a locale's order differs
 # between machines: a digest over `sort`'s order did), and that list's digest in the summary. Compare
 # it with CCO_GPU_SUITE_TREE=1 run where the code was written; where they differ, `diff` the lists.
@@ -47,7 +47,7 @@ case "${1:-}" in
 esac
 log_dir="${1:-gpu-suite-logs}"
 tree_files() {
-  find cco kernels_fused tests/python scripts -type f \( -name '*.py' -o -name '*.cpp' -o -name '*.h' -o -name '*.sh' \) \
+  find cco kernels_fused tests/python scripts -type f \( -name '*.py' -o -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.sh' \) \
     -print0 | LC_ALL=C sort -z | xargs -0 sha1sum
 }
 if [ -n "${CCO_GPU_SUITE_TREE:-}" ]; then

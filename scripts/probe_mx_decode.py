@@ -9,9 +9,10 @@ Why: Hopper has no MMA with e8m0 scales, so mxfp8's 2..64 rows run the activatio
 (rows quantized and dequantized to bf16) and cuBLAS's bf16 GEMM over a bf16 copy of the weight,
 which cannot read fewer bytes than ``nn.Linear`` (1.01-1.16x of its device time, cold;
 docs/decode.md). The kernel reads the fp8 weight and its scales instead. Arms, per (shape, M):
-``nn.Linear bf16``; ``decode_gemm`` (the layers' call: the quantizer's launch and cuBLAS over the
-copy); ``quantizer + mx_decode`` (the same quantizer launch, then the kernel's default build over
-the fp8 weight: what the layers would run); and the kernel alone on the quantized rows,
+``nn.Linear bf16``; ``decode_gemm`` (the layers' call past ``decode.mx_rows_max`` rows: the
+quantizer's launch and cuBLAS over the copy); ``quantizer + mx_decode`` (``decode_gemm`` over the fp8
+weight with ``scales_checked``: the same quantizer launch, then the kernel's default build, as the
+layers run up to ``mx_rows_max`` rows); and the kernel alone on the quantized rows,
 ``mx_decode s=default`` (its default slices, prefetch and tiles) and one arm per combination of
 ``--slices``, ``--prefetch`` and ``--tiles`` given (``s=``, ``p=``, ``t=`` in the label). Every arm
 but ``nn.Linear`` is first checked against the fp32 product of the dequantized operands
@@ -133,17 +134,11 @@ def main(argv=None):
             launch.quantize(dev.index, *launch._quantize(x, rows_bf16, rows_bf16, x.stride(0)))
             torch.cuda.synchronize()
 
-            def arms_of(w_bf16, wq, ws, dense, x=x, m=m, launch=launch, rows=rows_bf16):
+            def arms_of(w_bf16, wq, ws, dense, x=x, m=m, rows=rows_bf16):
                 out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
-                scratch = torch.empty_like(rows)
-
-                def candidate():
-                    launch.quantize(dev.index, *launch._quantize(x, scratch, scratch, x.stride(0)))
-                    return X.mx_decode_gemm(scratch[:m], wq, ws, out=out, checked=True)
-
                 arms = {BASE: lambda: torch.nn.functional.linear(x, w_bf16),
                         LAYERS: lambda: D.decode_gemm(x, dense, ws, "mxfp8", n=n),
-                        CANDIDATE: candidate}
+                        CANDIDATE: lambda: D.decode_gemm(x, wq, ws, "mxfp8", n=n, scales_checked=True)}
                 for s, p, tl in itertools.product([None, *args.slices],
                                                   [X.PREFETCH, *(p for p in args.prefetch if p != X.PREFETCH)],
                                                   [X.TILES, *(t for t in args.tiles if t != X.TILES)]):

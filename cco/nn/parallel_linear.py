@@ -238,10 +238,17 @@ class _ParallelLinear(torch.nn.Module):
         # mxfp8's calls of 2+ rows pass the decode GEMM the weight's bf16 copy that the op's vendor GEMM
         # holds (decode.VENDOR_ROWS: its general path's launches, without its Python around them)
         self._dense_rows = self._decode_gemm is not None and quant == "mxfp8"
+        # ... except its calls of 2..mx_rows_max rows, which read the fp8 weight itself through
+        # mx_decode's kernel where that kernel suits the weight (asked once per weight version)
+        self._mx_numel, self._mx_weights = 0, None
         self.decode_rows = 0
         if self._decode_gemm is not None:
-            from kernels_fused.hopper.decode import decode_max_m
+            from kernels_fused.hopper.decode import decode_max_m, mx_rows_max
             self.decode_rows = min(decode_max_m(quant, self.k_padded), m_max)
+            if self._dense_rows:
+                from cco.backends.base import WeightDerived
+                self._mx_numel = mx_rows_max(self.k_padded) * self.in_features_per_rank
+                self._mx_weights = WeightDerived(kept=2)
 
     @property
     def decode_rows(self) -> int:
@@ -478,10 +485,34 @@ class _ParallelLinear(torch.nn.Module):
             raise RuntimeError(f"{self._name()}: decode_rows={self.decode_rows} but the decode GEMM runs only on one "
                                f"rank's local GEMM on an NVIDIA GPU (set decode_rows = 0)")
         if self._dense_rows and x.numel() > self.in_features_per_rank:
+            if x.numel() <= self._mx_numel and self._mx_suits(qweight, scale):  # the fp8 weight through mx_decode
+                return self._decode_gemm(x, qweight, scale, self.quant, n=self.out_features, bias=bias,
+                                         scales_checked=True)
             # mxfp8's bf16 copy of the weight, the one the op's own calls read (kept per weight, and
             # refreshed where the weight or its scales changed: cco.backends.base.WeightDerived)
             qweight = self.op.vendor_weight(qweight, scale).dense
         return self._decode_gemm(x, qweight, scale, self.quant, n=self.out_features, bias=bias)
+
+    def _mx_suits(self, qweight, scale) -> bool:
+        """Whether mx_decode's kernel takes this mxfp8 weight's decode rows
+        (``kernels_fused.hopper.mx_decode.unsuited``: its scales checked, one wait for the device, and
+        its build loaded), asked once per weight version; a weight that no longer suits after it was
+        written in place is refused (:meth:`_mx_verdict`)."""
+        return self._mx_weights.get((qweight, scale), lambda: self._mx_verdict(qweight, scale, False),
+                                    refresh=lambda was: self._mx_verdict(qweight, scale, was))
+
+    def _mx_verdict(self, qweight, scale, was: bool) -> bool:
+        from kernels_fused.hopper.mx_decode import unsuited
+
+        why = unsuited(qweight, scale)
+        if why is not None and was:  # a graph captured over the kernel would replay it on this weight
+            raise RuntimeError(f"{self._name()}: the weight was written in place and mxfp8's decode kernel no longer "
+                               f"takes it ({why}); a CUDA graph captured over this layer's decode rows would read it "
+                               f"through that kernel. Make the layers with CCO_DECODE_MX=0 to keep these rows on the "
+                               f"weight's bf16 copy")
+        if why is not None:
+            log.info("%s: mxfp8's decode rows read the weight's bf16 copy (%s)", self._name(), why)
+        return why is None
 
     def _name(self) -> str:
         sp = ", sequence parallel" if self.sequence_parallel else ""

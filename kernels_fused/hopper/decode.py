@@ -34,9 +34,13 @@ that the C++ table takes the call whole, which saves its host time and not its d
 mxfp8's rows where the caller
 passes the weight's bf16 copy as ``w`` (the layers do, from the op's vendor GEMM): the quantizer's
 launch, writing the rows quantized and dequantized to bf16, and cuBLAS's bf16 GEMM over the copy. The
-C++ table makes these vendor GEMMs' calls itself (``KEPT_CALL``). The rows kernel,
-which quantizes the rows (padded to a power of two, repeated to the MMA's 16) in every program,
-takes the rest (mxfp8's rows over its fp8 weight): that costs more than the weight's read.
+C++ table makes these vendor GEMMs' calls itself (``KEPT_CALL``). mxfp8's 2..64 rows over its fp8
+weight, where the caller vouches for the weight (``scales_checked``: the layers do for 2..``mx_rows_max``
+rows, ``MX``), take the same quantizer's launch into bf16 rows and then ``mx_decode``'s CUDA C++
+kernel, which dequantizes the e4m3 weight on its way to the tensor cores (half the copy's bytes).
+The rows kernel, which quantizes the rows (padded to a power of two, repeated to the MMA's 16) in
+every program, takes the rest (mxfp8's other rows over its fp8 weight): that costs more than the
+weight's read.
 
 The host side keeps, per call shape and device, the launches (``kernels_fused.hopper.launch``: the
 compiled kernel's launcher called directly, most of a Triton launch's host cost saved). The key holds
@@ -57,7 +61,7 @@ import warnings
 import torch
 
 from cco.quant import _TINY, FP8, FP8_MAX, QUANTS, SCALE_BLOCK
-from kernels_fused.hopper import launch as launching, native, vendor
+from kernels_fused.hopper import launch as launching, mx_decode, native, vendor
 from kernels_fused.hopper.launch import Kernel, keep
 from kernels_fused.hopper.quantize import (SPLIT_NUM_WARPS, _interpreting, _pow2, check_rows, empty_activation,
                                            launch_for, split_launch)
@@ -199,6 +203,31 @@ ONE_LAUNCH = os.environ.get("CCO_DECODE_ONE_LAUNCH", "1") != "0"
 # Python path does (``at::_scaled_mm``, ``at::mm``), instead of its plan's kept call (read per call,
 # so a benchmark may time both in the same passes; a shape planned while it is False keeps none).
 KEPT_CALL = os.environ.get("CCO_DECODE_KEPT_CALL", "1") != "0"
+# mxfp8's rows over its fp8 weight, where the caller vouches for the weight (``decode_gemm``'s
+# ``scales_checked``: ``mx_decode.unsuited`` passed it, so its e8m0 scales are at most 2^7 and the
+# kernel is loaded): the quantizer's launch writing the rows quantized and dequantized to bf16 (as
+# VENDOR_ROWS's), then ``kernels_fused.hopper.mx_decode``'s CUDA C++ kernel, which reads the e4m3
+# weight once (the bf16 copy is twice its bytes). The layers' rule (``mx_rows_max``): 2..MX_ROWS_MAX
+# rows, 2..MX_NARROW_ROWS_MAX where K_pad < MX_WIDE_MIN_K; more rows read the copy. One H100,
+# cold, quantizer + kernel against the copy's path (scripts/probe_mx_decode.py, 2026-12-07,
+# docs/results/2026-12-07k_mx_decode_h100/): 0.64-0.84x against 1.02-1.13x of nn.Linear's device
+# time at 2..16 rows over Llama-3-8B down / gate / o and 70B down; at 32 rows 0.75-0.81x (8B down,
+# gate, 70B down) and 1.07 against 1.15 (8B o); at K 2048 (8B o at TP 2) 1.09-1.17x against 1.20 at
+# 2..16 rows but 1.34 against 1.20 at 32; at 64 rows 1.11-1.56x against 1.03-1.15 everywhere.
+# False (``CCO_DECODE_MX=0``; a layer reads it when it is made): the layers' mxfp8 rows read the bf16 copy.
+MX = os.environ.get("CCO_DECODE_MX", "1") != "0"
+MX_ROWS_MAX = 32
+MX_NARROW_ROWS_MAX = 16
+MX_WIDE_MIN_K = 4096
+MX_CODE = 3  # the C++ table's quant code of these calls (their plans differ from mxfp8's others)
+
+
+def mx_rows_max(k_padded: int) -> int:
+    """The most rows of an mxfp8 call over ``k_padded`` columns that the layers run through
+    ``mx_decode`` (``MX``); 0 where it is off."""
+    if not MX:
+        return 0
+    return MX_ROWS_MAX if k_padded >= MX_WIDE_MIN_K else MX_NARROW_ROWS_MAX
 
 
 def decode_max_m(quant: str, k_padded: int) -> int:
@@ -307,7 +336,7 @@ def check_operands(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, quan
 
 
 def decode_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, quant: str, *, n: int,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, scales_checked: bool = False) -> torch.Tensor:
     """bf16 ``[..., n]``: ``x [..., K]`` (``M`` rows in all) quantized as ``quant``
     (``kernels_fused.hopper.quantize``'s bytes, columns ``K..K_pad`` zero) times the first ``n`` rows
     of the fp8 weight ``w [N_pad, K_pad]`` (row-major, ``cco.quant``'s scales ``w_scale``), rounded to
@@ -318,7 +347,10 @@ def decode_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, quant: 
     at 2..``MMA_ROWS_MAX`` rows two, the quantizer's and the MMA's, where the grid does not fit the
     GPU at once, the weight is over ``ONE_LAUNCH_MAX_BYTES``, ``ONE_LAUNCH`` is off, or under a graph
     capture; blockscale at 2+ rows the quantizer's and cuBLAS's, ``VENDOR_ROWS``); meant for ``M <=
-    decode_max_m(quant, K_pad)`` rows (more run, slower than the vendor GEMM). Operands are checked
+    decode_max_m(quant, K_pad)`` rows (more run, slower than the vendor GEMM). ``scales_checked``
+    (mxfp8 over its fp8 weight, on a GPU): the caller has found the weight suited to ``mx_decode``
+    (``mx_decode.unsuited`` gave None for it), so its 2..``mx_decode.M_MAX`` rows take that kernel
+    after the quantizer's launch (``MX``); else they take the Triton rows kernel. Operands are checked
     by :func:`check_operands` once per call shape (the key holds the column stride too); a shape's
     later calls go through ``native``'s C++ table where it is built."""
     table = native.TABLE
@@ -326,7 +358,8 @@ def decode_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, quant: 
         device = x.get_device()
         if device >= 0:  # the C++ table's call: None where it does not take it (native's module)
             try:
-                out = table.run(x, w, w_scale, bias, n, _QUANT_CODE.get(quant, -1), ONE_LAUNCH, KEPT_CALL,
+                code = MX_CODE if scales_checked and quant == "mxfp8" else _QUANT_CODE.get(quant, -1)
+                out = table.run(x, w, w_scale, bias, n, code, ONE_LAUNCH, KEPT_CALL,
                                 torch._C._cuda_getCurrentRawStream(device))
             except RuntimeError as err:  # its cooperative launch refused: the path below warns and plans anew
                 if "cooperative" not in str(err):
@@ -346,21 +379,23 @@ def decode_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, quant: 
     if not m:
         return out
     key = (m, k, x.dtype, row_stride, x.stride(-1), x.data_ptr() % 16, w.shape, w.dtype, w.data_ptr() % 16,
-           w_scale.stride(0), w_scale.data_ptr() % 16, n, quant,
+           scales_checked, w_scale.stride(0), w_scale.data_ptr() % 16, n, quant,
            None if bias is None else (bias.dtype, bias.data_ptr() % 16),
            x.get_device())  # a compiled kernel is loaded on one device: a process may drive several
     launch = _LAUNCHES.get(key)
     if launch is None:  # bounded (launch.LAUNCHES_KEPT)
         check_operands(x.view(-1, k) if x.dim() != 2 else x, w, w_scale, quant, n, bias)
+        mx = scales_checked and quant == "mxfp8" and key[-1] >= 0 and w.dtype == FP8
         launch = keep(_LAUNCHES, key, _Launch(m, k, w.shape[1], n, quant, bias is not None, key[-1],
-                                              dense=w.dtype == torch.bfloat16))
+                                              dense=w.dtype == torch.bfloat16, mx=mx, w=w, w_scale=w_scale))
     launch(x, row_stride, w, w_scale, bias, out)
     if key[-1] >= 0 and native.ENABLED:
-        _plan(launch, x, row_stride, w, w_scale, bias, n, quant)
+        _plan(launch, x, row_stride, w, w_scale, bias, n, quant,
+              MX_CODE if scales_checked and quant == "mxfp8" else _QUANT_CODE[quant])
     return out
 
 
-def _plan(launch, x, row_stride, w, w_scale, bias, n, quant) -> None:
+def _plan(launch, x, row_stride, w, w_scale, bias, n, quant, code) -> None:
     """Hand the C++ table this call shape's launches where they changed since it last had them (a
     first call, a path's first launch), and start its build at a process's first CUDA call."""
     table = native.TABLE
@@ -377,8 +412,8 @@ def _plan(launch, x, row_stride, w, w_scale, bias, n, quant) -> None:
         # (a capture cannot compare the kept call's bits, below: its shape keeps torch's call)
         kept = launch.vendor and KEPT_CALL and not _capturing(device)
         kept_call = (lt_workspace_bytes(device) if quant in LT_ROWS else 1) if kept else 0
-        add = functools.partial(table.add, x, w, w_scale, bias, n, _QUANT_CODE[quant], one, two, scratch_one,
-                                scratch_two, launch.vendor)
+        add = functools.partial(table.add, x, w, w_scale, bias, n, code, one, two, scratch_one, scratch_two,
+                                launch.vendor)
         launches = (launch.one, launch.quantize, launch.kernel)  # held by the plan: its kernels stay loaded
         add(kept_call, launches)
         if kept_call and not table.kept_error() and not _same_bits(table, x, w, w_scale, bias, n, quant, device):
@@ -599,15 +634,20 @@ class _Launch:
     one launch where the grid is resident at once), the integer arguments and the constants.
     ``one`` is the eager path where it differs from the two launches a capture takes (ptpc's one
     launch; one row of a ``QUANTIZED_ROWS`` quant: the one-row kernel, its arguments ``row_args``);
-    ``layout`` the MMA's scratch (``MmaScratch``)."""
+    ``layout`` the MMA's scratch (``MmaScratch``). ``mx``: mxfp8's rows over its fp8 weight ``w``
+    (scales ``w_scale``) take the quantizer's launch into bf16 rows, then ``mx_decode``'s kernel
+    (``MX``; the caller vouched for the weight), whose launch is ``kernel``."""
 
     __slots__ = ("kernel", "quantize", "q_args", "ints", "consts", "one", "one_args", "where", "planned", "vendor",
-                 "quant", "layout", "row_args")
+                 "quant", "layout", "row_args", "mx", "has_bias")
 
     def __init__(self, m: int, k: int, k_padded: int, n: int, quant: str, has_bias: bool, device: int, *,
-                 dense: bool = False):
+                 dense: bool = False, mx: bool = False, w: torch.Tensor | None = None,
+                 w_scale: torch.Tensor | None = None):
         self.quantize = self.q_args = self.one = self.one_args = self.planned = self.kernel = self.layout = None
         self.row_args = None
+        self.has_bias = has_bias
+        self.mx = False
         self.where = torch.device("cuda", device) if device >= 0 else torch.device("cpu")  # the scratch's device
         self.ints = (m, n, k, k_padded)
         self.quant = quant
@@ -616,6 +656,13 @@ class _Launch:
             # quantizer writes the rows dequantized to bf16 (the bytes of the quantizer, then mx_to_bf16)
             self.quantize, consts = launch_for(quant, False, self.vendor, k, k_padded, dequantize=quant == "mxfp8")
             self.q_args = ((m, self.vendor, k, k_padded), consts)
+            return
+        if mx and 1 < m <= mx_decode.M_MAX:  # the rows in bf16 (as VENDOR_ROWS's), then mx_decode over the fp8 weight
+            mx_decode.check_shapes(m, w, w_scale, n)
+            self.quantize, consts = launch_for(quant, False, m, k, k_padded, dequantize=True)
+            self.q_args = ((m, m, k, k_padded), consts)
+            self.kernel = mx_decode.Launch(device, m, n, w.shape[0], k_padded)
+            self.mx = True
             return
         if not 1 < m <= rows_max(quant):  # the one-row kernel, a program per row and feature block
             group = GROUP[quant]
@@ -685,6 +732,12 @@ class _Launch:
                 self.one = None
         if self.quantize is not None:  # the rows quantized once (new tensors: safe on any stream), then the GEMM
             sizes = self.q_args[0]  # (M, M_OUT, K, K_PAD)
+            if self.mx:  # the rows in bf16, then mx_decode's kernel over the fp8 weight into out (+ bias)
+                a = torch.empty(sizes[1], sizes[3], dtype=torch.bfloat16, device=self.where)
+                self.quantize(device, *self._quantize(x, a, a, row_stride))  # (no scales stored)
+                self.kernel(a, w, w_scale, bias, out.view(sizes[0], self.ints[1]),
+                            torch._C._cuda_getCurrentRawStream(device))
+                return
             if self.vendor and self.quant == "mxfp8":  # the rows in bf16, then cuBLAS over w's bf16 copy
                 a = torch.empty(sizes[1], sizes[3], dtype=torch.bfloat16, device=self.where)
                 self.quantize(device, *self._quantize(x, a, a, row_stride))  # (no scales stored)
@@ -745,6 +798,15 @@ class _Launch:
             q, sa = (P(nv.ROWS), P(nv.ROWS)) if self.quant == "mxfp8" else (P(nv.SCRATCH), P(nv.A_SCALE))
             if self.quantize.compiled is not None:  # call follows them there
                 two = [nv.describe(self.quantize, self._quantize(x, q, sa, row_stride))]
+        elif self.mx:  # the rows in bf16 in the scratch, then mx_decode's kernel over them
+            sizes, mx = self.q_args[0], self.kernel
+            if self.quantize.compiled is not None:
+                rows = P(nv.SCRATCH)
+                two = [nv.describe(self.quantize, self._quantize(x, rows, rows, row_stride)),
+                       nv.describe_function(mx.compiled, mx.grid, mx_decode.THREADS, mx.shared,
+                                            mx.args(rows, sizes[3], w, scale, b if self.has_bias else P(nv.NULL),
+                                                    out, self.ints[1]))]
+                scratch_two = sizes[1] * sizes[3] * 2
         elif self.quantize is not None:  # the rows, their scales, the counters and partials in one scratch
             lay = self.layout
             q, sa, counters, parts = (P(nv.SCRATCH, offset) for offset in (0, lay.scales, lay.counters, lay.parts))
@@ -756,5 +818,5 @@ class _Launch:
             two = [nv.describe(self.kernel, self._row(x, w, scale, b, out, row_stride, scale_stride))]
         return one, two, self.scratch_one() if one else 0, scratch_two
 
-__all__ = ["DECODE_MAX_M", "KEPT_CALL", "LT_ROWS", "RowsMma", "VENDOR_ROWS", "block_k", "check_operands", "decode_gemm", "decode_max_m",
-           "lt_workspace_bytes", "resident_programs", "rows_max", "tables", "vendor_rows"]
+__all__ = ["DECODE_MAX_M", "KEPT_CALL", "LT_ROWS", "MX", "MX_ROWS_MAX", "RowsMma", "VENDOR_ROWS", "block_k", "check_operands", "decode_gemm", "decode_max_m",
+           "lt_workspace_bytes", "mx_rows_max", "resident_programs", "rows_max", "tables", "vendor_rows"]

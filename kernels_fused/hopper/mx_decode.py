@@ -9,11 +9,12 @@ reading the weight (docs/decode.md: 1.01-1.16x of ``nn.Linear``'s device time, c
 reads the e4m3 weight and its e8m0 scales once, dequantizing each byte to bf16 in registers on its
 way to the tensor cores (the source's note has how, and why each value is the bf16 copy's).
 
-Status: measured, on no launch path yet (``python3 -m scripts.probe_mx_decode``; docs/decode.md,
-"mxfp8's rows over its fp8 weight in CUDA C++", which lists what the layers need first). Right on an
-H100 at every cell; after the quantizer's launch, cold, 0.64-0.75x of ``nn.Linear``'s device time up
-to 16 rows at Llama-3-8B down / gate and 70B down (the bf16 copy's path 1.02-1.09x), and slower than
-that path at 64 rows.
+Where it runs: the layers' mxfp8 decode rows (``kernels_fused.hopper.decode``, ``MX_ROWS``: 2..32
+rows, the activation quantizer's launch writing the rows in bf16, then this kernel), for a weight
+that :func:`unsuited` passes; measured by ``python3 -m scripts.probe_mx_decode`` (docs/decode.md,
+"mxfp8's rows over its fp8 weight in CUDA C++"). On an H100, after the quantizer's launch, cold,
+0.64-0.75x of ``nn.Linear``'s device time up to 16 rows at Llama-3-8B down / gate and 70B down (the
+bf16 copy's path 1.02-1.09x), and slower than that path at 64 rows.
 
 Shapes: N a multiple of a block's weight rows (``block_rows``: 128 by default), K of 128 (a step),
 1 <= M <= 64; the weight's e8m0 scales at most 134 (a factor of 2^7: the kernel's bf16 multiplier;
@@ -24,6 +25,7 @@ which sums their partials in slice order through shared memory: the same bits on
 from __future__ import annotations
 
 import ctypes
+import warnings
 
 import torch
 
@@ -40,6 +42,7 @@ TOKEN_TILES = (1, 2, 4, 8)  # the kernel's builds: token tiles of 8 rows
 STAGES = 3     # the activation rows' shared-memory ring
 PREFETCH = 2   # steps of weight in registers (the current one and the loads in flight)
 SLICES = (1, 2, 4, 8)  # K slices of a row block: one cluster, its partials summed in shared memory
+INT_ARGS = (1, 6, 7, 8, 9)  # the kernel's 32-bit integer parameters (Launch.args): the others are pointers
 
 
 def defines(stages: int = STAGES, prefetch: int = PREFETCH, slices: int = 8, tiles: int = TILES) -> list[str]:
@@ -78,55 +81,132 @@ def check_scales(w_scale: torch.Tensor) -> None:
                          f"has {top}")
 
 
-def mx_decode_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, out: torch.Tensor | None = None,
-                   slices: int | None = None, stages: int = STAGES, prefetch: int = PREFETCH, tiles: int = TILES,
-                   checked: bool = False) -> torch.Tensor:
-    """``x [M, K]`` bf16 (row stride any, unit column stride), ``w [N, K]`` e4m3 and ``w_scale
-    [N, K/32]`` e8m0, both contiguous -> ``out [M, N]`` bf16 (row stride any, unit column stride).
-    ``checked``: the caller has run :func:`check_scales` on this weight."""
-    m, k = x.shape
-    n = w.shape[0]
-    if stages < 2 or prefetch < 1 or tiles not in (1, 2):
-        raise ValueError(f"mx_decode takes stages >= 2, prefetch >= 1 and tiles 1 or 2 (4 spills), not {stages}, "
-                         f"{prefetch} and {tiles}")
+def check_shapes(m: int, w: torch.Tensor, w_scale: torch.Tensor, n: int, tiles: int = TILES) -> None:
+    """Raise ValueError where the weight ``w [N, K]`` (e4m3, contiguous), its scales ``w_scale
+    [N, K/32]`` (e8m0) or ``m`` rows of which the first ``n`` features are stored are not what the
+    kernel takes."""
+    big, k = w.shape
     if not 1 <= m <= M_MAX:
         raise ValueError(f"mx_decode takes 1..{M_MAX} rows, not {m}")
-    rows = block_rows(tiles)
-    if n % rows or k % STEP or w.shape[1] != k:
-        raise ValueError(f"mx_decode takes N % {rows} == 0 and K % {STEP} == 0; got x {tuple(x.shape)}, "
-                         f"w {tuple(w.shape)}")
-    if x.dtype != torch.bfloat16 or w.dtype != torch.float8_e4m3fn or w_scale.element_size() != 1:
-        raise ValueError(f"mx_decode takes bf16 rows, an e4m3 weight and e8m0 scales, not {x.dtype}, {w.dtype}, "
-                         f"{w_scale.dtype}")
-    if w_scale.shape != (n, k // 32) or not (w.is_contiguous() and w_scale.is_contiguous()):
-        raise ValueError(f"mx_decode takes a contiguous weight and contiguous scales [{n}, {k // 32}], not "
+    if big % block_rows(tiles) or k % STEP:
+        raise ValueError(f"mx_decode takes a weight of N % {block_rows(tiles)} == 0 rows and K % {STEP} == 0 "
+                         f"columns, not {tuple(w.shape)}")
+    if not 1 <= n <= big:
+        raise ValueError(f"mx_decode stores 1..{big} (the weight's rows) features, not {n}")
+    if w.dtype != torch.float8_e4m3fn or w_scale.element_size() != 1:
+        raise ValueError(f"mx_decode takes an e4m3 weight and e8m0 scales, not {w.dtype} and {w_scale.dtype}")
+    if w_scale.shape != (big, k // 32) or not (w.is_contiguous() and w_scale.is_contiguous()):
+        raise ValueError(f"mx_decode takes a contiguous weight and contiguous scales [{big}, {k // 32}], not "
                          f"{tuple(w_scale.shape)}")
-    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16 or w.data_ptr() % 16 or w_scale.data_ptr() % 4:
-        raise ValueError("mx_decode reads x in 16-byte pieces and the scales 4 bytes at a time: x's rows must "
-                         "start 16-byte aligned, the weight 16-byte and the scales 4-byte aligned")
+    if w.data_ptr() % 16 or w_scale.data_ptr() % 4:
+        raise ValueError("mx_decode reads the weight in 16-byte pieces and its scales 4 bytes at a time: they must "
+                         "start so aligned")
+
+
+class Launch:
+    """The kernel's launch for ``m`` rows over a weight of ``n_padded`` x ``k`` storing ``n`` features
+    on ``device`` (an index), loaded here (its first use builds it: nvcc, about 3 s once per
+    machine; ``kernels_fused.hopper.cubin``). :meth:`args` lays a call's operands out in the
+    kernel's order, so that the decode path's C++ table (``native.describe_function``) replays the
+    same launch with its own pointers. ``slices``: K slices, default :func:`default_slices`."""
+
+    __slots__ = ("fn", "grid", "shared", "ints", "defines", "name")
+
+    def __init__(self, device: int, m: int, n: int, n_padded: int, k: int, *, slices: int | None = None,
+                 stages: int = STAGES, prefetch: int = PREFETCH, tiles: int = TILES):
+        if stages < 2 or prefetch < 1 or tiles not in (1, 2):
+            raise ValueError(f"mx_decode takes stages >= 2, prefetch >= 1 and tiles 1 or 2 (4 spills), not {stages}, "
+                             f"{prefetch} and {tiles}")
+        if slices is None:
+            slices = default_slices(n_padded, k, torch.cuda.get_device_properties(device).multi_processor_count,
+                                    tiles)
+        if slices not in SLICES or (slices > 1 and k // STEP < 2 * slices):
+            raise ValueError(f"mx_decode takes K slices of {SLICES} with two steps of {STEP} each at least; {slices} "
+                             f"at K={k}")
+        self.grid = (n_padded // block_rows(tiles), slices, 1)
+        self.shared = shared_bytes(m, stages, tiles)
+        self.ints = (m, n, k)
+        self.defines = defines(stages, prefetch, slices, tiles)
+        self.name = f"cco_mx_decode_{token_tiles(m)}".encode()
+        with torch.cuda.device(device):  # loaded into the device's context
+            self.fn = cubin.function(device, SOURCE, self.defines, self.name, self.shared)
+
+    @property
+    def compiled(self) -> int:
+        """The loaded function's handle (the decode path's plans take it as Triton's compiled kernels)."""
+        return self.fn.value
+
+    def args(self, x, ldx: int, w, w_scale, bias, out, ldo: int) -> list:
+        """The kernel's arguments in order: the rows, their row stride, the weight, its scales, the
+        bias (0: none), the output and its row stride, then M, n and K."""
+        return [x, ldx, w, w_scale, bias, out, ldo, *self.ints]
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                 out: torch.Tensor, stream: int) -> None:
+        values = self.args(x.data_ptr(), x.stride(0), w.data_ptr(), w_scale.data_ptr(),
+                           0 if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0))
+        cubin.launch(self.fn, self.grid, THREADS, self.shared, stream,
+                     [ctypes.c_int(v) if i in INT_ARGS else ctypes.c_uint64(v) for i, v in enumerate(values)])
+
+
+def mx_decode_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, n: int | None = None,
+                   bias: torch.Tensor | None = None, out: torch.Tensor | None = None, slices: int | None = None,
+                   stages: int = STAGES, prefetch: int = PREFETCH, tiles: int = TILES,
+                   checked: bool = False) -> torch.Tensor:
+    """``x [M, K]`` bf16 (row stride any, unit column stride), ``w [N, K]`` e4m3 and ``w_scale
+    [N, K/32]`` e8m0, both contiguous -> ``out [M, n]`` bf16 (row stride any, unit column stride;
+    ``n`` default N): the first ``n`` features of the product, plus ``bias [n]`` (bf16, rounded
+    again as ``out += bias``). ``checked``: the caller has run :func:`check_scales` on this weight."""
+    m, k = x.shape
+    n = w.shape[0] if n is None else n
+    check_shapes(m, w, w_scale, n, tiles)
+    if x.dtype != torch.bfloat16 or w.shape[1] != k:
+        raise ValueError(f"mx_decode takes bf16 rows of the weight's K, not {x.dtype} {tuple(x.shape)} against "
+                         f"{tuple(w.shape)}")
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        raise ValueError("mx_decode reads x in 16-byte pieces: its rows must start 16-byte aligned")
+    if bias is not None and (bias.shape != (n,) or bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+        raise ValueError(f"mx_decode adds a contiguous bf16 [{n}] bias, not {bias.dtype} {tuple(bias.shape)}")
     if out is None:
         out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-    if out.shape != (m, n) or out.dtype != torch.bfloat16 or out.stride(1) != 1 or out.stride(0) % 2 \
-            or out.data_ptr() % 4:
-        raise ValueError(f"mx_decode writes a bf16 [{m}, {n}] output with unit column stride and 4-byte aligned rows, "
-                         f"not {out.dtype} {tuple(out.shape)}")
+    if out.shape != (m, n) or out.dtype != torch.bfloat16 or out.stride(1) != 1:
+        raise ValueError(f"mx_decode writes a bf16 [{m}, {n}] output with unit column stride, not {out.dtype} "
+                         f"{tuple(out.shape)}")
     if not checked:
         check_scales(w_scale)
-    if slices is None:
-        slices = default_slices(n, k, torch.cuda.get_device_properties(x.device).multi_processor_count, tiles)
-    if slices not in SLICES or (slices > 1 and k // STEP < 2 * slices):
-        raise ValueError(f"mx_decode takes K slices of {SLICES} with two steps of {STEP} each at least; {slices} at "
-                         f"K={k}")
-    shared = shared_bytes(m, stages, tiles)
-    name = f"cco_mx_decode_{token_tiles(m)}".encode()
-    args = [ctypes.c_uint64(x.data_ptr()), ctypes.c_int(x.stride(0)), ctypes.c_uint64(w.data_ptr()),
-            ctypes.c_uint64(w_scale.data_ptr()), ctypes.c_uint64(out.data_ptr()), ctypes.c_int(out.stride(0)),
-            ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k)]
-    stream = torch.cuda.current_stream(x.device).cuda_stream
-    with torch.cuda.device(x.device):  # loaded into, and launched in, x's device's context
-        fn = cubin.function(x.device.index, SOURCE, defines(stages, prefetch, slices, tiles), name, shared)
-        cubin.launch(fn, (n // rows, slices, 1), THREADS, shared, stream, args)
+    launch = Launch(x.device.index, m, n, w.shape[0], k, slices=slices, stages=stages, prefetch=prefetch, tiles=tiles)
+    launch(x, w, w_scale, bias, out, torch.cuda.current_stream(x.device).cuda_stream)
     return out
+
+
+def unsuited(w: torch.Tensor, w_scale: torch.Tensor) -> str | None:
+    """Why the decode path cannot run this mxfp8 weight's rows through the kernel, or None where it
+    can: then its scales passed :func:`check_scales` and its build is loaded for every row count.
+    A device other than Hopper's sm_90, no nvcc, a shape it does not take, scales over
+    ``MAX_SCALE``, a build that fails (warned), or a CUDA graph capture in progress (the scales'
+    check waits for the device): the caller keeps the weight's bf16 copy then."""
+    if not w.is_cuda or torch.cuda.get_device_capability(w.device) != (9, 0):
+        return "not an sm_90 GPU"
+    if cubin.nvcc() is None:
+        return "no nvcc"
+    try:
+        check_shapes(1, w, w_scale, w.shape[0])
+    except ValueError as err:
+        return str(err)
+    if torch.cuda.is_current_stream_capturing():
+        return "a CUDA graph capture is in progress (the scales' check waits for the device)"
+    try:
+        check_scales(w_scale)
+    except ValueError as err:
+        return str(err)
+    try:
+        for tiles in TOKEN_TILES:  # every row count's kernel loaded now, none under a later capture
+            Launch(w.device.index, 8 * tiles, w.shape[0], w.shape[0], w.shape[1])
+    except RuntimeError as err:
+        warnings.warn(f"mx_decode could not be built or loaded ({err}); mxfp8's decode rows read the weight's bf16 "
+                      f"copy", RuntimeWarning, stacklevel=2)
+        return f"the build failed: {err}"
+    return None
 
 
 def k_order(t: int, s: int, j: int) -> int:

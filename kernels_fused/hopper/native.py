@@ -27,6 +27,8 @@ How it stays the Python path's launch, bit for bit:
   GEMM as ``decode.dense_gemm`` calls it (``cublasGemmEx`` on torch's handle as ``at::mm`` calls it,
   or ``at::mm`` itself). A kept call whose first call gives other bits than torch's op is not kept
   (``decode._same_bits``).
+- mxfp8's rows over its fp8 weight (``decode.MX_ROWS``): the quantizer's launch writing the rows in
+  bf16 into the scratch, then ``mx_decode``'s CUDA C++ kernel (:func:`describe_function`) over them.
 - A call the table does not take returns None and runs the Python path: no plan for its key yet,
   the current device not x's, a graph capture where the plan has no two-launch path yet, a launch
   hook set (a profiler), ``ENABLED`` or ``launch.FAST_LAUNCH`` off.
@@ -157,7 +159,22 @@ def describe(kernel, args) -> tuple:
     return (compiled.function, grid, meta.num_warps * 32, meta.shared, bool(meta.launch_cooperative_grid), params)
 
 
-__all__ = ["ENABLED", "Pointer", "TABLE", "build", "describe", "error", "start"]
+def describe_function(function: int, grid: tuple, threads: int, shared: int, args) -> tuple:
+    """One planned launch of a CUDA C++ kernel (``kernels_fused.hopper.cubin``: no Triton scratch
+    pointers; its cluster shape compiled in) in :func:`describe`'s form: ``args`` in the kernel's
+    order, a :class:`Pointer` for every pointer and an int for every 32-bit integer."""
+    params = []
+    for arg in args:
+        if isinstance(arg, Pointer):
+            params.append((POINTER, arg.role, arg.offset))
+        elif type(arg) is int:
+            params.append((BITS32, arg & 0xFFFFFFFF, 0))
+        else:
+            raise ValueError(f"an argument of type {type(arg).__name__} is not planned")
+    return (function, (*grid, 1, 1)[:3], threads, shared, False, params)
+
+
+__all__ = ["ENABLED", "Pointer", "TABLE", "build", "describe", "describe_function", "error", "start"]
 
 
 if __name__ == "__main__":

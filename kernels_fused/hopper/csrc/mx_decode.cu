@@ -1,6 +1,7 @@
-// mxfp8's decode GEMM over its fp8 weight: out[M, N] (bf16) = x[M, K] (bf16) @ W.T, where
-// W[n, k] = w[n, k] (e4m3) * 2^(ws[n, k/32] - 127) (e8m0) and x holds the call's rows already
-// quantized and dequantized (the activation quantizer's bf16 rows, exact), M <= 64.
+// mxfp8's decode GEMM over its fp8 weight: out[M, n] (bf16) = x[M, K] (bf16) @ W.T (+ bias), where
+// W[r, k] = w[r, k] (e4m3) * 2^(ws[r, k/32] - 127) (e8m0) for the weight's N rows (a multiple of a
+// block's), of which the first n are stored, and x holds the call's rows already quantized and
+// dequantized (the activation quantizer's bf16 rows, exact), M <= 64.
 //
 // Why: Hopper has no MMA that takes e8m0 scales, so mxfp8's rows otherwise run cuBLAS's bf16 GEMM
 // over a bf16 copy of the weight, twice the bytes an fp8 weight needs; at decode sizes reading the
@@ -161,10 +162,21 @@ __device__ __forceinline__ void compute_step(float (&acc)[kTiles][kTok][4], cons
   }
 }
 
+// One output element: the product rounded to bf16, then, with a bias, that plus the bias rounded again
+// (torch's ``out += bias`` on bf16: the layers' general path); the weight's padded features (col >= n)
+// are not stored, so the call's own [m, n] output is written directly.
+__device__ __forceinline__ void put(__nv_bfloat16* out, int ldo, const __nv_bfloat16* bias, int n, int tok, int col,
+                                    float v) {
+  if (col >= n) return;
+  __nv_bfloat16 r = __float2bfloat16_rn(v);
+  if (bias != nullptr) r = __float2bfloat16_rn(__bfloat162float(r) + __bfloat162float(bias[col]));
+  out[(size_t)tok * ldo + col] = r;
+}
+
 template <int kTok>
 __device__ void mx_decode(const __nv_bfloat16* __restrict__ x, int ldx, const uint8_t* __restrict__ w,
-                          const uint8_t* __restrict__ ws, __nv_bfloat16* __restrict__ out, int ldo, int m, int n,
-                          int k) {
+                          const uint8_t* __restrict__ ws, const __nv_bfloat16* __restrict__ bias,
+                          __nv_bfloat16* __restrict__ out, int ldo, int m, int n, int k) {
   extern __shared__ __align__(128) uint8_t smem[];
   constexpr int kStageBytes = kTok * 8 * kRowBytes;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
@@ -232,7 +244,7 @@ __device__ void mx_decode(const __nv_bfloat16* __restrict__ x, int ldx, const ui
         }
   };
   if (CCO_SLICES == 1) {
-    each([&](int tok, int col, float v) { out[(size_t)tok * ldo + col] = __float2bfloat16_rn(v); });
+    each([&](int tok, int col, float v) { put(out, ldo, bias, n, tok, col, v); });
     return;
   }
   // The slices of a row block are one cluster: each block leaves its partial in its own shared
@@ -255,9 +267,10 @@ __device__ void mx_decode(const __nv_bfloat16* __restrict__ x, int ldx, const ui
       const float4 v = *reinterpret_cast<const float4*>(parts[sl] + tok * kRedStride + col);
       sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
     }
-    __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out + (size_t)tok * ldo + n0 + col);
-    o[0] = __floats2bfloat162_rn(sum.x, sum.y);
-    o[1] = __floats2bfloat162_rn(sum.z, sum.w);
+    put(out, ldo, bias, n, tok, n0 + col, sum.x);
+    put(out, ldo, bias, n, tok, n0 + col + 1, sum.y);
+    put(out, ldo, bias, n, tok, n0 + col + 2, sum.z);
+    put(out, ldo, bias, n, tok, n0 + col + 3, sum.w);
   }
   cluster.sync();  // no block leaves while another still reads its shared memory
 }
@@ -267,8 +280,8 @@ __device__ void mx_decode(const __nv_bfloat16* __restrict__ x, int ldx, const ui
 #define CCO_MX_DECODE(TOK)                                                                                  \
   extern "C" __global__ void __launch_bounds__(kThreads) __cluster_dims__(1, CCO_SLICES, 1)               \
       cco_mx_decode_##TOK(const __nv_bfloat16* x, int ldx, const uint8_t* w, const uint8_t* ws,           \
-                          __nv_bfloat16* out, int ldo, int m, int n, int k) {                             \
-    mx_decode<TOK>(x, ldx, w, ws, out, ldo, m, n, k);                                                     \
+                          const __nv_bfloat16* bias, __nv_bfloat16* out, int ldo, int m, int n, int k) {  \
+    mx_decode<TOK>(x, ldx, w, ws, bias, out, ldo, m, n, k);                                               \
   }
 
 CCO_MX_DECODE(1)

@@ -755,13 +755,18 @@ def check_decode_vendor(comm, log):
     ms = [m for m in DECODE_MS if m > 1]
     # mxfp8's rows over the bf16 copy of the weight that the op's vendor GEMM holds (N 1000: its padded
     # features copied out), and over a second weight of the same shape, whose layer shares the op
-    mx = [RowParallelLinear(k, N, group=solo, quant="mxfp8", bias=True, m_max=M_MAX) for _ in range(2)]
+    # (made with mx_decode off: the copy's path at every M; check_decode_mx covers the kernel's rows)
+    D.MX = False
+    try:
+        mx = [RowParallelLinear(k, N, group=solo, quant="mxfp8", bias=True, m_max=M_MAX) for _ in range(2)]
+        big_mx = RowParallelLinear(14336, 4096, group=solo, quant="mxfp8", bias=True, m_max=M_MAX)  # 8B down_proj
+    finally:
+        D.MX = True
     if mx[0].op is not mx[1].op or mx[0].decode_rows != 64:
         raise AssertionError(f"decode vendor mxfp8: the layers' op shared {mx[0].op is mx[1].op}, decode_rows "
                              f"{mx[0].decode_rows} (64 expected)")
     for each in mx:
         check_vendor_layer(each, ms, g, comm.device, may_differ=False)
-    big_mx = RowParallelLinear(14336, 4096, group=solo, quant="mxfp8", bias=True, m_max=M_MAX)  # 8B down_proj
     check_vendor_layer(big_mx, (8, 32, 64), g, comm.device, may_differ=False)
     # (the copies held here while compared: a freed one's id could come back for the next)
     dense = [each.op.vendor_weight(*each.quantized_weight()).dense for each in mx for _ in range(2)]
@@ -780,6 +785,131 @@ def check_decode_vendor(comm, log):
         f"kept call gave other bits and so keep torch's call and bits: {sorted(differed) or 'none'}; mxfp8 M {ms} "
         f"and M 8, 32, 64 at 8B down_proj over the op's bf16 copy (one per weight, two layers sharing the op) == "
         f"the general path, Python and C++ (its kept cublasGemmEx; at::mm with it off or cuBLASLt preferred)")
+
+
+def check_decode_mx(comm, log):
+    """mxfp8's decode rows over the fp8 weight through ``mx_decode``'s CUDA C++ kernel (``decode.MX``):
+    the layers' rule (2..16 rows at K_pad < 4096, 2..32 from 4096; more rows read the weight's bf16
+    copy, the general path's bits), each kernel call within the fp8 GEMM's budget (a padded N, with
+    the bias added as the layer's ``out += bias``), repeats equal, the Python path == the C++ table
+    (its calls counted), graph replays == eager into a NaN-poisoned output. A weight with an e8m0
+    scale over 134 keeps the copy (the general path's bits); a weight reloaded in place is read by a
+    graph captured before; one rewritten in place with a scale over 134 is refused."""
+    import torch.distributed as dist
+
+    from cco import quant as Q
+    from cco.bench.timing import gemm_mismatches
+    from cco.comm import Communicator
+    from cco.nn import RowParallelLinear
+    from kernels_fused.hopper import decode as D
+    from kernels_fused.hopper import mx_decode as X
+    from kernels_fused.hopper import native as NV
+    from scripts.bench_decode import switched_off
+
+    singles = [dist.new_group([r], backend="gloo") for r in range(comm.world)]  # collective: every rank makes each
+    solo = Communicator.from_group(singles[comm.rank], device=comm.device)
+    g = torch.Generator().manual_seed(61 + comm.rank)
+    dev, cases = comm.device, 0
+
+    def weight(n, k):
+        return (torch.randn(n, k, generator=g) / k ** 0.5).to(torch.bfloat16).to(dev)
+
+    def rows(m, k):
+        return torch.randn(m, k, generator=g).to(torch.bfloat16).to(dev)
+
+    with torch.no_grad():
+        # K 512 (N 1000, padded to 1024) and Llama-3-8B's down_proj
+        for k, n, ms in ((512, 1000, (2, 3, 16, 17, 32)), (14336, 4096, (2, 8, 32, 33))):
+            layer = RowParallelLinear(k, n, group=solo, quant="mxfp8", bias=True, m_max=M_MAX)
+            most = 32 if k >= 4096 else 16
+            if D.mx_rows_max(layer.k_padded) != most or layer._mx_numel != most * k or layer.decode_rows != 64:
+                raise AssertionError(f"decode mx K={k}: rows {D.mx_rows_max(layer.k_padded)} ({most} expected), "
+                                     f"decode_rows {layer.decode_rows}")
+            layer.load_weight(weight(n, k))
+            bias = torch.randn(n, generator=g).to(torch.bfloat16).to(dev)
+            wd = layer.dequantized_weight().float()
+            for m in ms:
+                where = f"decode mx N={n} K={k} M={m}"
+                x = rows(m, k)
+                layer.bias.zero_()
+                plain = layer(x)
+                layer.bias.copy_(bias)
+                layer.decode_rows = 0
+                general = layer(x)
+                layer.decode_rows = 64
+                python = switched_off(lambda: layer(x), NV, "ENABLED")()
+                layer(x)  # plans the shape
+                taken = NV.TABLE.taken()
+                table, again = layer(x), layer(x)
+                took = NV.TABLE.taken() - taken
+                mx = any(each.mx and each.ints[:3] == (m, n, k) for each in D._LAUNCHES.values())
+                if took != 2 or mx != (m <= most):
+                    raise AssertionError(f"{where}: {took} of 2 calls through the C++ table; mx_decode's path "
+                                         f"{'taken' if mx else 'not taken'} ({most} rows its rule)")
+                if not (torch.equal(python, table) and torch.equal(table, again)):
+                    raise AssertionError(f"{where}: the C++ table's call differs from the Python path's "
+                                         f"({torch.equal(python, table)}) or a repeat differs")
+                if not torch.equal(table, plain + bias):
+                    raise AssertionError(f"{where}: the bias is not the layer's out += bias")
+                if m > most and not torch.equal(table, general):
+                    raise AssertionError(f"{where}: past the kernel's rows the copy's path differs from the general "
+                                         f"path")
+                a = Q.dequantize_a(*Q.quantize_a(x.cpu().float(), "mxfp8"), "mxfp8").to(dev)
+                bad = gemm_mismatches(plain, a @ wd.t(), a.abs() @ wd.abs().t())
+                if plain.shape != (m, n) or bad:
+                    raise AssertionError(f"{where}: {bad} of {plain.numel()} outputs outside the fp8 GEMM's budget")
+                static_x = x.clone()
+                graph, static_out = captured(lambda: layer(static_x))
+                new = rows(m, k)
+                static_x.copy_(new)
+                static_out.fill_(float("nan"))
+                graph.replay()
+                torch.cuda.synchronize()
+                if not torch.equal(static_out, layer(new)):
+                    raise AssertionError(f"{where}: a graph replay differs from eager")
+                cases += 1
+            layer.close()
+        # a scale over 134: the weight's rows read the copy (the general path's bits)
+        k, n = 512, 1024
+        wq, ws = Q.quantize_b(torch.randn(n, k, generator=g) / k ** 0.5, "mxfp8")
+        big = ws.view(torch.uint8).clone()
+        big[5, 3] = X.MAX_SCALE + 1
+        big = big.view(ws.dtype)
+        layer = RowParallelLinear(k, n, group=solo, quant="mxfp8", bias=True, m_max=M_MAX)
+        layer.load_fp8(wq, big)
+        why = X.unsuited(*layer.quantized_weight())
+        x = rows(8, k)
+        layer.decode_rows = 0
+        general = layer(x)
+        layer.decode_rows = 64
+        if why is None or str(X.MAX_SCALE) not in why or not torch.equal(layer(x), general):
+            raise AssertionError(f"decode mx, a scale over {X.MAX_SCALE}: unsuited says {why!r}; equal to the general "
+                                 f"path {torch.equal(layer(x), general)}")
+        # the weight reloaded in place under a graph captured before; then rewritten with that scale
+        layer.load_fp8(wq, ws)
+        first = layer(x)
+        graph, static_out = captured(lambda: layer(x))
+        layer.load_weight(weight(n, k))
+        want = layer(x)
+        static_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        if torch.equal(want, first) or not torch.equal(static_out, want):
+            raise AssertionError("decode mx: after a reload in place the replay differs from the eager call")
+        layer.load_fp8(wq, big)
+        try:
+            layer(x)
+        except RuntimeError as err:
+            if "CCO_DECODE_MX=0" not in str(err):
+                raise
+        else:
+            raise AssertionError(f"decode mx: a weight rewritten in place with a scale over {X.MAX_SCALE} was taken")
+        layer.close()
+    solo.close()
+    log(f"ok decode mx: {cases} layer calls (K 512 and 14336, 2..33 rows): mx_decode up to its rule's rows within the "
+        f"fp8 budget, the bias as out += bias, the copy's path past them == the general path, Python == C++ table, "
+        f"repeats and graph replays == eager; a scale over {X.MAX_SCALE} keeps the copy; a reload in place replays the "
+        f"new weight; a rewrite with such a scale is refused")
 
 
 def check_decode_vendor_blockscale(D, RowParallelLinear, solo, g, k, device):
@@ -815,9 +945,10 @@ def check_mxfp8_copy_under_graphs(comm, log):
     """mxfp8's bf16 copy of the weight (the op's vendor GEMM's, which the decode rows read too) under
     CUDA graphs: a graph captured after an eager call reads the kept copy; after the weight is
     written in place (``load_weight``) and one eager call, the copy is the same tensor brought up
-    to date, so a replay gives the new weight's output, for the decode rows (8) and the vendor GEMM's
-    rows (128). Replacing the copy instead would free it under the graph (the replay then reads
-    freed memory) and keeping it unchanged would replay the old weight."""
+    to date, so a replay gives the new weight's output, for the decode rows past mx_decode's (24 at
+    K 512) and the vendor GEMM's rows (128); and at 8 rows, which mx_decode takes over the fp8 weight
+    itself. Replacing the copy instead would free it under the graph (the replay then reads freed
+    memory) and keeping it unchanged would replay the old weight."""
     import torch.distributed as dist
 
     from cco.comm import Communicator
@@ -831,7 +962,7 @@ def check_mxfp8_copy_under_graphs(comm, log):
     layer.load_weight((torch.randn(n, k, generator=g) / k ** 0.5).to(torch.bfloat16).to(comm.device))
     with torch.no_grad():
         layer.bias.copy_(torch.randn(n, generator=g).to(torch.bfloat16))
-        for m in (8, 128):
+        for m in (8, 24, 128):
             x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(comm.device)
             layer(x)  # eager: the copy made and kept
             copy = layer.op.vendor_weight(*layer.quantized_weight()).dense
@@ -849,7 +980,8 @@ def check_mxfp8_copy_under_graphs(comm, log):
                                      f"eager call ({int((static != want).sum())} elements)")
     layer.close()
     solo.close()
-    log("ok mxfp8 copy under graphs: M 8 (decode rows) and 128 (vendor GEMM): a weight reloaded in place, one eager "
+    log("ok mxfp8 copy under graphs: M 8 (mx_decode), 24 (decode rows) and 128 (vendor GEMM): a weight reloaded in "
+        "place, one eager "
         "call, then the graph captured before replays the new weight (the same copy, brought up to date)")
 
 
@@ -992,6 +1124,7 @@ def rank_main():
               lambda: check_backward(comm, log), lambda: check_decode(comm, log),
               lambda: check_decode_one_launch(comm, log), lambda: check_decode_native(comm, log),
               lambda: check_decode_split(comm, log), lambda: check_decode_vendor(comm, log), lambda: check_mxfp8_copy_under_graphs(comm, log),
+              lambda: check_decode_mx(comm, log),
               lambda: check_preshuffled_copy_under_graphs(comm, log), lambda: check_local_failure(comm, log),
               lambda: check_wrong_device(comm, log),
               lambda: check_layers_called_apart(comm, log), lambda: check_calls_across_the_seq_wrap(comm, log)]

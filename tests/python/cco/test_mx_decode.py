@@ -6,6 +6,8 @@ compiles for sm_90a without spills, and the launcher refuses what the kernel doe
 it touches a GPU. Not run here (no GPU): ``scripts.probe_mx_decode`` checks its products against the
 fp32 product on the GPU and times it."""
 
+import re
+
 import pytest
 import torch
 
@@ -184,3 +186,53 @@ def test_a_build_is_loaded_once_and_a_kernels_shared_allowance_only_grows(monkey
     assert calls == [("shared", X.shared_bytes(64) + 16)]
     cubin.function(1, X.SOURCE, X.defines(), b"cco_mx_decode_8", 1024)  # another device: its own load
     assert calls[1:] == [("load", b"cubin"), ("get", b"cco_mx_decode_8"), ("shared", 1024)]
+
+
+def test_the_launchs_arguments_follow_the_kernels_parameters():
+    """Launch.args (and so the decode path's C++ plans, native.describe_function) lay the operands out
+    in the order and width of the kernels' parameter list in the source."""
+    with open(X.SOURCE) as f:
+        source = f.read()
+    params = re.search(r"cco_mx_decode_##TOK\(([^)]*)\)", source)[1].replace("\\", " ").split(",")
+    names = [p.split()[-1].lstrip("*") for p in params]
+    ints = tuple(i for i, p in enumerate(params) if p.split()[-2] == "int")
+    assert names == ["x", "ldx", "w", "ws", "bias", "out", "ldo", "m", "n", "k"]
+    assert ints == X.INT_ARGS
+    launch = object.__new__(X.Launch)
+    launch.ints = (8, 1000, 512)
+    laid = launch.args("x", 512, "w", "ws", "bias", "out", 1000)
+    assert [laid[names.index(n)] for n in ("x", "w", "ws", "bias", "out")] == ["x", "w", "ws", "bias", "out"]
+    assert [laid[i] for i in ints] == [512, 1000, 8, 1000, 512]
+
+
+def test_a_planned_cuda_cpp_launch_has_pointer_roles_and_32_bit_integers():
+    from kernels_fused.hopper import native as NV
+
+    P = NV.Pointer
+    fn, grid, threads, shared, cooperative, params = NV.describe_function(
+        1234, (8, 2, 1), 128, 52224, [P(NV.SCRATCH), 512, P(NV.W), P(NV.SCALE), P(NV.NULL), P(NV.OUT), -1])
+    assert (fn, grid, threads, shared, cooperative) == (1234, (8, 2, 1), 128, 52224, False)
+    assert params == [(NV.POINTER, NV.SCRATCH, 0), (NV.BITS32, 512, 0), (NV.POINTER, NV.W, 0),
+                      (NV.POINTER, NV.SCALE, 0), (NV.POINTER, NV.NULL, 0), (NV.POINTER, NV.OUT, 0),
+                      (NV.BITS32, 0xFFFFFFFF, 0)]  # (no Triton scratch pointers appended)
+    with pytest.raises(ValueError, match="float"):
+        NV.describe_function(1, (1,), 128, 0, [1.5])
+
+
+def test_the_layers_rule_and_its_switch(monkeypatch):
+    from kernels_fused.hopper import decode as D
+
+    assert [D.mx_rows_max(k) for k in (512, 2048, 4096, 14336)] == [16, 16, 32, 32]
+    assert D.MX_ROWS_MAX <= X.M_MAX
+    monkeypatch.setattr(D, "MX", False)
+    assert D.mx_rows_max(14336) == 0
+
+
+def test_a_weight_the_kernel_cannot_take_says_why():
+    x, w, ws = _operands()
+    assert X.unsuited(w, ws) is not None  # (a CPU tensor: not an sm_90 GPU)
+    with pytest.raises(ValueError, match="stores 1..256"):
+        X.check_shapes(8, w, ws, 257)
+    with pytest.raises(ValueError, match="e4m3 weight"):
+        X.check_shapes(8, w.view(torch.uint8), ws, 256)
+    X.check_shapes(64, w, ws, 200)  # the first 200 features of 256 rows
