@@ -385,7 +385,9 @@ def decode_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, quant: 
     launch = _LAUNCHES.get(key)
     if launch is None:  # bounded (launch.LAUNCHES_KEPT)
         check_operands(x.view(-1, k) if x.dim() != 2 else x, w, w_scale, quant, n, bias)
-        mx = scales_checked and quant == "mxfp8" and key[-1] >= 0 and w.dtype == FP8
+        # (the kernel adds a bf16 bias: another dtype's rows take the rows kernel, which reads any)
+        mx = scales_checked and quant == "mxfp8" and key[-1] >= 0 and w.dtype == FP8 and \
+            (bias is None or bias.dtype == torch.bfloat16)
         launch = keep(_LAUNCHES, key, _Launch(m, k, w.shape[1], n, quant, bias is not None, key[-1],
                                               dense=w.dtype == torch.bfloat16, mx=mx, w=w, w_scale=w_scale))
     launch(x, row_stride, w, w_scale, bias, out)

@@ -193,7 +193,9 @@ def unsuited(w: torch.Tensor, w_scale: torch.Tensor) -> str | None:
         check_shapes(1, w, w_scale, w.shape[0])
     except ValueError as err:
         return str(err)
-    if torch.cuda.is_current_stream_capturing():
+    with torch.cuda.device(w.device):  # (the weight's device's current stream)
+        capturing = torch.cuda.is_current_stream_capturing()
+    if capturing:
         return "a CUDA graph capture is in progress (the scales' check waits for the device)"
     try:
         check_scales(w_scale)

@@ -794,7 +794,8 @@ def check_decode_mx(comm, log):
     the bias added as the layer's ``out += bias``), repeats equal, the Python path == the C++ table
     (its calls counted), graph replays == eager into a NaN-poisoned output. A weight with an e8m0
     scale over 134 keeps the copy (the general path's bits); a weight reloaded in place is read by a
-    graph captured before; one rewritten in place with a scale over 134 is refused."""
+    graph captured before; one rewritten in place with a scale over 134 is refused; a call with an
+    fp32 bias (the kernel adds bf16 ones) keeps the rows kernel."""
     import torch.distributed as dist
 
     from cco import quant as Q
@@ -869,8 +870,15 @@ def check_decode_mx(comm, log):
                     raise AssertionError(f"{where}: a graph replay differs from eager")
                 cases += 1
             layer.close()
-        # a scale over 134: the weight's rows read the copy (the general path's bits)
+        # an fp32 bias (the kernel adds bf16 ones): decode_gemm keeps such calls on the rows kernel
         k, n = 512, 1024
+        wq, ws = (t.to(dev) for t in Q.quantize_b(torch.randn(n, k, generator=g) / k ** 0.5, "mxfp8"))
+        wide_bias, x = torch.randn(n, generator=g).to(dev), rows(8, k)
+        got = D.decode_gemm(x, wq, ws, "mxfp8", n=n, bias=wide_bias, scales_checked=True)
+        if not torch.equal(got, D.decode_gemm(x, wq, ws, "mxfp8", n=n, bias=wide_bias)) or any(
+                each.mx and each.ints[:3] == (8, n, k) for each in D._LAUNCHES.values()):
+            raise AssertionError("decode mx: a call with an fp32 bias took mx_decode")
+        # a scale over 134: the weight's rows read the copy (the general path's bits)
         wq, ws = Q.quantize_b(torch.randn(n, k, generator=g) / k ** 0.5, "mxfp8")
         big = ws.view(torch.uint8).clone()
         big[5, 3] = X.MAX_SCALE + 1
@@ -909,7 +917,7 @@ def check_decode_mx(comm, log):
     log(f"ok decode mx: {cases} layer calls (K 512 and 14336, 2..33 rows): mx_decode up to its rule's rows within the "
         f"fp8 budget, the bias as out += bias, the copy's path past them == the general path, Python == C++ table, "
         f"repeats and graph replays == eager; a scale over {X.MAX_SCALE} keeps the copy; a reload in place replays the "
-        f"new weight; a rewrite with such a scale is refused")
+        f"new weight; a rewrite with such a scale is refused; an fp32 bias keeps the rows kernel")
 
 
 def check_decode_vendor_blockscale(D, RowParallelLinear, solo, g, k, device):
