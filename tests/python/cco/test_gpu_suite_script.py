@@ -63,12 +63,13 @@ def test_the_tree_digest_is_the_files_in_byte_order_whatever_the_locale():
         return done.stdout.strip()
 
     files = sorted((p.relative_to(ROOT).as_posix() for top in ("cco", "kernels_fused", "tests/python", "scripts")
-                    for p in (ROOT / top).rglob("*") if p.is_file() and p.suffix in (".py", ".cpp", ".h", ".sh")),
+                    for p in (ROOT / top).rglob("*") if p.is_file() and p.suffix in (".py", ".cpp", ".cu", ".h", ".sh")),
                    key=lambda path: path.encode())
     lines = "".join(f"{hashlib.sha1((ROOT / f).read_bytes()).hexdigest()}  {f}\n" for f in files)
     want = hashlib.sha1(lines.encode()).hexdigest()[:12]
     assert digest() == digest(LC_ALL="C.UTF-8") == digest(LC_ALL="C") == want
     assert "kernels_fused/hopper/decode.py" in lines and "tests/python/cco/conftest.py" in lines
+    assert "kernels_fused/hopper/csrc/mx_decode.cu" in lines  # a kernel the suite runs, built from its source
 
 
 def test_resume_counts_what_passed_on_this_tree_and_runs_the_rest(tmp_path):
