@@ -201,13 +201,22 @@ def unsuited(w: torch.Tensor, w_scale: torch.Tensor) -> str | None:
         check_scales(w_scale)
     except ValueError as err:
         return str(err)
+    return unloaded(w.device.index, w.shape[0], w.shape[1])
+
+
+def unloaded(device: int, n: int, k: int) -> str | None:
+    """Load the kernel of every row count for a weight of ``n`` x ``k`` on ``device`` (so that no
+    driver call but the launch happens under a later capture); why it could not be, or None. A
+    failed nvcc or driver call (RuntimeError) and a cache folder that cannot be written
+    (``CCO_CUBIN_CACHE``, default under ``~``: OSError) are warned and said, not raised: the caller
+    reads the weight's bf16 copy instead."""
     try:
-        for tiles in TOKEN_TILES:  # every row count's kernel loaded now, none under a later capture
-            Launch(w.device.index, 8 * tiles, w.shape[0], w.shape[0], w.shape[1])
-    except RuntimeError as err:
-        warnings.warn(f"mx_decode could not be built or loaded ({err}); mxfp8's decode rows read the weight's bf16 "
-                      f"copy", RuntimeWarning, stacklevel=2)
-        return f"the build failed: {err}"
+        for tiles in TOKEN_TILES:
+            Launch(device, 8 * tiles, n, n, k)
+    except (RuntimeError, OSError) as err:
+        warnings.warn(f"mx_decode could not be built or loaded ({type(err).__name__}: {err}); mxfp8's decode rows "
+                      f"read the weight's bf16 copy", RuntimeWarning, stacklevel=3)
+        return f"the build failed: {type(err).__name__}: {err}"
     return None
 
 

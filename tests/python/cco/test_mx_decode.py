@@ -236,3 +236,17 @@ def test_a_weight_the_kernel_cannot_take_says_why():
     with pytest.raises(ValueError, match="e4m3 weight"):
         X.check_shapes(8, w.view(torch.uint8), ws, 256)
     X.check_shapes(64, w, ws, 200)  # the first 200 features of 256 rows
+
+
+@pytest.mark.parametrize("error", [RuntimeError("nvcc failed on mx_decode.cu"),
+                                   PermissionError(13, "Permission denied", "/readonly/.cache/cco")])
+def test_a_build_that_cannot_be_made_is_warned_and_said_not_raised(monkeypatch, error):
+    """A failed nvcc or driver call, or a cache folder the job cannot write (a read-only home), leaves
+    the weight on its bf16 copy with a warning: the decode call must not raise for it."""
+    def failing(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(X, "Launch", failing)
+    with pytest.warns(RuntimeWarning, match="bf16 copy"):
+        why = X.unloaded(0, 4096, 14336)
+    assert why.startswith("the build failed") and type(error).__name__ in why
