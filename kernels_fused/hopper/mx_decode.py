@@ -110,7 +110,7 @@ class Launch:
     kernel's order, so that the decode path's C++ table (``native.describe_function``) replays the
     same launch with its own pointers. ``slices``: K slices, default :func:`default_slices`."""
 
-    __slots__ = ("fn", "grid", "shared", "ints", "defines", "name")
+    __slots__ = ("fn", "grid", "shared", "ints", "defines", "name", "device")
 
     def __init__(self, device: int, m: int, n: int, n_padded: int, k: int, *, slices: int | None = None,
                  stages: int = STAGES, prefetch: int = PREFETCH, tiles: int = TILES):
@@ -128,6 +128,7 @@ class Launch:
         self.ints = (m, n, k)
         self.defines = defines(stages, prefetch, slices, tiles)
         self.name = f"cco_mx_decode_{token_tiles(m)}".encode()
+        self.device = device
         with torch.cuda.device(device):  # loaded into the device's context
             self.fn = cubin.function(device, SOURCE, self.defines, self.name, self.shared)
 
@@ -145,8 +146,12 @@ class Launch:
                  out: torch.Tensor, stream: int) -> None:
         values = self.args(x.data_ptr(), x.stride(0), w.data_ptr(), w_scale.data_ptr(),
                            0 if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0))
-        cubin.launch(self.fn, self.grid, THREADS, self.shared, stream,
-                     [ctypes.c_int(v) if i in INT_ARGS else ctypes.c_uint64(v) for i, v in enumerate(values)])
+        args = [ctypes.c_int(v) if i in INT_ARGS else ctypes.c_uint64(v) for i, v in enumerate(values)]
+        if torch._C._cuda_getDevice() == self.device:
+            cubin.launch(self.fn, self.grid, THREADS, self.shared, stream, args)
+            return
+        with torch.cuda.device(self.device):  # the driver launches in the current context: the kernel's device's
+            cubin.launch(self.fn, self.grid, THREADS, self.shared, stream, args)
 
 
 def mx_decode_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, n: int | None = None,

@@ -250,3 +250,32 @@ def test_a_build_that_cannot_be_made_is_warned_and_said_not_raised(monkeypatch, 
     with pytest.warns(RuntimeWarning, match="bf16 copy"):
         why = X.unloaded(0, 4096, 14336)
     assert why.startswith("the build failed") and type(error).__name__ in why
+
+
+def test_a_launch_runs_in_its_kernels_devices_context(monkeypatch):
+    """The driver launches in the current context, and the kernel was loaded into its device's: a
+    process driving several GPUs that calls with another device current must get that device's
+    context for the launch (as the Triton launches do), and no context switch where it is current."""
+    import contextlib
+
+    current, seen = [0], []
+
+    @contextlib.contextmanager
+    def device(index):
+        before, current[0] = current[0], index
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: current[0], raising=False)  # (a CPU build has none)
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(X.cubin, "launch", lambda fn, grid, threads, shared, stream, args: seen.append(
+        (current[0], fn, len(args))))
+    launch = object.__new__(X.Launch)
+    launch.fn, launch.grid, launch.shared, launch.ints, launch.device = "fn", (32, 8, 1), 1024, (8, 4096, 14336), 1
+    x, w, ws = torch.zeros(8, 128, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.uint8), torch.zeros(1)
+    launch(x, w, ws, None, torch.zeros(8, 64, dtype=torch.bfloat16), 0)
+    current[0] = 1
+    launch(x, w, ws, None, torch.zeros(8, 64, dtype=torch.bfloat16), 0)
+    assert seen == [(1, "fn", 10), (1, "fn", 10)] and current[0] == 1
