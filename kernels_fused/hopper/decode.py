@@ -353,12 +353,12 @@ def decode_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, quant: 
     after the quantizer's launch (``MX``); else they take the Triton rows kernel. Operands are checked
     by :func:`check_operands` once per call shape (the key holds the column stride too); a shape's
     later calls go through ``native``'s C++ table where it is built."""
+    code = MX_CODE if scales_checked and quant == "mxfp8" else _QUANT_CODE.get(quant, -1)  # (the table's key)
     table = native.TABLE
     if table is not None and native.ENABLED and launching.FAST_LAUNCH and not launching.launch_hooks():
         device = x.get_device()
         if device >= 0:  # the C++ table's call: None where it does not take it (native's module)
             try:
-                code = MX_CODE if scales_checked and quant == "mxfp8" else _QUANT_CODE.get(quant, -1)
                 out = table.run(x, w, w_scale, bias, n, code, ONE_LAUNCH, KEPT_CALL,
                                 torch._C._cuda_getCurrentRawStream(device))
             except RuntimeError as err:  # its cooperative launch refused: the path below warns and plans anew
@@ -386,14 +386,12 @@ def decode_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, quant: 
     if launch is None:  # bounded (launch.LAUNCHES_KEPT)
         check_operands(x.view(-1, k) if x.dim() != 2 else x, w, w_scale, quant, n, bias)
         # (the kernel adds a bf16 bias: another dtype's rows take the rows kernel, which reads any)
-        mx = scales_checked and quant == "mxfp8" and key[-1] >= 0 and w.dtype == FP8 and \
-            (bias is None or bias.dtype == torch.bfloat16)
+        mx = code == MX_CODE and key[-1] >= 0 and w.dtype == FP8 and (bias is None or bias.dtype == torch.bfloat16)
         launch = keep(_LAUNCHES, key, _Launch(m, k, w.shape[1], n, quant, bias is not None, key[-1],
                                               dense=w.dtype == torch.bfloat16, mx=mx, w=w, w_scale=w_scale))
     launch(x, row_stride, w, w_scale, bias, out)
     if key[-1] >= 0 and native.ENABLED:
-        _plan(launch, x, row_stride, w, w_scale, bias, n, quant,
-              MX_CODE if scales_checked and quant == "mxfp8" else _QUANT_CODE[quant])
+        _plan(launch, x, row_stride, w, w_scale, bias, n, quant, code)
     return out
 
 
